@@ -1,0 +1,240 @@
+"""Convert a GGUF file or a Hugging Face model into an mlx-lm model directory.
+
+    python convert.py --gguf model.gguf --mlx-path mlx_model
+    python convert.py --hf-path HuggingFaceTB/SmolLM2-135M-Instruct --mlx-path mlx_model -q
+    python convert.py --gguf model.gguf --mlx-path draft --num-layers 8   # early-exit self-draft
+
+mlx-lm does the loading, casting, quantizing and saving; this file only adds
+the GGUF reader and the layer cut.
+"""
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import mlx.core as mx
+
+DTYPES = ("float32", "float16", "bfloat16")
+
+# llama.cpp tensor names -> Hugging Face Llama names.
+GGUF_TO_HF = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+class ConversionError(ValueError):
+    """A source the converter cannot handle (the message is shown to the user)."""
+
+
+def _hf_name(gguf_name: str) -> str:
+    parts = gguf_name.split(".")
+    if parts[0] == "blk":
+        return f"model.layers.{parts[1]}.{GGUF_TO_HF[parts[2]]}.{parts[3]}"
+    return f"{GGUF_TO_HF[parts[0]]}.{parts[1]}"
+
+
+def _unpermute_rotary(weight: mx.array, num_heads: int) -> mx.array:
+    """llama.cpp interleaves each head's rotary halves; undo it for HF's layout."""
+    out_dim, in_dim = weight.shape
+    head_dim = out_dim // num_heads
+    weight = weight.reshape(num_heads, head_dim // 2, 2, in_dim).swapaxes(1, 2)
+    return weight.reshape(out_dim, in_dim)
+
+
+def _meta(metadata: dict, key: str, default=None):
+    value = metadata.get(key, default)
+    return value.item() if isinstance(value, mx.array) else value
+
+
+def read_gguf(gguf_path: str):
+    """Read a Llama-family GGUF into (float weights with HF names, HF config, tokenizer)."""
+    try:
+        tensors, metadata = mx.load(gguf_path, return_metadata=True)
+    except Exception as error:
+        raise ConversionError(f"cannot read GGUF file {gguf_path}: {error}") from None
+    arch = _meta(metadata, "general.architecture")
+    if arch != "llama":
+        raise ConversionError(f"{gguf_path} is a '{arch}' GGUF; only Llama-family GGUF files are supported")
+    if _meta(metadata, "tokenizer.ggml.model") != "gpt2":
+        raise ConversionError(f"{gguf_path} has a non byte-level BPE tokenizer, which is not supported")
+
+    num_heads = _meta(metadata, "llama.attention.head_count")
+    num_kv_heads = _meta(metadata, "llama.attention.head_count_kv", num_heads)
+    weights = {}
+    for name, value in tensors.items():
+        if name.endswith((".scales", ".biases")) or name.startswith("rope_freqs"):
+            continue
+        if value.dtype == mx.uint32:
+            # mx.load hands Q4_0/Q4_1/Q8_0 blocks back as MLX quantized triples (group size 32);
+            # the bit width differs per tensor (embeddings are often Q8_0), so derive it.
+            base = name.rsplit(".", 1)[0]
+            scales, biases = tensors[base + ".scales"], tensors[base + ".biases"]
+            bits = value.shape[-1] * 32 // (scales.shape[-1] * 32)
+            value = mx.dequantize(value, scales, biases, group_size=32, bits=bits)
+        if name.endswith("attn_q.weight"):
+            value = _unpermute_rotary(value, num_heads)
+        elif name.endswith("attn_k.weight"):
+            value = _unpermute_rotary(value, num_kv_heads)
+        weights[_hf_name(name)] = value.astype(mx.float32)
+
+    vocab = metadata["tokenizer.ggml.tokens"]
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": _meta(metadata, "llama.embedding_length"),
+        "intermediate_size": _meta(metadata, "llama.feed_forward_length"),
+        "num_hidden_layers": _meta(metadata, "llama.block_count"),
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": num_kv_heads,
+        "rms_norm_eps": _meta(metadata, "llama.attention.layer_norm_rms_epsilon"),
+        "rope_theta": _meta(metadata, "llama.rope.freq_base", 10000.0),
+        "max_position_embeddings": _meta(metadata, "llama.context_length"),
+        "vocab_size": len(vocab),
+        "tie_word_embeddings": "lm_head.weight" not in weights,
+        "bos_token_id": _meta(metadata, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": _meta(metadata, "tokenizer.ggml.eos_token_id"),
+        "torch_dtype": "float32",
+    }
+    return weights, config, _gguf_tokenizer(metadata)
+
+
+def _gguf_tokenizer(metadata: dict):
+    """Rebuild the byte-level BPE tokenizer from GGUF metadata with `tokenizers`."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = metadata["tokenizer.ggml.tokens"]
+    merges = [tuple(merge.split(" ", 1)) for merge in metadata["tokenizer.ggml.merges"]]
+    tokenizer = Tokenizer(models.BPE({token: i for i, token in enumerate(vocab)}, merges))
+    # StarCoder-style split (every digit alone) before the GPT-2 byte-level split.
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+    ])
+    tokenizer.decoder = decoders.ByteLevel()
+    token_types = metadata["tokenizer.ggml.token_type"].tolist()
+    control = [vocab[i] for i, kind in enumerate(token_types) if kind == 3]  # 3 = control
+    tokenizer.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in control])
+
+    def token(key):
+        index = _meta(metadata, key)
+        return None if index is None else vocab[index]
+
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        bos_token=token("tokenizer.ggml.bos_token_id"),
+        eos_token=token("tokenizer.ggml.eos_token_id"),
+        unk_token=token("tokenizer.ggml.unknown_token_id"),
+        pad_token=token("tokenizer.ggml.padding_token_id"),
+        chat_template=_meta(metadata, "tokenizer.chat_template"),
+        clean_up_tokenization_spaces=False,
+    )
+
+
+def convert(
+    mlx_path: str,
+    gguf: str = None,
+    hf_path: str = None,
+    dtype: str = "float32",
+    quantize: bool = False,
+    q_bits: int = 4,
+    q_group_size: int = 64,
+    num_layers: int = None,
+):
+    """Write an mlx-lm model directory at ``mlx_path`` (which must not exist)."""
+    from mlx_lm.utils import load, quantize_model, save
+
+    output = Path(mlx_path)
+    if output.exists():
+        raise ConversionError(f"{output} already exists; choose a new --mlx-path")
+    if dtype not in DTYPES:
+        raise ConversionError(f"--dtype must be one of {', '.join(DTYPES)}")
+
+    with tempfile.TemporaryDirectory() as staging:
+        source = hf_path
+        if gguf is not None:
+            # Stage the GGUF as a Hugging Face-style directory so mlx-lm can take over.
+            weights, config, tokenizer = read_gguf(gguf)
+            mx.save_safetensors(str(Path(staging) / "model.safetensors"), weights)
+            (Path(staging) / "config.json").write_text(json.dumps(config, indent=2))
+            tokenizer.save_pretrained(staging)
+            source = staging
+        elif _is_t5(hf_path):
+            if quantize or num_layers:
+                raise ConversionError("--quantize and --num-layers are not supported for T5 models")
+            from speculative.t5 import convert_t5
+
+            return convert_t5(hf_path, mlx_path, dtype)
+
+        try:
+            model, tokenizer, config = load(source, return_config=True, lazy=True)
+        except Exception as error:
+            raise ConversionError(f"cannot load {source}: {error}") from None
+
+        if num_layers is not None:
+            layers = model.model.layers
+            if not 1 <= num_layers <= len(layers):
+                raise ConversionError(f"--num-layers must be between 1 and {len(layers)}")
+            # Early exit: keep the first layers; the final norm and head stay the same.
+            model.model.layers = layers[:num_layers]
+            config["num_hidden_layers"] = num_layers
+
+        target_dtype = getattr(mx, dtype)
+        model.update(_cast(model.parameters(), target_dtype))
+        config["torch_dtype"] = dtype
+        if quantize:
+            model, config = quantize_model(model, config, q_group_size, q_bits)
+        save(output, source, model, tokenizer, config)
+    return output
+
+
+def _cast(tree, dtype):
+    from mlx.utils import tree_map
+
+    return tree_map(lambda v: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v, tree)
+
+
+def _is_t5(hf_path: str) -> bool:
+    config = Path(hf_path) / "config.json"
+    return config.exists() and json.loads(config.read_text()).get("model_type") == "t5"
+
+
+def main():
+    parser = argparse.ArgumentParser(description="Convert a GGUF or Hugging Face model to an mlx-lm directory.")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--gguf", help="Path to a Llama-family GGUF file.")
+    source.add_argument("--hf-path", help="Local directory or Hugging Face repo id.")
+    parser.add_argument("--mlx-path", required=True, help="Output directory (must not exist).")
+    parser.add_argument("--dtype", choices=DTYPES, default="float32", help="Weight dtype (default: float32).")
+    parser.add_argument("-q", "--quantize", action="store_true", help="Quantize the weights.")
+    parser.add_argument("--q-bits", type=int, default=4, help="Bits per quantized weight (default: 4).")
+    parser.add_argument("--q-group-size", type=int, default=64, help="Quantization group size (default: 64).")
+    parser.add_argument("--num-layers", type=int, default=None,
+                        help="Keep only the first N decoder layers (an early-exit self-draft).")
+    args = parser.parse_args()
+    if args.gguf and not Path(args.gguf).is_file():
+        sys.exit(f"error: GGUF file not found: {args.gguf}")
+    try:
+        output = convert(args.mlx_path, gguf=args.gguf, hf_path=args.hf_path, dtype=args.dtype,
+                         quantize=args.quantize, q_bits=args.q_bits, q_group_size=args.q_group_size,
+                         num_layers=args.num_layers)
+    except ConversionError as error:
+        sys.exit(f"error: {error}")
+    print(f"Saved {output}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,369 @@
+"""One verify-and-accept loop that every draft source plugs into.
+
+A *draft source* proposes up to k tokens (optionally with the distribution it
+drew them from); the target model scores ``[last token] + draft`` in a single
+forward pass, keeps the longest prefix it agrees with, adds one token of its
+own and trims the rejected tail off its KV cache. Plain decoding is the same
+loop with no draft source.
+
+Layers, as in mlx-lm:
+    generate_step   -> yields (token, source) as tokens are accepted
+    stream_generate -> yields Response (text segment, token, source)
+    generate        -> GenerationResult (text, tokens and every statistic)
+"""
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterator, Optional, Protocol, Sequence
+
+import mlx.core as mx
+from mlx_lm.models.cache import (
+    can_trim_prompt_cache,
+    make_prompt_cache,
+    trim_prompt_cache,
+)
+
+TARGET = "target"  # the source name of tokens the target model chose itself
+
+
+@dataclass
+class Draft:
+    """Tokens a source proposes for the next positions.
+
+    ``probs`` is the (len(tokens), vocab) distribution each token was drawn
+    from; ``None`` means a point mass (n-gram copies, forced text).
+    """
+
+    tokens: list
+    probs: Optional[mx.array] = None
+
+
+class DraftSource(Protocol):
+    name: str
+
+    def propose(self, tokens: list, max_draft: int) -> Optional[Draft]:
+        """Propose up to ``max_draft`` tokens to follow ``tokens``."""
+
+    def update(self, tokens: list, num_proposed: int, num_accepted: int) -> None:
+        """Follow along: ``tokens`` is the whole accepted sequence so far;
+        ``num_proposed`` is 0 when another source drafted this step."""
+
+
+class Constraint(Protocol):
+    """A token-level automaton that masks logits (see constrained/)."""
+
+    def walk(self, draft: list) -> list:
+        """States before each allowed draft token and after the last one;
+        stops at the first token the automaton forbids."""
+
+    def masks(self, states: list) -> mx.array:
+        """Boolean (len(states), vocab) masks of the allowed next tokens."""
+
+    def advance(self, tokens: list) -> None:
+        """Commit accepted tokens."""
+
+
+@dataclass
+class SourceStats:
+    proposed: int = 0
+    accepted: int = 0
+    drafts: int = 0  # verification steps this source drafted for
+    # accepted_at[i] / proposed_at[i]: acceptance rate at draft position i
+    proposed_at: list = field(default_factory=list)
+    accepted_at: list = field(default_factory=list)
+
+    def record(self, num_proposed: int, num_accepted: int):
+        self.proposed += num_proposed
+        self.accepted += num_accepted
+        self.drafts += 1
+        for position in range(num_proposed):
+            if position == len(self.proposed_at):
+                self.proposed_at.append(0)
+                self.accepted_at.append(0)
+            self.proposed_at[position] += 1
+            self.accepted_at[position] += position < num_accepted
+
+    def summary(self) -> dict:
+        return {
+            "proposed": self.proposed,
+            "accepted": self.accepted,
+            "acceptance_rate": self.accepted / max(self.proposed, 1),
+            "mean_accepted_length": self.accepted / max(self.drafts, 1),
+            "acceptance_by_position": [
+                round(a / p, 4) for a, p in zip(self.accepted_at, self.proposed_at)
+            ],
+        }
+
+
+@dataclass
+class DecodingStats:
+    target_forward_passes: int = 0
+    prompt_time: float = 0.0
+    sources: dict = field(default_factory=dict)
+
+    def source(self, name: str) -> SourceStats:
+        return self.sources.setdefault(name, SourceStats())
+
+    @property
+    def draft_proposed(self) -> int:
+        return sum(s.proposed for s in self.sources.values())
+
+    @property
+    def draft_accepted(self) -> int:
+        return sum(s.accepted for s in self.sources.values())
+
+
+def sampling_probs(logits: mx.array, temp: float, top_p: float = 1.0) -> mx.array:
+    """Rows of ``logits`` -> the distribution we sample from (temperature, then top-p)."""
+    probs = mx.softmax(logits.astype(mx.float32) / temp, axis=-1)
+    if top_p < 1.0:
+        order = mx.argsort(-probs, axis=-1)
+        sorted_probs = mx.take_along_axis(probs, order, axis=-1)
+        # Keep the smallest prefix whose mass reaches top_p (the top token always stays).
+        keep_sorted = (mx.cumsum(sorted_probs, axis=-1) - sorted_probs) < top_p
+        keep = mx.put_along_axis(mx.zeros(probs.shape, mx.bool_), order, keep_sorted, axis=-1)
+        probs = mx.where(keep, probs, 0.0)
+        probs = probs / probs.sum(axis=-1, keepdims=True)
+    return probs
+
+
+def accept_draft(
+    logits: mx.array, draft: Draft, temp: float, top_p: float = 1.0
+) -> tuple:
+    """Verify a draft against target ``logits`` of shape (len(draft) + 1, vocab).
+
+    Returns ``(num_accepted, next_token)``: the target's own token follows the
+    accepted prefix (a correction on rejection, a bonus token otherwise).
+
+    Greedy: accept while the draft equals the target's argmax.
+    Sampling (Leviathan et al., 2023): accept x ~ q with probability
+    min(1, p(x) / q(x)); on rejection draw from the residual (p - q)+ / |(p - q)+|.
+    A point-mass draft has q(x) = 1, so it is accepted with probability p(x)
+    and the residual is p with x removed. Either way the output follows p.
+    """
+    num_draft = len(draft.tokens)
+    if temp == 0:
+        # One sync per step: the accept decision needs the values on the host.
+        target = mx.argmax(logits, axis=-1).tolist()
+        num_accepted = 0
+        while num_accepted < num_draft and draft.tokens[num_accepted] == target[num_accepted]:
+            num_accepted += 1
+        return num_accepted, target[num_accepted]
+
+    p = sampling_probs(logits, temp, top_p)
+    num_accepted = 0
+    if num_draft:
+        positions = mx.arange(num_draft)
+        tokens = mx.array(draft.tokens)
+        p_draft = p[positions, tokens]
+        if draft.probs is None:
+            q = None
+            q_draft = mx.ones_like(p_draft)
+        else:
+            q = draft.probs.astype(mx.float32)
+            q_draft = q[positions, tokens]
+        # min(1, p/q) without dividing: accept when u * q < p.
+        accepted = (mx.random.uniform(shape=(num_draft,)) * q_draft < p_draft).tolist()
+        while num_accepted < num_draft and accepted[num_accepted]:
+            num_accepted += 1
+    if num_accepted == num_draft:
+        next_probs = p[num_draft]
+    else:
+        rejected = draft.tokens[num_accepted]
+        if q is None:
+            residual = p[num_accepted].at[rejected].add(-1.0)
+        else:
+            residual = p[num_accepted] - q[num_accepted]
+        residual = mx.maximum(residual, 0.0)
+        # p == q exactly leaves nothing; then p itself is the right distribution.
+        next_probs = mx.where(residual.sum() > 0, residual, p[num_accepted])
+    next_token = mx.random.categorical(mx.log(next_probs)).item()
+    return num_accepted, next_token
+
+
+def _prefill(model, cache, tokens: list, step_size: int = 512):
+    for start in range(0, len(tokens), step_size):
+        model(mx.array(tokens[start : start + step_size])[None], cache=cache)
+        mx.eval([c.state for c in cache])
+
+
+def _propose(draft_sources, tokens, max_draft):
+    """The first source with a non-empty draft wins (sources are in priority order)."""
+    if max_draft > 0:
+        for source in draft_sources:
+            draft = source.propose(tokens, max_draft)
+            if draft is not None and draft.tokens:
+                draft.tokens = draft.tokens[:max_draft]
+                return draft, source
+    return Draft([]), None
+
+
+def generate_step(
+    prompt: Sequence[int],
+    model,
+    *,
+    draft_sources: Sequence[DraftSource] = (),
+    constraint: Optional[Constraint] = None,
+    temp: float = 0.0,
+    top_p: float = 1.0,
+    max_tokens: int = 256,
+    eos_token_ids: Sequence[int] = (),
+    stats: Optional[DecodingStats] = None,
+    prefill_step_size: int = 512,
+) -> Iterator[tuple]:
+    """Generate tokens with draft-and-verify steps.
+
+    Args:
+        prompt: at least one token id.
+        model: an mlx-lm model (``model(inputs, cache=cache) -> logits``).
+        draft_sources: tried in order each step; the first non-empty draft is verified.
+        constraint: optional logits mask that advances along accepted tokens.
+        temp, top_p: 0 temperature is greedy.
+        max_tokens: stop after this many generated tokens.
+        eos_token_ids: stop after emitting one of these.
+        stats: filled in as decoding proceeds (forward passes, per-source counts).
+
+    Yields:
+        ``(token, source_name)`` for each accepted token; ``source_name`` is
+        ``TARGET`` for tokens the target chose itself.
+    """
+    stats = stats if stats is not None else DecodingStats()
+    eos_token_ids = set(eos_token_ids)
+    cache = make_prompt_cache(model)
+    if not can_trim_prompt_cache(cache):
+        raise ValueError("The model's KV cache cannot be trimmed, so drafts cannot be rolled back.")
+
+    tokens = list(prompt)
+    tic = time.perf_counter()
+    # The last prompt token is the first input of the loop, like every accepted token after it.
+    _prefill(model, cache, tokens[:-1], prefill_step_size)
+    stats.prompt_time = time.perf_counter() - tic
+
+    num_generated = 0
+    while num_generated < max_tokens:
+        # The target adds one token after the draft, so never draft past max_tokens.
+        draft, drafter = _propose(draft_sources, tokens, max_tokens - num_generated - 1)
+        if constraint is not None:
+            states = constraint.walk(draft.tokens)
+            if len(states) - 1 < len(draft.tokens):
+                draft = Draft(draft.tokens[: len(states) - 1],
+                              None if draft.probs is None else draft.probs[: len(states) - 1])
+
+        logits = model(mx.array([tokens[-1]] + draft.tokens)[None], cache=cache)[0]
+        stats.target_forward_passes += 1
+        if constraint is not None:
+            logits = mx.where(constraint.masks(states), logits, -mx.inf)
+        num_accepted, next_token = accept_draft(logits, draft, temp, top_p)
+        trim_prompt_cache(cache, len(draft.tokens) - num_accepted)
+
+        num_proposed = len(draft.tokens)
+        if drafter is not None:
+            stats.source(drafter.name).record(num_proposed, num_accepted)
+        emitted = draft.tokens[:num_accepted] + [next_token]
+        names = [drafter.name if drafter else TARGET] * num_accepted + [TARGET]
+        for token, name in zip(emitted, names):
+            tokens.append(token)
+            num_generated += 1
+            yield token, name
+            if token in eos_token_ids or num_generated == max_tokens:
+                return
+        if constraint is not None:
+            constraint.advance(emitted)
+        for source in draft_sources:
+            proposed = num_proposed if source is drafter else 0
+            source.update(tokens, proposed, num_accepted if proposed else 0)
+
+
+@dataclass
+class Response:
+    text: str  # the text this token completes (may be empty mid-character)
+    token: int
+    source: str
+
+
+def stream_generate(model, tokenizer, prompt: Sequence[int], **kwargs) -> Iterator[Response]:
+    """Like ``generate_step`` but yields text segments (see ``Response``)."""
+    eos = kwargs.pop("eos_token_ids", None)
+    if eos is None:
+        eos = getattr(tokenizer, "eos_token_ids", None) or [tokenizer.eos_token_id]
+    generated, printed = [], ""
+    for token, source in generate_step(prompt, model, eos_token_ids=eos, **kwargs):
+        generated.append(token)
+        if token in eos:
+            yield Response("", token, source)
+            continue
+        text = tokenizer.decode(generated)
+        # Hold back a trailing partial UTF-8 character until the next token completes it.
+        if text.endswith("\ufffd"):
+            yield Response("", token, source)
+            continue
+        yield Response(text[len(printed):], token, source)
+        printed = text
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    tokens: list
+    sources: list  # the source of each token in ``tokens``
+    prompt_tokens: int
+    generation_tokens: int
+    finish_reason: str
+    prompt_tps: float
+    generation_tps: float
+    peak_memory_gb: float
+    stats: DecodingStats
+
+    def to_json(self) -> dict:
+        return {
+            "text": self.text,
+            "tokens": self.tokens,
+            "prompt_tokens": self.prompt_tokens,
+            "generation_tokens": self.generation_tokens,
+            "target_forward_passes": self.stats.target_forward_passes,
+            "forward_passes_per_token": self.stats.target_forward_passes / max(self.generation_tokens, 1),
+            "draft_proposed": self.stats.draft_proposed,
+            "draft_accepted": self.stats.draft_accepted,
+            "acceptance_rate": self.stats.draft_accepted / max(self.stats.draft_proposed, 1),
+            "draft_sources": {name: s.summary() for name, s in self.stats.sources.items()},
+            "generation_tps": self.generation_tps,
+            "prompt_tps": self.prompt_tps,
+            "peak_memory_gb": self.peak_memory_gb,
+            "finish_reason": self.finish_reason,
+        }
+
+
+def generate(model, tokenizer, prompt: Sequence[int], on_token=None, **kwargs) -> GenerationResult:
+    """Run ``stream_generate`` to the end; ``on_token(response)`` sees each token."""
+    stats = kwargs.pop("stats", None) or DecodingStats()
+    max_tokens = kwargs.get("max_tokens", 256)
+    mx.reset_peak_memory()
+    tokens, sources, segments = [], [], []
+    tic = time.perf_counter()
+    first_token_time = None
+    for response in stream_generate(model, tokenizer, prompt, stats=stats, **kwargs):
+        if first_token_time is None:
+            first_token_time = time.perf_counter()
+        tokens.append(response.token)
+        sources.append(response.source)
+        segments.append(response.text)
+        if on_token is not None:
+            on_token(response)
+    end = time.perf_counter()
+    first_token_time = first_token_time or end
+    # As in mlx-lm: prompt speed is prefill time; generation speed counts tokens after the first.
+    decode_time = end - first_token_time
+    eos = set(kwargs.get("eos_token_ids") or getattr(tokenizer, "eos_token_ids", None) or [tokenizer.eos_token_id])
+    finished = bool(tokens) and tokens[-1] in eos
+    return GenerationResult(
+        text="".join(segments),
+        tokens=tokens,
+        sources=sources,
+        prompt_tokens=len(prompt),
+        generation_tokens=len(tokens),
+        finish_reason="stop" if finished or len(tokens) < max_tokens else "length",
+        prompt_tps=len(prompt) / max(first_token_time - tic, 1e-9),
+        generation_tps=(len(tokens) - 1) / decode_time if len(tokens) > 1 and decode_time > 0 else 0.0,
+        peak_memory_gb=mx.get_peak_memory() / 1e9,
+        stats=stats,
+    )
