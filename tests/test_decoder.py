@@ -1,0 +1,177 @@
+"""The verify-and-accept loop: losslessness, exact sampling and cache rollback."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+
+from decoder import TARGET, DecodingStats, Draft, accept_draft, generate_step, sampling_probs
+from tests.helpers import ScriptedSource, chi_square_p_value, tiny_llama
+
+VOCAB = 64
+MODEL = tiny_llama(vocab_size=VOCAB)
+SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def plain_greedy(prompt, max_tokens, eos=()):
+    return [t for t, _ in generate_step(prompt, MODEL, max_tokens=max_tokens, eos_token_ids=eos)]
+
+
+def run(prompt, sources, max_tokens, eos=(), stats=None):
+    steps = list(generate_step(prompt, MODEL, draft_sources=sources, max_tokens=max_tokens,
+                               eos_token_ids=eos, stats=stats))
+    return [t for t, _ in steps], [s for _, s in steps]
+
+
+prompts = st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=12)
+
+
+@SETTINGS
+@given(prompt=prompts, max_tokens=st.integers(1, 24), corrupt=st.lists(st.integers(0, 30), max_size=4),
+       num_draft=st.integers(1, 6))
+def test_greedy_output_is_identical_for_oracle_random_and_partly_right_drafts(prompt, max_tokens, corrupt, num_draft):
+    reference = plain_greedy(prompt, max_tokens)
+    start = len(prompt)
+
+    def oracle(tokens, max_draft):
+        done = len(tokens) - start
+        return reference[done : done + min(num_draft, max_draft)]
+
+    def partly_right(tokens, max_draft):
+        draft = oracle(tokens, max_draft)
+        done = len(tokens) - start
+        return [(t + 1) % VOCAB if done + i in corrupt else t for i, t in enumerate(draft)]
+
+    rng = np.random.default_rng(len(prompt) * 131 + max_tokens)
+
+    def random_draft(tokens, max_draft):
+        return rng.integers(0, VOCAB, size=min(num_draft, max_draft)).tolist()
+
+    for fn in (oracle, partly_right, random_draft):
+        stats = DecodingStats()
+        tokens, sources = run(prompt, [ScriptedSource(fn)], max_tokens, stats=stats)
+        assert tokens == reference, fn.__name__
+        if fn is oracle:
+            # Every drafted token is right, so each pass emits num_draft + 1 tokens.
+            assert stats.target_forward_passes == -(-max_tokens // (num_draft + 1))
+            assert stats.draft_accepted == stats.draft_proposed
+            assert sources.count("scripted") == stats.draft_accepted
+
+
+def test_combined_sources_first_non_empty_wins_and_stay_lossless():
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    reference = plain_greedy(prompt, 30)
+    silent = ScriptedSource(lambda tokens, k: [], name="silent")
+    wrong = ScriptedSource(lambda tokens, k: [0] * k, name="wrong")
+    tokens, _ = run(prompt, [silent, wrong], 30)
+    assert tokens == reference
+    assert all(proposed == 0 for _, proposed, _ in silent.updates)
+    assert any(proposed > 0 for _, proposed, _ in wrong.updates)
+
+
+def test_stops_at_eos_inside_an_accepted_draft():
+    prompt = [7, 7, 7]
+    reference = plain_greedy(prompt, 20)
+    eos = reference[5]
+    expected = reference[: reference.index(eos) + 1]
+    start = len(prompt)
+    oracle = ScriptedSource(lambda tokens, k: reference[len(tokens) - start : len(tokens) - start + k])
+    tokens, _ = run(prompt, [oracle], 20, eos=[eos])
+    assert tokens == expected == plain_greedy(prompt, 20, eos=[eos])
+
+
+def test_never_drafts_past_max_tokens():
+    seen = []
+    source = ScriptedSource(lambda tokens, k: seen.append(k) or [1] * k)
+    run([1, 2, 3], [source], 5)
+    assert max(seen) <= 4 and all(k >= 1 for k in seen)
+
+
+def test_kv_cache_trim_then_continue_matches_a_fresh_pass():
+    tokens = mx.array([[5, 3, 8, 1, 9, 2, 4, 6]])
+    full = MODEL(tokens)
+    cache = make_prompt_cache(MODEL)
+    MODEL(tokens[:, :4], cache=cache)
+    MODEL(mx.array([[11, 12, 13]]), cache=cache)  # a rejected draft
+    assert trim_prompt_cache(cache, 3) == 3
+    rest = MODEL(tokens[:, 4:], cache=cache)
+    assert mx.allclose(rest, full[:, 4:], atol=1e-4)
+
+
+# --- exact sampling ------------------------------------------------------------------
+
+def _first_token_counts(logits, make_draft, trials, temp=1.0, top_p=1.0):
+    counts = np.zeros(logits.shape[-1], dtype=np.int64)
+    for _ in range(trials):
+        draft = make_draft()
+        rows = mx.broadcast_to(logits, (len(draft.tokens) + 1, logits.shape[-1]))
+        num_accepted, next_token = accept_draft(rows, draft, temp, top_p)
+        counts[draft.tokens[0] if num_accepted else next_token] += 1
+    return counts
+
+
+@pytest.mark.parametrize("temp,top_p", [(1.0, 1.0), (1.3, 0.8)])
+def test_rejection_sampling_keeps_the_target_distribution(temp, top_p):
+    mx.random.seed(1)
+    vocab = 6
+    logits = mx.random.normal((vocab,)) * 1.5
+    target = np.array(sampling_probs(logits[None], temp, top_p)[0])
+    assert (target > 0).sum() >= 3  # top-p must leave a real choice for the test to mean anything
+    q = mx.softmax(mx.random.normal((vocab,)) * 1.5)
+
+    def model_draft():  # a draft distribution q with the token drawn from it
+        token = mx.random.categorical(mx.log(q)).item()
+        return Draft([token], q[None])
+
+    def point_mass():  # an n-gram-style guess with no distribution
+        return Draft([int(np.random.randint(vocab))])
+
+    np.random.seed(0)
+    for make_draft in (model_draft, point_mass):
+        counts = _first_token_counts(logits, make_draft, 6000, temp, top_p)
+        assert chi_square_p_value(counts, target) > 1e-3, make_draft.__name__
+
+
+def test_the_sampling_test_can_fail():
+    """Accepting every draft token (a broken rule) must be caught by the same check."""
+    mx.random.seed(2)
+    vocab = 6
+    target = np.array(mx.softmax(mx.random.normal((vocab,)) * 1.5))
+    q = np.array(mx.softmax(mx.random.normal((vocab,)) * 1.5))
+    rng = np.random.default_rng(0)
+    counts = np.bincount(rng.choice(vocab, size=6000, p=q / q.sum()), minlength=vocab)
+    assert chi_square_p_value(counts, target) < 1e-3
+
+
+def test_loop_sampling_with_a_random_draft_model_keeps_the_joint_distribution():
+    """Two generated tokens, a draft with its own random distribution, vs. the exact p(t1) p(t2 | t1)."""
+    vocab = 8
+    model = tiny_llama(vocab_size=vocab, seed=3, sharp=2.0)
+    prompt = [1, 2, 3]
+    p1 = np.array(mx.softmax(model(mx.array([prompt]))[0, -1]))
+    nexts = mx.array([prompt + [t] for t in range(vocab)])
+    p2 = np.array(mx.softmax(model(nexts)[:, -1], axis=-1))
+    joint = (p1[:, None] * p2).reshape(-1)
+
+    mx.random.seed(4)
+    q_table = mx.softmax(mx.random.normal((vocab,)) * 2.0)
+
+    def propose(tokens, k):
+        return mx.random.categorical(mx.log(q_table), shape=(min(k, 2),)).tolist()
+
+    source = ScriptedSource(propose, probs_fn=lambda tokens, draft: mx.broadcast_to(q_table, (len(draft), vocab)))
+    counts = np.zeros(vocab * vocab, dtype=np.int64)
+    stats = DecodingStats()
+    for _ in range(2500):
+        out = [t for t, _ in generate_step(prompt, model, draft_sources=[source], temp=1.0, max_tokens=2,
+                                           stats=stats)]
+        counts[out[0] * vocab + out[1]] += 1
+    assert chi_square_p_value(counts, joint) > 1e-3
+    assert 0 < stats.draft_accepted < stats.draft_proposed
+
+
+def test_target_tokens_are_labelled_target():
+    _, sources = run([1, 2], [], 5)
+    assert sources == [TARGET] * 5
