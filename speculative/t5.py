@@ -1,8 +1,7 @@
 """T5 encoder-decoder in MLX (T5 v1.0, T5 v1.1 and flan-t5 checkpoints).
 
-The model knows nothing about decoding. `T5Decoder` wraps a model and one
-source sentence so that a generation loop written for decoder-only mlx-lm
-models can drive the T5 decoder unchanged, trimmable cache included.
+The model knows nothing about decoding; `T5Decoder` makes a model plus one source
+sentence look like a decoder-only mlx-lm model to a generation loop.
 """
 
 import json
@@ -18,6 +17,11 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.models.base import BaseModelArgs
 from mlx_lm.models.cache import KVCache
+
+
+# feed_forward_proj -> activation; transformers runs "gated-gelu" with the tanh
+# approximation (gelu_new), which is nn.gelu_approx.
+ACTIVATIONS = {"relu": nn.relu, "gelu": nn.gelu, "gated-gelu": nn.gelu_approx, "gated-silu": nn.silu}
 
 
 @dataclass
@@ -41,6 +45,9 @@ class ModelArgs(BaseModelArgs):
     pad_token_id: int = 0
 
     def __post_init__(self):
+        if self.feed_forward_proj not in ACTIVATIONS:
+            raise ValueError(f"unsupported feed_forward_proj {self.feed_forward_proj!r}; "
+                             f"expected one of {', '.join(ACTIVATIONS)}")
         if self.num_decoder_layers is None:
             self.num_decoder_layers = self.num_layers
         if self.scale_decoder_outputs is None:
@@ -117,24 +124,19 @@ class Attention(nn.Module):
         B, L, _ = x.shape
         queries = self.split_heads(self.q(x))
         # T5 folds 1/sqrt(d_kv) into the initialization of q, hence scale=1.
-        out = mx.fast.scaled_dot_product_attention(
-            queries, keys, values, scale=1.0, mask=bias
-        )
+        out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=1.0, mask=bias)
         return self.o(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 
 class DenseReluDense(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
-        activation = args.feed_forward_proj.removeprefix("gated-")
+        self.act = ACTIVATIONS[args.feed_forward_proj]
         self.gated = args.feed_forward_proj.startswith("gated-")
         if self.gated:
-            # transformers maps "gated-gelu" to the tanh approximation (gelu_new).
-            self.act = {"gelu": nn.gelu_approx, "silu": nn.silu}[activation]
             self.wi_0 = nn.Linear(args.d_model, args.d_ff, bias=False)
             self.wi_1 = nn.Linear(args.d_model, args.d_ff, bias=False)
         else:
-            self.act = {"relu": nn.relu, "gelu": nn.gelu}[activation]
             self.wi = nn.Linear(args.d_model, args.d_ff, bias=False)
         self.wo = nn.Linear(args.d_ff, args.d_model, bias=False)
 
@@ -248,41 +250,34 @@ class Model(nn.Module):
     def make_cache(self) -> List[KVCache]:
         return [KVCache() for _ in self.decoder.layers]
 
-    @property
-    def layers(self):
-        return self.decoder.layers
-
     def sanitize(self, weights):
         """Rename Hugging Face weights to this model's names; MLX names pass through."""
         if "encoder.final_layer_norm.weight" not in weights:
             return weights
-        dropped = ("encoder.embed_tokens.", "decoder.embed_tokens.", "EncDecAttention.relative_attention_bias")
+        # Copies of `shared`, and a cross-attention bias table T5 never uses.
+        dropped = ("embed_tokens.", "EncDecAttention.relative_attention_bias")
         if self.args.tie_word_embeddings:
             dropped += ("lm_head.",)
-        return {
-            rename_hf_weight(k): v
-            for k, v in weights.items()
-            if not any(d in k for d in dropped)
-        }
+        return {rename_hf_weight(k): v for k, v in weights.items() if not any(d in k for d in dropped)}
 
 
-# Hugging Face name -> MLX name; conversion is this table and a dtype cast.
+# Hugging Face name -> MLX name, applied in order; conversion is this table and a
+# dtype cast. The last `block.*.layer_norm` left is the feed-forward norm.
 _HF_RENAMES = [
-    (r"(encoder|decoder)\.block\.0\.layer\.0\.SelfAttention\.relative_attention_bias\.", r"\1.position_bias.embedding."),
-    (r"(encoder|decoder)\.block\.(\d+)\.layer\.0\.SelfAttention\.", r"\1.layers.\2.self_attention."),
-    (r"(encoder|decoder)\.block\.(\d+)\.layer\.0\.layer_norm\.", r"\1.layers.\2.self_attention_norm."),
-    (r"decoder\.block\.(\d+)\.layer\.1\.EncDecAttention\.", r"decoder.layers.\1.cross_attention."),
-    (r"decoder\.block\.(\d+)\.layer\.1\.layer_norm\.", r"decoder.layers.\1.cross_attention_norm."),
-    (r"(encoder|decoder)\.block\.(\d+)\.layer\.[12]\.DenseReluDense\.", r"\1.layers.\2.mlp."),
-    (r"encoder\.block\.(\d+)\.layer\.1\.layer_norm\.", r"encoder.layers.\1.mlp_norm."),
-    (r"decoder\.block\.(\d+)\.layer\.2\.layer_norm\.", r"decoder.layers.\1.mlp_norm."),
-    (r"(encoder|decoder)\.final_layer_norm\.", r"\1.final_norm."),
+    (r"block\.0\.layer\.0\.SelfAttention\.relative_attention_bias", "position_bias.embedding"),
+    (r"block\.(\d+)\.layer\.0\.SelfAttention", r"layers.\1.self_attention"),
+    (r"block\.(\d+)\.layer\.0\.layer_norm", r"layers.\1.self_attention_norm"),
+    (r"block\.(\d+)\.layer\.1\.EncDecAttention", r"layers.\1.cross_attention"),
+    (r"decoder\.block\.(\d+)\.layer\.1\.layer_norm", r"decoder.layers.\1.cross_attention_norm"),
+    (r"block\.(\d+)\.layer\.\d\.DenseReluDense", r"layers.\1.mlp"),
+    (r"block\.(\d+)\.layer\.\d\.layer_norm", r"layers.\1.mlp_norm"),
+    (r"final_layer_norm", "final_norm"),
 ]
 
 
 def rename_hf_weight(name: str) -> str:
     for pattern, replacement in _HF_RENAMES:
-        name = re.sub("^" + pattern, replacement, name)
+        name = re.sub(pattern, replacement, name)
     return name
 
 
@@ -306,10 +301,6 @@ class T5Decoder:
 
     def make_cache(self) -> List[KVCache]:
         return self.model.make_cache()
-
-    @property
-    def layers(self):
-        return self.model.layers
 
     def prompt_tokens(self) -> List[int]:
         return [self.args.decoder_start_token_id]

