@@ -171,6 +171,7 @@ def convert(
             mx.save_safetensors(str(Path(staging) / "model.safetensors"), weights)
             (Path(staging) / "config.json").write_text(json.dumps(config, indent=2))
             tokenizer.save_pretrained(staging)
+            _inline_chat_template(Path(staging))
             source = staging
         elif _is_t5(hf_path):
             if quantize or num_layers:
@@ -198,7 +199,17 @@ def convert(
         if quantize:
             model, config = quantize_model(model, config, q_group_size, q_bits)
         save(output, source, model, tokenizer, config)
+    _inline_chat_template(output)
     return output
+
+
+def _inline_chat_template(path: Path):
+    """Also keep the chat template in tokenizer_config.json, where older loaders look."""
+    template_file, config_file = path / "chat_template.jinja", path / "tokenizer_config.json"
+    if template_file.exists() and config_file.exists():
+        config = json.loads(config_file.read_text())
+        config.setdefault("chat_template", template_file.read_text())
+        config_file.write_text(json.dumps(config, indent=2, ensure_ascii=False))
 
 
 def _cast(tree, dtype):

@@ -91,10 +91,7 @@ class RelativePositionBias(nn.Module):
         query_positions = mx.arange(offset, offset + query_length)[:, None]
         key_positions = mx.arange(key_length)[None]
         buckets = relative_position_bucket(
-            key_positions - query_positions,
-            self.bidirectional,
-            self.num_buckets,
-            self.max_distance,
+            key_positions - query_positions, self.bidirectional, self.num_buckets, self.max_distance
         )
         bias = self.embedding(buckets)
         if not self.bidirectional:
@@ -212,6 +209,20 @@ class Decoder(nn.Module):
         return self.final_norm(x)
 
 
+# Hugging Face name -> MLX name, applied in order; conversion is this table and a
+# dtype cast. The last `block.*.layer_norm` left is the feed-forward norm.
+_HF_RENAMES = [
+    (r"block\.0\.layer\.0\.SelfAttention\.relative_attention_bias", "position_bias.embedding"),
+    (r"block\.(\d+)\.layer\.0\.SelfAttention", r"layers.\1.self_attention"),
+    (r"block\.(\d+)\.layer\.0\.layer_norm", r"layers.\1.self_attention_norm"),
+    (r"block\.(\d+)\.layer\.1\.EncDecAttention", r"layers.\1.cross_attention"),
+    (r"decoder\.block\.(\d+)\.layer\.1\.layer_norm", r"decoder.layers.\1.cross_attention_norm"),
+    (r"block\.(\d+)\.layer\.\d\.DenseReluDense", r"layers.\1.mlp"),
+    (r"block\.(\d+)\.layer\.\d\.layer_norm", r"layers.\1.mlp_norm"),
+    (r"final_layer_norm", "final_norm"),
+]
+
+
 class Model(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -235,7 +246,7 @@ class Model(nn.Module):
         """Logits (B, T, vocab) for decoder ids (B, T) following the cache's tokens.
 
         Args:
-            decoder_ids: New decoder tokens, starting with `decoder_start_token_id`.
+            decoder_ids: New decoder tokens; the first call starts with `decoder_start_token_id`.
             memory: Output of `cross_attention_memory`.
             cache: From `make_cache`; None decodes `decoder_ids` from scratch.
         """
@@ -258,27 +269,10 @@ class Model(nn.Module):
         dropped = ("embed_tokens.", "EncDecAttention.relative_attention_bias")
         if self.args.tie_word_embeddings:
             dropped += ("lm_head.",)
-        return {rename_hf_weight(k): v for k, v in weights.items() if not any(d in k for d in dropped)}
-
-
-# Hugging Face name -> MLX name, applied in order; conversion is this table and a
-# dtype cast. The last `block.*.layer_norm` left is the feed-forward norm.
-_HF_RENAMES = [
-    (r"block\.0\.layer\.0\.SelfAttention\.relative_attention_bias", "position_bias.embedding"),
-    (r"block\.(\d+)\.layer\.0\.SelfAttention", r"layers.\1.self_attention"),
-    (r"block\.(\d+)\.layer\.0\.layer_norm", r"layers.\1.self_attention_norm"),
-    (r"block\.(\d+)\.layer\.1\.EncDecAttention", r"layers.\1.cross_attention"),
-    (r"decoder\.block\.(\d+)\.layer\.1\.layer_norm", r"decoder.layers.\1.cross_attention_norm"),
-    (r"block\.(\d+)\.layer\.\d\.DenseReluDense", r"layers.\1.mlp"),
-    (r"block\.(\d+)\.layer\.\d\.layer_norm", r"layers.\1.mlp_norm"),
-    (r"final_layer_norm", "final_norm"),
-]
-
-
-def rename_hf_weight(name: str) -> str:
-    for pattern, replacement in _HF_RENAMES:
-        name = re.sub(pattern, replacement, name)
-    return name
+        weights = {k: v for k, v in weights.items() if not any(d in k for d in dropped)}
+        for pattern, replacement in _HF_RENAMES:
+            weights = {re.sub(pattern, replacement, k): v for k, v in weights.items()}
+        return weights
 
 
 class T5Decoder:
@@ -294,6 +288,7 @@ class T5Decoder:
         self.args = model.args
         encoder_output = model.encode(mx.array([encoder_input_ids]))
         self.memory = model.cross_attention_memory(encoder_output)
+        # Run the encoder now, so the first decoder step's timing is the decoder's.
         mx.eval(self.memory)
 
     def __call__(self, inputs: mx.array, cache=None) -> mx.array:
@@ -338,18 +333,17 @@ def load_t5_model(path) -> Model:
     Hugging Face names or as written by `convert_t5`."""
     path = Path(path)
     if not is_t5_dir(path):
-        raise ValueError(f"{path} is not a T5 directory: it needs a config.json with model_type 't5'.")
+        raise ValueError(f"{path} is not a T5 directory (no config.json with model_type 't5')")
     files = sorted(path.glob("*.safetensors"))
     if not files:
-        raise ValueError(f"No *.safetensors in {path}; re-save the checkpoint with transformers' save_pretrained.")
+        raise ValueError(f"no *.safetensors in {path}; re-save the checkpoint with save_pretrained.")
     args = ModelArgs.from_dict(json.loads((path / "config.json").read_text()))
-    weights = {}
-    for file in files:
-        weights.update(mx.load(str(file)))
+    weights = {name: w for file in files for name, w in mx.load(str(file)).items()}
     if args.tie_word_embeddings and "lm_head.weight" in weights:
         # transformers 5 writes tie_word_embeddings=true for every T5 and unties
         # a head that differs from the embedding (flan-t5); do the same.
-        args.tie_word_embeddings = mx.array_equal(weights["lm_head.weight"], weights["shared.weight"]).item()
+        head, embedding = weights["lm_head.weight"], weights["shared.weight"]
+        args.tie_word_embeddings = mx.array_equal(head, embedding).item()
     model = Model(args)
     model.load_weights(list(model.sanitize(weights).items()), strict=True)
     mx.eval(model.parameters())
@@ -358,19 +352,20 @@ def load_t5_model(path) -> Model:
 
 def load_t5(path) -> Tuple[Model, Optional[T5Tokenizer]]:
     """Load model and tokenizer; the tokenizer is None without spiece.model."""
-    model = load_t5_model(path)
-    spiece = Path(path) / "spiece.model"
-    tokenizer = None
-    if spiece.is_file():
-        tokenizer = T5Tokenizer(spiece, model.args.eos_token_id, model.args.pad_token_id)
-    return model, tokenizer
+    model, spiece = load_t5_model(path), Path(path) / "spiece.model"
+    if not spiece.is_file():
+        return model, None
+    return model, T5Tokenizer(spiece, model.args.eos_token_id, model.args.pad_token_id)
 
 
-def convert_t5(hf_path, mlx_path, dtype: str = "bfloat16"):
-    """Write an MLX copy of a Hugging Face T5 that `load_t5` reads back.
+def convert_t5(hf_path, mlx_path, dtype: str = "bfloat16") -> Path:
+    """Write an MLX copy of a Hugging Face T5 (config.json, model.safetensors in
+    MLX names, spiece.model) that `load_t5` reads back.
 
     bfloat16 by default: T5 v1.1 activations are known to overflow float16.
     """
+    if dtype not in ("float32", "float16", "bfloat16"):
+        raise ValueError(f"dtype must be float32, float16 or bfloat16, not {dtype!r}")
     model = load_t5_model(hf_path)
     model.set_dtype(getattr(mx, dtype))
     mlx_path = Path(mlx_path)
@@ -383,3 +378,4 @@ def convert_t5(hf_path, mlx_path, dtype: str = "bfloat16"):
     (mlx_path / "config.json").write_text(json.dumps(config, indent=2))
     if (Path(hf_path) / "spiece.model").is_file():
         shutil.copy(Path(hf_path) / "spiece.model", mlx_path / "spiece.model")
+    return mlx_path

@@ -1,18 +1,17 @@
 """Prompt lookup: the vectorized search against brute force, the source against
-the search, adaptive drafting, and lossless decoding with a tiny random llama.
+the search, adaptive drafting, and lossless decoding with a tiny random llama."""
 
-Run from the repository root: ``python -m pytest tests/test_prompt_lookup.py``.
-"""
-
-import mlx.core as mx
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from mlx_lm.models import llama
 
-import decoder
+from decoder import DecodingStats, generate_step
 from prompt_lookup import POLICIES, PromptLookupSource, find_draft
 from prompt_lookup.ngram import LONGEST_LOOKBACK
+from tests.helpers import tiny_llama
+
+VOCAB = 64
+MODEL = tiny_llama(vocab_size=VOCAB)
 
 
 def reference_draft(tokens, extra_context, ngram_max, ngram_min, num_draft, policy):
@@ -51,7 +50,14 @@ def reference_draft(tokens, extra_context, ngram_max, ngram_min, num_draft, poli
     return []
 
 
-small_vocab = st.integers(0, 3)
+@st.composite
+def token_lists(draw, count, max_size):
+    """``count`` token lists over a vocabulary of 1 to 3 ids, so that n-grams recur
+    often and their occurrences differ in how far back they agree."""
+    vocab = st.integers(0, draw(st.integers(0, 2)))
+    return [draw(st.lists(vocab, max_size=max_size)) for _ in range(count)]
+
+
 search_args = st.fixed_dictionaries(
     {
         "ngram_max": st.integers(1, 5),
@@ -63,28 +69,23 @@ search_args = st.fixed_dictionaries(
 
 
 @settings(max_examples=300, deadline=None)
-@given(
-    tokens=st.lists(small_vocab, max_size=60),
-    extra_context=st.lists(small_vocab, max_size=20),
-    args=search_args,
-)
-def test_search_matches_brute_force(tokens, extra_context, args):
+@given(lists=token_lists(2, max_size=60), args=search_args)
+def test_search_matches_brute_force(lists, args):
+    tokens, extra_context = lists
     expected = reference_draft(tokens, extra_context, **args)
     assert find_draft(tokens, extra_context=extra_context, **args) == expected
 
 
 @settings(max_examples=60, deadline=None)
-@given(
-    prompt=st.lists(small_vocab, min_size=1, max_size=20),
-    appended=st.lists(st.lists(small_vocab, min_size=1, max_size=4), max_size=12),
-    extra_context=st.lists(small_vocab, max_size=10),
-    args=search_args,
-)
-def test_source_follows_appended_tokens(prompt, appended, extra_context, args):
+@given(lists=token_lists(3, max_size=30), steps=st.lists(st.integers(1, 4), max_size=12), args=search_args)
+def test_source_follows_appended_tokens(lists, steps, args):
+    """The source's incremental context against a fresh search as tokens arrive."""
+    prompt, generated, extra_context = lists
     source = PromptLookupSource(extra_context=extra_context, adaptive=False, **args)
     tokens = list(prompt)
-    for new_tokens in [[]] + appended:
-        tokens.extend(new_tokens)
+    for num_new in [0] + steps:
+        tokens.extend(generated[:num_new])
+        generated = generated[num_new:]
         expected = find_draft(tokens, extra_context=extra_context, **args)
         draft = source.propose(tokens, max_draft=args["num_draft"])
         assert (draft.tokens if draft else []) == expected
@@ -203,35 +204,15 @@ def test_adaptive_backs_off_exponentially_and_resumes():
     assert never_pauses == [4] * 20
 
 
-@pytest.fixture(scope="module")
-def tiny_model():
-    mx.random.seed(42)
-    args = llama.ModelArgs(
-        model_type="llama",
-        hidden_size=32,
-        num_hidden_layers=2,
-        intermediate_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        rms_norm_eps=1e-5,
-        vocab_size=64,
-        rope_theta=10000,
-        tie_word_embeddings=True,
-    )
-    model = llama.Model(args)
-    mx.eval(model.parameters())
-    return model
-
-
-def test_greedy_decoding_is_lossless(tiny_model):
+def test_greedy_decoding_is_lossless():
     accepted_per_example = []
 
     @settings(max_examples=40, deadline=None)
     @given(
-        pattern=st.lists(st.integers(0, 63), min_size=1, max_size=6),
+        pattern=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=6),
         repeats=st.integers(1, 4),
-        tail=st.lists(st.integers(0, 63), max_size=4),
-        extra_context=st.lists(st.integers(0, 63), max_size=8),
+        tail=st.lists(st.integers(0, VOCAB - 1), max_size=4),
+        extra_context=st.lists(st.integers(0, VOCAB - 1), max_size=8),
         max_tokens=st.integers(1, 40),
         num_draft=st.integers(1, 8),
         policy=st.sampled_from(POLICIES),
@@ -239,15 +220,15 @@ def test_greedy_decoding_is_lossless(tiny_model):
     )
     def check(pattern, repeats, tail, extra_context, max_tokens, num_draft, policy, adaptive):
         prompt = pattern * repeats + tail
-        plain = [t for t, _ in decoder.generate_step(prompt, tiny_model, max_tokens=max_tokens)]
-        stats = decoder.DecodingStats()
+        plain = [t for t, _ in generate_step(prompt, MODEL, max_tokens=max_tokens)]
+        stats = DecodingStats()
         source = PromptLookupSource(
             num_draft=num_draft, extra_context=extra_context, policy=policy, adaptive=adaptive
         )
         drafted = [
             t
-            for t, _ in decoder.generate_step(
-                prompt, tiny_model, draft_sources=[source], max_tokens=max_tokens, stats=stats
+            for t, _ in generate_step(
+                prompt, MODEL, draft_sources=[source], max_tokens=max_tokens, stats=stats
             )
         ]
         assert drafted == plain

@@ -53,9 +53,12 @@ def hf_model(path):
     return model.eval(), torch
 
 
-def test_model_args_ignore_unknown_keys():
-    args = ModelArgs.from_dict({"d_model": 16, "num_layers": 3, "architectures": ["T5"], "dense_act_fn": "relu"})
+def test_model_args():
+    config = {"d_model": 16, "num_layers": 3, "architectures": ["T5"], "dense_act_fn": "relu"}
+    args = ModelArgs.from_dict(config)
     assert (args.d_model, args.num_decoder_layers, args.scale_decoder_outputs) == (16, 3, True)
+    with pytest.raises(ValueError, match="unsupported feed_forward_proj"):
+        ModelArgs(feed_forward_proj="gated-tanh")
 
 
 def test_relative_position_bucket_matches_transformers():
@@ -171,7 +174,10 @@ def test_convert_round_trip(t5_dir, tmp_path):
     np.testing.assert_array_equal(np.array(converted_full), np.array(full))
 
     convert_t5(t5_dir, tmp_path / "bf16")
-    assert load_t5_model(tmp_path / "bf16").shared.weight.dtype == mx.bfloat16
+    bf16 = load_t5_model(tmp_path / "bf16")
+    assert bf16.shared.weight.dtype == mx.bfloat16
+    _, _, bf16_full = full_and_memory(bf16)
+    np.testing.assert_allclose(np.array(bf16_full.astype(mx.float32)), np.array(full), atol=0.1)
 
 
 def test_loader_errors(tmp_path):
@@ -179,5 +185,5 @@ def test_loader_errors(tmp_path):
     with pytest.raises(ValueError, match="not a T5 directory"):
         load_t5(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "t5"}))
-    with pytest.raises(ValueError, match="No \\*.safetensors"):
+    with pytest.raises(ValueError, match="no \\*.safetensors"):
         load_t5(tmp_path)

@@ -1,0 +1,149 @@
+"""A draft source backed by a small model that shares the target's vocabulary.
+
+The draft model keeps its own trimmable KV cache. After each verification the
+cache is trimmed back to the tokens the target accepted, so the two caches
+always describe the same text.
+"""
+
+from typing import Optional
+
+import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+
+from decoder import Draft, sampling_probs
+
+
+class VocabularyMismatch(ValueError):
+    """The draft and target tokenizers disagree (the message is shown to the user)."""
+
+
+def vocabulary(tokenizer) -> dict:
+    """token string -> id, for any tokenizer we load (Hugging Face or sentencepiece)."""
+    if hasattr(tokenizer, "get_vocab"):
+        return tokenizer.get_vocab()
+    return tokenizer.vocab()
+
+
+def check_same_vocabulary(draft_tokenizer, target_tokenizer, draft_size: int, target_size: int):
+    """Refuse a pair whose tokenizers differ: the draft's token ids would mean other text."""
+    draft_vocab, target_vocab = vocabulary(draft_tokenizer), vocabulary(target_tokenizer)
+    if len(draft_vocab) != len(target_vocab):
+        raise VocabularyMismatch(
+            f"the draft tokenizer has {len(draft_vocab)} tokens, the target's {len(target_vocab)}; "
+            "a draft model must share the target's vocabulary")
+    differing = [token for token, index in target_vocab.items() if draft_vocab.get(token) != index]
+    if differing:
+        raise VocabularyMismatch(
+            f"the draft and target tokenizers disagree on {len(differing)} tokens (e.g. {differing[0]!r}); "
+            "a draft model must share the target's vocabulary")
+    # Embedding tables may be padded past the tokenizer (Qwen2.5-7B vs -0.5B): those rows are never text.
+    if min(draft_size, target_size) < len(target_vocab):
+        raise VocabularyMismatch(
+            f"the draft model has {draft_size} output tokens and the target {target_size}, "
+            f"fewer than the {len(target_vocab)} tokens of their tokenizer")
+
+
+def _output_size(model, tokenizer) -> int:
+    args = getattr(model, "args", None)
+    return getattr(args, "vocab_size", None) or len(vocabulary(tokenizer))
+
+
+class DraftModelSource:
+    """Drafts tokens autoregressively with a small model.
+
+    Args:
+        model: the draft (mlx-lm model, or ``T5Decoder``).
+        vocab_size: the target's output size; the draft distribution is padded or cut to it.
+        temp, top_p: the target's sampling settings, applied to the draft as well, so
+            that q is the distribution the draft token was actually drawn from.
+        num_draft: draft length to start with (and the fixed length when not adaptive).
+        adaptive: +2 after a fully accepted draft, -1 otherwise, within [1, max_draft].
+        min_confidence: stop drafting once the draft's top probability falls below this.
+    """
+
+    name = "draft_model"
+
+    def __init__(self, model, vocab_size: int, temp: float = 0.0, top_p: float = 1.0,
+                 num_draft: int = 4, adaptive: bool = True, max_draft: int = 12,
+                 min_confidence: float = 0.0):
+        self.model = model
+        self.vocab_size = vocab_size
+        self.temp, self.top_p = temp, top_p
+        self.num_draft = num_draft
+        self.adaptive = adaptive
+        self.max_draft = max(max_draft, num_draft)
+        self.min_confidence = min_confidence
+        self.cache = make_prompt_cache(model)
+        self.cache_tokens = []  # the tokens whose keys and values are in self.cache
+        self.synced = 0  # cache_tokens[:synced] is known to equal the accepted tokens
+
+    @classmethod
+    def create(cls, draft_model, draft_tokenizer, target_model, target_tokenizer,
+               encoder_input: Optional[list] = None, **kwargs):
+        """Check the pair shares a vocabulary, wrap a T5 draft, and build the source."""
+        draft_size = _output_size(draft_model, draft_tokenizer)
+        target_size = _output_size(target_model, target_tokenizer)
+        check_same_vocabulary(draft_tokenizer, target_tokenizer, draft_size, target_size)
+        if hasattr(draft_model, "encode"):
+            from speculative.t5 import T5Decoder
+
+            if encoder_input is None:
+                raise VocabularyMismatch("a T5 draft model needs a T5 target model")
+            draft_model = T5Decoder(draft_model, encoder_input)
+        return cls(draft_model, target_size, **kwargs)
+
+    def _rewind(self, tokens: list):
+        """Trim the cache back to the longest prefix it shares with ``tokens``."""
+        common = self.synced
+        limit = min(len(self.cache_tokens), len(tokens))
+        while common < limit and self.cache_tokens[common] == tokens[common]:
+            common += 1
+        trim_prompt_cache(self.cache, len(self.cache_tokens) - common)
+        del self.cache_tokens[common:]
+        self.synced = common
+
+    def _next_distribution(self, new_tokens: list) -> mx.array:
+        logits = self.model(mx.array(new_tokens)[None], cache=self.cache)[0, -1]
+        self.cache_tokens.extend(new_tokens)
+        size = logits.shape[-1]
+        if size > self.vocab_size:
+            logits = logits[: self.vocab_size]
+        elif size < self.vocab_size:  # padding rows of the target are never proposed
+            logits = mx.concatenate([logits, mx.full((self.vocab_size - size,), -mx.inf, logits.dtype)])
+        if self.temp == 0:  # greedy: the plain softmax, only for the confidence stop
+            return mx.softmax(logits.astype(mx.float32))
+        return sampling_probs(logits[None], self.temp, self.top_p)[0]
+
+    def propose(self, tokens: list, max_draft: int) -> Optional[Draft]:
+        self._rewind(tokens)
+        if len(self.cache_tokens) == len(tokens):  # re-feed the last token to get its logits
+            trim_prompt_cache(self.cache, 1)
+            self.cache_tokens.pop()
+        pending = tokens[len(self.cache_tokens):]
+        draft, rows = [], []
+        for _ in range(min(self.num_draft, max_draft)):
+            probs = self._next_distribution(pending)
+            if self.temp == 0:
+                token = mx.argmax(probs)
+                confidence = probs[token]
+            else:
+                token = mx.random.categorical(mx.log(probs))
+                confidence = probs.max()
+            # One sync per draft token: the next draft step and the early stop need its value.
+            token, confidence = token.item(), confidence.item()
+            if draft and confidence < self.min_confidence:
+                break
+            draft.append(token)
+            rows.append(probs)
+            pending = [token]
+        if not draft:
+            return None
+        return Draft(draft, mx.stack(rows) if self.temp > 0 else None)
+
+    def update(self, tokens: list, num_proposed: int, num_accepted: int):
+        self._rewind(tokens)
+        if num_proposed and self.adaptive:
+            if num_accepted == num_proposed:
+                self.num_draft = min(self.num_draft + 2, self.max_draft)
+            else:
+                self.num_draft = max(self.num_draft - 1, 1)

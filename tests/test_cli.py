@@ -1,0 +1,77 @@
+"""main.py and convert.py from the command line: JSON fields and one-line errors."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+JSON_FIELDS = {"text", "tokens", "prompt_tokens", "generation_tokens", "target_forward_passes", "draft_proposed",
+               "draft_accepted", "generation_tps", "prompt_tps", "peak_memory_gb", "finish_reason"}
+
+
+def cli(*args, script="main.py", stdin=""):
+    return subprocess.run([sys.executable, str(ROOT / script), *args], input=stdin, capture_output=True,
+                          text=True, cwd=ROOT, env=os.environ.copy(), timeout=600)
+
+
+def assert_one_line_error(result, fragment):
+    assert result.returncode != 0
+    assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr, result.stderr
+    assert fragment in result.stderr, result.stderr
+
+
+def test_json_answer_has_every_field(embedded):
+    result = cli("--prompt", "What is the capital of France? Answer in one sentence.", "--json")
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert JSON_FIELDS <= data.keys()
+    assert "Paris" in data["text"] and data["finish_reason"] == "stop"
+    assert data["generation_tokens"] == len(data["tokens"])
+
+
+def test_prompt_from_stdin_and_length_finish(embedded):
+    result = cli("--json", "--max-tokens", "3", stdin="Count from one to ten.")
+    data = json.loads(result.stdout)
+    assert data["generation_tokens"] == 3 and data["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize("args,fragment", [
+    (["--model", "/no/such/model"], "model not found"),
+    (["--model", "no-such-org/no-such-model-xyz"], "cannot download"),
+    (["--prompt-file", "/no/such/prompt.txt"], "prompt file not found"),
+    (["--max-tokens", "-1"], "--max-tokens"),
+    (["--temp", "-0.5"], "--temp"),
+    (["--top-p", "0"], "--top-p"),
+    (["--top-p", "1.5"], "--top-p"),
+    (["--num-draft", "0"], "--num-draft"),
+    (["--ngram-min", "4", "--ngram-max", "2"], "--ngram-min"),
+    (["--bogus-flag"], "unrecognized arguments"),
+    (["--max-tokens", "ten"], "invalid int value"),
+])
+def test_bad_input_is_one_line(args, fragment):
+    assert_one_line_error(cli(*args), fragment)
+
+
+def test_prompt_longer_than_the_context(embedded, tmp_path):
+    long_prompt = tmp_path / "long.txt"
+    long_prompt.write_text("word " * 9000)
+    assert_one_line_error(cli("--prompt-file", str(long_prompt)), "context is 8192 tokens")
+
+
+def test_convert_refuses_non_llama_gguf_and_existing_output(tmp_path):
+    import mlx.core as mx
+
+    fake = tmp_path / "gpt2.gguf"
+    mx.save_gguf(str(fake), {"w": mx.zeros((2, 2))}, {"general.architecture": "gpt2"})
+    assert_one_line_error(cli("--gguf", str(fake), "--mlx-path", str(tmp_path / "out"), script="convert.py"),
+                          "only Llama-family GGUF")
+    not_gguf = tmp_path / "junk.gguf"
+    not_gguf.write_text("not a gguf")
+    assert_one_line_error(cli("--gguf", str(not_gguf), "--mlx-path", str(tmp_path / "out"), script="convert.py"),
+                          "cannot read GGUF")
+    assert_one_line_error(cli("--gguf", str(fake), "--mlx-path", str(tmp_path), script="convert.py"),
+                          "already exists")
