@@ -199,8 +199,9 @@ def main():
     args = build_parser().parse_args()
     from convert import ConversionError
     from loading import ModelError
+    from speculative import VocabularyMismatch
 
-    errors = (CliError, ModelError, ConversionError)
+    errors = (CliError, ModelError, ConversionError, VocabularyMismatch)
     try:
         from constrained import RegexError
 

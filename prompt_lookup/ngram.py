@@ -50,8 +50,8 @@ def find_draft(
         num_draft: return at most this many tokens.
         policy: which occurrence to copy from: ``"recent"`` (the last one),
             ``"earliest"`` (the first one) or ``"longest"`` (the one that agrees
-            with the context furthest back, up to ``LONGEST_LOOKBACK`` tokens;
-            ties go to the most recent).
+            with the context furthest back, up to ``LONGEST_LOOKBACK`` tokens,
+            then the most recent: the same as "recent" with a larger ``ngram_max``).
 
     Returns:
         Up to ``num_draft`` token ids; empty when nothing matches.
@@ -86,9 +86,9 @@ def search(
     # A match must be followed by at least one token of its own segment.
     match_length = mx.where(context != SEPARATOR, match_length, 0)
 
+    # The largest n-gram that matches wins (for "longest", the longest agreement).
     best = match_length.max()
-    ngram = mx.minimum(best, ngram_max)
-    candidates = (match_length == best) if policy == "longest" else (match_length >= ngram)
+    candidates = match_length == best
     positions = mx.arange(length)
     if policy == "earliest":
         start = mx.argmin(mx.where(candidates, positions, length))
@@ -96,7 +96,7 @@ def search(
         start = mx.argmax(mx.where(candidates, positions, -1))
     follow = start + mx.arange(num_draft)
     draft = mx.where(follow < length, context[mx.minimum(follow, length - 1)], SEPARATOR)
-    draft = mx.where(ngram >= ngram_min, draft, SEPARATOR)
+    draft = mx.where(best >= ngram_min, draft, SEPARATOR)
     # The one host sync of a search: the loop needs the draft as Python ints.
     draft = draft.tolist()
     return draft[: draft.index(SEPARATOR)] if SEPARATOR in draft else draft

@@ -18,10 +18,8 @@ class VocabularyMismatch(ValueError):
 
 
 def vocabulary(tokenizer) -> dict:
-    """token string -> id, for any tokenizer we load (Hugging Face or sentencepiece)."""
-    if hasattr(tokenizer, "get_vocab"):
-        return tokenizer.get_vocab()
-    return tokenizer.vocab()
+    """token string -> id (Hugging Face tokenizers and our T5Tokenizer both offer it)."""
+    return tokenizer.get_vocab()
 
 
 def check_same_vocabulary(draft_tokenizer, target_tokenizer, draft_size: int, target_size: int):

@@ -317,6 +317,10 @@ class T5Tokenizer:
         # The encoder was trained on inputs that end with </s>.
         return self.sp.encode(text) + [self.eos_token_id]
 
+    def get_vocab(self) -> dict:
+        """piece -> id, the same shape as a Hugging Face tokenizer's vocabulary."""
+        return {self.sp.id_to_piece(i): i for i in range(self.vocab_size)}
+
     def decode(self, ids: List[int]) -> str:
         # Ids past the sentencepiece vocabulary are T5's <extra_id_*> sentinels.
         special = (self.pad_token_id, self.eos_token_id)

@@ -55,7 +55,8 @@ def token_lists(draw, count, max_size):
     """``count`` token lists over a vocabulary of 1 to 3 ids, so that n-grams recur
     often and their occurrences differ in how far back they agree."""
     vocab = st.integers(0, draw(st.integers(0, 2)))
-    return [draw(st.lists(vocab, max_size=max_size)) for _ in range(count)]
+    sizes = [draw(st.integers(0, max_size)) for _ in range(count)]  # not biased to short lists
+    return [draw(st.lists(vocab, min_size=size, max_size=size)) for size in sizes]
 
 
 search_args = st.fixed_dictionaries(

@@ -1,0 +1,128 @@
+"""Speculative decoding with a draft model: lossless greedy, exact sampling, T5 pairs, vocabulary checks."""
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from decoder import DecodingStats, generate_step
+from speculative import DraftModelSource, VocabularyMismatch
+from speculative.t5 import T5Decoder, load_t5
+from tests.helpers import chi_square_p_value, tiny_llama
+from tests.t5_fixtures import make_tiny_t5_dir, train_tiny_spiece
+from tests.test_cli import assert_one_line_error, cli
+
+VOCAB = 64
+TARGET = tiny_llama(vocab_size=VOCAB, num_layers=3, seed=0)
+DRAFT = tiny_llama(vocab_size=VOCAB, num_layers=1, seed=5)
+
+
+def tokens_of(prompt, model, sources=(), **kwargs):
+    return [t for t, _ in generate_step(prompt, model, draft_sources=list(sources), **kwargs)]
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(prompt=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=10), num_draft=st.integers(1, 6),
+       adaptive=st.booleans(), min_confidence=st.sampled_from([0.0, 0.3, 0.9]), max_tokens=st.integers(1, 30))
+def test_greedy_draft_model_output_equals_plain(prompt, num_draft, adaptive, min_confidence, max_tokens):
+    reference = tokens_of(prompt, TARGET, max_tokens=max_tokens)
+    for draft_model in (DRAFT, TARGET):  # a weak draft and a perfect one
+        source = DraftModelSource(draft_model, VOCAB, num_draft=num_draft, adaptive=adaptive,
+                                  min_confidence=min_confidence)
+        assert tokens_of(prompt, TARGET, [source], max_tokens=max_tokens) == reference
+
+
+def test_a_perfect_draft_is_always_accepted_and_grows():
+    stats = DecodingStats()
+    source = DraftModelSource(TARGET, VOCAB, num_draft=2, adaptive=True, max_draft=8)
+    tokens_of([1, 2, 3], TARGET, [source], max_tokens=40, stats=stats)
+    assert stats.draft_accepted == stats.draft_proposed > 0
+    assert source.num_draft == 8
+    assert stats.target_forward_passes < 40 / 4
+
+
+def test_draft_cache_follows_the_accepted_tokens():
+    source = DraftModelSource(DRAFT, VOCAB, num_draft=4)
+    out = tokens_of([4, 5, 6], TARGET, [source], max_tokens=25)
+    # After the last update the draft cache holds a prefix of the accepted text, never rejected tokens.
+    accepted = [4, 5, 6] + out
+    assert source.cache_tokens == accepted[: len(source.cache_tokens)]
+    assert source.cache[0].offset == len(source.cache_tokens)
+
+
+@pytest.mark.parametrize("temp,top_p", [(1.0, 1.0), (0.8, 0.9)])
+def test_sampling_with_a_draft_model_keeps_the_target_distribution(temp, top_p):
+    from decoder import sampling_probs
+
+    vocab = 8
+    target = tiny_llama(vocab_size=vocab, num_layers=2, seed=3, sharp=2.0)
+    draft = tiny_llama(vocab_size=vocab, num_layers=1, seed=9, sharp=2.0)
+    prompt = [1, 2, 3]
+    p1 = np.array(sampling_probs(target(mx.array([prompt]))[0, -1:], temp, top_p)[0])
+    nexts = mx.array([prompt + [t] for t in range(vocab)])
+    p2 = np.array(sampling_probs(target(nexts)[:, -1], temp, top_p))
+    joint = (p1[:, None] * p2).reshape(-1)
+
+    mx.random.seed(11)
+    stats = DecodingStats()
+    counts = np.zeros(vocab * vocab, dtype=np.int64)
+    for _ in range(2000):
+        source = DraftModelSource(draft, vocab, temp=temp, top_p=top_p, num_draft=2, adaptive=False)
+        out = tokens_of(prompt, target, [source], temp=temp, top_p=top_p, max_tokens=2, stats=stats)
+        counts[out[0] * vocab + out[1]] += 1
+    assert chi_square_p_value(counts, joint) > 1e-3
+    assert 0 < stats.draft_accepted < stats.draft_proposed
+
+
+# --- T5 ------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def t5_pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("t5")
+    spiece = train_tiny_spiece(root / "spiece.model")
+    large = make_tiny_t5_dir(root / "large", "v1.1", seed=1, num_layers=3, spiece_model=spiece)
+    small = make_tiny_t5_dir(root / "small", "v1.1", seed=2, num_layers=1, spiece_model=spiece)
+    return large, small
+
+
+def test_t5_speculative_greedy_equals_plain_greedy(t5_pair):
+    from prompt_lookup import PromptLookupSource
+
+    large, small = (load_t5(path) for path in t5_pair)
+    (target, tokenizer), (draft, draft_tokenizer) = large, small
+    encoder_input = tokenizer.encode("the quick brown fox jumps over the lazy dog")
+    decoder = T5Decoder(target, encoder_input)
+    reference = tokens_of(decoder.prompt_tokens(), decoder, max_tokens=30)
+    for draft_model in (draft, target):
+        for with_lookup in (False, True):
+            # Sources follow one generation, so each run gets fresh ones.
+            sources = [DraftModelSource.create(draft_model, draft_tokenizer, target, tokenizer,
+                                               encoder_input=encoder_input, num_draft=3)]
+            if with_lookup:
+                sources.insert(0, PromptLookupSource(extra_context=encoder_input))
+            assert tokens_of(decoder.prompt_tokens(), decoder, sources, max_tokens=30) == reference
+
+
+def test_t5_pair_from_the_command_line(t5_pair):
+    large, small = t5_pair
+    plain = cli("--model", str(large), "--prompt", "the quick brown fox", "--max-tokens", "20", "--json")
+    assert plain.returncode == 0, plain.stderr
+    fast = cli("--model", str(large), "--draft-model", str(small), "--prompt-lookup", "--prompt",
+               "the quick brown fox", "--max-tokens", "20", "--json")
+    assert fast.returncode == 0, fast.stderr
+    plain, fast = json.loads(plain.stdout), json.loads(fast.stdout)
+    assert fast["tokens"] == plain["tokens"]
+    assert fast["draft_proposed"] > 0
+
+
+def test_vocabulary_mismatch_is_refused(t5_pair, tmp_path):
+    other = make_tiny_t5_dir(tmp_path / "other", "v1.1", seed=3, num_layers=1,
+                             spiece_model=train_tiny_spiece(tmp_path / "other.model", vocab_size=80))
+    (target, tokenizer), (draft, draft_tokenizer) = load_t5(t5_pair[0]), load_t5(other)
+    with pytest.raises(VocabularyMismatch):
+        DraftModelSource.create(draft, draft_tokenizer, target, tokenizer, encoder_input=[1])
+    result = cli("--model", str(t5_pair[0]), "--draft-model", str(other), "--prompt", "hi")
+    assert_one_line_error(result, "vocabulary")
