@@ -1,0 +1,150 @@
+"""Side-by-side timing: every method runs on the same prompts in one process.
+
+Methods are interleaved per prompt (plain, A, B, plain, A, B, ...) after a
+warm-up, so slow drift of the machine hits all of them alike. Speed is decode
+speed: tokens after the first one over the time since the first one (the
+prompt's prefill is reported apart, as mlx-lm does).
+"""
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+import mlx.core as mx
+
+from decoder import DecodingStats, generate_step
+
+PROMPTS = Path(__file__).parent / "prompts"
+
+
+@dataclass
+class Method:
+    """``make`` builds the loop's keyword arguments for one prompt (fresh sources each run)."""
+
+    name: str
+    make: Callable = lambda prompt: {}
+    run: Optional[Callable] = None  # a custom runner (mlx-lm, transformers): prompt -> tokens
+    greedy: bool = True
+
+
+@dataclass
+class Run:
+    tokens: list
+    decode_time: float
+    forward_passes: int
+    proposed: int
+    accepted: int
+    drafts: int
+    peak_memory_gb: float
+
+
+@dataclass
+class Totals:
+    runs: list = field(default_factory=list)
+
+    def add(self, run: Run):
+        self.runs.append(run)
+
+    def sum(self, key):
+        return sum(getattr(r, key) for r in self.runs)
+
+    @property
+    def tokens(self):
+        return sum(len(r.tokens) for r in self.runs)
+
+    @property
+    def tps(self):
+        return sum(len(r.tokens) - 1 for r in self.runs) / max(self.sum("decode_time"), 1e-9)
+
+
+def time_loop(model, prompt, max_tokens, eos, **kwargs) -> Run:
+    stats = DecodingStats()
+    mx.reset_peak_memory()
+    tokens, first = [], None
+    for token, _ in generate_step(prompt, model, max_tokens=max_tokens, eos_token_ids=eos, stats=stats, **kwargs):
+        tokens.append(token)
+        if first is None:
+            first = time.perf_counter()
+    end = time.perf_counter()
+    sources = stats.sources.values()
+    return Run(tokens, end - first, stats.target_forward_passes, stats.draft_proposed, stats.draft_accepted,
+               sum(s.drafts for s in sources), mx.get_peak_memory() / 1e9)
+
+
+def time_custom(run, prompt, max_tokens) -> Run:
+    """A runner yields tokens; forward passes are one per token (plain decoding) unless it says more."""
+    mx.reset_peak_memory()
+    tokens, first = [], None
+    for token in run(prompt, max_tokens):
+        tokens.append(token)
+        if first is None:
+            first = time.perf_counter()
+    end = time.perf_counter()
+    return Run(tokens, end - first, len(tokens), 0, 0, 0, mx.get_peak_memory() / 1e9)
+
+
+def side_by_side(model, tokenizer, prompts: dict, methods: list, max_tokens: int, warmup: bool = True,
+                 log=print) -> dict:
+    """Returns {task_class: {method_name: Totals}}; prompts is {task_class: [(name, tokens)]}."""
+    eos = set(getattr(tokenizer, "eos_token_ids", None) or [tokenizer.eos_token_id])
+
+    def once(method, prompt):
+        if method.run is not None:
+            return time_custom(method.run, prompt, max_tokens)
+        return time_loop(model, prompt, max_tokens, eos, **method.make(prompt))
+
+    if warmup:
+        first = next(iter(prompts.values()))[0][1]
+        for method in methods:
+            once(method, first)
+    results = {}
+    for task, items in prompts.items():
+        results[task] = {m.name: Totals() for m in methods}
+        for name, prompt in items:
+            reference = None
+            for method in methods:
+                run = once(method, prompt)
+                results[task][method.name].add(run)
+                if reference is None:
+                    reference = run.tokens
+                elif method.greedy and run.tokens != reference:
+                    log(f"  !! {method.name} differs from {methods[0].name} on {name}")
+                log(f"  {task}/{name} {method.name}: {len(run.tokens)} tokens, "
+                    f"{(len(run.tokens) - 1) / max(run.decode_time, 1e-9):.2f} tok/s, {run.forward_passes} passes")
+    return results
+
+
+def markdown_table(results: dict, baseline: str) -> str:
+    lines = [
+        "| task | method | tok/s | vs plain | passes/token | acceptance | mean accepted | peak GB |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for task, by_method in results.items():
+        base_tps = by_method[baseline].tps
+        for name, totals in by_method.items():
+            proposed, accepted, drafts = totals.sum("proposed"), totals.sum("accepted"), totals.sum("drafts")
+            acceptance = f"{accepted / proposed:.1%}" if proposed else "-"
+            mean = f"{accepted / drafts:.2f}" if drafts else "-"
+            peak = max(r.peak_memory_gb for r in totals.runs)
+            lines.append(
+                f"| {task} | {name} | {totals.tps:.2f} | {totals.tps / base_tps:.2f}x | "
+                f"{totals.sum('forward_passes') / max(totals.tokens, 1):.3f} | {acceptance} | {mean} | {peak:.3f} |"
+            )
+    return "\n".join(lines)
+
+
+def load_prompts(tokenizer, classes=None, chat=True) -> dict:
+    """benchmarks/prompts/<task_class>/<name>.txt -> {task_class: [(name, tokens)]}."""
+    prompts = {}
+    for folder in sorted(p for p in PROMPTS.iterdir() if p.is_dir()):
+        if classes and folder.name not in classes:
+            continue
+        items = []
+        for file in sorted(folder.glob("*.txt")):
+            text = file.read_text()
+            tokens = (tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+                      if chat else tokenizer.encode(text))
+            items.append((file.stem, tokens))
+        prompts[folder.name] = items
+    return prompts
