@@ -73,7 +73,8 @@ def search(
     """``find_draft`` on a ready context: an int32 array whose last ``num_tokens``
     entries are the tokens, preceded by ``extra_context + [SEPARATOR]`` if any."""
     length = context.shape[0]
-    window = min(max(ngram_max, LONGEST_LOOKBACK) if policy == "longest" else ngram_max, num_tokens)
+    lookback = max(ngram_max, LONGEST_LOOKBACK) if policy == "longest" else ngram_max
+    window = min(lookback, num_tokens)  # the suffix comes from the tokens alone
     if window == 0:
         return []
     # windows[j]: the `window` tokens right before position j, newest first, so that

@@ -1,0 +1,75 @@
+"""Regex-constrained decoding for the shared loop: a logits mask and a free draft source.
+
+``RegexConstraint`` masks every position the target scores, including each
+position of a draft, and follows the accepted tokens through the token index
+(one table lookup per token). ``ForcedTextSource`` proposes the text the regex
+forces next (``", "age": `` in a JSON shape) as a draft that costs no model call.
+"""
+
+from typing import Optional
+
+import mlx.core as mx
+
+from constrained.token_index import TokenIndex, load_or_build_index
+from decoder import Draft
+
+
+class RegexConstraint:
+    """The DFA state of the accepted text, and the masks for the next positions."""
+
+    def __init__(self, index: TokenIndex):
+        self.index = index
+        self.state = index.start
+
+    @classmethod
+    def from_regex(cls, pattern: str, tokenizer, vocab_size: int, cache_dir=None) -> "RegexConstraint":
+        eos = getattr(tokenizer, "eos_token_ids", None) or [tokenizer.eos_token_id]
+        return cls(load_or_build_index(pattern, tokenizer, vocab_size, eos, cache_dir=cache_dir))
+
+    def walk(self, draft: list) -> list:
+        states = [self.state]
+        for token in draft:
+            state = self.index.next_state(states[-1], token)
+            if state < 0:  # cut the draft at the first token the regex forbids
+                break
+            states.append(state)
+        return states
+
+    def masks(self, states: list) -> mx.array:
+        return self.index.masks(states)
+
+    def advance(self, tokens: list):
+        for token in tokens:
+            self.state = self.index.next_state(self.state, token)
+
+
+class ForcedTextSource:
+    """Drafts the bytes the regex forces from the current state, tokenized by the model's tokenizer.
+
+    The tokenization of the forced text on its own may differ from the one the
+    model prefers in context; the target verifies it like any draft, so the
+    output is unchanged either way (and a token that is the only one allowed is
+    always accepted).
+    """
+
+    name = "regex"
+
+    def __init__(self, constraint: RegexConstraint, tokenizer):
+        self.constraint = constraint
+        self.tokenizer = tokenizer
+        self._drafts = {}  # DFA state -> tokenized forced text (states repeat in loops)
+
+    def _forced_tokens(self, state: int) -> list:
+        if state not in self._drafts:
+            forced = self.constraint.index.dfa.forced_bytes(state)
+            # Forced bytes can stop inside a multi-byte character; draft only whole characters.
+            text = forced.decode("utf-8", errors="ignore") if forced else ""
+            self._drafts[state] = self.tokenizer.encode(text, add_special_tokens=False) if text else []
+        return self._drafts[state]
+
+    def propose(self, tokens: list, max_draft: int) -> Optional[Draft]:
+        forced = self._forced_tokens(self.constraint.state)
+        return Draft(forced[:max_draft]) if forced else None
+
+    def update(self, tokens: list, num_proposed: int, num_accepted: int):
+        pass  # the state lives on the constraint, which the loop advances
