@@ -274,6 +274,14 @@ def generate_step(
             source.update(tokens, proposed, num_accepted if proposed else 0)
 
 
+def eos_ids_of(tokenizer) -> set:
+    """The ids that end generation: mlx-lm's wrapper has a set, other tokenizers one id."""
+    ids = getattr(tokenizer, "eos_token_ids", None)
+    if ids is None:
+        ids = tokenizer.eos_token_id
+    return {ids} if isinstance(ids, int) else set(ids)
+
+
 @dataclass
 class Response:
     text: str  # the text this token completes (may be empty mid-character)
@@ -283,9 +291,7 @@ class Response:
 
 def stream_generate(model, tokenizer, prompt: Sequence[int], **kwargs) -> Iterator[Response]:
     """Like ``generate_step`` but yields text segments (see ``Response``)."""
-    eos = kwargs.pop("eos_token_ids", None)
-    if eos is None:
-        eos = getattr(tokenizer, "eos_token_ids", None) or [tokenizer.eos_token_id]
+    eos = kwargs.pop("eos_token_ids", None) or eos_ids_of(tokenizer)
     generated, printed = [], ""
     for token, source in generate_step(prompt, model, eos_token_ids=eos, **kwargs):
         generated.append(token)
@@ -353,7 +359,7 @@ def generate(model, tokenizer, prompt: Sequence[int], on_token=None, **kwargs) -
     first_token_time = first_token_time or end
     # As in mlx-lm: prompt speed is prefill time; generation speed counts tokens after the first.
     decode_time = end - first_token_time
-    eos = set(kwargs.get("eos_token_ids") or getattr(tokenizer, "eos_token_ids", None) or [tokenizer.eos_token_id])
+    eos = set(kwargs.get("eos_token_ids") or eos_ids_of(tokenizer))
     finished = bool(tokens) and tokens[-1] in eos
     return GenerationResult(
         text="".join(segments),

@@ -13,7 +13,7 @@ from typing import Callable, Optional
 
 import mlx.core as mx
 
-from decoder import DecodingStats, generate_step
+from decoder import DecodingStats, eos_ids_of, generate_step
 
 PROMPTS = Path(__file__).parent / "prompts"
 
@@ -87,7 +87,7 @@ def time_custom(run, prompt, max_tokens) -> Run:
 def side_by_side(model, tokenizer, prompts: dict, methods: list, max_tokens: int, warmup: bool = True,
                  log=print) -> dict:
     """Returns {task_class: {method_name: Totals}}; prompts is {task_class: [(name, tokens)]}."""
-    eos = set(getattr(tokenizer, "eos_token_ids", None) or [tokenizer.eos_token_id])
+    eos = eos_ids_of(tokenizer)
 
     def once(method, prompt):
         if method.run is not None:

@@ -11,7 +11,7 @@ from typing import Optional
 import mlx.core as mx
 
 from constrained.token_index import TokenIndex, load_or_build_index
-from decoder import Draft
+from decoder import Draft, eos_ids_of
 
 
 class RegexConstraint:
@@ -23,8 +23,8 @@ class RegexConstraint:
 
     @classmethod
     def from_regex(cls, pattern: str, tokenizer, vocab_size: int, cache_dir=None) -> "RegexConstraint":
-        eos = getattr(tokenizer, "eos_token_ids", None) or [tokenizer.eos_token_id]
-        return cls(load_or_build_index(pattern, tokenizer, vocab_size, eos, cache_dir=cache_dir))
+        index = load_or_build_index(pattern, tokenizer, vocab_size, eos_ids_of(tokenizer), cache_dir=cache_dir)
+        return cls(index)
 
     def walk(self, draft: list) -> list:
         states = [self.state]

@@ -5,7 +5,7 @@ The textbook pipeline, written out to be read in one sitting:
     pattern --parse--> syntax tree over code points (Python `re` syntax, `re.ASCII` classes)
             --Thompson--> NFA over UTF-8 bytes
             --subset construction--> DFA over byte equivalence classes
-            --dead-state removal, Moore minimization--> `DFA`
+            --dead-state removal, Hopcroft minimization--> `DFA`
 
 `DFA.matches(text.encode())` agrees with `re.fullmatch(pattern, text, re.ASCII)`. Working in bytes
 lets a token that ends inside a multi-byte character still be checked; `token_index.py` builds
@@ -89,6 +89,12 @@ UNSUPPORTED_GROUPS = {
 
 def _is_decimal(text):
     return all(c in "0123456789" for c in text)
+
+
+def _single_code(char_set):
+    """The code point of a one-character set, or None (e.g. for \\d)."""
+    (lo, hi), *rest = char_set
+    return lo if lo == hi and not rest else None
 
 
 class _Parser:
@@ -222,11 +228,10 @@ class _Parser:
                 ranges.extend(item)
                 continue
             self.pos += 1
-            end_item = self.parse_class_item()
-            single_chars = len(item) == len(end_item) == 1 and item[0][0] == item[0][1] and end_item[0][0] == end_item[0][1]
-            if not single_chars or item[0][0] > end_item[0][0]:
+            lo, hi = _single_code(item), _single_code(self.parse_class_item())
+            if lo is None or hi is None or lo > hi:
                 raise self.error(f"bad character range {self.pattern[item_start:self.pos]}", item_start)
-            ranges.append((item[0][0], end_item[0][0]))
+            ranges.append((lo, hi))
         ranges = _normalize(ranges)
         return _complement(ranges) if negate else ranges
 
@@ -256,7 +261,7 @@ class _Parser:
             code = int(digits, 16)
             if code > MAX_CODEPOINT:
                 raise self.error(f"bad escape \\{char}{digits}", start)
-        elif char.isdigit():
+        elif char in "0123456789":
             raise self.error("backreferences and octal escapes are not supported", start)
         elif char in "bBAZ":
             raise self.error(f"anchor \\{char} is not supported", start)

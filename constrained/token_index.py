@@ -61,7 +61,8 @@ def token_byte_strings(tokenizer, vocab_size: int) -> list:
     Reads the vocabulary, not decoded text, which would mangle tokens holding part of a UTF-8
     character. Byte-level BPE (GPT-2, Llama 3, SmolLM) is mapped back through the GPT-2 byte
     alphabet; SentencePiece-style vocabularies (Llama 2, Mistral) turn "▁" into a space and
-    "<0xNN>" byte-fallback tokens into that byte.
+    "<0xNN>" byte-fallback tokens into that byte. The space a SentencePiece decoder strips from the
+    start of the text is kept: the regex sees exactly the bytes the tokens hold.
 
     Args:
         tokenizer: A `tokenizers.Tokenizer`, a Hugging Face fast tokenizer or an mlx-lm TokenizerWrapper.
@@ -71,7 +72,9 @@ def token_byte_strings(tokenizer, vocab_size: int) -> list:
     decoders = _decoder_types(backend)
     if "ByteLevel" in decoders:
         unicode_to_byte = gpt2_unicode_to_byte()
-        to_bytes = lambda text: bytes(unicode_to_byte[char] for char in text)
+
+        def to_bytes(text):
+            return bytes(unicode_to_byte[char] for char in text)
     elif decoders & {"Metaspace", "Replace", "ByteFallback"}:
         byte_token = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
@@ -134,8 +137,8 @@ def _walk_tokens(dfa: DFA, token_bytes: list) -> np.ndarray:
 
 def _token_edges(next_states: np.ndarray):
     """(sources, targets): the state graph with an edge s -> t when some token leads from s to t."""
-    num_states = len(next_states)
-    rows_per_chunk = max(1, PAIRS_PER_CHUNK // (num_states + 1))
+    num_states, vocab_size = next_states.shape
+    rows_per_chunk = max(1, PAIRS_PER_CHUNK // max(vocab_size, num_states + 1))
     sources, targets = [], []
     for first in range(0, num_states, rows_per_chunk):
         rows = next_states[first:first + rows_per_chunk]

@@ -110,20 +110,20 @@ class PromptLookupSource:
     fared, so that drafting never costs much more than it saves. The rule
     follows from the cost of verification: scoring k draft tokens with the
     target adds about 10 ms for the first and 5.5 ms for each further one to a
-    64 ms step (SmolLM2-135M on the 2-core CI CPU), while each accepted token
-    saves a whole step. A draft token pays off if it is accepted more than
-    about 1 time in 11 (5.5 / 64); a lone draft token more than 1 in 6.
+    64 ms step (SmolLM2-135M, float32, on a 2-core x86 CPU), while each
+    accepted token saves a whole step. So a draft token pays off when it is
+    accepted more than about 1 time in 11 (5.5 / 64), a lone one 1 time in 6.
 
     - All accepted: draft 2 more next time, up to ``2 * num_draft``. A copy
-      that held usually goes on, but each extra token must keep beating 1 in
-      11 odds, so the length grows step by step and is capped.
+      that held usually goes on, but each extra token must keep beating the
+      1-in-11 odds, so the length grows gradually and is capped.
     - Some rejected: draft ``accepted + 1`` next time; the copy diverged there.
     - ``MISSES_BEFORE_PAUSE`` drafts in a row with nothing accepted: stop
-      drafting for ``pause`` tokens, doubling the pause on every further miss
-      up to ``MAX_PAUSE`` and starting again from 1 token on any acceptance.
-      A probe after a pause is a 1-token draft (~10 ms), so at the longest
-      pause probing costs well under 1% while repetitive text is still
-      picked up within ``MAX_PAUSE`` tokens.
+      drafting for ``pause`` tokens (1 at first), doubling the pause after
+      every further miss up to ``MAX_PAUSE``; any accepted token resets it.
+      The probe after a pause is a 1-token draft (~10 ms), so at the longest
+      pause probing costs about 0.2% of the time, and text that turns
+      repetitive is picked up again within ``MAX_PAUSE`` tokens.
 
     With ``adaptive=False`` it always drafts ``num_draft`` tokens when it finds
     a match.
@@ -172,7 +172,7 @@ class PromptLookupSource:
 
     def propose(self, tokens: list, max_draft: int) -> Optional[Draft]:
         # generate_step passes the same growing list every step; another list is a new generation.
-        if tokens is not self._tokens:
+        if self._tokens is None:
             self.reset()
             self._tokens = tokens
         if self.adaptive and len(tokens) < self.resume_at:

@@ -60,3 +60,29 @@ def chi_square_p_value(counts, probs):
         expected_cells.pop()
         assert counts[~big].sum() == 0, "a token with zero probability was sampled"
     return chisquare(observed_cells, expected_cells).pvalue
+
+
+def tiny_byte_tokenizer():
+    """A byte-level BPE tokenizer with every byte, a few merges and an EOS: vocab of ~270.
+
+    Small enough for a tiny random model, yet it has multi-byte tokens (so forced
+    text and token masks are not trivially one byte per token).
+    """
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from constrained.token_index import gpt2_unicode_to_byte
+
+    alphabet = {byte: char for char, byte in gpt2_unicode_to_byte().items()}
+    vocab = {alphabet[byte]: byte for byte in range(256)}
+    pairs = ["1 2", "2 0", "- 0", "a b", "\" :", "a m", "e :", "n a", "na m", "nam e:"]
+    merges = []
+    for pair in pairs:
+        left, right = (("".join(alphabet[b] for b in part.encode())) for part in pair.split(" "))
+        merges.append((left, right))
+        vocab.setdefault(left + right, len(vocab))
+    tokenizer = Tokenizer(models.BPE(vocab, merges))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens([AddedToken("<eos>", special=True)])
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<eos>")

@@ -205,6 +205,13 @@ def test_adaptive_backs_off_exponentially_and_resumes():
     assert never_pauses == [4] * 20
 
 
+def test_a_new_sequence_starts_over():
+    source = PromptLookupSource(num_draft=4)
+    drive(source, [False] * 3)  # paused on the first sequence
+    other = [7, 8, 9, 7, 8]
+    assert source.propose(other, 100).tokens == find_draft(other, num_draft=4) == [9, 7, 8]
+
+
 def test_greedy_decoding_is_lossless():
     accepted_per_example = []
 

@@ -1,0 +1,100 @@
+"""Regex-constrained decoding in the loop: outputs match, forced drafts and other sources stay lossless."""
+
+import re
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from constrained import ForcedTextSource, RegexConstraint
+from decoder import DecodingStats, generate
+from tests.helpers import ScriptedSource, tiny_byte_tokenizer, tiny_llama
+
+TOKENIZER = tiny_byte_tokenizer()
+VOCAB = len(TOKENIZER)
+MODEL = tiny_llama(vocab_size=VOCAB, num_layers=2, hidden_size=32, seed=7, sharp=3.0)
+REGEXES = [
+    r"\d{4}-\d{2}-\d{2}",
+    r'\{"name": "[a-z]{1,8}", "age": \d{1,3}\}',
+    r"(yes|no|maybe)",
+    r"[a-c]+@example\.com",
+    r"(ab)*c?",
+    r"café|日本語!",
+]
+
+
+def constrained(pattern, prompt, sources=(), model=MODEL, tokenizer=TOKENIZER, max_tokens=48, **kwargs):
+    constraint = RegexConstraint.from_regex(pattern, tokenizer, vocab_size=model.args.vocab_size)
+    sources = [s(constraint) if callable(s) and not hasattr(s, "propose") else s for s in sources]
+    return generate(model, tokenizer, prompt, constraint=constraint, draft_sources=sources,
+                    max_tokens=max_tokens, stats=DecodingStats(), **kwargs)
+
+
+def forced(constraint, tokenizer=TOKENIZER):
+    return ForcedTextSource(constraint, tokenizer)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(pattern=st.sampled_from(REGEXES), prompt=st.lists(st.integers(0, 255), min_size=1, max_size=8),
+       seed=st.integers(0, 1000))
+def test_forced_drafts_and_random_drafts_give_plain_constrained_output(pattern, prompt, seed):
+    import random
+
+    reference = constrained(pattern, prompt)
+    if reference.finish_reason == "stop":
+        assert re.fullmatch(pattern, reference.text, re.ASCII), reference.text
+    rng = random.Random(seed)
+    noise = ScriptedSource(lambda tokens, k: [rng.randrange(VOCAB) for _ in range(k)], name="noise")
+    for sources in ([forced], [forced, noise], [noise]):
+        assert constrained(pattern, prompt, sources).tokens == reference.tokens
+
+
+def test_forced_text_costs_fewer_passes_than_tokens():
+    pattern = r'\{"name": "[a-z]{1,8}", "age": \d{1,3}\}'
+    plain = constrained(pattern, [5, 6, 7])
+    fast = constrained(pattern, [5, 6, 7], [forced])
+    assert fast.tokens == plain.tokens and re.fullmatch(pattern, fast.text)
+    assert fast.stats.target_forward_passes < fast.generation_tokens
+    assert plain.stats.target_forward_passes == plain.generation_tokens
+    assert "regex" in fast.sources
+
+
+def test_eos_only_in_accepting_states_and_generation_ends_there():
+    result = constrained(r"(ab)+", [1, 2, 3], max_tokens=64)
+    assert result.finish_reason == "stop" and result.tokens[-1] == TOKENIZER.eos_token_id
+    assert re.fullmatch(r"(ab)+", result.text)
+
+
+def test_sampled_output_matches_too():
+    import mlx.core as mx
+
+    for seed in range(5):
+        mx.random.seed(seed)
+        result = constrained(r"\d{4}-\d{2}-\d{2}", [9, 9], [forced], temp=1.0)
+        assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", result.text)
+
+
+# --- the embedded model ----------------------------------------------------------------
+
+EMBEDDED_CASES = [
+    ("Give me a date", r"\d{4}-\d{2}-\d{2}"),
+    ("What is your phone number?", r"\(\d{3}\) \d{3}-\d{4}"),
+    ("Describe a person as JSON", r'\{"name": "[a-zA-Z ]{1,20}", "age": \d{1,3}\}'),
+    ("Is the sky blue? Answer yes or no.", r"(yes|no)"),
+    ("Write a greeting with an emoji", r"[A-Za-z ,!]{1,30} (😀|🙂|👋)"),
+]
+
+
+@pytest.mark.parametrize("question,pattern", EMBEDDED_CASES)
+def test_embedded_model_output_matches_and_drafts_are_lossless(embedded, chat_prompt, question, pattern, tmp_path):
+    from prompt_lookup import PromptLookupSource
+
+    model, tokenizer, _ = embedded
+    prompt = chat_prompt(question)
+    run = lambda sources: constrained(pattern, prompt, sources, model=model, tokenizer=tokenizer, max_tokens=64)
+    plain = run([])
+    assert plain.finish_reason == "stop" and re.fullmatch(pattern, plain.text, re.ASCII), plain.text
+    with_forced = run([lambda c: ForcedTextSource(c, tokenizer)])
+    combined = run([lambda c: ForcedTextSource(c, tokenizer), PromptLookupSource()])
+    assert with_forced.tokens == plain.tokens == combined.tokens
+    assert with_forced.stats.target_forward_passes <= plain.stats.target_forward_passes
