@@ -108,10 +108,10 @@ def read_gguf(gguf_path: str):
         "eos_token_id": _meta(metadata, "tokenizer.ggml.eos_token_id"),
         "torch_dtype": "float32",
     }
-    return weights, config, _gguf_tokenizer(metadata)
+    return weights, config, gguf_tokenizer(metadata)
 
 
-def _gguf_tokenizer(metadata: dict):
+def gguf_tokenizer(metadata: dict):
     """Rebuild the byte-level BPE tokenizer from GGUF metadata with `tokenizers`."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast

@@ -187,14 +187,19 @@ def _prefill(model, cache, tokens: list, step_size: int = 512):
         mx.eval([c.state for c in cache])
 
 
+def _truncate(draft: Draft, length: int) -> Draft:
+    if len(draft.tokens) <= length:
+        return draft
+    return Draft(draft.tokens[:length], None if draft.probs is None else draft.probs[:length])
+
+
 def _propose(draft_sources, tokens, max_draft):
     """The first source with a non-empty draft wins (sources are in priority order)."""
     if max_draft > 0:
         for source in draft_sources:
             draft = source.propose(tokens, max_draft)
             if draft is not None and draft.tokens:
-                draft.tokens = draft.tokens[:max_draft]
-                return draft, source
+                return _truncate(draft, max_draft), source
     return Draft([]), None
 
 
@@ -245,9 +250,9 @@ def generate_step(
         draft, drafter = _propose(draft_sources, tokens, max_tokens - num_generated - 1)
         if constraint is not None:
             states = constraint.walk(draft.tokens)
-            if len(states) - 1 < len(draft.tokens):
-                draft = Draft(draft.tokens[: len(states) - 1],
-                              None if draft.probs is None else draft.probs[: len(states) - 1])
+            draft = _truncate(draft, len(states) - 1)
+            if not draft.tokens:  # the regex forbade the whole draft: a plain step
+                drafter = None
 
         logits = model(mx.array([tokens[-1]] + draft.tokens)[None], cache=cache)[0]
         stats.target_forward_passes += 1
@@ -256,17 +261,20 @@ def generate_step(
         num_accepted, next_token = accept_draft(logits, draft, temp, top_p)
         trim_prompt_cache(cache, len(draft.tokens) - num_accepted)
 
+        emitted = draft.tokens[:num_accepted] + [next_token]
+        # Emit up to EOS or max_tokens; accepted draft tokens past that are neither emitted nor counted.
+        stop = next((i + 1 for i, token in enumerate(emitted) if token in eos_token_ids), len(emitted))
+        emitted = emitted[: min(stop, max_tokens - num_generated)]
+        num_accepted = min(num_accepted, len(emitted))
         num_proposed = len(draft.tokens)
         if drafter is not None:
             stats.source(drafter.name).record(num_proposed, num_accepted)
-        emitted = draft.tokens[:num_accepted] + [next_token]
-        names = [drafter.name if drafter else TARGET] * num_accepted + [TARGET]
-        for token, name in zip(emitted, names):
+        for position, token in enumerate(emitted):
             tokens.append(token)
             num_generated += 1
-            yield token, name
-            if token in eos_token_ids or num_generated == max_tokens:
-                return
+            yield token, drafter.name if position < num_accepted else TARGET
+        if emitted[-1] in eos_token_ids or num_generated == max_tokens:
+            return
         if constraint is not None:
             constraint.advance(emitted)
         for source in draft_sources:

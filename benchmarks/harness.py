@@ -134,6 +134,10 @@ def markdown_table(results: dict, baseline: str) -> str:
     return "\n".join(lines)
 
 
+def chat_tokens(tokenizer, text: str) -> list:
+    return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+
+
 def load_prompts(tokenizer, classes=None, chat=True) -> dict:
     """benchmarks/prompts/<task_class>/<name>.txt -> {task_class: [(name, tokens)]}."""
     prompts = {}
@@ -143,8 +147,7 @@ def load_prompts(tokenizer, classes=None, chat=True) -> dict:
         items = []
         for file in sorted(folder.glob("*.txt")):
             text = file.read_text()
-            tokens = (tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
-                      if chat else tokenizer.encode(text))
+            tokens = chat_tokens(tokenizer, text) if chat else tokenizer.encode(text)
             items.append((file.stem, tokens))
         prompts[folder.name] = items
     return prompts

@@ -49,7 +49,89 @@ def prompt_lookup_suite(model, tokenizer, args):
     return side_by_side(model, tokenizer, prompts, methods, args.max_tokens), "plain"
 
 
-SUITES = {"plain": plain_suite, "prompt_lookup": prompt_lookup_suite}
+# Standard formats (as in the Bumblebee comparison), each with a prompt that asks for it.
+REGEX_CASES = {
+    "email": ("Give me an email address for a bakery.", r"[a-zA-Z0-9._%+-]+@[a-zA-Z0-9.-]+\.[a-zA-Z]{2,}"),
+    "phone": ("What is a US phone number I could call?", r"\(\d{3}\) \d{3}-\d{4}"),
+    "date": ("When did the first moon landing happen?", r"\d{4}-\d{2}-\d{2}"),
+    "time": ("What time do shops usually open?", r"\d{2}:\d{2}(:\d{2})?"),
+    "ipv4": ("Give me the IP address of a home router.",
+             r"((25[0-5]|2[0-4]\d|1?\d?\d)\.){3}(25[0-5]|2[0-4]\d|1?\d?\d)"),
+    "url": ("Give me the address of a website about cooking.", r"https?://[a-z0-9.-]+\.[a-z]{2,}(/[a-zA-Z0-9._~-]*)*"),
+    "ssn": ("Make up a social security number for a test form.", r"\d{3}-\d{2}-\d{4}"),
+    "json": ("Describe a fictional person as JSON with a name and an age.",
+             r'\{"name": "[a-zA-Z ]{1,20}", "age": \d{1,3}\}'),
+}
+
+
+def regex_suite(model, tokenizer, args):
+    """Plain vs constrained (masks only) vs constrained + forced-text drafts, at 8 and 64 new tokens."""
+    from benchmarks.harness import chat_tokens
+    from constrained import ForcedTextSource, RegexConstraint
+
+    vocab_size = model.args.vocab_size
+    prompts = {"all formats": [(name, chat_tokens(tokenizer, question)) for name, (question, _) in REGEX_CASES.items()]}
+    patterns = {tuple(chat_tokens(tokenizer, q)): p for q, p in REGEX_CASES.values()}
+
+    def constrained(forced):
+        def make(prompt):
+            constraint = RegexConstraint.from_regex(patterns[tuple(prompt)], tokenizer, vocab_size)
+            return {"constraint": constraint, "draft_sources": [ForcedTextSource(constraint, tokenizer)] if forced else []}
+        return make
+
+    methods = [Method("plain", greedy=False), Method("constrained", constrained(False)),
+               Method("constrained + forced drafts", constrained(True))]
+    results = {}
+    for max_tokens in (8, 64):
+        for task, by_method in side_by_side(model, tokenizer, prompts, methods, max_tokens).items():
+            results[f"{task}, {max_tokens} tokens"] = by_method
+    return results, "plain"
+
+
+def self_draft_path(num_layers: int) -> str:
+    """The embedded model cut to its first layers (convert.py --num-layers), cached."""
+    from convert import convert
+    from loading import cache_dir, embedded_gguf
+
+    path = cache_dir() / "models" / f"SmolLM2-135M-Instruct-{default_dtype()}-layers{num_layers}"
+    if not path.exists():
+        convert(str(path), gguf=str(embedded_gguf()), dtype=default_dtype(), num_layers=num_layers)
+    return str(path)
+
+
+def speculative_suite(model, tokenizer, args):
+    """Early-exit self-drafts of several depths; fixed vs adaptive; with prompt lookup; greedy and sampled."""
+    from mlx_lm import load
+
+    from prompt_lookup import PromptLookupSource
+    from speculative import DraftModelSource
+
+    prompts = load_prompts(tokenizer, ["open_ended", "extractive_qa"])
+    vocab_size = model.args.vocab_size
+    results = {}
+    for temp in args.temps:
+        methods = [Method("plain", lambda prompt, t=temp: {"temp": t}, greedy=temp == 0)]
+        for num_layers in args.draft_layers:
+            draft, _ = load(self_draft_path(num_layers))
+
+            def source(draft=draft, adaptive=True, temp=temp):
+                return DraftModelSource(draft, vocab_size, temp=temp, num_draft=4, adaptive=adaptive)
+
+            methods += [
+                Method(f"draft {num_layers} layers, k=4 fixed", lambda prompt, s=source, t=temp: {
+                    "temp": t, "draft_sources": [s(adaptive=False)]}, greedy=temp == 0),
+                Method(f"draft {num_layers} layers, adaptive", lambda prompt, s=source, t=temp: {
+                    "temp": t, "draft_sources": [s()]}, greedy=temp == 0),
+                Method(f"draft {num_layers} layers + prompt lookup", lambda prompt, s=source, t=temp: {
+                    "temp": t, "draft_sources": [PromptLookupSource(), s()]}, greedy=temp == 0),
+            ]
+        for task, by_method in side_by_side(model, tokenizer, prompts, methods, args.max_tokens).items():
+            results[f"{task}, temp {temp}"] = by_method
+    return results, "plain"
+
+
+SUITES = {"plain": plain_suite, "prompt_lookup": prompt_lookup_suite, "regex": regex_suite,
+          "speculative": speculative_suite}
 
 
 def main():
@@ -58,6 +140,10 @@ def main():
     parser.add_argument("--max-tokens", type=int, default=192)
     parser.add_argument("--num-draft-sweep", type=int, nargs="*", default=None,
                         help="Also run fixed draft lengths (prompt lookup suite).")
+    parser.add_argument("--draft-layers", type=int, nargs="*", default=[4, 8, 15],
+                        help="Self-draft depths to try (speculative suite).")
+    parser.add_argument("--temps", type=float, nargs="*", default=[0.0, 1.0],
+                        help="Temperatures (speculative suite).")
     args = parser.parse_args()
 
     model, tokenizer, path = load_model()

@@ -21,7 +21,7 @@ LONGEST_LOOKBACK = 16
 
 def check_search_args(ngram_max: int, ngram_min: int, num_draft: int, policy: str):
     if not 1 <= ngram_min <= ngram_max:
-        raise ValueError(f"Need 1 <= ngram_min <= ngram_max, got ngram_min={ngram_min}, ngram_max={ngram_max}.")
+        raise ValueError(f"Need 1 <= ngram_min <= ngram_max, got {ngram_min} and {ngram_max}.")
     if num_draft < 1:
         raise ValueError(f"num_draft must be at least 1, got {num_draft}.")
     if policy not in POLICIES:
@@ -172,13 +172,14 @@ class PromptLookupSource:
 
     def propose(self, tokens: list, max_draft: int) -> Optional[Draft]:
         # generate_step passes the same growing list every step; another list is a new generation.
-        if self._tokens is None:
+        if tokens is not self._tokens:
             self.reset()
             self._tokens = tokens
         if self.adaptive and len(tokens) < self.resume_at:
             return None
         if len(tokens) > self._num_seen:
             new_tokens = mx.array(tokens[self._num_seen :], mx.int32)
+            # Lazy: computed by the search's one sync below, so the graph never grows.
             self._context = mx.concatenate([self._context, new_tokens])
             self._num_seen = len(tokens)
         num_draft = min(max_draft, self.draft_length if self.adaptive else self.num_draft)

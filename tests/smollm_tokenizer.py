@@ -28,6 +28,6 @@ def build_smollm_tokenizer() -> Tokenizer:
     ])
     tokenizer.decoder = decoders.ByteLevel()
     token_types = metadata["tokenizer.ggml.token_type"].tolist()
-    tokenizer.add_special_tokens([AddedToken(token, special=True)
-                                  for token, token_type in zip(tokens, token_types) if token_type == CONTROL_TOKEN_TYPE])
+    control_tokens = [token for token, token_type in zip(tokens, token_types) if token_type == CONTROL_TOKEN_TYPE]
+    tokenizer.add_special_tokens([AddedToken(token, special=True) for token in control_tokens])
     return tokenizer

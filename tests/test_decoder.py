@@ -78,8 +78,11 @@ def test_stops_at_eos_inside_an_accepted_draft():
     expected = reference[: reference.index(eos) + 1]
     start = len(prompt)
     oracle = ScriptedSource(lambda tokens, k: reference[len(tokens) - start : len(tokens) - start + k])
-    tokens, _ = run(prompt, [oracle], 20, eos=[eos])
+    stats = DecodingStats()
+    tokens, sources = run(prompt, [oracle], 20, eos=[eos], stats=stats)
     assert tokens == expected == plain_greedy(prompt, 20, eos=[eos])
+    # Draft tokens accepted past the EOS are never emitted, so they are not counted either.
+    assert stats.draft_accepted == sources.count("scripted")
 
 
 def test_never_drafts_past_max_tokens():

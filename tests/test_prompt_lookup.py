@@ -78,7 +78,11 @@ def test_search_matches_brute_force(lists, args):
 
 
 @settings(max_examples=60, deadline=None)
-@given(lists=token_lists(3, max_size=30), steps=st.lists(st.integers(1, 4), max_size=12), args=search_args)
+@given(
+    lists=token_lists(3, max_size=30),
+    steps=st.lists(st.integers(1, 4), max_size=12),
+    args=search_args,
+)
 def test_source_follows_appended_tokens(lists, steps, args):
     """The source's incremental context against a fresh search as tokens arrive."""
     prompt, generated, extra_context = lists

@@ -112,9 +112,12 @@ def test_random_regexes_agree_with_re(data):
 
 def test_dot_accepts_exactly_valid_utf8_characters():
     dfa = compile_regex(".")
+    # The first and last code point of each UTF-8 length, and both sides of the surrogate gap.
     for text in ["a", "\x7f", "\x80", "é", "\u07ff", "\u0800", "日", "\ud7ff", "\ue000", "\uffff", "😀", "\U0010ffff"]:
         assert dfa.matches(text.encode()), repr(text)
-    invalid = [b"\n", b"\x80", b"\xff", b"\xc0\x80", b"\xe0\x80\x80", b"\xed\xa0\x80", b"\xf4\x90\x80\x80", b"\xe6\x97"]
+    # Newline, lone continuation, invalid byte, overlong encodings, a surrogate, past U+10FFFF, truncated.
+    invalid = [b"\n", b"\x80", b"\xff", b"\xc0\x80", b"\xe0\x80\x80", b"\xed\xa0\x80", b"\xf4\x90\x80\x80",
+               b"\xe6\x97"]
     for data in invalid:
         assert not dfa.matches(data), data
 
