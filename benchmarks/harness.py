@@ -102,14 +102,14 @@ def side_by_side(model, tokenizer, prompts: dict, methods: list, max_tokens: int
     for task, items in prompts.items():
         results[task] = {m.name: Totals() for m in methods}
         for name, prompt in items:
-            reference = None
+            reference = None  # greedy methods must all give the first greedy method's tokens
             for method in methods:
                 run = once(method, prompt)
                 results[task][method.name].add(run)
-                if reference is None:
+                if method.greedy and reference is None:
                     reference = run.tokens
                 elif method.greedy and run.tokens != reference:
-                    log(f"  !! {method.name} differs from {methods[0].name} on {name}")
+                    log(f"  !! {method.name} differs from the first greedy method on {name}")
                 log(f"  {task}/{name} {method.name}: {len(run.tokens)} tokens, "
                     f"{(len(run.tokens) - 1) / max(run.decode_time, 1e-9):.2f} tok/s, {run.forward_passes} passes")
     return results

@@ -9,7 +9,6 @@ from tokenizers import AddedToken, Tokenizer, decoders, models
 from constrained.regex_dfa import RegexError, compile_regex
 from constrained.token_index import (TokenIndex, default_cache_dir, load_or_build_index,
                                      token_byte_strings)
-from tests.smollm_tokenizer import build_smollm_tokenizer
 
 VOCAB_SIZE = 49152
 EOS = 2  # <|im_end|>
@@ -31,7 +30,14 @@ REGEXES = [
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return build_smollm_tokenizer()
+    """SmolLM2's tokenizer as `convert.gguf_tokenizer` builds it for the embedded model (a HF fast tokenizer)."""
+    import mlx.core as mx
+
+    from convert import gguf_tokenizer
+    from loading import embedded_gguf
+
+    _, metadata = mx.load(str(embedded_gguf()), return_metadata=True)
+    return gguf_tokenizer(metadata)
 
 
 @pytest.fixture(scope="module")
@@ -60,13 +66,13 @@ def brute_force_next_states(dfa, state, token_bytes):
 
 @pytest.mark.parametrize("text", ["Hello, world!", " 日本語 😀 éé\n\ttabs", "2024-02-29 12:30", "  two  spaces "])
 def test_token_bytes_concatenate_to_the_text(tokenizer, token_bytes, text):
-    ids = tokenizer.encode(text).ids
+    ids = tokenizer.encode(text)
     assert b"".join(token_bytes[i] for i in ids) == text.encode()
 
 
 def test_token_bytes_of_special_tokens_and_padding(tokenizer, token_bytes):
     assert token_bytes[EOS] is None and token_bytes[0] is None  # <|im_end|>, <|endoftext|>
-    assert token_bytes[tokenizer.token_to_id("Ġthe")] == b" the"
+    assert token_bytes[tokenizer.convert_tokens_to_ids("Ġthe")] == b" the"
     assert sum(token is None for token in token_bytes) == 17  # the GGUF's control tokens
     # Single-byte tokens include lone UTF-8 continuation bytes, but a few bytes are not in the vocabulary.
     single_bytes = {token[0] for token in token_bytes if token is not None and len(token) == 1}
@@ -79,11 +85,9 @@ def test_token_bytes_of_special_tokens_and_padding(tokenizer, token_bytes):
 
 def test_token_bytes_through_wrappers(tokenizer, token_bytes):
     from mlx_lm.tokenizer_utils import TokenizerWrapper
-    from transformers import PreTrainedTokenizerFast
 
-    hf_tokenizer = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|im_end|>")
-    assert token_byte_strings(hf_tokenizer, VOCAB_SIZE) == token_bytes
-    assert token_byte_strings(TokenizerWrapper(hf_tokenizer), VOCAB_SIZE) == token_bytes
+    assert token_byte_strings(tokenizer.backend_tokenizer, VOCAB_SIZE) == token_bytes
+    assert token_byte_strings(TokenizerWrapper(tokenizer), VOCAB_SIZE) == token_bytes
     with pytest.raises(TypeError, match="expected a tokenizers.Tokenizer"):
         token_byte_strings("not a tokenizer", VOCAB_SIZE)
 
@@ -125,7 +129,7 @@ def test_eos_allowed_exactly_in_accepting_states(indexes, pattern):
 def test_tokens_that_split_characters_walk_to_acceptance(tokenizer, token_bytes, pattern, text):
     index = TokenIndex.build(compile_regex(pattern), token_bytes, [EOS])
     state = index.start
-    for token in tokenizer.encode(text).ids:
+    for token in tokenizer.encode(text):
         assert index.allowed_mask(state)[token].item()
         state = index.next_state(state, token)
     assert index.is_accepting(state)

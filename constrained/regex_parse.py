@@ -1,0 +1,266 @@
+"""Parse a regular expression (Python `re` syntax, `re.ASCII` classes) into a syntax tree.
+
+The tree is four node types over code points: `Chars` (a set of code point intervals), `Concat`,
+`Alt` and `Repeat`. Unsupported syntax (lookaround, backreferences, inline flags, ...) raises
+`RegexError` with the position of the problem. `regex_dfa.py` compiles the tree to a byte DFA.
+"""
+
+from dataclasses import dataclass
+
+MAX_CODEPOINT = 0x10FFFF
+
+
+class RegexError(ValueError):
+    """A regex that is malformed, unsupported, matches nothing, or is too large."""
+
+
+# Syntax tree. Character sets are sorted, disjoint, inclusive code point intervals.
+@dataclass(frozen=True)
+class Chars:
+    ranges: tuple
+
+
+@dataclass(frozen=True)
+class Concat:
+    items: tuple
+
+
+@dataclass(frozen=True)
+class Alt:
+    options: tuple
+
+
+@dataclass(frozen=True)
+class Repeat:
+    item: object
+    min_count: int
+    max_count: int | None  # None: unbounded
+
+
+def _normalize(ranges):
+    """Sort and merge overlapping or adjacent intervals."""
+    merged = []
+    for lo, hi in sorted(ranges):
+        if merged and lo <= merged[-1][1] + 1:
+            merged[-1] = (merged[-1][0], max(hi, merged[-1][1]))
+        else:
+            merged.append((lo, hi))
+    return tuple(merged)
+
+
+def _complement(ranges):
+    gaps, next_lo = [], 0
+    for lo, hi in ranges:
+        if lo > next_lo:
+            gaps.append((next_lo, lo - 1))
+        next_lo = hi + 1
+    if next_lo <= MAX_CODEPOINT:
+        gaps.append((next_lo, MAX_CODEPOINT))
+    return tuple(gaps)
+
+
+# `re.ASCII` semantics: \d \w \s are ASCII only, so their negations include every non-ASCII character.
+DIGIT = ((ord("0"), ord("9")),)
+WORD = _normalize([(ord("0"), ord("9")), (ord("A"), ord("Z")), (ord("_"), ord("_")), (ord("a"), ord("z"))])
+SPACE = ((ord("\t"), ord("\r")), (ord(" "), ord(" ")))
+CLASS_ESCAPES = {
+    "d": DIGIT, "w": WORD, "s": SPACE,
+    "D": _complement(DIGIT), "W": _complement(WORD), "S": _complement(SPACE),
+}
+CHAR_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "f": "\f", "v": "\v", "a": "\a"}
+HEX_ESCAPE_DIGITS = {"x": 2, "u": 4, "U": 8}
+ANY_BUT_NEWLINE = _complement(((ord("\n"), ord("\n")),))
+UNSUPPORTED_GROUPS = {
+    "?=": "lookahead is", "?!": "lookahead is", "?<=": "lookbehind is", "?<!": "lookbehind is",
+    "?P=": "backreferences are", "?>": "atomic groups are", "?(": "conditional groups are", "?#": "comments are",
+}
+
+
+def _is_decimal(text):
+    return all(c in "0123456789" for c in text)
+
+
+def _single_code(char_set):
+    """The code point of a one-character set, or None (e.g. for \\d)."""
+    (lo, hi), *rest = char_set
+    return lo if lo == hi and not rest else None
+
+
+class _Parser:
+    """Recursive descent over the pattern; `pos` is the index of the next character."""
+
+    def __init__(self, pattern):
+        self.pattern = pattern
+        self.pos = 0
+
+    def error(self, message, pos):
+        return RegexError(f"{message} at position {pos}")
+
+    def peek(self):
+        return self.pattern[self.pos] if self.pos < len(self.pattern) else ""
+
+    def parse(self):
+        # Under fullmatch a leading ^ (and a trailing $, see parse_concat) changes nothing.
+        if self.pattern.startswith("^"):
+            self.pos = 1
+        tree = self.parse_alternation(depth=0)
+        if self.pos < len(self.pattern):  # parse_alternation only stops early at a stray ")"
+            raise self.error("unbalanced parenthesis", self.pos)
+        return tree
+
+    def parse_alternation(self, depth):
+        options = [self.parse_concat(depth)]
+        while self.peek() == "|":
+            self.pos += 1
+            options.append(self.parse_concat(depth))
+        return options[0] if len(options) == 1 else Alt(tuple(options))
+
+    def parse_concat(self, depth):
+        items = []
+        while self.peek() not in ("", "|", ")"):
+            if self.peek() == "$" and self.pos == len(self.pattern) - 1 and depth == 0:
+                self.pos += 1
+                break
+            items.append(self.parse_quantifier(self.parse_atom(depth)))
+        return items[0] if len(items) == 1 else Concat(tuple(items))
+
+    def parse_quantifier(self, atom):
+        bounds = self.read_repeat_bounds()
+        if bounds is None:
+            return atom
+        # A lazy quantifier matches the same set of strings under fullmatch.
+        if self.peek() == "?":
+            self.pos += 1
+        elif self.peek() == "+":
+            raise self.error("possessive quantifiers are not supported", self.pos)
+        if self.read_repeat_bounds(advance=False) is not None:
+            raise self.error("multiple repeat", self.pos)
+        return Repeat(atom, *bounds)
+
+    def read_repeat_bounds(self, advance=True):
+        """(min, max) of a quantifier at `pos`, or None; `{` that is no quantifier is a literal, as in `re`."""
+        start = self.pos
+        char = self.peek()
+        if char and char in "*+?":
+            bounds, end = {"*": (0, None), "+": (1, None), "?": (0, 1)}[char], start + 1
+        elif char == "{":
+            close = self.pattern.find("}", start)
+            low, comma, high = self.pattern[start + 1:close].partition(",")
+            if close < 0 or close == start + 1 or not (_is_decimal(low) and _is_decimal(high)):
+                return None
+            min_count = int(low) if low else 0
+            max_count = int(high) if high else (None if comma else min_count)
+            if max_count is not None and min_count > max_count:
+                raise self.error("min repeat greater than max repeat", start + 1)
+            bounds, end = (min_count, max_count), close + 1
+        else:
+            return None
+        if advance:
+            self.pos = end
+        return bounds
+
+    def parse_atom(self, depth):
+        start = self.pos
+        if self.read_repeat_bounds(advance=False) is not None:
+            raise self.error("nothing to repeat", start)
+        char = self.pattern[start]
+        self.pos += 1
+        if char == "(":
+            return self.parse_group(start, depth)
+        if char == "[":
+            return Chars(self.parse_class(start))
+        if char == ".":
+            return Chars(ANY_BUT_NEWLINE)
+        if char == "\\":
+            return Chars(self.parse_escape(start, in_class=False))
+        if char in "^$":
+            raise self.error(f"anchor {char} is only supported at the start (^) or end ($) of the pattern", start)
+        return Chars(((ord(char), ord(char)),))
+
+    def parse_group(self, start, depth):
+        if self.pattern.startswith("?:", self.pos):
+            self.pos += 2
+        elif self.pattern.startswith("?P<", self.pos):
+            close = self.pattern.find(">", self.pos)
+            if close < 0 or not self.pattern[self.pos + 3:close].isidentifier():
+                raise self.error("bad group name", self.pos + 3)
+            self.pos = close + 1
+        elif self.peek() == "?":
+            feature = next((name for prefix, name in UNSUPPORTED_GROUPS.items()
+                            if self.pattern.startswith(prefix, self.pos)), None)
+            if feature is None:
+                raise self.error(f"unsupported group syntax {self.pattern[start:start + 3]}", start)
+            raise self.error(f"{feature} not supported", start)
+        tree = self.parse_alternation(depth + 1)
+        if self.peek() != ")":
+            raise self.error("unbalanced parenthesis", start)
+        self.pos += 1
+        return tree
+
+    def parse_class(self, start):
+        negate = self.peek() == "^"
+        if negate:
+            self.pos += 1
+        ranges = []
+        first = True
+        while True:
+            if self.pos >= len(self.pattern):
+                raise self.error("unterminated character set", start)
+            if self.peek() == "]" and not first:  # a "]" right after "[" or "[^" is a literal
+                self.pos += 1
+                break
+            first = False
+            item_start = self.pos
+            item = self.parse_class_item()
+            is_range = self.peek() == "-" and self.pattern[self.pos + 1:self.pos + 2] not in ("", "]")
+            if not is_range:
+                ranges.extend(item)
+                continue
+            self.pos += 1
+            lo, hi = _single_code(item), _single_code(self.parse_class_item())
+            if lo is None or hi is None or lo > hi:
+                raise self.error(f"bad character range {self.pattern[item_start:self.pos]}", item_start)
+            ranges.append((lo, hi))
+        ranges = _normalize(ranges)
+        return _complement(ranges) if negate else ranges
+
+    def parse_class_item(self):
+        start = self.pos
+        if self.peek() == "\\":
+            return self.parse_escape(start, in_class=True)
+        self.pos += 1
+        return ((ord(self.pattern[start]),) * 2,)
+
+    def parse_escape(self, start, in_class):
+        """The character set of the escape at `start`; `pos` ends up after it."""
+        self.pos = start + 1
+        char = self.peek()
+        if not char:
+            raise self.error("bad escape (end of pattern)", start)
+        self.pos += 1
+        if char in CLASS_ESCAPES:
+            return CLASS_ESCAPES[char]
+        if char in CHAR_ESCAPES or (char == "b" and in_class):
+            code = ord(CHAR_ESCAPES.get(char, "\b"))
+        elif char in HEX_ESCAPE_DIGITS:
+            digits = self.pattern[self.pos:self.pos + HEX_ESCAPE_DIGITS[char]]
+            if len(digits) < HEX_ESCAPE_DIGITS[char] or any(c not in "0123456789abcdefABCDEF" for c in digits):
+                raise self.error(f"incomplete escape \\{char}{digits}", start)
+            self.pos += len(digits)
+            code = int(digits, 16)
+            if code > MAX_CODEPOINT:
+                raise self.error(f"bad escape \\{char}{digits}", start)
+        elif char in "0123456789":
+            raise self.error("backreferences and octal escapes are not supported", start)
+        elif char in "bBAZ":
+            raise self.error(f"anchor \\{char} is not supported", start)
+        elif char.isascii() and char.isalpha():
+            raise self.error(f"bad escape \\{char}", start)
+        else:
+            code = ord(char)
+        return ((code, code),)
+
+
+def parse_regex(pattern: str):
+    """Parse `pattern` into a tree of `Chars`, `Concat`, `Alt` and `Repeat` nodes."""
+    return _Parser(pattern).parse()
