@@ -73,10 +73,14 @@ def time_loop(model, prompt, max_tokens, eos, **kwargs) -> Run:
 
 
 def time_custom(run, prompt, max_tokens) -> Run:
-    """A runner yields tokens; forward passes are one per token (plain decoding) unless it says more."""
+    """A runner yields tokens, or returns ``(tokens, decode_time, forward_passes)`` when it times itself."""
     mx.reset_peak_memory()
+    output = run(prompt, max_tokens)
+    if isinstance(output, tuple):
+        tokens, decode_time, passes = output
+        return Run(list(tokens), decode_time, passes, 0, 0, 0, mx.get_peak_memory() / 1e9)
     tokens, first = [], None
-    for token in run(prompt, max_tokens):
+    for token in output:
         tokens.append(token)
         if first is None:
             first = time.perf_counter()

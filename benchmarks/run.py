@@ -7,6 +7,7 @@ On Linux run it with OpenBLAS preloaded (`make bench` does).
 import argparse
 import datetime
 import platform
+import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -42,11 +43,48 @@ def prompt_lookup_suite(model, tokenizer, args):
     prompts = load_prompts(tokenizer)
     methods = [Method("plain"),
                Method("prompt lookup", lambda prompt: {"draft_sources": [PromptLookupSource()]})]
-    if args.num_draft_sweep:
-        for k in args.num_draft_sweep:
-            methods.append(Method(f"prompt lookup k={k} fixed", lambda prompt, k=k: {
-                "draft_sources": [PromptLookupSource(num_draft=k, adaptive=False)]}))
+    for k in args.num_draft_sweep or []:
+        methods.append(Method(f"prompt lookup k={k} fixed", lambda prompt, k=k: {
+            "draft_sources": [PromptLookupSource(num_draft=k, adaptive=False)]}))
+    for policy in args.policies or []:
+        methods.append(Method(f"prompt lookup, {policy} match", lambda prompt, policy=policy: {
+            "draft_sources": [PromptLookupSource(policy=policy)]}))
     return side_by_side(model, tokenizer, prompts, methods, args.max_tokens), "plain"
+
+
+def transformers_suite(model, tokenizer, args):
+    """Hugging Face transformers (PyTorch CPU) on the same weights: plain vs its prompt lookup."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from loading import default_model_path
+
+    torch.set_num_threads(2)
+    hf_model = AutoModelForCausalLM.from_pretrained(default_model_path("float32"), dtype=torch.float32).eval()
+    eos = sorted(tokenizer.eos_token_ids)
+
+    def runner(**options):
+        def run(prompt, max_tokens):
+            inputs = torch.tensor([prompt])
+            # Time the prefill alone to report decode speed like the MLX runs.
+            tic = time.perf_counter()
+            with torch.no_grad():
+                hf_model(inputs)
+            prefill = time.perf_counter() - tic
+            tic = time.perf_counter()
+            with torch.no_grad():
+                out = hf_model.generate(inputs, max_new_tokens=max_tokens, do_sample=False, eos_token_id=eos,
+                                        pad_token_id=eos[0], **options)
+            tokens = out[0, len(prompt):].tolist()
+            return tokens, max(time.perf_counter() - tic - prefill, 1e-9), len(tokens)
+        return run
+
+    prompts = load_prompts(tokenizer)
+    methods = [Method("transformers plain", run=runner()),
+               Method("transformers prompt lookup (10 tokens)", run=runner(prompt_lookup_num_tokens=10)),
+               Method("ours, plain"),
+               Method("ours, prompt lookup", lambda prompt: {"draft_sources": [PromptLookupSource()]})]
+    return side_by_side(model, tokenizer, prompts, methods, args.max_tokens), "transformers plain"
 
 
 # Standard formats (as in the Bumblebee comparison), each with a prompt that asks for it.
@@ -131,7 +169,7 @@ def speculative_suite(model, tokenizer, args):
 
 
 SUITES = {"plain": plain_suite, "prompt_lookup": prompt_lookup_suite, "regex": regex_suite,
-          "speculative": speculative_suite}
+          "speculative": speculative_suite, "transformers": transformers_suite}
 
 
 def main():
@@ -140,6 +178,8 @@ def main():
     parser.add_argument("--max-tokens", type=int, default=192)
     parser.add_argument("--num-draft-sweep", type=int, nargs="*", default=None,
                         help="Also run fixed draft lengths (prompt lookup suite).")
+    parser.add_argument("--policies", nargs="*", default=None, choices=["recent", "earliest", "longest"],
+                        help="Also run these match policies (prompt lookup suite).")
     parser.add_argument("--draft-layers", type=int, nargs="*", default=[4, 8, 15],
                         help="Self-draft depths to try (speculative suite).")
     parser.add_argument("--temps", type=float, nargs="*", default=[0.0, 1.0],
@@ -152,7 +192,8 @@ def main():
               f"mlx {mx.__version__}")
     print(header)
     RESULTS.mkdir(exist_ok=True)
-    for name in sorted(SUITES) if args.suite == "all" else [args.suite]:
+    # "all" leaves out the transformers comparison, which needs the dev-only torch.
+    for name in [s for s in SUITES if s != "transformers"] if args.suite == "all" else [args.suite]:
         print(f"\n## {name}")
         results, baseline = SUITES[name](model, tokenizer, args)
         table = markdown_table(results, baseline)

@@ -6,6 +6,8 @@ it into ``decoder.generate_step`` and decides how much to draft from how its
 past drafts fared.
 """
 
+import math
+from collections import defaultdict
 from typing import Optional, Sequence
 
 import mlx.core as mx
@@ -59,7 +61,8 @@ def find_draft(
     check_search_args(ngram_max, ngram_min, num_draft, policy)
     tokens = list(tokens)
     context = list(extra_context) + [SEPARATOR] + tokens if extra_context else tokens
-    return search(mx.array(context, mx.int32), len(tokens), ngram_max, ngram_min, num_draft, policy)
+    draft, _ = search(mx.array(context, mx.int32), len(tokens), ngram_max, ngram_min, num_draft, policy)
+    return draft
 
 
 def search(
@@ -69,14 +72,17 @@ def search(
     ngram_min: int,
     num_draft: int,
     policy: str,
-) -> list:
+) -> tuple:
     """``find_draft`` on a ready context: an int32 array whose last ``num_tokens``
-    entries are the tokens, preceded by ``extra_context + [SEPARATOR]`` if any."""
+    entries are the tokens, preceded by ``extra_context + [SEPARATOR]`` if any.
+
+    Returns ``(draft, ngram)``: the draft and the size of the n-gram it matched.
+    """
     length = context.shape[0]
     lookback = max(ngram_max, LONGEST_LOOKBACK) if policy == "longest" else ngram_max
     window = min(lookback, num_tokens)  # the suffix comes from the tokens alone
     if window == 0:
-        return []
+        return [], 0
     # windows[j]: the `window` tokens right before position j, newest first, so that
     # match_length[j] counts how many of them equal the end of the context: an
     # occurrence whose continuation starts at j. All positions in one comparison.
@@ -99,31 +105,29 @@ def search(
     draft = mx.where(follow < length, context[mx.minimum(follow, length - 1)], SEPARATOR)
     draft = mx.where(best >= ngram_min, draft, SEPARATOR)
     # The one host sync of a search: the loop needs the draft as Python ints.
-    draft = draft.tolist()
-    return draft[: draft.index(SEPARATOR)] if SEPARATOR in draft else draft
+    *draft, ngram = mx.concatenate([draft, best[None].astype(mx.int32)]).tolist()
+    return (draft[: draft.index(SEPARATOR)] if SEPARATOR in draft else draft), ngram
 
 
 class PromptLookupSource:
     """A draft source that copies from the prompt and the text generated so far.
 
-    With ``adaptive=True`` it decides how much to draft from how its drafts
-    fared, so that drafting never costs much more than it saves. The rule
-    follows from the cost of verification: scoring k draft tokens with the
-    target adds about 10 ms for the first and 5.5 ms for each further one to a
-    64 ms step (SmolLM2-135M, float32, on a 2-core x86 CPU), while each
-    accepted token saves a whole step. So a draft token pays off when it is
-    accepted more than about 1 time in 11 (5.5 / 64), a lone one 1 time in 6.
+    Adaptive drafting (``adaptive=True``) follows from what verification costs.
+    Scoring one more draft token adds ``draft_token_cost`` of a decoding step
+    (measured: about 0.09 for SmolLM2-135M in float32 on a 2-core x86 CPU,
+    5.5 ms on a 64 ms step), while each accepted token saves a whole step. If a
+    copied token is accepted with probability ``a`` once the token before it
+    was, the i-th draft token pays off while ``a**i > draft_token_cost``, so the
+    best draft length is ``log(draft_token_cost) / log(a)``, capped at
+    ``2 * num_draft``.
 
-    - All accepted: draft 2 more next time, up to ``2 * num_draft``. A copy
-      that held usually goes on, but each extra token must keep beating the
-      1-in-11 odds, so the length grows gradually and is capped.
-    - Some rejected: draft ``accepted + 1`` next time; the copy diverged there.
-    - ``MISSES_BEFORE_PAUSE`` drafts in a row with nothing accepted: stop
-      drafting for ``pause`` tokens (1 at first), doubling the pause after
-      every further miss up to ``MAX_PAUSE``; any accepted token resets it.
-      The probe after a pause is a 1-token draft (~10 ms), so at the longest
-      pause probing costs about 0.2% of the time, and text that turns
-      repetitive is picked up again within ``MAX_PAUSE`` tokens.
+    ``a`` is estimated for each matched n-gram size apart (a 3-gram match is a
+    safer copy than a 1-gram one) from its recent drafts, forgetting old ones by
+    ``FORGET`` per draft. It starts where the best length is ``num_draft``. A
+    size whose copies do not pay (best length 0) is skipped, but probed with a
+    one-token draft after 1, 2, 4, ... ``MAX_PROBE_GAP`` skipped matches, so
+    text that turns repetitive is picked up again at a probing cost of a few
+    percent of a step at most.
 
     With ``adaptive=False`` it always drafts ``num_draft`` tokens when it finds
     a match.
@@ -135,8 +139,8 @@ class PromptLookupSource:
     """
 
     name = "prompt_lookup"
-    MISSES_BEFORE_PAUSE = 2
-    MAX_PAUSE = 64
+    FORGET = 0.8  # weight of the past in the acceptance estimate: about the last 5 drafts count
+    MAX_PROBE_GAP = 64
 
     def __init__(
         self,
@@ -146,16 +150,20 @@ class PromptLookupSource:
         extra_context: Sequence[int] = (),
         adaptive: bool = True,
         policy: str = "recent",
+        draft_token_cost: float = 0.09,
     ):
         check_search_args(ngram_max, ngram_min, num_draft, policy)
         if any(token < 0 for token in extra_context):
             raise ValueError("extra_context must hold token ids (non-negative integers).")
+        if not 0 < draft_token_cost < 1:
+            raise ValueError(f"draft_token_cost must be in (0, 1), got {draft_token_cost}.")
         self.ngram_max = ngram_max
         self.ngram_min = ngram_min
         self.num_draft = num_draft
         self.extra_context = list(extra_context)
         self.adaptive = adaptive
         self.policy = policy
+        self.draft_token_cost = draft_token_cost
         self.max_draft_length = 2 * num_draft
         self.reset()
 
@@ -165,41 +173,60 @@ class PromptLookupSource:
         prefix = self.extra_context + [SEPARATOR] if self.extra_context else []
         self._context = mx.array(prefix, mx.int32)
         self._num_seen = 0  # how many of the tokens are in self._context
-        self.draft_length = self.num_draft
-        self.misses = 0  # drafts in a row with nothing accepted
-        self.pause = 1
-        self.resume_at = 0  # no drafting until the sequence has this many tokens
+        # Per n-gram size: [continued, stopped] pseudo-counts of draft tokens, a prior
+        # worth two drafts whose best length is num_draft.
+        prior = self.draft_token_cost ** (1 / (self.num_draft + 0.5))
+        self._counts = defaultdict(lambda: [2 * prior, 2 * (1 - prior)])
+        self._skipped = defaultdict(int)  # matches skipped since the last probe
+        self._probe_gap = defaultdict(lambda: 1)
+        self._ngram = None  # the n-gram size of the last draft
+
+    def draft_length(self, ngram: int) -> int:
+        """The draft length that pays best for a match of ``ngram`` tokens."""
+        continued, stopped = self._counts[ngram]
+        accept = continued / (continued + stopped)
+        if accept <= self.draft_token_cost:
+            return 0
+        if accept >= 1.0:
+            return self.max_draft_length
+        return min(int(math.log(self.draft_token_cost) / math.log(accept)), self.max_draft_length)
 
     def propose(self, tokens: list, max_draft: int) -> Optional[Draft]:
         # generate_step passes the same growing list every step; another list is a new generation.
         if tokens is not self._tokens:
             self.reset()
             self._tokens = tokens
-        if self.adaptive and len(tokens) < self.resume_at:
-            return None
         if len(tokens) > self._num_seen:
             new_tokens = mx.array(tokens[self._num_seen :], mx.int32)
             # Lazy: computed by the search's one sync below, so the graph never grows.
             self._context = mx.concatenate([self._context, new_tokens])
             self._num_seen = len(tokens)
-        num_draft = min(max_draft, self.draft_length if self.adaptive else self.num_draft)
-        draft = search(self._context, len(tokens), self.ngram_max, self.ngram_min, num_draft, self.policy)
-        return Draft(draft) if draft else None
+        longest = self.max_draft_length if self.adaptive else self.num_draft
+        draft, ngram = search(self._context, len(tokens), self.ngram_max, self.ngram_min,
+                              min(max_draft, longest), self.policy)
+        if not draft:
+            return None
+        if self.adaptive:
+            length = self.draft_length(ngram)
+            if length == 0:  # copies from this n-gram size do not pay: skip, probing now and then
+                self._skipped[ngram] += 1
+                if self._skipped[ngram] <= self._probe_gap[ngram]:
+                    return None
+                self._skipped[ngram] = 0
+                self._probe_gap[ngram] = min(2 * self._probe_gap[ngram], self.MAX_PROBE_GAP)
+                length = 1
+            draft = draft[:length]
+        self._ngram = ngram
+        return Draft(draft)
 
     def update(self, tokens: list, num_proposed: int, num_accepted: int) -> None:
         if not self.adaptive or num_proposed == 0:
             return
-        if num_accepted == num_proposed:
-            self.draft_length = min(self.draft_length + 2, self.max_draft_length)
-        else:
-            self.draft_length = num_accepted + 1
-        if num_accepted > 0:
-            self.misses, self.pause = 0, 1
-            return
-        self.misses += 1
-        if self.misses >= self.MISSES_BEFORE_PAUSE:
-            self.resume_at = len(tokens) + self.pause
-            self.pause = min(2 * self.pause, self.MAX_PAUSE)
+        counts = self._counts[self._ngram]
+        counts[0] = self.FORGET * counts[0] + num_accepted
+        counts[1] = self.FORGET * counts[1] + (num_accepted < num_proposed)
+        if num_accepted:
+            self._probe_gap[self._ngram] = 1
 
 
 def benchmark(lengths=(4_000, 32_000), vocab_size=49152, num_calls=200):

@@ -164,18 +164,27 @@ def drive(source, outcomes, tokens=None):
     return lengths
 
 
-def test_adaptive_grows_on_full_acceptance_up_to_a_cap():
-    assert drive(PromptLookupSource(num_draft=4), [True] * 5) == [4, 6, 8, 8, 8]
+def test_adaptive_starts_at_num_draft_and_grows_on_full_acceptance_up_to_a_cap():
+    lengths = drive(PromptLookupSource(num_draft=4), [True] * 6)
+    assert lengths[0] == 4 and lengths == sorted(lengths) and lengths[-1] == 8
     assert drive(PromptLookupSource(num_draft=4, adaptive=False), [True] * 3) == [4, 4, 4]
 
 
-def test_adaptive_shrinks_to_accepted_plus_one():
+def test_adaptive_shrinks_after_a_partial_acceptance():
     source = PromptLookupSource(num_draft=8)
     tokens = list(range(PERIOD)) * 2
     assert len(source.propose(tokens, 100).tokens) == 8
     tokens.extend(tokens[-PERIOD : -PERIOD + 3])  # 2 accepted, then the target's token
     source.update(tokens, 8, 2)
-    assert len(source.propose(tokens, 100).tokens) == 3
+    assert 1 <= len(source.propose(tokens, 100).tokens) < 8
+
+
+def test_draft_length_follows_the_cost_model():
+    source = PromptLookupSource(num_draft=8, draft_token_cost=0.1)
+    source._counts[3] = [9.0, 1.0]  # a = 0.9: 0.9**21 > 0.1 > 0.9**22, capped at 16
+    source._counts[2] = [1.0, 1.0]  # a = 0.5: 0.5**3 > 0.1 > 0.5**4
+    source._counts[1] = [1.0, 19.0]  # a = 0.05 < cost: do not draft
+    assert [source.draft_length(n) for n in (3, 2, 1)] == [16, 3, 0]
 
 
 def gaps(lengths):
@@ -193,17 +202,20 @@ def test_adaptive_backs_off_exponentially_and_resumes():
     source = PromptLookupSource(num_draft=4)
     tokens = list(range(PERIOD)) * 2
     misses = drive(source, [False] * 400, tokens)
-    assert misses[:2] == [4, 1]  # a miss shrinks the draft to one token, the next one pauses
+    assert misses[0] == 4  # then shorter drafts, then none but probes
+    drafted = [m for m in misses if m]
+    assert drafted == sorted(drafted, reverse=True)
     pauses = gaps(misses)
     assert pauses[:7] == [1, 2, 4, 8, 16, 32, 64]
-    assert set(pauses[7:]) == {source.MAX_PAUSE}
-    assert set(misses) == {0, 1, 4}
+    assert set(pauses[7:]) == {source.MAX_PROBE_GAP}
+    assert sum(misses[100:]) <= 300 / source.MAX_PROBE_GAP + 1  # probing is rare once paused
 
-    # The first accepted probe resumes drafting, growing again, and resets the backoff.
-    hits = drive(source, [True] * 80, tokens)
+    # Accepted probes resume drafting and grow it again.
+    hits = drive(source, [True] * 120, tokens)
     first_probe = next(i for i, length in enumerate(hits) if length)
-    assert hits[first_probe:first_probe + 5] == [1, 3, 5, 7, 8]
-    assert gaps(drive(source, [False] * 10, tokens)) == [1, 2]
+    resumed = hits[first_probe:]
+    assert resumed[0] == 1 and max(resumed) == source.max_draft_length
+    assert 0 not in resumed[resumed.index(source.max_draft_length):]
 
     never_pauses = drive(PromptLookupSource(num_draft=4, adaptive=False), [False] * 20)
     assert never_pauses == [4] * 20
