@@ -73,12 +73,11 @@ def time_loop(model, prompt, max_tokens, eos, **kwargs) -> Run:
 
 
 def time_custom(run, prompt, max_tokens) -> Run:
-    """A runner yields tokens, or returns ``(tokens, decode_time, forward_passes)`` when it times itself."""
+    """A runner yields tokens (timed here, one forward pass each), or returns a ``Run`` it timed itself."""
     mx.reset_peak_memory()
     output = run(prompt, max_tokens)
-    if isinstance(output, tuple):
-        tokens, decode_time, passes = output
-        return Run(list(tokens), decode_time, passes, 0, 0, 0, mx.get_peak_memory() / 1e9)
+    if isinstance(output, Run):
+        return output
     tokens, first = [], None
     for token in output:
         tokens.append(token)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from benchmarks.harness import Method, load_prompts, markdown_table, side_by_side
+from benchmarks.harness import Method, Run, load_prompts, markdown_table, side_by_side
 from loading import default_dtype, describe_backend, load_model
 
 RESULTS = Path(__file__).parent / "results"
@@ -76,7 +76,8 @@ def transformers_suite(model, tokenizer, args):
                 out = hf_model.generate(inputs, max_new_tokens=max_tokens, do_sample=False, eos_token_id=eos,
                                         pad_token_id=eos[0], **options)
             tokens = out[0, len(prompt):].tolist()
-            return tokens, max(time.perf_counter() - tic - prefill, 1e-9), len(tokens)
+            # transformers does not report its verification passes: left as one per token.
+            return Run(tokens, max(time.perf_counter() - tic - prefill, 1e-9), len(tokens), 0, 0, 0, 0.0)
         return run
 
     prompts = load_prompts(tokenizer)
@@ -137,6 +138,28 @@ def self_draft_path(num_layers: int) -> str:
     return str(path)
 
 
+def mlx_lm_speculative_runner(model, tokenizer, draft, num_draft, temp):
+    """mlx-lm's speculative decoding, which accepts a draft token when a target sample equals it."""
+    from mlx_lm import stream_generate
+    from mlx_lm.sample_utils import make_sampler
+
+    def run(prompt, max_tokens):
+        mx.reset_peak_memory()
+        tokens, drafted, first = [], 0, None
+        for response in stream_generate(model, tokenizer, prompt, max_tokens=max_tokens, draft_model=draft,
+                                        num_draft_tokens=num_draft, sampler=make_sampler(temp=temp)):
+            tokens.append(response.token)
+            drafted += response.from_draft
+            first = first or time.perf_counter()
+            if response.finish_reason is not None:
+                break
+        elapsed = time.perf_counter() - first
+        steps = len(tokens) - drafted  # each verification emits one token of the target's own
+        return Run(tokens, elapsed, steps, steps * num_draft, drafted, steps, mx.get_peak_memory() / 1e9)
+
+    return run
+
+
 def speculative_suite(model, tokenizer, args):
     """Early-exit self-drafts of several depths; fixed vs adaptive; with prompt lookup; greedy and sampled."""
     from mlx_lm import load
@@ -156,6 +179,8 @@ def speculative_suite(model, tokenizer, args):
                 return DraftModelSource(draft, vocab_size, temp=temp, num_draft=4, adaptive=adaptive)
 
             methods += [
+                Method(f"mlx-lm speculative, draft {num_layers} layers, k=4",
+                       run=mlx_lm_speculative_runner(model, tokenizer, draft, 4, temp), greedy=temp == 0),
                 Method(f"draft {num_layers} layers, k=4 fixed", lambda prompt, s=source, t=temp: {
                     "temp": t, "draft_sources": [s(adaptive=False)]}, greedy=temp == 0),
                 Method(f"draft {num_layers} layers, adaptive", lambda prompt, s=source, t=temp: {

@@ -37,7 +37,7 @@ def find_draft(
     ngram_max: int = 3,
     ngram_min: int = 1,
     num_draft: int = 8,
-    policy: str = "recent",
+    policy: str = "longest",
 ) -> list:
     """Tokens that followed an earlier occurrence of the end of ``tokens``.
 
@@ -149,7 +149,7 @@ class PromptLookupSource:
         num_draft: int = 8,
         extra_context: Sequence[int] = (),
         adaptive: bool = True,
-        policy: str = "recent",
+        policy: str = "longest",
         draft_token_cost: float = 0.09,
     ):
         check_search_args(ngram_max, ngram_min, num_draft, policy)
@@ -206,6 +206,8 @@ class PromptLookupSource:
                               min(max_draft, longest), self.policy)
         if not draft:
             return None
+        # Matches longer than ngram_max (policy "longest") share one estimate: they are all long.
+        ngram = min(ngram, self.ngram_max)
         if self.adaptive:
             length = self.draft_length(ngram)
             if length == 0:  # copies from this n-gram size do not pay: skip, probing now and then

@@ -118,10 +118,10 @@ def test_edge_cases():
 
 def test_larger_ngram_wins_over_recent_smaller_one():
     tokens = [1, 2, 3, 4, 7, 3, 5, 1, 2, 3]  # [3] alone recurs more recently
-    assert find_draft(tokens, num_draft=3) == [4, 7, 3]
-    assert find_draft(tokens, ngram_max=1, num_draft=3) == [5, 1, 2]
-    assert find_draft([1, 2, 3, 1], ngram_min=2) == []
-    assert find_draft([1, 2, 3, 1], ngram_min=1) == [2, 3, 1]
+    assert find_draft(tokens, num_draft=3, policy="recent") == [4, 7, 3]
+    assert find_draft(tokens, ngram_max=1, num_draft=3, policy="recent") == [5, 1, 2]
+    assert find_draft([1, 2, 3, 1], ngram_min=2, policy="recent") == []
+    assert find_draft([1, 2, 3, 1], ngram_min=1, policy="recent") == [2, 3, 1]
 
 
 def test_policies_pick_different_occurrences():
