@@ -72,6 +72,10 @@ def validate(args):
         raise CliError("--ngram-min and --ngram-max must satisfy 1 <= ngram-min <= ngram-max")
     if args.prompt is not None and args.prompt_file is not None:
         raise CliError("give --prompt or --prompt-file, not both")
+    if args.regex is not None:
+        from constrained import compile_regex
+
+        compile_regex(args.regex)  # fail on a bad regex before loading the model (RegexError)
 
 
 def read_prompt(args) -> str:
@@ -124,6 +128,8 @@ def build_run(args):
     if args.regex is not None:
         from constrained import ForcedTextSource, RegexConstraint
 
+        if search_extra:
+            raise CliError("--regex needs a byte-level or sentencepiece Hugging Face tokenizer; T5 is not supported")
         constraint = RegexConstraint.from_regex(args.regex, tokenizer, vocab_size=_vocab_size(model, tokenizer))
         sources.append(ForcedTextSource(constraint, tokenizer))
     if args.prompt_lookup:

@@ -175,18 +175,21 @@ def speculative_suite(model, tokenizer, args):
         for num_layers in args.draft_layers:
             draft, _ = load(self_draft_path(num_layers))
 
-            def source(draft=draft, adaptive=True, temp=temp):
-                return DraftModelSource(draft, vocab_size, temp=temp, num_draft=4, adaptive=adaptive)
+            def source(draft=draft, temp=temp, **options):
+                return DraftModelSource(draft, vocab_size, temp=temp, num_draft=4, **options)
+
+            def method(name, make_sources, temp=temp):
+                return Method(name, lambda prompt: {"temp": temp, "draft_sources": make_sources()}, greedy=temp == 0)
 
             methods += [
                 Method(f"mlx-lm speculative, draft {num_layers} layers, k=4",
                        run=mlx_lm_speculative_runner(model, tokenizer, draft, 4, temp), greedy=temp == 0),
-                Method(f"draft {num_layers} layers, k=4 fixed", lambda prompt, s=source, t=temp: {
-                    "temp": t, "draft_sources": [s(adaptive=False)]}, greedy=temp == 0),
-                Method(f"draft {num_layers} layers, adaptive", lambda prompt, s=source, t=temp: {
-                    "temp": t, "draft_sources": [s()]}, greedy=temp == 0),
-                Method(f"draft {num_layers} layers + prompt lookup", lambda prompt, s=source, t=temp: {
-                    "temp": t, "draft_sources": [PromptLookupSource(), s()]}, greedy=temp == 0),
+                method(f"draft {num_layers} layers, k=4 fixed", lambda s=source: [s(adaptive=False)]),
+                method(f"draft {num_layers} layers, adaptive", lambda s=source: [s()]),
+                method(f"draft {num_layers} layers, adaptive, stop below p=0.5",
+                       lambda s=source: [s(min_confidence=0.5)]),
+                method(f"draft {num_layers} layers, adaptive + prompt lookup",
+                       lambda s=source: [PromptLookupSource(), s()]),
             ]
         for task, by_method in side_by_side(model, tokenizer, prompts, methods, args.max_tokens).items():
             results[f"{task}, temp {temp}"] = by_method

@@ -51,6 +51,10 @@ def test_prompt_from_stdin_and_length_finish(embedded):
     (["--ngram-min", "4", "--ngram-max", "2"], "--ngram-min"),
     (["--bogus-flag"], "unrecognized arguments"),
     (["--max-tokens", "ten"], "invalid int value"),
+    (["--regex", "(abc"], "position"),
+    (["--regex", "a{3,1}"], "position"),
+    (["--regex", "(?=a)b"], "position"),
+    (["--regex", "[^\\s\\S]"], "matches no string"),
 ])
 def test_bad_input_is_one_line(args, fragment):
     assert_one_line_error(cli(*args), fragment)
