@@ -18,6 +18,11 @@ from loading import default_dtype, describe_backend, load_model
 RESULTS = Path(__file__).parent / "results"
 
 
+def first_prompts(prompts: dict, count: int) -> dict:
+    """Keep ``count`` prompts per task class (the slow suites), all when count is None."""
+    return {task: items[:count] for task, items in prompts.items()} if count else prompts
+
+
 def mlx_lm_runner(model, tokenizer):
     from mlx_lm import stream_generate
 
@@ -80,7 +85,7 @@ def transformers_suite(model, tokenizer, args):
             return Run(tokens, max(time.perf_counter() - tic - prefill, 1e-9), len(tokens), 0, 0, 0, 0.0)
         return run
 
-    prompts = load_prompts(tokenizer)
+    prompts = first_prompts(load_prompts(tokenizer), args.prompts_per_class)
     methods = [Method("transformers plain", run=runner()),
                Method("transformers prompt lookup (10 tokens)", run=runner(prompt_lookup_num_tokens=10)),
                Method("ours, plain"),
@@ -167,7 +172,7 @@ def speculative_suite(model, tokenizer, args):
     from prompt_lookup import PromptLookupSource
     from speculative import DraftModelSource
 
-    prompts = load_prompts(tokenizer, ["open_ended", "extractive_qa"])
+    prompts = first_prompts(load_prompts(tokenizer, ["open_ended", "extractive_qa"]), args.prompts_per_class)
     vocab_size = model.args.vocab_size
     results = {}
     for temp in args.temps:
@@ -206,6 +211,8 @@ def main():
     parser.add_argument("--max-tokens", type=int, default=192)
     parser.add_argument("--num-draft-sweep", type=int, nargs="*", default=None,
                         help="Also run fixed draft lengths (prompt lookup suite).")
+    parser.add_argument("--prompts-per-class", type=int, default=None,
+                        help="Use only the first N prompts of each task class (speculative, transformers).")
     parser.add_argument("--policies", nargs="*", default=None, choices=["recent", "earliest", "longest"],
                         help="Also run these match policies (prompt lookup suite).")
     parser.add_argument("--draft-layers", type=int, nargs="*", default=[4, 8, 15],
