@@ -297,6 +297,9 @@ class T5Decoder:
     def make_cache(self) -> List[KVCache]:
         return self.model.make_cache()
 
+    def parameters(self):
+        return self.model.parameters()
+
     def prompt_tokens(self) -> List[int]:
         return [self.args.decoder_start_token_id]
 

@@ -37,7 +37,7 @@ def test_greedy_draft_model_output_equals_plain(prompt, num_draft, adaptive, min
 
 def test_a_perfect_draft_is_always_accepted_and_grows():
     stats = DecodingStats()
-    source = DraftModelSource(TARGET, VOCAB, num_draft=2, adaptive=True, max_draft=8)
+    source = DraftModelSource(TARGET, VOCAB, num_draft=2, adaptive=True, max_draft=8, min_confidence=0.0)
     tokens_of([1, 2, 3], TARGET, [source], max_tokens=40, stats=stats)
     assert stats.draft_accepted == stats.draft_proposed > 0
     assert source.num_draft == 8
@@ -126,3 +126,30 @@ def test_vocabulary_mismatch_is_refused(t5_pair, tmp_path):
         DraftModelSource.create(draft, draft_tokenizer, target, tokenizer, encoder_input=[1])
     result = cli("--model", str(t5_pair[0]), "--draft-model", str(other), "--prompt", "hi")
     assert_one_line_error(result, "vocabulary")
+
+
+def test_a_draft_that_never_pays_is_paused_and_probed():
+    """A draft whose tokens are never accepted stops costing steps: it is probed ever more rarely."""
+    stats = DecodingStats()
+    source = DraftModelSource(DRAFT, VOCAB, num_draft=4, draft_token_cost=0.4)
+    reference = tokens_of([1, 2, 3], TARGET, max_tokens=120)
+    assert tokens_of([1, 2, 3], TARGET, [source], max_tokens=120, stats=stats) == reference
+    drafts = stats.source("draft_model").drafts
+    assert stats.draft_accepted <= 0.1 * stats.draft_proposed  # the random draft rarely agrees
+    assert drafts < 30 and stats.target_forward_passes > 90
+
+
+def test_self_draft_pair_from_the_command_line(embedded, tmp_path):
+    """The README's offline pair: the embedded model and its first layers (convert.py --num-layers)."""
+    from convert import convert
+    from loading import embedded_gguf
+
+    _, _, target = embedded
+    draft = convert(str(tmp_path / "draft"), gguf=str(embedded_gguf()), num_layers=6)
+    args = ["--model", str(target), "--prompt", "List three fruits.", "--max-tokens", "24", "--json"]
+    plain = json.loads(cli(*args).stdout)
+    result = cli(*args[:-1], "--draft-model", str(draft), "--color", "always", "--verbose")
+    assert result.returncode == 0, result.stderr
+    assert "draft_model" in result.stdout  # the legend and the per-source line
+    fast = json.loads(cli(*args, "--draft-model", str(draft)).stdout)
+    assert fast["tokens"] == plain["tokens"] and fast["draft_proposed"] > 0
