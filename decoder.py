@@ -181,7 +181,8 @@ def accept_draft(
     return num_accepted, next_token
 
 
-def _prefill(model, cache, tokens: list, step_size: int = 512):
+def prefill(model, cache, tokens: list, step_size: int = 512):
+    """Run ``tokens`` through ``model`` into ``cache`` in chunks (bounded attention memory)."""
     for start in range(0, len(tokens), step_size):
         model(mx.array(tokens[start : start + step_size])[None], cache=cache)
         mx.eval([c.state for c in cache])
@@ -241,7 +242,7 @@ def generate_step(
     tokens = list(prompt)
     tic = time.perf_counter()
     # The last prompt token is the first input of the loop, like every accepted token after it.
-    _prefill(model, cache, tokens[:-1], prefill_step_size)
+    prefill(model, cache, tokens[:-1], prefill_step_size)
     stats.prompt_time = time.perf_counter() - tic
 
     num_generated = 0

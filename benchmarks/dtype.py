@@ -41,6 +41,9 @@ def main():
         return run
 
     methods = [Method(name, run=runner(model), greedy=False) for name, (model, _) in models.items()]
+    first_prompt = prompts["open_ended"][0][1]
+    for method in methods:  # a short warm-up of each (a full one would take minutes at 4 bits)
+        list(method.run(first_prompt, 4))
     results = side_by_side(None, tokenizer, prompts, methods, max_tokens=32, warmup=False)
     print(f"{datetime.date.today()} · {describe_backend()} · mlx {mx.__version__} · plain greedy, 32 new tokens")
     print(markdown_table(results, "float32"))

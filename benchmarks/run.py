@@ -63,6 +63,7 @@ def transformers_suite(model, tokenizer, args):
     from transformers import AutoModelForCausalLM
 
     from loading import default_model_path
+    from prompt_lookup import PromptLookupSource
 
     torch.set_num_threads(2)
     hf_model = AutoModelForCausalLM.from_pretrained(default_model_path("float32"), dtype=torch.float32).eval()
@@ -181,7 +182,7 @@ def speculative_suite(model, tokenizer, args):
             draft, _ = load(self_draft_path(num_layers))
 
             def source(draft=draft, temp=temp, **options):
-                return DraftModelSource(draft, vocab_size, temp=temp, num_draft=4, **options)
+                return DraftModelSource.create(draft, tokenizer, model, tokenizer, temp=temp, num_draft=4, **options)
 
             def method(name, make_sources, temp=temp):
                 return Method(name, lambda prompt: {"temp": temp, "draft_sources": make_sources()}, greedy=temp == 0)
@@ -189,10 +190,11 @@ def speculative_suite(model, tokenizer, args):
             methods += [
                 Method(f"mlx-lm speculative, draft {num_layers} layers, k=4",
                        run=mlx_lm_speculative_runner(model, tokenizer, draft, 4, temp), greedy=temp == 0),
-                method(f"draft {num_layers} layers, k=4 fixed", lambda s=source: [s(adaptive=False)]),
-                method(f"draft {num_layers} layers, adaptive", lambda s=source: [s()]),
-                method(f"draft {num_layers} layers, adaptive, stop below p=0.5",
-                       lambda s=source: [s(min_confidence=0.5)]),
+                method(f"draft {num_layers} layers, k=4 fixed",
+                       lambda s=source: [s(adaptive=False, min_confidence=0.0)]),
+                method(f"draft {num_layers} layers, adaptive, no confidence stop",
+                       lambda s=source: [s(min_confidence=0.0)]),
+                method(f"draft {num_layers} layers, adaptive (default)", lambda s=source: [s()]),
                 method(f"draft {num_layers} layers, adaptive + prompt lookup",
                        lambda s=source: [PromptLookupSource(), s()]),
             ]

@@ -10,7 +10,7 @@ from typing import Optional
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
-from decoder import Draft, sampling_probs
+from decoder import Draft, prefill, sampling_probs
 
 
 class VocabularyMismatch(ValueError):
@@ -149,6 +149,10 @@ class DraftModelSource:
             trim_prompt_cache(self.cache, 1)
             self.cache_tokens.pop()
         pending = tokens[len(self.cache_tokens):]
+        if len(pending) > 1:  # the prompt, or catching up after a pause: chunked like the target's
+            prefill(self.model, self.cache, pending[:-1])
+            self.cache_tokens.extend(pending[:-1])
+            pending = pending[-1:]
         draft, rows = [], []
         for _ in range(min(self.num_draft, max_draft)):
             probs = self._next_distribution(pending)
