@@ -166,6 +166,39 @@ def mlx_lm_speculative_runner(model, tokenizer, draft, num_draft, temp):
     return run
 
 
+def acceptance_suite(model, tokenizer, args):
+    """Expected acceptance of a draft token under two rules, on the target's own greedy text.
+
+    Ours, min(1, p/q), accepts with probability sum_x min(p(x), q(x)); mlx-lm's "sample the
+    target and compare" accepts with sum_x p(x) q(x), which is never larger. Noise-free: one
+    forward pass of each model per prompt, no sampling.
+    """
+    from mlx_lm import load
+
+    from decoder import eos_ids_of, generate_step, sampling_probs
+
+    prompts = load_prompts(tokenizer, ["open_ended", "extractive_qa"])
+    texts = [prompt + [t for t, _ in generate_step(prompt, model, max_tokens=args.max_tokens,
+                                                   eos_token_ids=eos_ids_of(tokenizer))]
+             for items in prompts.values() for _, prompt in items]
+    lines = ["| draft | temp | positions | min(1, p/q) (ours) | sample and compare (mlx-lm) |",
+             "|---|---:|---:|---:|---:|"]
+    for num_layers in args.draft_layers:
+        draft, _ = load(self_draft_path(num_layers))
+        for temp in [t for t in args.temps if t > 0]:
+            ours = compare = positions = 0
+            for text in texts:
+                inputs = mx.array(text)[None]
+                p = sampling_probs(model(inputs)[0], temp)
+                q = sampling_probs(draft(inputs)[0], temp)
+                ours += mx.minimum(p, q).sum().item()
+                compare += (p * q).sum().item()
+                positions += p.shape[0]
+            lines.append(f"| {num_layers} layers | {temp} | {positions} | {ours / positions:.3f} | "
+                         f"{compare / positions:.3f} |")
+    return "\n".join(lines), None
+
+
 def speculative_suite(model, tokenizer, args):
     """Early-exit self-drafts of several depths; fixed vs adaptive; with prompt lookup; greedy and sampled."""
     from mlx_lm import load
@@ -204,7 +237,7 @@ def speculative_suite(model, tokenizer, args):
 
 
 SUITES = {"plain": plain_suite, "prompt_lookup": prompt_lookup_suite, "regex": regex_suite,
-          "speculative": speculative_suite, "transformers": transformers_suite}
+          "speculative": speculative_suite, "acceptance": acceptance_suite, "transformers": transformers_suite}
 
 
 def main():
@@ -233,7 +266,7 @@ def main():
     for name in [s for s in SUITES if s != "transformers"] if args.suite == "all" else [args.suite]:
         print(f"\n## {name}")
         results, baseline = SUITES[name](model, tokenizer, args)
-        table = markdown_table(results, baseline)
+        table = results if isinstance(results, str) else markdown_table(results, baseline)
         print(table)
         (RESULTS / f"{name}.md").write_text(f"{header}\n\n{table}\n")
 

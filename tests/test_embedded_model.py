@@ -54,3 +54,31 @@ def test_num_layers_makes_an_early_exit_draft(tmp_path):
     assert len(model.layers) == 4
     logits = model(mx.array([tokenizer.encode("Hello")]))
     assert logits.shape[-1] == 49152
+
+
+def test_hf_path_conversion_with_quantization(embedded, tmp_path):
+    """convert.py --hf-path on an mlx-lm/Hugging Face directory, cast and quantized."""
+    from mlx_lm import load
+
+    from convert import convert
+
+    _, tokenizer, path = embedded
+    out = convert(str(tmp_path / "q4"), hf_path=str(path), dtype="float16", quantize=True, q_bits=4)
+    model, _ = load(str(out))
+    assert model.layers[0].self_attn.q_proj.bits == 4
+    answer = generate(model, tokenizer, tokenizer.apply_chat_template(
+        [{"role": "user", "content": QUESTION}], add_generation_prompt=True), max_tokens=12)
+    assert "Paris" in answer.text
+
+
+def test_prompt_lookup_is_lossless_on_the_embedded_model(embedded, chat_prompt):
+    from prompt_lookup import PromptLookupSource
+
+    model, tokenizer, _ = embedded
+    document = ("Repeat this list exactly: apples, pears, plums, cherries, apricots, peaches, grapes, "
+                "lemons, limes, oranges.")
+    prompt = chat_prompt(document)
+    plain = generate(model, tokenizer, prompt, max_tokens=40)
+    fast = generate(model, tokenizer, prompt, max_tokens=40, draft_sources=[PromptLookupSource()])
+    assert fast.tokens == plain.tokens
+    assert fast.stats.target_forward_passes < plain.stats.target_forward_passes / 2
