@@ -12,7 +12,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from benchmarks.harness import Method, Run, load_prompts, markdown_table, side_by_side
+from benchmarks.harness import Method, Run, Totals, load_prompts, markdown_table, side_by_side
 from loading import default_dtype, describe_backend, load_model
 
 RESULTS = Path(__file__).parent / "results"
@@ -54,7 +54,11 @@ def prompt_lookup_suite(model, tokenizer, args):
     for policy in args.policies or []:
         methods.append(Method(f"prompt lookup, {policy} match", lambda prompt, policy=policy: {
             "draft_sources": [PromptLookupSource(policy=policy)]}))
-    return side_by_side(model, tokenizer, prompts, methods, args.max_tokens), "plain"
+    results = side_by_side(model, tokenizer, prompts, methods, args.max_tokens)
+    grounded = [task for task in results if task != "open_ended"]
+    results["grounded, all"] = {m.name: Totals([run for task in grounded for run in results[task][m.name].runs])
+                                for m in methods}
+    return results, "plain"
 
 
 def transformers_suite(model, tokenizer, args):
