@@ -58,17 +58,18 @@ def test_num_layers_makes_an_early_exit_draft(tmp_path):
 
 def test_hf_path_conversion_with_quantization(embedded, tmp_path):
     """convert.py --hf-path on an mlx-lm/Hugging Face directory, cast and quantized."""
+    import mlx.core as mx
     from mlx_lm import load
 
     from convert import convert
 
-    _, tokenizer, path = embedded
-    out = convert(str(tmp_path / "q4"), hf_path=str(path), dtype="float16", quantize=True, q_bits=4)
-    model, _ = load(str(out))
-    assert model.layers[0].self_attn.q_proj.bits == 4
-    answer = generate(model, tokenizer, tokenizer.apply_chat_template(
-        [{"role": "user", "content": QUESTION}], add_generation_prompt=True), max_tokens=12)
-    assert "Paris" in answer.text
+    model, tokenizer, path = embedded
+    out = convert(str(tmp_path / "q8"), hf_path=str(path), dtype="float16", quantize=True, q_bits=8)
+    quantized, _ = load(str(out))
+    assert quantized.layers[0].self_attn.q_proj.bits == 8
+    # A few tokens only: MLX's quantized CPU kernels are slow (see the README's dtype table).
+    inputs = mx.array([tokenizer.encode("The capital of France is")])
+    assert mx.argmax(quantized(inputs)[0, -1]).item() == mx.argmax(model(inputs)[0, -1]).item()
 
 
 def test_prompt_lookup_is_lossless_on_the_embedded_model(embedded, chat_prompt):
