@@ -17,6 +17,8 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from speculative.t5 import convert_t5, is_t5_dir
+
 DTYPES = ("float32", "float16", "bfloat16")
 
 # llama.cpp tensor names -> Hugging Face Llama names.
@@ -173,11 +175,9 @@ def convert(
             tokenizer.save_pretrained(staging)
             _inline_chat_template(Path(staging))
             source = staging
-        elif _is_t5(hf_path):
+        elif is_t5_dir(hf_path):
             if quantize or num_layers:
                 raise ConversionError("--quantize and --num-layers are not supported for T5 models")
-            from speculative.t5 import convert_t5
-
             return convert_t5(hf_path, mlx_path, dtype)
 
         try:
@@ -216,11 +216,6 @@ def _cast(tree, dtype):
     from mlx.utils import tree_map
 
     return tree_map(lambda v: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v, tree)
-
-
-def _is_t5(hf_path: str) -> bool:
-    config = Path(hf_path) / "config.json"
-    return config.exists() and json.loads(config.read_text()).get("model_type") == "t5"
 
 
 def main():

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from speculative.t5 import is_t5_dir, load_t5
+
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
@@ -80,16 +82,11 @@ def resolve_model_path(path_or_repo: str = None) -> Path:
         raise ModelError(f"cannot download {path_or_repo}: {reason}") from None
 
 
-def is_t5(path: Path) -> bool:
-    return json.loads((Path(path) / "config.json").read_text()).get("model_type") == "t5"
-
-
 def load_model(path_or_repo: str = None):
     """Returns ``(model, tokenizer, path)``; T5 directories return a T5 model."""
     path = resolve_model_path(path_or_repo)
     try:
-        if is_t5(path):
-            from speculative.t5 import load_t5
+        if is_t5_dir(path):
 
             model, tokenizer = load_t5(path)
         else:

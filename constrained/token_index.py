@@ -19,6 +19,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from constrained.regex_dfa import DEFAULT_MAX_STATES, DFA, RegexError, compile_regex, states_reaching
+from loading import cache_dir
 
 CACHE_FORMAT_VERSION = 1
 # Walk at most this many (state, token) pairs at once; bounds peak memory of `TokenIndex.build`.
@@ -230,8 +231,7 @@ class TokenIndex:
 
 
 def default_cache_dir() -> Path:
-    cache_home = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(cache_home) / "mlx-decoding" / "regex-index"
+    return cache_dir() / "regex-index"
 
 
 def _cache_key(pattern: str, token_bytes: list, eos_token_ids) -> str:
