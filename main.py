@@ -127,10 +127,11 @@ def build_run(args):
     sources, constraint = [], None
     if args.regex is not None:
         from constrained import ForcedTextSource, RegexConstraint
+        from speculative.draft_model import output_size
 
         if search_extra:
             raise CliError("--regex needs a byte-level or sentencepiece Hugging Face tokenizer; T5 is not supported")
-        constraint = RegexConstraint.from_regex(args.regex, tokenizer, vocab_size=_vocab_size(model, tokenizer))
+        constraint = RegexConstraint.from_regex(args.regex, tokenizer, vocab_size=output_size(model, tokenizer))
         sources.append(ForcedTextSource(constraint, tokenizer))
     if args.prompt_lookup:
         from prompt_lookup import PromptLookupSource
@@ -149,11 +150,6 @@ def build_run(args):
     kwargs = dict(draft_sources=sources, constraint=constraint, temp=args.temp, top_p=args.top_p,
                   max_tokens=max_tokens, stats=DecodingStats())
     return model, tokenizer, prompt, kwargs
-
-
-def _vocab_size(model, tokenizer) -> int:
-    args = getattr(model, "args", None)
-    return getattr(args, "vocab_size", None) or len(tokenizer.get_vocab())
 
 
 def print_stats(result, verbose: bool, use_color: bool):

@@ -47,7 +47,8 @@ def _parameters(model) -> int:
     return sum(value.size for _, value in tree_flatten(model.parameters()))
 
 
-def _output_size(model, tokenizer) -> int:
+def output_size(model, tokenizer) -> int:
+    """The width of the model's logits (its config's vocab_size, else the tokenizer's size)."""
     args = getattr(model, "args", None)
     return getattr(args, "vocab_size", None) or len(vocabulary(tokenizer))
 
@@ -95,8 +96,8 @@ class DraftModelSource:
     def create(cls, draft_model, draft_tokenizer, target_model, target_tokenizer,
                encoder_input: Optional[list] = None, **kwargs):
         """Check the pair shares a vocabulary, wrap a T5 draft, and build the source."""
-        draft_size = _output_size(draft_model, draft_tokenizer)
-        target_size = _output_size(target_model, target_tokenizer)
+        draft_size = output_size(draft_model, draft_tokenizer)
+        target_size = output_size(target_model, target_tokenizer)
         check_same_vocabulary(draft_tokenizer, target_tokenizer, draft_size, target_size)
         if hasattr(draft_model, "encode"):
             from speculative.t5 import T5Decoder
