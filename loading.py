@@ -11,6 +11,7 @@ import importlib.util
 import json
 import os
 import platform
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -71,6 +72,7 @@ def default_model_path(dtype: str = None) -> Path:
     dtype = dtype or default_dtype()
     path = cache_dir() / "models" / f"{DEFAULT_MODEL_NAME}-{dtype}"
     sweep(path.parent)
+    sweep(path.parent, re.compile(re.escape(path.name) + r"\.(tmp)(\d+)$"))  # earlier versions' staging
     sweep(Path(tempfile.gettempdir()))
     if path.exists():
         damage = _damage(path)
@@ -103,8 +105,12 @@ def _damage(path: Path):
 def _convert_embedded(output: Path, dtype: str):
     from convert import convert_into
 
-    convert_into(output, gguf=str(embedded_gguf()), dtype=dtype)
-    write_checksums(output)
+    try:
+        convert_into(output, gguf=str(embedded_gguf()), dtype=dtype)
+        write_checksums(output)
+    except OSError as error:  # e.g. a full disk
+        raise ModelError(f"cannot convert the embedded model into {output.parent}: "
+                         f"{error.strerror or error}") from None
 
 
 def _record_checksums(path: Path):
@@ -130,7 +136,7 @@ def resolve_model_path(path_or_repo: str = None) -> Path:
     """A local directory as is; anything else is a Hugging Face repo to download."""
     if path_or_repo is None:
         return default_model_path()
-    path = Path(path_or_repo).expanduser()
+    path = Path(os.path.expanduser(path_or_repo))  # Path.expanduser raises for an unknown ~user
     if path.exists():
         if not (path / "config.json").exists():
             raise ModelError(f"{path} is not a model directory (no config.json)")

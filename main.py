@@ -219,6 +219,10 @@ def main():
         # The reader left (`| head`): stop quietly, as Unix tools do.
         discard_stdout()
         sys.exit(CLOSED_PIPE_STATUS)
+    except OSError as error:  # the system refused something (permissions, a full disk): say what
+        where = f": {error.filename}" if error.filename else ""
+        sys.stderr.write(f"error: {error.strerror or error}{where}\n")
+        sys.exit(1)
     except KeyboardInterrupt:
         sys.exit(130)
 

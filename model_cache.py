@@ -28,7 +28,7 @@ from typing import Optional
 
 CHECKSUMS = "checksums.json"
 CHECKSUMS_VERSION = 1
-_LEFTOVER = re.compile(r"\.(converting|removing)-(\d+)$")
+LEFTOVER = re.compile(r"\.(converting|removing)-(\d+)$")  # group 2: the PID that made it
 
 
 def warn(message: str):
@@ -47,14 +47,15 @@ def _process_alive(pid: int) -> bool:
     return True
 
 
-def sweep(parent: Path):
-    """Remove ``*.converting-<pid>`` and ``*.removing-<pid>`` directories of processes no longer running."""
+def sweep(parent: Path, pattern: re.Pattern = LEFTOVER):
+    """Remove the directories in ``parent`` whose names match ``pattern`` (by default
+    ``*.converting-<pid>`` and ``*.removing-<pid>``) and whose process no longer runs."""
     try:
         entries = list(Path(parent).iterdir())
     except OSError:
         return
     for entry in entries:
-        match = _LEFTOVER.search(entry.name)
+        match = pattern.search(entry.name)
         if match and entry.is_dir() and not entry.is_symlink() and not _process_alive(int(match[2])):
             shutil.rmtree(entry, ignore_errors=True)
 

@@ -189,12 +189,21 @@ def test_unwritable_cache_converts_into_a_temporary_directory(cache_env, tmp_pat
     assert list(tmp.iterdir()) == []  # removed at exit
 
 
+def dead_pid() -> int:
+    process = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    return int(process.stdout)
+
+
 def test_damaged_cache_is_converted_again(tmp_path, tiny_gguf, monkeypatch, capsys):
     import loading
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setattr(loading, "embedded_gguf", lambda: tiny_gguf)
+    models = tmp_path / "mlx-decoding" / "models"
+    legacy = models / f"{loading.DEFAULT_MODEL_NAME}-{loading.default_dtype()}.tmp{dead_pid()}"
+    legacy.mkdir(parents=True)  # what a killed conversion left before this version
     path = loading.default_model_path()
+    assert not legacy.exists()
     weights = path / "model.safetensors"
     original = weights.read_bytes()
     flip_bytes(weights, len(original) // 2)
@@ -204,7 +213,30 @@ def test_damaged_cache_is_converted_again(tmp_path, tiny_gguf, monkeypatch, caps
     assert weights.read_bytes() == original
     (path / "config.json").unlink()  # a half-deleted copy
     assert loading.default_model_path() == path and (path / "config.json").is_file()
-    assert leftovers(tmp_path / "mlx-decoding" / "models") == []
+    assert leftovers(models) == []
+
+
+def test_full_disk_during_conversion_is_one_error_and_no_leftover(tmp_path, tiny_gguf, monkeypatch):
+    import errno
+
+    import loading
+
+    def disk_full(directory):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(loading, "embedded_gguf", lambda: tiny_gguf)
+    monkeypatch.setattr(loading, "write_checksums", disk_full)
+    with pytest.raises(loading.ModelError, match="No space left on device"):
+        loading.default_model_path()
+    assert list((tmp_path / "mlx-decoding" / "models").iterdir()) == []
+
+
+def test_unknown_home_is_model_not_found():
+    from loading import ModelError, resolve_model_path
+
+    with pytest.raises(ModelError, match="model not found"):
+        resolve_model_path("~no-such-user-xyz/model")
 
 
 def flip_bytes(file: Path, offset: int):
@@ -234,14 +266,13 @@ def test_damaged_user_model_is_refused(tiny_model, tmp_path):
 def test_stale_staging_of_a_dead_process_is_swept(tmp_path):
     from model_cache import sweep
 
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    dead_pid = int(dead.stdout)
-    (tmp_path / f"model.converting-{dead_pid}").mkdir()
+    dead = dead_pid()
+    (tmp_path / f"model.converting-{dead}").mkdir()
     (tmp_path / f"model.converting-{os.getpid()}").mkdir()  # alive: ours
-    (tmp_path / f"notes.converting-{dead_pid}.txt").write_text("not ours")
+    (tmp_path / f"notes.converting-{dead}.txt").write_text("not ours")
     sweep(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == [f"model.converting-{os.getpid()}",
-                                                          f"notes.converting-{dead_pid}.txt"]
+                                                          f"notes.converting-{dead}.txt"]
 
 
 # ---------------------------------------------------------------------------------------------
