@@ -174,7 +174,7 @@ def check_options(dtype: str = "float32", quantize: bool = False, q_bits: int = 
                                   f"{reason}") from None
 
 
-def convert(mlx_path: str, **options) -> Path:
+def convert(mlx_path: str, gguf: str = None, hf_path: str = None, **options) -> Path:
     """Write an mlx-lm model directory at ``mlx_path``, which must not exist.
 
     The directory appears whole, with its ``checksums.json``, or not at all: the
@@ -182,10 +182,11 @@ def convert(mlx_path: str, **options) -> Path:
 
     Args:
         mlx_path: The output directory.
-        options: ``gguf`` or ``hf_path``, and the options of ``convert_into``.
+        gguf, hf_path: The source: a GGUF file, or a local directory or Hugging Face repo.
+        options: ``dtype``, ``quantize``, ``q_bits``, ``q_group_size``, ``num_layers`` (see ``main``).
     """
     output = Path(mlx_path)
-    check_options(**{name: value for name, value in options.items() if name not in ("gguf", "hf_path")})
+    check_options(**options)
     if output.exists():
         raise ConversionError(f"{output} already exists; choose a new --mlx-path")
     sweep(output.parent)
@@ -194,7 +195,7 @@ def convert(mlx_path: str, **options) -> Path:
     except OSError as error:
         raise ConversionError(f"cannot write {output}: {error.strerror or error}") from None
     with removed_on_exit(staging):
-        convert_into(staging, **options)
+        convert_into(staging, gguf=gguf, hf_path=hf_path, **options)
         write_checksums(staging)
         if not publish(staging, output):
             raise ConversionError(f"{output} appeared while converting; choose a new --mlx-path")
@@ -240,7 +241,7 @@ def convert_into(
             with stage("reading GGUF"):
                 weights, config, tokenizer = read_gguf(gguf)
                 mx.save_safetensors(str(source / "model.safetensors"), weights)
-                del weights
+                del weights  # free them before mlx-lm loads the copy
             (source / "config.json").write_text(json.dumps(config, indent=2))
             tokenizer.save_pretrained(source)
             _inline_chat_template(source)
