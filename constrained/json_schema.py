@@ -1,0 +1,475 @@
+"""Compile a JSON Schema to a regex in our dialect, so JSON output reuses the regex DFA and its drafts.
+
+    regex = schema_to_regex({"type": "object", "properties": {"name": {"type": "string"}},
+                             "required": ["name"]})
+
+The regex matches only JSON text that validates against the schema: where the exact set of texts is
+out of reach, it matches a subset (properties in schema order, no undeclared properties, compact
+whitespace, fractions only where the whole integer part is in range) or the schema is refused with a
+`SchemaError` naming the keyword and its JSON pointer. Leaves (strings, formats, number ranges) are
+in `json_regex.py`. Limits, all documented in constrained/README.md:
+
+- a recursive `$ref` is expanded `max_ref_depth` times along one path; deeper, the branch is left out
+  (an optional property, an empty array, another `anyOf` branch) or the schema is refused;
+- `{}` (any value) nests arrays and objects `any_depth` levels deep;
+- `maxLength` and `maxItems` above `max_repeat` are lowered to it (each allowed length is DFA states).
+"""
+
+import json
+import re
+from pathlib import Path
+
+from constrained.json_regex import (BOOLEAN, FORMATS, INTEGER, NULL, NUMBER, STRING, bounded_string,
+                                    integer_range, literal, number_range, pattern_string, whole_bounds)
+from constrained.regex_parse import RegexError
+
+ANNOTATIONS = {"title", "description", "default", "examples", "$schema", "$id", "id", "$comment", "deprecated",
+               "readOnly", "writeOnly", "definitions", "$defs", "contentMediaType", "contentEncoding", "$anchor"}
+# Keywords that constrain values and that no branch below implements: refused, never dropped.
+UNSUPPORTED = {"not", "contains", "minContains", "maxContains", "propertyNames", "dependencies",
+               "dependentRequired", "dependentSchemas", "unevaluatedProperties", "unevaluatedItems",
+               "$dynamicRef", "$recursiveRef", "then", "else"}
+# Formats a validator checks that have no regex here; other format names are annotations.
+UNSUPPORTED_FORMATS = {"duration", "regex", "json-pointer", "relative-json-pointer", "uri-template"}
+TYPE_KEYWORDS = {
+    "object": {"properties", "required", "additionalProperties", "patternProperties", "minProperties",
+               "maxProperties"},
+    "array": {"items", "prefixItems", "additionalItems", "minItems", "maxItems", "uniqueItems"},
+    "string": {"minLength", "maxLength", "pattern", "format"},
+    "number": {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"},
+}
+# What each keyword's value must be; a schema that breaks this is not a valid schema.
+KEYWORD_TYPES = {
+    "properties": dict, "patternProperties": dict, "required": list, "enum": list, "allOf": list, "anyOf": list,
+    "oneOf": list, "prefixItems": list, "type": (str, list), "pattern": str, "format": str, "$ref": str,
+    "items": (dict, bool, list), "additionalItems": (dict, bool), "additionalProperties": (dict, bool),
+    "minLength": int, "maxLength": int, "minItems": int, "maxItems": int, "minProperties": int,
+    "maxProperties": int, "minimum": (int, float), "maximum": (int, float), "multipleOf": (int, float),
+    "exclusiveMinimum": (int, float, bool), "exclusiveMaximum": (int, float, bool), "uniqueItems": bool,
+}
+MAX_REGEX_LENGTH = 500_000
+ALL_TYPES = ["object", "array", "string", "number", "integer", "boolean", "null"]
+
+
+class SchemaError(RegexError):
+    """A schema that is not valid, or asks for something the compiler cannot guarantee."""
+
+
+def schema_to_regex(schema, whitespace: str = "", max_ref_depth: int = 3, any_depth: int = 2,
+                    max_repeat: int = 64) -> str:
+    """The regex (our dialect, fullmatch) for JSON text that validates against `schema`.
+
+    Args:
+        schema: A JSON Schema as a dict (or True/False).
+        whitespace: Regex for the whitespace allowed around `{ } [ ] , :`; "" is compact JSON.
+        max_ref_depth: How often one `$ref` may be expanded along a path (recursion cut).
+        any_depth: Nesting depth of arrays and objects where the schema allows any value.
+        max_repeat: Largest `maxLength`/`maxItems` kept as is; larger ones are lowered to it.
+    """
+    compiler = _Compiler(schema, whitespace, max_ref_depth, any_depth, max_repeat)
+    try:
+        regex = compiler.compile(schema, "#", ())
+    except RecursionError:
+        raise SchemaError("the schema nests too deeply") from None
+    if regex is not None and len(regex) > MAX_REGEX_LENGTH:
+        raise SchemaError(f"the schema is too large: its regex has more than {MAX_REGEX_LENGTH} characters")
+    if regex is None:
+        raise SchemaError("the schema allows no value that can be generated (false, empty enum or unbounded recursion)")
+    return regex
+
+
+def load_schema(argument: str):
+    """A schema from a file path or inline JSON text (the `--json-schema` argument); SchemaError if invalid."""
+    text = argument
+    if not argument.lstrip().startswith(("{", "[")) and argument.strip() not in ("true", "false"):
+        try:
+            text = Path(argument).read_text()
+        except (OSError, UnicodeDecodeError) as error:
+            raise SchemaError(f"cannot read the schema file {argument}: {getattr(error, 'strerror', None) or error}") from None
+    try:
+        schema = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise SchemaError(f"the schema is not valid JSON: {error}") from None
+    if not isinstance(schema, (dict, bool)):
+        raise SchemaError("the schema must be a JSON object or a boolean")
+    return schema
+
+
+def _pointer_get(root, pointer: str, path: str):
+    node = root
+    for part in pointer.lstrip("/").split("/") if pointer else []:
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        elif isinstance(node, dict) and part in node:
+            node = node[part]
+        else:
+            raise SchemaError(f"$ref #{pointer} not found at {path}")
+    return node
+
+
+def _valid_value(key, value) -> bool:
+    expected = KEYWORD_TYPES.get(key)
+    if expected is None:
+        return True
+    expected = expected if isinstance(expected, tuple) else (expected,)
+    if isinstance(value, bool) and bool not in expected:  # True is an int to isinstance
+        return False
+    is_count = expected == (int,)
+    return isinstance(value, expected) and not (is_count and value < 0)
+
+
+def _json_type(value) -> str:
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int) or (isinstance(value, float) and value.is_integer()):
+        return "integer"
+    return {float: "number", str: "string", list: "array", dict: "object", type(None): "null"}[type(value)]
+
+
+class _Compiler:
+    def __init__(self, root, whitespace, max_ref_depth, any_depth, max_repeat):
+        self.root = root
+        self.ws = f"(?:{whitespace})" if whitespace else ""
+        self.max_ref_depth = max_ref_depth
+        self.any_depth = any_depth
+        self.max_repeat = max_repeat
+        self._any = {}
+
+    # --- schema plumbing -----------------------------------------------------------------------
+
+    def resolve(self, schema, path, refs):
+        """Follow a `$ref` (siblings are merged, as allOf); returns (schema, refs), schema None when cut."""
+        while isinstance(schema, dict) and "$ref" in schema:
+            ref = schema["$ref"]
+            if not isinstance(ref, str) or not ref.startswith("#"):
+                raise SchemaError(f"$ref {ref!r} at {path}: only local references (#/...) are supported")
+            if refs.count(ref) >= self.max_ref_depth:
+                return None, refs
+            target = _pointer_get(self.root, ref[1:], path)
+            siblings = {key: value for key, value in schema.items() if key != "$ref" and key not in ANNOTATIONS}
+            refs = refs + (ref,)
+            schema = self.merge(target, siblings, path, refs) if siblings else target
+        return schema, refs
+
+    def merge(self, first, second, path, refs):
+        """allOf of two schemas as one schema, where their keywords combine; else SchemaError."""
+        first, refs = self.resolve(first, path, refs)
+        second, refs = self.resolve(second, path, refs)
+        if first is None or second is None or first is False or second is False:
+            return False
+        if first is True or second is True:
+            return second if first is True else first
+        merged = dict(first)
+        for key, value in second.items():
+            if key in ANNOTATIONS or merged.get(key, value) == value:
+                merged.setdefault(key, value)
+            elif key == "properties":
+                merged[key] = {**merged[key], **{name: ({"allOf": [merged[key][name], sub]} if name in merged[key]
+                                                        else sub) for name, sub in value.items()}}
+            elif key == "required":
+                merged[key] = list(dict.fromkeys(merged[key] + value))
+            elif key == "type":
+                merged[key] = self._common_types(merged[key], value)
+            elif key in ("minimum", "minLength", "minItems", "minProperties") and not isinstance(value, bool):
+                merged[key] = max(merged[key], value)
+            elif key in ("maximum", "maxLength", "maxItems", "maxProperties") and not isinstance(value, bool):
+                merged[key] = min(merged[key], value)
+            elif key == "enum":
+                merged[key] = [item for item in merged[key] if item in value]
+            elif key == "allOf":
+                merged[key] = merged[key] + value
+            elif key in ("items", "additionalProperties") and isinstance(value, dict):
+                merged[key] = {"allOf": [merged[key], value]}
+            else:
+                raise SchemaError(f"allOf: cannot combine two different {key!r} at {path}")
+        extra = set(merged.get("properties", {})) - set(first.get("properties", {}))
+        extra |= set(merged.get("properties", {})) - set(second.get("properties", {}))
+        if extra and any("additionalProperties" in part for part in (first, second)):
+            raise SchemaError(f"allOf: additionalProperties with properties from another part at {path}")
+        return merged
+
+    @staticmethod
+    def _common_types(first, second):
+        def expand(types):
+            types = {types} if isinstance(types, str) else set(types)
+            return types | ({"integer"} if "number" in types else set())
+
+        common = expand(first) & expand(second)
+        return [name for name in ALL_TYPES if name in common] or ["__none__"]
+
+    def check_supported(self, schema, path):
+        for key, value in schema.items():
+            if not _valid_value(key, value):
+                raise SchemaError(f"{key} has an invalid value {json.dumps(value)[:40]} at {path}/{key}")
+            if key in UNSUPPORTED and not (key in ("then", "else") and "if" not in schema):
+                raise SchemaError(f"{key} is not supported at {path}")
+        if schema.get("format") in UNSUPPORTED_FORMATS:
+            raise SchemaError(f"format {schema['format']!r} is not supported at {path}/format")
+
+    # --- compile --------------------------------------------------------------------------------
+
+    def compile(self, schema, path, refs):
+        """The regex for `schema` at JSON pointer `path`, or None when no value can be generated."""
+        schema, refs = self.resolve(schema, path, refs)
+        if schema is None or schema is False:
+            return None
+        if schema is True:
+            return self.any_value(self.any_depth)
+        if not isinstance(schema, dict):
+            raise SchemaError(f"a schema must be an object or a boolean at {path}")
+        self.check_supported(schema, path)
+        if "allOf" in schema:
+            merged = {key: value for key, value in schema.items() if key != "allOf"}
+            for index, part in enumerate(schema["allOf"]):
+                merged = self.merge(merged, part, f"{path}/allOf/{index}", refs)
+            return self.compile(merged, path, refs)
+        for keyword in ("anyOf", "oneOf"):
+            if keyword in schema:
+                return self.alternatives(schema, keyword, path, refs)
+        if "const" in schema or "enum" in schema:
+            return self.enum(schema, path, refs)
+        options = [self.typed(schema, name, path, refs) for name in self.types_to_emit(schema, path)]
+        options = [option for option in options if option is not None]
+        return "(?:" + "|".join(options) + ")" if options else None
+
+    def types_to_emit(self, schema, path):
+        """The declared types; without `type`, the one its keywords describe (a subset), else any."""
+        declared = schema.get("type")
+        if declared is None:
+            described = [name for name, keywords in TYPE_KEYWORDS.items() if keywords & set(schema)]
+            return described[:1] or ALL_TYPES
+        declared = [declared] if isinstance(declared, str) else declared
+        if not all(name in ALL_TYPES + ["__none__"] for name in declared):
+            raise SchemaError(f"unknown type {declared} at {path}/type")
+        # "number" already covers integers; emitting both would only duplicate them.
+        return [name for name in declared if not (name == "integer" and "number" in declared)]
+
+    def typed(self, schema, name, path, refs):
+        if name == "object":
+            return self.object(schema, path, refs)
+        if name == "array":
+            return self.array(schema, path, refs)
+        if name == "string":
+            return self.string(schema, path)
+        if name in ("number", "integer"):
+            return self.number(schema, name, path)
+        return {"boolean": BOOLEAN, "null": NULL}.get(name)
+
+    def alternatives(self, schema, keyword, path, refs):
+        siblings = {key: value for key, value in schema.items() if key != keyword}
+        branches = [self.merge(siblings, branch, f"{path}/{keyword}/{i}", refs) if siblings else branch
+                    for i, branch in enumerate(schema[keyword])]
+        if keyword == "oneOf":
+            self.check_exclusive(branches, path, refs)
+        options = [self.compile(branch, f"{path}/{keyword}/{i}", refs) for i, branch in enumerate(branches)]
+        options = [option for option in options if option is not None]
+        return "(?:" + "|".join(options) + ")" if options else None
+
+    def enum(self, schema, path, refs):
+        values = [schema["const"]] if "const" in schema else schema["enum"]
+        if "const" in schema and "enum" in schema:
+            values = [value for value in values if value in schema["enum"]]
+        rest = {key: value for key, value in schema.items() if key not in {"const", "enum"} | ANNOTATIONS}
+        texts = [literal(value) for value in values]
+        if rest:
+            # Keep the values the rest of the schema accepts (its regex is a subset of the schema).
+            rest_regex = self.compile(rest, path, refs) or "(?!)"
+            texts = [text for value, text in zip(values, texts)
+                     if re.fullmatch(rest_regex, json.dumps(value, ensure_ascii=False,
+                                                            separators=(",", ":")), re.ASCII)]
+        return "(?:" + "|".join(texts) + ")" if texts else None
+
+    def _sep(self, char):
+        return char if not self.ws else f"{self.ws}{char}{self.ws}"
+
+    def object(self, schema, path, refs):
+        properties = schema.get("properties", {})
+        required = schema.get("required", [])
+        additional = schema.get("additionalProperties", True)
+        for pattern in schema.get("patternProperties", {}):
+            if not properties or any(re.search(pattern, name) for name in properties):
+                raise SchemaError(f"patternProperties is not supported at {path}/patternProperties")
+        if not properties and not required and additional is not False:
+            members = self.map_members(additional, schema, path, refs)
+        else:
+            entries = []
+            for name in list(properties) + [name for name in required if name not in properties]:
+                sub = properties.get(name, additional)
+                value = self.compile(sub, f"{path}/properties/{name}", refs)
+                if value is None and name in required:
+                    return None
+                if value is not None:
+                    key = literal(name)
+                    entries.append((f"{key}{self._sep(':')}{value}", name in required))
+            count = sum(req for _, req in entries), len(entries)
+            if schema.get("minProperties", 0) > count[0] or schema.get("maxProperties", count[1]) < count[1]:
+                raise SchemaError(f"minProperties/maxProperties beyond the declared properties at {path}")
+            members = self.members(entries)
+        return rf"\{{{self.ws}{members}{self.ws}\}}"
+
+    def members(self, entries):
+        """Members in order with commas right: alternatives by which optional member comes first."""
+        if not entries:
+            return ""
+        sep = self._sep(",")
+        first_required = next((i for i, (_, req) in enumerate(entries) if req), len(entries))
+        options = []
+        for first in range(min(first_required + 1, len(entries))):
+            rest = "".join(f"{sep}{member}" if req else f"(?:{sep}{member})?" for member, req in entries[first + 1:])
+            options.append(entries[first][0] + rest)
+        body = "(?:" + "|".join(options) + ")"
+        return body + "?" if first_required == len(entries) else body
+
+    def map_members(self, additional, schema, path, refs):
+        """Any keys, each with a value of `additional` (a repeated key keeps a valid value)."""
+        if schema.get("minProperties", 0) > 1:
+            raise SchemaError(f"minProperties above 1 without declared properties is not supported at {path}")
+        value = self.compile(additional, f"{path}/additionalProperties", refs)
+        if value is None:
+            return ""
+        member = f"{STRING}{self._sep(':')}{value}"
+        most = schema.get("maxProperties")
+        if most == 0:
+            return ""
+        repeat = "*" if most is None else f"{{0,{most - 1}}}"
+        body = f"{member}(?:{self._sep(',')}{member}){repeat}"
+        return body if schema.get("minProperties", 0) == 1 else f"(?:{body})?"
+
+    def array(self, schema, path, refs):
+        if schema.get("uniqueItems") is True and schema.get("maxItems", 2) > 1:
+            raise SchemaError(f"uniqueItems is not supported at {path}/uniqueItems")
+        items = schema.get("items")
+        if isinstance(items, list):  # draft 4-7 tuples
+            prefix, rest, rest_path = items, schema.get("additionalItems", True), "additionalItems"
+        else:
+            prefix, rest, rest_path = schema.get("prefixItems", []), True if items is None else items, "items"
+        least, most = schema.get("minItems", 0), schema.get("maxItems")
+        if prefix and items is None:
+            most = max(len(prefix), least) if most is None else most  # no undeclared items needed
+        prefix_regexes = []
+        for index, sub in enumerate(prefix[:most]):
+            regex = self.compile(sub, f"{path}/prefixItems/{index}", refs)
+            if regex is None:
+                break
+            prefix_regexes.append(regex)
+        rest_regex = self.compile(rest, f"{path}/{rest_path}", refs)
+        if len(prefix_regexes) < len(prefix[:most]) or rest_regex is None:
+            most = len(prefix_regexes) if most is None else min(most, len(prefix_regexes))
+        if most is not None:
+            most = min(most, max(least, self.max_repeat))
+        if most is not None and least > most:
+            return None
+        if most == 0:
+            return rf"\[{self.ws}{self.ws}\]"
+        sep = self._sep(",")
+        positions = prefix_regexes[:] if most is None else prefix_regexes[:most]
+        tail = ""
+        if most is None or most > len(positions):
+            low = max(least - len(positions), 0)
+            high = "" if most is None else most - len(positions)
+            if not positions:  # the first item has no comma before it
+                positions, low, high = [rest_regex], max(low - 1, 0), "" if most is None else high - 1
+            if high != 0:
+                tail = f"(?:{sep}{rest_regex}){{{low},{high}}}"
+        content = tail
+        for index in range(len(positions) - 1, -1, -1):
+            item = (sep if index else "") + positions[index] + content
+            content = item if index < least else f"(?:{item})?"
+        return rf"\[{self.ws}{content}{self.ws}\]"
+
+    def string(self, schema, path):
+        constraints = {"minLength", "maxLength", "pattern"} & set(schema)
+        if "format" in schema and schema["format"] in FORMATS:
+            if constraints:
+                raise SchemaError(f"format together with {sorted(constraints)[0]} is not supported at {path}")
+            return f'"{FORMATS[schema["format"]]}"'
+        if "pattern" in schema:
+            if constraints - {"pattern"}:
+                raise SchemaError(f"pattern together with minLength/maxLength is not supported at {path}")
+            try:
+                return pattern_string(schema["pattern"])
+            except RegexError as error:
+                raise SchemaError(f"pattern at {path}/pattern: {error}") from None
+        least, most = schema.get("minLength", 0), schema.get("maxLength")
+        if most is not None and least > most:
+            return None
+        if least == 0 and most is None:
+            return STRING
+        return bounded_string(least, None if most is None else min(most, max(least, self.max_repeat)))
+
+    def number(self, schema, name, path):
+        step = schema.get("multipleOf")
+        if step is not None and not (name == "integer" and float(step).is_integer() and abs(step) == 1):
+            raise SchemaError(f"multipleOf is not supported at {path}/multipleOf")
+        lo, hi = schema.get("minimum"), schema.get("maximum")
+        lo_exclusive = hi_exclusive = False
+        for key, bound in (("exclusiveMinimum", "lo"), ("exclusiveMaximum", "hi")):
+            value = schema.get(key)
+            if isinstance(value, bool):  # draft 4: a flag on minimum/maximum
+                lo_exclusive, hi_exclusive = (value, hi_exclusive) if bound == "lo" else (lo_exclusive, value)
+            elif value is not None and bound == "lo":
+                lo, lo_exclusive = (value, True) if lo is None or value >= lo else (lo, lo_exclusive)
+            elif value is not None:
+                hi, hi_exclusive = (value, True) if hi is None or value <= hi else (hi, hi_exclusive)
+        if lo is None and hi is None:
+            return INTEGER if name == "integer" else NUMBER
+        if name == "integer":
+            return integer_range(*whole_bounds(lo, lo_exclusive, hi, hi_exclusive))
+        return number_range(lo, lo_exclusive, hi, hi_exclusive)
+
+    def any_value(self, depth):
+        """Any JSON value, arrays and objects nested at most `depth` deep."""
+        if depth not in self._any:
+            options = [NULL, BOOLEAN, NUMBER, STRING]
+            if depth > 0:
+                inner, sep, colon = self.any_value(depth - 1), self._sep(","), self._sep(":")
+                options.append(rf"\[{self.ws}(?:{inner}(?:{sep}{inner})*)?{self.ws}\]")
+                member = f"{STRING}{colon}{inner}"
+                options.append(rf"\{{{self.ws}(?:{member}(?:{sep}{member})*)?{self.ws}\}}")
+            self._any[depth] = "(?:" + "|".join(options) + ")"
+        return self._any[depth]
+
+    # --- oneOf ---------------------------------------------------------------------------------
+
+    def accepted_types(self, schema, refs, emitted):
+        """Types of the values `schema` accepts (emitted=False) or that we emit for it (True)."""
+        schema, refs = self.resolve(schema, "#", refs)
+        if schema is None or schema is False:
+            return set()
+        if schema is True:
+            return set(ALL_TYPES)
+        if "const" in schema or "enum" in schema:
+            return {_json_type(value) for value in ([schema["const"]] if "const" in schema else schema["enum"])}
+        for keyword in ("anyOf", "oneOf"):
+            if keyword in schema:
+                return set().union(*(self.accepted_types(b, refs, emitted) for b in schema[keyword]))
+        declared = schema.get("type")
+        if declared is None:
+            types = set(self.types_to_emit(schema, "#")) if emitted else set(ALL_TYPES)
+        else:
+            types = {declared} if isinstance(declared, str) else set(declared)
+        # 1.0 is an integer to a validator, and our numbers include integers.
+        return types | ({"integer", "number"} if types & {"integer", "number"} else set())
+
+    def check_exclusive(self, branches, path, refs):
+        """oneOf needs exactly one branch to match: refuse unless what each branch emits fails the others."""
+        for i, mine in enumerate(branches):
+            for j, other in enumerate(branches):
+                if i != j and self.accepted_types(mine, refs, True) & self.accepted_types(other, refs, False) \
+                        and not self.discriminated(mine, other, refs):
+                    raise SchemaError(f"oneOf at {path}: branches {i} and {j} may both match; use anyOf")
+
+    def discriminated(self, mine, other, refs):
+        """True when `mine` always emits a required property whose const/enum values `other` forbids."""
+        mine, _ = self.resolve(mine, "#", refs)
+        other, _ = self.resolve(other, "#", refs)
+        if not isinstance(mine, dict) or not isinstance(other, dict):
+            return False
+        for name in set(mine.get("required", [])) & set(other.get("required", [])):
+            values = [self.resolve(s.get("properties", {}).get(name, {}), "#", refs)[0] for s in (mine, other)]
+            sets = [s.get("enum", [s["const"]] if "const" in s else None) if isinstance(s, dict) else None
+                    for s in values]
+            if all(v is not None for v in sets) and not any(v in sets[1] for v in sets[0]):
+                return True
+        return False
