@@ -55,7 +55,7 @@ class SchemaError(RegexError):
     """A schema that is not valid, or asks for something the compiler cannot guarantee."""
 
 
-def schema_to_regex(schema, whitespace: str = "", max_ref_depth: int = 3, any_depth: int = 2,
+def schema_to_regex(schema, whitespace: str = "", max_ref_depth: int = 3, any_depth: int = 1,
                     max_repeat: int = 64) -> str:
     """The regex (our dialect, fullmatch) for JSON text that validates against `schema`.
 
