@@ -89,7 +89,8 @@ def test_random_walks_of_the_dfa_validate(name, seed):
 
 # --- valid instances (in schema order) match --------------------------------------------------
 
-names = st.text(st.characters(exclude_categories=["Cs"]), min_size=1, max_size=12)
+# Bounded strings leave out \u escapes (a documented subset), so names hold no control characters.
+names = st.text(st.characters(exclude_categories=["Cs", "Cc"]), min_size=1, max_size=12)
 person = st.fixed_dictionaries(
     {"name": names, "age": st.integers(0, 130)},
     optional={"email": st.from_regex(r"[a-z0-9._]{1,8}@[a-z]{1,8}\.[a-z]{2,3}", fullmatch=True),
