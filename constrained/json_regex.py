@@ -176,10 +176,55 @@ def _to_regex(node, ascii_only: bool) -> str:
     return f"(?:{_to_regex(node.item, ascii_only)}){bounds}"
 
 
-def pattern_string(pattern: str) -> str:
+def _length_range(node) -> tuple:
+    """(fewest, most) characters a tree matches; most is None when unbounded."""
+    if isinstance(node, Chars):
+        return 1, 1
+    if isinstance(node, Repeat):
+        low, high = _length_range(node.item)
+        most = None if high is None or node.max_count is None else high * node.max_count
+        return low * node.min_count, (0 if node.max_count == 0 else most)
+    ranges = [_length_range(child) for child in (node.items if isinstance(node, Concat) else node.options)]
+    if isinstance(node, Concat):
+        highs = [high for _, high in ranges]
+        return sum(low for low, _ in ranges), None if None in highs else sum(highs)
+    highs = [high for _, high in ranges]
+    return min((low for low, _ in ranges), default=0), None if None in highs else max(highs, default=0)
+
+
+def _cap_repeats(node, extra: int):
+    """The tree with every unbounded repeat {m,} turned into {m,m+extra}."""
+    if isinstance(node, Chars):
+        return node
+    if isinstance(node, Repeat):
+        most = node.min_count + extra if node.max_count is None else node.max_count
+        return Repeat(_cap_repeats(node.item, extra), node.min_count, most)
+    if isinstance(node, Concat):
+        return Concat(tuple(_cap_repeats(item, extra) for item in node.items))
+    return Alt(tuple(_cap_repeats(option, extra) for option in node.options))
+
+
+def _within_length(tree, min_length: int, max_length):
+    """`tree` limited to strings of at most max_length characters, or None if that needs more than capping."""
+    fewest, most = _length_range(tree)
+    if fewest < min_length:
+        return None  # a minimum would need an intersection; refused
+    if max_length is None or (most is not None and most <= max_length):
+        return tree
+    # The largest cap on unbounded repeats that keeps every match short enough (a subset of the pattern).
+    low, high = -1, max_length
+    while low < high:
+        middle = (low + high + 1) // 2
+        capped_most = _length_range(_cap_repeats(tree, middle))[1]
+        low, high = (middle, high) if capped_most is not None and capped_most <= max_length else (low, middle - 1)
+    return _cap_repeats(tree, low) if low >= 0 else None
+
+
+def pattern_string(pattern: str, min_length: int = 0, max_length=None) -> str:
     """A JSON string regex for `pattern` (JSON Schema: `re.search` on the decoded string).
 
-    Unanchored ends get `.*`. The characters JSON must escape are removed from the pattern's sets, so
+    Unanchored ends get `.*`. With minLength/maxLength: served when every match of the pattern is long
+    enough, and unbounded repeats are capped so that every match is short enough; else RegexError. The characters JSON must escape are removed from the pattern's sets, so
     the text between the quotes is the value itself. Our dialect reads \\D \\W \\S as ASCII (re.ASCII)
     while a validator reads them as Unicode; patterns using them keep to ASCII so they stay a subset.
     Raises RegexError for what our parser does not support.
@@ -192,4 +237,7 @@ def pattern_string(pattern: str) -> str:
     tree = parse_regex(f"(?:{body})") if body else Concat(())
     anything = Repeat(Chars(((0, 0x10FFFF),)), 0, None)
     parts = ([] if anchored_start else [anything]) + [tree] + ([] if anchored_end else [anything])
-    return '"' + _to_regex(Concat(tuple(parts)), ascii_only) + '"'
+    limited = _within_length(Concat(tuple(parts)), min_length, max_length)
+    if limited is None:
+        raise RegexError(f"cannot combine it with minLength {min_length} / maxLength {max_length}")
+    return '"' + _to_regex(limited, ascii_only) + '"'

@@ -17,6 +17,7 @@ in `json_regex.py`. Limits, all documented in constrained/README.md:
 
 import json
 import re
+from fractions import Fraction
 from pathlib import Path
 
 from constrained.json_regex import (BOOLEAN, FORMATS, INTEGER, NULL, NUMBER, STRING, bounded_string,
@@ -26,14 +27,13 @@ from constrained.regex_parse import RegexError
 ANNOTATIONS = {"title", "description", "default", "examples", "$schema", "$id", "id", "$comment", "deprecated",
                "readOnly", "writeOnly", "definitions", "$defs", "contentMediaType", "contentEncoding", "$anchor"}
 # Keywords that constrain values and that no branch below implements: refused, never dropped.
-UNSUPPORTED = {"not", "contains", "minContains", "maxContains", "propertyNames", "dependencies",
-               "dependentRequired", "dependentSchemas", "unevaluatedProperties", "unevaluatedItems",
-               "$dynamicRef", "$recursiveRef", "then", "else"}
+UNSUPPORTED = {"not", "contains", "minContains", "maxContains", "propertyNames", "dependentSchemas",
+               "unevaluatedProperties", "unevaluatedItems", "$dynamicRef", "$recursiveRef", "then", "else"}
 # Formats a validator checks that have no regex here; other format names are annotations.
 UNSUPPORTED_FORMATS = {"duration", "regex", "json-pointer", "relative-json-pointer", "uri-template"}
 TYPE_KEYWORDS = {
     "object": {"properties", "required", "additionalProperties", "patternProperties", "minProperties",
-               "maxProperties"},
+               "maxProperties", "dependencies", "dependentRequired"},
     "array": {"items", "prefixItems", "additionalItems", "minItems", "maxItems", "uniqueItems"},
     "string": {"minLength", "maxLength", "pattern", "format"},
     "number": {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"},
@@ -284,67 +284,89 @@ class _Compiler:
         return char if not self.ws else f"{self.ws}{char}{self.ws}"
 
     def object(self, schema, path, refs):
-        properties = schema.get("properties", {})
-        required = schema.get("required", [])
+        properties = dict(schema.get("properties", {}))
+        required = list(schema.get("required", []))
         additional = schema.get("additionalProperties", True)
-        for pattern in schema.get("patternProperties", {}):
-            if not properties or any(re.search(pattern, name) for name in properties):
+        patterns = schema.get("patternProperties", {})
+        dependencies = {**schema.get("dependencies", {}), **schema.get("dependentRequired", {})}
+        if not properties and not required:
+            if dependencies:
+                raise SchemaError(f"dependencies without declared properties are not supported at {path}")
+            members = self.map_members(additional, patterns, schema, path, refs)
+            return rf"\{{{self.ws}{members}{self.ws}\}}"
+        for pattern in patterns:  # we emit only declared properties: a pattern matters if one matches it
+            if any(re.search(pattern, name) for name in properties):
                 raise SchemaError(f"patternProperties is not supported at {path}/patternProperties")
-        if not properties and not required and additional is not False:
-            members = self.map_members(additional, schema, path, refs)
-        else:
-            entries = []
-            for name in list(properties) + [name for name in required if name not in properties]:
-                sub = properties.get(name, additional)
-                value = self.compile(sub, f"{path}/properties/{name}", refs)
-                if value is None and name in required:
-                    return None
-                if value is not None:
-                    key = literal(name)
-                    entries.append((f"{key}{self._sep(':')}{value}", name in required))
-            count = sum(req for _, req in entries), len(entries)
-            if schema.get("minProperties", 0) > count[0] or schema.get("maxProperties", count[1]) < count[1]:
-                raise SchemaError(f"minProperties/maxProperties beyond the declared properties at {path}")
-            members = self.members(entries)
-        return rf"\{{{self.ws}{members}{self.ws}\}}"
+        self.apply_dependencies(dependencies, properties, required, path)
+        entries = []
+        for name in list(properties) + [name for name in required if name not in properties]:
+            sub = properties.get(name, additional)
+            value = self.compile(sub, f"{path}/properties/{name}", refs)
+            if value is None and name in required:
+                return None
+            if value is not None:
+                entries.append((f"{literal(name)}{self._sep(':')}{value}", name in required))
+        count = sum(req for _, req in entries), len(entries)
+        if schema.get("minProperties", 0) > count[0] or schema.get("maxProperties", count[1]) < count[1]:
+            raise SchemaError(f"minProperties/maxProperties beyond the declared properties at {path}")
+        return rf"\{{{self.ws}{self.members(entries)}{self.ws}\}}"
 
-    def members(self, entries):
-        """Members in order with commas right: alternatives by which optional member comes first."""
-        if not entries:
-            return ""
-        sep = self._sep(",")
-        first_required = next((i for i, (_, req) in enumerate(entries) if req), len(entries))
-        options = []
-        for first in range(min(first_required + 1, len(entries))):
-            rest = "".join(f"{sep}{member}" if req else f"(?:{sep}{member})?" for member, req in entries[first + 1:])
-            options.append(entries[first][0] + rest)
-        body = "(?:" + "|".join(options) + ")"
-        return body + "?" if first_required == len(entries) else body
+    @staticmethod
+    def apply_dependencies(dependencies, properties, required, path):
+        """"a needs b": make b required where a is; leave out an optional a whose needs are not all required."""
+        for name, needed in dependencies.items():
+            if not isinstance(needed, list):
+                raise SchemaError(f"dependencies with a schema are not supported at {path}/dependencies/{name}")
+        changed = True
+        while changed:  # required names first, to a fixed point: they decide which optional ones can stay
+            changed = False
+            for name, needed in dependencies.items():
+                if name in required and not set(needed) <= set(required):
+                    required += [item for item in needed if item not in required]
+                    changed = True
+        for name, needed in dependencies.items():
+            if name in properties and name not in required and not set(needed) <= set(required):
+                del properties[name]
 
-    def map_members(self, additional, schema, path, refs):
-        """Any keys, each with a value of `additional` (a repeated key keeps a valid value)."""
+    def map_members(self, additional, patterns, schema, path, refs):
+        """Any keys (or keys matching the one patternProperties pattern), each with a valid value.
+
+        A repeated key is harmless: whichever value a parser keeps is valid.
+        """
         if schema.get("minProperties", 0) > 1:
             raise SchemaError(f"minProperties above 1 without declared properties is not supported at {path}")
-        value = self.compile(additional, f"{path}/additionalProperties", refs)
-        if value is None:
-            return ""
-        member = f"{STRING}{self._sep(':')}{value}"
+        if len(patterns) > 1:
+            raise SchemaError(f"patternProperties with more than one pattern is not supported at {path}")
+        key, value = STRING, None
+        for pattern, sub in patterns.items():  # keys of the pattern only: additionalProperties is then moot
+            try:
+                key = pattern_string(pattern)
+            except RegexError as error:
+                raise SchemaError(f"patternProperties at {path}: {error}") from None
+            value = self.compile(sub, f"{path}/patternProperties/{pattern}", refs)
+        if not patterns:
+            value = self.compile(additional, f"{path}/additionalProperties", refs)
         most = schema.get("maxProperties")
-        if most == 0:
+        if value is None or most == 0:
+            if schema.get("minProperties", 0):
+                return None
             return ""
+        member = f"{key}{self._sep(':')}{value}"
         repeat = "*" if most is None else f"{{0,{most - 1}}}"
         body = f"{member}(?:{self._sep(',')}{member}){repeat}"
         return body if schema.get("minProperties", 0) == 1 else f"(?:{body})?"
 
     def array(self, schema, path, refs):
-        if schema.get("uniqueItems") is True and schema.get("maxItems", 2) > 1:
-            raise SchemaError(f"uniqueItems is not supported at {path}/uniqueItems")
         items = schema.get("items")
         if isinstance(items, list):  # draft 4-7 tuples
             prefix, rest, rest_path = items, schema.get("additionalItems", True), "additionalItems"
         else:
             prefix, rest, rest_path = schema.get("prefixItems", []), True if items is None else items, "items"
         least, most = schema.get("minItems", 0), schema.get("maxItems")
+        if schema.get("uniqueItems") is True:  # at most one item is always unique
+            if least > 1:
+                raise SchemaError(f"uniqueItems with minItems above 1 is not supported at {path}/uniqueItems")
+            most = 1 if most is None else min(most, 1)
         if prefix and items is None:
             most = max(len(prefix), least) if most is None else most  # no undeclared items needed
         prefix_regexes = []
@@ -385,10 +407,8 @@ class _Compiler:
                 raise SchemaError(f"format together with {sorted(constraints)[0]} is not supported at {path}")
             return f'"{FORMATS[schema["format"]]}"'
         if "pattern" in schema:
-            if constraints - {"pattern"}:
-                raise SchemaError(f"pattern together with minLength/maxLength is not supported at {path}")
             try:
-                return pattern_string(schema["pattern"])
+                return pattern_string(schema["pattern"], schema.get("minLength", 0), schema.get("maxLength"))
             except RegexError as error:
                 raise SchemaError(f"pattern at {path}/pattern: {error}") from None
         least, most = schema.get("minLength", 0), schema.get("maxLength")
@@ -400,8 +420,11 @@ class _Compiler:
 
     def number(self, schema, name, path):
         step = schema.get("multipleOf")
-        if step is not None and not (name == "integer" and float(step).is_integer() and abs(step) == 1):
-            raise SchemaError(f"multipleOf is not supported at {path}/multipleOf")
+        if step is not None:
+            # Every integer is a multiple of 1, 1/2, 1/4, ... (exact in binary, so a validator agrees).
+            if step <= 0 or Fraction(step).numerator != 1 or Fraction(step).denominator & (Fraction(step).denominator - 1):
+                raise SchemaError(f"multipleOf {step} is not supported at {path}/multipleOf")
+            name = "integer"
         lo, hi = schema.get("minimum"), schema.get("maximum")
         lo_exclusive = hi_exclusive = False
         for key, bound in (("exclusiveMinimum", "lo"), ("exclusiveMaximum", "hi")):

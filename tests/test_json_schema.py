@@ -55,6 +55,14 @@ SCHEMAS = {
                                                                         "exclusiveMaximum": 2}]},
     "const": {"const": {"k": [1, "two", None]}},
     "pattern_search": {"type": "string", "pattern": "a.c"},
+    "unique": {"type": "array", "items": {"type": "integer"}, "uniqueItems": True},
+    "half_steps": {"type": "number", "multipleOf": 0.5, "minimum": -3, "maximum": 3},
+    "dependencies": {"properties": {"a": {"type": "integer"}, "b": {"type": "integer"}, "c": {"type": "null"},
+                                    "d": {"type": "boolean"}},
+                     "required": ["c"], "dependencies": {"a": ["b"]}, "dependentRequired": {"c": ["b"], "d": ["x"]}},
+    "pattern_map": {"type": "object", "patternProperties": {"^x-[a-z]+$": {"type": "integer"}},
+                    "additionalProperties": False, "minProperties": 1},
+    "pattern_length": {"type": "string", "pattern": "^[a-z]+(-[a-z]+)*$", "minLength": 1, "maxLength": 12},
 }
 
 
@@ -147,6 +155,11 @@ def test_discriminated_one_of_matches(value):
     ("map", ['{}', '{"x":5}', '{"x":-5,"y":0}']),
     ("types", ['"abc"', '10', '999', 'null']),
     ("const", ['{"k":[1,"two",null]}']),
+    ("unique", ['[]', '[7]']),
+    ("half_steps", ['-3', '0', '3']),
+    ("dependencies", ['{"b":1,"c":null}', '{"a":1,"b":2,"c":null}']),
+    ("pattern_map", ['{"x-a":1}', '{"x-a":1,"x-bc":-2}']),
+    ("pattern_length", ['"abc"', '"a-b-c"', '"abc-def"']),
 ])
 def test_examples_match(name, texts):
     for text in texts:
@@ -159,6 +172,11 @@ def test_examples_match(name, texts):
     ("tuple", ['[]', '["2023-02-29"]', '["2024-13-01"]', '["2024-01-01",1,true,true,true]']),
     ("map", ['{"x":6}', '{"x":1,}']),
     ("types", ['"abcd"', '9', '-10', 'true']),
+    ("unique", ['[1,2]']),
+    ("half_steps", ['3.5', '4']),
+    ("dependencies", ['{"c":null}', '{"b":1,"c":null,"d":true}']),
+    ("pattern_map", ['{}', '{"y":1}', '{"x-A":1}']),
+    ("pattern_length", ['"abcdefghijklm"', '""', '"a--b"']),
 ])
 def test_counter_examples_do_not_match(name, texts):
     for text in texts:
@@ -219,8 +237,10 @@ def test_patterns_search_the_decoded_string(pattern, texts):
 
 @pytest.mark.parametrize("schema, message", [
     ({"type": "string", "not": {"const": "x"}}, "not is not supported at #"),
-    ({"properties": {"a": {"type": "integer", "multipleOf": 3}}}, "multipleOf is not supported at #/properties/a"),
-    ({"type": "array", "items": {"uniqueItems": True, "type": "array"}}, "uniqueItems is not supported at #/items"),
+    ({"properties": {"a": {"type": "integer", "multipleOf": 3}}}, "multipleOf 3 is not supported at #/properties/a"),
+    ({"type": "array", "items": {"uniqueItems": True, "type": "array", "minItems": 2}},
+     "uniqueItems with minItems above 1 is not supported at #/items"),
+    ({"properties": {"a": {}}, "dependencies": {"a": {"required": ["b"]}}}, "dependencies with a schema"),
     ({"type": "object", "propertyNames": {"maxLength": 3}}, "propertyNames is not supported at #"),
     ({"properties": {"a": {"type": "array", "contains": {}}}}, "contains is not supported at #/properties/a"),
     ({"if": {}, "then": {"type": "integer"}}, "then is not supported at #"),
@@ -233,7 +253,9 @@ def test_patterns_search_the_decoded_string(pattern, texts):
     ({"$ref": "#/$defs/missing"}, "$ref #/$defs/missing not found at #"),
     ({"properties": 5}, "properties has an invalid value 5 at #/properties"),
     ({"type": "strin"}, "unknown type"),
-    ({"type": "object", "patternProperties": {"^x": {}}}, "patternProperties is not supported"),
+    ({"type": "object", "patternProperties": {"^x": {}, "^y": {}}}, "more than one pattern is not supported at #"),
+    ({"properties": {"xa": {}}, "patternProperties": {"^x": {}}}, "patternProperties is not supported at #"),
+    ({"type": "string", "pattern": "^a+$", "minLength": 2}, "cannot combine it with minLength 2"),
     ({"allOf": [{"type": "string", "pattern": "a"}, {"pattern": "b"}]}, "allOf: cannot combine two different 'pattern'"),
     ({"enum": []}, "allows no value"),
     ({"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}, "allows no value"),
