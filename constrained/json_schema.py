@@ -311,6 +311,19 @@ class _Compiler:
             raise SchemaError(f"minProperties/maxProperties beyond the declared properties at {path}")
         return rf"\{{{self.ws}{self.members(entries)}{self.ws}\}}"
 
+    def members(self, entries):
+        """Members in order with commas right: alternatives by which optional member comes first."""
+        if not entries:
+            return ""
+        sep = self._sep(",")
+        first_required = next((i for i, (_, req) in enumerate(entries) if req), len(entries))
+        options = []
+        for first in range(min(first_required + 1, len(entries))):
+            rest = "".join(f"{sep}{member}" if req else f"(?:{sep}{member})?" for member, req in entries[first + 1:])
+            options.append(entries[first][0] + rest)
+        body = "(?:" + "|".join(options) + ")"
+        return body + "?" if first_required == len(entries) else body
+
     @staticmethod
     def apply_dependencies(dependencies, properties, required, path):
         """"a needs b": make b required where a is; leave out an optional a whose needs are not all required."""
