@@ -18,41 +18,16 @@ in `json_regex.py`. Limits, all documented in constrained/README.md:
 import json
 import re
 from fractions import Fraction
-from pathlib import Path
 
 from constrained.json_regex import (BOOLEAN, FORMATS, INTEGER, NULL, NUMBER, STRING, bounded_string,
                                     integer_range, literal, number_range, pattern_string, whole_bounds)
 from constrained.regex_parse import RegexError
+from constrained.schema_keywords import (ALL_TYPES, ANNOTATIONS, TYPE_KEYWORDS, SchemaError, check_supported,
+                                         common_types, json_type, load_schema, pointer_get)
 
-ANNOTATIONS = {"title", "description", "default", "examples", "$schema", "$id", "id", "$comment", "deprecated",
-               "readOnly", "writeOnly", "definitions", "$defs", "contentMediaType", "contentEncoding", "$anchor"}
-# Keywords that constrain values and that no branch below implements: refused, never dropped.
-UNSUPPORTED = {"not", "contains", "minContains", "maxContains", "propertyNames", "dependentSchemas",
-               "unevaluatedProperties", "unevaluatedItems", "$dynamicRef", "$recursiveRef", "then", "else"}
-# Formats a validator checks that have no regex here; other format names are annotations.
-UNSUPPORTED_FORMATS = {"duration", "regex", "json-pointer", "relative-json-pointer", "uri-template"}
-TYPE_KEYWORDS = {
-    "object": {"properties", "required", "additionalProperties", "patternProperties", "minProperties",
-               "maxProperties", "dependencies", "dependentRequired"},
-    "array": {"items", "prefixItems", "additionalItems", "minItems", "maxItems", "uniqueItems"},
-    "string": {"minLength", "maxLength", "pattern", "format"},
-    "number": {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"},
-}
-# What each keyword's value must be; a schema that breaks this is not a valid schema.
-KEYWORD_TYPES = {
-    "properties": dict, "patternProperties": dict, "required": list, "enum": list, "allOf": list, "anyOf": list,
-    "oneOf": list, "prefixItems": list, "type": (str, list), "pattern": str, "format": str, "$ref": str,
-    "items": (dict, bool, list), "additionalItems": (dict, bool), "additionalProperties": (dict, bool),
-    "minLength": int, "maxLength": int, "minItems": int, "maxItems": int, "minProperties": int,
-    "maxProperties": int, "minimum": (int, float), "maximum": (int, float), "multipleOf": (int, float),
-    "exclusiveMinimum": (int, float, bool), "exclusiveMaximum": (int, float, bool), "uniqueItems": bool,
-}
+__all__ = ["SchemaError", "load_schema", "schema_to_regex"]
+
 MAX_REGEX_LENGTH = 500_000
-ALL_TYPES = ["object", "array", "string", "number", "integer", "boolean", "null"]
-
-
-class SchemaError(RegexError):
-    """A schema that is not valid, or asks for something the compiler cannot guarantee."""
 
 
 def schema_to_regex(schema, whitespace: str = "", max_ref_depth: int = 3, any_depth: int = 1,
@@ -78,55 +53,6 @@ def schema_to_regex(schema, whitespace: str = "", max_ref_depth: int = 3, any_de
     return regex
 
 
-def load_schema(argument: str):
-    """A schema from a file path or inline JSON text (the `--json-schema` argument); SchemaError if invalid."""
-    text = argument
-    if not argument.lstrip().startswith(("{", "[")) and argument.strip() not in ("true", "false"):
-        try:
-            text = Path(argument).read_text()
-        except (OSError, UnicodeDecodeError) as error:
-            raise SchemaError(f"cannot read the schema file {argument}: {getattr(error, 'strerror', None) or error}") from None
-    try:
-        schema = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise SchemaError(f"the schema is not valid JSON: {error}") from None
-    if not isinstance(schema, (dict, bool)):
-        raise SchemaError("the schema must be a JSON object or a boolean")
-    return schema
-
-
-def _pointer_get(root, pointer: str, path: str):
-    node = root
-    for part in pointer.lstrip("/").split("/") if pointer else []:
-        part = part.replace("~1", "/").replace("~0", "~")
-        if isinstance(node, list) and part.isdigit() and int(part) < len(node):
-            node = node[int(part)]
-        elif isinstance(node, dict) and part in node:
-            node = node[part]
-        else:
-            raise SchemaError(f"$ref #{pointer} not found at {path}")
-    return node
-
-
-def _valid_value(key, value) -> bool:
-    expected = KEYWORD_TYPES.get(key)
-    if expected is None:
-        return True
-    expected = expected if isinstance(expected, tuple) else (expected,)
-    if isinstance(value, bool) and bool not in expected:  # True is an int to isinstance
-        return False
-    is_count = expected == (int,)
-    return isinstance(value, expected) and not (is_count and value < 0)
-
-
-def _json_type(value) -> str:
-    if isinstance(value, bool):
-        return "boolean"
-    if isinstance(value, int) or (isinstance(value, float) and value.is_integer()):
-        return "integer"
-    return {float: "number", str: "string", list: "array", dict: "object", type(None): "null"}[type(value)]
-
-
 class _Compiler:
     def __init__(self, root, whitespace, max_ref_depth, any_depth, max_repeat):
         self.root = root
@@ -146,7 +72,7 @@ class _Compiler:
                 raise SchemaError(f"$ref {ref!r} at {path}: only local references (#/...) are supported")
             if refs.count(ref) >= self.max_ref_depth:
                 return None, refs
-            target = _pointer_get(self.root, ref[1:], path)
+            target = pointer_get(self.root, ref[1:], path)
             siblings = {key: value for key, value in schema.items() if key != "$ref" and key not in ANNOTATIONS}
             refs = refs + (ref,)
             schema = self.merge(target, siblings, path, refs) if siblings else target
@@ -170,7 +96,7 @@ class _Compiler:
             elif key == "required":
                 merged[key] = list(dict.fromkeys(merged[key] + value))
             elif key == "type":
-                merged[key] = self._common_types(merged[key], value)
+                merged[key] = common_types(merged[key], value)
             elif key in ("minimum", "minLength", "minItems", "minProperties") and not isinstance(value, bool):
                 merged[key] = max(merged[key], value)
             elif key in ("maximum", "maxLength", "maxItems", "maxProperties") and not isinstance(value, bool):
@@ -189,24 +115,6 @@ class _Compiler:
             raise SchemaError(f"allOf: additionalProperties with properties from another part at {path}")
         return merged
 
-    @staticmethod
-    def _common_types(first, second):
-        def expand(types):
-            types = {types} if isinstance(types, str) else set(types)
-            return types | ({"integer"} if "number" in types else set())
-
-        common = expand(first) & expand(second)
-        return [name for name in ALL_TYPES if name in common] or ["__none__"]
-
-    def check_supported(self, schema, path):
-        for key, value in schema.items():
-            if not _valid_value(key, value):
-                raise SchemaError(f"{key} has an invalid value {json.dumps(value)[:40]} at {path}/{key}")
-            if key in UNSUPPORTED and not (key in ("then", "else") and "if" not in schema):
-                raise SchemaError(f"{key} is not supported at {path}")
-        if schema.get("format") in UNSUPPORTED_FORMATS:
-            raise SchemaError(f"format {schema['format']!r} is not supported at {path}/format")
-
     # --- compile --------------------------------------------------------------------------------
 
     def compile(self, schema, path, refs):
@@ -218,7 +126,7 @@ class _Compiler:
             return self.any_value(self.any_depth)
         if not isinstance(schema, dict):
             raise SchemaError(f"a schema must be an object or a boolean at {path}")
-        self.check_supported(schema, path)
+        check_supported(schema, path)
         if "allOf" in schema:
             merged = {key: value for key, value in schema.items() if key != "allOf"}
             for index, part in enumerate(schema["allOf"]):
@@ -435,7 +343,8 @@ class _Compiler:
         step = schema.get("multipleOf")
         if step is not None:
             # Every integer is a multiple of 1, 1/2, 1/4, ... (exact in binary, so a validator agrees).
-            if step <= 0 or Fraction(step).numerator != 1 or Fraction(step).denominator & (Fraction(step).denominator - 1):
+            exact = Fraction(step)
+            if step <= 0 or exact.numerator != 1 or exact.denominator & (exact.denominator - 1):
                 raise SchemaError(f"multipleOf {step} is not supported at {path}/multipleOf")
             name = "integer"
         lo, hi = schema.get("minimum"), schema.get("maximum")
@@ -476,7 +385,7 @@ class _Compiler:
         if schema is True:
             return set(ALL_TYPES)
         if "const" in schema or "enum" in schema:
-            return {_json_type(value) for value in ([schema["const"]] if "const" in schema else schema["enum"])}
+            return {json_type(value) for value in ([schema["const"]] if "const" in schema else schema["enum"])}
         for keyword in ("anyOf", "oneOf"):
             if keyword in schema:
                 return set().union(*(self.accepted_types(b, refs, emitted) for b in schema[keyword]))
