@@ -298,8 +298,10 @@ def save_index(index: TokenIndex, path, key: str) -> None:
     partial = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     try:
         with open(partial, "wb") as file:
-            np.savez(file, key=np.array(key), byte_class=index.dfa.byte_class, transitions=index.dfa.transitions,
-                     accepting=index.dfa.accepting, start=index.dfa.start, finishable=index.finishable)
+            # Compressed: transitions are mostly -1, so even 50k states stay a few MB.
+            np.savez_compressed(file, key=np.array(key), byte_class=index.dfa.byte_class,
+                                transitions=index.dfa.transitions, accepting=index.dfa.accepting,
+                                start=index.dfa.start, finishable=index.finishable)
         os.replace(partial, path)
     finally:
         partial.unlink(missing_ok=True)
