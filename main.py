@@ -3,6 +3,7 @@
     python main.py                                   # embedded SmolLM2-135M-Instruct
     python main.py --prompt-file code.txt --prompt-lookup --color
     python main.py --prompt "Give me a date" --regex '\\d{4}-\\d{2}-\\d{2}' --color
+    python main.py --prompt "A user as JSON" --json-schema schema.json --color
     python main.py --model target --draft-model draft --color --json
 """
 
