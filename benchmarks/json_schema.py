@@ -19,7 +19,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from benchmarks.harness import Method, chat_tokens, markdown_table, side_by_side
-from benchmarks.regex_index import median_ms, outlines_vocabulary
+from benchmarks.regex_index import decode_step_ms, median_ms, outlines_vocabulary
 from constrained import ForcedTextSource, RegexConstraint, RegexError, compile_regex, schema_to_regex
 from constrained.token_index import TokenIndex, TokenTable, token_byte_strings
 from decoder import DecodingStats, eos_ids_of, generate_step
@@ -116,20 +116,9 @@ def validate_outputs(tokenizer, cases, prompts, runs, eos):
 
 def mask_cost(model, table, eos, schema):
     """Per-step cost of masking: a cached row (steady state) and a cold row build, vs one decoding step."""
-    from mlx_lm.models.cache import make_prompt_cache
-
-    cache = make_prompt_cache(model)
-    model(mx.zeros((1, 64), mx.int32), cache=cache)
-    step = mx.array([[1]])
-
-    def decode_step():
-        mx.eval(model(step, cache=cache))
-        for layer in cache:
-            layer.trim(1)
-
     index = TokenIndex.build(compile_regex(schema_to_regex(schema)), table, eos)
     logits = mx.random.normal((1, table.vocab_size))
-    decode_ms, _ = median_ms(decode_step, 30)
+    decode_ms = decode_step_ms(model)
     cached_ms, _ = median_ms(lambda: mx.eval(mx.where(index.masks([index.start]), logits, -mx.inf)), 200)
     cold = []
     for state in range(0, index.num_states, max(1, index.num_states // 200)):

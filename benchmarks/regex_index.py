@@ -30,6 +30,22 @@ def median_ms(call, repeats=REPEATS):
     return statistics.median(times) * 1e3, result
 
 
+def decode_step_ms(model) -> float:
+    """Median ms of one decoding step (one token, KV cache of 64): what masking is compared with."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    model(mx.zeros((1, 64), mx.int32), cache=cache)
+    step = mx.array([[1]])
+
+    def decode_step():
+        mx.eval(model(step, cache=cache))
+        for layer in cache:
+            layer.trim(1)
+
+    return median_ms(decode_step, 30)[0]
+
+
 def outlines_vocabulary(token_bytes, eos):
     """The same token bytes, as outlines-core wants them (None when it is not installed)."""
     try:
@@ -68,18 +84,6 @@ def main():
         print(f"| {name} | {dfa.num_states} | {dfa.transitions.shape[1]} | {compile_ms:.1f} | {index_ms:.0f} | "
               f"{row_ms / index.num_states:.2f} | {theirs} |")
 
-    # Per-token masking cost vs a decoding step (one token, KV cache of 64).
-    from mlx_lm.models.cache import make_prompt_cache
-
-    cache = make_prompt_cache(model)
-    model(mx.zeros((1, 64), mx.int32), cache=cache)
-    step = mx.array([[1]])
-
-    def decode_step():
-        mx.eval(model(step, cache=cache))
-        for layer in cache:
-            layer.trim(1)
-
     index = indexes["json"]
     logits = mx.random.normal((1, vocab_size))
 
@@ -88,7 +92,7 @@ def main():
         states.append(index.next_state(states[-1], 4))  # the walk: a table lookup per token
         mx.eval(mx.where(index.masks(states[:1]), logits, -mx.inf))
 
-    decode_ms, _ = median_ms(decode_step, 30)
+    decode_ms = decode_step_ms(model)
     mask_ms, _ = median_ms(mask_step, 200)
     print(f"\nmask cost per token: {mask_ms:.3f} ms = {100 * mask_ms / decode_ms:.2f}% of a {decode_ms:.1f} ms step")
 
