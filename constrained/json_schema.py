@@ -137,7 +137,10 @@ class _Compiler:
                 return self.alternatives(schema, keyword, path, refs)
         if "const" in schema or "enum" in schema:
             return self.enum(schema, path, refs)
-        options = [self.typed(schema, name, path, refs) for name in self.types_to_emit(schema, path)]
+        types = self.types_to_emit(schema, path)
+        if "type" not in schema and types == ALL_TYPES:  # no type keyword at all: any value, nesting bounded
+            return self.any_value(self.any_depth)
+        options = [self.typed(schema, name, path, refs) for name in types]
         options = [option for option in options if option is not None]
         return "(?:" + "|".join(options) + ")" if options else None
 
