@@ -33,19 +33,53 @@ def load_schemas(folder: str) -> dict:
     return {path.stem: json.loads(path.read_text()) for path in sorted((SCHEMAS / folder).glob("*.json"))}
 
 
-def outlines_columns(schema, vocabulary):
-    """outlines-core's schema -> regex ms, Index ms and its state count, or dashes when not installed."""
-    if vocabulary is None:
-        return "- | - | -"
+OUTLINES_MEMORY_LIMIT = 4 << 30
+OUTLINES_TIMEOUT_S = 120
+
+
+def _outlines_child(schema, vocabulary, connection):
     import outlines_core
     from outlines_core.json_schema import build_regex_from_schema
 
     try:
         regex_ms, regex = median_ms(lambda: build_regex_from_schema(json.dumps(schema)), 1)
         index_ms, index = median_ms(lambda: outlines_core.Index(regex, vocabulary), 1)
+        connection.send(f"{regex_ms:.1f} | {index_ms:.0f} | {len(index.get_transitions())}")
     except Exception as error:  # noqa: BLE001 - report what it refuses, as for ours
-        return f"error: {str(error)[:40]} | - | -"
-    return f"{regex_ms:.1f} | {index_ms:.0f} | {len(index.get_transitions())}"
+        connection.send(f"error: {str(error)[:40]} | - | -")
+
+
+def outlines_columns(schema, vocabulary):
+    """outlines-core's schema -> regex ms, Index ms and states, in a child process whose memory is watched
+    (its full index of a large schema can take more memory than this machine has); dashes if not installed."""
+    if vocabulary is None:
+        return "- | - | -"
+    import multiprocessing
+
+    receiver, sender = multiprocessing.Pipe(duplex=False)
+    child = multiprocessing.get_context("fork").Process(target=_outlines_child, args=(schema, vocabulary, sender))
+    child.start()
+    tic, peak = time.perf_counter(), 0
+    while child.is_alive() and not receiver.poll(0.2):
+        peak = max(peak, _rss_bytes(child.pid))
+        if peak > OUTLINES_MEMORY_LIMIT or time.perf_counter() - tic > OUTLINES_TIMEOUT_S:
+            child.kill()
+            child.join()
+            reason = f"> {OUTLINES_MEMORY_LIMIT >> 30} GB" if peak > OUTLINES_MEMORY_LIMIT else f"> {OUTLINES_TIMEOUT_S} s"
+            return f"- | stopped: {reason} | -"
+    result = receiver.recv() if receiver.poll(1) else "error: no result | - | -"
+    child.join()
+    return result
+
+
+def _rss_bytes(pid: int) -> int:
+    try:
+        for line in open(f"/proc/{pid}/status"):
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
 
 
 def first_token_and_memory(model, tokenizer, dfa, table, eos, prompt, max_tokens):
