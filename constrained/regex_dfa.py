@@ -143,6 +143,22 @@ class DFA:
         state = self.step(self.start, data)
         return state >= 0 and bool(self.accepting[state])
 
+    def sample(self, rng, max_bytes: int = 2000, stop_probability: float = 0.25):
+        """A random member of the language (None if the walk passes max_bytes), for tests and benchmarks.
+
+        Args:
+            rng: A `random.Random`.
+            stop_probability: Chance of stopping at each accepting state that can go on.
+        """
+        state, data = self.start, bytearray()
+        while len(data) < max_bytes:
+            (live_bytes,) = np.nonzero(self.transitions[state, self.byte_class] >= 0)
+            if self.accepting[state] and (not len(live_bytes) or rng.random() < stop_probability):
+                return bytes(data)
+            data.append(int(rng.choice(live_bytes)))
+            state = int(self.transitions[state, self.byte_class[data[-1]]])
+        return None
+
     def forced_bytes(self, state: int) -> bytes:
         """The bytes the regex forces from `state`: stops at an accepting state or a choice.
 
