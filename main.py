@@ -3,6 +3,7 @@
     python main.py                                   # embedded SmolLM2-135M-Instruct
     python main.py --prompt-file code.txt --prompt-lookup --color
     python main.py --prompt "Give me a date" --regex '\\d{4}-\\d{2}-\\d{2}' --color
+    python main.py --prompt "A user as JSON" --json-schema schema.json --color
     python main.py --model target --draft-model draft --color --json
 """
 
@@ -51,6 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     lookup.add_argument("--ngram-min", type=int, default=1, help="Shortest suffix n-gram to match (default: 1).")
     constrained = parser.add_argument_group("regex-constrained decoding")
     constrained.add_argument("--regex", default=None, help="The output must fully match this regex (re.ASCII).")
+    constrained.add_argument("--json-schema", default=None, metavar="FILE_OR_JSON",
+                             help="The output must be JSON valid under this JSON Schema (a file or inline JSON).")
     speculative = parser.add_argument_group("speculative decoding")
     speculative.add_argument("--draft-model", default=None, help="Draft model directory or repo (same vocabulary).")
     parser.add_argument("--num-draft", type=int, default=None,
@@ -72,6 +75,12 @@ def validate(args):
         raise CliError("--ngram-min and --ngram-max must satisfy 1 <= ngram-min <= ngram-max")
     if args.prompt is not None and args.prompt_file is not None:
         raise CliError("give --prompt or --prompt-file, not both")
+    if args.regex is not None and args.json_schema is not None:
+        raise CliError("give --regex or --json-schema, not both")
+    if args.json_schema is not None:
+        from constrained import load_schema, schema_to_regex
+
+        args.regex = schema_to_regex(load_schema(args.json_schema))  # SchemaError, a RegexError
     if args.regex is not None:
         from constrained import compile_regex
 
