@@ -11,6 +11,8 @@ import json
 import sys
 from pathlib import Path
 
+import fast_blas
+
 DEFAULT_PROMPT = "What is the capital of France? Answer in one sentence."
 
 # One colour per draft source; tokens the target chose itself stay uncoloured.
@@ -199,6 +201,7 @@ def run(args):
 
 def main():
     args = build_parser().parse_args()
+    fast_blas.load()  # before anything imports mlx.core (Linux: MLX's own BLAS is ~20x slower)
     from convert import ConversionError
     from loading import ModelError
     from speculative import VocabularyMismatch
