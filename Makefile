@@ -25,7 +25,7 @@ setup-dev: $(VENV)/.installed-dev
 
 demo: setup
 	$(PY) main.py --prompt "What is the capital of France? Answer in one sentence."
-	$(PY) main.py --prompt-file benchmarks/prompts/demo_code.txt --prompt-lookup --color always --max-tokens 160
+	$(PY) -m demo
 
 test: setup-dev
 	$(PY) -m pytest

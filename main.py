@@ -178,6 +178,7 @@ def print_stats(result, verbose: bool, use_color: bool):
 
 
 def run(args):
+    """Generate and print as ``args`` say; returns the ``GenerationResult``."""
     import mlx.core as mx
 
     from decoder import generate
@@ -197,6 +198,7 @@ def run(args):
     else:
         print()
         print_stats(result, args.verbose, use_color)
+    return result
 
 
 def main():

@@ -51,7 +51,7 @@ def block_times_us(make_add, tokenizer, tokens, repeats):
 
 def main():
     _, tokenizer, _ = load_model()
-    text = "\n\n".join(p.read_text() for p in sorted((Path(__file__).parent / "prompts").rglob("*.txt")))
+    text = "\n\n".join(p.read_text() for p in sorted((Path(__file__).parent / "prompts").glob("*/*.txt")))
     tokens = tokenizer.encode(text, add_special_tokens=False)[: LENGTHS[0]] * (max(LENGTHS) // LENGTHS[0])
     text_stream = block_times_us(lambda tokenizer: TextStream(tokenizer).add, tokenizer, tokens, repeats=5)
     redecode = block_times_us(full_redecode, tokenizer, tokens, repeats=2)
