@@ -64,7 +64,7 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mlx-decoding"
 
 
-def _with_mlx_gfortran(library: Path) -> Optional[Path]:
+def link_mlx_gfortran(library: Path) -> Optional[Path]:
     """A copy of ``library``'s name that finds ``libgfortran.so.5`` without the system package.
 
     The ngsolve-openblas wheel needs libgfortran.so.5, which a fresh Debian lacks, and looks for
@@ -79,12 +79,14 @@ def _with_mlx_gfortran(library: Path) -> Optional[Path]:
     gfortran = sorted(bundled.glob("libgfortran-*.so.5*"))
     if not gfortran:
         return None
-    key = hashlib.sha256(f"{library.resolve()}:{bundled.resolve()}".encode()).hexdigest()[:16]
+    # Keyed by both files, so a new MLX or wheel gets a new directory, never a stale link.
+    key = hashlib.sha256(f"{library.resolve()}:{gfortran[0].resolve()}".encode()).hexdigest()[:16]
     final = _cache_dir() / "blas" / key
     if not final.exists():
         # Built aside and renamed into place, so concurrent first runs never see half a directory.
         staging = final.with_name(f"{key}.tmp{os.getpid()}")
-        staging.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(staging, ignore_errors=True)  # left by a crashed run with the same pid
+        staging.mkdir(parents=True)
         for path in [*gfortran, *bundled.glob("libquadmath-*")]:  # libgfortran needs its libquadmath
             (staging / path.name).symlink_to(path.resolve())
         (staging / "libgfortran.so.5").symlink_to(gfortran[0].resolve())
@@ -132,13 +134,13 @@ def _load_global(path: Path) -> Optional[str]:
     except OSError as error:
         if "libgfortran" not in str(error):
             return None
-    linked = _with_mlx_gfortran(path)
-    if linked is None:
-        return None
     try:
+        linked = link_mlx_gfortran(path)
+        if linked is None:
+            return None
         ctypes.CDLL(str(linked), mode=ctypes.RTLD_GLOBAL)
         return str(linked)
-    except OSError:
+    except OSError:  # e.g. an unwritable cache directory
         return None
 
 

@@ -42,7 +42,7 @@ if name == "system":
 elif name == "wheel":
     path = fast_blas.load(system=False)
 elif name == "wheel-mlx-gfortran":
-    path = str(fast_blas._with_mlx_gfortran(fast_blas.wheel_libraries()[0]))
+    path = str(fast_blas.link_mlx_gfortran(fast_blas.wheel_libraries()[0]))
     ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
 else:
     path = None

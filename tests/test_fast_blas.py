@@ -72,7 +72,7 @@ def test_wheel_finds_libgfortran_without_the_system_package(tmp_path):
         pytest.skip("pip install ngsolve-openblas (requirements.txt)")
     code = """
 import ctypes, json, fast_blas
-linked = fast_blas._with_mlx_gfortran(fast_blas.wheel_libraries()[0])
+linked = fast_blas.link_mlx_gfortran(fast_blas.wheel_libraries()[0])
 ctypes.CDLL(str(linked), mode=ctypes.RTLD_GLOBAL)
 import mlx.core as mx
 mx.eval(mx.ones((64, 64)) @ mx.ones((64, 64)))
