@@ -167,6 +167,8 @@ def load(system: bool = True, warn: bool = True) -> Optional[str]:
 
 def describe() -> str:
     """The BLAS MLX's CPU matmuls use, in words."""
+    if sys.platform == "darwin":
+        return "Accelerate"
     path = loaded()
     if path is None:
         return "reference BLAS"
