@@ -93,8 +93,8 @@ def main():
     for name, results in runs.items():
         tps = statistics.median(r["tps"] for r in results)
         ratio = f"{tps / system:.2f}x" if system else "-"
-        library = results[0]["blas"].split("/")[-1].rstrip(")") if "/" in results[0]["blas"] else "-"
-        rows.append(f"| {CHOICES[name]} | `{library}` | "
+        library = f"`{results[0]['blas'].split('/')[-1].rstrip(')')}`" if "/" in results[0]["blas"] else "-"
+        rows.append(f"| {CHOICES[name]} | {library} | "
                     f"{statistics.median(r['gflops'] for r in results):.1f} | {tps:.2f} | {ratio} |")
     threads = "" if args.threads is None else f" --threads {args.threads}"
     load = os.getloadavg()[0]
