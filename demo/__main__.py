@@ -39,8 +39,9 @@ def run_demo(title: str, argv: list):
     plain = generate(model, tokenizer, prompt, **kwargs)
     speedup = drafted.generation_tps / max(plain.generation_tps, 1e-9)
     same = "identical text" if drafted.tokens == plain.tokens else "DIFFERENT TEXT (a bug: please report it)"
+    passes = drafted.stats.target_forward_passes / max(drafted.generation_tokens, 1)
     print(f"vs plain decoding: {drafted.generation_tps:.1f} vs {plain.generation_tps:.1f} tok/s = "
-          f"{speedup:.2f}x faster, {same}", flush=True)
+          f"{speedup:.2f}x faster ({passes:.2f} target passes per token instead of 1), {same}", flush=True)
 
 
 def main_demo():
