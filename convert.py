@@ -15,7 +15,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-import mlx.core as mx
+import fast_blas
+
+fast_blas.load()  # before mlx.core, so `python convert.py` gets a fast BLAS too (no-op when loaded)
+import mlx.core as mx  # noqa: E402
 
 from speculative.t5 import convert_t5, is_t5_dir
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
+import fast_blas
 from speculative.t5 import is_t5_dir, load_t5
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -112,5 +113,4 @@ def context_length(path: Path) -> int:
 def describe_backend() -> str:
     if mx.metal.is_available():
         return "Metal GPU"
-    blas = "OpenBLAS" if "openblas" in os.environ.get("LD_PRELOAD", "") else "reference BLAS"
-    return f"{platform.machine()} CPU, {blas}"
+    return f"{platform.machine()} CPU, {fast_blas.describe()}"

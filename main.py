@@ -12,6 +12,8 @@ import json
 import sys
 from pathlib import Path
 
+import fast_blas
+
 DEFAULT_PROMPT = "What is the capital of France? Answer in one sentence."
 
 # One colour per draft source; tokens the target chose itself stay uncoloured.
@@ -185,6 +187,7 @@ def print_stats(result, verbose: bool, use_color: bool):
 
 
 def run(args):
+    """Generate and print as ``args`` say; returns the ``GenerationResult``."""
     import mlx.core as mx
 
     from decoder import generate
@@ -204,10 +207,12 @@ def run(args):
     else:
         print()
         print_stats(result, args.verbose, use_color)
+    return result
 
 
 def main():
     args = build_parser().parse_args()
+    fast_blas.load()  # before anything imports mlx.core (Linux: MLX's own BLAS is ~20x slower)
     from convert import ConversionError
     from loading import ModelError
     from speculative import VocabularyMismatch
