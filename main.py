@@ -3,6 +3,7 @@
     python main.py                                   # embedded SmolLM2-135M-Instruct
     python main.py --prompt-file code.txt --prompt-lookup --color
     python main.py --prompt "Give me a date" --regex '\\d{4}-\\d{2}-\\d{2}' --color
+    python main.py --prompt "A user as JSON" --json-schema schema.json --color
     python main.py --model target --draft-model draft --color --json
 """
 
@@ -10,6 +11,7 @@ import argparse
 import json
 import sys
 
+import fast_blas
 from cli import CLOSED_PIPE_STATUS, CliError, Parser, check_finite, check_text_argument, discard_stdout
 from cli import read_text_file, read_text_stream, reopen_closed_std_streams, writing_output
 
@@ -42,6 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     lookup.add_argument("--ngram-min", type=int, default=1, help="Shortest suffix n-gram to match (default: 1).")
     constrained = parser.add_argument_group("regex-constrained decoding")
     constrained.add_argument("--regex", default=None, help="The output must fully match this regex (re.ASCII).")
+    constrained.add_argument("--json-schema", default=None, metavar="FILE_OR_JSON",
+                             help="The output must be JSON valid under this JSON Schema (a file or inline JSON).")
     speculative = parser.add_argument_group("speculative decoding")
     speculative.add_argument("--draft-model", default=None, help="Draft model directory or repo (same vocabulary).")
     parser.add_argument("--num-draft", type=int, default=None,
@@ -69,6 +73,12 @@ def validate(args):
         raise CliError("--ngram-min and --ngram-max must satisfy 1 <= ngram-min <= ngram-max <= 256")
     if args.prompt is not None and args.prompt_file is not None:
         raise CliError("give --prompt or --prompt-file, not both")
+    if args.regex is not None and args.json_schema is not None:
+        raise CliError("give --regex or --json-schema, not both")
+    if args.json_schema is not None:
+        from constrained import load_schema, schema_to_regex
+
+        args.regex = schema_to_regex(load_schema(args.json_schema))  # SchemaError, a RegexError
     if args.regex is not None:
         from constrained import compile_regex
 
@@ -173,6 +183,7 @@ def print_stats(result, verbose: bool, use_color: bool):
 
 
 def run(args):
+    """Generate and print as ``args`` say; returns the ``GenerationResult``."""
     import mlx.core as mx
 
     from decoder import generate
@@ -193,11 +204,13 @@ def run(args):
         else:
             print()
             print_stats(result, args.verbose, use_color)
+    return result
 
 
 def main():
     reopen_closed_std_streams()
     args = build_parser().parse_args()
+    fast_blas.load()  # before anything imports mlx.core (Linux: MLX's own BLAS is ~20x slower)
     from convert import ConversionError
     from decoder import ConstraintError
     from loading import ModelError

@@ -7,6 +7,7 @@ On Linux run it with OpenBLAS preloaded (`make bench` does).
 import argparse
 import datetime
 import platform
+import sys
 import time
 from pathlib import Path
 
@@ -261,7 +262,8 @@ def main():
     args = parser.parse_args()
 
     model, tokenizer, path = load_model()
-    header = (f"{datetime.date.today()} · {platform.node() or 'this machine'} · {describe_backend()} · "
+    command = " ".join(["python -m benchmarks.run", *sys.argv[1:]])
+    header = (f"`{command}` · {datetime.date.today()} · {platform.node() or 'this machine'} · {describe_backend()} · "
               f"SmolLM2-135M-Instruct {default_dtype()} · greedy · max {args.max_tokens} new tokens · "
               f"mlx {mx.__version__}")
     print(header)

@@ -26,6 +26,13 @@ class RegexConstraint:
         index = load_or_build_index(pattern, tokenizer, vocab_size, eos_ids_of(tokenizer), cache_dir=cache_dir)
         return cls(index)
 
+    @classmethod
+    def from_json_schema(cls, schema, tokenizer, vocab_size: int, cache_dir=None, **options) -> "RegexConstraint":
+        """Output that validates against `schema` (a dict); `options` go to `schema_to_regex`."""
+        from constrained.json_schema import schema_to_regex
+
+        return cls.from_regex(schema_to_regex(schema, **options), tokenizer, vocab_size, cache_dir=cache_dir)
+
     def walk(self, draft: list) -> list:
         states = [self.state]
         for token in draft:

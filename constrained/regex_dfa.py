@@ -20,7 +20,7 @@ import numpy as np
 # RegexError and parse_regex are re-exported: callers import everything regex-related from here.
 from constrained.regex_parse import Alt, Chars, Concat, RegexError, parse_regex  # noqa: F401
 
-DEFAULT_MAX_STATES = 10_000
+DEFAULT_MAX_STATES = 50_000  # compile time (~3 s at the cap) bounds it; the index itself is lazy
 
 
 def utf8_sequences(lo: int, hi: int) -> list:
@@ -143,6 +143,22 @@ class DFA:
         state = self.step(self.start, data)
         return state >= 0 and bool(self.accepting[state])
 
+    def sample(self, rng, max_bytes: int = 2000, stop_probability: float = 0.25):
+        """A random member of the language (None if the walk passes max_bytes), for tests and benchmarks.
+
+        Args:
+            rng: A `random.Random`.
+            stop_probability: Chance of stopping at each accepting state that can go on.
+        """
+        state, data = self.start, bytearray()
+        while len(data) < max_bytes:
+            (live_bytes,) = np.nonzero(self.transitions[state, self.byte_class] >= 0)
+            if self.accepting[state] and (not len(live_bytes) or rng.random() < stop_probability):
+                return bytes(data)
+            data.append(int(rng.choice(live_bytes)))
+            state = int(self.transitions[state, self.byte_class[data[-1]]])
+        return None
+
     def forced_bytes(self, state: int) -> bytes:
         """The bytes the regex forces from `state`: stops at an accepting state or a choice.
 
@@ -230,10 +246,11 @@ def _minimize(transitions, accepting, start):
     # Make "-1" an explicit sink so every state has a successor on every class.
     sink = num_states
     complete = np.vstack([np.where(transitions >= 0, transitions, sink), np.full((1, num_classes), sink)])
-    predecessors = [[[] for _ in range(num_states + 1)] for _ in range(num_classes)]
-    for cls in range(num_classes):
-        for source, target in enumerate(complete[:, cls].tolist()):
-            predecessors[cls][target].append(source)
+    # Incoming edges of each state as (class, source), sorted by target: one flat list, no list per state.
+    sources, classes = (index.ravel() for index in np.indices(complete.shape))
+    order = np.argsort(complete.ravel(), kind="stable")
+    bounds = np.searchsorted(complete.ravel()[order], np.arange(num_states + 2)).tolist()
+    edge_class, edge_source = classes[order].tolist(), sources[order].tolist()
     is_final = np.append(accepting, False)
     blocks = [set(np.flatnonzero(group).tolist()) for group in (is_final, ~is_final) if group.any()]
     block_of = [0] * (num_states + 1)
@@ -242,13 +259,16 @@ def _minimize(transitions, accepting, start):
             block_of[state] = block_id
     pending = set(range(len(blocks)))
     while pending:
-        splitter = list(blocks[pending.pop()])
-        for cls in range(num_classes):
-            # Split every block into the states that enter the splitter on `cls` and those that do not.
+        # The states entering the splitter, per class; only edges into the splitter are visited.
+        entering_by_class = {}
+        for target in blocks[pending.pop()]:
+            for edge in range(bounds[target], bounds[target + 1]):
+                entering_by_class.setdefault(edge_class[edge], []).append(edge_source[edge])
+        for sources_in in entering_by_class.values():
+            # Split every block into the states that enter the splitter on this class and those that do not.
             entering = {}
-            for target in splitter:
-                for source in predecessors[cls][target]:
-                    entering.setdefault(block_of[source], set()).add(source)
+            for source in sources_in:
+                entering.setdefault(block_of[source], set()).add(source)
             for block_id, inside in entering.items():
                 if len(inside) == len(blocks[block_id]):
                     continue
@@ -278,7 +298,7 @@ def compile_regex(pattern: str, max_states: int = DEFAULT_MAX_STATES) -> DFA:
         max_states: Raise RegexError when the DFA needs more states than this.
     """
     tree = parse_regex(pattern)
-    nfa = _NFA(max_states=20 * max_states)
+    nfa = _NFA(max_states=4 * max_states)
     nfa_start, nfa_accept = nfa.build(tree)
     byte_class, transitions, accepting = _subset_construction(nfa, nfa_start, nfa_accept, max_states)
     transitions, accepting, start = _remove_dead_states(transitions, accepting, 0)

@@ -1,7 +1,9 @@
 """Per-state token masks for regex-constrained decoding.
 
-For every DFA state, `TokenIndex` stores which tokens may come next and the state each one leads to,
-so a decoding step is one row lookup: `mx.where(index.allowed_mask(state), logits, -mx.inf)`.
+For a DFA state, `TokenIndex` gives which tokens may come next and the state each one leads to, so a
+decoding step is one row lookup: `mx.where(index.allowed_mask(state), logits, -mx.inf)`. Rows are
+built the first time generation reaches a state (one vectorized walk of the vocabulary) and kept in
+a bounded LRU cache, so memory and time to first token do not grow with the states never visited.
 Tokens are handled as raw bytes, so a token that ends halfway through a UTF-8 character is allowed
 exactly when the regex allows that character.
 """
@@ -10,8 +12,9 @@ import hashlib
 import json
 import os
 import re
+import sys
+from collections import OrderedDict
 from dataclasses import dataclass
-from functools import cached_property
 from pathlib import Path
 
 import mlx.core as mx
@@ -21,9 +24,12 @@ from tokenizers import Tokenizer
 from constrained.regex_dfa import DEFAULT_MAX_STATES, DFA, RegexError, compile_regex, states_reaching
 from loading import cache_dir
 
-CACHE_FORMAT_VERSION = 1
-# Walk at most this many (state, token) pairs at once; bounds peak memory of `TokenIndex.build`.
+# Version 2: the DFA and its finishable states, with the cache key inside (rows are built lazily).
+CACHE_FORMAT_VERSION = 2
+# Walk at most this many (state, token) pairs at once; bounds peak memory of the up-front check.
 PAIRS_PER_CHUNK = 1 << 22
+# Rows kept per index: (V,) int32 next states + (V,) bool mask, e.g. 136 rows of a 49k vocabulary.
+DEFAULT_ROW_CACHE_BYTES = 32 << 20
 
 
 def gpt2_unicode_to_byte() -> dict:
@@ -99,50 +105,74 @@ def token_byte_strings(tokenizer, vocab_size: int) -> list:
     return token_bytes
 
 
-def _padded_token_classes(token_bytes: list, byte_class: np.ndarray):
-    """(V,) token lengths and a (V, max_len) matrix of their byte classes, built without a token loop."""
-    lengths = np.array([len(token) if token else 0 for token in token_bytes], dtype=np.int64)
-    flat = np.frombuffer(b"".join(token for token in token_bytes if token), dtype=np.uint8)
-    token_of_byte = np.repeat(np.arange(len(token_bytes)), lengths)
-    column_of_byte = np.arange(len(flat)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
-    classes = np.zeros((len(token_bytes), max(int(lengths.max(initial=0)), 1)), dtype=np.int32)
-    classes[token_of_byte, column_of_byte] = byte_class[flat]
-    return lengths, classes
+@dataclass(frozen=True, eq=False)
+class TokenTable:
+    """The vocabulary as a padded byte matrix, with tokens grouped by first byte for fast walks."""
+
+    lengths: np.ndarray  # (V,) int64, 0 for tokens that spell nothing (special, unused)
+    token_bytes: np.ndarray  # (V, max_len) uint8, zero padded
+    by_first_byte: np.ndarray  # spellable token ids sorted by their first byte
+    first_byte_starts: np.ndarray  # (257,) offsets into by_first_byte
+
+    @classmethod
+    def build(cls, token_bytes: list) -> "TokenTable":
+        lengths = np.array([len(token) if token else 0 for token in token_bytes], dtype=np.int64)
+        flat = np.frombuffer(b"".join(token for token in token_bytes if token), dtype=np.uint8)
+        token_of_byte = np.repeat(np.arange(len(token_bytes)), lengths)
+        column_of_byte = np.arange(len(flat)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+        matrix = np.zeros((len(token_bytes), max(int(lengths.max(initial=0)), 1)), dtype=np.uint8)
+        matrix[token_of_byte, column_of_byte] = flat
+        spellable = np.flatnonzero(lengths > 0)
+        order = spellable[np.argsort(matrix[spellable, 0], kind="stable")]
+        starts = np.searchsorted(matrix[order, 0], np.arange(257))
+        return cls(lengths, matrix, order, starts)
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.lengths)
+
+    def single_bytes(self) -> np.ndarray:
+        """(256,) bool: the bytes that some one-byte token spells."""
+        covered = np.zeros(256, dtype=bool)
+        covered[self.token_bytes[self.lengths == 1, 0]] = True
+        return covered
+
+    def starting_with(self, first_bytes: np.ndarray) -> np.ndarray:
+        """The spellable token ids whose first byte is in `first_bytes`."""
+        starts, ends = self.first_byte_starts[first_bytes], self.first_byte_starts[first_bytes + 1]
+        return np.concatenate([self.by_first_byte[s:e] for s, e in zip(starts, ends)] or [np.zeros(0, np.int64)])
 
 
-def _walk_tokens(dfa: DFA, token_bytes: list) -> np.ndarray:
-    """(num_states, V) state reached by each token from each state; -1 where the DFA rejects it."""
-    lengths, classes = _padded_token_classes(token_bytes, dfa.byte_class)
-    vocab_size = len(token_bytes)
-    spellable = np.flatnonzero(lengths > 0).astype(np.int32)
-    next_states = np.full((dfa.num_states, vocab_size), -1, dtype=np.int32)
-    states_per_chunk = max(1, PAIRS_PER_CHUNK // max(len(spellable), 1))
-    for first in range(0, dfa.num_states, states_per_chunk):
-        origins = np.arange(first, min(first + states_per_chunk, dfa.num_states), dtype=np.int32)
-        # All (origin state, token) pairs advance one byte column at a time. A pair leaves when its
-        # token ends (record where it got to) or the DFA rejects it, so the work is about the number
-        # of live (state, token prefix) pairs, not V * max_len.
-        origin = np.repeat(origins, len(spellable))
-        token = np.tile(spellable, len(origins))
-        state = origin.copy()
-        for column in range(classes.shape[1]):
-            ended = lengths[token] == column
-            next_states[origin[ended], token[ended]] = state[ended]
-            origin, token, state = origin[~ended], token[~ended], state[~ended]
-            state = dfa.transitions[state, classes[token, column]]
+def walk_tokens(dfa: DFA, table: TokenTable, origins) -> np.ndarray:
+    """(len(origins), V) state reached by each token from each origin state; -1 where the DFA rejects it."""
+    next_states = np.full((len(origins), table.vocab_size), -1, dtype=np.int32)
+    for row, origin_state in enumerate(origins):
+        # Only tokens whose first byte the state accepts can survive: often a handful, at most V.
+        first_bytes = np.flatnonzero(dfa.transitions[origin_state, dfa.byte_class] >= 0)
+        token = table.starting_with(first_bytes)
+        state = np.full(len(token), origin_state, dtype=np.int32)
+        # The tokens advance one byte column at a time. A token leaves when it ends (record where it
+        # got to) or the DFA rejects it, so the work is the number of live token prefixes.
+        for column in range(table.token_bytes.shape[1]):
+            ended = table.lengths[token] == column
+            next_states[row, token[ended]] = state[ended]
+            token, state = token[~ended], state[~ended]
+            state = dfa.transitions[state, dfa.byte_class[table.token_bytes[token, column]]]
             alive = state >= 0
-            origin, token, state = origin[alive], token[alive], state[alive]
-        next_states[origin, token] = state  # tokens of the maximum length
+            token, state = token[alive], state[alive]
+            if not len(token):
+                break
+        next_states[row, token] = state  # tokens of the maximum length
     return next_states
 
 
-def _token_edges(next_states: np.ndarray):
+def _token_edges(dfa: DFA, table: TokenTable):
     """(sources, targets): the state graph with an edge s -> t when some token leads from s to t."""
-    num_states, vocab_size = next_states.shape
-    rows_per_chunk = max(1, PAIRS_PER_CHUNK // max(vocab_size, num_states + 1))
+    num_states = dfa.num_states
+    rows_per_chunk = max(1, PAIRS_PER_CHUNK // max(table.vocab_size, num_states + 1))
     sources, targets = [], []
     for first in range(0, num_states, rows_per_chunk):
-        rows = next_states[first:first + rows_per_chunk]
+        rows = walk_tokens(dfa, table, range(first, min(first + rows_per_chunk, num_states)))
         # Count (row, target + 1) pairs with one bincount; column 0 collects the forbidden tokens.
         keys = (rows + 1) + (num_states + 1) * np.arange(len(rows))[:, None]
         counts = np.bincount(keys.ravel(), minlength=len(rows) * (num_states + 1))
@@ -152,37 +182,53 @@ def _token_edges(next_states: np.ndarray):
     return np.concatenate(sources), np.concatenate(targets)
 
 
-@dataclass(eq=False)
-class TokenIndex:
-    """For each DFA state, the allowed tokens and the state each leads to.
+def finishable_states(dfa: DFA, table: TokenTable) -> np.ndarray:
+    """(num_states,) bool: the states from which some sequence of tokens reaches an accepting state.
 
-    `next_states[state, token]` is -1 when `token` is forbidden in `state`. EOS tokens are allowed
-    exactly in accepting states and map to the same state. Index states are the DFA's states, so
-    `index.dfa.forced_bytes(state)` gives the text the regex forces next.
+    Every DFA state can reach acceptance (dead states were removed), so when the one-byte tokens
+    cover a path to acceptance from every state, every state is finishable: a cheap DFA-level check.
+    Otherwise (a vocabulary that lacks bytes the regex needs) walk every token from every state up
+    front, in chunks of bounded memory, and find the finishable states on the token graph.
+    """
+    class_covered = np.zeros(dfa.transitions.shape[1], dtype=bool)
+    class_covered[dfa.byte_class[table.single_bytes()]] = True
+    sources, classes = np.nonzero((dfa.transitions >= 0) & class_covered)
+    by_single_bytes = states_reaching(sources, dfa.transitions[sources, classes], dfa.accepting)
+    if by_single_bytes.all():
+        return by_single_bytes
+    return states_reaching(*_token_edges(dfa, table), dfa.accepting)
+
+
+class TokenIndex:
+    """For each DFA state, the allowed tokens and the state each leads to, built on first use.
+
+    `row(state)[token]` is -1 when `token` is forbidden in `state`. EOS tokens are allowed exactly in
+    accepting states and map to the same state. Tokens that lead to a state from which the vocabulary
+    cannot finish a match are forbidden, so following the masks always leaves a way to end. Index
+    states are the DFA's states, so `index.dfa.forced_bytes(state)` gives the text the regex forces next.
     """
 
-    dfa: DFA
-    next_states: np.ndarray  # (num_states, V) int32
-    eos_token_ids: tuple
+    def __init__(self, dfa: DFA, table: TokenTable, eos_token_ids, finishable: np.ndarray,
+                 row_cache_bytes: int = DEFAULT_ROW_CACHE_BYTES):
+        self.dfa = dfa
+        self.table = table
+        self.eos_token_ids = tuple(int(token) for token in eos_token_ids)
+        self.finishable = finishable
+        self.max_cached_rows = max(8, row_cache_bytes // (5 * table.vocab_size))
+        self._rows = OrderedDict()  # state -> (next states (V,) int32, mask (V,) mx bool), LRU order
 
     @classmethod
-    def build(cls, dfa: DFA, token_bytes: list, eos_token_ids) -> "TokenIndex":
-        """Index every token (bytes from `token_byte_strings`) against every state of `dfa`.
+    def build(cls, dfa: DFA, token_bytes, eos_token_ids, **options) -> "TokenIndex":
+        """An index of `dfa` over `token_bytes` (from `token_byte_strings`, or a `TokenTable`).
 
-        Tokens that could only lead to a state from which the vocabulary cannot finish a match are
-        forbidden too, so following the masks always leaves a way to end. Raises RegexError when no
-        sequence of tokens spells a match at all.
+        Raises RegexError when no sequence of tokens spells a match at all.
         """
-        next_states = _walk_tokens(dfa, token_bytes)
-        eos_token_ids = tuple(int(token) for token in eos_token_ids)
-        for token in eos_token_ids:
-            next_states[:, token] = np.where(dfa.accepting, np.arange(dfa.num_states), -1)
-        can_finish = states_reaching(*_token_edges(next_states), dfa.accepting)
-        if not can_finish[dfa.start]:
+        table = token_bytes if isinstance(token_bytes, TokenTable) else TokenTable.build(token_bytes)
+        finishable = finishable_states(dfa, table)
+        if not finishable[dfa.start]:
             raise RegexError(f"the vocabulary cannot spell the regex from state {dfa.start}: "
                              "no sequence of tokens reaches an accepting state")
-        next_states[(next_states >= 0) & ~can_finish[next_states]] = -1
-        return cls(dfa, next_states, eos_token_ids)
+        return cls(dfa, table, eos_token_ids, finishable, **options)
 
     @property
     def start(self) -> int:
@@ -192,61 +238,99 @@ class TokenIndex:
     def num_states(self) -> int:
         return self.dfa.num_states
 
-    @cached_property
-    def _allowed(self) -> mx.array:
-        # One (num_states, V) bool array, so a mask is a row gather on the device.
-        return mx.array(self.next_states >= 0)
+    @property
+    def cached_bytes(self) -> int:
+        """Memory held by the cached rows (the index's only per-state memory besides the DFA)."""
+        return sum(row.nbytes + mask.nbytes for row, mask in self._rows.values())
+
+    def _row_and_mask(self, state: int) -> tuple:
+        cached = self._rows.get(state)
+        if cached is not None:
+            self._rows.move_to_end(state)
+            return cached
+        row = walk_tokens(self.dfa, self.table, [state])[0]
+        if not self.finishable.all():
+            row[(row >= 0) & ~self.finishable[row]] = -1
+        row[list(self.eos_token_ids)] = state if self.dfa.accepting[state] else -1
+        cached = self._rows[state] = (row, mx.array(row >= 0))
+        if len(self._rows) > self.max_cached_rows:
+            self._rows.popitem(last=False)
+        return cached
+
+    def row(self, state: int) -> np.ndarray:
+        """(V,) int32: the state after each token from `state`, -1 where the token is forbidden."""
+        return self._row_and_mask(state)[0]
 
     def allowed_mask(self, state: int) -> mx.array:
         """(V,) bool: the tokens allowed in `state`, for `mx.where(mask, logits, -mx.inf)`."""
-        return self._allowed[state]
+        return self._row_and_mask(state)[1]
 
     def masks(self, states: list) -> mx.array:
         """(len(states), V) bool: one mask per state, e.g. for each position of a draft."""
-        return self._allowed[mx.array(states)]
+        return mx.stack([self.allowed_mask(state) for state in states])
 
     def next_state(self, state: int, token: int) -> int:
         """The state after `token`, or -1 if `token` is not allowed in `state`."""
-        return int(self.next_states[state, token])
+        return int(self.row(state)[token])
 
     def is_accepting(self, state: int) -> bool:
         return bool(self.dfa.accepting[state])
-
-    def save(self, path) -> None:
-        """Write the arrays to `path` (.npz); atomic, so concurrent readers never see half a file."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        with open(partial, "wb") as file:
-            np.savez(file, byte_class=self.dfa.byte_class, transitions=self.dfa.transitions,
-                     accepting=self.dfa.accepting, start=self.dfa.start, next_states=self.next_states,
-                     eos_token_ids=np.array(self.eos_token_ids, dtype=np.int64))
-        os.replace(partial, path)
-
-    @classmethod
-    def load(cls, path) -> "TokenIndex":
-        with np.load(path) as arrays:
-            dfa = DFA(arrays["byte_class"], arrays["transitions"], arrays["accepting"], int(arrays["start"]))
-            return cls(dfa, arrays["next_states"], tuple(arrays["eos_token_ids"].tolist()))
 
 
 def default_cache_dir() -> Path:
     return cache_dir() / "regex-index"
 
 
-def _cache_key(pattern: str, token_bytes: list, eos_token_ids) -> str:
+def _cache_key(pattern: str, token_bytes: list, eos_token_ids, max_states: int) -> str:
     vocab_hash = hashlib.sha256()
     for token in token_bytes:
         # Length-prefix each token so different vocabularies never hash the same; None is length -1.
         length = -1 if token is None else len(token)
         vocab_hash.update(length.to_bytes(4, "little", signed=True) + (token or b""))
-    key = json.dumps([CACHE_FORMAT_VERSION, pattern, vocab_hash.hexdigest(), sorted(int(t) for t in eos_token_ids)])
-    return hashlib.sha256(key.encode()).hexdigest()
+    eos = sorted(int(t) for t in eos_token_ids)
+    return json.dumps([CACHE_FORMAT_VERSION, pattern, vocab_hash.hexdigest(), eos, max_states])
+
+
+def save_index(index: TokenIndex, path, key: str) -> None:
+    """Write the DFA, its finishable states and `key` to `path` (.npz); atomic for concurrent readers."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(partial, "wb") as file:
+            # Compressed: transitions are mostly -1, so even 50k states stay a few MB.
+            np.savez_compressed(file, key=np.array(key), byte_class=index.dfa.byte_class,
+                                transitions=index.dfa.transitions, accepting=index.dfa.accepting,
+                                start=index.dfa.start, finishable=index.finishable)
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)
+
+
+def load_index(path, key: str, table: TokenTable, eos_token_ids):
+    """The index saved at `path` under `key`; None if the file is missing, unreadable or for another key."""
+    try:
+        with np.load(path) as arrays:
+            if str(arrays["key"]) != key:
+                return None
+            dfa = DFA(arrays["byte_class"], arrays["transitions"], arrays["accepting"], int(arrays["start"]))
+            finishable = arrays["finishable"]
+    except Exception:  # noqa: BLE001 - any unreadable file (truncated zip, bad arrays, no key) is rebuilt
+        return None
+    num_states, num_classes = dfa.transitions.shape
+    consistent = (dfa.byte_class.shape == (256,) and dfa.accepting.shape == finishable.shape == (num_states,)
+                  and 0 <= dfa.start < num_states and int(dfa.byte_class.max()) < num_classes
+                  and int(dfa.transitions.max(initial=-1)) < num_states)
+    return TokenIndex(dfa, table, eos_token_ids, finishable.astype(bool)) if consistent else None
 
 
 def load_or_build_index(pattern: str, tokenizer, vocab_size: int, eos_token_ids, cache_dir=None,
                         max_states: int = DEFAULT_MAX_STATES) -> TokenIndex:
-    """The `TokenIndex` for `pattern`, loaded from the disk cache or built and saved there.
+    """The `TokenIndex` for `pattern`, its DFA loaded from the disk cache or compiled and saved there.
+
+    The file holds its own key (pattern, vocabulary hash, EOS ids, format version); a file that is
+    unreadable or holds another key is rebuilt. An unwritable cache only costs a warning line. The
+    file is small (the DFA, at most `max_states` x byte classes int32), as rows are built lazily.
 
     Args:
         pattern: The regex (see `compile_regex`).
@@ -254,12 +338,19 @@ def load_or_build_index(pattern: str, tokenizer, vocab_size: int, eos_token_ids,
         vocab_size: The model's vocabulary size.
         eos_token_ids: Tokens that end generation; allowed exactly when the text so far matches.
         cache_dir: Where to keep indexes; default `$XDG_CACHE_HOME/mlx-decoding/regex-index`.
-        max_states: Passed to `compile_regex`.
+        max_states: Passed to `compile_regex`: larger regexes are refused with a RegexError.
     """
     token_bytes = token_byte_strings(tokenizer, vocab_size)
-    path = Path(cache_dir or default_cache_dir()) / f"{_cache_key(pattern, token_bytes, eos_token_ids)}.npz"
-    if path.exists():
-        return TokenIndex.load(path)
-    index = TokenIndex.build(compile_regex(pattern, max_states), token_bytes, eos_token_ids)
-    index.save(path)
+    table = TokenTable.build(token_bytes)
+    key = _cache_key(pattern, token_bytes, eos_token_ids, max_states)
+    path = Path(cache_dir or default_cache_dir()) / f"{hashlib.sha256(key.encode()).hexdigest()}.npz"
+    index = load_index(path, key, table, eos_token_ids)
+    if index is not None:
+        return index
+    index = TokenIndex.build(compile_regex(pattern, max_states), table, eos_token_ids)
+    try:
+        save_index(index, path, key)
+    except OSError as error:
+        sys.stderr.write(f"warning: cannot write the regex index cache ({error.strerror}: {path.parent}); "
+                         "using the index in memory\n")
     return index

@@ -1,5 +1,10 @@
 import pytest
 
+import fast_blas
+
+fast_blas.load()  # before any test module imports mlx.core
+
+
 
 @pytest.fixture(scope="session")
 def embedded():

@@ -433,7 +433,7 @@ def test_constrained_loop_emits_only_allowed_tokens_or_fails_cleanly(data, tmp_p
 
     pattern = data.draw(st.sampled_from(PATTERNS))
     constraint = constraint_for(pattern, tmp_path)
-    vocab_size = constraint.index.next_states.shape[1]
+    vocab_size = len(_tokenizer)
     rows = data.draw(score_rows(vocab_size))
     drafts = data.draw(st.lists(st.lists(st.integers(0, vocab_size - 1), max_size=4), min_size=1, max_size=4))
     scripted = ScriptedSource(lambda tokens, max_draft: drafts[len(tokens) % len(drafts)][:max_draft])
@@ -457,7 +457,7 @@ def test_nan_scores_do_not_hide_a_finite_allowed_token(tmp_path):
     from decoder import generate_step
 
     constraint = constraint_for(r"[ab]", tmp_path)
-    vocab_size = constraint.index.next_states.shape[1]
+    vocab_size = len(_tokenizer)
     row = np.zeros(vocab_size, dtype=np.float32)
     row[ord("a")] = np.nan  # allowed, but no score
     row[ord("z")] = 50.0  # the best score, but forbidden

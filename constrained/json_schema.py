@@ -1,0 +1,423 @@
+"""Compile a JSON Schema to a regex in our dialect, so JSON output reuses the regex DFA and its drafts.
+
+    regex = schema_to_regex({"type": "object", "properties": {"name": {"type": "string"}},
+                             "required": ["name"]})
+
+The regex matches only JSON text that validates against the schema: where the exact set of texts is
+out of reach, it matches a subset (properties in schema order, no undeclared properties, compact
+whitespace, fractions only where the whole integer part is in range) or the schema is refused with a
+`SchemaError` naming the keyword and its JSON pointer. Leaves (strings, formats, number ranges) are
+in `json_regex.py`. Limits, all documented in constrained/README.md:
+
+- a recursive `$ref` is expanded `max_ref_depth` times along one path; deeper, the branch is left out
+  (an optional property, an empty array, another `anyOf` branch) or the schema is refused;
+- `{}` (any value) nests arrays and objects `any_depth` levels deep;
+- `maxLength` and `maxItems` above `max_repeat` are lowered to it (each allowed length is DFA states).
+"""
+
+import json
+import re
+from fractions import Fraction
+
+from constrained.json_regex import (BOOLEAN, FORMATS, INTEGER, NULL, NUMBER, STRING, bounded_string,
+                                    integer_range, literal, number_range, pattern_string, whole_bounds)
+from constrained.regex_parse import RegexError
+from constrained.schema_keywords import (ALL_TYPES, ANNOTATIONS, TYPE_KEYWORDS, SchemaError, check_supported,
+                                         common_types, json_type, load_schema, pointer_get)
+
+__all__ = ["SchemaError", "load_schema", "schema_to_regex"]
+
+MAX_REGEX_LENGTH = 500_000
+
+
+def schema_to_regex(schema, whitespace: str = "", max_ref_depth: int = 3, any_depth: int = 1,
+                    max_repeat: int = 64) -> str:
+    """The regex (our dialect, fullmatch) for JSON text that validates against `schema`.
+
+    Args:
+        schema: A JSON Schema as a dict (or True/False).
+        whitespace: Regex for the whitespace allowed around `{ } [ ] , :`; "" is compact JSON.
+        max_ref_depth: How often one `$ref` may be expanded along a path (recursion cut).
+        any_depth: Nesting depth of arrays and objects where the schema allows any value.
+        max_repeat: Largest `maxLength`/`maxItems` kept as is; larger ones are lowered to it.
+    """
+    compiler = _Compiler(schema, whitespace, max_ref_depth, any_depth, max_repeat)
+    try:
+        regex = compiler.compile(schema, "#", ())
+    except RecursionError:
+        raise SchemaError("the schema nests too deeply") from None
+    if regex is not None and len(regex) > MAX_REGEX_LENGTH:
+        raise SchemaError(f"the schema is too large: its regex has more than {MAX_REGEX_LENGTH} characters")
+    if regex is None:
+        raise SchemaError("the schema allows no value that can be generated (false, empty enum or unbounded recursion)")
+    return regex
+
+
+class _Compiler:
+    def __init__(self, root, whitespace, max_ref_depth, any_depth, max_repeat):
+        self.root = root
+        self.ws = f"(?:{whitespace})" if whitespace else ""
+        self.max_ref_depth = max_ref_depth
+        self.any_depth = any_depth
+        self.max_repeat = max_repeat
+        self._any = {}
+
+    # --- schema plumbing -----------------------------------------------------------------------
+
+    def resolve(self, schema, path, refs):
+        """Follow a `$ref` (siblings are merged, as allOf); returns (schema, refs), schema None when cut."""
+        while isinstance(schema, dict) and "$ref" in schema:
+            ref = schema["$ref"]
+            if not isinstance(ref, str) or not ref.startswith("#"):
+                raise SchemaError(f"$ref {ref!r} at {path}: only local references (#/...) are supported")
+            if refs.count(ref) >= self.max_ref_depth:
+                return None, refs
+            target = pointer_get(self.root, ref[1:], path)
+            siblings = {key: value for key, value in schema.items() if key != "$ref" and key not in ANNOTATIONS}
+            refs = refs + (ref,)
+            schema = self.merge(target, siblings, path, refs) if siblings else target
+        return schema, refs
+
+    def merge(self, first, second, path, refs):
+        """allOf of two schemas as one schema, where their keywords combine; else SchemaError."""
+        first, refs = self.resolve(first, path, refs)
+        second, refs = self.resolve(second, path, refs)
+        if first is None or second is None or first is False or second is False:
+            return False
+        if first is True or second is True:
+            return second if first is True else first
+        merged = dict(first)
+        for key, value in second.items():
+            if key in ANNOTATIONS or merged.get(key, value) == value:
+                merged.setdefault(key, value)
+            elif key == "properties":
+                merged[key] = {**merged[key], **{name: ({"allOf": [merged[key][name], sub]} if name in merged[key]
+                                                        else sub) for name, sub in value.items()}}
+            elif key == "required":
+                merged[key] = list(dict.fromkeys(merged[key] + value))
+            elif key == "type":
+                merged[key] = common_types(merged[key], value)
+            elif key in ("minimum", "minLength", "minItems", "minProperties") and not isinstance(value, bool):
+                merged[key] = max(merged[key], value)
+            elif key in ("maximum", "maxLength", "maxItems", "maxProperties") and not isinstance(value, bool):
+                merged[key] = min(merged[key], value)
+            elif key == "enum":
+                merged[key] = [item for item in merged[key] if item in value]
+            elif key == "allOf":
+                merged[key] = merged[key] + value
+            elif key in ("items", "additionalProperties") and isinstance(value, dict):
+                merged[key] = {"allOf": [merged[key], value]}
+            else:
+                raise SchemaError(f"allOf: cannot combine two different {key!r} at {path}")
+        extra = set(merged.get("properties", {})) - set(first.get("properties", {}))
+        extra |= set(merged.get("properties", {})) - set(second.get("properties", {}))
+        if extra and any("additionalProperties" in part for part in (first, second)):
+            raise SchemaError(f"allOf: additionalProperties with properties from another part at {path}")
+        return merged
+
+    # --- compile --------------------------------------------------------------------------------
+
+    def compile(self, schema, path, refs):
+        """The regex for `schema` at JSON pointer `path`, or None when no value can be generated."""
+        schema, refs = self.resolve(schema, path, refs)
+        if schema is None or schema is False:
+            return None
+        if schema is True:
+            return self.any_value(self.any_depth)
+        if not isinstance(schema, dict):
+            raise SchemaError(f"a schema must be an object or a boolean at {path}")
+        check_supported(schema, path)
+        if "allOf" in schema:
+            merged = {key: value for key, value in schema.items() if key != "allOf"}
+            for index, part in enumerate(schema["allOf"]):
+                merged = self.merge(merged, part, f"{path}/allOf/{index}", refs)
+            return self.compile(merged, path, refs)
+        for keyword in ("anyOf", "oneOf"):
+            if keyword in schema:
+                return self.alternatives(schema, keyword, path, refs)
+        if "const" in schema or "enum" in schema:
+            return self.enum(schema, path, refs)
+        types = self.types_to_emit(schema, path)
+        if "type" not in schema and types == ALL_TYPES:  # no type keyword at all: any value, nesting bounded
+            return self.any_value(self.any_depth)
+        options = [self.typed(schema, name, path, refs) for name in types]
+        options = [option for option in options if option is not None]
+        return "(?:" + "|".join(options) + ")" if options else None
+
+    def types_to_emit(self, schema, path):
+        """The declared types; without `type`, the one its keywords describe (a subset), else any."""
+        declared = schema.get("type")
+        if declared is None:
+            described = [name for name, keywords in TYPE_KEYWORDS.items() if keywords & set(schema)]
+            return described[:1] or ALL_TYPES
+        declared = [declared] if isinstance(declared, str) else declared
+        if not all(name in ALL_TYPES + ["__none__"] for name in declared):
+            raise SchemaError(f"unknown type {declared} at {path}/type")
+        # "number" already covers integers; emitting both would only duplicate them.
+        return [name for name in declared if not (name == "integer" and "number" in declared)]
+
+    def typed(self, schema, name, path, refs):
+        if name == "object":
+            return self.object(schema, path, refs)
+        if name == "array":
+            return self.array(schema, path, refs)
+        if name == "string":
+            return self.string(schema, path)
+        if name in ("number", "integer"):
+            return self.number(schema, name, path)
+        return {"boolean": BOOLEAN, "null": NULL}.get(name)
+
+    def alternatives(self, schema, keyword, path, refs):
+        siblings = {key: value for key, value in schema.items() if key != keyword}
+        branches = [self.merge(siblings, branch, f"{path}/{keyword}/{i}", refs) if siblings else branch
+                    for i, branch in enumerate(schema[keyword])]
+        if keyword == "oneOf":
+            self.check_exclusive(branches, path, refs)
+        options = [self.compile(branch, f"{path}/{keyword}/{i}", refs) for i, branch in enumerate(branches)]
+        options = [option for option in options if option is not None]
+        return "(?:" + "|".join(options) + ")" if options else None
+
+    def enum(self, schema, path, refs):
+        values = [schema["const"]] if "const" in schema else schema["enum"]
+        if "const" in schema and "enum" in schema:
+            values = [value for value in values if value in schema["enum"]]
+        rest = {key: value for key, value in schema.items() if key not in {"const", "enum"} | ANNOTATIONS}
+        texts = [literal(value) for value in values]
+        if rest:
+            # Keep the values the rest of the schema accepts (its regex is a subset of the schema).
+            rest_regex = self.compile(rest, path, refs) or "(?!)"
+            texts = [text for value, text in zip(values, texts)
+                     if re.fullmatch(rest_regex, json.dumps(value, ensure_ascii=False,
+                                                            separators=(",", ":")), re.ASCII)]
+        return "(?:" + "|".join(texts) + ")" if texts else None
+
+    def _sep(self, char):
+        return char if not self.ws else f"{self.ws}{char}{self.ws}"
+
+    def object(self, schema, path, refs):
+        properties = dict(schema.get("properties", {}))
+        required = list(schema.get("required", []))
+        additional = schema.get("additionalProperties", True)
+        patterns = schema.get("patternProperties", {})
+        dependencies = {**schema.get("dependencies", {}), **schema.get("dependentRequired", {})}
+        if not properties and not required:
+            if dependencies:
+                raise SchemaError(f"dependencies without declared properties are not supported at {path}")
+            members = self.map_members(additional, patterns, schema, path, refs)
+            return rf"\{{{self.ws}{members}{self.ws}\}}"
+        for pattern in patterns:  # we emit only declared properties: a pattern matters if one matches it
+            if any(re.search(pattern, name) for name in properties):
+                raise SchemaError(f"patternProperties is not supported at {path}/patternProperties")
+        self.apply_dependencies(dependencies, properties, required, path)
+        entries = []
+        for name in list(properties) + [name for name in required if name not in properties]:
+            sub = properties.get(name, additional)
+            value = self.compile(sub, f"{path}/properties/{name}", refs)
+            if value is None and name in required:
+                return None
+            if value is not None:
+                entries.append((f"{literal(name)}{self._sep(':')}{value}", name in required))
+        count = sum(req for _, req in entries), len(entries)
+        if schema.get("minProperties", 0) > count[0] or schema.get("maxProperties", count[1]) < count[1]:
+            raise SchemaError(f"minProperties/maxProperties beyond the declared properties at {path}")
+        return rf"\{{{self.ws}{self.members(entries)}{self.ws}\}}"
+
+    def members(self, entries):
+        """Members in order with commas right: alternatives by which optional member comes first."""
+        if not entries:
+            return ""
+        sep = self._sep(",")
+        first_required = next((i for i, (_, req) in enumerate(entries) if req), len(entries))
+        options = []
+        for first in range(min(first_required + 1, len(entries))):
+            rest = "".join(f"{sep}{member}" if req else f"(?:{sep}{member})?" for member, req in entries[first + 1:])
+            options.append(entries[first][0] + rest)
+        body = "(?:" + "|".join(options) + ")"
+        return body + "?" if first_required == len(entries) else body
+
+    @staticmethod
+    def apply_dependencies(dependencies, properties, required, path):
+        """"a needs b": make b required where a is; leave out an optional a whose needs are not all required."""
+        for name, needed in dependencies.items():
+            if not isinstance(needed, list):
+                raise SchemaError(f"dependencies with a schema are not supported at {path}/dependencies/{name}")
+        changed = True
+        while changed:  # required names first, to a fixed point: they decide which optional ones can stay
+            changed = False
+            for name, needed in dependencies.items():
+                if name in required and not set(needed) <= set(required):
+                    required += [item for item in needed if item not in required]
+                    changed = True
+        for name, needed in dependencies.items():
+            if name in properties and name not in required and not set(needed) <= set(required):
+                del properties[name]
+
+    def map_members(self, additional, patterns, schema, path, refs):
+        """Any keys (or keys matching the one patternProperties pattern), each with a valid value.
+
+        A repeated key is harmless: whichever value a parser keeps is valid.
+        """
+        if schema.get("minProperties", 0) > 1:
+            raise SchemaError(f"minProperties above 1 without declared properties is not supported at {path}")
+        if len(patterns) > 1:
+            raise SchemaError(f"patternProperties with more than one pattern is not supported at {path}")
+        key, value = STRING, None
+        for pattern, sub in patterns.items():  # keys of the pattern only: additionalProperties is then moot
+            try:
+                key = pattern_string(pattern)
+            except RegexError as error:
+                raise SchemaError(f"patternProperties at {path}: {error}") from None
+            value = self.compile(sub, f"{path}/patternProperties/{pattern}", refs)
+        if not patterns:
+            value = self.compile(additional, f"{path}/additionalProperties", refs)
+        most = schema.get("maxProperties")
+        if value is None or most == 0:
+            if schema.get("minProperties", 0):
+                return None
+            return ""
+        member = f"{key}{self._sep(':')}{value}"
+        repeat = "*" if most is None else f"{{0,{most - 1}}}"
+        body = f"{member}(?:{self._sep(',')}{member}){repeat}"
+        return body if schema.get("minProperties", 0) == 1 else f"(?:{body})?"
+
+    def array(self, schema, path, refs):
+        items = schema.get("items")
+        if isinstance(items, list):  # draft 4-7 tuples
+            prefix, rest, rest_path = items, schema.get("additionalItems", True), "additionalItems"
+        else:
+            prefix, rest, rest_path = schema.get("prefixItems", []), True if items is None else items, "items"
+        least, most = schema.get("minItems", 0), schema.get("maxItems")
+        if schema.get("uniqueItems") is True:  # at most one item is always unique
+            if least > 1:
+                raise SchemaError(f"uniqueItems with minItems above 1 is not supported at {path}/uniqueItems")
+            most = 1 if most is None else min(most, 1)
+        if prefix and items is None:
+            most = max(len(prefix), least) if most is None else most  # no undeclared items needed
+        prefix_regexes = []
+        for index, sub in enumerate(prefix[:most]):
+            regex = self.compile(sub, f"{path}/prefixItems/{index}", refs)
+            if regex is None:
+                break
+            prefix_regexes.append(regex)
+        rest_regex = self.compile(rest, f"{path}/{rest_path}", refs)
+        if len(prefix_regexes) < len(prefix[:most]) or rest_regex is None:
+            most = len(prefix_regexes) if most is None else min(most, len(prefix_regexes))
+        if most is not None:
+            most = min(most, max(least, self.max_repeat))
+        if most is not None and least > most:
+            return None
+        if most == 0:
+            return rf"\[{self.ws}{self.ws}\]"
+        sep = self._sep(",")
+        positions = prefix_regexes[:] if most is None else prefix_regexes[:most]
+        tail = ""
+        if most is None or most > len(positions):
+            low = max(least - len(positions), 0)
+            high = "" if most is None else most - len(positions)
+            if not positions:  # the first item has no comma before it
+                positions, low, high = [rest_regex], max(low - 1, 0), "" if most is None else high - 1
+            if high != 0:
+                tail = f"(?:{sep}{rest_regex}){{{low},{high}}}"
+        content = tail
+        for index in range(len(positions) - 1, -1, -1):
+            item = (sep if index else "") + positions[index] + content
+            content = item if index < least else f"(?:{item})?"
+        return rf"\[{self.ws}{content}{self.ws}\]"
+
+    def string(self, schema, path):
+        constraints = {"minLength", "maxLength", "pattern"} & set(schema)
+        if "format" in schema and schema["format"] in FORMATS:
+            if constraints:
+                raise SchemaError(f"format together with {sorted(constraints)[0]} is not supported at {path}")
+            return f'"{FORMATS[schema["format"]]}"'
+        if "pattern" in schema:
+            try:
+                return pattern_string(schema["pattern"], schema.get("minLength", 0), schema.get("maxLength"))
+            except RegexError as error:
+                raise SchemaError(f"pattern at {path}/pattern: {error}") from None
+        least, most = schema.get("minLength", 0), schema.get("maxLength")
+        if most is not None and least > most:
+            return None
+        if least == 0 and most is None:
+            return STRING
+        return bounded_string(least, None if most is None else min(most, max(least, self.max_repeat)))
+
+    def number(self, schema, name, path):
+        step = schema.get("multipleOf")
+        if step is not None:
+            # Every integer is a multiple of 1, 1/2, 1/4, ... (exact in binary, so a validator agrees).
+            exact = Fraction(step)
+            if step <= 0 or exact.numerator != 1 or exact.denominator & (exact.denominator - 1):
+                raise SchemaError(f"multipleOf {step} is not supported at {path}/multipleOf")
+            name = "integer"
+        lo, hi = schema.get("minimum"), schema.get("maximum")
+        lo_exclusive = hi_exclusive = False
+        for key, bound in (("exclusiveMinimum", "lo"), ("exclusiveMaximum", "hi")):
+            value = schema.get(key)
+            if isinstance(value, bool):  # draft 4: a flag on minimum/maximum
+                lo_exclusive, hi_exclusive = (value, hi_exclusive) if bound == "lo" else (lo_exclusive, value)
+            elif value is not None and bound == "lo":
+                lo, lo_exclusive = (value, True) if lo is None or value >= lo else (lo, lo_exclusive)
+            elif value is not None:
+                hi, hi_exclusive = (value, True) if hi is None or value <= hi else (hi, hi_exclusive)
+        if lo is None and hi is None:
+            return INTEGER if name == "integer" else NUMBER
+        if name == "integer":
+            return integer_range(*whole_bounds(lo, lo_exclusive, hi, hi_exclusive))
+        return number_range(lo, lo_exclusive, hi, hi_exclusive)
+
+    def any_value(self, depth):
+        """Any JSON value, arrays and objects nested at most `depth` deep."""
+        if depth not in self._any:
+            options = [NULL, BOOLEAN, NUMBER, STRING]
+            if depth > 0:
+                inner, sep, colon = self.any_value(depth - 1), self._sep(","), self._sep(":")
+                options.append(rf"\[{self.ws}(?:{inner}(?:{sep}{inner})*)?{self.ws}\]")
+                member = f"{STRING}{colon}{inner}"
+                options.append(rf"\{{{self.ws}(?:{member}(?:{sep}{member})*)?{self.ws}\}}")
+            self._any[depth] = "(?:" + "|".join(options) + ")"
+        return self._any[depth]
+
+    # --- oneOf ---------------------------------------------------------------------------------
+
+    def accepted_types(self, schema, refs, emitted):
+        """Types of the values `schema` accepts (emitted=False) or that we emit for it (True)."""
+        schema, refs = self.resolve(schema, "#", refs)
+        if schema is None or schema is False:
+            return set()
+        if schema is True:
+            return set(ALL_TYPES)
+        if "const" in schema or "enum" in schema:
+            return {json_type(value) for value in ([schema["const"]] if "const" in schema else schema["enum"])}
+        for keyword in ("anyOf", "oneOf"):
+            if keyword in schema:
+                return set().union(*(self.accepted_types(b, refs, emitted) for b in schema[keyword]))
+        declared = schema.get("type")
+        if declared is None:
+            types = set(self.types_to_emit(schema, "#")) if emitted else set(ALL_TYPES)
+        else:
+            types = {declared} if isinstance(declared, str) else set(declared)
+        # 1.0 is an integer to a validator, and our numbers include integers.
+        return types | ({"integer", "number"} if types & {"integer", "number"} else set())
+
+    def check_exclusive(self, branches, path, refs):
+        """oneOf needs exactly one branch to match: refuse unless what each branch emits fails the others."""
+        for i, mine in enumerate(branches):
+            for j, other in enumerate(branches):
+                if i != j and self.accepted_types(mine, refs, True) & self.accepted_types(other, refs, False) \
+                        and not self.discriminated(mine, other, refs):
+                    raise SchemaError(f"oneOf at {path}: branches {i} and {j} may both match; use anyOf")
+
+    def discriminated(self, mine, other, refs):
+        """True when `mine` always emits a required property whose const/enum values `other` forbids."""
+        mine, _ = self.resolve(mine, "#", refs)
+        other, _ = self.resolve(other, "#", refs)
+        if not isinstance(mine, dict) or not isinstance(other, dict):
+            return False
+        for name in set(mine.get("required", [])) & set(other.get("required", [])):
+            values = [self.resolve(s.get("properties", {}).get(name, {}), "#", refs)[0] for s in (mine, other)]
+            sets = [s.get("enum", [s["const"]] if "const" in s else None) if isinstance(s, dict) else None
+                    for s in values]
+            if all(v is not None for v in sets) and not any(v in sets[1] for v in sets[0]):
+                return True
+        return False
