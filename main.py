@@ -9,6 +9,7 @@
 
 import argparse
 import json
+import os
 import sys
 
 import fast_blas
@@ -58,6 +59,8 @@ def validate(args):
     check_finite(args)
     for flag in ("prompt", "system", "regex"):
         check_text_argument(getattr(args, flag), f"--{flag}")
+    if args.json_schema is not None and not os.path.exists(args.json_schema):  # inline JSON, not a file name
+        check_text_argument(args.json_schema, "--json-schema")
     if not 0 <= args.seed < 2**64:
         raise CliError("--seed must be in [0, 2**64)")
     if args.max_tokens < 0:

@@ -319,6 +319,7 @@ def run_main(monkeypatch, capsys, args, stdin_bytes=None):
     (["--prompt", "caf\udce9"], None, "--prompt is not UTF-8 text: byte 0xe9 at offset 3"),
     (["--system", "\udcff"], None, "--system is not UTF-8 text: byte 0xff at offset 0"),
     (["--regex", "a\udcc3"], None, "--regex is not UTF-8 text"),
+    (["--json-schema", '{"const": "caf\udce9"}'], None, "--json-schema is not UTF-8 text: byte 0xe9"),
     ([], b"caf\xe9 au lait", "stdin is not UTF-8 text: byte 0xe9 at offset 3"),
     (["--temp", "nan"], None, "--temp must be a finite number"),
     (["--temp", "inf"], None, "--temp must be a finite number"),
@@ -333,7 +334,7 @@ def test_bad_input_is_one_line_before_loading(args, stdin, fragment, tmp_path, m
     import loading
 
     (tmp_path / "latin1.txt").write_bytes("café\n".encode("latin-1"))
-    args = [arg.format(latin1=tmp_path / "latin1.txt", tmp=tmp_path) for arg in args]
+    args = [arg.replace("{latin1}", str(tmp_path / "latin1.txt")).replace("{tmp}", str(tmp_path)) for arg in args]
     monkeypatch.setattr(loading, "load_model", lambda *a: pytest.fail("loaded the model"))
     code, stderr = run_main(monkeypatch, capsys, args, stdin)
     assert code == 1 and stderr.count("\n") == 1 and fragment in stderr, stderr
