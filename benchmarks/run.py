@@ -1,4 +1,4 @@
-"""Benchmarks: python -m benchmarks.run --suite {plain,prompt_lookup,regex,speculative}
+"""Benchmarks: python -m benchmarks.run --suite {plain,prompt_lookup,regex,speculative,draft_head,...}
 
 Each suite prints a Markdown table (and saves it under benchmarks/results/).
 On Linux run it with OpenBLAS preloaded (`make bench` does).
@@ -12,6 +12,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from benchmarks.draft_head import draft_head_cost_suite, draft_head_suite
 from benchmarks.harness import Method, Run, Totals, load_prompts, markdown_table, side_by_side
 from loading import default_dtype, describe_backend, load_model
 
@@ -241,7 +242,8 @@ def speculative_suite(model, tokenizer, args):
 
 
 SUITES = {"plain": plain_suite, "prompt_lookup": prompt_lookup_suite, "regex": regex_suite,
-          "speculative": speculative_suite, "acceptance": acceptance_suite, "transformers": transformers_suite}
+          "speculative": speculative_suite, "acceptance": acceptance_suite, "transformers": transformers_suite,
+          "draft_head": draft_head_suite, "draft_head_cost": draft_head_cost_suite}
 
 
 def main():

@@ -68,6 +68,13 @@ def output_weight(target) -> mx.array:
     return layer.weight
 
 
+def logits_from_hidden(target, hidden: mx.array) -> mx.array:
+    """The target's logits from its final hidden states (what its ``__call__`` returns)."""
+    if hasattr(target, "lm_head"):
+        return target.lm_head(hidden)
+    return target.model.embed_tokens.as_linear(hidden)
+
+
 def fingerprint(target) -> dict:
     """What identifies the target: its shape and a few weights (compared with a tolerance,
     so the float32 and float16 conversions of one model match and other models do not)."""

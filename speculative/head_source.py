@@ -16,7 +16,7 @@ from mlx_lm.models.cache import trim_prompt_cache
 
 from decoder import Draft, sampling_probs
 from speculative.adaptive import AdaptiveLength
-from speculative.head import load_head, output_weight
+from speculative.head import load_head, logits_from_hidden, output_weight
 
 CATCH_UP_CHUNK = 512  # positions per head call when reading a prompt (as the target's prefill)
 
@@ -45,9 +45,7 @@ class HiddenStateTap:
             first, rows = self.chunks[-1]
             self.chunks[-1] = (first, rows[: start - first])
         self.chunks.append((start, hidden[0]))
-        if hasattr(self.target, "lm_head"):
-            return self.target.lm_head(hidden)
-        return self.target.model.embed_tokens.as_linear(hidden)
+        return logits_from_hidden(self.target, hidden)
 
     def take(self, start: int, stop: int) -> mx.array:
         """Hidden states at positions [start, stop); then forgets all but the last of them."""

@@ -2,11 +2,11 @@
 
     python -m speculative.train_head --out speculative/heads/smollm2-135m
 
-Stages (each cached in --work-dir, so a rerun resumes where it stopped):
+Stages (batches of answers are cached in --work-dir, so a rerun resumes where it stopped):
 1. generate: the target answers generated instructions (speculative/instructions.py) greedily,
-   with mlx-lm's continuous batching;
-2. features: one forward pass per sequence collects the target's final hidden states;
-3. train: feature regression (smooth L1) + cross-entropy on the target's next token within a
+   in batches of equal-length prompts; the same forward passes collect the target's final hidden
+   states (a second pass would double the cost on a shared CPU);
+2. train: feature regression (smooth L1) + cross-entropy on the target's next token within a
    frequency-ranked sub-vocabulary; input features get noise, and an optional second unrolled
    step feeds the head its own predictions, as it will see them when drafting.
 """
@@ -21,52 +21,63 @@ import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
+from mlx_lm.models.cache import make_prompt_cache
 from tqdm import tqdm
 
-from speculative.head import DraftHead, head_args, output_weight, save_head
+from speculative.head import DraftHead, head_args, logits_from_hidden, output_weight, save_head
 
 
-def generate_sequences(model, tokenizer, instructions: list, max_tokens: int, batch_size: int) -> list:
-    """Greedy answers, as ``{"tokens": prompt + answer, "prompt_length": n}``."""
-    from mlx_lm.generate import BatchGenerator
+def answer_with_features(model, prompts: list, max_tokens: int, eos_ids) -> list:
+    """Greedy answers to equal-length ``prompts`` (one batch, no padding), and the target's final
+    hidden state at every position, collected by the generating forward passes themselves.
 
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
-               for text in instructions]
-    eos = sorted(tokenizer.eos_token_ids)
-    generator = BatchGenerator(model, max_tokens=max_tokens, stop_tokens=[[t] for t in eos],
-                               completion_batch_size=batch_size, prefill_batch_size=min(batch_size, 16))
-    uids = generator.insert(prompts, [max_tokens] * len(prompts))
-    answers = {uid: [] for uid in uids}
-    with tqdm(total=len(prompts), desc="generate", unit="answer") as bar:
-        while responses := generator.next_generated():
-            for response in responses:
-                answers[response.uid].append(response.token)  # the stop token too: the head learns to end
-                if response.finish_reason is not None:
-                    bar.update(1)
-    generator.close()
-    return [{"tokens": list(p) + answers[u], "prompt_length": len(p)} for p, u in zip(prompts, uids)]
+    Returns ``[(sequence, features)]`` with ``sequence = {"tokens", "prompt_length"}``.
+    """
+    cache = make_prompt_cache(model)
+    hidden = model.model(mx.array(prompts), cache=cache)
+    states, answers = [hidden.astype(mx.float16)], []
+    for _ in range(max_tokens):
+        token = mx.argmax(logits_from_hidden(model, hidden[:, -1]), axis=-1)
+        answers.append(token)
+        hidden = model.model(token[:, None], cache=cache)
+        states.append(hidden.astype(mx.float16))
+        mx.eval(token, states[-1])
+    answers = mx.stack(answers, axis=1).tolist()
+    states = np.array(mx.concatenate(states, axis=1))
+    out = []
+    for row, (prompt, answer) in enumerate(zip(prompts, answers)):
+        # Keep the answer up to its stop token (the head learns to end), drop what followed.
+        end = next((i + 1 for i, t in enumerate(answer) if t in eos_ids), len(answer))
+        tokens = list(prompt) + answer[:end]
+        out.append(({"tokens": tokens, "prompt_length": len(prompt)}, states[row, : len(tokens)]))
+    return out
 
 
-def collect_features(model, sequences: list, batch_tokens: int = 2048) -> tuple:
-    """The target's final (normed) hidden state at every position: ``(features, offsets)``."""
-    order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]["tokens"]))
-    rows = [None] * len(sequences)
-    done = 0
-    with tqdm(total=sum(len(s["tokens"]) for s in sequences), desc="features", unit="tok") as bar:
-        while done < len(order):
-            longest = len(sequences[order[min(done + 1, len(order)) - 1]]["tokens"])
-            batch = order[done : done + max(1, batch_tokens // max(longest, 1))]
-            length = max(len(sequences[i]["tokens"]) for i in batch)
-            # Right padding is harmless under a causal mask: it only follows the real tokens.
-            inputs = mx.array([sequences[i]["tokens"] + [0] * (length - len(sequences[i]["tokens"])) for i in batch])
-            hidden = model.model(inputs).astype(mx.float16)
-            mx.eval(hidden)
-            for row, i in enumerate(batch):
-                rows[i] = np.array(hidden[row, : len(sequences[i]["tokens"])])
-            done += len(batch)
-            bar.update(sum(len(sequences[i]["tokens"]) for i in batch))
-    offsets = np.cumsum([0] + [len(r) for r in rows])
-    return np.concatenate(rows), offsets
+def generate_dataset(model, prompts: list, work: Path, max_tokens: int, batch_size: int, eos_ids,
+                     minutes: float) -> tuple:
+    """Answer ``prompts`` in batches of equal prompt length, each saved to ``work`` as it is done
+    (a rerun resumes); stops starting batches after ``minutes``. Returns (sequences, features, offsets)."""
+    by_length = {}
+    for prompt in prompts:
+        by_length.setdefault(len(prompt), []).append(prompt)
+    batches = [group[i : i + batch_size] for group in by_length.values() for i in range(0, len(group), batch_size)]
+    batches.sort(key=len, reverse=True)  # full batches first: most answers per second within ``minutes``
+    tic = time.perf_counter()
+    sequences, features = [], []
+    for index, batch in enumerate(tqdm(batches, desc="generate", unit="batch")):
+        path = work / f"batch-{index:04d}-{max_tokens}.npz"
+        if not path.exists():
+            if time.perf_counter() - tic > 60 * minutes:
+                break
+            answered = answer_with_features(model, batch, max_tokens, eos_ids)
+            np.savez(path.with_suffix(".tmp.npz"), sequences=json.dumps([s for s, _ in answered]),
+                     features=np.concatenate([f for _, f in answered]))
+            path.with_suffix(".tmp.npz").replace(path)
+        saved = np.load(path)
+        sequences += json.loads(str(saved["sequences"]))
+        features.append(saved["features"])
+    offsets = np.cumsum([0] + [len(s["tokens"]) for s in sequences])
+    return sequences, np.concatenate(features), offsets
 
 
 def sub_vocabulary(sequences: list, size: int, eos_ids, vocab_size: int) -> np.ndarray:
@@ -211,12 +222,14 @@ def main():
     parser.add_argument("--model", default=None, help="Target model (default: the embedded SmolLM2-135M-Instruct).")
     parser.add_argument("--out", default="speculative/heads/smollm2-135m", help="Head directory to write.")
     parser.add_argument("--work-dir", default=None, help="Cache of the generated data (default: ~/.cache/mlx-decoding/draft-head-data).")
-    parser.add_argument("--num-instructions", type=int, default=800, help="Instructions to answer (default: 800).")
-    parser.add_argument("--max-tokens", type=int, default=160, help="Longest answer (default: 160).")
+    parser.add_argument("--num-instructions", type=int, default=1000, help="Instructions to answer (default: 1000).")
+    parser.add_argument("--max-tokens", type=int, default=128, help="Longest answer (default: 128).")
     parser.add_argument("--batch-size", type=int, default=48, help="Answers generated at once (default: 48).")
+    parser.add_argument("--generate-minutes", type=float, default=25.0,
+                        help="Stop generating after this long and train on what is done (default: 25).")
     parser.add_argument("--sub-vocab", type=int, default=8192, help="Sub-vocabulary size (default: 8192).")
     parser.add_argument("--epochs", type=int, default=4, help="Passes over the data (default: 4).")
-    parser.add_argument("--minutes", type=float, default=20.0, help="Stop training after this long (default: 20).")
+    parser.add_argument("--minutes", type=float, default=15.0, help="Stop training after this long (default: 15).")
     parser.add_argument("--unroll", type=int, default=2, help="Training-time unrolled draft steps (default: 2).")
     parser.add_argument("--noise", type=float, default=0.05, help="Gaussian noise on input features (default: 0.05).")
     parser.add_argument("--lr", type=float, default=1e-3, help="Peak learning rate (default: 1e-3).")
@@ -228,27 +241,14 @@ def main():
 
     target, tokenizer, _ = load_model(args.model)
     work = Path(args.work_dir) if args.work_dir else cache_dir() / "draft-head-data"
-    work.mkdir(parents=True, exist_ok=True)
-    seq_path = work / f"sequences-{args.num_instructions}-{args.max_tokens}-{args.seed}.json"
-    if seq_path.exists():
-        sequences = json.loads(seq_path.read_text())
-        print(f"reusing {len(sequences)} answers from {seq_path}")
-    else:
-        instructions = sample_instructions(args.num_instructions, args.seed)
-        sequences = generate_sequences(target, tokenizer, instructions, args.max_tokens, args.batch_size)
-        seq_path.with_suffix(".tmp").write_text(json.dumps(sequences))
-        seq_path.with_suffix(".tmp").replace(seq_path)
-    feat_path = seq_path.with_suffix(".features.npz")
-    if feat_path.exists():
-        saved = np.load(feat_path)
-        features, offsets = saved["features"], saved["offsets"]
-        print(f"reusing features from {feat_path}")
-    else:
-        features, offsets = collect_features(target, sequences)
-        np.savez(feat_path.with_suffix(".tmp.npz"), features=features, offsets=offsets)
-        feat_path.with_suffix(".tmp.npz").replace(feat_path)
-    vocab_ids = sub_vocabulary(sequences, args.sub_vocab, set(tokenizer.eos_token_ids),
-                               target.args.vocab_size)
+    (work / f"seed{args.seed}").mkdir(parents=True, exist_ok=True)
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+               for text in sample_instructions(args.num_instructions, args.seed)]
+    eos_ids = set(tokenizer.eos_token_ids)
+    sequences, features, offsets = generate_dataset(target, prompts, work / f"seed{args.seed}", args.max_tokens,
+                                                    args.batch_size, eos_ids, args.generate_minutes)
+    print(f"{len(sequences)} answers, {features.shape[0]} positions")
+    vocab_ids = sub_vocabulary(sequences, args.sub_vocab, eos_ids, target.args.vocab_size)
     head, report = train(target, sequences, features, offsets, vocab_ids, minutes=args.minutes, epochs=args.epochs,
                          lr=args.lr, unroll=args.unroll, noise=args.noise, seed=args.seed)
     report.update(vars(args), answer_tokens=int(sum(len(s["tokens"]) - s["prompt_length"] for s in sequences)))

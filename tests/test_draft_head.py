@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from decoder import DecodingStats, generate_step, sampling_probs
 from speculative.head import SHIPPED_HEAD, DraftHead, HeadMismatch, head_args, load_head, save_head
 from speculative.head_source import DraftHeadSource, HiddenStateTap
-from speculative.train_head import collect_features, sub_vocabulary, train
+from speculative.train_head import answer_with_features, sub_vocabulary, train
 from tests.helpers import chi_square_p_value, tiny_llama
 from tests.test_cli import assert_one_line_error, cli
 
@@ -28,21 +28,16 @@ def random_head(target, seed):
     return head
 
 
-def tiny_training_data(target, count=24, length=24, seed=0):
-    rng = np.random.default_rng(seed)
-    sequences = []
-    for _ in range(count):
-        prompt = rng.integers(0, VOCAB, size=4).tolist()
-        answer = [t for t, _ in generate_step(prompt, target, max_tokens=length)]
-        sequences.append({"tokens": prompt + answer, "prompt_length": len(prompt)})
-    return sequences
-
-
 @pytest.fixture(scope="module")
 def trained():
     """A head trained for a few steps on the tiny target's own greedy text, and its report."""
-    sequences = tiny_training_data(TARGET)
-    features, offsets = collect_features(TARGET, sequences)
+    prompts = np.random.default_rng(0).integers(0, VOCAB, size=(24, 4)).tolist()
+    answered = answer_with_features(TARGET, prompts, max_tokens=24, eos_ids={0})
+    sequences = [s for s, _ in answered]
+    for sequence, prompt in zip(sequences, prompts):  # the batched answers are plain greedy decoding
+        assert sequence["tokens"][4:] == tokens_of(prompt, TARGET, max_tokens=24)[: len(sequence["tokens"]) - 4]
+    features = np.concatenate([f for _, f in answered])
+    offsets = np.cumsum([0] + [len(s["tokens"]) for s in sequences])
     vocab_ids = sub_vocabulary(sequences, 48, eos_ids={0}, vocab_size=VOCAB)
     head, report = train(TARGET, sequences, features, offsets, vocab_ids, steps_limit=60, epochs=60, lr=3e-3,
                          batch_tokens=4096, log=lambda *_: None)
@@ -170,3 +165,16 @@ def test_draft_head_from_the_command_line(embedded, tmp_path):
     coloured = cli(*args[:-1], "--draft-head", "--color", "always")
     assert "draft_head" in coloured.stdout  # the legend
     assert_one_line_error(cli(*args, "--draft-head", str(tmp_path)), "not a draft head directory")
+
+
+def test_the_benchmark_prompts_are_held_out_from_training():
+    from benchmarks.draft_head import HELDOUT
+    from benchmarks.harness import PROMPTS
+    from speculative.instructions import TOPICS, all_instructions
+
+    generated = set(all_instructions())
+    heldout = [line for line in HELDOUT.read_text().splitlines() if line.strip()]
+    benchmark = [path.read_text().strip() for path in PROMPTS.glob("*/*.txt")]
+    assert heldout and benchmark and not generated & set(heldout + benchmark)
+    # The held-out chat prompts do not even mention a training topic.
+    assert not [topic for topic in TOPICS for line in heldout if topic.lower() in line.lower()]
