@@ -80,6 +80,7 @@ class DraftHeadSource:
                  draft_token_cost: float = 0.15):
         self.tap, self.head = tap, head
         self.vocab_ids = vocab_ids
+        self.vocab_list = vocab_ids.tolist()
         self.vocab_size = tap.target.args.vocab_size
         self.embed = tap.target.model.embed_tokens
         self.out_rows = mx.take(output_weight(tap.target), vocab_ids, axis=0)
@@ -128,36 +129,42 @@ class DraftHeadSource:
         return predicted[0, -1]
 
     def _distribution(self, predicted: mx.array) -> mx.array:
+        """Scores over the sub-vocabulary: q when sampling; when greedy, the softmax only if the
+        confidence stop needs it (the logits have the same argmax)."""
         logits = predicted @ self.out_rows.T
-        if self.temp == 0:  # greedy: the plain softmax, only for the confidence stop
-            return mx.softmax(logits.astype(mx.float32))
-        return sampling_probs(logits[None], self.temp, self.top_p)[0]
+        if self.temp > 0:
+            return sampling_probs(logits[None], self.temp, self.top_p)[0]
+        return mx.softmax(logits.astype(mx.float32)) if self.min_confidence > 0 else logits
 
     def propose(self, tokens: list, max_draft: int) -> Optional[Draft]:
         if len(tokens) < 2 or self.length.paused():
             return None  # the head catches up in one batched call when drafting resumes
         self._rewind()
         predicted = self._catch_up(tokens)
-        draft, rows = [], []
-        for _ in range(min(self.num_draft, max_draft)):
+        num_draft = min(self.num_draft, max_draft)
+        indices, rows = [], []
+        # The whole draft is one lazy graph: each step feeds the last sub-vocabulary index back
+        # without a host round trip, and a single sync at the end reads them all.
+        for position in range(num_draft):
             probs = self._distribution(predicted)
             index = mx.argmax(probs) if self.temp == 0 else mx.random.categorical(mx.log(probs))
-            # One sync per draft token: the next step's input and the early stop need it.
-            index, confidence = index.item(), probs.max().item()
-            if draft and confidence < self.min_confidence:
-                break
-            token = self.vocab_ids[index].item()
-            draft.append(token)
+            indices.append(index)
             rows.append(probs)
-            if len(draft) == min(self.num_draft, max_draft):
-                break
-            next_embedding = self.embed(mx.array([[token]]))
-            predicted = self.head(predicted[None, None], next_embedding, cache=self.cache)[0, -1]
+            if position + 1 < num_draft:
+                next_embedding = self.embed(self.vocab_ids[index].reshape(1, 1))
+                predicted = self.head(predicted[None, None], next_embedding, cache=self.cache)[0, -1]
+        rows = mx.stack(rows)
+        indices = mx.stack(indices).tolist()
+        length = num_draft
+        if self.min_confidence > 0:  # stop where the head's top probability falls below it (keep one)
+            confidence = rows.max(axis=-1).tolist()
+            length = next((i for i in range(1, num_draft) if confidence[i] < self.min_confidence), num_draft)
+        draft = [self.vocab_list[i] for i in indices[:length]]
         if self.temp == 0:
             return Draft(draft)
         # q on the whole vocabulary: zero outside the sub-vocabulary.
-        probs = mx.zeros((len(draft), self.vocab_size), mx.float32)
-        probs[:, self.vocab_ids] = mx.stack(rows)
+        probs = mx.zeros((length, self.vocab_size), mx.float32)
+        probs[:, self.vocab_ids] = rows[:length]
         return Draft(draft, probs)
 
     def update(self, tokens: list, num_proposed: int, num_accepted: int):

@@ -56,14 +56,17 @@ def tokens_of(prompt, model, sources=(), **kwargs):
 
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(prompt=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=8), num_draft=st.integers(1, 5),
-       adaptive=st.booleans(), with_lookup=st.booleans(), max_tokens=st.integers(1, 30))
-def test_greedy_output_with_the_head_equals_plain(trained, prompt, num_draft, adaptive, with_lookup, max_tokens):
+       adaptive=st.booleans(), with_lookup=st.booleans(), min_confidence=st.sampled_from([0.0, 0.3]),
+       max_tokens=st.integers(1, 30))
+def test_greedy_output_with_the_head_equals_plain(trained, prompt, num_draft, adaptive, with_lookup, min_confidence,
+                                                  max_tokens):
     from prompt_lookup import PromptLookupSource
 
     reference = tokens_of(prompt, TARGET, max_tokens=max_tokens)
     for head, vocab_ids in ((trained[0], trained[1]), (random_head(TARGET, 7), SUB_VOCAB)):
         tap = HiddenStateTap(TARGET)
-        source = DraftHeadSource(tap, head, vocab_ids, num_draft=num_draft, adaptive=adaptive)
+        source = DraftHeadSource(tap, head, vocab_ids, num_draft=num_draft, adaptive=adaptive,
+                                 min_confidence=min_confidence)
         sources = [PromptLookupSource(), source] if with_lookup else [source]
         assert tokens_of(prompt, tap, sources, max_tokens=max_tokens) == reference
         # Features are freed once the head has read them (it re-reads at most the last one).
