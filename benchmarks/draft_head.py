@@ -1,6 +1,6 @@
 """The draft head against plain decoding, mlx-lm's speculative decoding and our draft model.
 
-    python -m benchmarks.run --suite draft_head --temps 0 --prompts-per-class 4
+    python -m benchmarks.run --suite draft_head --temps 0 --prompts-per-class 3 --max-tokens 96
     python -m benchmarks.run --suite draft_head_cost
 
 Prompts: benchmarks/heldout/chat.txt (open-ended chat written for this benchmark; no line of it
@@ -47,8 +47,10 @@ def draft_head_suite(model, tokenizer, args):
     from speculative import DraftModelSource
     from speculative.head_source import DraftHeadSource
 
-    prompts = {"heldout chat": heldout_prompts(tokenizer),
+    prompts = {"heldout_chat": heldout_prompts(tokenizer),
                **load_prompts(tokenizer, ["open_ended", "extractive_qa"])}
+    if args.classes:
+        prompts = {task: items for task, items in prompts.items() if task in args.classes}
     prompts = first_prompts(prompts, args.prompts_per_class)
     eos = eos_ids_of(tokenizer)
     num_layers = args.draft_layers[0]
@@ -131,4 +133,46 @@ def draft_head_cost_suite(model, tokenizer, args, repeats: int = 40):
     lines = ["| step | median ms | fraction of a target step |", "|---|---:|---:|"]
     for name, seconds in median.items():
         lines.append(f"| {name} | {1000 * seconds:.2f} | {seconds / median['target step']:.3f} |")
+    return "\n".join(lines), None
+
+
+def draft_head_misses_suite(model, tokenizer, args):
+    """Where the head's misses go, teacher-forced on the target's own greedy answers to the
+    held-out chat prompts: accuracy at draft depth 1 and 2 by how frequent the right token is."""
+    from decoder import generate_step
+    from speculative.head import load_head, output_weight
+
+    head, vocab_ids = load_head(None, model)
+    rank = {token: i for i, token in enumerate(vocab_ids.tolist())}
+    out_rows = mx.take(output_weight(model), vocab_ids, axis=0)
+    buckets = [(0, 1024), (1024, 4096), (4096, vocab_ids.size), (vocab_ids.size, None)]
+    hits = {depth: {b: [0, 0] for b in buckets} for depth in (1, 2)}
+    for _, prompt in heldout_prompts(tokenizer)[: args.prompts_per_class or None]:
+        answer = [t for t, _ in generate_step(prompt, model, max_tokens=args.max_tokens,
+                                              eos_token_ids=eos_ids_of(tokenizer))]
+        text = prompt + answer
+        hidden = model.model(mx.array(text)[None])
+        embed = model.model.embed_tokens
+        # Depth 1 reads true features; depth 2 reads depth 1's predictions (as drafting does).
+        first = head(hidden[:, :-1], embed(mx.array(text[1:])[None]))
+        second = head(first[:, :-1], embed(mx.array(text[2:])[None]))
+        for depth, predicted in ((1, first), (2, second)):
+            guesses = vocab_ids[mx.argmax(predicted[0] @ out_rows.T, axis=-1)].tolist()
+            for position, guess in enumerate(guesses):
+                index = position + depth + 1  # the token this prediction scores
+                if index < len(prompt) or index >= len(text):
+                    continue
+                right = text[index]
+                bucket = next(b for b in buckets if b[1] is None or rank.get(right, vocab_ids.size) < b[1])
+                hits[depth][bucket][0] += guess == right
+                hits[depth][bucket][1] += 1
+    lines = ["| right token's frequency rank | answer tokens | depth 1 accuracy | depth 2 accuracy |",
+             "|---|---:|---:|---:|"]
+    for bucket in buckets:
+        label = f"{bucket[0]}-{bucket[1]}" if bucket[1] else "outside the sub-vocabulary"
+        count = hits[1][bucket][1]
+        accuracy = [f"{hits[d][bucket][0] / max(hits[d][bucket][1], 1):.1%}" for d in (1, 2)]
+        lines.append(f"| {label} | {count} | {accuracy[0]} | {accuracy[1]} |")
+    total = [sum(h[0] for h in hits[d].values()) / max(sum(h[1] for h in hits[d].values()), 1) for d in (1, 2)]
+    lines.append(f"| all | {sum(h[1] for h in hits[1].values())} | {total[0]:.1%} | {total[1]:.1%} |")
     return "\n".join(lines), None
