@@ -42,7 +42,7 @@ def check_same_vocabulary(draft_tokenizer, target_tokenizer, draft_size: int, ta
             f"fewer than the {len(target_vocab)} tokens of their tokenizer")
 
 
-def _parameters(model) -> int:
+def parameter_count(model) -> int:
     from mlx.utils import tree_flatten
 
     return sum(value.size for _, value in tree_flatten(model.parameters()))
@@ -100,7 +100,7 @@ class DraftModelSource:
                 raise VocabularyMismatch("a T5 draft model needs a T5 target model")
             draft_model = T5Decoder(draft_model, encoder_input)
         # A draft step reads the draft's weights, a verified token costs ~0.09 of a target step (README).
-        kwargs.setdefault("draft_token_cost", _parameters(draft_model) / _parameters(target_model) + 0.09)
+        kwargs.setdefault("draft_token_cost", parameter_count(draft_model) / parameter_count(target_model) + 0.09)
         return cls(draft_model, target_size, **kwargs)
 
     def _rewind(self, tokens: list):

@@ -93,13 +93,13 @@ class DraftHeadSource:
     @classmethod
     def create(cls, target, head_dir=None, **kwargs):
         """Load a head for ``target``; returns ``(tap, source)``: run the loop on ``tap``."""
-        from speculative.draft_model import _parameters
+        from speculative.draft_model import parameter_count
 
         head, vocab_ids = load_head(head_dir, target)
         tap = HiddenStateTap(target)
         # A draft step reads the head and its output rows; a verified token costs ~0.09 of a step.
-        read = _parameters(head) + vocab_ids.size * target.args.hidden_size
-        kwargs.setdefault("draft_token_cost", read / _parameters(target) + 0.09)
+        read = parameter_count(head) + vocab_ids.size * target.args.hidden_size
+        kwargs.setdefault("draft_token_cost", read / parameter_count(target) + 0.09)
         return tap, cls(tap, head, vocab_ids, **kwargs)
 
     @property

@@ -62,6 +62,19 @@ def chi_square_p_value(counts, probs):
     return chisquare(observed_cells, expected_cells).pvalue
 
 
+def two_token_distribution(target, prompt, temp, top_p):
+    """The target's joint distribution of its next two tokens, flattened (first * vocab + second)."""
+    import numpy as np
+
+    from decoder import sampling_probs
+
+    vocab = target.args.vocab_size
+    p1 = np.array(sampling_probs(target(mx.array([prompt]))[0, -1:], temp, top_p)[0])
+    nexts = mx.array([prompt + [t] for t in range(vocab)])
+    p2 = np.array(sampling_probs(target(nexts)[:, -1], temp, top_p))
+    return (p1[:, None] * p2).reshape(-1)
+
+
 def tiny_byte_tokenizer():
     """A byte-level BPE tokenizer with every byte, a few merges and an EOS: vocab of ~270.
 

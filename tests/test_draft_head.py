@@ -9,11 +9,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from decoder import DecodingStats, generate_step, sampling_probs
+from decoder import DecodingStats, generate_step
 from speculative.head import SHIPPED_HEAD, DraftHead, HeadMismatch, head_args, load_head, save_head
 from speculative.head_source import DraftHeadSource, HiddenStateTap
 from speculative.train_head import answer_with_features, sub_vocabulary, train
-from tests.helpers import chi_square_p_value, tiny_llama
+from tests.helpers import chi_square_p_value, tiny_llama, two_token_distribution
 from tests.test_cli import assert_one_line_error, cli
 
 VOCAB = 64
@@ -110,10 +110,7 @@ def test_sampling_with_the_head_keeps_the_target_distribution(temp, top_p):
     target = tiny_llama(vocab_size=vocab, num_layers=2, seed=3, sharp=2.0)
     head = random_head(target, 5)
     prompt = [1, 2, 3]
-    p1 = np.array(sampling_probs(target(mx.array([prompt]))[0, -1:], temp, top_p)[0])
-    nexts = mx.array([prompt + [t] for t in range(vocab)])
-    p2 = np.array(sampling_probs(target(nexts)[:, -1], temp, top_p))
-    joint = (p1[:, None] * p2).reshape(-1)
+    joint = two_token_distribution(target, prompt, temp, top_p)
 
     mx.random.seed(11)
     stats = DecodingStats()

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from decoder import DecodingStats, generate_step
 from speculative import DraftModelSource, VocabularyMismatch
 from speculative.t5 import T5Decoder, load_t5
-from tests.helpers import chi_square_p_value, tiny_llama
+from tests.helpers import chi_square_p_value, tiny_llama, two_token_distribution
 from tests.t5_fixtures import make_tiny_t5_dir, train_tiny_spiece
 from tests.test_cli import assert_one_line_error, cli
 
@@ -55,16 +55,11 @@ def test_draft_cache_follows_the_accepted_tokens():
 
 @pytest.mark.parametrize("temp,top_p", [(1.0, 1.0), (0.8, 0.9)])
 def test_sampling_with_a_draft_model_keeps_the_target_distribution(temp, top_p):
-    from decoder import sampling_probs
-
     vocab = 8
     target = tiny_llama(vocab_size=vocab, num_layers=2, seed=3, sharp=2.0)
     draft = tiny_llama(vocab_size=vocab, num_layers=1, seed=9, sharp=2.0)
     prompt = [1, 2, 3]
-    p1 = np.array(sampling_probs(target(mx.array([prompt]))[0, -1:], temp, top_p)[0])
-    nexts = mx.array([prompt + [t] for t in range(vocab)])
-    p2 = np.array(sampling_probs(target(nexts)[:, -1], temp, top_p))
-    joint = (p1[:, None] * p2).reshape(-1)
+    joint = two_token_distribution(target, prompt, temp, top_p)
 
     mx.random.seed(11)
     stats = DecodingStats()
