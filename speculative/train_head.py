@@ -169,9 +169,12 @@ def train(target, sequences, features, offsets, vocab_ids, *, steps_limit=None, 
     train_seqs = [sequences[i] for i in train_ids]
     batches = make_batches(train_seqs, batch_tokens, rng)
     total_steps = min(steps_limit or 10**9, epochs * len(batches))
-    schedule = optim.join_schedules([optim.linear_schedule(1e-5, lr, 20), optim.cosine_decay(lr, total_steps, lr / 20)],
-                                    [20])
-    optimizer = optim.AdamW(learning_rate=schedule, weight_decay=0.0)
+    optimizer = optim.AdamW(learning_rate=lr, weight_decay=0.0)
+
+    def learning_rate(step, elapsed):
+        """Warm up for 20 steps, then cosine decay to lr / 20 by whichever limit comes first."""
+        progress = max(step / total_steps, elapsed / (60 * minutes))
+        return min((step + 1) / 20, 1.0) * (lr / 20 + (lr - lr / 20) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
 
     def loss_fn(head, *arrays):
         reg, ce, acc = head_losses(head, embed, out_rows, *arrays, unroll=unroll, noise=noise)
@@ -184,6 +187,7 @@ def train(target, sequences, features, offsets, vocab_ids, *, steps_limit=None, 
     while step < total_steps and time.perf_counter() - tic < 60 * minutes:
         batch = batches[step % len(batches)]
         arrays = batch_arrays(sequences, features, offsets, [train_ids[i] for i in batch], sub_index)
+        optimizer.learning_rate = learning_rate(step, time.perf_counter() - tic)
         (loss, (reg, ce, acc)), grads = value_and_grad(head, *arrays)
         grads, _ = optim.clip_grad_norm(grads, 1.0)
         optimizer.update(head, grads)
@@ -233,6 +237,8 @@ def main():
     parser.add_argument("--unroll", type=int, default=2, help="Training-time unrolled draft steps (default: 2).")
     parser.add_argument("--noise", type=float, default=0.05, help="Gaussian noise on input features (default: 0.05).")
     parser.add_argument("--lr", type=float, default=1e-3, help="Peak learning rate (default: 1e-3).")
+    parser.add_argument("--token-weight", type=float, default=0.1,
+                        help="Weight of the token loss against the feature regression (default: 0.1).")
     parser.add_argument("--seed", type=int, default=0, help="Seed for the instructions and training (default: 0).")
     args = parser.parse_args()
 
@@ -250,7 +256,8 @@ def main():
     print(f"{len(sequences)} answers, {features.shape[0]} positions")
     vocab_ids = sub_vocabulary(sequences, args.sub_vocab, eos_ids, target.args.vocab_size)
     head, report = train(target, sequences, features, offsets, vocab_ids, minutes=args.minutes, epochs=args.epochs,
-                         lr=args.lr, unroll=args.unroll, noise=args.noise, seed=args.seed)
+                         lr=args.lr, unroll=args.unroll, noise=args.noise, token_weight=args.token_weight,
+                         seed=args.seed)
     report.update(vars(args), answer_tokens=int(sum(len(s["tokens"]) - s["prompt_length"] for s in sequences)))
     save_head(args.out, head, mx.array(vocab_ids), target, training=report)
     print(f"saved the head to {args.out}")
