@@ -64,7 +64,7 @@ def draft_head_suite(model, tokenizer, args):
 
             def run(prompt, max_tokens):
                 # The loop runs on the tap, so this method times the loop itself.
-                tap, source = DraftHeadSource.create(model, temp=temp, **options)
+                tap, source = DraftHeadSource.create(model, args.head, temp=temp, **options)
                 sources = [PromptLookupSource(), Recorded(source, stats)] if lookup else [Recorded(source, stats)]
                 return time_loop(tap, prompt, max_tokens, eos, temp=temp, draft_sources=sources)
             return Method(name, run=run, greedy=greedy)
@@ -98,7 +98,7 @@ def draft_head_cost_suite(model, tokenizer, args, repeats: int = 40):
 
     from speculative.head import load_head, output_weight
 
-    head, vocab_ids = load_head(None, model)
+    head, vocab_ids = load_head(args.head, model)
     prompt = heldout_prompts(tokenizer)[0][1]
     cache, head_cache = make_prompt_cache(model), head.make_cache()
     hidden = model.model(mx.array(prompt)[None], cache=cache)
@@ -142,7 +142,7 @@ def draft_head_misses_suite(model, tokenizer, args):
     from decoder import generate_step
     from speculative.head import load_head, output_weight
 
-    head, vocab_ids = load_head(None, model)
+    head, vocab_ids = load_head(args.head, model)
     rank = {token: i for i, token in enumerate(vocab_ids.tolist())}
     out_rows = mx.take(output_weight(model), vocab_ids, axis=0)
     buckets = [(0, 1024), (1024, 4096), (4096, vocab_ids.size), (vocab_ids.size, None)]

@@ -261,6 +261,7 @@ def main():
                         help="Self-draft depths to try (speculative suite).")
     parser.add_argument("--temps", type=float, nargs="*", default=[0.0, 1.0],
                         help="Temperatures (speculative and draft_head suites).")
+    parser.add_argument("--head", default=None, help="Draft head directory (draft_head suites; default: the shipped one).")
     parser.add_argument("--classes", nargs="*", default=None,
                         help="Task classes to run (draft_head suite; default: heldout_chat, open_ended, extractive_qa).")
     args = parser.parse_args()

@@ -24,7 +24,7 @@ import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 from tqdm import tqdm
 
-from speculative.head import DraftHead, head_args, logits_from_hidden, output_weight, save_head
+from speculative.head import DraftHead, head_args, load_head, logits_from_hidden, output_weight, save_head
 
 
 def answer_with_features(model, prompts: list, max_tokens: int, eos_ids) -> list:
@@ -155,11 +155,12 @@ def head_losses(head, embed, out_rows, tokens, feats, valid, answer, labels, unr
 
 def train(target, sequences, features, offsets, vocab_ids, *, steps_limit=None, minutes=25.0, epochs=4,
           batch_tokens=2048, lr=1e-3, unroll=2, noise=0.05, token_weight=0.1, seed=0, validation=0.05,
-          log=print):
-    """Train a fresh head; returns ``(head, report)``. Stops after ``epochs``, ``steps_limit`` or ``minutes``."""
+          init=None, log=print):
+    """Train a head (fresh, or ``init`` further); returns ``(head, report)``. Stops after ``epochs``,
+    ``steps_limit`` or ``minutes``."""
     mx.random.seed(seed)
     rng = np.random.default_rng(seed)
-    head = DraftHead(head_args(target.args))
+    head = init if init is not None else DraftHead(head_args(target.args))
     embed = target.model.embed_tokens
     out_rows = mx.take(output_weight(target), mx.array(vocab_ids), axis=0).astype(mx.float32)
     sub_index = np.full(target.args.vocab_size, -1, np.int32)
@@ -239,6 +240,7 @@ def main():
     parser.add_argument("--lr", type=float, default=1e-3, help="Peak learning rate (default: 1e-3).")
     parser.add_argument("--token-weight", type=float, default=0.1,
                         help="Weight of the token loss against the feature regression (default: 0.1).")
+    parser.add_argument("--init", default=None, help="Continue training this head directory (default: a fresh head).")
     parser.add_argument("--seed", type=int, default=0, help="Seed for the instructions and training (default: 0).")
     args = parser.parse_args()
 
@@ -255,9 +257,13 @@ def main():
                                                     args.batch_size, eos_ids, args.generate_minutes)
     print(f"{len(sequences)} answers, {features.shape[0]} positions")
     vocab_ids = sub_vocabulary(sequences, args.sub_vocab, eos_ids, target.args.vocab_size)
+    init = None
+    if args.init:
+        init, init_ids = load_head(args.init, target)
+        vocab_ids = np.array(init_ids)  # the head's scores are tied to its sub-vocabulary
     head, report = train(target, sequences, features, offsets, vocab_ids, minutes=args.minutes, epochs=args.epochs,
                          lr=args.lr, unroll=args.unroll, noise=args.noise, token_weight=args.token_weight,
-                         seed=args.seed)
+                         seed=args.seed, init=init)
     report.update(vars(args), answer_tokens=int(sum(len(s["tokens"]) - s["prompt_length"] for s in sequences)))
     save_head(args.out, head, mx.array(vocab_ids), target, training=report)
     print(f"saved the head to {args.out}")
