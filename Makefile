@@ -35,7 +35,7 @@ bench: setup-dev
 
 # Retrain the shipped draft head (speculative/README.md): ~45 min on a 2-core CPU.
 draft-head: setup
-	$(RUN) $(PY) -m speculative.train_head --out speculative/heads/smollm2-135m
+	$(PY) -m speculative.train_head --out speculative/heads/smollm2-135m
 
 clean:
 	rm -rf $(VENV)
