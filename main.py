@@ -19,7 +19,7 @@ from cli import read_text_file, read_text_stream, reopen_closed_std_streams, wri
 DEFAULT_PROMPT = "What is the capital of France? Answer in one sentence."
 
 # One colour per draft source; tokens the target chose itself stay uncoloured.
-COLORS = {"regex": "\033[36m", "prompt_lookup": "\033[32m", "draft_model": "\033[35m"}
+COLORS = {"regex": "\033[36m", "prompt_lookup": "\033[32m", "draft_model": "\033[35m", "draft_head": "\033[33m"}
 RESET = "\033[0m"
 
 
@@ -49,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
                              help="The output must be JSON valid under this JSON Schema (a file or inline JSON).")
     speculative = parser.add_argument_group("speculative decoding")
     speculative.add_argument("--draft-model", default=None, help="Draft model directory or repo (same vocabulary).")
+    head = parser.add_argument_group("draft head")
+    head.add_argument("--draft-head", nargs="?", const="", default=None, metavar="DIR",
+                      help="Draft with a trained head; bare: the one shipped for the embedded model.")
     parser.add_argument("--num-draft", type=int, default=None,
                         help="Tokens to draft per step (default: each source's measured best).")
     parser.add_argument("--no-adaptive", action="store_true", help="Keep the draft length fixed at --num-draft.")
@@ -157,9 +160,28 @@ def build_run(args):
         sources.append(DraftModelSource.create(
             draft_model, draft_tokenizer, model, tokenizer, encoder_input=search_extra or None,
             temp=args.temp, top_p=args.top_p, adaptive=not args.no_adaptive, **options))
+    if args.draft_head is not None:
+        model = add_draft_head(model, sources, search_extra, args)
     kwargs = dict(draft_sources=sources, constraint=constraint, temp=args.temp, top_p=args.top_p,
                   max_tokens=max_tokens, stats=DecodingStats())
     return model, tokenizer, prompt, kwargs
+
+
+def add_draft_head(model, sources: list, search_extra: list, args):
+    """Append the head's source (after any prompt lookup); returns the model the loop must run."""
+    from speculative.head import HeadMismatch
+    from speculative.head_source import DraftHeadSource
+
+    if search_extra:
+        raise CliError("--draft-head needs a decoder-only model; T5 is not supported")
+    options = {} if args.num_draft is None else {"num_draft": args.num_draft}
+    try:
+        tap, source = DraftHeadSource.create(model, args.draft_head or None, temp=args.temp, top_p=args.top_p,
+                                             adaptive=not args.no_adaptive, **options)
+    except HeadMismatch as error:
+        raise CliError(str(error)) from None
+    sources.append(source)
+    return tap
 
 
 def print_stats(result, verbose: bool, use_color: bool):

@@ -1,4 +1,4 @@
-"""Benchmarks: python -m benchmarks.run --suite {plain,prompt_lookup,regex,speculative}
+"""Benchmarks: python -m benchmarks.run --suite {plain,prompt_lookup,regex,speculative,draft_head,...}
 
 Each suite prints a Markdown table (and saves it under benchmarks/results/).
 On Linux run it with OpenBLAS preloaded (`make bench` does).
@@ -13,6 +13,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from benchmarks.draft_head import draft_head_cost_suite, draft_head_misses_suite, draft_head_suite
 from benchmarks.harness import Method, Run, Totals, load_prompts, markdown_table, side_by_side
 from loading import default_dtype, describe_backend, load_model
 
@@ -242,7 +243,9 @@ def speculative_suite(model, tokenizer, args):
 
 
 SUITES = {"plain": plain_suite, "prompt_lookup": prompt_lookup_suite, "regex": regex_suite,
-          "speculative": speculative_suite, "acceptance": acceptance_suite, "transformers": transformers_suite}
+          "speculative": speculative_suite, "acceptance": acceptance_suite, "transformers": transformers_suite,
+          "draft_head": draft_head_suite, "draft_head_cost": draft_head_cost_suite,
+          "draft_head_misses": draft_head_misses_suite}
 
 
 def main():
@@ -258,7 +261,10 @@ def main():
     parser.add_argument("--draft-layers", type=int, nargs="*", default=[4, 8, 15],
                         help="Self-draft depths to try (speculative suite).")
     parser.add_argument("--temps", type=float, nargs="*", default=[0.0, 1.0],
-                        help="Temperatures (speculative suite).")
+                        help="Temperatures (speculative and draft_head suites).")
+    parser.add_argument("--head", default=None, help="Draft head directory (draft_head suites; default: the shipped one).")
+    parser.add_argument("--classes", nargs="*", default=None,
+                        help="Task classes to run (draft_head suite; default: heldout_chat, open_ended, extractive_qa).")
     args = parser.parse_args()
 
     model, tokenizer, path = load_model()

@@ -11,6 +11,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
 from decoder import Draft, prefill, sampling_probs
+from speculative.adaptive import AdaptiveLength
 
 
 class VocabularyMismatch(ValueError):
@@ -41,7 +42,7 @@ def check_same_vocabulary(draft_tokenizer, target_tokenizer, draft_size: int, ta
             f"fewer than the {len(target_vocab)} tokens of their tokenizer")
 
 
-def _parameters(model) -> int:
+def parameter_count(model) -> int:
     from mlx.utils import tree_flatten
 
     return sum(value.size for _, value in tree_flatten(model.parameters()))
@@ -64,7 +65,7 @@ class DraftModelSource:
         num_draft: draft length to start with (and the fixed length when not adaptive).
         adaptive: +2 after a fully accepted draft, -1 otherwise, within [1, max_draft];
             and pause drafting while the first draft token is accepted less often than
-            ``draft_token_cost`` (see ``propose``).
+            ``draft_token_cost`` (see ``AdaptiveLength``).
         min_confidence: stop drafting once the draft's top probability falls below this
             (0.5 measured slightly better than no stop, see the README).
         draft_token_cost: what drafting and verifying one token costs, as a fraction of a
@@ -72,8 +73,6 @@ class DraftModelSource:
     """
 
     name = "draft_model"
-    FORGET = 0.8  # weight of the past in the acceptance estimate: about the last 5 drafts count
-    MAX_PROBE_GAP = 64
 
     def __init__(self, model, vocab_size: int, temp: float = 0.0, top_p: float = 1.0,
                  num_draft: int = 4, adaptive: bool = True, max_draft: int = 12,
@@ -81,13 +80,8 @@ class DraftModelSource:
         self.model = model
         self.vocab_size = vocab_size
         self.temp, self.top_p = temp, top_p
-        self.num_draft = num_draft
-        self.adaptive = adaptive
-        self.max_draft = max(max_draft, num_draft)
+        self.length = AdaptiveLength(num_draft, max_draft, draft_token_cost, enabled=adaptive)
         self.min_confidence = min_confidence
-        self.draft_token_cost = draft_token_cost
-        self.first_accepted, self.drafts = 1.0, 2.0  # prior: the first token is accepted half the time
-        self.skipped, self.probe_gap = 0, 1
         self.cache = make_prompt_cache(model)
         self.cache_tokens = []  # the tokens whose keys and values are in self.cache
         self.synced = 0  # cache_tokens[:synced] is known to equal the accepted tokens
@@ -106,7 +100,7 @@ class DraftModelSource:
                 raise VocabularyMismatch("a T5 draft model needs a T5 target model")
             draft_model = T5Decoder(draft_model, encoder_input)
         # A draft step reads the draft's weights, a verified token costs ~0.09 of a target step (README).
-        kwargs.setdefault("draft_token_cost", _parameters(draft_model) / _parameters(target_model) + 0.09)
+        kwargs.setdefault("draft_token_cost", parameter_count(draft_model) / parameter_count(target_model) + 0.09)
         return cls(draft_model, target_size, **kwargs)
 
     def _rewind(self, tokens: list):
@@ -131,19 +125,12 @@ class DraftModelSource:
             return mx.softmax(logits.astype(mx.float32))
         return sampling_probs(logits[None], self.temp, self.top_p)[0]
 
-    def _paused(self) -> bool:
-        """Skip drafting while it does not pay: the first draft token must be accepted more
-        often than drafting and verifying it costs. Probe after 1, 2, 4, ... skipped steps."""
-        if self.first_accepted / self.drafts > self.draft_token_cost:
-            return False
-        self.skipped += 1
-        if self.skipped <= self.probe_gap:
-            return True
-        self.skipped, self.probe_gap = 0, min(2 * self.probe_gap, self.MAX_PROBE_GAP)
-        return False
+    @property
+    def num_draft(self) -> int:
+        return self.length.num_draft
 
     def propose(self, tokens: list, max_draft: int) -> Optional[Draft]:
-        if self.adaptive and self._paused():
+        if self.length.paused():
             return None  # the cache catches up in one batched call when drafting resumes
         self._rewind(tokens)
         if len(self.cache_tokens) == len(tokens):  # re-feed the last token to get its logits
@@ -176,12 +163,4 @@ class DraftModelSource:
 
     def update(self, tokens: list, num_proposed: int, num_accepted: int):
         self._rewind(tokens)
-        if num_proposed and self.adaptive:
-            self.first_accepted = self.FORGET * self.first_accepted + (num_accepted > 0)
-            self.drafts = self.FORGET * self.drafts + 1
-            if num_accepted:
-                self.probe_gap = 1
-            if num_accepted == num_proposed:
-                self.num_draft = min(self.num_draft + 2, self.max_draft)
-            else:
-                self.num_draft = max(self.num_draft - 1, 1)
+        self.length.record(num_proposed, num_accepted)

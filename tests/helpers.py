@@ -62,6 +62,31 @@ def chi_square_p_value(counts, probs):
     return chisquare(observed_cells, expected_cells).pvalue
 
 
+def assert_sampling_keeps_the_target_distribution(target, make_run, temp, top_p, runs=2000):
+    """Sample two tokens ``runs`` times through the loop and chi-square them against the target's
+    own joint distribution. ``make_run() -> (model, draft_sources)`` builds fresh sources per run."""
+    import numpy as np
+
+    from decoder import DecodingStats, generate_step, sampling_probs
+
+    vocab, prompt = target.args.vocab_size, [1, 2, 3]
+    p1 = np.array(sampling_probs(target(mx.array([prompt]))[0, -1:], temp, top_p)[0])
+    nexts = mx.array([prompt + [t] for t in range(vocab)])
+    p2 = np.array(sampling_probs(target(nexts)[:, -1], temp, top_p))
+    joint = (p1[:, None] * p2).reshape(-1)
+
+    mx.random.seed(11)
+    stats = DecodingStats()
+    counts = np.zeros(vocab * vocab, dtype=np.int64)
+    for _ in range(runs):
+        model, sources = make_run()
+        out = [t for t, _ in generate_step(prompt, model, draft_sources=sources, temp=temp, top_p=top_p,
+                                           max_tokens=2, stats=stats)]
+        counts[out[0] * vocab + out[1]] += 1
+    assert chi_square_p_value(counts, joint) > 1e-3
+    assert 0 < stats.draft_accepted < stats.draft_proposed
+
+
 def tiny_byte_tokenizer():
     """A byte-level BPE tokenizer with every byte, a few merges and an EOS: vocab of ~270.
 

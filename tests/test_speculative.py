@@ -2,8 +2,6 @@
 
 import json
 
-import mlx.core as mx
-import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -11,7 +9,7 @@ from hypothesis import strategies as st
 from decoder import DecodingStats, generate_step
 from speculative import DraftModelSource, VocabularyMismatch
 from speculative.t5 import T5Decoder, load_t5
-from tests.helpers import chi_square_p_value, tiny_llama
+from tests.helpers import assert_sampling_keeps_the_target_distribution, tiny_llama
 from tests.t5_fixtures import make_tiny_t5_dir, train_tiny_spiece
 from tests.test_cli import assert_one_line_error, cli
 
@@ -55,26 +53,13 @@ def test_draft_cache_follows_the_accepted_tokens():
 
 @pytest.mark.parametrize("temp,top_p", [(1.0, 1.0), (0.8, 0.9)])
 def test_sampling_with_a_draft_model_keeps_the_target_distribution(temp, top_p):
-    from decoder import sampling_probs
+    target = tiny_llama(vocab_size=8, num_layers=2, seed=3, sharp=2.0)
+    draft = tiny_llama(vocab_size=8, num_layers=1, seed=9, sharp=2.0)
 
-    vocab = 8
-    target = tiny_llama(vocab_size=vocab, num_layers=2, seed=3, sharp=2.0)
-    draft = tiny_llama(vocab_size=vocab, num_layers=1, seed=9, sharp=2.0)
-    prompt = [1, 2, 3]
-    p1 = np.array(sampling_probs(target(mx.array([prompt]))[0, -1:], temp, top_p)[0])
-    nexts = mx.array([prompt + [t] for t in range(vocab)])
-    p2 = np.array(sampling_probs(target(nexts)[:, -1], temp, top_p))
-    joint = (p1[:, None] * p2).reshape(-1)
+    def make_run():
+        return target, [DraftModelSource(draft, 8, temp=temp, top_p=top_p, num_draft=2, adaptive=False)]
 
-    mx.random.seed(11)
-    stats = DecodingStats()
-    counts = np.zeros(vocab * vocab, dtype=np.int64)
-    for _ in range(2000):
-        source = DraftModelSource(draft, vocab, temp=temp, top_p=top_p, num_draft=2, adaptive=False)
-        out = tokens_of(prompt, target, [source], temp=temp, top_p=top_p, max_tokens=2, stats=stats)
-        counts[out[0] * vocab + out[1]] += 1
-    assert chi_square_p_value(counts, joint) > 1e-3
-    assert 0 < stats.draft_accepted < stats.draft_proposed
+    assert_sampling_keeps_the_target_distribution(target, make_run, temp, top_p)
 
 
 # --- T5 ------------------------------------------------------------------------------

@@ -1,0 +1,172 @@
+"""A draft source backed by a trained draft head (speculative/head.py).
+
+The head needs the target's hidden states at the accepted positions. ``HiddenStateTap``
+wraps the target so the loop runs it like any mlx-lm model, and keeps the hidden states
+of each call, keyed by position. The loop stays untouched: it only sees a model and a
+draft source.
+
+    tap, source = DraftHeadSource.create(target)
+    generate(tap, tokenizer, prompt, draft_sources=[source])
+"""
+
+from typing import Optional
+
+import mlx.core as mx
+from mlx_lm.models.cache import trim_prompt_cache
+
+from decoder import Draft, sampling_probs
+from speculative.adaptive import AdaptiveLength
+from speculative.head import load_head, logits_from_hidden, output_weight
+
+CATCH_UP_CHUNK = 512  # positions per head call when reading a prompt (as the target's prefill)
+
+
+class HiddenStateTap:
+    """The target, keeping the final hidden states of every call (batch size 1).
+
+    Looks like the wrapped mlx-lm model (``layers``, ``args``, ``make_cache`` are the
+    target's), so ``make_prompt_cache`` and ``trim_prompt_cache`` work as before.
+    """
+
+    def __init__(self, target):
+        self.target = target
+        self.chunks = []  # (first position, (n, d) hidden states), contiguous and in order
+
+    def __getattr__(self, name):
+        return getattr(self.target, name)
+
+    def __call__(self, inputs: mx.array, cache=None) -> mx.array:
+        start = cache[0].offset if cache else 0
+        hidden = self.target.model(inputs, cache=cache)
+        # A call at ``start`` overwrites what rejected drafts left at ``start`` and after.
+        while self.chunks and self.chunks[-1][0] >= start:
+            self.chunks.pop()
+        if self.chunks:
+            first, rows = self.chunks[-1]
+            self.chunks[-1] = (first, rows[: start - first])
+        self.chunks.append((start, hidden[0]))
+        return logits_from_hidden(self.target, hidden)
+
+    def take(self, start: int, stop: int) -> mx.array:
+        """Hidden states at positions [start, stop); then forgets all but the last of them."""
+        rows = [rows[max(start - first, 0) : stop - first] for first, rows in self.chunks
+                if first < stop and first + rows.shape[0] > start]
+        self.forget(stop - 1)
+        return mx.concatenate(rows) if len(rows) > 1 else rows[0]
+
+    def forget(self, position: int):
+        """Free the hidden states before ``position``."""
+        self.chunks = [(max(first, position), rows[max(position - first, 0):]) for first, rows in self.chunks
+                       if first + rows.shape[0] > position]
+
+
+class DraftHeadSource:
+    """Drafts tokens with a draft head that reads the target's hidden states.
+
+    Args:
+        tap: the ``HiddenStateTap`` the loop runs as its model.
+        head, vocab_ids: from ``load_head``.
+        temp, top_p: the target's sampling settings, applied to the head as well, so q is
+            the distribution each draft token was drawn from.
+        num_draft, adaptive, max_draft: draft length (see ``AdaptiveLength``).
+        min_confidence: stop a draft once the head's top probability falls below this.
+        draft_token_cost: drafting and verifying one token, as a fraction of a target step.
+    """
+
+    name = "draft_head"
+
+    def __init__(self, tap: HiddenStateTap, head, vocab_ids: mx.array, temp: float = 0.0, top_p: float = 1.0,
+                 num_draft: int = 4, adaptive: bool = True, max_draft: int = 8, min_confidence: float = 0.0,
+                 draft_token_cost: float = 0.15):
+        self.tap, self.head = tap, head
+        self.vocab_ids = vocab_ids
+        self.vocab_list = vocab_ids.tolist()
+        self.vocab_size = tap.target.args.vocab_size
+        self.embed = tap.target.model.embed_tokens
+        self.out_rows = mx.take(output_weight(tap.target), vocab_ids, axis=0)
+        self.temp, self.top_p = temp, top_p
+        self.length = AdaptiveLength(num_draft, max_draft, draft_token_cost, enabled=adaptive)
+        self.min_confidence = min_confidence
+        self.cache = head.make_cache()
+        self.committed = 0  # head cache positions read from true features and accepted tokens
+
+    @classmethod
+    def create(cls, target, head_dir=None, **kwargs):
+        """Load a head for ``target``; returns ``(tap, source)``: run the loop on ``tap``."""
+        from speculative.draft_model import parameter_count
+
+        head, vocab_ids = load_head(head_dir, target)
+        tap = HiddenStateTap(target)
+        # A draft step reads the head and its output rows; a verified token costs ~0.09 of a step.
+        read = parameter_count(head) + vocab_ids.size * target.args.hidden_size
+        kwargs.setdefault("draft_token_cost", read / parameter_count(target) + 0.09)
+        return tap, cls(tap, head, vocab_ids, **kwargs)
+
+    @property
+    def num_draft(self) -> int:
+        return self.length.num_draft
+
+    def _rewind(self):
+        """Drop the head's cache entries for drafted positions (read from its own predictions)."""
+        trim_prompt_cache(self.cache, self.cache[0].offset - self.committed)
+
+    def _catch_up(self, tokens: list) -> mx.array:
+        """Feed the head every accepted position it has not read; returns its last prediction.
+
+        Position p reads (h_p, x_{p+1}); the target has run positions up to len(tokens) - 2.
+        """
+        stop = len(tokens) - 1
+        if self.committed == stop:  # nothing new since the last draft: re-read the last position
+            self.committed -= 1
+            self._rewind()
+        features = self.tap.take(self.committed, stop)
+        for start in range(0, stop - self.committed, CATCH_UP_CHUNK):
+            first = self.committed + start
+            chunk = features[start : start + CATCH_UP_CHUNK][None]
+            next_tokens = mx.array(tokens[first + 1 : first + 1 + chunk.shape[1]])[None]
+            predicted = self.head(chunk, self.embed(next_tokens), cache=self.cache)
+        self.committed = stop
+        return predicted[0, -1]
+
+    def _distribution(self, predicted: mx.array) -> mx.array:
+        """Scores over the sub-vocabulary: q when sampling; when greedy, the softmax only if the
+        confidence stop needs it (the logits have the same argmax)."""
+        logits = predicted @ self.out_rows.T
+        if self.temp > 0:
+            return sampling_probs(logits[None], self.temp, self.top_p)[0]
+        return mx.softmax(logits.astype(mx.float32)) if self.min_confidence > 0 else logits
+
+    def propose(self, tokens: list, max_draft: int) -> Optional[Draft]:
+        if len(tokens) < 2 or self.length.paused():
+            return None  # the head catches up in one batched call when drafting resumes
+        self._rewind()
+        predicted = self._catch_up(tokens)
+        num_draft = min(self.num_draft, max_draft)
+        indices, rows = [], []
+        # The whole draft is one lazy graph: each step feeds the last sub-vocabulary index back
+        # without a host round trip, and a single sync at the end reads them all.
+        for position in range(num_draft):
+            probs = self._distribution(predicted)
+            index = mx.argmax(probs) if self.temp == 0 else mx.random.categorical(mx.log(probs))
+            indices.append(index)
+            rows.append(probs)
+            if position + 1 < num_draft:
+                next_embedding = self.embed(self.vocab_ids[index].reshape(1, 1))
+                predicted = self.head(predicted[None, None], next_embedding, cache=self.cache)[0, -1]
+        rows = mx.stack(rows)
+        indices = mx.stack(indices).tolist()
+        length = num_draft
+        if self.min_confidence > 0:  # stop where the head's top probability falls below it (keep one)
+            confidence = rows.max(axis=-1).tolist()
+            length = next((i for i in range(1, num_draft) if confidence[i] < self.min_confidence), num_draft)
+        draft = [self.vocab_list[i] for i in indices[:length]]
+        if self.temp == 0:
+            return Draft(draft)
+        # q on the whole vocabulary: zero outside the sub-vocabulary.
+        probs = mx.zeros((length, self.vocab_size), mx.float32)
+        probs[:, self.vocab_ids] = rows[:length]
+        return Draft(draft, probs)
+
+    def update(self, tokens: list, num_proposed: int, num_accepted: int):
+        self._rewind()
+        self.length.record(num_proposed, num_accepted)

@@ -1,0 +1,273 @@
+"""Train a draft head for a target by self-distillation, on a CPU in well under an hour.
+
+    python -m speculative.train_head --out speculative/heads/smollm2-135m
+
+Stages (batches of answers are cached in --work-dir, so a rerun resumes where it stopped):
+1. generate: the target answers generated instructions (speculative/instructions.py) greedily,
+   in batches of equal-length prompts; the same forward passes collect the target's final hidden
+   states (a second pass would double the cost on a shared CPU);
+2. train: feature regression (smooth L1) + cross-entropy on the target's next token within a
+   frequency-ranked sub-vocabulary; input features get noise, and an optional second unrolled
+   step feeds the head its own predictions, as it will see them when drafting.
+"""
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import numpy as np
+from mlx_lm.models.cache import make_prompt_cache
+from tqdm import tqdm
+
+from speculative.head import DraftHead, head_args, load_head, logits_from_hidden, output_weight, save_head
+
+
+def answer_with_features(model, prompts: list, max_tokens: int, eos_ids) -> list:
+    """Greedy answers to equal-length ``prompts`` (one batch, no padding), and the target's final
+    hidden state at every position, collected by the generating forward passes themselves.
+
+    Returns ``[(sequence, features)]`` with ``sequence = {"tokens", "prompt_length"}``.
+    """
+    cache = make_prompt_cache(model)
+    hidden = model.model(mx.array(prompts), cache=cache)
+    states, answers = [hidden.astype(mx.float16)], []
+    for _ in range(max_tokens):
+        token = mx.argmax(logits_from_hidden(model, hidden[:, -1]), axis=-1)
+        answers.append(token)
+        hidden = model.model(token[:, None], cache=cache)
+        states.append(hidden.astype(mx.float16))
+        mx.eval(token, states[-1])
+    answers = mx.stack(answers, axis=1).tolist()
+    states = np.array(mx.concatenate(states, axis=1))
+    out = []
+    for row, (prompt, answer) in enumerate(zip(prompts, answers)):
+        # Keep the answer up to its stop token (the head learns to end), drop what followed.
+        end = next((i + 1 for i, t in enumerate(answer) if t in eos_ids), len(answer))
+        tokens = list(prompt) + answer[:end]
+        out.append(({"tokens": tokens, "prompt_length": len(prompt)}, states[row, : len(tokens)]))
+    return out
+
+
+def generate_dataset(model, prompts: list, work: Path, max_tokens: int, batch_size: int, eos_ids,
+                     minutes: float) -> tuple:
+    """Answer ``prompts`` in batches of equal prompt length, each saved to ``work`` as it is done
+    (a rerun resumes); stops starting batches after ``minutes``. Returns (sequences, features, offsets)."""
+    by_length = {}
+    for prompt in prompts:
+        by_length.setdefault(len(prompt), []).append(prompt)
+    batches = [group[i : i + batch_size] for group in by_length.values() for i in range(0, len(group), batch_size)]
+    batches.sort(key=len, reverse=True)  # full batches first: most answers per second within ``minutes``
+    tic = time.perf_counter()
+    sequences, features = [], []
+    for index, batch in enumerate(tqdm(batches, desc="generate", unit="batch")):
+        path = work / f"batch-{index:04d}-{max_tokens}.npz"
+        if not path.exists():
+            if time.perf_counter() - tic > 60 * minutes:
+                break
+            answered = answer_with_features(model, batch, max_tokens, eos_ids)
+            np.savez(path.with_suffix(".tmp.npz"), sequences=json.dumps([s for s, _ in answered]),
+                     features=np.concatenate([f for _, f in answered]))
+            path.with_suffix(".tmp.npz").replace(path)
+        saved = np.load(path)
+        sequences += json.loads(str(saved["sequences"]))
+        features.append(saved["features"])
+    offsets = np.cumsum([0] + [len(s["tokens"]) for s in sequences])
+    return sequences, np.concatenate(features), offsets
+
+
+def sub_vocabulary(sequences: list, size: int, eos_ids, vocab_size: int) -> np.ndarray:
+    """Most frequent answer tokens first; ties and unseen tokens by id (BPE ids roughly follow
+    merge frequency). The stop tokens are always in."""
+    counts = np.zeros(vocab_size, np.int64)
+    for s in sequences:
+        np.add.at(counts, s["tokens"][s["prompt_length"]:], 1)
+    ranked = [i for i in np.lexsort((np.arange(vocab_size), -counts)) if i not in eos_ids]
+    return np.array(sorted(eos_ids) + ranked[: size - len(eos_ids)], np.int32)
+
+
+def make_batches(sequences: list, batch_tokens: int, rng) -> list:
+    """Lists of sequence indices of similar length, about ``batch_tokens`` tokens each, shuffled."""
+    order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]["tokens"]))
+    batches, current, longest = [], [], 0
+    for i in order:
+        longest = max(longest, len(sequences[i]["tokens"]))
+        if current and longest * (len(current) + 1) > batch_tokens:
+            batches.append(current)
+            current, longest = [], len(sequences[i]["tokens"])
+        current.append(i)
+    batches.append(current)
+    rng.shuffle(batches)
+    return batches
+
+
+def batch_arrays(sequences, features, offsets, batch, sub_index):
+    """Padded (B, L) tokens, (B, L, d) features, and loss masks for one batch."""
+    length = max(len(sequences[i]["tokens"]) for i in batch)
+    length = 32 * math.ceil(length / 32)  # few distinct shapes
+    tokens = np.zeros((len(batch), length), np.int32)
+    feats = np.zeros((len(batch), length, features.shape[1]), np.float16)
+    answer = np.zeros((len(batch), length), bool)
+    valid = np.zeros((len(batch), length), bool)
+    for row, i in enumerate(batch):
+        seq = sequences[i]["tokens"]
+        tokens[row, : len(seq)] = seq
+        feats[row, : len(seq)] = features[offsets[i] : offsets[i + 1]]
+        valid[row, : len(seq)] = True
+        answer[row, sequences[i]["prompt_length"] : len(seq)] = True
+    labels = sub_index[tokens]
+    return (mx.array(tokens), mx.array(feats).astype(mx.float32), mx.array(valid), mx.array(answer),
+            mx.array(labels))
+
+
+def head_losses(head, embed, out_rows, tokens, feats, valid, answer, labels, unroll, noise):
+    """Regression and token losses (and token accuracy) averaged over ``unroll`` steps.
+
+    Step 1 reads true features h_t with x_{t+1} and predicts h_{t+1}, whose scores predict
+    x_{t+2} (the target's greedy choice inside answers). Step s reads step s-1's predictions.
+    """
+    inputs = feats[:, :-1]
+    if noise > 0:
+        inputs = inputs + noise * mx.random.normal(inputs.shape)
+    total_reg = total_ce = total_acc = 0.0
+    for step in range(unroll):
+        shift = step + 1
+        pred = head(inputs, embed(tokens[:, shift:]))  # predicts h at positions shift..L-1
+        target = feats[:, shift:]
+        reg_mask = valid[:, shift:]
+        reg = nn.losses.smooth_l1_loss(pred, target, reduction="none").mean(-1)
+        total_reg += (reg * reg_mask).sum() / mx.maximum(reg_mask.sum(), 1)
+        # pred at row t scores the token at t + 1 (labels are -1 outside the sub-vocabulary).
+        logits = pred[:, :-1] @ out_rows.T
+        label = labels[:, shift + 1 :]
+        ce_mask = answer[:, shift + 1 :] & (label >= 0)
+        ce = nn.losses.cross_entropy(logits, mx.maximum(label, 0), reduction="none")
+        count = mx.maximum(ce_mask.sum(), 1)
+        total_ce += (ce * ce_mask).sum() / count
+        total_acc += ((logits.argmax(-1) == label) & ce_mask).sum() / count
+        inputs = pred[:, :-1]
+    return total_reg / unroll, total_ce / unroll, total_acc / unroll
+
+
+def train(target, sequences, features, offsets, vocab_ids, *, steps_limit=None, minutes=25.0, epochs=4,
+          batch_tokens=2048, lr=1e-3, unroll=2, noise=0.05, token_weight=0.1, seed=0, validation=0.05,
+          init=None, log=print):
+    """Train a head (fresh, or ``init`` further); returns ``(head, report)``. Stops after ``epochs``,
+    ``steps_limit`` or ``minutes``."""
+    mx.random.seed(seed)
+    rng = np.random.default_rng(seed)
+    head = init if init is not None else DraftHead(head_args(target.args))
+    embed = target.model.embed_tokens
+    out_rows = mx.take(output_weight(target), mx.array(vocab_ids), axis=0).astype(mx.float32)
+    sub_index = np.full(target.args.vocab_size, -1, np.int32)
+    sub_index[vocab_ids] = np.arange(len(vocab_ids))
+    held_out = set(rng.choice(len(sequences), max(1, int(validation * len(sequences))), replace=False).tolist())
+    train_ids = [i for i in range(len(sequences)) if i not in held_out]
+    train_seqs = [sequences[i] for i in train_ids]
+    batches = make_batches(train_seqs, batch_tokens, rng)
+    total_steps = min(steps_limit or 10**9, epochs * len(batches))
+    optimizer = optim.AdamW(learning_rate=lr, weight_decay=0.0)
+
+    def learning_rate(step, elapsed):
+        """Warm up for 20 steps, then cosine decay to lr / 20 by whichever limit comes first."""
+        progress = max(step / total_steps, elapsed / (60 * minutes))
+        return min((step + 1) / 20, 1.0) * (lr / 20 + (lr - lr / 20) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
+
+    def loss_fn(head, *arrays):
+        reg, ce, acc = head_losses(head, embed, out_rows, *arrays, unroll=unroll, noise=noise)
+        return reg + token_weight * ce, (reg, ce, acc)
+
+    value_and_grad = nn.value_and_grad(head, loss_fn)
+    tic = time.perf_counter()
+    bar = tqdm(total=total_steps, desc="train", unit="step")
+    step = 0
+    while step < total_steps and time.perf_counter() - tic < 60 * minutes:
+        batch = batches[step % len(batches)]
+        arrays = batch_arrays(sequences, features, offsets, [train_ids[i] for i in batch], sub_index)
+        optimizer.learning_rate = learning_rate(step, time.perf_counter() - tic)
+        (loss, (reg, ce, acc)), grads = value_and_grad(head, *arrays)
+        grads, _ = optim.clip_grad_norm(grads, 1.0)
+        optimizer.update(head, grads)
+        mx.eval(head.parameters(), optimizer.state, loss)
+        if step == 0:
+            first_loss = loss.item()
+        bar.set_postfix(loss=f"{loss.item():.3f}", reg=f"{reg.item():.3f}", ce=f"{ce.item():.2f}",
+                        acc=f"{acc.item():.2f}")
+        bar.update(1)
+        step += 1
+    bar.close()
+    report = {"steps": step, "first_loss": first_loss, "last_loss": loss.item(),
+              "minutes": round((time.perf_counter() - tic) / 60, 2),
+              "held_out": evaluate(head, embed, out_rows, sequences, features, offsets, sorted(held_out),
+                                   sub_index, batch_tokens)}
+    log(f"trained {step} steps: {json.dumps(report)}")
+    return head, report
+
+
+def evaluate(head, embed, out_rows, sequences, features, offsets, indices, sub_index, batch_tokens) -> dict:
+    """Held-out token accuracy at draft depth 1 and 2 (an acceptance estimate), no noise."""
+    accuracy = {}
+    for unroll in (1, 2):
+        hits = count = 0.0
+        for start in range(0, len(indices), 8):
+            arrays = batch_arrays(sequences, features, offsets, indices[start : start + 8], sub_index)
+            _, _, acc = head_losses(head, embed, out_rows, *arrays, unroll=unroll, noise=0.0)
+            hits += acc.item()
+            count += 1
+        accuracy[f"depth<={unroll} mean accuracy"] = round(hits / max(count, 1), 4)
+    return accuracy
+
+
+def main():
+    parser = argparse.ArgumentParser(description="Train a draft head for a target model by self-distillation.")
+    parser.add_argument("--model", default=None, help="Target model (default: the embedded SmolLM2-135M-Instruct).")
+    parser.add_argument("--out", default="speculative/heads/smollm2-135m", help="Head directory to write.")
+    parser.add_argument("--work-dir", default=None, help="Cache of the generated data (default: ~/.cache/mlx-decoding/draft-head-data).")
+    parser.add_argument("--num-instructions", type=int, default=1000, help="Instructions to answer (default: 1000).")
+    parser.add_argument("--max-tokens", type=int, default=128, help="Longest answer (default: 128).")
+    parser.add_argument("--batch-size", type=int, default=48, help="Answers generated at once (default: 48).")
+    parser.add_argument("--generate-minutes", type=float, default=25.0,
+                        help="Stop generating after this long and train on what is done (default: 25).")
+    parser.add_argument("--sub-vocab", type=int, default=8192, help="Sub-vocabulary size (default: 8192).")
+    parser.add_argument("--epochs", type=int, default=4, help="Passes over the data (default: 4).")
+    parser.add_argument("--minutes", type=float, default=15.0, help="Stop training after this long (default: 15).")
+    parser.add_argument("--unroll", type=int, default=2, help="Training-time unrolled draft steps (default: 2).")
+    parser.add_argument("--noise", type=float, default=0.05, help="Gaussian noise on input features (default: 0.05).")
+    parser.add_argument("--lr", type=float, default=1e-3, help="Peak learning rate (default: 1e-3).")
+    parser.add_argument("--token-weight", type=float, default=0.1,
+                        help="Weight of the token loss against the feature regression (default: 0.1).")
+    parser.add_argument("--init", default=None, help="Continue training this head directory (default: a fresh head).")
+    parser.add_argument("--seed", type=int, default=0, help="Seed for the instructions and training (default: 0).")
+    args = parser.parse_args()
+
+    from loading import cache_dir, load_model
+    from speculative.instructions import sample_instructions
+
+    target, tokenizer, _ = load_model(args.model)
+    work = Path(args.work_dir) if args.work_dir else cache_dir() / "draft-head-data"
+    (work / f"seed{args.seed}").mkdir(parents=True, exist_ok=True)
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+               for text in sample_instructions(args.num_instructions, args.seed)]
+    eos_ids = set(tokenizer.eos_token_ids)
+    sequences, features, offsets = generate_dataset(target, prompts, work / f"seed{args.seed}", args.max_tokens,
+                                                    args.batch_size, eos_ids, args.generate_minutes)
+    print(f"{len(sequences)} answers, {features.shape[0]} positions")
+    vocab_ids = sub_vocabulary(sequences, args.sub_vocab, eos_ids, target.args.vocab_size)
+    init = None
+    if args.init:
+        init, init_ids = load_head(args.init, target)
+        vocab_ids = np.array(init_ids)  # the head's scores are tied to its sub-vocabulary
+    head, report = train(target, sequences, features, offsets, vocab_ids, minutes=args.minutes, epochs=args.epochs,
+                         lr=args.lr, unroll=args.unroll, noise=args.noise, token_weight=args.token_weight,
+                         seed=args.seed, init=init)
+    report.update(vars(args), answer_tokens=int(sum(len(s["tokens"]) - s["prompt_length"] for s in sequences)))
+    save_head(args.out, head, mx.array(vocab_ids), target, training=report)
+    print(f"saved the head to {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,172 @@
+"""The draft head: lossless greedy (alone, behind prompt lookup, under a regex), exact sampling,
+training that learns, the target fingerprint, the shipped head on the real model, the CLI."""
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from decoder import DecodingStats, generate_step
+from speculative.head import SHIPPED_HEAD, DraftHead, HeadMismatch, head_args, load_head, save_head
+from speculative.head_source import DraftHeadSource, HiddenStateTap
+from speculative.train_head import answer_with_features, sub_vocabulary, train
+from tests.helpers import assert_sampling_keeps_the_target_distribution, tiny_llama
+from tests.test_cli import assert_one_line_error, cli
+
+VOCAB = 64
+TARGET = tiny_llama(vocab_size=VOCAB, num_layers=3, seed=0)
+SUB_VOCAB = mx.arange(0, VOCAB, 2)  # half the vocabulary: some target tokens can never be drafted
+
+
+def random_head(target, seed):
+    mx.random.seed(seed)
+    head = DraftHead(head_args(target.args))
+    mx.eval(head.parameters())
+    return head
+
+
+@pytest.fixture(scope="module")
+def trained():
+    """A head trained for a few steps on the tiny target's own greedy text, and its report."""
+    prompts = np.random.default_rng(0).integers(0, VOCAB, size=(24, 4)).tolist()
+    answered = answer_with_features(TARGET, prompts, max_tokens=24, eos_ids={0})
+    sequences = [s for s, _ in answered]
+    for sequence, prompt in zip(sequences, prompts):  # the batched answers are plain greedy decoding
+        assert sequence["tokens"][4:] == tokens_of(prompt, TARGET, max_tokens=24)[: len(sequence["tokens"]) - 4]
+    features = np.concatenate([f for _, f in answered])
+    offsets = np.cumsum([0] + [len(s["tokens"]) for s in sequences])
+    vocab_ids = sub_vocabulary(sequences, 48, eos_ids={0}, vocab_size=VOCAB)
+    head, report = train(TARGET, sequences, features, offsets, vocab_ids, steps_limit=60, epochs=60, lr=3e-3,
+                         batch_tokens=4096, log=lambda *_: None)
+    return head, mx.array(vocab_ids), report
+
+
+def test_training_lowers_the_loss(trained):
+    _, vocab_ids, report = trained
+    assert report["last_loss"] < 0.7 * report["first_loss"], report
+    assert vocab_ids[0].item() == 0  # the stop token is always in the sub-vocabulary
+
+
+def tokens_of(prompt, model, sources=(), **kwargs):
+    return [t for t, _ in generate_step(prompt, model, draft_sources=list(sources), **kwargs)]
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(prompt=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=8), num_draft=st.integers(1, 5),
+       adaptive=st.booleans(), with_lookup=st.booleans(), min_confidence=st.sampled_from([0.0, 0.3]),
+       max_tokens=st.integers(1, 30))
+def test_greedy_output_with_the_head_equals_plain(trained, prompt, num_draft, adaptive, with_lookup, min_confidence,
+                                                  max_tokens):
+    from prompt_lookup import PromptLookupSource
+
+    reference = tokens_of(prompt, TARGET, max_tokens=max_tokens)
+    for head, vocab_ids in ((trained[0], trained[1]), (random_head(TARGET, 7), SUB_VOCAB)):
+        tap = HiddenStateTap(TARGET)
+        source = DraftHeadSource(tap, head, vocab_ids, num_draft=num_draft, adaptive=adaptive,
+                                 min_confidence=min_confidence)
+        sources = [PromptLookupSource(), source] if with_lookup else [source]
+        assert tokens_of(prompt, tap, sources, max_tokens=max_tokens) == reference
+        # Features are freed once the head has read them (it re-reads at most the last one).
+        assert tap.chunks[0][0] >= source.committed - 1
+
+
+def test_the_trained_head_is_accepted_and_its_cache_follows_the_text(trained):
+    head, vocab_ids, _ = trained
+    stats = DecodingStats()
+    tap = HiddenStateTap(TARGET)
+    source = DraftHeadSource(tap, head, vocab_ids, num_draft=3, adaptive=False)
+    prompt = [5, 6, 7, 8]
+    out = tokens_of(prompt, tap, [source], max_tokens=40, stats=stats)
+    assert out == tokens_of(prompt, TARGET, max_tokens=40)
+    assert stats.draft_accepted > 0
+    # After each update the head's cache holds only positions read from accepted text.
+    assert source.cache[0].offset == source.committed <= len(prompt) + len(out) - 1
+
+
+def test_greedy_with_the_head_under_a_regex_equals_constrained_plain():
+    from constrained import RegexConstraint
+    from tests.helpers import tiny_byte_tokenizer
+
+    tokenizer = tiny_byte_tokenizer()
+    vocab = len(tokenizer.get_vocab())
+    target = tiny_llama(vocab_size=vocab, num_layers=2, seed=4)
+    pattern = r"(ab|12)+-[0-9]{2,5}"
+
+    def run(sources, model):
+        constraint = RegexConstraint.from_regex(pattern, tokenizer, vocab_size=vocab)
+        return tokens_of([1, 2, 3], model, sources, constraint=constraint, max_tokens=12)
+
+    tap = HiddenStateTap(target)
+    head = DraftHeadSource(tap, random_head(target, 3), mx.arange(vocab), num_draft=3, adaptive=False)
+    assert run([head], tap) == run([], target)
+
+
+@pytest.mark.parametrize("temp,top_p", [(1.0, 1.0), (0.8, 0.9)])
+def test_sampling_with_the_head_keeps_the_target_distribution(temp, top_p):
+    target = tiny_llama(vocab_size=8, num_layers=2, seed=3, sharp=2.0)
+    head = random_head(target, 5)
+
+    def make_run():
+        tap = HiddenStateTap(target)
+        # A sub-vocabulary of 6: q is zero on two tokens the target can still choose.
+        return tap, [DraftHeadSource(tap, head, mx.arange(6), temp=temp, top_p=top_p, num_draft=2, adaptive=False)]
+
+    assert_sampling_keeps_the_target_distribution(target, make_run, temp, top_p)
+
+
+def test_a_head_for_another_target_is_refused(trained, tmp_path):
+    head, vocab_ids, _ = trained
+    save_head(tmp_path / "head", head, vocab_ids, TARGET)
+    loaded, ids = load_head(tmp_path / "head", TARGET)
+    assert ids.tolist() == vocab_ids.tolist()
+    # The float16 file round-trips to the head we trained (up to float16 rounding).
+    assert mx.allclose(loaded.fuse.weight, head.fuse.weight, atol=1e-2).item()
+    same_shape = tiny_llama(vocab_size=VOCAB, num_layers=3, seed=1)
+    with pytest.raises(HeadMismatch, match="same shape, different weights"):
+        load_head(tmp_path / "head", same_shape)
+    with pytest.raises(HeadMismatch, match="another model"):
+        load_head(tmp_path / "head", tiny_llama(vocab_size=VOCAB, num_layers=2, seed=0))
+    # A float16 copy of the same target is the same target.
+    half = tiny_llama(vocab_size=VOCAB, num_layers=3, seed=0)
+    half.set_dtype(mx.float16)
+    load_head(tmp_path / "head", half)
+
+
+@pytest.mark.skipif(not (SHIPPED_HEAD / "config.json").exists(), reason="the head has not been trained yet")
+def test_the_shipped_head_is_lossless_and_accepted_on_the_embedded_model(embedded, chat_prompt):
+    model, tokenizer, _ = embedded
+    prompt = chat_prompt("Why do cats purr, and what does it mean when they do?")
+    reference = tokens_of(prompt, model, max_tokens=48)
+    stats = DecodingStats()
+    tap, source = DraftHeadSource.create(model)
+    assert tokens_of(prompt, tap, [source], max_tokens=48, stats=stats) == reference
+    assert stats.draft_accepted > 0 and stats.target_forward_passes < 48
+
+
+@pytest.mark.skipif(not (SHIPPED_HEAD / "config.json").exists(), reason="the head has not been trained yet")
+def test_draft_head_from_the_command_line(embedded, tmp_path):
+    args = ["--prompt", "Name three colours.", "--max-tokens", "20", "--json"]
+    plain = json.loads(cli(*args).stdout)
+    fast = cli(*args, "--draft-head", "--prompt-lookup")
+    assert fast.returncode == 0, fast.stderr
+    fast = json.loads(fast.stdout)
+    assert fast["tokens"] == plain["tokens"] and "draft_head" in fast["draft_sources"]
+    coloured = cli(*args[:-1], "--draft-head", "--color", "always")
+    assert "draft_head" in coloured.stdout  # the legend
+    assert_one_line_error(cli(*args, "--draft-head", str(tmp_path)), "not a draft head directory")
+
+
+def test_the_benchmark_prompts_are_held_out_from_training():
+    from benchmarks.draft_head import HELDOUT
+    from benchmarks.harness import PROMPTS
+    from speculative.instructions import TOPICS, all_instructions
+
+    generated = set(all_instructions())
+    heldout = [line for line in HELDOUT.read_text().splitlines() if line.strip()]
+    benchmark = [path.read_text().strip() for path in PROMPTS.glob("*/*.txt")]
+    assert heldout and benchmark and not generated & set(heldout + benchmark)
+    # The held-out chat prompts do not even mention a training topic.
+    assert not [topic for topic in TOPICS for line in heldout if topic.lower() in line.lower()]
