@@ -8,11 +8,10 @@ mlx-lm does the loading, casting, quantizing and saving; this file only adds
 the GGUF reader and the layer cut.
 """
 
-import argparse
 import json
 import shutil
 import sys
-import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 import fast_blas
@@ -20,7 +19,8 @@ import fast_blas
 fast_blas.load()  # before mlx.core, so `python convert.py` gets a fast BLAS too (no-op when loaded)
 import mlx.core as mx  # noqa: E402
 
-from speculative.t5 import convert_t5, is_t5_dir
+from cli import Parser
+from model_cache import make_staging_dir, publish, removed_on_exit, sweep, write_checksums
 
 DTYPES = ("float32", "float16", "bfloat16")
 
@@ -75,7 +75,16 @@ def read_gguf(gguf_path: str):
         raise ConversionError(f"{gguf_path} is a '{arch}' GGUF; only Llama-family GGUF files are supported")
     if _meta(metadata, "tokenizer.ggml.model") != "gpt2":
         raise ConversionError(f"{gguf_path} has a non byte-level BPE tokenizer, which is not supported")
+    try:
+        weights, config, tokenizer = _llama_from_gguf(tensors, metadata)
+        mx.eval(weights)  # dequantize here, so that a malformed tensor is reported as one
+    except Exception as error:  # missing keys, odd shapes, a broken vocabulary: the file is at fault
+        reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise ConversionError(f"{gguf_path} is not a Llama GGUF this converter can read: {reason}") from None
+    return weights, config, tokenizer
 
+
+def _llama_from_gguf(tensors: dict, metadata: dict):
     num_heads = _meta(metadata, "llama.attention.head_count")
     num_kv_heads = _meta(metadata, "llama.attention.head_count_kv", num_heads)
     weights = {}
@@ -149,8 +158,55 @@ def gguf_tokenizer(metadata: dict):
     )
 
 
-def convert(
-    mlx_path: str,
+def check_options(dtype: str = "float32", quantize: bool = False, q_bits: int = 4, q_group_size: int = 64,
+                  num_layers: int = None):
+    """Refuse options the conversion cannot honour, before any work."""
+    if dtype not in DTYPES:
+        raise ConversionError(f"--dtype must be one of {', '.join(DTYPES)}")
+    if num_layers is not None and num_layers < 1:
+        raise ConversionError("--num-layers must be >= 1")
+    if quantize:
+        # A group size below 1 crashes MLX (SIGFPE); past that, ask MLX itself what it supports.
+        if not 1 <= q_group_size <= 4096 or not 1 <= q_bits <= 32:
+            raise ConversionError(f"cannot quantize with --q-bits {q_bits} --q-group-size {q_group_size}")
+        try:
+            mx.eval(mx.quantize(mx.zeros((1, q_group_size)), group_size=q_group_size, bits=q_bits))
+        except ValueError as error:
+            reason = str(error).replace("[quantize] ", "")
+            raise ConversionError(f"cannot quantize with --q-bits {q_bits} --q-group-size {q_group_size}: "
+                                  f"{reason}") from None
+
+
+def convert(mlx_path: str, gguf: str = None, hf_path: str = None, **options) -> Path:
+    """Write an mlx-lm model directory at ``mlx_path``, which must not exist.
+
+    The directory appears whole, with its ``checksums.json``, or not at all: the
+    work happens in a staging directory beside it, removed if anything fails.
+
+    Args:
+        mlx_path: The output directory.
+        gguf, hf_path: The source: a GGUF file, or a local directory or Hugging Face repo.
+        options: ``dtype``, ``quantize``, ``q_bits``, ``q_group_size``, ``num_layers`` (see ``main``).
+    """
+    output = Path(mlx_path)
+    check_options(**options)
+    if output.exists():
+        raise ConversionError(f"{output} already exists; choose a new --mlx-path")
+    sweep(output.parent)
+    try:
+        staging = make_staging_dir(output)
+    except OSError as error:
+        raise ConversionError(f"cannot write {output}: {error.strerror or error}") from None
+    with removed_on_exit(staging):
+        convert_into(staging, gguf=gguf, hf_path=hf_path, **options)
+        write_checksums(staging)
+        if not publish(staging, output):
+            raise ConversionError(f"{output} appeared while converting; choose a new --mlx-path")
+    return output
+
+
+def convert_into(
+    output: Path,
     gguf: str = None,
     hf_path: str = None,
     dtype: str = "float32",
@@ -159,49 +215,67 @@ def convert(
     q_group_size: int = 64,
     num_layers: int = None,
 ):
-    """Write an mlx-lm model directory at ``mlx_path`` (which must not exist)."""
+    """Convert into the existing, empty directory ``output`` (see ``convert`` for the atomic version)."""
     from mlx_lm.utils import load, quantize_model, save
+    from tqdm import tqdm
 
-    output = Path(mlx_path)
-    if output.exists():
-        raise ConversionError(f"{output} already exists; choose a new --mlx-path")
-    if dtype not in DTYPES:
-        raise ConversionError(f"--dtype must be one of {', '.join(DTYPES)}")
+    from speculative.t5 import convert_t5, is_t5_dir
 
-    with tempfile.TemporaryDirectory() as staging:
+    if (gguf is None) == (hf_path is None):
+        raise ConversionError("give exactly one of --gguf and --hf-path")
+    check_options(dtype, quantize, q_bits, q_group_size, num_layers)
+    output = Path(output)
+    # About 10 s for the embedded model: show the stage (on a terminal only).
+    progress = tqdm(total=4, desc=f"Converting {Path(gguf or hf_path).name}", unit="step", disable=None,
+                    leave=False)
+
+    @contextmanager
+    def stage(label):
+        progress.set_postfix_str(label)
+        yield
+        progress.update()
+
+    with progress:
         source = hf_path
         if gguf is not None:
             # Stage the GGUF as a Hugging Face-style directory so mlx-lm can take over.
-            weights, config, tokenizer = read_gguf(gguf)
-            mx.save_safetensors(str(Path(staging) / "model.safetensors"), weights)
-            (Path(staging) / "config.json").write_text(json.dumps(config, indent=2))
-            tokenizer.save_pretrained(staging)
-            _inline_chat_template(Path(staging))
-            source = staging
+            source = output / "gguf-source"
+            source.mkdir()
+            with stage("reading GGUF"):
+                weights, config, tokenizer = read_gguf(gguf)
+                mx.save_safetensors(str(source / "model.safetensors"), weights)
+                del weights  # free them before mlx-lm loads the copy
+            (source / "config.json").write_text(json.dumps(config, indent=2))
+            tokenizer.save_pretrained(source)
+            _inline_chat_template(source)
         elif is_t5_dir(hf_path):
             if quantize or num_layers:
                 raise ConversionError("--quantize and --num-layers are not supported for T5 models")
-            return convert_t5(hf_path, mlx_path, dtype)
+            with stage("converting T5"):
+                return convert_t5(hf_path, output, dtype)
 
-        try:
-            model, tokenizer, config = load(source, return_config=True, lazy=True)
-        except Exception as error:
-            raise ConversionError(f"cannot load {source}: {error}") from None
+        with stage("loading"):
+            try:
+                model, tokenizer, config = load(str(source), return_config=True, lazy=True)
+            except Exception as error:
+                raise ConversionError(f"cannot load {source}: {str(error).splitlines()[0]}") from None
 
-        if num_layers is not None:
-            layers = model.model.layers
-            if not 1 <= num_layers <= len(layers):
-                raise ConversionError(f"--num-layers must be between 1 and {len(layers)}")
-            # Early exit: keep the first layers; the final norm and head stay the same.
-            model.model.layers = layers[:num_layers]
-            config["num_hidden_layers"] = num_layers
-
-        target_dtype = getattr(mx, dtype)
-        model.update(_cast(model.parameters(), target_dtype))
-        config["torch_dtype"] = dtype
-        if quantize:
-            model, config = quantize_model(model, config, q_group_size, q_bits)
-        save(output, source, model, tokenizer, config)
+        with stage("casting"):
+            if num_layers is not None:
+                layers = model.model.layers
+                if not 1 <= num_layers <= len(layers):
+                    raise ConversionError(f"--num-layers must be between 1 and {len(layers)}")
+                # Early exit: keep the first layers; the final norm and head stay the same.
+                model.model.layers = layers[:num_layers]
+                config["num_hidden_layers"] = num_layers
+            model.update(_cast(model.parameters(), getattr(mx, dtype)))
+            config["torch_dtype"] = dtype
+            if quantize:
+                model, config = quantize_model(model, config, q_group_size, q_bits)
+        with stage("saving"):
+            save(output, source, model, tokenizer, config)
+        if gguf is not None:
+            shutil.rmtree(source)
     _inline_chat_template(output)
     return output
 
@@ -222,7 +296,7 @@ def _cast(tree, dtype):
 
 
 def main():
-    parser = argparse.ArgumentParser(description="Convert a GGUF or Hugging Face model to an mlx-lm directory.")
+    parser = Parser(description="Convert a GGUF or Hugging Face model to an mlx-lm directory.")
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--gguf", help="Path to a Llama-family GGUF file.")
     source.add_argument("--hf-path", help="Local directory or Hugging Face repo id.")
@@ -234,14 +308,20 @@ def main():
     parser.add_argument("--num-layers", type=int, default=None,
                         help="Keep only the first N decoder layers (an early-exit self-draft).")
     args = parser.parse_args()
-    if args.gguf and not Path(args.gguf).is_file():
-        sys.exit(f"error: GGUF file not found: {args.gguf}")
     try:
+        if args.gguf is not None and not Path(args.gguf).is_file():
+            if Path(args.gguf).is_dir():
+                raise ConversionError(f"{args.gguf} is a directory, not a GGUF file")
+            raise ConversionError(f"GGUF file not found: {args.gguf}")
         output = convert(args.mlx_path, gguf=args.gguf, hf_path=args.hf_path, dtype=args.dtype,
                          quantize=args.quantize, q_bits=args.q_bits, q_group_size=args.q_group_size,
                          num_layers=args.num_layers)
     except ConversionError as error:
         sys.exit(f"error: {error}")
+    except OSError as error:  # e.g. the disk filled up; the staging directory is gone already
+        sys.exit(f"error: {error.strerror or error}" + (f": {error.filename}" if error.filename else ""))
+    except KeyboardInterrupt:
+        sys.exit(130)
     print(f"Saved {output}")
 
 

@@ -26,6 +26,10 @@ from mlx_lm.models.cache import (
 TARGET = "target"  # the source name of tokens the target model chose itself
 
 
+class ConstraintError(RuntimeError):
+    """The target's scores leave no token the constraint allows (every allowed logit is NaN or -inf)."""
+
+
 @dataclass
 class Draft:
     """Tokens a source proposes for the next positions.
@@ -258,8 +262,16 @@ def generate_step(
         logits = model(mx.array([tokens[-1]] + draft.tokens)[None], cache=cache)[0]
         stats.target_forward_passes += 1
         if constraint is not None:
-            logits = mx.where(constraint.masks(states), logits, -mx.inf)
+            # A NaN score is no score: it must not win an argmax or poison a softmax.
+            logits = mx.where(constraint.masks(states) & ~mx.isnan(logits), logits, -mx.inf)
         num_accepted, next_token = accept_draft(logits, draft, temp, top_p)
+        if constraint is not None:
+            # Draft tokens were walked already. The target's own token is forbidden only when no
+            # allowed token had a usable score (the argmax or sample of an all -inf row).
+            walked = constraint.walk(draft.tokens[:num_accepted] + [next_token])
+            if len(walked) < num_accepted + 2:
+                raise ConstraintError(f"the model gave no allowed token a usable score (NaN or -inf) "
+                                      f"at generated token {num_generated + num_accepted + 1}")
         trim_prompt_cache(cache, len(draft.tokens) - num_accepted)
 
         emitted = draft.tokens[:num_accepted] + [next_token]

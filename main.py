@@ -9,27 +9,18 @@
 
 import argparse
 import json
+import os
 import sys
-from pathlib import Path
 
 import fast_blas
+from cli import CLOSED_PIPE_STATUS, CliError, Parser, check_finite, check_text_argument, discard_stdout
+from cli import read_text_file, read_text_stream, reopen_closed_std_streams, writing_output
 
 DEFAULT_PROMPT = "What is the capital of France? Answer in one sentence."
 
 # One colour per draft source; tokens the target chose itself stay uncoloured.
 COLORS = {"regex": "\033[36m", "prompt_lookup": "\033[32m", "draft_model": "\033[35m", "draft_head": "\033[33m"}
 RESET = "\033[0m"
-
-
-class CliError(Exception):
-    """Bad input: printed as one line on stderr, exit status 1."""
-
-
-class Parser(argparse.ArgumentParser):
-    def error(self, message):
-        # One line instead of argparse's usage block.
-        sys.stderr.write(f"error: {message} (see --help)\n")
-        sys.exit(2)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -68,16 +59,24 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def validate(args):
+    check_finite(args)
+    for flag in ("prompt", "system", "regex"):
+        check_text_argument(getattr(args, flag), f"--{flag}")
+    if args.json_schema is not None and not os.path.exists(args.json_schema):  # inline JSON, not a file name
+        check_text_argument(args.json_schema, "--json-schema")
+    if not 0 <= args.seed < 2**64:
+        raise CliError("--seed must be in [0, 2**64)")
     if args.max_tokens < 0:
         raise CliError("--max-tokens must be >= 0")
-    if args.temp < 0:
-        raise CliError("--temp must be >= 0")
+    if args.temp != 0 and not 1e-6 <= args.temp <= 1e6:
+        # Outside this range float32 logits / temp overflow to inf or NaN.
+        raise CliError("--temp must be 0 (greedy) or between 1e-6 and 1e6")
     if not 0 < args.top_p <= 1:
         raise CliError("--top-p must be in (0, 1]")
-    if args.num_draft is not None and args.num_draft < 1:
-        raise CliError("--num-draft must be >= 1")
-    if not 1 <= args.ngram_min <= args.ngram_max:
-        raise CliError("--ngram-min and --ngram-max must satisfy 1 <= ngram-min <= ngram-max")
+    if args.num_draft is not None and not 1 <= args.num_draft <= 256:
+        raise CliError("--num-draft must be between 1 and 256")
+    if not 1 <= args.ngram_min <= args.ngram_max <= 256:
+        raise CliError("--ngram-min and --ngram-max must satisfy 1 <= ngram-min <= ngram-max <= 256")
     if args.prompt is not None and args.prompt_file is not None:
         raise CliError("give --prompt or --prompt-file, not both")
     if args.regex is not None and args.json_schema is not None:
@@ -96,12 +95,12 @@ def read_prompt(args) -> str:
     if args.prompt is not None:
         return args.prompt
     if args.prompt_file is not None:
-        path = Path(args.prompt_file)
-        if not path.is_file():
-            raise CliError(f"prompt file not found: {path}")
-        return path.read_text()
-    if not sys.stdin.isatty():
-        text = sys.stdin.read()
+        return read_text_file(args.prompt_file, "prompt file")
+    if sys.stdin is not None and not sys.stdin.isatty():
+        try:
+            text = read_text_stream(sys.stdin.buffer, "stdin")
+        except OSError as error:
+            raise CliError(f"cannot read the prompt from stdin: {error.strerror or error}") from None
         if text.strip():
             return text
     return DEFAULT_PROMPT
@@ -120,8 +119,8 @@ def build_run(args):
     from decoder import DecodingStats
     from loading import context_length, load_model
 
+    text = read_prompt(args)  # bad prompt bytes fail before the model loads
     model, tokenizer, path = load_model(args.model)
-    text = read_prompt(args)
     search_extra = []
     if hasattr(model, "encode"):  # T5: the encoder reads the prompt, the decoder starts fresh
         from speculative.t5 import T5Decoder
@@ -223,23 +222,26 @@ def run(args):
         color = COLORS.get(response.source, "") if use_color else ""
         print(f"{color}{response.text}{RESET if color else ''}", end="", flush=True)
 
-    result = generate(model, tokenizer, prompt, on_token=None if args.json else show, **kwargs)
-    if args.json:
-        print(json.dumps(result.to_json()))
-    else:
-        print()
-        print_stats(result, args.verbose, use_color)
+    with writing_output():
+        result = generate(model, tokenizer, prompt, on_token=None if args.json else show, **kwargs)
+        if args.json:
+            print(json.dumps(result.to_json()))
+        else:
+            print()
+            print_stats(result, args.verbose, use_color)
     return result
 
 
 def main():
+    reopen_closed_std_streams()
     args = build_parser().parse_args()
     fast_blas.load()  # before anything imports mlx.core (Linux: MLX's own BLAS is ~20x slower)
     from convert import ConversionError
+    from decoder import ConstraintError
     from loading import ModelError
     from speculative import VocabularyMismatch
 
-    errors = (CliError, ModelError, ConversionError, VocabularyMismatch)
+    errors = (CliError, ModelError, ConversionError, VocabularyMismatch, ConstraintError)
     try:
         from constrained import RegexError
 
@@ -250,6 +252,14 @@ def main():
         run(args)
     except errors as error:
         sys.stderr.write(f"error: {error}\n")
+        sys.exit(1)
+    except BrokenPipeError:
+        # The reader left (`| head`): stop quietly, as Unix tools do.
+        discard_stdout()
+        sys.exit(CLOSED_PIPE_STATUS)
+    except OSError as error:  # the system refused something (permissions, a full disk): say what
+        where = f": {error.filename}" if error.filename else ""
+        sys.stderr.write(f"error: {error.strerror or error}{where}\n")
         sys.exit(1)
     except KeyboardInterrupt:
         sys.exit(130)
