@@ -1,7 +1,8 @@
 """A target sharded over 2 and 3 local ranks (mlx.launch, ring backend) decodes what one process does.
 
-Each launch loads the embedded model once per rank (lazily, per case), so the
-cases are few and short: this machine has 2 cores.
+Each launch loads the embedded model on every rank (lazily, once per case), so
+the cases are few and short: this machine has 2 cores, and 3 ranks on them wait
+on each other's scheduling at every collective.
 """
 
 import json
@@ -26,10 +27,10 @@ pytestmark = [
     pytest.mark.skipif(not mx.distributed.is_available(backend="ring"), reason="MLX has no ring backend"),
 ]
 
-GREEDY = ["--prompt", "Name three colours.", "--max-tokens", "10"]
-SAMPLED = ["--prompt", "Write a haiku about rain.", "--max-tokens", "10", "--temp", "0.9", "--seed", "7"]
+GREEDY = ["--prompt", "Name three colours.", "--max-tokens", "8"]
+SAMPLED = ["--prompt", "Write a haiku about rain.", "--max-tokens", "8", "--temp", "0.9", "--seed", "7"]
 LOOKUP = ["--prompt", "Repeat this line twice: the quick brown fox jumps over the lazy dog.",
-          "--prompt-lookup", "--max-tokens", "24"]
+          "--prompt-lookup", "--max-tokens", "16"]
 REGEX = ["--prompt", "When did the Berlin wall fall?", "--regex", r"[0-9]{4}-[0-9]{2}-[0-9]{2}", "--max-tokens", "12"]
 
 
@@ -72,8 +73,8 @@ def sharded(ranks, cases):
 
 
 @pytest.mark.parametrize("ranks, mode, cases", [
-    (3, "tensor", [GREEDY, SAMPLED, LOOKUP]),
-    (2, "pipeline", [GREEDY, SAMPLED, REGEX]),
+    (3, "tensor", [GREEDY, LOOKUP]),  # 60 all-reduces per pass: the slow one on 2 cores
+    (2, "pipeline", [SAMPLED, REGEX]),
 ])
 def test_sharded_tokens_equal_one_process(embedded, ranks, mode, cases):
     expected = single_process(cases)
