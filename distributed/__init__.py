@@ -12,6 +12,7 @@ prints. See README.md in this folder.
 import os
 import sys
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Optional
 
 import mlx.core as mx
@@ -79,7 +80,8 @@ def start(timeout: float = DEFAULT_TIMEOUT) -> Optional[Session]:
     rank reads stdin (give the prompt with --prompt or --prompt-file).
     """
     rank = launched_rank()
-    if rank is None:
+    hostfile = os.environ.get("MLX_HOSTFILE")
+    if rank is None or (hostfile and not Path(hostfile).read_text().strip()):  # mlx.launch -n 1
         return None
     quiet_native_stderr()
     watchdog = Watchdog(timeout, rank)
