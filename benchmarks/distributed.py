@@ -72,12 +72,11 @@ def worker(mode: str, max_tokens: int):
     base = ["--prompt-file", str(PROMPT), "--max-tokens", str(max_tokens)] + (
         ["--shard", mode] if session else [])
     methods = {"plain": base, "prompt lookup": base + ["--prompt-lookup"]}
-    runs = {name: main.build_run(main.build_parser().parse_args(argv), session) for name, argv in methods.items()}
     record = {"ranks": session.size if session else 1, "mode": mode, "methods": {}}
-    for repeat in range(2):  # the first round warms up
+    for warm_up in (True, False):  # fresh models and sources each round: draft sources keep state
+        runs = {name: main.build_run(main.build_parser().parse_args(argv), session) for name, argv in methods.items()}
         for name, (model, tokenizer, prompt, kwargs) in runs.items():
-            kwargs = dict(kwargs, stats=type(kwargs["stats"])())
-            result = generate(model, tokenizer, prompt, **kwargs)
+            result = generate(model, tokenizer, prompt, **dict(kwargs, max_tokens=4 if warm_up else max_tokens))
             passes = result.stats.target_forward_passes
             record["methods"][name] = {
                 "tps": result.generation_tps, "tokens": result.generation_tokens,
@@ -156,7 +155,10 @@ def main():
     args = parser.parse_args()
     if args.worker:
         return worker(args.worker, args.max_tokens)
-    records = [launch(ranks, mode, args.max_tokens) for ranks, mode in CONFIGS]
+    records = []
+    for ranks, mode in CONFIGS:
+        records.append(launch(ranks, mode, args.max_tokens))
+        print(json.dumps(records[-1]), flush=True)  # partial results survive a timeout
     num_layers = next(r["num_layers"] for r in records if r["mode"] == "tensor")
     text = (f"{tables(records)}\n\n**Model, not a measurement**: two machines, tokens/s = 1 / (passes/token x "
             f"(compute/pass + rounds/pass x latency)), with this machine's one-process compute per pass "
