@@ -165,7 +165,10 @@ class Pipeline(ShardedModel):
         inner, group = self.model.model, self.group
         cache = cache if cache is not None else [None] * len(self.layers)
         h = inner.embed_tokens(inputs)
-        full_mask = create_attention_mask(h, cache[0])
+        # The full-attention mask comes from a full-attention layer's cache (as in mlx-lm's llama).
+        full_cache = next((c for layer, c in zip(self.layers, cache) if not getattr(layer, "use_sliding", False)),
+                          cache[0])
+        full_mask = create_attention_mask(h, full_cache)
         window = getattr(inner, "sliding_window", None)
         if self.rank > 0:
             h = mx.distributed.recv_like(h, self.rank - 1, group=group)

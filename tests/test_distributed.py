@@ -85,6 +85,14 @@ def test_sharded_tokens_equal_one_process(embedded, ranks, mode, cases):
         assert have["passes"] == want["passes"], have["argv"]  # same drafts accepted, step for step
 
 
+def test_pipeline_logits_are_bit_identical_on_a_tiny_model():
+    """Prefill and a decode pass over 3 stages (one of them both receives and sends)."""
+    result = launch(3, str(WORKER), "--tiny", "pipeline")
+    assert result.returncode == 0, result.stderr
+    records = [json.loads(line) for line in result.stdout.splitlines()]
+    assert len(records) == 3 and all(r["equal"] for r in records), records
+
+
 def test_cli_under_mlx_launch(embedded):
     """main.py itself: one JSON object on stdout (rank 0 only), forced pipeline over 3 ranks."""
     args = [*LOOKUP, "--json", "--shard", "pipeline"]
