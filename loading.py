@@ -159,8 +159,11 @@ def resolve_model_path(path_or_repo: str = None) -> Path:
         raise ModelError(f"cannot download {path_or_repo}: {reason}") from None
 
 
-def load_model(path_or_repo: str = None):
-    """Returns ``(model, tokenizer, path)``; T5 directories return a T5 model."""
+def load_model(path_or_repo: str = None, lazy: bool = False):
+    """Returns ``(model, tokenizer, path)``; T5 directories return a T5 model.
+
+    ``lazy`` leaves mlx-lm weights unread until evaluated (a sharded rank reads only its shard).
+    """
     path = resolve_model_path(path_or_repo)
     try:
         if is_t5_dir(path):
@@ -169,7 +172,7 @@ def load_model(path_or_repo: str = None):
         else:
             from mlx_lm import load
 
-            model, tokenizer = load(str(path))
+            model, tokenizer = load(str(path), lazy=lazy)
     except ModelError:
         raise
     except Exception as error:

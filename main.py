@@ -55,6 +55,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--num-draft", type=int, default=None,
                         help="Tokens to draft per step (default: each source's measured best).")
     parser.add_argument("--no-adaptive", action="store_true", help="Keep the draft length fixed at --num-draft.")
+    distributed = parser.add_argument_group("distributed (under mlx.launch; see distributed/README.md)")
+    distributed.add_argument("--shard", choices=["auto", "tensor", "pipeline"], default="auto",
+                             help="How to split the target over the ranks (default: tensor where the heads divide).")
+    distributed.add_argument("--dist-timeout", type=float, default=120.0,
+                             help="Seconds to wait for peers to connect or answer before giving up (default: 120).")
     return parser
 
 
@@ -77,6 +82,8 @@ def validate(args):
         raise CliError("--num-draft must be between 1 and 256")
     if not 1 <= args.ngram_min <= args.ngram_max <= 256:
         raise CliError("--ngram-min and --ngram-max must satisfy 1 <= ngram-min <= ngram-max <= 256")
+    if args.dist_timeout <= 0:
+        raise CliError("--dist-timeout must be > 0")
     if args.prompt is not None and args.prompt_file is not None:
         raise CliError("give --prompt or --prompt-file, not both")
     if args.regex is not None and args.json_schema is not None:
@@ -114,13 +121,18 @@ def encode_prompt(tokenizer, text: str, args) -> list:
     return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
 
 
-def build_run(args):
-    """Load models and draft sources; returns (target, tokenizer, prompt_tokens, loop kwargs)."""
+def build_run(args, session=None):
+    """Load models and draft sources; returns (target, tokenizer, prompt_tokens, loop kwargs).
+
+    ``session`` (from ``distributed.start``) shards the target over the launched ranks.
+    """
     from decoder import DecodingStats
     from loading import context_length, load_model
 
     text = read_prompt(args)  # bad prompt bytes fail before the model loads
-    model, tokenizer, path = load_model(args.model)
+    model, tokenizer, path = load_model(args.model, lazy=session is not None)
+    if session is not None:
+        model = session.shard(model, args.shard)
     search_extra = []
     if hasattr(model, "encode"):  # T5: the encoder reads the prompt, the decoder starts fresh
         from speculative.t5 import T5Decoder
@@ -211,11 +223,13 @@ def run(args):
     """Generate and print as ``args`` say; returns the ``GenerationResult``."""
     import mlx.core as mx
 
+    import distributed
     from decoder import generate
 
     validate(args)
+    session = distributed.start(args.dist_timeout)  # None unless launched by mlx.launch
     mx.random.seed(args.seed)
-    model, tokenizer, prompt, kwargs = build_run(args)
+    model, tokenizer, prompt, kwargs = build_run(args, session)
     use_color = args.color == "always" or (args.color == "auto" and sys.stdout.isatty())
 
     def show(response):
@@ -223,7 +237,8 @@ def run(args):
         print(f"{color}{response.text}{RESET if color else ''}", end="", flush=True)
 
     with writing_output():
-        result = generate(model, tokenizer, prompt, on_token=None if args.json else show, **kwargs)
+        with distributed.reporting_faults():
+            result = generate(model, tokenizer, prompt, on_token=None if args.json else show, **kwargs)
         if args.json:
             print(json.dumps(result.to_json()))
         else:
@@ -238,10 +253,11 @@ def main():
     fast_blas.load()  # before anything imports mlx.core (Linux: MLX's own BLAS is ~20x slower)
     from convert import ConversionError
     from decoder import ConstraintError
+    from distributed import DistributedError
     from loading import ModelError
     from speculative import VocabularyMismatch
 
-    errors = (CliError, ModelError, ConversionError, VocabularyMismatch, ConstraintError)
+    errors = (CliError, ModelError, ConversionError, VocabularyMismatch, ConstraintError, DistributedError)
     try:
         from constrained import RegexError
 

@@ -45,7 +45,9 @@ def check_same_vocabulary(draft_tokenizer, target_tokenizer, draft_size: int, ta
 def parameter_count(model) -> int:
     from mlx.utils import tree_flatten
 
-    return sum(value.size for _, value in tree_flatten(model.parameters()))
+    # A sharded target (distributed/) holds part of the weights; it reports the whole model's count.
+    whole = getattr(model, "num_parameters", None)
+    return whole or sum(value.size for _, value in tree_flatten(model.parameters()))
 
 
 def output_size(model, tokenizer) -> int:

@@ -1,0 +1,114 @@
+"""Run the target sharded over several processes or Macs with ``mx.distributed``.
+
+    mlx.launch -n 3 main.py --prompt-lookup             # 3 local ranks (ring backend)
+    mlx.launch --hostfile hosts.json main.py --model mlx-community/...
+
+Every rank runs the same decoding loop with the same draft sources and seed;
+the target's logits are broadcast from one rank, so every accept decision (and
+every random draw) is the same everywhere without extra messages. Only rank 0
+prints. See README.md in this folder.
+"""
+
+import os
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Optional
+
+import mlx.core as mx
+
+from .sharding import MODES, ShardedModel, shard_model
+from .watchdog import Watchdog
+
+DEFAULT_TIMEOUT = 120.0  # seconds a rank waits on its peers (connect, each forward pass)
+
+# Set by mlx.launch (ring, jaccl) or mpirun; without them this is a single process.
+RANK_VARIABLES = ("MLX_RANK", "OMPI_COMM_WORLD_RANK")
+
+
+class DistributedError(Exception):
+    """A peer that died, did not connect or cannot hold its shard (shown as one line)."""
+
+
+def launched_rank() -> Optional[int]:
+    """This process's rank as the launcher set it, or None when not launched."""
+    for name in RANK_VARIABLES:
+        if name in os.environ:
+            return int(os.environ[name])
+    return None
+
+
+def quiet_native_stderr():
+    """Send C++-level stderr to /dev/null; Python's ``sys.stderr`` keeps the terminal.
+
+    When a peer dies, MLX's ring threads print a line per failed socket operation
+    (about ten per rank); the rank's own one-line error says it better.
+    ``MLX_RING_VERBOSE=1`` keeps them.
+    """
+    if os.environ.get("MLX_RING_VERBOSE"):
+        return
+    sys.stderr.flush()
+    terminal = os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    os.close(devnull)
+    sys.stderr = os.fdopen(terminal, "w", buffering=1)
+
+
+class Session:
+    """This rank's view of the run: the group, the watchdog and sharding."""
+
+    def __init__(self, group, watchdog: Watchdog):
+        self.group, self.watchdog = group, watchdog
+        self.rank, self.size = group.rank(), group.size()
+
+    def shard(self, model, mode: str = "auto") -> ShardedModel:
+        """Shard a lazily loaded mlx-lm model; the watchdog restarts at its first forward pass."""
+        if hasattr(model, "encode"):
+            raise DistributedError("a T5 target cannot be sharded; run it in one process")
+        try:
+            return shard_model(model, self.group, mode, heartbeat=self.watchdog.beat)
+        except ValueError as error:
+            raise DistributedError(str(error)) from None
+
+
+def start(timeout: float = DEFAULT_TIMEOUT) -> Optional[Session]:
+    """Join the launched group (``None`` when this is the only process).
+
+    Connecting is bounded by ``timeout``: ring's rank 0 would otherwise wait for
+    a missing peer forever. Ranks other than 0 print nothing to stdout, and no
+    rank reads stdin (give the prompt with --prompt or --prompt-file).
+    """
+    rank = launched_rank()
+    hostfile = os.environ.get("MLX_HOSTFILE")
+    if rank is None or (hostfile and not Path(hostfile).read_text().strip()):  # mlx.launch -n 1
+        return None
+    quiet_native_stderr()
+    watchdog = Watchdog(timeout, rank)
+    try:
+        group = mx.distributed.init(strict=True)
+    except RuntimeError as error:
+        raise DistributedError(f"rank {rank}: could not join the group: {error}") from None
+    if group.size() == 1:
+        watchdog.stop()
+        return None
+    watchdog.pause()  # loading weights is local work; the clock restarts at the first forward pass
+    if group.rank() != 0:
+        sys.stdout = open(os.devnull, "w")
+    # mlx.launch forwards its stdin but never closes the ranks' end: reading it would wait forever.
+    sys.stdin = open(os.devnull)
+    return Session(group, watchdog)
+
+
+@contextmanager
+def reporting_faults():
+    """Turn the backend's errors about peers (``[ring] ...``) into one-line DistributedErrors."""
+    try:
+        yield
+    except RuntimeError as error:
+        message = str(error)
+        if not message.startswith(("[ring]", "[jaccl]", "[mpi]")):
+            raise
+        if "lost" in message or "closed" in message:
+            message = f"lost the connection to a peer; another rank died or the network dropped ({message})"
+        raise DistributedError(f"rank {launched_rank()}: {message}") from None

@@ -1,0 +1,220 @@
+"""Shard an mlx-lm target over the ranks of an ``mx.distributed`` group.
+
+Two ways, both returning an object that still looks like an mlx-lm model to
+the decoder (``model(inputs, cache=cache) -> logits``, ``layers``,
+``make_cache``, trimmable ``KVCache``s):
+
+- tensor parallelism: mlx-lm's own ``model.shard(group)``; every rank holds 1/N
+  of every layer and the layers all-reduce their partial products (two
+  all-reduces per layer). Needs heads and MLP width divisible by N.
+- pipeline parallelism: rank r holds a contiguous range of layers and passes
+  the hidden state to rank r + 1 (one send per stage). Any layer count, any N;
+  it computes exactly what one process computes.
+
+Either way the logits leave one rank and are broadcast to all (see
+``broadcast``), so every rank's accept decisions see bit-identical numbers.
+"""
+
+from contextlib import contextmanager
+from typing import Callable, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+from mlx_lm.models.base import create_attention_mask
+
+MODES = ("auto", "tensor", "pipeline")
+
+
+def broadcast(x: mx.array, root: int, group) -> mx.array:
+    """``x`` from rank ``root`` on every rank, bit for bit.
+
+    An all-sum where every other rank adds zeros: x + 0 == x exactly, so no
+    rounding can creep in, whatever order the backend adds in.
+    """
+    if group.rank() != root:
+        # Still evaluate x's graph: it holds this rank's sends and its share of the model's all-reduces.
+        x = mx.depends(mx.zeros_like(x), x)
+    return mx.distributed.all_sum(x, group=group)
+
+
+def tensor_shardable(model, size: int) -> bool:
+    """mlx-lm can split this model's heads and MLP evenly over ``size`` ranks."""
+    args = getattr(model, "args", None)
+    if not hasattr(model, "shard") or args is None:
+        return False
+    widths = [getattr(args, name, None) for name in ("num_attention_heads", "num_key_value_heads",
+                                                    "intermediate_size")]
+    return all(isinstance(width, int) and width % size == 0 for width in widths)
+
+
+def pipeline_shardable(model) -> bool:
+    """A Llama-style layout: ``model.model`` with ``embed_tokens``, ``layers`` and ``norm``."""
+    inner = getattr(model, "model", None)
+    return all(hasattr(inner, name) for name in ("embed_tokens", "layers", "norm"))
+
+
+def choose_mode(model, size: int, mode: str = "auto") -> str:
+    """``tensor`` where mlx-lm can shard the model evenly, else ``pipeline``.
+
+    Raises ValueError (shown to the user) when the requested mode cannot work.
+    """
+    tensor_ok, pipeline_ok = tensor_shardable(model, size), pipeline_shardable(model)
+    if mode == "auto":
+        mode = "tensor" if tensor_ok else "pipeline"
+    if mode == "tensor" and not tensor_ok:
+        args = getattr(model, "args", None)
+        heads = (getattr(args, "num_attention_heads", "?"), getattr(args, "num_key_value_heads", "?"))
+        raise ValueError(f"tensor sharding over {size} ranks needs a model with shard() whose "
+                         f"{heads[0]} query and {heads[1]} key/value heads divide by {size}; "
+                         "use --shard pipeline")
+    if mode == "pipeline" and not pipeline_ok:
+        raise ValueError(f"{type(model).__module__} has no Llama-style layer list to pipeline")
+    if mode == "pipeline" and size > len(model.model.layers):
+        raise ValueError(f"{size} ranks but only {len(model.model.layers)} layers to pipeline")
+    return mode
+
+
+def layer_range(num_layers: int, rank: int, size: int) -> tuple:
+    """Rank ``rank``'s contiguous ``[start, end)`` layers; the first ranks take the remainder."""
+    base, extra = divmod(num_layers, size)
+    start = rank * base + min(rank, extra)
+    return start, start + base + (rank < extra)
+
+
+class ShardedModel(nn.Module):
+    """What the decoder sees: an mlx-lm model whose logits are the same on every rank.
+
+    Args:
+        model: the mlx-lm model, already sharded.
+        group: the ``mx.distributed`` group.
+        heartbeat: called at each forward pass (the previous pass has finished by then).
+    """
+
+    def __init__(self, model, group, heartbeat: Optional[Callable] = None):
+        super().__init__()
+        # The whole model's size, the same on every rank (a draft's cost model divides by it).
+        self.num_parameters = sum(value.size for _, value in tree_flatten(model.parameters()))
+        self.model = model
+        self.group = group
+        self.heartbeat = heartbeat
+
+    @property
+    def args(self):
+        return self.model.args
+
+    @property
+    def layers(self):
+        return self.model.layers
+
+    def make_cache(self):
+        if hasattr(self.model, "make_cache"):
+            return self.model.make_cache()
+        from mlx_lm.models.cache import KVCache
+
+        return [KVCache() for _ in self.layers]
+
+
+class TensorParallel(ShardedModel):
+    """mlx-lm's ``shard()``; rank 0's logits go to everyone.
+
+    Ring all-reduces give every rank the same sums (checked on this machine),
+    but one broadcast makes agreement hold by construction, on any backend.
+    """
+
+    def __init__(self, model, group, heartbeat=None):
+        super().__init__(model, group, heartbeat)
+        model.shard(group)
+
+    def __call__(self, inputs: mx.array, cache=None) -> mx.array:
+        if self.heartbeat:
+            self.heartbeat()
+        return broadcast(self.model(inputs, cache=cache), 0, self.group)
+
+
+class Pipeline(ShardedModel):
+    """Contiguous layer ranges per rank; the hidden state walks rank 0 -> 1 -> ... -> N-1.
+
+    Every rank embeds the inputs (cheap, and it gives ``recv_like`` its shape);
+    the last rank applies the norm and the head and broadcasts the logits.
+    Other ranks drop the layers they do not run, so with lazy loading their
+    weights are never read.
+    """
+
+    def __init__(self, model, group, heartbeat=None):
+        super().__init__(model, group, heartbeat)
+        self.rank, self.size = group.rank(), group.size()
+        inner = model.model
+        self.start, self.end = layer_range(len(inner.layers), self.rank, self.size)
+        inner.layers = inner.layers[self.start:self.end]
+
+    @property
+    def layers(self):
+        return self.model.model.layers
+
+    def _head(self, h):
+        model = self.model
+        h = model.model.norm(h)
+        if getattr(model.args, "tie_word_embeddings", False):
+            return model.model.embed_tokens.as_linear(h)
+        return model.lm_head(h)
+
+    def __call__(self, inputs: mx.array, cache=None) -> mx.array:
+        if self.heartbeat:
+            self.heartbeat()
+        inner, group = self.model.model, self.group
+        cache = cache if cache is not None else [None] * len(self.layers)
+        h = inner.embed_tokens(inputs)
+        # The full-attention mask comes from a full-attention layer's cache (as in mlx-lm's llama).
+        full_cache = next((c for layer, c in zip(self.layers, cache) if not getattr(layer, "use_sliding", False)),
+                          cache[0])
+        full_mask = create_attention_mask(h, full_cache)
+        window = getattr(inner, "sliding_window", None)
+        if self.rank > 0:
+            h = mx.distributed.recv_like(h, self.rank - 1, group=group)
+        for layer, layer_cache in zip(self.layers, cache):
+            mask = full_mask
+            if getattr(layer, "use_sliding", False):
+                mask = create_attention_mask(h, layer_cache, window_size=window)
+            h = layer(h, mask, cache=layer_cache)
+
+        if self.rank == self.size - 1:
+            logits = self._head(h)
+        else:
+            h = mx.distributed.send(h, self.rank + 1, group=group)
+            # Prefill evaluates only the caches: make them wait for the send, or the next rank hangs.
+            if cache[-1] is not None:
+                cache[-1].keys = mx.depends(cache[-1].keys, h)
+            # The head's output is built lazily only for its shape and dtype; it is never evaluated.
+            template = self._head(h)
+            logits = mx.depends(mx.zeros(template.shape, template.dtype), h)
+        return broadcast(logits, self.size - 1, group)
+
+
+@contextmanager
+def same_random_state():
+    """Put the global PRNG key back afterwards.
+
+    ``shard_linear`` initialises its new layers from the global key; without this,
+    sampling after sharding would draw other numbers than one process with the same seed.
+    """
+    high, low = mx.random.state[0].tolist()
+    yield
+    mx.random.seed((high << 32) | low)  # seed(s) sets the key to (s >> 32, s & 0xffffffff)
+
+
+def shard_model(model, group, mode: str = "auto", heartbeat: Optional[Callable] = None) -> ShardedModel:
+    """Shard a (lazily loaded) mlx-lm ``model`` over ``group`` and load this rank's weights.
+
+    Args:
+        model: an mlx-lm model; load it with ``lazy=True`` so each rank reads only its shard.
+        group: from ``mx.distributed.init()``.
+        mode: ``auto`` (tensor where the shapes allow, else pipeline), ``tensor`` or ``pipeline``.
+        heartbeat: called at each forward pass (for a watchdog).
+    """
+    mode = choose_mode(model, group.size(), mode)
+    with same_random_state():
+        sharded = (TensorParallel if mode == "tensor" else Pipeline)(model, group, heartbeat)
+    sharded.mode = mode
+    mx.eval(sharded.parameters())
+    return sharded

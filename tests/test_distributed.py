@@ -1,0 +1,151 @@
+"""A target sharded over 2 and 3 local ranks (mlx.launch, ring backend) decodes what one process does.
+
+Each launch loads the embedded model on every rank (lazily, once per case), so
+the cases are few and short: this machine has 2 cores, and 3 ranks on them wait
+on each other's scheduling at every collective.
+"""
+
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import mlx.core as mx
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKER = ROOT / "tests" / "distributed_worker.py"
+LAUNCH = shutil.which("mlx.launch", path=str(Path(sys.executable).parent)) or shutil.which("mlx.launch")
+
+pytestmark = [
+    pytest.mark.skipif(LAUNCH is None, reason="mlx.launch is not installed"),
+    pytest.mark.skipif(not mx.distributed.is_available(backend="ring"), reason="MLX has no ring backend"),
+]
+
+GREEDY = ["--prompt", "Name three colours.", "--max-tokens", "8"]
+SAMPLED = ["--prompt", "Write a haiku about rain.", "--max-tokens", "8", "--temp", "0.9", "--seed", "7"]
+LOOKUP = ["--prompt", "Repeat this line twice: the quick brown fox jumps over the lazy dog.",
+          "--prompt-lookup", "--max-tokens", "16"]
+REGEX = ["--prompt", "When did the Berlin wall fall?", "--regex", r"[0-9]{4}-[0-9]{2}-[0-9]{2}", "--max-tokens", "12"]
+
+
+def free_port(count: int) -> int:
+    """A base port with ``count`` free ports after it (ring uses one per rank)."""
+    import socket
+
+    for _ in range(50):
+        base = random.randint(20000, 60000)
+        try:
+            for port in range(base, base + count):
+                with socket.socket() as probe:
+                    probe.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+    raise RuntimeError("no free ports")
+
+
+def launch(ranks: int, *command, timeout=300):
+    # stdin stays an open pipe: mlx.launch busy-polls a closed one.
+    return subprocess.run([LAUNCH, "-n", str(ranks), "--backend", "ring", "-p", str(free_port(ranks)), "--",
+                           sys.executable, *command], stdin=subprocess.PIPE, capture_output=True, text=True,
+                          cwd=ROOT, env=os.environ.copy(), timeout=timeout)
+
+
+def single_process(cases):
+    sys.path.insert(0, str(ROOT / "tests"))
+    from distributed_worker import run_cases
+
+    return list(run_cases(cases))
+
+
+def sharded(ranks, cases):
+    result = launch(ranks, str(WORKER), json.dumps(cases))
+    assert result.returncode == 0 and "error" not in result.stderr, result.stderr
+    records = [json.loads(line) for line in result.stdout.splitlines()]
+    assert len(records) == len(cases), result.stdout  # rank 0 prints, the others do not
+    return records
+
+
+@pytest.mark.parametrize("ranks, mode, cases", [
+    (3, "tensor", [GREEDY, LOOKUP]),  # 60 all-reduces per pass: the slow one on 2 cores
+    (2, "pipeline", [SAMPLED, REGEX]),
+])
+def test_sharded_tokens_equal_one_process(embedded, ranks, mode, cases):
+    expected = single_process(cases)
+    got = sharded(ranks, cases)
+    for want, have in zip(expected, got):
+        assert have["mode"] == mode
+        assert have["tokens"] == want["tokens"], have["argv"]
+        assert have["passes"] == want["passes"], have["argv"]  # same drafts accepted, step for step
+
+
+def test_pipeline_logits_are_bit_identical_on_a_tiny_model():
+    """Prefill and a decode pass over 3 stages (one of them both receives and sends)."""
+    result = launch(3, str(WORKER), "--tiny", "pipeline")
+    assert result.returncode == 0, result.stderr
+    records = [json.loads(line) for line in result.stdout.splitlines()]
+    assert len(records) == 3 and all(r["equal"] for r in records), records
+
+
+def test_cli_under_mlx_launch(embedded):
+    """main.py itself: one JSON object on stdout (rank 0 only), forced pipeline over 3 ranks."""
+    args = [*LOOKUP, "--json", "--shard", "pipeline"]
+    expected = single_process([LOOKUP])[0]
+    result = launch(3, "main.py", *args)
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert data["tokens"] == expected["tokens"] and data["draft_accepted"] > 0
+
+
+def run_rank(rank, hostfile, *command):
+    env = dict(os.environ, MLX_HOSTFILE=str(hostfile), MLX_RANK=str(rank))
+    return subprocess.Popen([sys.executable, *command], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+
+
+@pytest.fixture
+def hostfile(tmp_path):
+    base = free_port(2)
+    path = tmp_path / "hosts.json"
+    path.write_text(json.dumps([[f"127.0.0.1:{base}"], [f"127.0.0.1:{base + 1}"]]))
+    return path
+
+
+# A stand-in rank 1: says it has imported MLX, joins the group, then lives this long.
+PEER = ("import sys, time, mlx.core as mx; print('ready', flush=True); "
+        "mx.distributed.init(strict=True); time.sleep(float(sys.argv[1]))")
+
+
+STUCK = "no progress for 10 s"
+LOST = "lost the connection to a peer"
+
+
+@pytest.mark.parametrize("peer_lifetime, fragments", [
+    (None, [STUCK]),  # the peer never starts (joining alone takes ~4 s)
+    # It joins, then dies: an all-reduce notices at once, a failed send leaves the next one waiting.
+    (0, [LOST, STUCK]),
+    (600, [STUCK]),  # it joins, then stops answering
+])
+def test_missing_dead_or_stuck_peer_ends_with_one_line(embedded, hostfile, peer_lifetime, fragments):
+    peer = None
+    if peer_lifetime is not None:  # started first so that joining takes rank 0 well under the timeout
+        peer = run_rank(1, hostfile, "-c", PEER, str(peer_lifetime))
+        assert peer.stdout.readline() == "ready\n"
+    tic = time.perf_counter()
+    rank0 = run_rank(0, hostfile, "main.py", *GREEDY, "--dist-timeout", "10")
+    try:
+        _, stderr = rank0.communicate(timeout=120)
+    finally:
+        rank0.kill()
+        if peer is not None:
+            peer.kill()
+            peer.wait()
+    assert rank0.returncode != 0
+    assert stderr.count("\n") == 1 and stderr.startswith("error: rank 0: ") and any(f in stderr for f in fragments), stderr
+    assert time.perf_counter() - tic < 100
