@@ -149,3 +149,10 @@ def test_missing_dead_or_stuck_peer_ends_with_one_line(embedded, hostfile, peer_
     assert rank0.returncode != 0
     assert stderr.count("\n") == 1 and stderr.startswith("error: rank 0: ") and any(f in stderr for f in fragments), stderr
     assert time.perf_counter() - tic < 100
+
+
+def test_draft_head_on_a_sharded_target_is_refused_in_one_line(embedded):
+    """The head reads the target's hidden states, which a sharded target does not hand out yet."""
+    result = launch(2, "main.py", *GREEDY, "--draft-head")
+    assert "--draft-head does not work on a sharded target" in result.stderr
+    assert "Traceback" not in result.stderr and result.stdout == ""
