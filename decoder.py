@@ -262,14 +262,14 @@ def generate_step(
         logits = model(mx.array([tokens[-1]] + draft.tokens)[None], cache=cache)[0]
         stats.target_forward_passes += 1
         if constraint is not None:
+            allowed = constraint.masks(states)
             # A NaN score is no score: it must not win an argmax or poison a softmax.
-            logits = mx.where(constraint.masks(states) & ~mx.isnan(logits), logits, -mx.inf)
+            logits = mx.where(allowed & ~mx.isnan(logits), logits, -mx.inf)
         num_accepted, next_token = accept_draft(logits, draft, temp, top_p)
         if constraint is not None:
-            # Draft tokens were walked already. The target's own token is forbidden only when no
+            # Draft tokens were checked by the walk. The target's own token is forbidden only when no
             # allowed token had a usable score (the argmax or sample of an all -inf row).
-            walked = constraint.walk(draft.tokens[:num_accepted] + [next_token])
-            if len(walked) < num_accepted + 2:
+            if not allowed[num_accepted, next_token].item():  # the masks were evaluated with the logits
                 raise ConstraintError(f"the model gave no allowed token a usable score (NaN or -inf) "
                                       f"at generated token {num_generated + num_accepted + 1}")
         trim_prompt_cache(cache, len(draft.tokens) - num_accepted)
