@@ -12,6 +12,7 @@ lets a token that ends inside a multi-byte character still be checked; `token_in
 per-token masks on top of this.
 """
 
+import functools
 from collections import deque
 from dataclasses import dataclass
 
@@ -289,6 +290,9 @@ def _minimize(transitions, accepting, start):
     return minimal, accepting[representatives], int(new_id[block_ids[start]])
 
 
+# main.py compiles the regex to check it before the model loads, then the index needs the same DFA:
+# a large JSON Schema takes seconds, so keep the last few (DFAs are never modified after compiling).
+@functools.lru_cache(maxsize=4)
 def compile_regex(pattern: str, max_states: int = DEFAULT_MAX_STATES) -> DFA:
     """Compile `pattern` (Python `re` syntax, `re.ASCII`, fullmatch semantics) to a minimal byte DFA.
 
