@@ -1,11 +1,62 @@
-"""A varied instruction set for self-distillation, generated from topics x tasks x styles.
+"""Instructions for self-distillation: written by the target itself, or from templates.
 
-The draft head learns the target's own answers to these, so they only need to be
-varied, not good. None of them comes from ``benchmarks/prompts/`` (the held-out
-benchmark prompts are checked against ``all_instructions`` in the tests).
+The draft head learns the target's own answers to these, so they only need to be varied, not
+good. ``self_instructions`` (the default) asks the target to write what a user would say; the
+topics x tasks x styles templates are kept for comparison. None comes from ``benchmarks/``
+(checked in the tests).
 """
 
 import random
+
+import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.sample_utils import make_sampler
+from tqdm import tqdm
+
+
+def self_instructions(model, tokenizer, count: int, seed: int = 0, batch_size: int = 64, max_tokens: int = 64,
+                      temp: float = 1.0, min_p: float = 0.02) -> list:
+    """``count`` distinct instructions sampled from the target (Magpie, arXiv 2406.08464).
+
+    The target reads its chat template up to the start of a user turn and writes the turn; a
+    chat model has seen many, so the turns cover what its users ask far more broadly than
+    templates do. Turns that do not end within ``max_tokens`` are dropped. About 3 per second
+    on 2 CPU cores (float32).
+    """
+    marker = "\x00"
+    text = tokenizer.apply_chat_template([{"role": "user", "content": marker}], tokenize=False)
+    prefix = tokenizer.encode(text[: text.index(marker)], add_special_tokens=False)
+    eos = set(tokenizer.eos_token_ids)
+    eos_array = mx.array(sorted(eos))
+    sampler = make_sampler(temp=temp, min_p=min_p)  # min-p: as clean as top-p, without its sort of 49k scores
+    mx.random.seed(seed)
+    seen, out, empty_rounds = set(), [], 0
+    bar = tqdm(total=count, desc="instructions", unit="instr")
+    while len(out) < count:
+        if empty_rounds == 3:
+            raise ValueError(f"the model wrote no complete user turn in {3 * batch_size} tries; is it a chat model?")
+        cache = make_prompt_cache(model)
+        logits = model(mx.array([prefix] * batch_size), cache=cache)[:, -1]
+        rows, ended = [], mx.zeros(batch_size, dtype=mx.bool_)
+        for _ in range(max_tokens):
+            token = sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+            rows.append(token)
+            ended = ended | (token[:, None] == eos_array).any(axis=-1)
+            if ended.all().item():  # one small sync per step: stop once every turn has ended
+                break
+            logits = model(token[:, None], cache=cache)[:, -1]
+        before = len(out)
+        for row in mx.stack(rows, axis=1).tolist():
+            end = next((i for i, t in enumerate(row) if t in eos), None)
+            instruction = tokenizer.decode(row[:end]).strip() if end is not None else ""
+            if len(instruction.split()) >= 3 and instruction not in seen and len(out) < count:
+                seen.add(instruction)
+                out.append(instruction)
+                bar.update(1)
+        empty_rounds = empty_rounds + 1 if len(out) == before else 0
+    bar.close()
+    return out
+
 
 TOPICS = [
     "volcanoes", "the water cycle", "black holes", "honeybees", "the Roman Empire", "photosynthesis",

@@ -12,6 +12,7 @@ Stages (batches of answers are cached in --work-dir, so a rerun resumes where it
 """
 
 import argparse
+import hashlib
 import json
 import math
 import time
@@ -36,12 +37,16 @@ def answer_with_features(model, prompts: list, max_tokens: int, eos_ids) -> list
     cache = make_prompt_cache(model)
     hidden = model.model(mx.array(prompts), cache=cache)
     states, answers = [hidden.astype(mx.float16)], []
+    eos_array, ended = mx.array(sorted(eos_ids)), mx.zeros(len(prompts), dtype=mx.bool_)
     for _ in range(max_tokens):
         token = mx.argmax(logits_from_hidden(model, hidden[:, -1]), axis=-1)
         answers.append(token)
         hidden = model.model(token[:, None], cache=cache)
         states.append(hidden.astype(mx.float16))
-        mx.eval(token, states[-1])
+        ended = ended | (token[:, None] == eos_array).any(axis=-1)
+        mx.eval(token, states[-1], ended)
+        if ended.all().item():  # every answer has ended: more steps would be thrown away
+            break
     answers = mx.stack(answers, axis=1).tolist()
     states = np.array(mx.concatenate(states, axis=1))
     out = []
@@ -56,7 +61,7 @@ def answer_with_features(model, prompts: list, max_tokens: int, eos_ids) -> list
 def generate_dataset(model, prompts: list, work: Path, max_tokens: int, batch_size: int, eos_ids,
                      minutes: float) -> tuple:
     """Answer ``prompts`` in batches of equal prompt length, each saved to ``work`` as it is done
-    (a rerun resumes); stops starting batches after ``minutes``. Returns (sequences, features, offsets)."""
+    (a rerun resumes); starts no new batch after ``minutes``. Returns (sequences, features, offsets)."""
     by_length = {}
     for prompt in prompts:
         by_length.setdefault(len(prompt), []).append(prompt)
@@ -64,11 +69,12 @@ def generate_dataset(model, prompts: list, work: Path, max_tokens: int, batch_si
     batches.sort(key=len, reverse=True)  # full batches first: most answers per second within ``minutes``
     tic = time.perf_counter()
     sequences, features = [], []
-    for index, batch in enumerate(tqdm(batches, desc="generate", unit="batch")):
-        path = work / f"batch-{index:04d}-{max_tokens}.npz"
+    for batch in tqdm(batches, desc="generate", unit="batch"):
+        key = hashlib.sha256(json.dumps([batch, max_tokens]).encode()).hexdigest()[:16]
+        path = work / f"batch-{key}.npz"  # named by its content: a changed prompt list never reads a stale batch
         if not path.exists():
             if time.perf_counter() - tic > 60 * minutes:
-                break
+                continue  # out of time, but batches cached by an earlier run are still used
             answered = answer_with_features(model, batch, max_tokens, eos_ids)
             np.savez(path.with_suffix(".tmp.npz"), sequences=json.dumps([s for s, _ in answered]),
                      features=np.concatenate([f for _, f in answered]))
@@ -78,6 +84,22 @@ def generate_dataset(model, prompts: list, work: Path, max_tokens: int, batch_si
         features.append(saved["features"])
     offsets = np.cumsum([0] + [len(s["tokens"]) for s in sequences])
     return sequences, np.concatenate(features), offsets
+
+
+def cached_instructions(path: Path, source: str, target, tokenizer, count: int, seed: int) -> list:
+    """The instructions of one source, written to ``path`` once (atomically) so a rerun answers the
+    same ones and reuses the cached batches of answers."""
+    from speculative.instructions import sample_instructions, self_instructions
+
+    if path.exists():
+        return json.loads(path.read_text())
+    if source == "self":
+        texts = self_instructions(target, tokenizer, count, seed)
+    else:
+        texts = sample_instructions(count, seed)
+    path.with_suffix(".tmp").write_text(json.dumps(texts, indent=0))
+    path.with_suffix(".tmp").replace(path)
+    return texts
 
 
 def sub_vocabulary(sequences: list, size: int, eos_ids, vocab_size: int) -> np.ndarray:
@@ -227,7 +249,10 @@ def main():
     parser.add_argument("--model", default=None, help="Target model (default: the embedded SmolLM2-135M-Instruct).")
     parser.add_argument("--out", default="speculative/heads/smollm2-135m", help="Head directory to write.")
     parser.add_argument("--work-dir", default=None, help="Cache of the generated data (default: ~/.cache/mlx-decoding/draft-head-data).")
-    parser.add_argument("--num-instructions", type=int, default=1000, help="Instructions to answer (default: 1000).")
+    parser.add_argument("--instructions", nargs="+", choices=["self", "templates"], default=["self"],
+                        help="Where instructions come from: written by the target itself, or topic templates; "
+                             "several are answered one after the other (default: self).")
+    parser.add_argument("--num-instructions", type=int, default=2400, help="Instructions per source (default: 2400).")
     parser.add_argument("--max-tokens", type=int, default=128, help="Longest answer (default: 128).")
     parser.add_argument("--batch-size", type=int, default=48, help="Answers generated at once (default: 48).")
     parser.add_argument("--generate-minutes", type=float, default=25.0,
@@ -245,16 +270,24 @@ def main():
     args = parser.parse_args()
 
     from loading import cache_dir, load_model
-    from speculative.instructions import sample_instructions
-
     target, tokenizer, _ = load_model(args.model)
     work = Path(args.work_dir) if args.work_dir else cache_dir() / "draft-head-data"
-    (work / f"seed{args.seed}").mkdir(parents=True, exist_ok=True)
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
-               for text in sample_instructions(args.num_instructions, args.seed)]
     eos_ids = set(tokenizer.eos_token_ids)
-    sequences, features, offsets = generate_dataset(target, prompts, work / f"seed{args.seed}", args.max_tokens,
-                                                    args.batch_size, eos_ids, args.generate_minutes)
+    sequences, features, tic = [], [], time.perf_counter()
+    for source in args.instructions:
+        source_dir = work / f"{source}-seed{args.seed}"
+        source_dir.mkdir(parents=True, exist_ok=True)
+        texts = cached_instructions(source_dir / f"instructions-{args.num_instructions}.json", source, target,
+                                    tokenizer, args.num_instructions, args.seed)
+        prompts = [tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+                   for text in texts]
+        minutes_left = args.generate_minutes - (time.perf_counter() - tic) / 60
+        answered, answered_features, _ = generate_dataset(target, prompts, source_dir, args.max_tokens,
+                                                          args.batch_size, eos_ids, minutes_left)
+        sequences += answered
+        features.append(answered_features)
+    features = np.concatenate(features)
+    offsets = np.cumsum([0] + [len(s["tokens"]) for s in sequences])
     print(f"{len(sequences)} answers, {features.shape[0]} positions")
     vocab_ids = sub_vocabulary(sequences, args.sub_vocab, eos_ids, target.args.vocab_size)
     init = None

@@ -170,3 +170,22 @@ def test_the_benchmark_prompts_are_held_out_from_training():
     assert heldout and benchmark and not generated & set(heldout + benchmark)
     # The held-out chat prompts do not even mention a training topic.
     assert not [topic for topic in TOPICS for line in heldout if topic.lower() in line.lower()]
+
+
+def test_the_target_writes_its_own_instructions(embedded):
+    from speculative.instructions import self_instructions
+
+    model, tokenizer, _ = embedded
+    first = self_instructions(model, tokenizer, 3, seed=1, batch_size=8)
+    assert first == self_instructions(model, tokenizer, 3, seed=1, batch_size=8)  # seeded
+    assert len(set(first)) == 3 and all(len(text.split()) >= 3 and "<|im" not in text for text in first), first
+
+
+def test_a_model_that_never_ends_a_user_turn_is_refused(embedded):
+    from speculative.instructions import self_instructions
+
+    _, tokenizer, _ = embedded
+    babbler = tiny_llama(vocab_size=tokenizer.vocab_size, num_layers=1, seed=0)  # random: never writes <|im_end|>
+    with pytest.raises(ValueError, match="no complete user turn"):
+        self_instructions(babbler, tokenizer, 1, batch_size=4, max_tokens=4)
+

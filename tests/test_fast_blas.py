@@ -65,6 +65,24 @@ def test_matmul_binds_to_the_loaded_blas(mode, tmp_path):
         assert "site-packages" in bound and "mlx_cpu.libs" not in bound
 
 
+@pytest.mark.parametrize("module", ["speculative.train_head", "benchmarks.run", "convert"])
+def test_entry_points_load_it_before_mlx(module, tmp_path):
+    # `python -m speculative.train_head` imports the package first: it must not import mlx.core
+    # before fast_blas.load() (it did once, and data generation ran ~20x slower).
+    if not fast_blas.candidates():
+        pytest.skip("no fast BLAS here")
+    code = """
+import importlib, json, sys
+importlib.import_module(sys.argv[1])
+import fast_blas
+import mlx.core as mx
+mx.eval(mx.ones((64, 64)) @ mx.ones((64, 64)))
+print(json.dumps({"mapped": fast_blas.loaded()}))
+"""
+    report, bound = run_child(module, tmp_path, code)
+    assert "mlx_cpu.libs/libblas" not in bound and bound == os.path.realpath(report["mapped"])
+
+
 def test_wheel_finds_libgfortran_without_the_system_package(tmp_path):
     # A fresh Debian has no libgfortran.so.5: the symlink directory must supply MLX's copy,
     # which the loader then maps instead of the system one (RPATH $ORIGIN is searched first).
