@@ -46,13 +46,14 @@ class DraftHead(nn.Module):
         self.layer = llama.TransformerBlock(args)
         self.norm = nn.RMSNorm(size, eps=args.rms_norm_eps)
 
-    def __call__(self, features: mx.array, next_embeddings: mx.array, cache=None) -> mx.array:
+    def __call__(self, features: mx.array, next_embeddings: mx.array, cache=None, mask=None) -> mx.array:
         """(B, L, d) target features h_t and embeddings of x_{t+1} -> predicted h_{t+1}.
 
-        ``cache`` is the list from ``make_cache`` (one layer), as for mlx-lm models."""
+        ``cache`` is the list from ``make_cache`` (one layer), as for mlx-lm models; ``mask``
+        overrides the causal mask (training unrolls drafting with its own, see train_head.py)."""
         cache = cache[0] if cache else None
         x = self.fuse(mx.concatenate([features, next_embeddings], axis=-1))
-        x = self.layer(x, create_attention_mask(x, cache), cache=cache)
+        x = self.layer(x, create_attention_mask(x, cache) if mask is None else mask, cache=cache)
         return self.norm(x)
 
     def make_cache(self) -> list:

@@ -146,19 +146,51 @@ def batch_arrays(sequences, features, offsets, batch, sub_index):
             mx.array(labels))
 
 
+class UnrolledCache:
+    """Keys and values of the unrolled training steps (EAGLE-3's training-time test).
+
+    When the head drafts its s-th token after position t, its cache holds keys computed from
+    the target's true features at positions <= t and one key per earlier draft step. Step s
+    of training reproduces that for every t at once: its query at index t (position
+    t + s - 1) sees step 1's keys at indices <= t and each later step's key at index t only
+    (``unrolled_mask``). ``offset`` is the RoPE position of index 0: set it to s - 1.
+    """
+
+    def __init__(self):
+        self.keys, self.values, self.offset = [], [], 0
+
+    def update_and_fetch(self, keys, values):
+        self.keys.append(keys)
+        self.values.append(values)
+        length = keys.shape[2]  # each step is one shorter: keep the indices every step has
+        return (mx.concatenate([k[:, :, :length] for k in self.keys], axis=2),
+                mx.concatenate([v[:, :, :length] for v in self.values], axis=2))
+
+
+def unrolled_mask(length: int, step: int) -> mx.array:
+    """(length, step * length) boolean mask: causal over step 1's keys, diagonal over the rest."""
+    index = mx.arange(length)
+    causal, diagonal = index[:, None] >= index[None, :], index[:, None] == index[None, :]
+    return mx.concatenate([causal] + [diagonal] * (step - 1), axis=1)
+
+
 def head_losses(head, embed, out_rows, tokens, feats, valid, answer, labels, unroll, noise):
     """Regression and token losses (and token accuracy) averaged over ``unroll`` steps.
 
     Step 1 reads true features h_t with x_{t+1} and predicts h_{t+1}, whose scores predict
-    x_{t+2} (the target's greedy choice inside answers). Step s reads step s-1's predictions.
+    x_{t+2} (the target's greedy choice inside answers). Step s reads step s-1's predictions
+    and attends as drafting would (``UnrolledCache``).
     """
     inputs = feats[:, :-1]
     if noise > 0:
         inputs = inputs + noise * mx.random.normal(inputs.shape)
+    cache = UnrolledCache()
     total_reg = total_ce = total_acc = 0.0
     for step in range(unroll):
         shift = step + 1
-        pred = head(inputs, embed(tokens[:, shift:]))  # predicts h at positions shift..L-1
+        cache.offset = step
+        next_embeddings = embed(tokens[:, shift:])
+        pred = head(inputs, next_embeddings, cache=[cache], mask=unrolled_mask(inputs.shape[1], shift))
         target = feats[:, shift:]
         reg_mask = valid[:, shift:]
         reg = nn.losses.smooth_l1_loss(pred, target, reduction="none").mean(-1)
@@ -175,8 +207,8 @@ def head_losses(head, embed, out_rows, tokens, feats, valid, answer, labels, unr
     return total_reg / unroll, total_ce / unroll, total_acc / unroll
 
 
-def train(target, sequences, features, offsets, vocab_ids, *, steps_limit=None, minutes=25.0, epochs=4,
-          batch_tokens=2048, lr=1e-3, unroll=2, noise=0.05, token_weight=0.1, seed=0, validation=0.05,
+def train(target, sequences, features, offsets, vocab_ids, *, steps_limit=None, minutes=20.0, epochs=4,
+          batch_tokens=2048, lr=1e-3, unroll=3, noise=0.05, token_weight=0.5, seed=0, validation=0.05,
           init=None, log=print):
     """Train a head (fresh, or ``init`` further); returns ``(head, report)``. Stops after ``epochs``,
     ``steps_limit`` or ``minutes``."""
@@ -249,22 +281,24 @@ def main():
     parser.add_argument("--model", default=None, help="Target model (default: the embedded SmolLM2-135M-Instruct).")
     parser.add_argument("--out", default="speculative/heads/smollm2-135m", help="Head directory to write.")
     parser.add_argument("--work-dir", default=None, help="Cache of the generated data (default: ~/.cache/mlx-decoding/draft-head-data).")
-    parser.add_argument("--instructions", nargs="+", choices=["self", "templates"], default=["self"],
+    parser.add_argument("--instructions", nargs="+", choices=["self", "templates"],
+                        default=["self", "templates"],
                         help="Where instructions come from: written by the target itself, or topic templates; "
-                             "several are answered one after the other (default: self).")
-    parser.add_argument("--num-instructions", type=int, default=2400, help="Instructions per source (default: 2400).")
+                             "several are answered one after the other (default: self templates).")
+    parser.add_argument("--num-instructions", type=int, default=1000, help="Instructions per source (default: 1000).")
     parser.add_argument("--max-tokens", type=int, default=128, help="Longest answer (default: 128).")
     parser.add_argument("--batch-size", type=int, default=48, help="Answers generated at once (default: 48).")
-    parser.add_argument("--generate-minutes", type=float, default=25.0,
-                        help="Stop generating after this long and train on what is done (default: 25).")
+    parser.add_argument("--generate-minutes", type=float, default=45.0,
+                        help="Start no new batch after this long (instructions included) and train on what is "
+                             "done (default: 45; ~20 minutes are enough on 2 idle cores).")
     parser.add_argument("--sub-vocab", type=int, default=8192, help="Sub-vocabulary size (default: 8192).")
     parser.add_argument("--epochs", type=int, default=4, help="Passes over the data (default: 4).")
-    parser.add_argument("--minutes", type=float, default=15.0, help="Stop training after this long (default: 15).")
-    parser.add_argument("--unroll", type=int, default=2, help="Training-time unrolled draft steps (default: 2).")
+    parser.add_argument("--minutes", type=float, default=20.0, help="Stop training after this long (default: 20).")
+    parser.add_argument("--unroll", type=int, default=3, help="Training-time unrolled draft steps (default: 3).")
     parser.add_argument("--noise", type=float, default=0.05, help="Gaussian noise on input features (default: 0.05).")
     parser.add_argument("--lr", type=float, default=1e-3, help="Peak learning rate (default: 1e-3).")
-    parser.add_argument("--token-weight", type=float, default=0.1,
-                        help="Weight of the token loss against the feature regression (default: 0.1).")
+    parser.add_argument("--token-weight", type=float, default=0.5,
+                        help="Weight of the token loss against the feature regression (default: 0.5).")
     parser.add_argument("--init", default=None, help="Continue training this head directory (default: a fresh head).")
     parser.add_argument("--seed", type=int, default=0, help="Seed for the instructions and training (default: 0).")
     args = parser.parse_args()

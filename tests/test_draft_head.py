@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from decoder import DecodingStats, generate_step
 from speculative.head import SHIPPED_HEAD, DraftHead, HeadMismatch, head_args, load_head, save_head
 from speculative.head_source import DraftHeadSource, HiddenStateTap
-from speculative.train_head import answer_with_features, sub_vocabulary, train
+from speculative.train_head import UnrolledCache, answer_with_features, sub_vocabulary, train, unrolled_mask
 from tests.helpers import assert_sampling_keeps_the_target_distribution, tiny_llama
 from tests.test_cli import assert_one_line_error, cli
 
@@ -48,6 +48,27 @@ def test_training_lowers_the_loss(trained):
     _, vocab_ids, report = trained
     assert report["last_loss"] < 0.7 * report["first_loss"], report
     assert vocab_ids[0].item() == 0  # the stop token is always in the sub-vocabulary
+
+
+def test_unrolled_training_steps_see_what_drafting_sees():
+    # Step s of training must compute, for every position t at once, what the head computes
+    # when it drafts its s-th token after t with a real KV cache (true features up to t).
+    head, length, steps = random_head(TARGET, seed=3), 12, 3
+    features = mx.random.normal((1, length, TARGET.args.hidden_size))
+    embeddings = TARGET.model.embed_tokens(mx.random.randint(0, VOCAB, (1, length)))
+    cache, inputs, unrolled = UnrolledCache(), features[:, :-1], []
+    for step in range(1, steps + 1):
+        cache.offset = step - 1
+        pred = head(inputs, embeddings[:, step:], cache=[cache], mask=unrolled_mask(inputs.shape[1], step))
+        unrolled.append(pred)
+        inputs = pred[:, :-1]
+    for t in range(length - steps):
+        kv = head.make_cache()
+        drafted = head(features[:, : t + 1], embeddings[:, 1 : t + 2], cache=kv)[:, -1:]
+        for step in range(1, steps + 1):
+            assert mx.allclose(drafted[0, 0], unrolled[step - 1][0, t], atol=1e-4), (t, step)
+            if step < steps:
+                drafted = head(drafted, embeddings[:, t + step + 1 : t + step + 2], cache=kv)
 
 
 def tokens_of(prompt, model, sources=(), **kwargs):
