@@ -141,6 +141,7 @@ def draft_head_misses_suite(model, tokenizer, args):
     held-out chat prompts: accuracy at draft depth 1 and 2 by how frequent the right token is."""
     from decoder import generate_step
     from speculative.head import load_head, output_weight
+    from speculative.train_head import unrolled_predictions
 
     head, vocab_ids = load_head(args.head, model)
     rank = {token: i for i, token in enumerate(vocab_ids.tolist())}
@@ -152,11 +153,9 @@ def draft_head_misses_suite(model, tokenizer, args):
                                               eos_token_ids=eos_ids_of(tokenizer))]
         text = prompt + answer
         hidden = model.model(mx.array(text)[None])
-        embed = model.model.embed_tokens
-        # Depth 1 reads true features; depth 2 reads depth 1's predictions (as drafting does).
-        first = head(hidden[:, :-1], embed(mx.array(text[1:])[None]))
-        second = head(first[:, :-1], embed(mx.array(text[2:])[None]))
-        for depth, predicted in ((1, first), (2, second)):
+        # Depth 2 reads depth 1's predictions and attends as drafting does.
+        predictions = unrolled_predictions(head, hidden, model.model.embed_tokens(mx.array(text)[None]), 2)
+        for depth, predicted in enumerate(predictions, start=1):
             guesses = vocab_ids[mx.argmax(predicted[0] @ out_rows.T, axis=-1)].tolist()
             for position, guess in enumerate(guesses):
                 index = position + depth + 1  # the token this prediction scores

@@ -174,28 +174,35 @@ def unrolled_mask(length: int, step: int) -> mx.array:
     return mx.concatenate([causal] + [diagonal] * (step - 1), axis=1)
 
 
+def unrolled_predictions(head, features, embeddings, steps: int) -> list:
+    """The head's predicted features for draft steps 1..``steps`` at every position at once.
+
+    ``features`` (B, L, d) are the target's h_t and ``embeddings`` (B, L, d) those of x_t. Step s
+    returns (B, L - s, d): row t is h_{t+s} as the head predicts it when drafting its s-th token
+    after position t (the target's features up to t, its own predictions after).
+    """
+    cache, inputs, out = UnrolledCache(), features[:, :-1], []
+    for step in range(1, steps + 1):
+        cache.offset = step - 1
+        predicted = head(inputs, embeddings[:, step:], cache=[cache], mask=unrolled_mask(inputs.shape[1], step))
+        out.append(predicted)
+        inputs = predicted[:, :-1]
+    return out
+
+
 def head_losses(head, embed, out_rows, tokens, feats, valid, answer, labels, unroll, noise):
     """Regression and token losses (and token accuracy) averaged over ``unroll`` steps.
 
-    Step 1 reads true features h_t with x_{t+1} and predicts h_{t+1}, whose scores predict
-    x_{t+2} (the target's greedy choice inside answers). Step s reads step s-1's predictions
-    and attends as drafting would (``UnrolledCache``).
+    Step s predicts h_{t+s} and, through its scores, x_{t+s+1} (the target's greedy choice
+    inside answers); input features get noise, as drafting's own predictions are never exact.
     """
-    inputs = feats[:, :-1]
-    if noise > 0:
-        inputs = inputs + noise * mx.random.normal(inputs.shape)
-    cache = UnrolledCache()
+    inputs = feats + noise * mx.random.normal(feats.shape) if noise > 0 else feats
     total_reg = total_ce = total_acc = 0.0
-    for step in range(unroll):
-        shift = step + 1
-        cache.offset = step
-        next_embeddings = embed(tokens[:, shift:])
-        pred = head(inputs, next_embeddings, cache=[cache], mask=unrolled_mask(inputs.shape[1], shift))
-        target = feats[:, shift:]
+    for shift, pred in enumerate(unrolled_predictions(head, inputs, embed(tokens), unroll), start=1):
         reg_mask = valid[:, shift:]
-        reg = nn.losses.smooth_l1_loss(pred, target, reduction="none").mean(-1)
+        reg = nn.losses.smooth_l1_loss(pred, feats[:, shift:], reduction="none").mean(-1)
         total_reg += (reg * reg_mask).sum() / mx.maximum(reg_mask.sum(), 1)
-        # pred at row t scores the token at t + 1 (labels are -1 outside the sub-vocabulary).
+        # pred at row t scores the token at t + shift + 1 (labels are -1 outside the sub-vocabulary).
         logits = pred[:, :-1] @ out_rows.T
         label = labels[:, shift + 1 :]
         ce_mask = answer[:, shift + 1 :] & (label >= 0)
@@ -203,7 +210,6 @@ def head_losses(head, embed, out_rows, tokens, feats, valid, answer, labels, unr
         count = mx.maximum(ce_mask.sum(), 1)
         total_ce += (ce * ce_mask).sum() / count
         total_acc += ((logits.argmax(-1) == label) & ce_mask).sum() / count
-        inputs = pred[:, :-1]
     return total_reg / unroll, total_ce / unroll, total_acc / unroll
 
 

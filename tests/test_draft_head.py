@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from decoder import DecodingStats, generate_step
 from speculative.head import SHIPPED_HEAD, DraftHead, HeadMismatch, head_args, load_head, save_head
 from speculative.head_source import DraftHeadSource, HiddenStateTap
-from speculative.train_head import UnrolledCache, answer_with_features, sub_vocabulary, train, unrolled_mask
+from speculative.train_head import answer_with_features, sub_vocabulary, train, unrolled_predictions
 from tests.helpers import assert_sampling_keeps_the_target_distribution, tiny_llama
 from tests.test_cli import assert_one_line_error, cli
 
@@ -56,12 +56,7 @@ def test_unrolled_training_steps_see_what_drafting_sees():
     head, length, steps = random_head(TARGET, seed=3), 12, 3
     features = mx.random.normal((1, length, TARGET.args.hidden_size))
     embeddings = TARGET.model.embed_tokens(mx.random.randint(0, VOCAB, (1, length)))
-    cache, inputs, unrolled = UnrolledCache(), features[:, :-1], []
-    for step in range(1, steps + 1):
-        cache.offset = step - 1
-        pred = head(inputs, embeddings[:, step:], cache=[cache], mask=unrolled_mask(inputs.shape[1], step))
-        unrolled.append(pred)
-        inputs = pred[:, :-1]
+    unrolled = unrolled_predictions(head, features, embeddings, steps)
     for t in range(length - steps):
         kv = head.make_cache()
         drafted = head(features[:, : t + 1], embeddings[:, 1 : t + 2], cache=kv)[:, -1:]
