@@ -76,6 +76,7 @@ def draft_head_suite(model, tokenizer, args):
             Method(f"draft model ({num_layers} layers), adaptive", lambda prompt: {"temp": temp, "draft_sources": [
                 DraftModelSource.create(self_draft, tokenizer, model, tokenizer, temp=temp)]}, greedy=greedy),
             head_method("head, k=4 fixed", num_draft=4, adaptive=False),
+            head_method("head, k=2 fixed", num_draft=2, adaptive=False),
             head_method("head, adaptive"),
             Method("prompt lookup", lambda prompt: {"temp": temp, "draft_sources": [PromptLookupSource()]},
                    greedy=greedy),
@@ -104,7 +105,10 @@ def draft_head_cost_suite(model, tokenizer, args, repeats: int = 40):
     hidden = model.model(mx.array(prompt)[None], cache=cache)
     embed = model.model.embed_tokens
     head(hidden[:, :-1], embed(mx.array(prompt[1:])[None]), cache=head_cache)
-    rows = {"sub-vocabulary": mx.take(output_weight(model), vocab_ids, axis=0), "full vocabulary": output_weight(model)}
+    # The head's ids are ranked by frequency: its first n rows are the n-token sub-vocabulary.
+    sizes = [n for n in (2048, 4096) if n < vocab_ids.size] + [vocab_ids.size]
+    rows = {f"sub-vocabulary {n}": mx.take(output_weight(model), vocab_ids[:n], axis=0) for n in sizes}
+    rows["full vocabulary"] = output_weight(model)
     feature = hidden[:, -1:]
     token = mx.array([[prompt[-1]]])
 

@@ -70,6 +70,10 @@ class DraftHeadSource:
             the distribution each draft token was drawn from.
         num_draft, adaptive, max_draft: draft length (see ``AdaptiveLength``).
         min_confidence: stop a draft once the head's top probability falls below this.
+        min_path_confidence: stop a draft once the product of the head's top probabilities at
+            the positions drafted so far (the chance that all are accepted, if the head is
+            calibrated) falls below this. Default: ``draft_token_cost`` when adaptive (a further token is
+            then worth less than it costs), else 0 (off).
         draft_token_cost: drafting and verifying one token, as a fraction of a target step.
     """
 
@@ -77,7 +81,7 @@ class DraftHeadSource:
 
     def __init__(self, tap: HiddenStateTap, head, vocab_ids: mx.array, temp: float = 0.0, top_p: float = 1.0,
                  num_draft: int = 4, adaptive: bool = True, max_draft: int = 8, min_confidence: float = 0.0,
-                 draft_token_cost: float = 0.15):
+                 draft_token_cost: float = 0.15, min_path_confidence: Optional[float] = None):
         self.tap, self.head = tap, head
         self.vocab_ids = vocab_ids
         self.vocab_list = vocab_ids.tolist()
@@ -87,6 +91,8 @@ class DraftHeadSource:
         self.temp, self.top_p = temp, top_p
         self.length = AdaptiveLength(num_draft, max_draft, draft_token_cost, enabled=adaptive)
         self.min_confidence = min_confidence
+        self.min_path_confidence = (draft_token_cost if adaptive else 0.0) if min_path_confidence is None \
+            else min_path_confidence
         self.cache = head.make_cache()
         self.committed = 0  # head cache positions read from true features and accepted tokens
 
@@ -134,7 +140,8 @@ class DraftHeadSource:
         logits = predicted @ self.out_rows.T
         if self.temp > 0:
             return sampling_probs(logits[None], self.temp, self.top_p)[0]
-        return mx.softmax(logits.astype(mx.float32)) if self.min_confidence > 0 else logits
+        confidence_needed = self.min_confidence > 0 or self.min_path_confidence > 0
+        return mx.softmax(logits.astype(mx.float32)) if confidence_needed else logits
 
     def propose(self, tokens: list, max_draft: int) -> Optional[Draft]:
         if len(tokens) < 2 or self.length.paused():
@@ -142,12 +149,18 @@ class DraftHeadSource:
         self._rewind()
         predicted = self._catch_up(tokens)
         num_draft = min(self.num_draft, max_draft)
-        indices, rows = [], []
-        # The whole draft is one lazy graph: each step feeds the last sub-vocabulary index back
-        # without a host round trip, and a single sync at the end reads them all.
+        indices, rows, path_confidence = [], [], 1.0
+        # Without the path-confidence stop the whole draft is one lazy graph: each step feeds the
+        # last sub-vocabulary index back without a host round trip, and one sync reads them all.
         for position in range(num_draft):
             probs = self._distribution(predicted)
             index = mx.argmax(probs) if self.temp == 0 else mx.random.categorical(mx.log(probs))
+            if self.min_path_confidence > 0:  # one sync per step, so no step is computed in vain
+                # The top probability, not the drawn token's: whether to draft position i must not
+                # depend on the token drawn there, or sampling would no longer be exact.
+                path_confidence *= probs.max().item()
+                if position and path_confidence < self.min_path_confidence:
+                    break
             indices.append(index)
             rows.append(probs)
             if position + 1 < num_draft:
@@ -155,10 +168,10 @@ class DraftHeadSource:
                 predicted = self.head(predicted[None, None], next_embedding, cache=self.cache)[0, -1]
         rows = mx.stack(rows)
         indices = mx.stack(indices).tolist()
-        length = num_draft
+        length = len(indices)
         if self.min_confidence > 0:  # stop where the head's top probability falls below it (keep one)
             confidence = rows.max(axis=-1).tolist()
-            length = next((i for i in range(1, num_draft) if confidence[i] < self.min_confidence), num_draft)
+            length = next((i for i in range(1, length) if confidence[i] < self.min_confidence), length)
         draft = [self.vocab_list[i] for i in indices[:length]]
         if self.temp == 0:
             return Draft(draft)

@@ -120,15 +120,17 @@ def test_greedy_with_the_head_under_a_regex_equals_constrained_plain():
     assert run([head], tap) == run([], target)
 
 
-@pytest.mark.parametrize("temp,top_p", [(1.0, 1.0), (0.8, 0.9)])
-def test_sampling_with_the_head_keeps_the_target_distribution(temp, top_p):
+@pytest.mark.parametrize("temp,top_p,min_path_confidence", [(1.0, 1.0, 0.0), (0.8, 0.9, 0.0), (1.0, 1.0, 0.25)])
+def test_sampling_with_the_head_keeps_the_target_distribution(temp, top_p, min_path_confidence):
     target = tiny_llama(vocab_size=8, num_layers=2, seed=3, sharp=2.0)
     head = random_head(target, 5)
 
     def make_run():
         tap = HiddenStateTap(target)
-        # A sub-vocabulary of 6: q is zero on two tokens the target can still choose.
-        return tap, [DraftHeadSource(tap, head, mx.arange(6), temp=temp, top_p=top_p, num_draft=2, adaptive=False)]
+        # A sub-vocabulary of 6: q is zero on two tokens the target can still choose. With a
+        # path-confidence stop, the draft length varies with the head's confidence.
+        return tap, [DraftHeadSource(tap, head, mx.arange(6), temp=temp, top_p=top_p, num_draft=3, adaptive=False,
+                                     min_path_confidence=min_path_confidence)]
 
     assert_sampling_keeps_the_target_distribution(target, make_run, temp, top_p)
 
@@ -184,6 +186,12 @@ def test_the_benchmark_prompts_are_held_out_from_training():
     heldout = [line for line in HELDOUT.read_text().splitlines() if line.strip()]
     benchmark = [path.read_text().strip() for path in PROMPTS.glob("*/*.txt")]
     assert heldout and benchmark and not generated & set(heldout + benchmark)
+    # The instructions the target wrote itself for the shipped head share no sentence with them.
+    written = SHIPPED_HEAD / "instructions.json"
+    if written.exists():
+        sentences = {s.strip().lower() for text in json.loads(written.read_text()) for s in text.split(".") if s.strip()}
+        ours = {s.strip().lower() for text in heldout + benchmark for s in text.split(".") if len(s.split()) > 3}
+        assert len(sentences) > 1000 and not sentences & ours
     # The held-out chat prompts do not even mention a training topic.
     assert not [topic for topic in TOPICS for line in heldout if topic.lower() in line.lower()]
 
