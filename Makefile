@@ -33,7 +33,7 @@ test: setup-dev
 bench: setup-dev
 	$(PY) -m benchmarks.run --suite all
 
-# Retrain the shipped draft head (speculative/README.md): ~45 min on a 2-core CPU.
+# Retrain the shipped draft head (speculative/README.md): about an hour on a busy 2-core CPU.
 draft-head: setup
 	$(PY) -m speculative.train_head --out speculative/heads/smollm2-135m
 
