@@ -173,8 +173,6 @@ def build_run(args, session=None):
             draft_model, draft_tokenizer, model, tokenizer, encoder_input=search_extra or None,
             temp=args.temp, top_p=args.top_p, adaptive=not args.no_adaptive, **options))
     if args.draft_head is not None:
-        if session is not None:  # the head would need the sharded target's hidden states on every rank
-            raise CliError("--draft-head does not work on a sharded target yet; use --prompt-lookup or --draft-model")
         model = add_draft_head(model, sources, search_extra, args)
     kwargs = dict(draft_sources=sources, constraint=constraint, temp=args.temp, top_p=args.top_p,
                   max_tokens=max_tokens, stats=DecodingStats())

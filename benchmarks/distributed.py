@@ -1,12 +1,13 @@
-"""Sharded decoding on localhost: communication per verify pass, tok/s for 1-3 ranks, lookup savings.
+"""Sharded decoding on localhost: communication per verify pass, tok/s for 1-3 ranks, drafting savings.
 
     python -m benchmarks.distributed            # launches every configuration with mlx.launch
 
 For each configuration (1 process; 2 ranks pipeline; 3 ranks tensor; 3 ranks
-pipeline) one launch decodes the same code-editing prompt with plain decoding
-and with prompt lookup (interleaved after a warm-up), then times the
-collectives of one verify pass on their own. The last table is a *model*:
-tokens/s per link latency from the measured passes/token and compute time.
+pipeline) one launch decodes the same code-editing prompt with plain decoding,
+prompt lookup, the draft head and both (one after another after a warm-up), then
+times the collectives of one verify pass on their own, and the two ways of giving
+every rank the hidden states and logits. The last table is a *model*: tokens/s
+per link latency from the measured passes/token and compute time.
 """
 
 import argparse
@@ -21,9 +22,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+import fast_blas  # noqa: E402
 PROMPT = ROOT / "benchmarks" / "prompts" / "code_edit" / "inventory.txt"
 CONFIGS = [(1, "single"), (2, "pipeline"), (3, "tensor"), (3, "pipeline")]
 LATENCIES_MS = [0.05, 0.2, 1.0, 5.0]
+METHODS = {"plain": [], "prompt lookup": ["--prompt-lookup"], "draft head": ["--draft-head"],
+           "lookup + head": ["--prompt-lookup", "--draft-head"]}
+VERIFY_POSITIONS = (1, 5)  # a plain step; a step verifying a 4-token draft
 
 
 def median_ms(fn, repeats: int = 20) -> float:
@@ -39,29 +45,45 @@ def median_ms(fn, repeats: int = 20) -> float:
 
 
 def collective_costs(model, group) -> dict:
-    """Milliseconds for the messages of one single-token verify pass, timed without the layers."""
+    """Milliseconds for the messages of one verify pass, timed without the layers.
+
+    Per verify width L: the all-reduce of L hidden states (what tensor sharding does twice per
+    layer, and what broadcasts the final hidden states), the pipeline's hop plus that broadcast,
+    and the alternative to broadcasting hidden states and applying the output head on every
+    rank: applying it on one rank and broadcasting hidden states and logits together.
+    """
     import mlx.core as mx
 
     from distributed.sharding import broadcast
 
     rank, size = group.rank(), group.size()
-    hidden = mx.zeros((1, 1, model.args.hidden_size))
-    logits = mx.zeros((1, 1, model.args.vocab_size))
+    head = model.model.embed_tokens.as_linear  # SmolLM2 ties its output head to the embedding
+    costs = {}
+    for positions in VERIFY_POSITIONS:
+        hidden = mx.random.normal((1, positions, model.args.hidden_size))
+        width = model.args.hidden_size + model.args.vocab_size
 
-    def pipeline_messages():  # the hidden state hops rank to rank, then the logits are broadcast
-        h = hidden if rank == 0 else mx.distributed.recv_like(hidden, rank - 1, group=group)
-        if rank < size - 1:
-            h = mx.distributed.send(h, rank + 1, group=group)
-        return broadcast(mx.depends(logits, h), size - 1, group)
+        def pipeline_messages():  # the hidden state hops rank to rank, then it is broadcast
+            h = hidden if rank == 0 else mx.distributed.recv_like(hidden, rank - 1, group=group)
+            if rank < size - 1:
+                h = mx.distributed.send(h, rank + 1, group=group)
+            return broadcast(mx.depends(hidden, h), size - 1, group)
 
-    return {
-        "all_reduce_hidden_ms": median_ms(lambda: mx.distributed.all_sum(hidden, group=group)),
-        "broadcast_logits_ms": median_ms(lambda: broadcast(logits, 0, group)),
-        "pipeline_messages_ms": median_ms(pipeline_messages),
-    }
+        def head_on_one_rank():  # the alternative: rank 0 sends hidden states and logits in one message
+            both = mx.concatenate([hidden, head(hidden)], axis=-1) if rank == 0 else mx.zeros((1, positions, width))
+            return broadcast(both, 0, group)
+
+        costs[positions] = {
+            "all_reduce_hidden_ms": median_ms(lambda: mx.distributed.all_sum(hidden, group=group)),
+            "pipeline_messages_ms": median_ms(pipeline_messages),
+            "head_on_every_rank_ms": median_ms(lambda: head(broadcast(hidden, 0, group))),
+            "head_on_one_rank_ms": median_ms(head_on_one_rank),
+        }
+    return costs
 
 
 def worker(mode: str, max_tokens: int):
+    fast_blas.load()  # before mlx.core
     import mlx.core as mx
 
     import distributed
@@ -71,11 +93,12 @@ def worker(mode: str, max_tokens: int):
     session = distributed.start()
     base = ["--prompt-file", str(PROMPT), "--max-tokens", str(max_tokens)] + (
         ["--shard", mode] if session else [])
-    methods = {"plain": base, "prompt lookup": base + ["--prompt-lookup"]}
-    record = {"ranks": session.size if session else 1, "mode": mode, "methods": {}}
-    for warm_up in (True, False):  # fresh models and sources each round: draft sources keep state
-        runs = {name: main.build_run(main.build_parser().parse_args(argv), session) for name, argv in methods.items()}
-        for name, (model, tokenizer, prompt, kwargs) in runs.items():
+    methods = {name: base + flags for name, flags in METHODS.items()}
+    record = {"ranks": session.size if session else 1, "mode": mode, "methods": {},
+              "blas_threads": fast_blas.num_threads()}
+    for warm_up in (True, False):
+        for name, argv in methods.items():  # a fresh model and sources each run: draft sources keep state
+            model, tokenizer, prompt, kwargs = main.build_run(main.build_parser().parse_args(argv), session)
             result = generate(model, tokenizer, prompt, **dict(kwargs, max_tokens=4 if warm_up else max_tokens))
             passes = result.stats.target_forward_passes
             record["methods"][name] = {
@@ -85,9 +108,9 @@ def worker(mode: str, max_tokens: int):
                 "pass_ms": 1e3 * (result.generation_tokens - 1) / max(result.generation_tps, 1e-9) / max(passes - 1, 1),
             }
     if session:
-        model = runs["plain"][0]
+        model = main.build_run(main.build_parser().parse_args(base), session)[0]
         record["num_layers"] = len(model.layers) if mode == "tensor" else None
-        record.update(collective_costs(model, session.group))
+        record["collectives"] = collective_costs(model, session.group)
     mx.eval(mx.zeros(1))
     print(json.dumps(record), flush=True)
 
@@ -110,30 +133,34 @@ def tables(records: list) -> str:
     single = records[0]["methods"]
     for record in records:
         comm = "-"
-        if record["mode"] == "tensor":
-            comm = f"{2 * record['num_layers'] * record['all_reduce_hidden_ms'] + record['broadcast_logits_ms']:.2f}"
-        elif record["mode"] == "pipeline":
-            comm = f"{record['pipeline_messages_ms']:.2f}"
+        if record["mode"] != "single":
+            one = record["collectives"]["1"]
+            # tensor: two all-reduces per layer, then the final hidden states' broadcast (an all-reduce too)
+            comm = (f"{(2 * record['num_layers'] + 1) * one['all_reduce_hidden_ms']:.2f}" if record["mode"] == "tensor"
+                    else f"{one['pipeline_messages_ms']:.2f}")
         for name, method in record["methods"].items():
             lines.append(f"| {record['ranks']} | {record['mode']} | {name} | {method['tps']:.2f} | "
                          f"{method['tps'] / single[name]['tps']:.2f}x | {method['passes_per_token']:.3f} | "
                          f"{method['pass_ms']:.1f} | {comm} |")
-    lines += ["", "Collectives, each timed alone (median of 20, ms):", "",
-              "| ranks | sharding | all-reduce of one hidden state | logits broadcast (1 position) | "
-              "pipeline hops + broadcast |", "|---:|---|---:|---:|---:|"]
+    lines += ["", "Collectives, each timed alone (median of 20, ms), for a verify pass of 1 and 5 positions:", "",
+              "| ranks | sharding | positions | all-reduce of the hidden states | pipeline hops + broadcast | "
+              "broadcast hidden, head on every rank | head on one rank, broadcast hidden + logits |",
+              "|---:|---|---:|---:|---:|---:|---:|"]
     for record in records[1:]:
-        lines.append(f"| {record['ranks']} | {record['mode']} | {record['all_reduce_hidden_ms']:.3f} | "
-                     f"{record['broadcast_logits_ms']:.3f} | {record['pipeline_messages_ms']:.3f} |")
+        for positions, cost in record["collectives"].items():
+            lines.append(f"| {record['ranks']} | {record['mode']} | {positions} | {cost['all_reduce_hidden_ms']:.3f} | "
+                         f"{cost['pipeline_messages_ms']:.3f} | {cost['head_on_every_rank_ms']:.3f} | "
+                         f"{cost['head_on_one_rank_ms']:.3f} |")
     return "\n".join(lines)
 
 
 def latency_model(records: list, num_layers: int) -> str:
     """A MODEL, not a measurement: time/token = passes/token x (compute/pass + rounds/pass x latency)."""
     single = records[0]["methods"]
-    # Two machines: pipeline = one hop + the logits broadcast; tensor = two all-reduces per layer + broadcast.
+    # Two machines: pipeline = one hop + the hidden states' broadcast; tensor = two all-reduces per layer + broadcast.
     rounds = {"pipeline": 2, "tensor": 2 * num_layers + 1}
     lines = ["| latency per round (ms) | " + " | ".join(
-        f"{mode} {name} ({rounds[mode]} rounds/pass)" for mode in rounds for name in single) + " |",
+        f"{mode} {name}" for mode in rounds for name in single) + " |",
         "|---:|" + "---:|" * (len(rounds) * len(single))]
     for latency in LATENCIES_MS:
         cells = []
@@ -161,7 +188,8 @@ def main():
     num_layers = next(r["num_layers"] for r in records if r["mode"] == "tensor")
     text = (f"{tables(records)}\n\n**Model, not a measurement**: two machines, tokens/s = 1 / (passes/token x "
             f"(compute/pass + rounds/pass x latency)), with this machine's one-process compute per pass "
-            f"(each method's own; halved for tensor) and measured passes/token:\n\n"
+            f"(each method's own; halved for tensor), measured passes/token, 2 rounds per pass for pipeline "
+            f"and {2 * num_layers + 1} for tensor:\n\n"
             f"{latency_model(records, num_layers)}\n")
     print(text)
     Path(args.output).write_text(f"# Distributed (sharded target)\n\n`python -m benchmarks.distributed "
