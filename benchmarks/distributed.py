@@ -1,6 +1,7 @@
 """Sharded decoding on localhost: communication per verify pass, tok/s for 1-3 ranks, drafting savings.
 
-    python -m benchmarks.distributed            # launches every configuration with mlx.launch
+    python -m benchmarks.distributed                        # every configuration on localhost
+    python -m benchmarks.distributed --configs 3:tensor     # one of them; the tables combine the parts
 
 For each configuration (1 process; 2 ranks pipeline; 3 ranks tensor; 3 ranks
 pipeline) one launch decodes the same code-editing prompt with plain decoding,
@@ -11,12 +12,15 @@ per link latency from the measured passes/token and compute time.
 """
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
+import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -115,13 +119,36 @@ def worker(mode: str, max_tokens: int):
     print(json.dumps(record), flush=True)
 
 
-def launch(ranks: int, mode: str, max_tokens: int) -> dict:
+def start_ranks(ranks: int, command: list) -> subprocess.CompletedProcess:
+    """Start ``ranks`` ring ranks on localhost as ``mlx.launch`` does (a hostfile and MLX_RANK), minus
+    its launcher process: that one's thread per rank polls the rank's always-writable stdin pipe and
+    keeps half a core busy, a large share of a 2-core machine (see results/distributed.md)."""
+    with contextlib.ExitStack() as stack:
+        sockets = [stack.enter_context(socket.socket()) for _ in range(ranks)]
+        for probe in sockets:
+            probe.bind(("127.0.0.1", 0))  # the system picks free ports
+        hosts = [[f"127.0.0.1:{probe.getsockname()[1]}"] for probe in sockets]
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as hostfile:
+        json.dump(hosts, hostfile)
+        hostfile.flush()
+        processes = [subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True, cwd=ROOT, env=dict(os.environ, MLX_HOSTFILE=hostfile.name, MLX_RANK=str(rank)))
+                     for rank in range(ranks)]
+        outputs = [process.communicate() for process in processes]
+    failed = next((process.returncode for process in processes if process.returncode), 0)
+    return subprocess.CompletedProcess(command, failed, outputs[0][0], "".join(err for _, err in outputs))
+
+
+def launch(ranks: int, mode: str, max_tokens: int, launcher: str = "direct") -> dict:
     command = [sys.executable, __file__, "--worker", mode, "--max-tokens", str(max_tokens)]
-    if ranks > 1:
-        launcher = shutil.which("mlx.launch", path=str(Path(sys.executable).parent)) or "mlx.launch"
-        command = [launcher, "-n", str(ranks), "--backend", "ring", "--"] + command
-    result = subprocess.run(command, stdin=subprocess.PIPE, capture_output=True, text=True, cwd=ROOT,
-                            env=os.environ.copy())
+    if ranks > 1 and launcher == "direct":
+        result = start_ranks(ranks, command)
+    else:
+        if ranks > 1:
+            mlx_launch = shutil.which("mlx.launch", path=str(Path(sys.executable).parent)) or "mlx.launch"
+            command = [mlx_launch, "-n", str(ranks), "--backend", "ring", "--"] + command
+        result = subprocess.run(command, stdin=subprocess.PIPE, capture_output=True, text=True, cwd=ROOT,
+                                env=os.environ.copy())
     if result.returncode != 0 or not result.stdout.strip():
         raise SystemExit(f"{ranks} ranks, {mode}: {result.stderr.strip()}")
     return json.loads(result.stdout.strip().splitlines()[-1])
@@ -173,27 +200,41 @@ def latency_model(records: list, num_layers: int) -> str:
     return "\n".join(lines)
 
 
+def report(records: list) -> str:
+    num_layers = next(r["num_layers"] for r in records if r["mode"] == "tensor")
+    return (f"{tables(records)}\n\n**Model, not a measurement**: two machines, tokens/s = 1 / (passes/token x "
+            f"(compute/pass + rounds/pass x latency)), with this machine's one-process compute per pass "
+            f"(each method's own; halved for tensor), measured passes/token, 2 rounds per pass for pipeline "
+            f"and {2 * num_layers + 1} for tensor:\n\n{latency_model(records, num_layers)}\n")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--max-tokens", type=int, default=48, help="Tokens per run (default: 48).")
-    parser.add_argument("--output", default=str(ROOT / "benchmarks" / "results" / "distributed.md"))
+    parser.add_argument("--configs", default=",".join(f"{ranks}:{mode}" for ranks, mode in CONFIGS),
+                        help="Which to launch, as ranks:sharding (default: all four). Launch them in parts "
+                             "to keep each run short: the tables combine every configuration in --records.")
+    parser.add_argument("--launcher", choices=["direct", "mlx.launch"], default="direct",
+                        help="Start localhost ranks directly (default) or through mlx.launch.")
+    parser.add_argument("--records", default=str(ROOT / "benchmarks" / "results" / "distributed.jsonl"),
+                        help="JSON lines, one per configuration; a new run replaces its configuration's line.")
     args = parser.parse_args()
     if args.worker:
         return worker(args.worker, args.max_tokens)
-    records = []
-    for ranks, mode in CONFIGS:
-        records.append(launch(ranks, mode, args.max_tokens))
-        print(json.dumps(records[-1]), flush=True)  # partial results survive a timeout
-    num_layers = next(r["num_layers"] for r in records if r["mode"] == "tensor")
-    text = (f"{tables(records)}\n\n**Model, not a measurement**: two machines, tokens/s = 1 / (passes/token x "
-            f"(compute/pass + rounds/pass x latency)), with this machine's one-process compute per pass "
-            f"(each method's own; halved for tensor), measured passes/token, 2 rounds per pass for pipeline "
-            f"and {2 * num_layers + 1} for tensor:\n\n"
-            f"{latency_model(records, num_layers)}\n")
-    print(text)
-    Path(args.output).write_text(f"# Distributed (sharded target)\n\n`python -m benchmarks.distributed "
-                                 f"--max-tokens {args.max_tokens}`\n\n{text}")
+    path = Path(args.records)
+    records = {}
+    if path.exists():
+        records = {(r["ranks"], r["mode"]): r for r in map(json.loads, path.read_text().splitlines())}
+    for config in args.configs.split(","):
+        ranks, mode = config.split(":")
+        record = dict(launch(int(ranks), mode, args.max_tokens, args.launcher), max_tokens=args.max_tokens,
+                      launcher=args.launcher)
+        records[(record["ranks"], mode)] = record
+        path.write_text("".join(json.dumps(records[key]) + "\n" for key in CONFIGS if key in records))
+        print(json.dumps(record), flush=True)
+    if all(key in records for key in CONFIGS):
+        print(report([records[key] for key in CONFIGS]))
 
 
 if __name__ == "__main__":

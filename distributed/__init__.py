@@ -4,9 +4,10 @@
     mlx.launch --hostfile hosts.json main.py --model mlx-community/...
 
 Every rank runs the same decoding loop with the same draft sources and seed;
-the target's logits are broadcast from one rank, so every accept decision (and
-every random draw) is the same everywhere without extra messages. Only rank 0
-prints. See README.md in this folder.
+the target's final hidden states are broadcast from one rank and every rank
+applies the output head to them, so every accept decision (and every random
+draw) is the same everywhere without extra messages. Only rank 0 prints. See
+README.md in this folder.
 """
 
 import json

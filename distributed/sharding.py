@@ -62,7 +62,10 @@ def choose_mode(model, size: int, mode: str = "auto") -> str:
 
     Raises ValueError (shown to the user) when the requested mode cannot work.
     """
-    tensor_ok, pipeline_ok = tensor_shardable(model, size), has_body(model)
+    tensor_ok, body_ok = tensor_shardable(model, size), has_body(model)
+    if not body_ok:
+        raise ValueError(f"{type(model).__module__} has no Llama-style body (model.model with embed_tokens, "
+                         "layers and norm) to shard")
     if mode == "auto":
         mode = "tensor" if tensor_ok else "pipeline"
     if mode == "tensor" and not tensor_ok:
@@ -71,8 +74,6 @@ def choose_mode(model, size: int, mode: str = "auto") -> str:
         raise ValueError(f"tensor sharding over {size} ranks needs a model with shard() whose "
                          f"{heads[0]} query and {heads[1]} key/value heads divide by {size}; "
                          "use --shard pipeline")
-    if mode == "pipeline" and not pipeline_ok:
-        raise ValueError(f"{type(model).__module__} has no Llama-style layer list to pipeline")
     if mode == "pipeline" and size > len(model.model.layers):
         raise ValueError(f"{size} ranks but only {len(model.model.layers)} layers to pipeline")
     return mode

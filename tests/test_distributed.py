@@ -203,3 +203,17 @@ def test_ranks_sharing_a_host_split_its_cores_unless_told():
         assert threads == expected_blas_threads(2) and fast_blas.num_threads() == threads
     finally:
         fast_blas.set_num_threads(before)
+
+
+def test_choose_mode_falls_back_to_pipeline_and_refuses_in_one_sentence():
+    from distributed.sharding import choose_mode
+    from tests.helpers import tiny_llama
+
+    model = tiny_llama(num_layers=3)  # 4 query and 2 key/value heads
+    assert choose_mode(model, 2) == "tensor" and choose_mode(model, 3) == "pipeline"
+    with pytest.raises(ValueError, match="heads divide by 3; use --shard pipeline"):
+        choose_mode(model, 3, "tensor")
+    with pytest.raises(ValueError, match="4 ranks but only 3 layers"):
+        choose_mode(model, 4)
+    with pytest.raises(ValueError, match="no Llama-style body"):
+        choose_mode(model.model, 2)  # the body alone has no body of its own
