@@ -186,17 +186,16 @@ def latency_model(records: list, num_layers: int) -> str:
     single = records[0]["methods"]
     # Two machines: pipeline = one hop + the hidden states' broadcast; tensor = two all-reduces per layer + broadcast.
     rounds = {"pipeline": 2, "tensor": 2 * num_layers + 1}
-    lines = ["| latency per round (ms) | " + " | ".join(
-        f"{mode} {name}" for mode in rounds for name in single) + " |",
-        "|---:|" + "---:|" * (len(rounds) * len(single))]
-    for latency in LATENCIES_MS:
+    lines = ["| method | passes/token | compute ms/pass | " + " | ".join(
+        f"{mode}, {latency:g} ms" for mode in rounds for latency in LATENCIES_MS) + " |",
+        "|---|---:|---:|" + "---:|" * (len(rounds) * len(LATENCIES_MS))]
+    for name, method in single.items():
         cells = []
         for mode, count in rounds.items():
-            for name, method in single.items():
+            for latency in LATENCIES_MS:
                 compute = method["pass_ms"] / (2 if mode == "tensor" else 1)  # tensor: ideal halving
-                ms_per_token = method["passes_per_token"] * (compute + count * latency)
-                cells.append(f"{1e3 / ms_per_token:.1f}")
-        lines.append(f"| {latency:g} | " + " | ".join(cells) + " |")
+                cells.append(f"{1e3 / (method['passes_per_token'] * (compute + count * latency)):.1f}")
+        lines.append(f"| {name} | {method['passes_per_token']:.3f} | {method['pass_ms']:.1f} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
