@@ -4,11 +4,12 @@
     python -m benchmarks.distributed --configs 3:tensor     # one of them; the tables combine the parts
 
 For each configuration (1 process; 2 ranks pipeline; 3 ranks tensor; 3 ranks
-pipeline) one launch decodes the same code-editing prompt with plain decoding,
-prompt lookup, the draft head and both (one after another after a warm-up), then
-times the collectives of one verify pass on their own, and the two ways of giving
-every rank the hidden states and logits. The last table is a *model*: tokens/s
-per link latency from the measured passes/token and compute time.
+pipeline) one launch decodes a code-editing prompt and a held-out chat prompt
+with plain decoding, prompt lookup, the draft head and both (one after another
+after a warm-up), then times the collectives of one verify pass on their own,
+and the two ways of giving every rank the hidden states and logits. The last
+table is a *model*: tokens/s per link latency from the measured passes/token and
+compute time.
 """
 
 import argparse
@@ -28,7 +29,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import fast_blas  # noqa: E402
-PROMPT = ROOT / "benchmarks" / "prompts" / "code_edit" / "inventory.txt"
+# Prompt lookup's case (an edit that copies most of the code) and the draft head's (chat it was not trained on).
+PROMPTS = {"code edit": ["--prompt-file", str(ROOT / "benchmarks" / "prompts" / "code_edit" / "inventory.txt")],
+           "held-out chat": ["--prompt", (ROOT / "benchmarks" / "heldout" / "chat.txt").read_text().splitlines()[0]]}
 CONFIGS = [(1, "single"), (2, "pipeline"), (3, "tensor"), (3, "pipeline")]
 LATENCIES_MS = [0.05, 0.2, 1.0, 5.0]
 METHODS = {"plain": [], "prompt lookup": ["--prompt-lookup"], "draft head": ["--draft-head"],
@@ -95,24 +98,25 @@ def worker(mode: str, max_tokens: int):
     from decoder import generate
 
     session = distributed.start()
-    base = ["--prompt-file", str(PROMPT), "--max-tokens", str(max_tokens)] + (
-        ["--shard", mode] if session else [])
-    methods = {name: base + flags for name, flags in METHODS.items()}
+    options = ["--max-tokens", str(max_tokens)] + (["--shard", mode] if session else [])
+    runs = [(f"{prompt_name}: {method}", prompt + options + flags)
+            for prompt_name, prompt in PROMPTS.items() for method, flags in METHODS.items()]
     record = {"ranks": session.size if session else 1, "mode": mode, "methods": {},
               "blas_threads": fast_blas.num_threads()}
-    for warm_up in (True, False):
-        for name, argv in methods.items():  # a fresh model and sources each run: draft sources keep state
-            model, tokenizer, prompt, kwargs = main.build_run(main.build_parser().parse_args(argv), session)
-            result = generate(model, tokenizer, prompt, **dict(kwargs, max_tokens=4 if warm_up else max_tokens))
-            passes = result.stats.target_forward_passes
-            record["methods"][name] = {
-                "tps": result.generation_tps, "tokens": result.generation_tokens,
-                "passes_per_token": passes / max(result.generation_tokens, 1),
-                # decode seconds per verify pass (the first token's pass is prefill's)
-                "pass_ms": 1e3 * (result.generation_tokens - 1) / max(result.generation_tps, 1e-9) / max(passes - 1, 1),
-            }
+    # A warm-up of 4 tokens per method, then every run; a fresh model and sources each run
+    # (draft sources keep state).
+    for warm_up, (name, argv) in [(True, run) for run in runs[:len(METHODS)]] + [(False, run) for run in runs]:
+        model, tokenizer, prompt, kwargs = main.build_run(main.build_parser().parse_args(argv), session)
+        result = generate(model, tokenizer, prompt, **dict(kwargs, max_tokens=4 if warm_up else max_tokens))
+        passes = result.stats.target_forward_passes
+        record["methods"][name] = {
+            "tps": result.generation_tps, "tokens": result.generation_tokens,
+            "passes_per_token": passes / max(result.generation_tokens, 1),
+            # decode seconds per verify pass (the first token's pass is prefill's)
+            "pass_ms": 1e3 * (result.generation_tokens - 1) / max(result.generation_tps, 1e-9) / max(passes - 1, 1),
+        }
     if session:
-        model = main.build_run(main.build_parser().parse_args(base), session)[0]
+        model = main.build_run(main.build_parser().parse_args(runs[0][1]), session)[0]
         record["num_layers"] = len(model.layers) if mode == "tensor" else None
         record["collectives"] = collective_costs(model, session.group)
     mx.eval(mx.zeros(1))
