@@ -2,6 +2,7 @@
 
     python -m benchmarks.distributed                        # every configuration on localhost
     python -m benchmarks.distributed --configs 3:tensor     # one of them; the tables combine the parts
+    python -m benchmarks.distributed --logit-difference     # tensor-sharded logits vs one process's
 
 For each configuration (1 process; 2 ranks pipeline; 3 ranks tensor; 3 ranks
 pipeline) one launch decodes a code-editing prompt and a held-out chat prompt
@@ -123,6 +124,30 @@ def worker(mode: str, max_tokens: int):
     print(json.dumps(record), flush=True)
 
 
+def logit_difference():
+    """How far 3 tensor ranks' logits are from one process's on the code-edit prompt, beside the
+    smallest gap between a position's top two logits (a flip needs a gap below the difference)."""
+    fast_blas.load()
+    import mlx.core as mx
+
+    import distributed
+    from loading import load_model
+
+    session = distributed.start()
+    whole, tokenizer, _ = load_model()
+    tokens = mx.array(tokenizer.encode(Path(PROMPTS["code edit"][1]).read_text()))[None]
+    reference = whole(tokens)
+    logits = session.shard(load_model(None, lazy=True)[0], "tensor")(tokens)
+    mx.eval(logits, reference)  # on every rank: the sharded pass is collective
+    difference = mx.abs(logits - reference).reshape(-1)
+    top_two = mx.sort(reference[0], axis=-1)[:, -2:]
+    print(json.dumps({"positions": tokens.shape[1], "max_difference": difference.max().item(),
+                      "median_difference": mx.sort(difference)[difference.size // 2].item(),
+                      "max_logit": mx.abs(reference).max().item(),
+                      "smallest_top_two_gap": (top_two[:, 1] - top_two[:, 0]).min().item(),
+                      "same_argmax": mx.array_equal(logits.argmax(-1), reference.argmax(-1)).item()}), flush=True)
+
+
 def start_ranks(ranks: int, command: list) -> subprocess.CompletedProcess:
     """Start ``ranks`` ring ranks on localhost as ``mlx.launch`` does (a hostfile and MLX_RANK), minus
     its launcher process: that one's thread per rank polls the rank's always-writable stdin pipe and
@@ -218,13 +243,19 @@ def main():
     parser.add_argument("--configs", default=",".join(f"{ranks}:{mode}" for ranks, mode in CONFIGS),
                         help="Which to launch, as ranks:sharding (default: all four). Launch them in parts "
                              "to keep each run short: the tables combine every configuration in --records.")
+    parser.add_argument("--logit-difference", action="store_true",
+                        help="Only compare 3 tensor ranks' logits with one process's (near-ties).")
     parser.add_argument("--launcher", choices=["direct", "mlx.launch"], default="direct",
                         help="Start localhost ranks directly (default) or through mlx.launch.")
     parser.add_argument("--records", default=str(ROOT / "benchmarks" / "results" / "distributed.jsonl"),
                         help="JSON lines, one per configuration; a new run replaces its configuration's line.")
     args = parser.parse_args()
+    if args.worker == "logits":
+        return logit_difference()
     if args.worker:
         return worker(args.worker, args.max_tokens)
+    if args.logit_difference:
+        return print(start_ranks(3, [sys.executable, __file__, "--worker", "logits"]).stdout.strip())
     path = Path(args.records)
     records = {}
     if path.exists():
