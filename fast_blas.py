@@ -165,6 +165,42 @@ def load(system: bool = True, warn: bool = True) -> Optional[str]:
     return None
 
 
+# Variables that fix a BLAS's thread count when the library loads; a user who sets one keeps it.
+THREAD_VARIABLES = ("OPENBLAS_NUM_THREADS", "GOTO_NUM_THREADS", "MKL_NUM_THREADS", "OMP_NUM_THREADS")
+# Each library's run-time (setter, getter): they change the count after loading, when the
+# variables above no longer act.
+THREAD_FUNCTIONS = {"openblas": ("openblas_set_num_threads", "openblas_get_num_threads"),
+                    "mkl": ("MKL_Set_Num_Threads", "MKL_Get_Max_Threads")}
+
+
+def _thread_functions():
+    """The loaded fast BLAS's (setter, getter) as ctypes functions, or None."""
+    path = loaded()
+    if path is None:
+        return None
+    kind = next((kind for kind in THREAD_FUNCTIONS if kind in Path(path).name), None)
+    library = ctypes.CDLL(path)  # already mapped: the same library, not a second copy
+    names = THREAD_FUNCTIONS.get(kind, ())
+    if not names or not all(hasattr(library, name) for name in names):
+        return None
+    return tuple(getattr(library, name) for name in names)
+
+
+def set_num_threads(count: int) -> bool:
+    """Run the loaded fast BLAS's later calls on ``count`` threads; False when there is none."""
+    functions = _thread_functions()
+    if functions is None:
+        return False
+    functions[0](ctypes.c_int(count))
+    return True
+
+
+def num_threads() -> Optional[int]:
+    """Threads the loaded fast BLAS uses per call (None without one)."""
+    functions = _thread_functions()
+    return None if functions is None else functions[1]()
+
+
 def describe() -> str:
     """The BLAS MLX's CPU matmuls use, in words."""
     if sys.platform == "darwin":

@@ -55,7 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--num-draft", type=int, default=None,
                         help="Tokens to draft per step (default: each source's measured best).")
     parser.add_argument("--no-adaptive", action="store_true", help="Keep the draft length fixed at --num-draft.")
-    distributed = parser.add_argument_group("distributed (under mlx.launch; see distributed/README.md)")
+    distributed = parser.add_argument_group(
+        "distributed (under mlx.launch; see distributed/README.md)",
+        "Ranks on one host split its cores between their BLAS threads unless OPENBLAS_NUM_THREADS is set.")
     distributed.add_argument("--shard", choices=["auto", "tensor", "pipeline"], default="auto",
                              help="How to split the target over the ranks (default: tensor where the heads divide).")
     distributed.add_argument("--dist-timeout", type=float, default=120.0,
@@ -173,8 +175,6 @@ def build_run(args, session=None):
             draft_model, draft_tokenizer, model, tokenizer, encoder_input=search_extra or None,
             temp=args.temp, top_p=args.top_p, adaptive=not args.no_adaptive, **options))
     if args.draft_head is not None:
-        if session is not None:  # the head would need the sharded target's hidden states on every rank
-            raise CliError("--draft-head does not work on a sharded target yet; use --prompt-lookup or --draft-model")
         model = add_draft_head(model, sources, search_extra, args)
     kwargs = dict(draft_sources=sources, constraint=constraint, temp=args.temp, top_p=args.top_p,
                   max_tokens=max_tokens, stats=DecodingStats())

@@ -4,11 +4,13 @@
     mlx.launch --hostfile hosts.json main.py --model mlx-community/...
 
 Every rank runs the same decoding loop with the same draft sources and seed;
-the target's logits are broadcast from one rank, so every accept decision (and
-every random draw) is the same everywhere without extra messages. Only rank 0
-prints. See README.md in this folder.
+the target's final hidden states are broadcast from one rank and every rank
+applies the output head to them, so every accept decision (and every random
+draw) is the same everywhere without extra messages. Only rank 0 prints. See
+README.md in this folder.
 """
 
+import json
 import os
 import sys
 from contextlib import contextmanager
@@ -17,7 +19,9 @@ from typing import Optional
 
 import mlx.core as mx
 
-from .sharding import MODES, ShardedModel, shard_model
+import fast_blas
+
+from .sharding import MODES, shard_model
 from .watchdog import Watchdog
 
 DEFAULT_TIMEOUT = 120.0  # seconds a rank waits on its peers (connect, each forward pass)
@@ -36,6 +40,36 @@ def launched_rank() -> Optional[int]:
         if name in os.environ:
             return int(os.environ[name])
     return None
+
+
+def local_ranks(rank: int, environ=os.environ) -> int:
+    """How many ranks of this launch run on this rank's host (1 when the launcher does not say).
+
+    mpirun says it; for the ring backend, ``mlx.launch`` writes a hostfile with one list of
+    ``ip:port`` per rank, and ranks on one host share its addresses.
+    """
+    if "OMPI_COMM_WORLD_LOCAL_SIZE" in environ:
+        return int(environ["OMPI_COMM_WORLD_LOCAL_SIZE"])
+    try:
+        hosts = json.loads(Path(environ["MLX_HOSTFILE"]).read_text())
+        addresses = [{address.rsplit(":", 1)[0] for address in host} for host in hosts]
+        return addresses.count(addresses[rank])
+    except (KeyError, OSError, ValueError, TypeError, AttributeError, IndexError):
+        return 1
+
+
+def share_cores(local: int, environ=os.environ) -> Optional[int]:
+    """Split this host's cores between its ``local`` ranks' BLAS threads; returns the count set.
+
+    Each BLAS starts one thread per core; ranks sharing a host then fight over cores
+    (2 ranks on 2 cores: 6.7x slower, benchmarks/results/distributed.md). An explicit
+    OPENBLAS_NUM_THREADS (or MKL_/OMP_NUM_THREADS) is kept.
+    """
+    if local <= 1 or any(name in environ for name in fast_blas.THREAD_VARIABLES):
+        return None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    threads = max(1, cores // local)
+    return threads if fast_blas.set_num_threads(threads) else None
 
 
 def quiet_native_stderr():
@@ -62,8 +96,8 @@ class Session:
         self.group, self.watchdog = group, watchdog
         self.rank, self.size = group.rank(), group.size()
 
-    def shard(self, model, mode: str = "auto") -> ShardedModel:
-        """Shard a lazily loaded mlx-lm model; the watchdog restarts at its first forward pass."""
+    def shard(self, model, mode: str = "auto"):
+        """Shard a lazily loaded mlx-lm model in place; the watchdog restarts at its first forward pass."""
         if hasattr(model, "encode"):
             raise DistributedError("a T5 target cannot be sharded; run it in one process")
         try:
@@ -77,7 +111,8 @@ def start(timeout: float = DEFAULT_TIMEOUT) -> Optional[Session]:
 
     Connecting is bounded by ``timeout``: ring's rank 0 would otherwise wait for
     a missing peer forever. Ranks other than 0 print nothing to stdout, and no
-    rank reads stdin (give the prompt with --prompt or --prompt-file).
+    rank reads stdin (give the prompt with --prompt or --prompt-file). Ranks that
+    share a host split its cores between their BLAS threads (``share_cores``).
     """
     rank = launched_rank()
     hostfile = os.environ.get("MLX_HOSTFILE")
@@ -93,6 +128,7 @@ def start(timeout: float = DEFAULT_TIMEOUT) -> Optional[Session]:
         watchdog.stop()
         return None
     watchdog.pause()  # loading weights is local work; the clock restarts at the first forward pass
+    share_cores(local_ranks(group.rank()))
     if group.rank() != 0:
         sys.stdout = open(os.devnull, "w")
     # mlx.launch forwards its stdin but never closes the ranks' end: reading it would wait forever.

@@ -13,6 +13,10 @@ from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).resolve().parent)]
 
+import fast_blas  # noqa: E402
+
+fast_blas.load()  # before mlx.core, as main.py does
+
 import mlx.core as mx  # noqa: E402
 
 import distributed  # noqa: E402
@@ -21,7 +25,7 @@ from decoder import generate  # noqa: E402
 
 
 def run_cases(cases, session=None):
-    """Yields ``{"argv", "tokens", "passes", "mode"}`` for each argv list in ``cases``."""
+    """Yields ``{"argv", "tokens", "passes", "accepted", "mode", "blas_threads"}`` for each argv list in ``cases``."""
     for argv in cases:
         args = main.build_parser().parse_args(argv)
         mx.random.seed(args.seed)
@@ -29,7 +33,8 @@ def run_cases(cases, session=None):
         with distributed.reporting_faults():
             result = generate(model, tokenizer, prompt, **kwargs)
         yield {"argv": argv, "tokens": result.tokens, "passes": result.stats.target_forward_passes,
-               "mode": getattr(model, "mode", "single")}
+               "accepted": result.stats.draft_accepted,
+               "mode": getattr(model.model, "mode", "single"), "blas_threads": fast_blas.num_threads()}
 
 
 def tiny_logits_match(mode: str) -> dict:

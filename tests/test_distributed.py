@@ -18,6 +18,9 @@ import pytest
 
 import mlx.core as mx
 
+import distributed
+import fast_blas
+
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "tests" / "distributed_worker.py"
 LAUNCH = shutil.which("mlx.launch", path=str(Path(sys.executable).parent)) or shutil.which("mlx.launch")
@@ -32,6 +35,11 @@ SAMPLED = ["--prompt", "Write a haiku about rain.", "--max-tokens", "8", "--temp
 LOOKUP = ["--prompt", "Repeat this line twice: the quick brown fox jumps over the lazy dog.",
           "--prompt-lookup", "--max-tokens", "16"]
 REGEX = ["--prompt", "When did the Berlin wall fall?", "--regex", r"[0-9]{4}-[0-9]{2}-[0-9]{2}", "--max-tokens", "12"]
+HEAD = [*GREEDY, "--draft-head"]  # the shipped head reads the sharded target's hidden states
+SAMPLED_HEAD = [*SAMPLED, "--draft-head"]
+SELF_DRAFT = "<self-draft>"  # replaced by the path of the embedded model's first 24 layers
+DRAFT = ["--prompt", "List three fruits.", "--max-tokens", "12", "--draft-model", SELF_DRAFT,
+         "--no-adaptive", "--num-draft", "3"]  # accepts some drafts and rejects others
 
 
 def free_port(count: int) -> int:
@@ -51,10 +59,12 @@ def free_port(count: int) -> int:
 
 
 def launch(ranks: int, *command, timeout=300):
+    # The ranks choose their own BLAS thread count (distributed.share_cores) unless told.
+    env = {name: value for name, value in os.environ.items() if name not in fast_blas.THREAD_VARIABLES}
     # stdin stays an open pipe: mlx.launch busy-polls a closed one.
     return subprocess.run([LAUNCH, "-n", str(ranks), "--backend", "ring", "-p", str(free_port(ranks)), "--",
                            sys.executable, *command], stdin=subprocess.PIPE, capture_output=True, text=True,
-                          cwd=ROOT, env=os.environ.copy(), timeout=timeout)
+                          cwd=ROOT, env=env, timeout=timeout)
 
 
 def single_process(cases):
@@ -72,17 +82,34 @@ def sharded(ranks, cases):
     return records
 
 
+@pytest.fixture(scope="module")
+def self_draft(embedded, tmp_path_factory):
+    from convert import convert
+    from loading import embedded_gguf
+
+    return convert(str(tmp_path_factory.mktemp("draft") / "draft"), gguf=str(embedded_gguf()), num_layers=24)
+
+
+def expected_blas_threads(ranks: int):
+    """What ``distributed.share_cores`` should set on ranks sharing this host (None without a fast BLAS)."""
+    return max(1, len(os.sched_getaffinity(0)) // ranks) if fast_blas.loaded() else None
+
+
 @pytest.mark.parametrize("ranks, mode, cases", [
-    (3, "tensor", [GREEDY, LOOKUP]),  # 60 all-reduces per pass: the slow one on 2 cores
-    (2, "pipeline", [SAMPLED, REGEX]),
+    (3, "tensor", [GREEDY, LOOKUP, HEAD]),  # 60 all-reduces per pass: the slow one on 2 cores
+    (2, "pipeline", [SAMPLED, REGEX, HEAD, SAMPLED_HEAD, DRAFT]),
 ])
-def test_sharded_tokens_equal_one_process(embedded, ranks, mode, cases):
+def test_sharded_tokens_equal_one_process(embedded, self_draft, ranks, mode, cases):
+    cases = [[str(self_draft) if arg == SELF_DRAFT else arg for arg in case] for case in cases]
     expected = single_process(cases)
     got = sharded(ranks, cases)
     for want, have in zip(expected, got):
         assert have["mode"] == mode
         assert have["tokens"] == want["tokens"], have["argv"]
         assert have["passes"] == want["passes"], have["argv"]  # same drafts accepted, step for step
+        assert have["blas_threads"] == expected_blas_threads(ranks)
+        if {"--draft-head", "--draft-model"} & set(have["argv"]):
+            assert want["accepted"] > 0, have["argv"]  # the draft was used, not only rejected
 
 
 def test_pipeline_logits_are_bit_identical_on_a_tiny_model():
@@ -94,13 +121,14 @@ def test_pipeline_logits_are_bit_identical_on_a_tiny_model():
 
 
 def test_cli_under_mlx_launch(embedded):
-    """main.py itself: one JSON object on stdout (rank 0 only), forced pipeline over 3 ranks."""
-    args = [*LOOKUP, "--json", "--shard", "pipeline"]
-    expected = single_process([LOOKUP])[0]
-    result = launch(3, "main.py", *args)
+    """main.py itself: one JSON object on stdout (rank 0 only), forced pipeline over 3 ranks,
+    prompt lookup and the draft head together."""
+    case = [*LOOKUP, "--draft-head"]
+    expected = single_process([case])[0]
+    result = launch(3, "main.py", *case, "--json", "--shard", "pipeline")
     assert result.returncode == 0, result.stderr
     data = json.loads(result.stdout)
-    assert data["tokens"] == expected["tokens"] and data["draft_accepted"] > 0
+    assert data["tokens"] == expected["tokens"] and data["draft_accepted"] == expected["accepted"] > 0
 
 
 def run_rank(rank, hostfile, *command):
@@ -151,8 +179,41 @@ def test_missing_dead_or_stuck_peer_ends_with_one_line(embedded, hostfile, peer_
     assert time.perf_counter() - tic < 100
 
 
-def test_draft_head_on_a_sharded_target_is_refused_in_one_line(embedded):
-    """The head reads the target's hidden states, which a sharded target does not hand out yet."""
-    result = launch(2, "main.py", *GREEDY, "--draft-head")
-    assert "--draft-head does not work on a sharded target" in result.stderr
-    assert "Traceback" not in result.stderr and result.stdout == ""
+@pytest.mark.parametrize("hosts, rank, local", [
+    ([["127.0.0.1:5000"], ["127.0.0.1:5001"], ["127.0.0.1:5002"]], 1, 3),  # mlx.launch -n 3
+    ([["192.168.2.1:5000"], ["192.168.2.2:5001"]], 0, 1),  # two Macs
+    ([["10.0.0.1:5000", "10.0.1.1:5001"], ["10.0.0.1:5002", "10.0.1.1:5003"], ["10.0.0.2:5004"]], 0, 2),
+    ([["10.0.0.1:5000"], ["10.0.0.1:5001"], ["10.0.0.2:5002"]], 2, 1),
+])
+def test_local_ranks_from_the_ring_hostfile(tmp_path, hosts, rank, local):
+    path = tmp_path / "hosts.json"
+    path.write_text(json.dumps(hosts))
+    assert distributed.local_ranks(rank, {"MLX_HOSTFILE": str(path)}) == local
+    assert distributed.local_ranks(rank, {}) == 1
+    assert distributed.local_ranks(rank, {"OMPI_COMM_WORLD_LOCAL_SIZE": "4"}) == 4
+
+
+@pytest.mark.skipif(fast_blas.num_threads() is None, reason="no fast BLAS loaded")
+def test_ranks_sharing_a_host_split_its_cores_unless_told():
+    before = fast_blas.num_threads()
+    try:
+        assert distributed.share_cores(1, {}) is None and fast_blas.num_threads() == before
+        assert distributed.share_cores(2, {"OPENBLAS_NUM_THREADS": "2"}) is None and fast_blas.num_threads() == before
+        threads = distributed.share_cores(2, {})
+        assert threads == expected_blas_threads(2) and fast_blas.num_threads() == threads
+    finally:
+        fast_blas.set_num_threads(before)
+
+
+def test_choose_mode_falls_back_to_pipeline_and_refuses_in_one_sentence():
+    from distributed.sharding import choose_mode
+    from tests.helpers import tiny_llama
+
+    model = tiny_llama(num_layers=3)  # 4 query and 2 key/value heads
+    assert choose_mode(model, 2) == "tensor" and choose_mode(model, 3) == "pipeline"
+    with pytest.raises(ValueError, match="heads divide by 3; use --shard pipeline"):
+        choose_mode(model, 3, "tensor")
+    with pytest.raises(ValueError, match="4 ranks but only 3 layers"):
+        choose_mode(model, 4)
+    with pytest.raises(ValueError, match="no Llama-style body"):
+        choose_mode(model.model, 2)  # the body alone has no body of its own
