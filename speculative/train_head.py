@@ -1,14 +1,15 @@
-"""Train a draft head for a target by self-distillation, on a CPU in well under an hour.
+"""Train a draft head for a target by self-distillation, on a CPU in about an hour.
 
     python -m speculative.train_head --out speculative/heads/smollm2-135m
 
-Stages (batches of answers are cached in --work-dir, so a rerun resumes where it stopped):
-1. generate: the target answers generated instructions (speculative/instructions.py) greedily,
-   in batches of equal-length prompts; the same forward passes collect the target's final hidden
-   states (a second pass would double the cost on a shared CPU);
-2. train: feature regression (smooth L1) + cross-entropy on the target's next token within a
-   frequency-ranked sub-vocabulary; input features get noise, and an optional second unrolled
-   step feeds the head its own predictions, as it will see them when drafting.
+Stages (instructions and batches of answers are cached in --work-dir, so a rerun resumes):
+1. instructions: written by the target itself from its chat template, and from templates
+   (speculative/instructions.py);
+2. generate: the target answers them greedily, in batches of equal-length prompts; the same
+   forward passes collect its final hidden states (a second pass would double the cost);
+3. train: feature regression (smooth L1) + cross-entropy on the target's next token within a
+   frequency-ranked sub-vocabulary; input features get noise, and unrolled steps feed the head
+   its own predictions while attending as drafting does (``unrolled_predictions``).
 """
 
 import argparse
