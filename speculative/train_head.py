@@ -343,7 +343,9 @@ def main():
     report.update(vars(args), answer_tokens=int(sum(len(s["tokens"]) - s["prompt_length"] for s in sequences)))
     save_head(args.out, head, mx.array(vocab_ids), target, training=report)
     if written:  # what the target wrote itself, kept with the head (the templates are in the code)
-        (Path(args.out) / "instructions.json").write_text(json.dumps(written["self"], indent=0))
+        path = Path(args.out) / "instructions.json"
+        path.with_suffix(".tmp").write_text(json.dumps(written["self"], indent=0))
+        path.with_suffix(".tmp").replace(path)
     print(f"saved the head to {args.out}")
 
 
