@@ -314,14 +314,14 @@ def main():
     target, tokenizer, _ = load_model(args.model)
     work = Path(args.work_dir) if args.work_dir else cache_dir() / "draft-head-data"
     eos_ids = set(tokenizer.eos_token_ids)
-    sequences, features, written, tic = [], [], {}, time.perf_counter()
+    sequences, features, self_written, tic = [], [], None, time.perf_counter()
     for source in args.instructions:
         source_dir = work / f"{source}-seed{args.seed}"
         source_dir.mkdir(parents=True, exist_ok=True)
         texts = cached_instructions(source_dir / f"instructions-{args.num_instructions}.json", source, target,
                                     tokenizer, args.num_instructions, args.seed)
         if source == "self":
-            written = {"self": texts}
+            self_written = texts
         prompts = [tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
                    for text in texts]
         minutes_left = args.generate_minutes - (time.perf_counter() - tic) / 60
@@ -342,9 +342,9 @@ def main():
                          seed=args.seed, init=init)
     report.update(vars(args), answer_tokens=int(sum(len(s["tokens"]) - s["prompt_length"] for s in sequences)))
     save_head(args.out, head, mx.array(vocab_ids), target, training=report)
-    if written:  # what the target wrote itself, kept with the head (the templates are in the code)
+    if self_written:  # what the target wrote itself, kept with the head (the templates are in the code)
         path = Path(args.out) / "instructions.json"
-        path.with_suffix(".tmp").write_text(json.dumps(written["self"], indent=0))
+        path.with_suffix(".tmp").write_text(json.dumps(self_written, indent=0))
         path.with_suffix(".tmp").replace(path)
     print(f"saved the head to {args.out}")
 
