@@ -12,10 +12,10 @@ Stages (instructions and batches of answers are cached in --work-dir, so a rerun
    its own predictions while attending as drafting does (``unrolled_predictions``).
 """
 
-import argparse
 import hashlib
 import json
 import math
+import sys
 import time
 from pathlib import Path
 
@@ -26,7 +26,8 @@ import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 from tqdm import tqdm
 
-from speculative.head import DraftHead, head_args, load_head, logits_from_hidden, output_weight, save_head
+from cli import CliError, Parser, check_finite
+from speculative.head import DraftHead, HeadMismatch, head_args, load_head, logits_from_hidden, output_weight, save_head
 
 
 def answer_with_features(model, prompts: list, max_tokens: int, eos_ids) -> list:
@@ -284,7 +285,7 @@ def evaluate(head, embed, out_rows, sequences, features, offsets, indices, sub_i
 
 
 def main():
-    parser = argparse.ArgumentParser(description="Train a draft head for a target model by self-distillation.")
+    parser = Parser(description="Train a draft head for a target model by self-distillation.")
     parser.add_argument("--model", default=None, help="Target model (default: the embedded SmolLM2-135M-Instruct).")
     parser.add_argument("--out", default="speculative/heads/smollm2-135m", help="Head directory to write.")
     parser.add_argument("--work-dir", default=None, help="Cache of the generated data (default: ~/.cache/mlx-decoding/draft-head-data).")
@@ -309,9 +310,29 @@ def main():
     parser.add_argument("--init", default=None, help="Continue training this head directory (default: a fresh head).")
     parser.add_argument("--seed", type=int, default=0, help="Seed for the instructions and training (default: 0).")
     args = parser.parse_args()
+    try:
+        check_arguments(args)
+        run(args)
+    except (CliError, HeadMismatch) as error:
+        sys.exit(f"error: {error}")
 
+
+def check_arguments(args):
+    """Refuse values that would fail only after minutes of generation (one line each)."""
+    check_finite(args)
+    for name in ("num_instructions", "max_tokens", "batch_size", "sub_vocab", "epochs", "unroll"):
+        if getattr(args, name) < 1:
+            raise CliError(f"--{name.replace('_', '-')} must be at least 1, not {getattr(args, name)}")
+    if args.generate_minutes < 0 or args.minutes <= 0:
+        raise CliError("--generate-minutes must be >= 0 and --minutes > 0")
+
+
+def run(args):
     from loading import cache_dir, load_model
     target, tokenizer, _ = load_model(args.model)
+    init = None
+    if args.init:  # before generating, so a wrong head directory costs seconds, not an hour
+        init, init_ids = load_head(args.init, target)
     work = Path(args.work_dir) if args.work_dir else cache_dir() / "draft-head-data"
     eos_ids = set(tokenizer.eos_token_ids)
     sequences, features, self_written, tic = [], [], None, time.perf_counter()
@@ -333,9 +354,7 @@ def main():
     offsets = np.cumsum([0] + [len(s["tokens"]) for s in sequences])
     print(f"{len(sequences)} answers, {features.shape[0]} positions")
     vocab_ids = sub_vocabulary(sequences, args.sub_vocab, eos_ids, target.args.vocab_size)
-    init = None
-    if args.init:
-        init, init_ids = load_head(args.init, target)
+    if init is not None:
         vocab_ids = np.array(init_ids)  # the head's scores are tied to its sub-vocabulary
     head, report = train(target, sequences, features, offsets, vocab_ids, minutes=args.minutes, epochs=args.epochs,
                          lr=args.lr, unroll=args.unroll, noise=args.noise, token_weight=args.token_weight,

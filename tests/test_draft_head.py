@@ -213,3 +213,23 @@ def test_a_model_that_never_ends_a_user_turn_is_refused(embedded):
     with pytest.raises(ValueError, match="no complete user turn"):
         self_instructions(babbler, tokenizer, 1, batch_size=4, max_tokens=4)
 
+
+@pytest.mark.parametrize("args,fragment", [
+    (["--instructions", "bogus"], "invalid choice: 'bogus'"),
+    (["--num-instructions", "0"], "--num-instructions must be at least 1"),
+    (["--minutes", "nan"], "--minutes must be a finite number"),
+    (["--init", "{tmp}", "--generate-minutes", "0"], "is not a draft head directory"),
+])
+def test_bad_training_input_is_one_line_before_generating(args, fragment, embedded, tmp_path):
+    import subprocess
+    import sys
+
+    from tests.test_cli import ROOT
+
+    args = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    result = subprocess.run([sys.executable, "-m", "speculative.train_head", "--out", str(tmp_path / "head"),
+                             "--work-dir", str(tmp_path / "work"), *args], capture_output=True, text=True,
+                            cwd=ROOT, timeout=300)
+    assert_one_line_error(result, fragment)
+    assert not (tmp_path / "work").exists()  # refused before any instruction was written
+
