@@ -97,14 +97,14 @@ def draft_head_cost_suite(model, tokenizer, args, repeats: int = 40):
     """One draft step (head + sub-vocabulary scores + argmax + sync) vs one target step, interleaved."""
     from mlx_lm.models.cache import make_prompt_cache
 
-    from speculative.head import load_head, output_weight
+    from speculative.head import body_with_features, load_head, output_weight
 
     head, vocab_ids = load_head(args.head, model)
     prompt = heldout_prompts(tokenizer)[0][1]
     cache, head_cache = make_prompt_cache(model), head.make_cache()
-    hidden = model.model(mx.array(prompt)[None], cache=cache)
+    hidden, features = body_with_features(model, mx.array(prompt)[None], head.feature_layers, cache)
     embed = model.model.embed_tokens
-    head(hidden[:, :-1], embed(mx.array(prompt[1:])[None]), cache=head_cache)
+    head(features[:, :-1], embed(mx.array(prompt[1:])[None]), cache=head_cache)
     # The head's ids are ranked by frequency: its first n rows are the n-token sub-vocabulary.
     sizes = [n for n in (2048, 4096) if n < vocab_ids.size] + [vocab_ids.size]
     rows = {f"sub-vocabulary {n}": mx.take(output_weight(model), vocab_ids[:n], axis=0) for n in sizes}
@@ -118,12 +118,16 @@ def draft_head_cost_suite(model, tokenizer, args, repeats: int = 40):
         for c in cache:
             c.trim(1)
 
-    def draft_step(out_rows):
+    def draft_step(out_rows, feature=feature):
         predicted = head(feature, embed(token), cache=head_cache)
         mx.argmax(predicted[0, -1] @ out_rows.T).item()
-        head_cache[0].trim(1)
+        for c in head_cache:
+            c.trim(1)
 
     steps = {"target step": target_step, **{f"head step, {k}": (lambda r=r: draft_step(r)) for k, r in rows.items()}}
+    if features.shape[-1] != hidden.shape[-1]:  # a fused head's first step also reduces the layers' features
+        last_row = rows[f"sub-vocabulary {vocab_ids.size}"]
+        steps["head step reading fused features"] = lambda: draft_step(last_row, features[:, -1:])
     times = {name: [] for name in steps}
     for _ in range(3):  # warm-up
         for step in steps.values():
@@ -144,7 +148,7 @@ def draft_head_misses_suite(model, tokenizer, args):
     """Where the head's misses go, teacher-forced on the target's own greedy answers to the
     held-out chat prompts: accuracy at draft depth 1 and 2 by how frequent the right token is."""
     from decoder import generate_step
-    from speculative.head import load_head, output_weight
+    from speculative.head import body_with_features, load_head, output_weight
     from speculative.train_head import unrolled_predictions
 
     head, vocab_ids = load_head(args.head, model)
@@ -156,9 +160,9 @@ def draft_head_misses_suite(model, tokenizer, args):
         answer = [t for t, _ in generate_step(prompt, model, max_tokens=args.max_tokens,
                                               eos_token_ids=eos_ids_of(tokenizer))]
         text = prompt + answer
-        hidden = model.model(mx.array(text)[None])
+        _, features = body_with_features(model, mx.array(text)[None], head.feature_layers)
         # Depth 2 reads depth 1's predictions and attends as drafting does.
-        predictions = unrolled_predictions(head, hidden, model.model.embed_tokens(mx.array(text)[None]), 2)
+        predictions = unrolled_predictions(head, features, model.model.embed_tokens(mx.array(text)[None]), 2)
         for depth, predicted in enumerate(predictions, start=1):
             guesses = vocab_ids[mx.argmax(predicted[0] @ out_rows.T, axis=-1)].tolist()
             for position, guess in enumerate(guesses):

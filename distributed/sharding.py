@@ -96,6 +96,7 @@ class ShardedBody(nn.Module):
     """
 
     mode = None
+    exposes_layer_outputs = False  # only the final hidden states are made equal on every rank
 
     def __init__(self, body, group, heartbeat: Optional[Callable] = None):
         super().__init__()

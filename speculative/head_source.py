@@ -16,46 +16,47 @@ from mlx_lm.models.cache import trim_prompt_cache
 
 from decoder import Draft, sampling_probs
 from speculative.adaptive import AdaptiveLength
-from speculative.head import load_head, logits_from_hidden, output_weight
+from speculative.head import FINAL, body_with_features, load_head, logits_from_hidden, output_weight
 
 CATCH_UP_CHUNK = 512  # positions per head call when reading a prompt (as the target's prefill)
 
 
 class HiddenStateTap:
-    """The target, keeping the final hidden states of every call (batch size 1).
+    """The target, keeping the features a head reads from every call (batch size 1): its
+    final hidden states, or the outputs of the layers in ``feature_layers``.
 
     Looks like the wrapped mlx-lm model (``layers``, ``args``, ``make_cache`` are the
     target's), so ``make_prompt_cache`` and ``trim_prompt_cache`` work as before.
     """
 
-    def __init__(self, target):
-        self.target = target
-        self.chunks = []  # (first position, (n, d) hidden states), contiguous and in order
+    def __init__(self, target, feature_layers=(FINAL,)):
+        self.target, self.feature_layers = target, feature_layers
+        self.chunks = []  # (first position, (n, k * d) features), contiguous and in order
 
     def __getattr__(self, name):
         return getattr(self.target, name)
 
     def __call__(self, inputs: mx.array, cache=None) -> mx.array:
         start = cache[0].offset if cache else 0
-        hidden = self.target.model(inputs, cache=cache)
+        hidden, features = body_with_features(self.target, inputs, self.feature_layers, cache)
         # A call at ``start`` overwrites what rejected drafts left at ``start`` and after.
         while self.chunks and self.chunks[-1][0] >= start:
             self.chunks.pop()
         if self.chunks:
             first, rows = self.chunks[-1]
             self.chunks[-1] = (first, rows[: start - first])
-        self.chunks.append((start, hidden[0]))
+        self.chunks.append((start, features[0]))
         return logits_from_hidden(self.target, hidden)
 
     def take(self, start: int, stop: int) -> mx.array:
-        """Hidden states at positions [start, stop); then forgets all but the last of them."""
+        """Features at positions [start, stop); then forgets all but the last of them."""
         rows = [rows[max(start - first, 0) : stop - first] for first, rows in self.chunks
                 if first < stop and first + rows.shape[0] > start]
         self.forget(stop - 1)
         return mx.concatenate(rows) if len(rows) > 1 else rows[0]
 
     def forget(self, position: int):
-        """Free the hidden states before ``position``."""
+        """Free the features before ``position``."""
         self.chunks = [(max(first, position), rows[max(position - first, 0):]) for first, rows in self.chunks
                        if first + rows.shape[0] > position]
 
@@ -102,7 +103,7 @@ class DraftHeadSource:
         from speculative.draft_model import parameter_count
 
         head, vocab_ids = load_head(head_dir, target)
-        tap = HiddenStateTap(target)
+        tap = HiddenStateTap(target, head.feature_layers)
         # A draft step reads the head and its output rows; a verified token costs ~0.09 of a step.
         read = parameter_count(head) + vocab_ids.size * target.args.hidden_size
         kwargs.setdefault("draft_token_cost", read / parameter_count(target) + 0.09)

@@ -6,7 +6,8 @@ Stages (instructions and batches of answers are cached in --work-dir, so a rerun
 1. instructions: written by the target itself from its chat template, and from templates
    (speculative/instructions.py);
 2. generate: the target answers them greedily, in batches of equal-length prompts; the same
-   forward passes collect its final hidden states (a second pass would double the cost);
+   forward passes collect its final hidden states (a second pass would double the cost). A head
+   that fuses several layers gets their outputs from one more, teacher-forced, pass per batch;
 3. train: feature regression (smooth L1) + cross-entropy on the target's next token within a
    frequency-ranked sub-vocabulary; input features get noise, and unrolled steps feed the head
    its own predictions while attending as drafting does (``unrolled_predictions``).
@@ -27,7 +28,8 @@ from mlx_lm.models.cache import make_prompt_cache
 from tqdm import tqdm
 
 from cli import CliError, Parser, check_finite
-from speculative.head import DraftHead, HeadMismatch, head_args, load_head, logits_from_hidden, output_weight, save_head
+from speculative.head import (FINAL, DraftHead, HeadMismatch, body_with_features, head_args, load_head,
+                              logits_from_hidden, output_weight, save_head)
 
 
 def answer_with_features(model, prompts: list, max_tokens: int, eos_ids) -> list:
@@ -60,17 +62,30 @@ def answer_with_features(model, prompts: list, max_tokens: int, eos_ids) -> list
     return out
 
 
+def layer_features(model, sequences: list, feature_layers) -> np.ndarray:
+    """(positions, k * d) float16 features of ``feature_layers`` for a batch of ``sequences``, from
+    one teacher-forced pass (padded on the right: causal attention keeps padding out of real rows)."""
+    tokens = np.zeros((len(sequences), max(len(s["tokens"]) for s in sequences)), np.int32)
+    for row, s in enumerate(sequences):
+        tokens[row, : len(s["tokens"])] = s["tokens"]
+    _, features = body_with_features(model, mx.array(tokens), feature_layers)
+    features = np.array(mx.clip(features, -60000, 60000).astype(mx.float16))  # float16's range
+    return np.concatenate([features[row, : len(s["tokens"])] for row, s in enumerate(sequences)])
+
+
 def generate_dataset(model, prompts: list, work: Path, max_tokens: int, batch_size: int, eos_ids,
-                     minutes: float) -> tuple:
+                     minutes: float, feature_layers=(FINAL,)) -> tuple:
     """Answer ``prompts`` in batches of equal prompt length, each saved to ``work`` as it is done
-    (a rerun resumes); starts no new batch after ``minutes``. Returns (sequences, features, offsets)."""
+    (a rerun resumes); starts no new batch after ``minutes``. Returns (sequences, final hidden
+    states, the head's input features: the same array unless ``feature_layers`` fuses several)."""
     by_length = {}
     for prompt in prompts:
         by_length.setdefault(len(prompt), []).append(prompt)
     batches = [group[i : i + batch_size] for group in by_length.values() for i in range(0, len(group), batch_size)]
     batches.sort(key=len, reverse=True)  # full batches first: most answers per second within ``minutes``
     tic = time.perf_counter()
-    sequences, features = [], []
+    sequences, features, inputs = [], [], []
+    fused = list(feature_layers) != [FINAL]
     for batch in tqdm(batches, desc="generate", unit="batch"):
         key = hashlib.sha256(json.dumps([batch, max_tokens]).encode()).hexdigest()[:16]
         path = work / f"batch-{key}.npz"  # named by its content: a changed prompt list never reads a stale batch
@@ -82,10 +97,17 @@ def generate_dataset(model, prompts: list, work: Path, max_tokens: int, batch_si
                      features=np.concatenate([f for _, f in answered]))
             path.with_suffix(".tmp.npz").replace(path)
         saved = np.load(path)
-        sequences += json.loads(str(saved["sequences"]))
+        answered = json.loads(str(saved["sequences"]))
+        sequences += answered
         features.append(saved["features"])
-    offsets = np.cumsum([0] + [len(s["tokens"]) for s in sequences])
-    return sequences, np.concatenate(features), offsets
+        if fused:
+            layers_path = path.with_name(f"{path.stem}-layers{'_'.join(map(str, feature_layers))}.npy")
+            if not layers_path.exists():
+                np.save(layers_path.with_suffix(".tmp.npy"), layer_features(model, answered, feature_layers))
+                layers_path.with_suffix(".tmp.npy").replace(layers_path)
+            inputs.append(np.load(layers_path))
+    features = np.concatenate(features)
+    return sequences, features, (np.concatenate(inputs) if fused else features)
 
 
 def cached_instructions(path: Path, source: str, target, tokenizer, count: int, seed: int) -> list:
@@ -129,23 +151,26 @@ def make_batches(sequences: list, batch_tokens: int, rng) -> list:
     return batches
 
 
-def batch_arrays(sequences, features, offsets, batch, sub_index):
-    """Padded (B, L) tokens, (B, L, d) features, and loss masks for one batch."""
+def batch_arrays(sequences, features, inputs, offsets, batch, sub_index):
+    """Padded (B, L) tokens, (B, L, k * d) input features, (B, L, d) final hidden states, and loss
+    masks for one batch."""
     length = max(len(sequences[i]["tokens"]) for i in batch)
     length = 32 * math.ceil(length / 32)  # few distinct shapes
     tokens = np.zeros((len(batch), length), np.int32)
     feats = np.zeros((len(batch), length, features.shape[1]), np.float16)
+    ins = feats if inputs is features else np.zeros((len(batch), length, inputs.shape[1]), np.float16)
     answer = np.zeros((len(batch), length), bool)
     valid = np.zeros((len(batch), length), bool)
     for row, i in enumerate(batch):
         seq = sequences[i]["tokens"]
         tokens[row, : len(seq)] = seq
         feats[row, : len(seq)] = features[offsets[i] : offsets[i + 1]]
+        ins[row, : len(seq)] = inputs[offsets[i] : offsets[i + 1]]
         valid[row, : len(seq)] = True
         answer[row, sequences[i]["prompt_length"] : len(seq)] = True
     labels = sub_index[tokens]
-    return (mx.array(tokens), mx.array(feats).astype(mx.float32), mx.array(valid), mx.array(answer),
-            mx.array(labels))
+    return (mx.array(tokens), mx.array(ins).astype(mx.float32), mx.array(feats).astype(mx.float32),
+            mx.array(valid), mx.array(answer), mx.array(labels))
 
 
 class UnrolledCache:
@@ -179,26 +204,27 @@ def unrolled_mask(length: int, step: int) -> mx.array:
 def unrolled_predictions(head, features, embeddings, steps: int) -> list:
     """The head's predicted features for draft steps 1..``steps`` at every position at once.
 
-    ``features`` (B, L, d) are the target's h_t and ``embeddings`` (B, L, d) those of x_t. Step s
+    ``features`` (B, L, k * d) are the target's features at t and ``embeddings`` (B, L, d) those of x_t. Step s
     returns (B, L - s, d): row t is h_{t+s} as the head predicts it when drafting its s-th token
     after position t (the target's features up to t, its own predictions after).
     """
-    cache, inputs, out = UnrolledCache(), features[:, :-1], []
+    caches, inputs, out = [UnrolledCache() for _ in range(head.num_layers)], features[:, :-1], []
     for step in range(1, steps + 1):
-        cache.offset = step - 1
-        predicted = head(inputs, embeddings[:, step:], cache=[cache], mask=unrolled_mask(inputs.shape[1], step))
+        for cache in caches:
+            cache.offset = step - 1
+        predicted = head(inputs, embeddings[:, step:], cache=caches, mask=unrolled_mask(inputs.shape[1], step))
         out.append(predicted)
         inputs = predicted[:, :-1]
     return out
 
 
-def head_losses(head, embed, out_rows, tokens, feats, valid, answer, labels, unroll, noise):
+def head_losses(head, embed, out_rows, tokens, inputs, feats, valid, answer, labels, unroll, noise):
     """Regression and token losses (and token accuracy) averaged over ``unroll`` steps.
 
     Step s predicts h_{t+s} and, through its scores, x_{t+s+1} (the target's greedy choice
     inside answers); input features get noise, as drafting's own predictions are never exact.
     """
-    inputs = feats + noise * mx.random.normal(feats.shape) if noise > 0 else feats
+    inputs = inputs + noise * mx.random.normal(inputs.shape) if noise > 0 else inputs
     total_reg = total_ce = total_acc = 0.0
     for shift, pred in enumerate(unrolled_predictions(head, inputs, embed(tokens), unroll), start=1):
         reg_mask = valid[:, shift:]
@@ -215,14 +241,17 @@ def head_losses(head, embed, out_rows, tokens, feats, valid, answer, labels, unr
     return total_reg / unroll, total_ce / unroll, total_acc / unroll
 
 
-def train(target, sequences, features, offsets, vocab_ids, *, steps_limit=None, minutes=20.0, epochs=4,
-          batch_tokens=2048, lr=1e-3, unroll=3, noise=0.05, token_weight=0.5, seed=0, validation=0.05,
-          init=None, log=print):
+def train(target, sequences, features, offsets, vocab_ids, *, inputs=None, feature_layers=(FINAL,), head_layers=1,
+          steps_limit=None, minutes=20.0, epochs=4, batch_tokens=2048, lr=1e-3, unroll=3, depth1_fraction=0.0,
+          noise=0.05, token_weight=0.5, seed=0, validation=0.05, init=None, log=print):
     """Train a head (fresh, or ``init`` further); returns ``(head, report)``. Stops after ``epochs``,
-    ``steps_limit`` or ``minutes``."""
+    ``steps_limit`` or ``minutes``. ``inputs`` are the features of ``feature_layers`` (default: the
+    final hidden states ``features``). The first ``depth1_fraction`` of training (by steps or time,
+    whichever is further along) trains draft depth 1 only, then ``unroll`` steps."""
     mx.random.seed(seed)
     rng = np.random.default_rng(seed)
-    head = init if init is not None else DraftHead(head_args(target.args))
+    inputs = features if inputs is None else inputs
+    head = init if init is not None else DraftHead(head_args(target.args), feature_layers, head_layers)
     embed = target.model.embed_tokens
     out_rows = mx.take(output_weight(target), mx.array(vocab_ids), axis=0).astype(mx.float32)
     sub_index = np.full(target.args.vocab_size, -1, np.int32)
@@ -234,13 +263,12 @@ def train(target, sequences, features, offsets, vocab_ids, *, steps_limit=None, 
     total_steps = min(steps_limit or 10**9, epochs * len(batches))
     optimizer = optim.AdamW(learning_rate=lr, weight_decay=0.0)
 
-    def learning_rate(step, elapsed):
+    def learning_rate(step, progress):
         """Warm up for 20 steps, then cosine decay to lr / 20 by whichever limit comes first."""
-        progress = max(step / total_steps, elapsed / (60 * minutes))
         return min((step + 1) / 20, 1.0) * (lr / 20 + (lr - lr / 20) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
 
-    def loss_fn(head, *arrays):
-        reg, ce, acc = head_losses(head, embed, out_rows, *arrays, unroll=unroll, noise=noise)
+    def loss_fn(head, depth, *arrays):
+        reg, ce, acc = head_losses(head, embed, out_rows, *arrays, unroll=depth, noise=noise)
         return reg + token_weight * ce, (reg, ce, acc)
 
     value_and_grad = nn.value_and_grad(head, loss_fn)
@@ -249,34 +277,37 @@ def train(target, sequences, features, offsets, vocab_ids, *, steps_limit=None, 
     step = 0
     while step < total_steps and time.perf_counter() - tic < 60 * minutes:
         batch = batches[step % len(batches)]
-        arrays = batch_arrays(sequences, features, offsets, [train_ids[i] for i in batch], sub_index)
-        optimizer.learning_rate = learning_rate(step, time.perf_counter() - tic)
-        (loss, (reg, ce, acc)), grads = value_and_grad(head, *arrays)
+        arrays = batch_arrays(sequences, features, inputs, offsets, [train_ids[i] for i in batch], sub_index)
+        progress = max(step / total_steps, (time.perf_counter() - tic) / (60 * minutes))
+        optimizer.learning_rate = learning_rate(step, progress)
+        # Depth 1 first: it learns ~3x faster per second unrolled alone, and decides most acceptance.
+        depth = 1 if progress < depth1_fraction else unroll
+        (loss, (reg, ce, acc)), grads = value_and_grad(head, depth, *arrays)
         grads, _ = optim.clip_grad_norm(grads, 1.0)
         optimizer.update(head, grads)
         mx.eval(head.parameters(), optimizer.state, loss)
         if step == 0:
             first_loss = loss.item()
-        bar.set_postfix(loss=f"{loss.item():.3f}", reg=f"{reg.item():.3f}", ce=f"{ce.item():.2f}",
+        bar.set_postfix(depth=depth, loss=f"{loss.item():.3f}", reg=f"{reg.item():.3f}", ce=f"{ce.item():.2f}",
                         acc=f"{acc.item():.2f}")
         bar.update(1)
         step += 1
     bar.close()
     report = {"steps": step, "first_loss": first_loss, "last_loss": loss.item(),
               "minutes": round((time.perf_counter() - tic) / 60, 2),
-              "held_out": evaluate(head, embed, out_rows, sequences, features, offsets, sorted(held_out),
-                                   sub_index, batch_tokens)}
+              "held_out": evaluate(head, embed, out_rows, sequences, features, inputs, offsets,
+                                   sorted(held_out), sub_index)}
     log(f"trained {step} steps: {json.dumps(report)}")
     return head, report
 
 
-def evaluate(head, embed, out_rows, sequences, features, offsets, indices, sub_index, batch_tokens) -> dict:
+def evaluate(head, embed, out_rows, sequences, features, inputs, offsets, indices, sub_index) -> dict:
     """Held-out token accuracy at draft depth 1 and 2 (an acceptance estimate), no noise."""
     accuracy = {}
     for unroll in (1, 2):
         hits = count = 0.0
         for start in range(0, len(indices), 8):
-            arrays = batch_arrays(sequences, features, offsets, indices[start : start + 8], sub_index)
+            arrays = batch_arrays(sequences, features, inputs, offsets, indices[start : start + 8], sub_index)
             _, _, acc = head_losses(head, embed, out_rows, *arrays, unroll=unroll, noise=0.0)
             hits += acc.item()
             count += 1
@@ -299,10 +330,16 @@ def main():
     parser.add_argument("--generate-minutes", type=float, default=45.0,
                         help="Start no new batch after this long (instructions included) and train on what is "
                              "done (default: 45; ~20 minutes are enough on 2 idle cores).")
+    parser.add_argument("--feature-layers", type=int, nargs="+", default=[FINAL],
+                        help="Target layers the head reads, ascending: -1 is the last hidden state (after the "
+                             "final norm); several are fused, e.g. 1 14 -1 for low, middle and top (default: -1).")
+    parser.add_argument("--head-layers", type=int, default=1, help="Decoder layers in the head (default: 1).")
     parser.add_argument("--sub-vocab", type=int, default=8192, help="Sub-vocabulary size (default: 8192).")
-    parser.add_argument("--epochs", type=int, default=4, help="Passes over the data (default: 4).")
-    parser.add_argument("--minutes", type=float, default=20.0, help="Stop training after this long (default: 20).")
+    parser.add_argument("--epochs", type=int, default=10, help="Passes over the data at most (default: 10).")
+    parser.add_argument("--minutes", type=float, default=30.0, help="Stop training after this long (default: 30).")
     parser.add_argument("--unroll", type=int, default=3, help="Training-time unrolled draft steps (default: 3).")
+    parser.add_argument("--depth1-fraction", type=float, default=0.5,
+                        help="Share of training spent on draft depth 1 alone before unrolling (default: 0.5).")
     parser.add_argument("--noise", type=float, default=0.05, help="Gaussian noise on input features (default: 0.05).")
     parser.add_argument("--lr", type=float, default=1e-3, help="Peak learning rate (default: 1e-3).")
     parser.add_argument("--token-weight", type=float, default=0.5,
@@ -320,11 +357,16 @@ def main():
 def check_arguments(args):
     """Refuse values that would fail only after minutes of generation (one line each)."""
     check_finite(args)
-    for name in ("num_instructions", "max_tokens", "batch_size", "sub_vocab", "epochs", "unroll"):
+    for name in ("num_instructions", "max_tokens", "batch_size", "sub_vocab", "epochs", "unroll", "head_layers"):
         if getattr(args, name) < 1:
             raise CliError(f"--{name.replace('_', '-')} must be at least 1, not {getattr(args, name)}")
-    if args.generate_minutes < 0 or args.minutes <= 0:
-        raise CliError("--generate-minutes must be >= 0 and --minutes > 0")
+    if args.generate_minutes < 0 or args.minutes <= 0 or not 0 <= args.depth1_fraction <= 1:
+        raise CliError("--generate-minutes must be >= 0, --minutes > 0 and --depth1-fraction within 0 to 1")
+    layers, inner = args.feature_layers, [i for i in args.feature_layers if i != FINAL]
+    if layers != [FINAL] and (len(layers) < 2 or min(layers) < FINAL or inner != sorted(set(inner))
+                              or FINAL in layers[:-1]):
+        raise CliError(f"--feature-layers must be -1, or two or more distinct layers in ascending order "
+                       f"(-1, if given, last), not {' '.join(map(str, layers))}")
 
 
 def run(args):
@@ -333,9 +375,12 @@ def run(args):
     init = None
     if args.init:  # before generating, so a wrong head directory costs seconds, not an hour
         init, init_ids = load_head(args.init, target)
+        args.feature_layers, args.head_layers = init.feature_layers, init.num_layers
+    if max(args.feature_layers) >= target.args.num_hidden_layers:
+        raise CliError(f"--feature-layers: the target has layers 0 to {target.args.num_hidden_layers - 1}")
     work = Path(args.work_dir) if args.work_dir else cache_dir() / "draft-head-data"
     eos_ids = set(tokenizer.eos_token_ids)
-    sequences, features, self_written, tic = [], [], None, time.perf_counter()
+    sequences, features, inputs, self_written, tic = [], [], [], None, time.perf_counter()
     for source in args.instructions:
         source_dir = work / f"{source}-seed{args.seed}"
         source_dir.mkdir(parents=True, exist_ok=True)
@@ -346,19 +391,23 @@ def run(args):
         prompts = [tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
                    for text in texts]
         minutes_left = args.generate_minutes - (time.perf_counter() - tic) / 60
-        answered, answered_features, _ = generate_dataset(target, prompts, source_dir, args.max_tokens,
-                                                          args.batch_size, eos_ids, minutes_left)
+        answered, answered_features, answered_inputs = generate_dataset(
+            target, prompts, source_dir, args.max_tokens, args.batch_size, eos_ids, minutes_left, args.feature_layers)
         sequences += answered
         features.append(answered_features)
+        inputs.append(answered_inputs)
     features = np.concatenate(features)
+    inputs = np.concatenate(inputs) if args.feature_layers != [FINAL] else features
     offsets = np.cumsum([0] + [len(s["tokens"]) for s in sequences])
     print(f"{len(sequences)} answers, {features.shape[0]} positions")
     vocab_ids = sub_vocabulary(sequences, args.sub_vocab, eos_ids, target.args.vocab_size)
     if init is not None:
         vocab_ids = np.array(init_ids)  # the head's scores are tied to its sub-vocabulary
-    head, report = train(target, sequences, features, offsets, vocab_ids, minutes=args.minutes, epochs=args.epochs,
-                         lr=args.lr, unroll=args.unroll, noise=args.noise, token_weight=args.token_weight,
-                         seed=args.seed, init=init)
+    head, report = train(target, sequences, features, offsets, vocab_ids, inputs=inputs,
+                         feature_layers=args.feature_layers, head_layers=args.head_layers, minutes=args.minutes,
+                         epochs=args.epochs,
+                         lr=args.lr, unroll=args.unroll, depth1_fraction=args.depth1_fraction, noise=args.noise,
+                         token_weight=args.token_weight, seed=args.seed, init=init)
     report.update(vars(args), answer_tokens=int(sum(len(s["tokens"]) - s["prompt_length"] for s in sequences)))
     save_head(args.out, head, mx.array(vocab_ids), target, training=report)
     if self_written:  # what the target wrote itself, kept with the head (the templates are in the code)

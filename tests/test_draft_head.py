@@ -10,27 +10,30 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from decoder import DecodingStats, generate_step
-from speculative.head import SHIPPED_HEAD, DraftHead, HeadMismatch, head_args, load_head, save_head
+from speculative.head import (FINAL, SHIPPED_HEAD, DraftHead, HeadMismatch, body_with_features, head_args, load_head,
+                              save_head)
 from speculative.head_source import DraftHeadSource, HiddenStateTap
-from speculative.train_head import answer_with_features, sub_vocabulary, train, unrolled_predictions
+from speculative.train_head import answer_with_features, layer_features, sub_vocabulary, train, unrolled_predictions
 from tests.helpers import assert_sampling_keeps_the_target_distribution, tiny_llama
 from tests.test_cli import assert_one_line_error, cli
 
 VOCAB = 64
 TARGET = tiny_llama(vocab_size=VOCAB, num_layers=3, seed=0)
 SUB_VOCAB = mx.arange(0, VOCAB, 2)  # half the vocabulary: some target tokens can never be drafted
+FUSED = [0, 1, FINAL]  # the tiny target's low and middle layers, and its last hidden state
 
 
-def random_head(target, seed):
+def random_head(target, seed, feature_layers=(FINAL,), num_layers=1):
     mx.random.seed(seed)
-    head = DraftHead(head_args(target.args))
+    head = DraftHead(head_args(target.args), feature_layers, num_layers)
     mx.eval(head.parameters())
     return head
 
 
-@pytest.fixture(scope="module")
-def trained():
-    """A head trained for a few steps on the tiny target's own greedy text, and its report."""
+@pytest.fixture(scope="module", params=[[FINAL], FUSED], ids=["last", "fused"])
+def trained(request):
+    """A head trained for a few steps on the tiny target's own greedy text, and its report
+    (the fused head has two decoder layers)."""
     prompts = np.random.default_rng(0).integers(0, VOCAB, size=(24, 4)).tolist()
     answered = answer_with_features(TARGET, prompts, max_tokens=24, eos_ids={0})
     sequences = [s for s, _ in answered]
@@ -39,22 +42,57 @@ def trained():
     features = np.concatenate([f for _, f in answered])
     offsets = np.cumsum([0] + [len(s["tokens"]) for s in sequences])
     vocab_ids = sub_vocabulary(sequences, 48, eos_ids={0}, vocab_size=VOCAB)
-    head, report = train(TARGET, sequences, features, offsets, vocab_ids, steps_limit=60, epochs=60, lr=3e-3,
-                         batch_tokens=4096, log=lambda *_: None)
+    inputs = layer_features(TARGET, sequences, request.param)
+    head, report = train(TARGET, sequences, features, offsets, vocab_ids, inputs=inputs, feature_layers=request.param,
+                         head_layers=2 if request.param == FUSED else 1,
+                         steps_limit=60, epochs=60, lr=3e-3, depth1_fraction=0.5, batch_tokens=4096, log=lambda *_: None)
     return head, mx.array(vocab_ids), report
 
 
-def test_training_lowers_the_loss(trained):
-    _, vocab_ids, report = trained
-    assert report["last_loss"] < 0.7 * report["first_loss"], report
-    assert vocab_ids[0].item() == 0  # the stop token is always in the sub-vocabulary
+def test_body_with_features_reads_the_layers_and_puts_them_back():
+    tokens = mx.array([[3, 1, 4, 1, 5, 9]])
+    body = TARGET.model
+    h, mask, outputs = body.embed_tokens(tokens), "causal", []
+    for layer in body.layers:
+        h = layer(h, mask)
+        outputs.append(h)
+    hidden, features = body_with_features(TARGET, tokens, FUSED)
+    assert mx.allclose(hidden, body.norm(h), atol=1e-5)
+    assert mx.allclose(features, mx.concatenate([outputs[0], outputs[1], hidden], axis=-1), atol=1e-5)
+    assert mx.array_equal(body_with_features(TARGET, tokens, [FINAL])[1], hidden)
+    assert all(type(layer) is type(body.layers[0]) for layer in body.layers)  # no recorder left behind
 
 
-def test_unrolled_training_steps_see_what_drafting_sees():
+def test_a_fused_head_is_refused_where_only_the_last_hidden_states_are_shared():
+    from distributed.sharding import ShardedBody
+
+    class Target:
+        model = ShardedBody(TARGET.model, group=None)
+
+    with pytest.raises(HeadMismatch, match=r"reads layers \[0, 1\].*sharded"):
+        body_with_features(Target(), mx.array([[1, 2]]), FUSED)
+
+
+def test_a_fused_head_is_refused_on_a_sharded_target_when_it_loads(trained, tmp_path):
+    from distributed.sharding import ShardedBody
+
+    head, vocab_ids, _ = trained
+    save_head(tmp_path / "head", head, vocab_ids, TARGET)
+    sharded = tiny_llama(vocab_size=VOCAB, num_layers=3, seed=0)
+    sharded.model = ShardedBody(sharded.model, group=None)
+    if head.feature_layers == [FINAL]:
+        load_head(tmp_path / "head", sharded)  # the last hidden states are what a sharded body shares
+    else:
+        with pytest.raises(HeadMismatch, match="sharded target"):
+            load_head(tmp_path / "head", sharded)
+
+
+@pytest.mark.parametrize("feature_layers,num_layers", [([FINAL], 1), (FUSED, 1), ([FINAL], 2)])
+def test_unrolled_training_steps_see_what_drafting_sees(feature_layers, num_layers):
     # Step s of training must compute, for every position t at once, what the head computes
     # when it drafts its s-th token after t with a real KV cache (true features up to t).
-    head, length, steps = random_head(TARGET, seed=3), 12, 3
-    features = mx.random.normal((1, length, TARGET.args.hidden_size))
+    head, length, steps = random_head(TARGET, seed=3, feature_layers=feature_layers, num_layers=num_layers), 12, 3
+    features = mx.random.normal((1, length, len(feature_layers) * TARGET.args.hidden_size))
     embeddings = TARGET.model.embed_tokens(mx.random.randint(0, VOCAB, (1, length)))
     unrolled = unrolled_predictions(head, features, embeddings, steps)
     for t in range(length - steps):
@@ -79,8 +117,8 @@ def test_greedy_output_with_the_head_equals_plain(trained, prompt, num_draft, ad
     from prompt_lookup import PromptLookupSource
 
     reference = tokens_of(prompt, TARGET, max_tokens=max_tokens)
-    for head, vocab_ids in ((trained[0], trained[1]), (random_head(TARGET, 7), SUB_VOCAB)):
-        tap = HiddenStateTap(TARGET)
+    for head, vocab_ids in ((trained[0], trained[1]), (random_head(TARGET, 7, num_layers=2), SUB_VOCAB)):
+        tap = HiddenStateTap(TARGET, head.feature_layers)
         source = DraftHeadSource(tap, head, vocab_ids, num_draft=num_draft, adaptive=adaptive,
                                  min_confidence=min_confidence)
         sources = [PromptLookupSource(), source] if with_lookup else [source]
@@ -92,7 +130,7 @@ def test_greedy_output_with_the_head_equals_plain(trained, prompt, num_draft, ad
 def test_the_trained_head_is_accepted_and_its_cache_follows_the_text(trained):
     head, vocab_ids, _ = trained
     stats = DecodingStats()
-    tap = HiddenStateTap(TARGET)
+    tap = HiddenStateTap(TARGET, head.feature_layers)
     source = DraftHeadSource(tap, head, vocab_ids, num_draft=3, adaptive=False)
     prompt = [5, 6, 7, 8]
     out = tokens_of(prompt, tap, [source], max_tokens=40, stats=stats)
@@ -120,13 +158,14 @@ def test_greedy_with_the_head_under_a_regex_equals_constrained_plain():
     assert run([head], tap) == run([], target)
 
 
-@pytest.mark.parametrize("temp,top_p,min_path_confidence", [(1.0, 1.0, 0.0), (0.8, 0.9, 0.0), (1.0, 1.0, 0.25)])
-def test_sampling_with_the_head_keeps_the_target_distribution(temp, top_p, min_path_confidence):
+@pytest.mark.parametrize("temp,top_p,min_path_confidence,feature_layers", [
+    (1.0, 1.0, 0.0, [FINAL]), (0.8, 0.9, 0.0, [FINAL]), (1.0, 1.0, 0.25, [FINAL]), (1.0, 1.0, 0.0, [0, FINAL])])
+def test_sampling_with_the_head_keeps_the_target_distribution(temp, top_p, min_path_confidence, feature_layers):
     target = tiny_llama(vocab_size=8, num_layers=2, seed=3, sharp=2.0)
-    head = random_head(target, 5)
+    head = random_head(target, 5, feature_layers)
 
     def make_run():
-        tap = HiddenStateTap(target)
+        tap = HiddenStateTap(target, feature_layers)
         # A sub-vocabulary of 6: q is zero on two tokens the target can still choose. With a
         # path-confidence stop, the draft length varies with the head's confidence.
         return tap, [DraftHeadSource(tap, head, mx.arange(6), temp=temp, top_p=top_p, num_draft=3, adaptive=False,
@@ -139,9 +178,13 @@ def test_a_head_for_another_target_is_refused(trained, tmp_path):
     head, vocab_ids, _ = trained
     save_head(tmp_path / "head", head, vocab_ids, TARGET)
     loaded, ids = load_head(tmp_path / "head", TARGET)
-    assert ids.tolist() == vocab_ids.tolist()
+    assert ids.tolist() == vocab_ids.tolist() and loaded.feature_layers == head.feature_layers
+    assert loaded.num_layers == head.num_layers
     # The float16 file round-trips to the head we trained (up to float16 rounding).
     assert mx.allclose(loaded.fuse.weight, head.fuse.weight, atol=1e-2).item()
+    prompt = [5, 6, 7, 8]
+    tap, source = DraftHeadSource.create(TARGET, tmp_path / "head", num_draft=3, adaptive=False)
+    assert tokens_of(prompt, tap, [source], max_tokens=20) == tokens_of(prompt, TARGET, max_tokens=20)
     same_shape = tiny_llama(vocab_size=VOCAB, num_layers=3, seed=1)
     with pytest.raises(HeadMismatch, match="same shape, different weights"):
         load_head(tmp_path / "head", same_shape)
@@ -219,6 +262,9 @@ def test_a_model_that_never_ends_a_user_turn_is_refused(embedded):
     (["--num-instructions", "0"], "--num-instructions must be at least 1"),
     (["--minutes", "nan"], "--minutes must be a finite number"),
     (["--init", "{tmp}", "--generate-minutes", "0"], "is not a draft head directory"),
+    (["--feature-layers", "14", "1", "-1"], "--feature-layers must be -1, or two or more"),
+    (["--feature-layers", "14"], "--feature-layers must be -1, or two or more"),
+    (["--feature-layers", "1", "30", "-1"], "the target has layers 0 to 29"),
 ])
 def test_bad_training_input_is_one_line_before_generating(args, fragment, embedded, tmp_path):
     import subprocess
