@@ -9,7 +9,8 @@ Stages (instructions and batches of answers are cached in --work-dir, so a rerun
    forward passes collect its final hidden states (a second pass would double the cost). A head
    that fuses several layers gets their outputs from one more, teacher-forced, pass per batch;
 3. train: feature regression (smooth L1) + cross-entropy on the target's next token within a
-   frequency-ranked sub-vocabulary; input features get noise, and unrolled steps feed the head
+   frequency-ranked sub-vocabulary; input features get noise. The first half trains draft
+   depth 1 alone (cheap, and it decides most acceptance); then unrolled steps feed the head
    its own predictions while attending as drafting does (``unrolled_predictions``).
 """
 
