@@ -18,7 +18,8 @@ import numpy as np
 
 from loading import cache_dir, load_model
 from speculative.head import FINAL
-from speculative.train_head import generate_dataset, sub_vocabulary, train
+from speculative.head_data import generate_dataset, sub_vocabulary
+from speculative.train_head import train
 
 ALL_LAYERS = [1, 14, 26, FINAL]  # every configuration below reads a subset of these
 
@@ -45,7 +46,8 @@ def main():
     parser.add_argument("--steps", type=int, default=300, help="Training steps per configuration (default: 300).")
     parser.add_argument("--head-layers", type=int, default=1, help="Decoder layers in each head (default: 1).")
     parser.add_argument("--configs", nargs="+", default=["-1", "1 14 26", "1 14 -1"],
-                        help="Feature layers per configuration, each a quoted list (default: -1, '1 14 26', '1 14 -1').")
+                        help="Feature layers per configuration, each a quoted list "
+                             "(default: -1, '1 14 26', '1 14 -1').")
     args = parser.parse_args()
     target, tokenizer, _ = load_model(None)
     sequences, features, inputs = cached_answers(target, tokenizer)

@@ -13,7 +13,8 @@ from decoder import DecodingStats, generate_step
 from speculative.head import (FINAL, SHIPPED_HEAD, DraftHead, HeadMismatch, body_with_features, head_args, load_head,
                               save_head)
 from speculative.head_source import DraftHeadSource, HiddenStateTap
-from speculative.train_head import answer_with_features, layer_features, sub_vocabulary, train, unrolled_predictions
+from speculative.head_data import answer_with_features, layer_features, sub_vocabulary
+from speculative.train_head import train, unrolled_predictions
 from tests.helpers import assert_sampling_keeps_the_target_distribution, tiny_llama
 from tests.test_cli import assert_one_line_error, cli
 
@@ -45,7 +46,8 @@ def trained(request):
     inputs = layer_features(TARGET, sequences, request.param)
     head, report = train(TARGET, sequences, features, offsets, vocab_ids, inputs=inputs, feature_layers=request.param,
                          head_layers=2 if request.param == FUSED else 1,
-                         steps_limit=60, epochs=60, lr=3e-3, depth1_fraction=0.5, batch_tokens=4096, log=lambda *_: None)
+                         steps_limit=60, epochs=60, lr=3e-3, depth1_fraction=0.5, batch_tokens=4096,
+                         log=lambda *_: None)
     return head, mx.array(vocab_ids), report
 
 
