@@ -12,33 +12,15 @@ minutes) and caches them beside the answers.
 """
 
 import argparse
-import json
 
 import numpy as np
 
 from loading import cache_dir, load_model
 from speculative.head import FINAL
-from speculative.head_data import generate_dataset, sub_vocabulary
+from speculative.head_data import sub_vocabulary, training_data
 from speculative.train_head import train
 
 ALL_LAYERS = [1, 14, 26, FINAL]  # every configuration below reads a subset of these
-
-
-def cached_answers(target, tokenizer, sources=("self", "templates"), num_instructions=1000, seed=0):
-    """The answers `make draft-head` generated (none is generated here) and the features of ALL_LAYERS."""
-    work = cache_dir() / "draft-head-data"
-    sequences, features, inputs = [], [], []
-    for source in sources:
-        source_dir = work / f"{source}-seed{seed}"
-        texts = json.loads((source_dir / f"instructions-{num_instructions}.json").read_text())
-        prompts = [tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
-                   for text in texts]
-        answered, final, layers = generate_dataset(target, prompts, source_dir, 128, 48, set(tokenizer.eos_token_ids),
-                                                   minutes=0.0, feature_layers=ALL_LAYERS)
-        sequences += answered
-        features.append(final)
-        inputs.append(layers)
-    return sequences, np.concatenate(features), np.concatenate(inputs)
 
 
 def main():
@@ -50,7 +32,11 @@ def main():
                              "(default: -1, '1 14 26', '1 14 -1').")
     args = parser.parse_args()
     target, tokenizer, _ = load_model(None)
-    sequences, features, inputs = cached_answers(target, tokenizer)
+    # `make draft-head`'s answers and settings; nothing new is generated (minutes=0).
+    sequences, features, inputs, _ = training_data(target, tokenizer, cache_dir() / "draft-head-data",
+                                                   ["self", "templates"], num_instructions=1000, seed=0,
+                                                   max_tokens=128, batch_size=48, minutes=0.0,
+                                                   feature_layers=ALL_LAYERS)
     offsets = np.cumsum([0] + [len(s["tokens"]) for s in sequences])
     vocab_ids = sub_vocabulary(sequences, 8192, set(tokenizer.eos_token_ids), target.args.vocab_size)
     size = target.args.hidden_size

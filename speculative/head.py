@@ -51,7 +51,6 @@ class DraftHead(nn.Module):
         super().__init__()
         self.args = args
         self.feature_layers = list(feature_layers)
-        self.num_layers = num_layers
         size = args.hidden_size
         if len(self.feature_layers) > 1:
             self.feature_scales = mx.ones((len(self.feature_layers), size))
@@ -64,6 +63,10 @@ class DraftHead(nn.Module):
         self.layer = llama.TransformerBlock(args)
         self.more_layers = [llama.TransformerBlock(args) for _ in range(num_layers - 1)]  # a deeper head
         self.norm = nn.RMSNorm(size, eps=args.rms_norm_eps)
+
+    @property
+    def num_layers(self) -> int:
+        return 1 + len(self.more_layers)
 
     def reduce_features(self, features: mx.array) -> mx.array:
         """(..., k * d) features of k layers -> (..., d); the head's own predictions pass as they are."""

@@ -98,6 +98,32 @@ def generate_dataset(model, prompts: list, work: Path, max_tokens: int, batch_si
     return sequences, features, (np.concatenate(inputs) if fused else features)
 
 
+def training_data(target, tokenizer, work: Path, sources, num_instructions: int, seed: int, max_tokens: int,
+                  batch_size: int, minutes: float, feature_layers=(FINAL,)) -> tuple:
+    """Instructions of each source (``self``, ``templates``) and the target's answers, one source
+    after the other, each cached in ``work/<source>-seed<seed>``; starts no new batch after
+    ``minutes`` (instructions included). Returns (sequences, final hidden states, the head's input
+    features, {source: instructions})."""
+    eos_ids = set(tokenizer.eos_token_ids)
+    sequences, features, inputs, texts, tic = [], [], [], {}, time.perf_counter()
+    for source in sources:
+        source_dir = work / f"{source}-seed{seed}"
+        source_dir.mkdir(parents=True, exist_ok=True)
+        texts[source] = cached_instructions(source_dir / f"instructions-{num_instructions}.json", source, target,
+                                            tokenizer, num_instructions, seed)
+        prompts = [tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+                   for text in texts[source]]
+        minutes_left = minutes - (time.perf_counter() - tic) / 60
+        answered, answered_features, answered_inputs = generate_dataset(
+            target, prompts, source_dir, max_tokens, batch_size, eos_ids, minutes_left, feature_layers)
+        sequences += answered
+        features.append(answered_features)
+        inputs.append(answered_inputs)
+    features = np.concatenate(features)
+    inputs = np.concatenate(inputs) if list(feature_layers) != [FINAL] else features
+    return sequences, features, inputs, texts
+
+
 def cached_instructions(path: Path, source: str, target, tokenizer, count: int, seed: int) -> list:
     """The instructions of one source, written to ``path`` once (atomically) so a rerun answers the
     same ones and reuses the cached batches of answers."""

@@ -29,7 +29,7 @@ from tqdm import tqdm
 
 from cli import CliError, Parser, check_finite
 from speculative.head import FINAL, DraftHead, HeadMismatch, head_args, load_head, output_weight, save_head
-from speculative.head_data import cached_instructions, generate_dataset, sub_vocabulary
+from speculative.head_data import sub_vocabulary, training_data
 
 
 def make_batches(sequences: list, batch_tokens: int, rng) -> list:
@@ -276,24 +276,10 @@ def run(args):
         raise CliError(f"--feature-layers: the target has layers 0 to {target.args.num_hidden_layers - 1}")
     work = Path(args.work_dir) if args.work_dir else cache_dir() / "draft-head-data"
     eos_ids = set(tokenizer.eos_token_ids)
-    sequences, features, inputs, self_written, tic = [], [], [], None, time.perf_counter()
-    for source in args.instructions:
-        source_dir = work / f"{source}-seed{args.seed}"
-        source_dir.mkdir(parents=True, exist_ok=True)
-        texts = cached_instructions(source_dir / f"instructions-{args.num_instructions}.json", source, target,
-                                    tokenizer, args.num_instructions, args.seed)
-        if source == "self":
-            self_written = texts
-        prompts = [tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
-                   for text in texts]
-        minutes_left = args.generate_minutes - (time.perf_counter() - tic) / 60
-        answered, answered_features, answered_inputs = generate_dataset(
-            target, prompts, source_dir, args.max_tokens, args.batch_size, eos_ids, minutes_left, args.feature_layers)
-        sequences += answered
-        features.append(answered_features)
-        inputs.append(answered_inputs)
-    features = np.concatenate(features)
-    inputs = np.concatenate(inputs) if args.feature_layers != [FINAL] else features
+    sequences, features, inputs, texts = training_data(
+        target, tokenizer, work, args.instructions, args.num_instructions, args.seed, args.max_tokens,
+        args.batch_size, args.generate_minutes, args.feature_layers)
+    self_written = texts.get("self")
     offsets = np.cumsum([0] + [len(s["tokens"]) for s in sequences])
     print(f"{len(sequences)} answers, {features.shape[0]} positions")
     vocab_ids = sub_vocabulary(sequences, args.sub_vocab, eos_ids, target.args.vocab_size)
