@@ -17,6 +17,7 @@ import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 from tqdm import tqdm
 
+from cli import CliError
 from speculative.head import FINAL, body_with_features, logits_from_hidden
 
 
@@ -71,12 +72,15 @@ def generate_dataset(model, prompts: list, work: Path, max_tokens: int, batch_si
         by_length.setdefault(len(prompt), []).append(prompt)
     batches = [group[i : i + batch_size] for group in by_length.values() for i in range(0, len(group), batch_size)]
     batches.sort(key=len, reverse=True)  # full batches first: most answers per second within ``minutes``
+    # Named by its content: a changed prompt list never reads a stale batch.
+    paths = [work / f"batch-{hashlib.sha256(json.dumps([batch, max_tokens]).encode()).hexdigest()[:16]}.npz"
+             for batch in batches]
+    if minutes <= 0 and not any(path.exists() for path in paths):
+        return [], None, None  # nothing cached, no time to generate
     tic = time.perf_counter()
     sequences, features, inputs = [], [], []
     fused = list(feature_layers) != [FINAL]
-    for batch in tqdm(batches, desc="generate", unit="batch"):
-        key = hashlib.sha256(json.dumps([batch, max_tokens]).encode()).hexdigest()[:16]
-        path = work / f"batch-{key}.npz"  # named by its content: a changed prompt list never reads a stale batch
+    for batch, path in tqdm(list(zip(batches, paths)), desc="generate", unit="batch"):
         if not path.exists():
             if time.perf_counter() - tic > 60 * minutes:
                 continue  # out of time, but batches cached by an earlier run are still used
@@ -94,6 +98,8 @@ def generate_dataset(model, prompts: list, work: Path, max_tokens: int, batch_si
                 np.save(layers_path.with_suffix(".tmp.npy"), layer_features(model, answered, feature_layers))
                 layers_path.with_suffix(".tmp.npy").replace(layers_path)
             inputs.append(np.load(layers_path))
+    if not sequences:  # out of time before the first batch
+        return [], None, None
     features = np.concatenate(features)
     return sequences, features, (np.concatenate(inputs) if fused else features)
 
@@ -116,9 +122,13 @@ def training_data(target, tokenizer, work: Path, sources, num_instructions: int,
         minutes_left = minutes - (time.perf_counter() - tic) / 60
         answered, answered_features, answered_inputs = generate_dataset(
             target, prompts, source_dir, max_tokens, batch_size, eos_ids, minutes_left, feature_layers)
-        sequences += answered
-        features.append(answered_features)
-        inputs.append(answered_inputs)
+        if answered:
+            sequences += answered
+            features.append(answered_features)
+            inputs.append(answered_inputs)
+    if not sequences:
+        raise CliError(f"no answers to train on: none is cached in {work} and no time was left to generate "
+                       "(raise --generate-minutes)")
     features = np.concatenate(features)
     inputs = np.concatenate(inputs) if list(feature_layers) != [FINAL] else features
     return sequences, features, inputs, texts

@@ -281,3 +281,20 @@ def test_bad_training_input_is_one_line_before_generating(args, fragment, embedd
     assert_one_line_error(result, fragment)
     assert not (tmp_path / "work").exists()  # refused before any instruction was written
 
+
+
+def test_no_time_to_generate_and_nothing_cached_is_one_line(embedded, tmp_path):
+    import subprocess
+    import sys
+
+    from tests.test_cli import ROOT
+
+    written = tmp_path / "work" / "templates-seed0" / "instructions-4.json"
+    written.parent.mkdir(parents=True)
+    written.write_text(json.dumps(["Name a colour.", "Name a fruit.", "Name a city.", "Name a tree."]))
+    result = subprocess.run([sys.executable, "-m", "speculative.train_head", "--out", str(tmp_path / "head"),
+                             "--work-dir", str(tmp_path / "work"), "--instructions", "templates",
+                             "--num-instructions", "4", "--generate-minutes", "0"], capture_output=True, text=True,
+                            cwd=ROOT, timeout=300)
+    assert_one_line_error(result, "no answers to train on")
+    assert not (tmp_path / "head").exists()
