@@ -10,11 +10,14 @@ Layers, as in mlx-lm:
     generate_step   -> yields (token, source) as tokens are accepted
     stream_generate -> yields Response (text segment, token, source)
     generate        -> GenerationResult (text, tokens and every statistic)
+
+Sources and constraints are reusable: the loop calls their ``reset()`` at the start
+of every generation.
 """
 
 import time
 from dataclasses import dataclass, field
-from typing import Iterator, Optional, Protocol, Sequence
+from typing import Callable, Iterator, Optional, Protocol, Sequence, Union
 
 import mlx.core as mx
 from mlx_lm.models.cache import (
@@ -45,6 +48,9 @@ class Draft:
 class DraftSource(Protocol):
     name: str
 
+    def reset(self) -> None:
+        """Forget the last generation; the loop calls this before each one."""
+
     def propose(self, tokens: list, max_draft: int) -> Optional[Draft]:
         """Propose up to ``max_draft`` tokens to follow ``tokens``."""
 
@@ -55,6 +61,9 @@ class DraftSource(Protocol):
 
 class Constraint(Protocol):
     """A token-level automaton that masks logits (see constrained/)."""
+
+    def reset(self) -> None:
+        """Go back to the start state; the loop calls this before each generation."""
 
     def walk(self, draft: list) -> list:
         """States before each allowed draft token and after the last one;
@@ -185,6 +194,23 @@ def accept_draft(
     return num_accepted, next_token
 
 
+def accept_sampled(logits: mx.array, draft: Draft, sampler: Callable) -> tuple:
+    """``accept_draft`` for any mlx-lm sampler (``logprobs -> token``), as mlx-lm verifies drafts.
+
+    Draw the target's own token at every position in one call and accept the draft
+    while it equals them. Each emitted token is then a draw of ``sampler`` given the
+    tokens before it, so the output follows the sampler exactly; a stochastic sampler
+    accepts less often than ``min(1, p/q)`` would.
+    """
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    # One sync per step, as in the greedy branch of accept_draft.
+    target = sampler(logprobs).tolist()
+    num_accepted = 0
+    while num_accepted < len(draft.tokens) and draft.tokens[num_accepted] == target[num_accepted]:
+        num_accepted += 1
+    return num_accepted, target[num_accepted]
+
+
 def prefill(model, cache, tokens: list, step_size: int = 512):
     """Run ``tokens`` through ``model`` into ``cache`` in chunks (bounded attention memory)."""
     for start in range(0, len(tokens), step_size):
@@ -212,26 +238,33 @@ def generate_step(
     prompt: Sequence[int],
     model,
     *,
+    eos_token_ids: Sequence[int],
     draft_sources: Sequence[DraftSource] = (),
     constraint: Optional[Constraint] = None,
     temp: float = 0.0,
     top_p: float = 1.0,
+    sampler: Optional[Callable] = None,
     max_tokens: int = 256,
-    eos_token_ids: Sequence[int] = (),
     stats: Optional[DecodingStats] = None,
     prefill_step_size: int = 512,
+    kv_cache: Optional[list] = None,
 ) -> Iterator[tuple]:
     """Generate tokens with draft-and-verify steps.
 
     Args:
         prompt: at least one token id.
         model: an mlx-lm model (``model(inputs, cache=cache) -> logits``).
+        eos_token_ids: stop after emitting one of these (``eos_ids_of(tokenizer)``; ``()`` for none).
         draft_sources: tried in order each step; the first non-empty draft is verified.
         constraint: optional logits mask that advances along accepted tokens.
-        temp, top_p: 0 temperature is greedy.
+        temp, top_p: 0 temperature is greedy; drafts are accepted with ``min(1, p/q)``.
+        sampler: an mlx-lm sampler (``make_sampler(...)``) to use instead of ``temp``/``top_p``;
+            drafts are then accepted when they equal its draws (``accept_sampled``).
         max_tokens: stop after this many generated tokens.
-        eos_token_ids: stop after emitting one of these.
         stats: filled in as decoding proceeds (forward passes, per-source counts).
+        kv_cache: a cache from ``make_prompt_cache(model)`` that already holds the first
+            ``kv_cache[0].offset`` tokens of ``prompt`` (kept by the caller across turns);
+            only the rest is prefilled. Without it every call starts empty.
 
     Yields:
         ``(token, source_name)`` for each accepted token; ``source_name`` is
@@ -239,14 +272,23 @@ def generate_step(
     """
     stats = stats if stats is not None else DecodingStats()
     eos_token_ids = set(eos_token_ids)
-    cache = make_prompt_cache(model)
+    cache = kv_cache if kv_cache is not None else make_prompt_cache(model)
     if not can_trim_prompt_cache(cache):
         raise ValueError("The model's KV cache cannot be trimmed, so drafts cannot be rolled back.")
+    if not prompt:
+        raise ValueError("the prompt is empty: give at least one token")
+    cached = cache[0].offset if cache else 0
+    if cached >= len(prompt):
+        raise ValueError(f"kv_cache holds {cached} tokens; it must hold fewer than the prompt's {len(prompt)}")
+    for source in draft_sources:
+        source.reset()
+    if constraint is not None:
+        constraint.reset()
 
     tokens = list(prompt)
     tic = time.perf_counter()
     # The last prompt token is the first input of the loop, like every accepted token after it.
-    prefill(model, cache, tokens[:-1], prefill_step_size)
+    prefill(model, cache, tokens[cached:-1], prefill_step_size)
     stats.prompt_time = time.perf_counter() - tic
 
     num_generated = 0
@@ -263,9 +305,15 @@ def generate_step(
         stats.target_forward_passes += 1
         if constraint is not None:
             allowed = constraint.masks(states)
+            if allowed.shape[-1] != logits.shape[-1]:
+                raise ValueError(f"the constraint masks {allowed.shape[-1]} tokens but the model scores "
+                                 f"{logits.shape[-1]}: build it with this model's tokenizer and vocab_size")
             # A NaN score is no score: it must not win an argmax or poison a softmax.
             logits = mx.where(allowed & ~mx.isnan(logits), logits, -mx.inf)
-        num_accepted, next_token = accept_draft(logits, draft, temp, top_p)
+        if sampler is not None:
+            num_accepted, next_token = accept_sampled(logits, draft, sampler)
+        else:
+            num_accepted, next_token = accept_draft(logits, draft, temp, top_p)
         if constraint is not None:
             # Draft tokens were checked by the walk. The target's own token is forbidden only when no
             # allowed token had a usable score (the argmax or sample of an all -inf row).
@@ -340,11 +388,23 @@ class TextStream:
         return text[len(printed):]
 
 
-def stream_generate(model, tokenizer, prompt: Sequence[int], **kwargs) -> Iterator[Response]:
-    """Like ``generate_step`` but yields text segments (see ``Response``)."""
-    eos = kwargs.pop("eos_token_ids", None) or eos_ids_of(tokenizer)
+def encode(tokenizer, prompt: Union[str, Sequence[int]]) -> list:
+    """Token ids for ``prompt``: a str goes through the chat template when the tokenizer has
+    one (as in mlx-lm's CLI), else it is encoded as is; token ids pass through."""
+    if not isinstance(prompt, str):
+        return list(prompt)
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+    return tokenizer.encode(prompt)
+
+
+def stream_generate(model, tokenizer, prompt: Union[str, Sequence[int]], **kwargs) -> Iterator[Response]:
+    """Like ``generate_step`` but takes a str or token ids and yields text segments
+    (``Response``); stops at the tokenizer's EOS unless ``eos_token_ids`` says otherwise."""
+    eos = kwargs.pop("eos_token_ids", None)
+    eos = eos_ids_of(tokenizer) if eos is None else set(eos)
     text = TextStream(tokenizer)
-    for token, source in generate_step(prompt, model, eos_token_ids=eos, **kwargs):
+    for token, source in generate_step(encode(tokenizer, prompt), model, eos_token_ids=eos, **kwargs):
         yield Response("" if token in eos else text.add(token), token, source)
 
 
@@ -360,6 +420,19 @@ class GenerationResult:
     generation_tps: float
     peak_memory_gb: float
     stats: DecodingStats
+
+    def report(self) -> str:
+        """mlx-lm's statistics lines, then target passes and drafts."""
+        passes = self.stats.target_forward_passes
+        lines = ["=" * 10,
+                 f"Prompt: {self.prompt_tokens} tokens, {self.prompt_tps:.3f} tokens-per-sec",
+                 f"Generation: {self.generation_tokens} tokens, {self.generation_tps:.3f} tokens-per-sec",
+                 f"Peak memory: {self.peak_memory_gb:.3f} GB",
+                 f"Target forward passes: {passes} ({passes / max(self.generation_tokens, 1):.3f} per token)"]
+        if self.stats.sources:
+            proposed, accepted = self.stats.draft_proposed, self.stats.draft_accepted
+            lines.append(f"Drafted: {proposed} tokens, accepted: {accepted} ({accepted / max(proposed, 1):.1%})")
+        return "\n".join(lines)
 
     def to_json(self) -> dict:
         return {
@@ -380,12 +453,23 @@ class GenerationResult:
         }
 
 
-def generate(model, tokenizer, prompt: Sequence[int], on_token=None, **kwargs) -> GenerationResult:
-    """Run ``stream_generate`` to the end; ``on_token(response)`` sees each token."""
+def generate(model, tokenizer, prompt: Union[str, Sequence[int]], verbose: bool = False, on_token=None,
+             **kwargs) -> GenerationResult:
+    """Run ``stream_generate`` to the end.
+
+    Args:
+        prompt: a str (chat template applied when the tokenizer has one) or token ids.
+        verbose: print the text as it comes, then mlx-lm-style statistics.
+        on_token: called with each ``Response``.
+        kwargs: ``generate_step``'s (draft_sources, constraint, temp, sampler, max_tokens, ...).
+    """
+    prompt = encode(tokenizer, prompt)
     stats = kwargs.pop("stats", None) or DecodingStats()
     max_tokens = kwargs.get("max_tokens", 256)
     mx.reset_peak_memory()
     tokens, sources, segments = [], [], []
+    if verbose:
+        print("=" * 10)
     tic = time.perf_counter()
     first_token_time = None
     for response in stream_generate(model, tokenizer, prompt, stats=stats, **kwargs):
@@ -394,15 +478,18 @@ def generate(model, tokenizer, prompt: Sequence[int], on_token=None, **kwargs) -
         tokens.append(response.token)
         sources.append(response.source)
         segments.append(response.text)
+        if verbose:
+            print(response.text, end="", flush=True)
         if on_token is not None:
             on_token(response)
     end = time.perf_counter()
     first_token_time = first_token_time or end
     # As in mlx-lm: prompt speed is prefill time; generation speed counts tokens after the first.
     decode_time = end - first_token_time
-    eos = set(kwargs.get("eos_token_ids") or eos_ids_of(tokenizer))
+    eos = kwargs.get("eos_token_ids")
+    eos = eos_ids_of(tokenizer) if eos is None else set(eos)
     finished = bool(tokens) and tokens[-1] in eos
-    return GenerationResult(
+    result = GenerationResult(
         text="".join(segments),
         tokens=tokens,
         sources=sources,
@@ -414,3 +501,7 @@ def generate(model, tokenizer, prompt: Sequence[int], on_token=None, **kwargs) -
         peak_memory_gb=mx.get_peak_memory() / 1e9,
         stats=stats,
     )
+    if verbose:
+        print()
+        print(result.report())
+    return result

@@ -154,11 +154,13 @@ def build_run(args, session=None):
     sources, constraint = [], None
     if args.regex is not None:
         from constrained import ForcedTextSource, RegexConstraint
+        from loading import cache_dir
         from speculative.draft_model import output_size
 
         if search_extra:
             raise CliError("--regex needs a byte-level or sentencepiece Hugging Face tokenizer; T5 is not supported")
-        constraint = RegexConstraint.from_regex(args.regex, tokenizer, vocab_size=output_size(model, tokenizer))
+        constraint = RegexConstraint.from_regex(args.regex, tokenizer, vocab_size=output_size(model, tokenizer),
+                                                cache_dir=cache_dir() / "regex-index")
         sources.append(ForcedTextSource(constraint, tokenizer))
     if args.prompt_lookup:
         from prompt_lookup import PromptLookupSource
@@ -203,15 +205,7 @@ def print_stats(result, verbose: bool, use_color: bool):
     if use_color and stats.sources:
         legend = " ".join(f"{COLORS.get(name, '')}{name}{RESET}" for name in stats.sources)
         print(f"legend: {legend} (uncoloured: target)")
-    print("=" * 10)
-    print(f"Prompt: {result.prompt_tokens} tokens, {result.prompt_tps:.3f} tokens-per-sec")
-    print(f"Generation: {result.generation_tokens} tokens, {result.generation_tps:.3f} tokens-per-sec")
-    print(f"Peak memory: {result.peak_memory_gb:.3f} GB")
-    passes = stats.target_forward_passes
-    print(f"Target forward passes: {passes} ({passes / max(result.generation_tokens, 1):.3f} per token)")
-    if stats.sources:
-        rate = stats.draft_accepted / max(stats.draft_proposed, 1)
-        print(f"Drafted: {stats.draft_proposed} tokens, accepted: {stats.draft_accepted} ({rate:.1%})")
+    print(result.report())
     if verbose:
         for name, source in stats.sources.items():
             summary = source.summary()

@@ -30,6 +30,9 @@ class Recorded:
     def __init__(self, source, stats: SourceStats):
         self.source, self.stats, self.name = source, stats, source.name
 
+    def reset(self):
+        self.source.reset()
+
     def propose(self, tokens, max_draft):
         return self.source.propose(tokens, max_draft)
 

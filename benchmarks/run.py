@@ -53,9 +53,6 @@ def prompt_lookup_suite(model, tokenizer, args):
     for k in args.num_draft_sweep or []:
         methods.append(Method(f"prompt lookup k={k} fixed", lambda prompt, k=k: {
             "draft_sources": [PromptLookupSource(num_draft=k, adaptive=False)]}))
-    for policy in args.policies or []:
-        methods.append(Method(f"prompt lookup, {policy} match", lambda prompt, policy=policy: {
-            "draft_sources": [PromptLookupSource(policy=policy)]}))
     results = side_by_side(model, tokenizer, prompts, methods, args.max_tokens)
     grounded = [task for task in results if task != "open_ended"]
     results["grounded, all"] = {m.name: Totals([run for task in grounded for run in results[task][m.name].runs])
@@ -256,8 +253,6 @@ def main():
                         help="Also run fixed draft lengths (prompt lookup suite).")
     parser.add_argument("--prompts-per-class", type=int, default=None,
                         help="Use only the first N prompts of each task class (speculative, transformers).")
-    parser.add_argument("--policies", nargs="*", default=None, choices=["recent", "earliest", "longest"],
-                        help="Also run these match policies (prompt lookup suite).")
     parser.add_argument("--draft-layers", type=int, nargs="*", default=[4, 8, 15],
                         help="Self-draft depths to try (speculative suite).")
     parser.add_argument("--temps", type=float, nargs="*", default=[0.0, 1.0],

@@ -19,7 +19,11 @@ class RegexConstraint:
 
     def __init__(self, index: TokenIndex):
         self.index = index
-        self.state = index.start
+        self.reset()
+
+    def reset(self):
+        """Back to the start state, for a new generation."""
+        self.state = self.index.start
 
     @classmethod
     def from_regex(cls, pattern: str, tokenizer, vocab_size: int, cache_dir=None) -> "RegexConstraint":
@@ -73,6 +77,9 @@ class ForcedTextSource:
             text = forced.decode("utf-8", errors="ignore") if forced else ""
             self._drafts[state] = self.tokenizer.encode(text, add_special_tokens=False) if text else []
         return self._drafts[state]
+
+    def reset(self):
+        pass  # the state lives on the constraint, which the loop resets
 
     def propose(self, tokens: list, max_draft: int) -> Optional[Draft]:
         forced = self._forced_tokens(self.constraint.state)

@@ -22,7 +22,6 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from constrained.regex_dfa import DEFAULT_MAX_STATES, DFA, RegexError, compile_regex, states_reaching
-from loading import cache_dir
 
 # Version 2: the DFA and its finishable states, with the cache key inside (rows are built lazily).
 CACHE_FORMAT_VERSION = 2
@@ -277,8 +276,6 @@ class TokenIndex:
         return bool(self.dfa.accepting[state])
 
 
-def default_cache_dir() -> Path:
-    return cache_dir() / "regex-index"
 
 
 def _cache_key(pattern: str, token_bytes: list, eos_token_ids, max_states: int) -> str:
@@ -337,13 +334,16 @@ def load_or_build_index(pattern: str, tokenizer, vocab_size: int, eos_token_ids,
         tokenizer: Anything `token_byte_strings` accepts.
         vocab_size: The model's vocabulary size.
         eos_token_ids: Tokens that end generation; allowed exactly when the text so far matches.
-        cache_dir: Where to keep indexes; default `$XDG_CACHE_HOME/mlx-decoding/regex-index`.
+        cache_dir: Where to keep indexes (main.py: `~/.cache/mlx-decoding/regex-index`); None keeps
+            the index in memory only.
         max_states: Passed to `compile_regex`: larger regexes are refused with a RegexError.
     """
     token_bytes = token_byte_strings(tokenizer, vocab_size)
     table = TokenTable.build(token_bytes)
     key = _cache_key(pattern, token_bytes, eos_token_ids, max_states)
-    path = Path(cache_dir or default_cache_dir()) / f"{hashlib.sha256(key.encode()).hexdigest()}.npz"
+    if cache_dir is None:
+        return TokenIndex.build(compile_regex(pattern, max_states), table, eos_token_ids)
+    path = Path(cache_dir) / f"{hashlib.sha256(key.encode()).hexdigest()}.npz"
     index = load_index(path, key, table, eos_token_ids)
     if index is not None:
         return index

@@ -1,5 +1,5 @@
 """Prompt lookup decoding: draft by copying n-grams from the context."""
 
-from prompt_lookup.ngram import POLICIES, PromptLookupSource, find_draft
+from prompt_lookup.ngram import PromptLookupSource, find_draft
 
-__all__ = ["POLICIES", "PromptLookupSource", "find_draft"]
+__all__ = ["PromptLookupSource", "find_draft"]

@@ -14,20 +14,17 @@ import mlx.core as mx
 
 from decoder import Draft
 
-POLICIES = ("recent", "earliest", "longest")
 # Never a token id: stops matches and continuations at the edges of the context.
 SEPARATOR = -1
-# How far back policy="longest" compares occurrences with the current context.
+# How far back occurrences are compared with the current context to pick the one to copy.
 LONGEST_LOOKBACK = 16
 
 
-def check_search_args(ngram_max: int, ngram_min: int, num_draft: int, policy: str):
+def check_search_args(ngram_max: int, ngram_min: int, num_draft: int):
     if not 1 <= ngram_min <= ngram_max:
         raise ValueError(f"Need 1 <= ngram_min <= ngram_max, got {ngram_min} and {ngram_max}.")
     if num_draft < 1:
         raise ValueError(f"num_draft must be at least 1, got {num_draft}.")
-    if policy not in POLICIES:
-        raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}.")
 
 
 def find_draft(
@@ -37,31 +34,30 @@ def find_draft(
     ngram_max: int = 3,
     ngram_min: int = 1,
     num_draft: int = 8,
-    policy: str = "longest",
 ) -> list:
     """Tokens that followed an earlier occurrence of the end of ``tokens``.
 
     Tries n-grams of ``ngram_max`` down to ``ngram_min`` tokens; the largest
     size that occurs earlier in ``tokens`` or anywhere in ``extra_context``
-    (e.g. an encoder input) wins. Occurrences with nothing after them are
-    skipped, so the suffix never matches itself.
+    (e.g. an encoder input) wins. Among its occurrences, the one that agrees
+    with the context furthest back (up to ``LONGEST_LOOKBACK`` tokens) is
+    copied, the most recent on a tie: the same as the most recent match with a
+    larger ``ngram_max``. (The most recent and the earliest occurrence were
+    measured and lost; see git history.) Occurrences with nothing after them
+    are skipped, so the suffix never matches itself.
 
     Args:
         tokens: prompt + generated tokens (non-negative ids).
         extra_context: more tokens to copy from; they count as older than ``tokens``.
         num_draft: return at most this many tokens.
-        policy: which occurrence to copy from: ``"recent"`` (the last one),
-            ``"earliest"`` (the first one) or ``"longest"`` (the one that agrees
-            with the context furthest back, up to ``LONGEST_LOOKBACK`` tokens,
-            then the most recent: the same as "recent" with a larger ``ngram_max``).
 
     Returns:
         Up to ``num_draft`` token ids; empty when nothing matches.
     """
-    check_search_args(ngram_max, ngram_min, num_draft, policy)
+    check_search_args(ngram_max, ngram_min, num_draft)
     tokens = list(tokens)
     context = list(extra_context) + [SEPARATOR] + tokens if extra_context else tokens
-    draft, _ = search(mx.array(context, mx.int32), len(tokens), ngram_max, ngram_min, num_draft, policy)
+    draft, _ = search(mx.array(context, mx.int32), len(tokens), ngram_max, ngram_min, num_draft)
     return draft
 
 
@@ -71,7 +67,6 @@ def search(
     ngram_max: int,
     ngram_min: int,
     num_draft: int,
-    policy: str,
 ) -> tuple:
     """``find_draft`` on a ready context: an int32 array whose last ``num_tokens``
     entries are the tokens, preceded by ``extra_context + [SEPARATOR]`` if any.
@@ -79,7 +74,7 @@ def search(
     Returns ``(draft, ngram)``: the draft and the size of the n-gram it matched.
     """
     length = context.shape[0]
-    lookback = max(ngram_max, LONGEST_LOOKBACK) if policy == "longest" else ngram_max
+    lookback = max(ngram_max, LONGEST_LOOKBACK)
     window = min(lookback, num_tokens)  # the suffix comes from the tokens alone
     if window == 0:
         return [], 0
@@ -93,14 +88,9 @@ def search(
     # A match must be followed by at least one token of its own segment.
     match_length = mx.where(context != SEPARATOR, match_length, 0)
 
-    # The largest n-gram that matches wins (for "longest", the longest agreement).
+    # The longest agreement wins (so the largest n-gram), the most recent on a tie.
     best = match_length.max()
-    candidates = match_length == best
-    positions = mx.arange(length)
-    if policy == "earliest":
-        start = mx.argmin(mx.where(candidates, positions, length))
-    else:
-        start = mx.argmax(mx.where(candidates, positions, -1))
+    start = mx.argmax(mx.where(match_length == best, mx.arange(length), -1))
     follow = start + mx.arange(num_draft)
     draft = mx.where(follow < length, context[mx.minimum(follow, length - 1)], SEPARATOR)
     draft = mx.where(best >= ngram_min, draft, SEPARATOR)
@@ -149,10 +139,9 @@ class PromptLookupSource:
         num_draft: int = 8,
         extra_context: Sequence[int] = (),
         adaptive: bool = True,
-        policy: str = "longest",
         draft_token_cost: float = 0.09,
     ):
-        check_search_args(ngram_max, ngram_min, num_draft, policy)
+        check_search_args(ngram_max, ngram_min, num_draft)
         if any(token < 0 for token in extra_context):
             raise ValueError("extra_context must hold token ids (non-negative integers).")
         if not 0 < draft_token_cost < 1:
@@ -162,13 +151,12 @@ class PromptLookupSource:
         self.num_draft = num_draft
         self.extra_context = list(extra_context)
         self.adaptive = adaptive
-        self.policy = policy
         self.draft_token_cost = draft_token_cost
         self.max_draft_length = 2 * num_draft
         self.reset()
 
     def reset(self):
-        """Forget the followed sequence and the drafting history."""
+        """Forget the followed sequence and the drafting history (the loop calls this per generation)."""
         self._tokens = None  # the list being followed
         prefix = self.extra_context + [SEPARATOR] if self.extra_context else []
         self._context = mx.array(prefix, mx.int32)
@@ -203,10 +191,10 @@ class PromptLookupSource:
             self._num_seen = len(tokens)
         longest = self.max_draft_length if self.adaptive else self.num_draft
         draft, ngram = search(self._context, len(tokens), self.ngram_max, self.ngram_min,
-                              min(max_draft, longest), self.policy)
+                              min(max_draft, longest))
         if not draft:
             return None
-        # Matches longer than ngram_max (policy "longest") share one estimate: they are all long.
+        # Agreements longer than ngram_max share one estimate: they are all long.
         ngram = min(ngram, self.ngram_max)
         if self.adaptive:
             length = self.draft_length(ngram)
@@ -229,35 +217,3 @@ class PromptLookupSource:
         counts[1] = self.FORGET * counts[1] + (num_accepted < num_proposed)
         if num_accepted:
             self._probe_gap[self._ngram] = 1
-
-
-def benchmark(lengths=(4_000, 32_000), vocab_size=49152, num_calls=200):
-    """Median time of a search on random tokens, per policy: ``find_draft`` on
-    a list, and a source step (one new token, then ``propose``) as in generation."""
-    import random
-    import statistics
-    import time
-
-    def median_ms(call):
-        times = []
-        for _ in range(num_calls):
-            tic = time.perf_counter()
-            call()
-            times.append(time.perf_counter() - tic)
-        return statistics.median(times) * 1e3
-
-    random.seed(0)
-    for length in lengths:
-        prompt = [random.randrange(vocab_size) for _ in range(length)]
-        for policy in POLICIES:
-            pure = median_ms(lambda: find_draft(prompt, policy=policy))
-            tokens = list(prompt)
-            source = PromptLookupSource(policy=policy, adaptive=False)
-            source.propose(tokens, 8)  # the prompt goes in once, as in generation
-
-            def step():
-                tokens.append(random.randrange(vocab_size))
-                source.propose(tokens, 8)
-
-            print(f"{length:>6} tokens  {policy:<8}  find_draft {pure:.2f} ms"
-                  f"  source step {median_ms(step):.2f} ms")

@@ -19,10 +19,15 @@ class AdaptiveLength:
     MAX_PROBE_GAP = 64
 
     def __init__(self, num_draft: int, max_draft: int, draft_token_cost: float, enabled: bool = True):
-        self.num_draft = num_draft
         self.max_draft = max(max_draft, num_draft)
         self.draft_token_cost = draft_token_cost
         self.enabled = enabled
+        self.initial_num_draft = num_draft
+        self.reset()
+
+    def reset(self):
+        """Start over, as for a new generation."""
+        self.num_draft = self.initial_num_draft
         self.first_accepted, self.drafts = 1.0, 2.0  # prior: the first token is accepted half the time
         self.skipped, self.probe_gap = 0, 1
 

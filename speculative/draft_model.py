@@ -105,6 +105,11 @@ class DraftModelSource:
         kwargs.setdefault("draft_token_cost", parameter_count(draft_model) / parameter_count(target_model) + 0.09)
         return cls(draft_model, target_size, **kwargs)
 
+    def reset(self):
+        """A new generation: the cache is kept, and reused up to what it shares with the new prompt."""
+        self.synced = 0
+        self.length.reset()
+
     def _rewind(self, tokens: list):
         """Trim the cache back to the longest prefix it shares with ``tokens``."""
         common = self.synced

@@ -50,6 +50,9 @@ class HiddenStateTap:
 
     def take(self, start: int, stop: int) -> mx.array:
         """Features at positions [start, stop); then forgets all but the last of them."""
+        if not self.chunks or self.chunks[0][0] > start or self.chunks[-1][0] + self.chunks[-1][1].shape[0] < stop:
+            raise ValueError("the draft head has no hidden states for these positions: run the loop on the "
+                             "HiddenStateTap from DraftHeadSource.create (not the bare model), with a fresh kv_cache")
         rows = [rows[max(start - first, 0) : stop - first] for first, rows in self.chunks
                 if first < stop and first + rows.shape[0] > start]
         self.forget(stop - 1)
@@ -94,8 +97,14 @@ class DraftHeadSource:
         self.min_confidence = min_confidence
         self.min_path_confidence = (draft_token_cost if adaptive else 0.0) if min_path_confidence is None \
             else min_path_confidence
-        self.cache = head.make_cache()
+        self.reset()
+
+    def reset(self):
+        """A new generation: forget the features, the head's cache and the draft length."""
+        self.tap.chunks = []
+        self.cache = self.head.make_cache()
         self.committed = 0  # head cache positions read from true features and accepted tokens
+        self.length.reset()
 
     @classmethod
     def create(cls, target, head_dir=None, **kwargs):

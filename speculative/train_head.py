@@ -21,7 +21,11 @@ import sys
 import time
 from pathlib import Path
 
-import mlx.core as mx
+import fast_blas  # this is an entry point: a fast BLAS must load before mlx.core (fast_blas.py)
+
+fast_blas.load()
+
+import mlx.core as mx  # noqa: E402
 import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np

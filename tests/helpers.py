@@ -32,6 +32,10 @@ class ScriptedSource:
         self.propose_fn = propose_fn
         self.probs_fn = probs_fn
         self.updates = []
+        self.resets = 0
+
+    def reset(self):
+        self.resets += 1
 
     def propose(self, tokens, max_draft):
         draft = self.propose_fn(tokens, max_draft)
@@ -80,7 +84,7 @@ def assert_sampling_keeps_the_target_distribution(target, make_run, temp, top_p,
     counts = np.zeros(vocab * vocab, dtype=np.int64)
     for _ in range(runs):
         model, sources = make_run()
-        out = [t for t, _ in generate_step(prompt, model, draft_sources=sources, temp=temp, top_p=top_p,
+        out = [t for t, _ in generate_step(prompt, model, draft_sources=sources, temp=temp, top_p=top_p, eos_token_ids=(),
                                            max_tokens=2, stats=stats)]
         counts[out[0] * vocab + out[1]] += 1
     assert chi_square_p_value(counts, joint) > 1e-3

@@ -168,7 +168,7 @@ def test_loop_sampling_with_a_random_draft_model_keeps_the_joint_distribution():
     counts = np.zeros(vocab * vocab, dtype=np.int64)
     stats = DecodingStats()
     for _ in range(2500):
-        out = [t for t, _ in generate_step(prompt, model, draft_sources=[source], temp=1.0, max_tokens=2,
+        out = [t for t, _ in generate_step(prompt, model, draft_sources=[source], temp=1.0, max_tokens=2, eos_token_ids=(),
                                            stats=stats)]
         counts[out[0] * vocab + out[1]] += 1
     assert chi_square_p_value(counts, joint) > 1e-3

@@ -107,7 +107,7 @@ def test_unrolled_training_steps_see_what_drafting_sees(feature_layers, num_laye
 
 
 def tokens_of(prompt, model, sources=(), **kwargs):
-    return [t for t, _ in generate_step(prompt, model, draft_sources=list(sources), **kwargs)]
+    return [t for t, _ in generate_step(prompt, model, draft_sources=list(sources), eos_token_ids=(), **kwargs)]
 
 
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -465,5 +465,5 @@ def test_nan_scores_do_not_hide_a_finite_allowed_token(tmp_path):
     mx.random.seed(0)
     for temp in (0.0, 1.0):
         tokens = [token for token, _ in generate_step([0], ScoresModel(row[None]), constraint=constraint_for(
-            r"[ab]", tmp_path), temp=temp, max_tokens=1)]
+            r"[ab]", tmp_path), temp=temp, max_tokens=1, eos_token_ids=())]
         assert tokens == [ord("b")]

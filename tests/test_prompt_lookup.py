@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from decoder import DecodingStats, generate_step
-from prompt_lookup import POLICIES, PromptLookupSource, find_draft
+from prompt_lookup import PromptLookupSource, find_draft
 from prompt_lookup.ngram import LONGEST_LOOKBACK
 from tests.helpers import tiny_llama
 
@@ -14,7 +14,7 @@ VOCAB = 64
 MODEL = tiny_llama(vocab_size=VOCAB)
 
 
-def reference_draft(tokens, extra_context, ngram_max, ngram_min, num_draft, policy):
+def reference_draft(tokens, extra_context, ngram_max, ngram_min, num_draft):
     """Brute force: list every earlier occurrence of each n-gram size, one by one."""
     segments = [list(extra_context), list(tokens)]  # oldest first
     for ngram in range(ngram_max, ngram_min - 1, -1):
@@ -30,22 +30,17 @@ def reference_draft(tokens, extra_context, ngram_max, ngram_min, num_draft, poli
         ]
         if not occurrences:
             continue
-        if policy == "recent":
-            segment, start = occurrences[-1]
-        elif policy == "earliest":
-            segment, start = occurrences[0]
-        else:
-            lookback = min(max(LONGEST_LOOKBACK, ngram_max), len(tokens))
+        lookback = min(max(LONGEST_LOOKBACK, ngram_max), len(tokens))
 
-            def agreement(occurrence):
-                segment, start = occurrence
-                back = 0
-                while back < min(lookback, start) and segment[start - 1 - back] == tokens[-1 - back]:
-                    back += 1
-                return back
+        def agreement(occurrence):
+            segment, start = occurrence
+            back = 0
+            while back < min(lookback, start) and segment[start - 1 - back] == tokens[-1 - back]:
+                back += 1
+            return back
 
-            longest = max(map(agreement, occurrences))
-            segment, start = [o for o in occurrences if agreement(o) == longest][-1]
+        longest = max(map(agreement, occurrences))
+        segment, start = [o for o in occurrences if agreement(o) == longest][-1]
         return segment[start : start + num_draft]
     return []
 
@@ -64,7 +59,6 @@ search_args = st.fixed_dictionaries(
         "ngram_max": st.integers(1, 5),
         "ngram_min": st.integers(1, 5),
         "num_draft": st.integers(1, 10),
-        "policy": st.sampled_from(POLICIES),
     }
 ).filter(lambda args: args["ngram_min"] <= args["ngram_max"])
 
@@ -118,23 +112,20 @@ def test_edge_cases():
 
 def test_larger_ngram_wins_over_recent_smaller_one():
     tokens = [1, 2, 3, 4, 7, 3, 5, 1, 2, 3]  # [3] alone recurs more recently
-    assert find_draft(tokens, num_draft=3, policy="recent") == [4, 7, 3]
-    assert find_draft(tokens, ngram_max=1, num_draft=3, policy="recent") == [5, 1, 2]
-    assert find_draft([1, 2, 3, 1], ngram_min=2, policy="recent") == []
-    assert find_draft([1, 2, 3, 1], ngram_min=1, policy="recent") == [2, 3, 1]
+    assert find_draft(tokens, num_draft=3) == [4, 7, 3]
+    assert find_draft([1, 2, 3, 1], ngram_min=2) == []
+    assert find_draft([1, 2, 3, 1], ngram_min=1) == [2, 3, 1]
 
 
-def test_policies_pick_different_occurrences():
+def test_the_occurrence_that_agrees_furthest_back_is_copied():
     tokens = [6, 1, 2, 5, 1, 3, 7, 1, 4, 5, 1]
-    args = dict(ngram_max=1, num_draft=1)
-    assert find_draft(tokens, policy="recent", **args) == [4]
-    assert find_draft(tokens, policy="earliest", **args) == [2]
-    assert find_draft(tokens, policy="longest", **args) == [3]  # preceded by 5, like the end
+    assert find_draft(tokens, ngram_max=1, num_draft=1) == [3]  # preceded by 5, like the end
+    assert find_draft([1, 2, 1, 3, 1], ngram_max=1, num_draft=1) == [3]  # a tie: the most recent
 
 
 @pytest.mark.parametrize(
     "kwargs",
-    [dict(ngram_min=0), dict(ngram_min=4, ngram_max=3), dict(num_draft=0), dict(policy="best")],
+    [dict(ngram_min=0), dict(ngram_min=4, ngram_max=3), dict(num_draft=0)],
 )
 def test_bad_arguments_raise(kwargs):
     with pytest.raises(ValueError):
@@ -239,20 +230,19 @@ def test_greedy_decoding_is_lossless():
         extra_context=st.lists(st.integers(0, VOCAB - 1), max_size=8),
         max_tokens=st.integers(1, 40),
         num_draft=st.integers(1, 8),
-        policy=st.sampled_from(POLICIES),
         adaptive=st.booleans(),
     )
-    def check(pattern, repeats, tail, extra_context, max_tokens, num_draft, policy, adaptive):
+    def check(pattern, repeats, tail, extra_context, max_tokens, num_draft, adaptive):
         prompt = pattern * repeats + tail
-        plain = [t for t, _ in generate_step(prompt, MODEL, max_tokens=max_tokens)]
+        plain = [t for t, _ in generate_step(prompt, MODEL, max_tokens=max_tokens, eos_token_ids=())]
         stats = DecodingStats()
         source = PromptLookupSource(
-            num_draft=num_draft, extra_context=extra_context, policy=policy, adaptive=adaptive
+            num_draft=num_draft, extra_context=extra_context, adaptive=adaptive
         )
         drafted = [
             t
             for t, _ in generate_step(
-                prompt, MODEL, draft_sources=[source], max_tokens=max_tokens, stats=stats
+                prompt, MODEL, draft_sources=[source], max_tokens=max_tokens, stats=stats, eos_token_ids=()
             )
         ]
         assert drafted == plain

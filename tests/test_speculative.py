@@ -19,7 +19,7 @@ DRAFT = tiny_llama(vocab_size=VOCAB, num_layers=1, seed=5)
 
 
 def tokens_of(prompt, model, sources=(), **kwargs):
-    return [t for t, _ in generate_step(prompt, model, draft_sources=list(sources), **kwargs)]
+    return [t for t, _ in generate_step(prompt, model, draft_sources=list(sources), eos_token_ids=(), **kwargs)]
 
 
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])

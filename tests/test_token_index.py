@@ -7,7 +7,7 @@ import pytest
 from tokenizers import AddedToken, Tokenizer, decoders, models
 
 from constrained.regex_dfa import RegexError, compile_regex
-from constrained.token_index import (TokenIndex, default_cache_dir, load_or_build_index,
+from constrained.token_index import (TokenIndex, load_or_build_index,
                                      token_byte_strings)
 
 VOCAB_SIZE = 49152
@@ -192,8 +192,16 @@ def test_cache_round_trip(tokenizer, tmp_path):
     assert cached_file.exists()
 
 
-def test_default_cache_dir_respects_xdg(monkeypatch, tmp_path):
+def test_cache_dir_respects_xdg(monkeypatch, tmp_path):
+    from loading import cache_dir
+
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    assert default_cache_dir() == tmp_path / "mlx-decoding" / "regex-index"
+    assert cache_dir() == tmp_path / "mlx-decoding"
     monkeypatch.delenv("XDG_CACHE_HOME")
-    assert str(default_cache_dir()).endswith(".cache/mlx-decoding/regex-index")
+    assert str(cache_dir()).endswith(".cache/mlx-decoding")
+
+
+def test_no_cache_dir_keeps_the_index_in_memory(tokenizer, tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    index = load_or_build_index(r"\d+", tokenizer, VOCAB_SIZE, [EOS])
+    assert index.allowed_mask(index.start).any() and not any(tmp_path.iterdir())
