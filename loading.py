@@ -11,7 +11,6 @@ import importlib.util
 import json
 import os
 import platform
-import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -73,13 +72,10 @@ def default_model_path(dtype: str = None) -> Path:
     dtype = dtype or default_dtype()
     path = cache_dir() / "models" / f"{DEFAULT_MODEL_NAME}-{dtype}"
     sweep(path.parent)
-    sweep(path.parent, re.compile(re.escape(path.name) + r"\.(tmp)(\d+)$"))  # earlier versions' staging
     sweep(Path(tempfile.gettempdir()))
     if path.exists():
         damage = _damage(path)
         if damage is None:
-            if not (path / CHECKSUMS).exists():
-                _record_checksums(path)  # a cache written before checksums existed
             return path
         warn(f"the cached model {path} is damaged ({damage}); converting it again")
     try:
@@ -100,6 +96,8 @@ def _damage(path: Path):
     """None for an intact model directory, else what is wrong with it."""
     if not (path / "config.json").is_file():
         return "no config.json"
+    if not (path / CHECKSUMS).is_file():  # every copy we convert has one
+        return f"no {CHECKSUMS}"
     return verify_checksums(path)
 
 
@@ -112,13 +110,6 @@ def _convert_embedded(output: Path, dtype: str):
     except OSError as error:  # e.g. a full disk
         raise ModelError(f"cannot convert the embedded model into {output.parent}: "
                          f"{error.strerror or error}") from None
-
-
-def _record_checksums(path: Path):
-    try:
-        write_checksums(path)
-    except OSError:
-        pass  # a read-only cache: nothing to record, nothing lost
 
 
 def _convert_for_this_run(name: str, dtype: str) -> Path:

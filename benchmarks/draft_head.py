@@ -45,7 +45,7 @@ class Recorded:
 def draft_head_suite(model, tokenizer, args):
     from mlx_lm import load
 
-    from benchmarks.run import first_prompts, mlx_lm_speculative_runner, self_draft_path
+    from benchmarks.harness import first_prompts, mlx_lm_speculative_runner, self_draft_path
     from prompt_lookup import PromptLookupSource
     from speculative import DraftModelSource
     from speculative.head_source import DraftHeadSource

@@ -154,3 +154,41 @@ def load_prompts(tokenizer, classes=None, chat=True) -> dict:
             items.append((file.stem, tokens))
         prompts[folder.name] = items
     return prompts
+
+
+def first_prompts(prompts: dict, count: int) -> dict:
+    """Keep ``count`` prompts per task class (the slow suites), all when count is None."""
+    return {task: items[:count] for task, items in prompts.items()} if count else prompts
+
+
+def self_draft_path(num_layers: int) -> str:
+    """The embedded model cut to its first layers (convert.py --num-layers), cached."""
+    from convert import convert
+    from loading import cache_dir, default_dtype, embedded_gguf
+
+    path = cache_dir() / "models" / f"SmolLM2-135M-Instruct-{default_dtype()}-layers{num_layers}"
+    if not path.exists():
+        convert(str(path), gguf=str(embedded_gguf()), dtype=default_dtype(), num_layers=num_layers)
+    return str(path)
+
+
+def mlx_lm_speculative_runner(model, tokenizer, draft, num_draft, temp):
+    """mlx-lm's speculative decoding, which accepts a draft token when a target sample equals it."""
+    from mlx_lm import stream_generate
+    from mlx_lm.sample_utils import make_sampler
+
+    def run(prompt, max_tokens):
+        mx.reset_peak_memory()
+        tokens, drafted, first = [], 0, None
+        for response in stream_generate(model, tokenizer, prompt, max_tokens=max_tokens, draft_model=draft,
+                                        num_draft_tokens=num_draft, sampler=make_sampler(temp=temp)):
+            tokens.append(response.token)
+            drafted += response.from_draft
+            first = first or time.perf_counter()
+            if response.finish_reason is not None:
+                break
+        elapsed = time.perf_counter() - first
+        steps = len(tokens) - drafted  # each verification emits one token of the target's own
+        return Run(tokens, elapsed, steps, steps * num_draft, drafted, steps, mx.get_peak_memory() / 1e9)
+
+    return run

@@ -14,15 +14,11 @@ from pathlib import Path
 import mlx.core as mx
 
 from benchmarks.draft_head import draft_head_cost_suite, draft_head_misses_suite, draft_head_suite
-from benchmarks.harness import Method, Run, Totals, load_prompts, markdown_table, side_by_side
+from benchmarks.harness import (Method, Run, Totals, first_prompts, load_prompts, markdown_table,
+                                mlx_lm_speculative_runner, self_draft_path, side_by_side)
 from loading import default_dtype, describe_backend, load_model
 
 RESULTS = Path(__file__).parent / "results"
-
-
-def first_prompts(prompts: dict, count: int) -> dict:
-    """Keep ``count`` prompts per task class (the slow suites), all when count is None."""
-    return {task: items[:count] for task, items in prompts.items()} if count else prompts
 
 
 def mlx_lm_runner(model, tokenizer):
@@ -136,38 +132,6 @@ def regex_suite(model, tokenizer, args):
     return results, "plain"
 
 
-def self_draft_path(num_layers: int) -> str:
-    """The embedded model cut to its first layers (convert.py --num-layers), cached."""
-    from convert import convert
-    from loading import cache_dir, embedded_gguf
-
-    path = cache_dir() / "models" / f"SmolLM2-135M-Instruct-{default_dtype()}-layers{num_layers}"
-    if not path.exists():
-        convert(str(path), gguf=str(embedded_gguf()), dtype=default_dtype(), num_layers=num_layers)
-    return str(path)
-
-
-def mlx_lm_speculative_runner(model, tokenizer, draft, num_draft, temp):
-    """mlx-lm's speculative decoding, which accepts a draft token when a target sample equals it."""
-    from mlx_lm import stream_generate
-    from mlx_lm.sample_utils import make_sampler
-
-    def run(prompt, max_tokens):
-        mx.reset_peak_memory()
-        tokens, drafted, first = [], 0, None
-        for response in stream_generate(model, tokenizer, prompt, max_tokens=max_tokens, draft_model=draft,
-                                        num_draft_tokens=num_draft, sampler=make_sampler(temp=temp)):
-            tokens.append(response.token)
-            drafted += response.from_draft
-            first = first or time.perf_counter()
-            if response.finish_reason is not None:
-                break
-        elapsed = time.perf_counter() - first
-        steps = len(tokens) - drafted  # each verification emits one token of the target's own
-        return Run(tokens, elapsed, steps, steps * num_draft, drafted, steps, mx.get_peak_memory() / 1e9)
-
-    return run
-
 
 def acceptance_suite(model, tokenizer, args):
     """Expected acceptance of a draft token under two rules, on the target's own greedy text.
@@ -210,7 +174,6 @@ def speculative_suite(model, tokenizer, args):
     from speculative import DraftModelSource
 
     prompts = first_prompts(load_prompts(tokenizer, ["open_ended", "extractive_qa"]), args.prompts_per_class)
-    vocab_size = model.args.vocab_size
     results = {}
     for temp in args.temps:
         methods = [Method("plain", lambda prompt, t=temp: {"temp": t}, greedy=temp == 0)]
@@ -275,7 +238,11 @@ def main():
         results, baseline = SUITES[name](model, tokenizer, args)
         table = results if isinstance(results, str) else markdown_table(results, baseline)
         print(table)
-        (RESULTS / f"{name}.md").write_text(f"{header}\n\n{table}\n")
+        path = RESULTS / f"{name}.md"
+        if path.exists() and not path.read_text().startswith("`python -m benchmarks.run"):
+            path = RESULTS / f"{name}.latest.md"  # the .md holds a hand-written analysis: keep it
+        path.write_text(f"{header}\n\n{table}\n")
+        print(f"(saved in {path})")
 
 
 if __name__ == "__main__":

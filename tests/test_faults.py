@@ -199,11 +199,7 @@ def test_damaged_cache_is_converted_again(tmp_path, tiny_gguf, monkeypatch, caps
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setattr(loading, "embedded_gguf", lambda: tiny_gguf)
-    models = tmp_path / "mlx-decoding" / "models"
-    legacy = models / f"{loading.DEFAULT_MODEL_NAME}-{loading.default_dtype()}.tmp{dead_pid()}"
-    legacy.mkdir(parents=True)  # what a killed conversion left before this version
     path = loading.default_model_path()
-    assert not legacy.exists()
     weights = path / "model.safetensors"
     original = weights.read_bytes()
     flip_bytes(weights, len(original) // 2)
