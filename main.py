@@ -223,7 +223,7 @@ def run(args):
     from decoder import generate
 
     validate(args)
-    session = distributed.start(args.dist_timeout)  # None unless launched by mlx.launch
+    session = distributed.start(args.dist_timeout, fast_blas.set_num_threads)  # None unless launched
     mx.random.seed(args.seed)
     model, tokenizer, prompt, kwargs = build_run(args, session)
     use_color = args.color == "always" or (args.color == "auto" and sys.stdout.isatty())

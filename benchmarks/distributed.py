@@ -98,7 +98,7 @@ def worker(mode: str, max_tokens: int):
     import main
     from decoder import generate
 
-    session = distributed.start()
+    session = distributed.start(set_blas_threads=fast_blas.set_num_threads)
     options = ["--max-tokens", str(max_tokens)] + (["--shard", mode] if session else [])
     runs = [(f"{prompt_name}: {method}", prompt + options + flags)
             for prompt_name, prompt in PROMPTS.items() for method, flags in METHODS.items()]
@@ -133,7 +133,7 @@ def logit_difference():
     import distributed
     from loading import load_model
 
-    session = distributed.start()
+    session = distributed.start(set_blas_threads=fast_blas.set_num_threads)
     whole, tokenizer, _ = load_model()
     tokens = mx.array(tokenizer.encode(Path(PROMPTS["code edit"][1]).read_text()))[None]
     reference = whole(tokens)

@@ -19,12 +19,12 @@ from typing import Optional
 
 import mlx.core as mx
 
-import fast_blas
-
 from .sharding import MODES, shard_model
 from .watchdog import Watchdog
 
 DEFAULT_TIMEOUT = 120.0  # seconds a rank waits on its peers (connect, each forward pass)
+# Variables that fix a BLAS's thread count when it loads; a user who sets one keeps it.
+THREAD_VARIABLES = ("OPENBLAS_NUM_THREADS", "GOTO_NUM_THREADS", "MKL_NUM_THREADS", "OMP_NUM_THREADS")
 
 # Set by mlx.launch (ring, jaccl) or mpirun; without them this is a single process.
 RANK_VARIABLES = ("MLX_RANK", "OMPI_COMM_WORLD_RANK")
@@ -58,18 +58,19 @@ def local_ranks(rank: int, environ=os.environ) -> int:
         return 1
 
 
-def share_cores(local: int, environ=os.environ) -> Optional[int]:
+def share_cores(local: int, set_blas_threads, environ=os.environ) -> Optional[int]:
     """Split this host's cores between its ``local`` ranks' BLAS threads; returns the count set.
 
     Each BLAS starts one thread per core; ranks sharing a host then fight over cores
     (2 ranks on 2 cores: 6.7x slower, benchmarks/results/distributed.md). An explicit
-    OPENBLAS_NUM_THREADS (or MKL_/OMP_NUM_THREADS) is kept.
+    OPENBLAS_NUM_THREADS (or MKL_/OMP_NUM_THREADS) is kept. ``set_blas_threads(count) -> bool``
+    comes from the application (main.py: ``fast_blas.set_num_threads``).
     """
-    if local <= 1 or any(name in environ for name in fast_blas.THREAD_VARIABLES):
+    if local <= 1 or set_blas_threads is None or any(name in environ for name in THREAD_VARIABLES):
         return None
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     threads = max(1, cores // local)
-    return threads if fast_blas.set_num_threads(threads) else None
+    return threads if set_blas_threads(threads) else None
 
 
 def quiet_native_stderr():
@@ -106,13 +107,14 @@ class Session:
             raise DistributedError(str(error)) from None
 
 
-def start(timeout: float = DEFAULT_TIMEOUT) -> Optional[Session]:
+def start(timeout: float = DEFAULT_TIMEOUT, set_blas_threads=None) -> Optional[Session]:
     """Join the launched group (``None`` when this is the only process).
 
     Connecting is bounded by ``timeout``: ring's rank 0 would otherwise wait for
     a missing peer forever. Ranks other than 0 print nothing to stdout, and no
     rank reads stdin (give the prompt with --prompt or --prompt-file). Ranks that
-    share a host split its cores between their BLAS threads (``share_cores``).
+    share a host split its cores between their BLAS threads (``share_cores``, when the
+    application passes ``set_blas_threads``).
     """
     rank = launched_rank()
     hostfile = os.environ.get("MLX_HOSTFILE")
@@ -128,7 +130,7 @@ def start(timeout: float = DEFAULT_TIMEOUT) -> Optional[Session]:
         watchdog.stop()
         return None
     watchdog.pause()  # loading weights is local work; the clock restarts at the first forward pass
-    share_cores(local_ranks(group.rank()))
+    share_cores(local_ranks(group.rank()), set_blas_threads)
     if group.rank() != 0:
         sys.stdout = open(os.devnull, "w")
     # mlx.launch forwards its stdin but never closes the ranks' end: reading it would wait forever.

@@ -60,7 +60,7 @@ if __name__ == "__main__":
         print(json.dumps(tiny_logits_match(sys.argv[2])), flush=True)
         sys.exit()
     try:
-        session = distributed.start(timeout=60)
+        session = distributed.start(timeout=60, set_blas_threads=fast_blas.set_num_threads)
         for record in run_cases(json.loads(sys.argv[1]), session):
             print(json.dumps(record), flush=True)
     except distributed.DistributedError as error:

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # every test here starts processes
+
 ROOT = Path(__file__).resolve().parent.parent
 JSON_FIELDS = {"text", "tokens", "prompt_tokens", "generation_tokens", "target_forward_passes", "draft_proposed",
                "draft_accepted", "generation_tps", "prompt_tps", "peak_memory_gb", "finish_reason"}

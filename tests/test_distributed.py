@@ -26,6 +26,7 @@ WORKER = ROOT / "tests" / "distributed_worker.py"
 LAUNCH = shutil.which("mlx.launch", path=str(Path(sys.executable).parent)) or shutil.which("mlx.launch")
 
 pytestmark = [
+    pytest.mark.slow,  # launches ranks
     pytest.mark.skipif(LAUNCH is None, reason="mlx.launch is not installed"),
     pytest.mark.skipif(not mx.distributed.is_available(backend="ring"), reason="MLX has no ring backend"),
 ]
@@ -197,9 +198,9 @@ def test_local_ranks_from_the_ring_hostfile(tmp_path, hosts, rank, local):
 def test_ranks_sharing_a_host_split_its_cores_unless_told():
     before = fast_blas.num_threads()
     try:
-        assert distributed.share_cores(1, {}) is None and fast_blas.num_threads() == before
-        assert distributed.share_cores(2, {"OPENBLAS_NUM_THREADS": "2"}) is None and fast_blas.num_threads() == before
-        threads = distributed.share_cores(2, {})
+        assert distributed.share_cores(1, fast_blas.set_num_threads, {}) is None and fast_blas.num_threads() == before
+        assert distributed.share_cores(2, fast_blas.set_num_threads, {"OPENBLAS_NUM_THREADS": "2"}) is None and fast_blas.num_threads() == before
+        threads = distributed.share_cores(2, fast_blas.set_num_threads, {})
         assert threads == expected_blas_threads(2) and fast_blas.num_threads() == threads
     finally:
         fast_blas.set_num_threads(before)

@@ -84,10 +84,12 @@ def test_embedded_model_function_call_validates(embedded, chat_prompt):
     (["--json-schema", "{not json"], "the schema is not valid JSON"),
     (["--json-schema", "{}", "--regex", "a"], "give --regex or --json-schema, not both"),
 ])
+@pytest.mark.slow
 def test_cli_bad_schemas_are_one_line(args, fragment):
     assert_one_line_error(cli(*args), fragment)
 
 
+@pytest.mark.slow
 def test_cli_json_schema_output_validates(embedded, tmp_path):
     path = tmp_path / "schema.json"
     path.write_text(json.dumps(WEATHER_CALL))

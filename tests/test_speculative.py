@@ -91,6 +91,7 @@ def test_t5_speculative_greedy_equals_plain_greedy(t5_pair):
             assert tokens_of(decoder.prompt_tokens(), decoder, sources, max_tokens=30) == reference
 
 
+@pytest.mark.slow
 def test_t5_pair_from_the_command_line(t5_pair):
     large, small = t5_pair
     plain = cli("--model", str(large), "--prompt", "the quick brown fox", "--max-tokens", "20", "--json")
@@ -103,6 +104,7 @@ def test_t5_pair_from_the_command_line(t5_pair):
     assert fast["draft_proposed"] > 0
 
 
+@pytest.mark.slow
 def test_vocabulary_mismatch_is_refused(t5_pair, tmp_path):
     other = make_tiny_t5_dir(tmp_path / "other", "v1.1", seed=3, num_layers=1,
                              spiece_model=train_tiny_spiece(tmp_path / "other.model", vocab_size=80))
@@ -124,6 +126,7 @@ def test_a_draft_that_never_pays_is_paused_and_probed():
     assert drafts < 30 and stats.target_forward_passes > 90
 
 
+@pytest.mark.slow
 def test_self_draft_pair_from_the_command_line(embedded, tmp_path):
     """The README's offline pair: the embedded model and its first layers (convert.py --num-layers)."""
     from convert import convert
