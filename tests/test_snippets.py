@@ -61,18 +61,18 @@ def test_library_code_never_imports_the_application(folder):
 
 
 def run_snippet(code: str, cwd: Path, model_path: Path) -> subprocess.CompletedProcess:
-    """Run ``code`` in ``cwd`` with only the venv's packages importable. The runner loads the fast
-    BLAS this test process uses (a user's entry point would call fast_blas.load()); the snippet is
+    """Run ``code`` in ``cwd`` with only the venv's packages importable. The runner loads a fast
+    BLAS first, as a user's entry point would, from the repository's fast_blas.py under another
+    module name, so an ``import fast_blas`` in the copied code still fails; the snippet is
     unchanged apart from the model id."""
-    import fast_blas
-
     script = cwd / "snippet.py"
     script.write_text(code.replace(MODEL_ID, str(model_path)))
-    runner = ("import ctypes, runpy, sys\n"
-              "if sys.argv[1]: ctypes.CDLL(sys.argv[1], mode=ctypes.RTLD_GLOBAL)\n"
+    runner = ("import importlib.util, runpy, sys\n"
+              "spec = importlib.util.spec_from_file_location('blas_for_the_test', sys.argv[1])\n"
+              "blas = importlib.util.module_from_spec(spec); spec.loader.exec_module(blas); blas.load()\n"
               "runpy.run_path('snippet.py', run_name='__main__')\n")
     # -E: no PYTHONPATH; -c puts only the working directory (the copy) first on the path.
-    return subprocess.run([sys.executable, "-E", "-c", runner, fast_blas.loaded() or ""], cwd=cwd,
+    return subprocess.run([sys.executable, "-E", "-c", runner, str(ROOT / "fast_blas.py")], cwd=cwd,
                           capture_output=True, text=True, timeout=600)
 
 
