@@ -4,13 +4,12 @@
     python -m benchmarks.hostile_inputs --root OTHER    # another checkout (e.g. `git archive` of main)
 
 Each case runs what `main.py` runs before loading a model (load the schema, compile it to a regex,
-compile the regex to a DFA) under `/usr/bin/time -v`, with a time limit and an address-space limit
-so that a case that runs away cannot take the machine down. Results: benchmarks/results/reliability.md.
+compile the regex to a DFA) and reports the seconds and peak memory after the imports, with a time
+limit and an address-space limit so that a case that runs away cannot take the machine down. Results: benchmarks/results/reliability.md.
 """
 
 import argparse
 import json
-import re
 import resource
 import subprocess
 import sys
@@ -19,17 +18,22 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# What main.py's validate() does with --json-schema / --regex, printing what main.py would print.
+# What main.py's validate() does with --json-schema / --regex, printing what main.py would print, then
+# one JSON line: seconds and peak RSS (getrusage) spent after the imports.
 DRIVER = """
-import sys
+import json, resource, sys, time
 from constrained import RegexError, compile_regex, load_schema, schema_to_regex
 kind, argument = sys.argv[1:]
+start, rss_before = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 try:
     regex = schema_to_regex(load_schema(argument)) if kind == "schema" else argument
-    print(f"compiled: {compile_regex(regex).num_states} DFA states")
+    outcome = f"compiled: {compile_regex(regex).num_states} DFA states"
 except RegexError as error:
     sys.stderr.write(f"error: {error}\\n")
-    sys.exit(1)
+    outcome = "refused"
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+print(json.dumps({"seconds": time.perf_counter() - start, "rss_mb": peak // 1024,
+                  "added_mb": (peak - rss_before) // 1024, "outcome": outcome}))
 """
 
 
@@ -85,23 +89,20 @@ def run_case(kind, value, root: Path, directory: Path, timeout: float, memory_gb
     def limit_memory():  # an address-space cap: a runaway case fails with MemoryError, not the OOM killer
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 
-    command = ["/usr/bin/time", "-v", sys.executable, "-c", DRIVER, kind, str(argument)]
+    command = [sys.executable, "-c", DRIVER, kind, str(argument)]
     try:
         result = subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=timeout,
                                 preexec_fn=limit_memory)
     except subprocess.TimeoutExpired:
-        return {"outcome": f"killed after {timeout:.0f} s", "seconds": None, "peak_mb": None}
-    report = dict(re.findall(r"^\s*(.+?): (.+)$", result.stderr, re.MULTILINE))
-    minutes, seconds = report["Elapsed (wall clock) time (h:mm:ss or m:ss)"].rsplit(":", 1)
-    # time -v's report starts at "Command being timed" (the driver's code spans lines).
-    lines = result.stderr.split("\tCommand being timed:")[0].splitlines()
-    lines = [line for line in lines if not line.startswith("Command exited with non-zero status")]
-    outcome = result.stdout.strip() or (lines[-1] if lines else "")
-    if len(lines) > 1:
-        outcome = f"{len(lines)} lines, last: {lines[-1]}"
-    return {"outcome": f"exit {result.returncode}: {outcome[:150]}",
-            "seconds": float(minutes.split(":")[-1]) * 60 + float(seconds),
-            "peak_mb": int(report["Maximum resident set size (kbytes)"]) // 1024}
+        return {"outcome": f"killed after {timeout:.0f} s"}
+    if result.returncode != 0 or not result.stdout.strip():
+        lines = result.stderr.splitlines()
+        return {"outcome": f"exit {result.returncode}, {len(lines)} lines on stderr, last: {lines[-1][:120] if lines else ''}"}
+    row = json.loads(result.stdout.splitlines()[-1])
+    lines = result.stderr.splitlines()
+    if row["outcome"] == "refused":
+        row["outcome"] = lines[0][:150] if len(lines) == 1 else f"{len(lines)} lines: {lines[-1][:120]}"
+    return row
 
 
 def main():
@@ -111,14 +112,15 @@ def main():
     parser.add_argument("--memory-gb", type=float, default=4, help="Address-space cap per case (default: 4).")
     parser.add_argument("--only", default=None, help="Run the cases whose name contains this text.")
     args = parser.parse_args()
-    print("| case | seconds | peak RSS (MB) | outcome |\n|---|---|---|---|")
+    print("| case | seconds | peak RSS MB (added) | outcome |\n|---|---|---|---|")
     with tempfile.TemporaryDirectory() as directory:
         for name, (kind, value) in CASES.items():
             if args.only and args.only not in name:
                 continue
             row = run_case(kind, value, args.root, Path(directory), args.timeout, args.memory_gb)
-            seconds = "-" if row["seconds"] is None else f"{row['seconds']:.2f}"
-            print(f"| {name} | {seconds} | {row['peak_mb'] or '-'} | {row['outcome']} |", flush=True)
+            seconds = f"{row['seconds']:.2f}" if "seconds" in row else "-"
+            memory = f"{row['rss_mb']} (+{row['added_mb']})" if "rss_mb" in row else "-"
+            print(f"| {name} | {seconds} | {memory} | {row['outcome']} |", flush=True)
 
 
 if __name__ == "__main__":
