@@ -270,7 +270,7 @@ def pattern_string(pattern: str, min_length: int = 0, max_length=None) -> str:
     anchored_end = body.endswith("$") and not body.endswith("\\$")
     body = body[:-1] if anchored_end else body
     ascii_only = bool(re.search(r"\\[DWS]", body))
-    tree = parse_regex(f"(?:{body})", max_depth=PATTERN_MAX_DEPTH + 1) if body else Concat(())
+    tree = parse_regex(body, max_depth=PATTERN_MAX_DEPTH) if body else Concat(())
     anything = Repeat(Chars(((0, 0x10FFFF),)), 0, None)
     parts = ([] if anchored_start else [anything]) + [tree] + ([] if anchored_end else [anything])
     limited = _within_length(Concat(tuple(parts)), min_length, max_length)
