@@ -8,6 +8,7 @@ project's error type, and every compiled schema's DFA emits only instances `json
 import json
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -257,3 +258,32 @@ def test_random_regexes_compile_or_are_refused_in_one_line(pieces, depth):
         for text in ("a" * length, "ab" * length, "1" * length):
             if oracle is not None:
                 assert dfa.matches(text.encode()) == (oracle.fullmatch(text) is not None), (pattern, text)
+
+
+# --- distributed: a failed rank fails the run ------------------------------------------------
+
+RANK = """
+import os, signal, sys, time
+if os.environ.get("MLX_RANK") == "1":
+    if sys.argv[1] == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)  # killed early, before any line
+    sys.exit(int(sys.argv[1]))
+time.sleep(20)  # rank 0 would wait on its peer; mlx.launch stops it
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rank1, status, line", [
+    ("0", 0, None),
+    ("3", 1, "error: rank 1 exited with status 3; mlx.launch then stopped 1 other rank(s)\n"),
+    ("kill", 1, "error: rank 1 exited with status -9; mlx.launch then stopped 1 other rank(s)\n"),
+])
+def test_distributed_launch_exits_non_zero_when_a_rank_fails(rank1, status, line):
+    if shutil.which("mlx.launch", path=str(Path(sys.executable).parent)) is None:
+        pytest.skip("mlx.launch is not installed")
+    code = RANK if rank1 != "0" else "import sys"
+    result = subprocess.run([sys.executable, "-m", "distributed.launch", "-n", "2", "--backend", "ring", "--",
+                             sys.executable, "-c", code, rank1], cwd=ROOT, stdin=subprocess.PIPE,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == status
+    assert result.stderr == (line or "")
