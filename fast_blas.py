@@ -13,13 +13,16 @@ library loaded with ``RTLD_GLOBAL`` *before* ``import mlx.core`` wins, just as
 On macOS this does nothing (MLX uses Accelerate and Metal there).
 """
 
+import atexit
 import ctypes
 import hashlib
-import importlib.util
+import importlib.metadata
 import os
 import platform
 import shutil
+import struct
 import sys
+import tempfile
 from pathlib import Path
 from typing import List, Optional
 
@@ -39,6 +42,21 @@ FAST_BLAS_NAMES = ("openblas", "libmkl_rt", "libblis")
 
 INSTALL_HINT = ("no fast BLAS found, so matmuls run ~20x slower: pip install ngsolve-openblas "
                 "(or sudo apt-get install libopenblas0-pthread)")
+SLOWER = "MLX keeps its reference BLAS (matmuls ~20x slower)"
+_warned = False  # one warning line per process, however often load() is called
+
+
+def _distribution_files(name: str, folder: str) -> List[Path]:
+    """Installed files of a pip distribution under `folder`, from its own record (RECORD).
+
+    The record, not `import` or `find_spec`: a stray folder of the same name earlier on sys.path
+    (an empty `mlx/` in the working directory) would otherwise be taken for the package.
+    """
+    try:
+        files = importlib.metadata.distribution(name).files or []
+    except importlib.metadata.PackageNotFoundError:
+        return []
+    return sorted(Path(file.locate()) for file in files if file.parts[0] == folder)
 
 
 def wheel_libraries() -> List[Path]:
@@ -48,19 +66,24 @@ def wheel_libraries() -> List[Path]:
     requirements.txt; pip's ``mkl`` (about 1 GB) is used when it is installed.
     ``scipy-openblas32/64`` are not usable: their symbols are prefixed.
     """
-    found = []
-    # find_spec, not import: ngsolve_openblas's __init__ loads its library itself and prints on failure.
-    spec = importlib.util.find_spec("ngsolve_openblas")
-    if spec is not None and spec.submodule_search_locations:
-        found += sorted(Path(spec.submodule_search_locations[0]).glob("libopenblas*.so*"))
+    found = [path for path in _distribution_files("ngsolve-openblas", "ngsolve_openblas")
+             if path.name.startswith("libopenblas") and ".so" in path.name]
     mkl = Path(sys.prefix) / "lib" / "libmkl_rt.so.2"
     if mkl.exists():
         found.append(mkl)
     return found
 
 
+def mlx_bundled_libraries() -> List[Path]:
+    """The libraries MLX's CPU wheel bundles (``mlx_cpu.libs``: its BLAS, LAPACK, libgfortran)."""
+    core = sys.modules.get("mlx.core")
+    if core is not None and getattr(core, "__file__", None):  # imported: exactly the one in use
+        return sorted((Path(core.__file__).parent.parent / "mlx_cpu.libs").glob("*.so*"))
+    return _distribution_files("mlx-cpu", "mlx_cpu.libs")
+
+
 def _cache_dir() -> Path:
-    # loading.cache_dir's root; not imported from there because loading imports mlx.core.
+    # loading.cache_dir's root; not imported from there: this file stays free of project imports.
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mlx-decoding"
 
 
@@ -70,32 +93,40 @@ def link_mlx_gfortran(library: Path) -> Optional[Path]:
     The ngsolve-openblas wheel needs libgfortran.so.5, which a fresh Debian lacks, and looks for
     it first in its own directory (RPATH ``$ORIGIN``). MLX's CPU wheel bundles a libgfortran
     (renamed by auditwheel), so a directory of symlinks, the library beside
-    ``libgfortran.so.5`` -> MLX's copy (and that copy's libquadmath), satisfies it.
+    ``libgfortran.so.5`` -> MLX's copy (and that copy's libquadmath), satisfies it. The directory
+    is kept in the cache; where that is not writable, in a temporary directory removed at exit.
+    None when MLX bundles no libgfortran; OSError when neither directory can be written.
     """
-    spec = importlib.util.find_spec("mlx")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    bundled = Path(spec.submodule_search_locations[0]).parent / "mlx_cpu.libs"
-    gfortran = sorted(bundled.glob("libgfortran-*.so.5*"))
+    bundled = mlx_bundled_libraries()
+    gfortran = [path for path in bundled if path.name.startswith("libgfortran-")]
     if not gfortran:
         return None
+    links = {path.name: path for path in bundled if path.name.startswith(("libgfortran-", "libquadmath-"))}
+    links.update({"libgfortran.so.5": gfortran[0], library.name: library})
     # Keyed by both files, so a new MLX or wheel gets a new directory, never a stale link.
     key = hashlib.sha256(f"{library.resolve()}:{gfortran[0].resolve()}".encode()).hexdigest()[:16]
-    final = _cache_dir() / "blas" / key
-    if not final.exists():
-        # Built aside and renamed into place, so concurrent first runs never see half a directory.
-        staging = final.with_name(f"{key}.tmp{os.getpid()}")
-        shutil.rmtree(staging, ignore_errors=True)  # left by a crashed run with the same pid
-        staging.mkdir(parents=True)
-        for path in [*gfortran, *bundled.glob("libquadmath-*")]:  # libgfortran needs its libquadmath
-            (staging / path.name).symlink_to(path.resolve())
-        (staging / "libgfortran.so.5").symlink_to(gfortran[0].resolve())
-        (staging / library.name).symlink_to(library.resolve())
-        try:
-            staging.rename(final)
-        except OSError:  # another process got there first
-            shutil.rmtree(staging, ignore_errors=True)
-    return final / library.name
+    try:
+        return _symlink_directory(_cache_dir() / "blas" / key, links) / library.name
+    except OSError:  # a read-only or unwritable cache: the links are needed only until dlopen
+        temporary = Path(tempfile.mkdtemp(prefix="mlx-decoding-blas-"))
+        atexit.register(shutil.rmtree, temporary, ignore_errors=True)
+        return _symlink_directory(temporary / key, links) / library.name
+
+
+def _symlink_directory(final: Path, links: dict) -> Path:
+    if final.exists():
+        return final
+    # Built aside and renamed into place, so concurrent first runs never see half a directory.
+    staging = final.with_name(f"{final.name}.tmp{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)  # left by a crashed run with the same pid
+    staging.mkdir(parents=True)
+    for name, target in links.items():
+        (staging / name).symlink_to(target.resolve())
+    try:
+        staging.rename(final)
+    except OSError:  # another process got there first
+        shutil.rmtree(staging, ignore_errors=True)
+    return final
 
 
 def candidates(system: bool = True) -> List[Path]:
@@ -104,15 +135,23 @@ def candidates(system: bool = True) -> List[Path]:
     return [p for p in paths if p.exists()] + wheel_libraries()
 
 
+def _mappings() -> list:
+    """(start, end, file offset, path) of each file mapped into this process."""
+    try:
+        lines = Path("/proc/self/maps").read_text().splitlines()
+    except OSError:
+        return []
+    rows = []
+    for fields in map(str.split, lines):
+        if len(fields) == 6:  # anonymous mappings have no path
+            start, end = (int(address, 16) for address in fields[0].split("-"))
+            rows.append((start, end, int(fields[2], 16), fields[5]))
+    return rows
+
+
 def loaded() -> Optional[str]:
     """Path of the fast BLAS mapped into this process (by ``load`` or ``LD_PRELOAD``), or None."""
-    try:
-        maps = Path("/proc/self/maps").read_text()
-    except OSError:
-        return None
-    # Each line ends in the mapped file's path; anonymous mappings have none.
-    paths = dict.fromkeys(fields[5] for fields in map(str.split, maps.splitlines()) if len(fields) == 6)
-    for path in paths:
+    for path in dict.fromkeys(row[3] for row in _mappings()):
         # numpy's and scipy's OpenBLAS are mapped too, but their symbols are prefixed.
         if any(name in Path(path).name for name in FAST_BLAS_NAMES) and _exports_cblas(path):
             return path
@@ -126,22 +165,26 @@ def _exports_cblas(path: str) -> bool:
         return False
 
 
-def _load_global(path: Path) -> Optional[str]:
-    """dlopen ``path`` into the global scope; when libgfortran is missing, retry beside MLX's."""
+def _load_global(path: Path) -> str:
+    """dlopen ``path`` into the global scope (retrying beside MLX's libgfortran); OSError says why not."""
     try:
         ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
         return str(path)
     except OSError as error:
         if "libgfortran" not in str(error):
-            return None
-    try:
-        linked = link_mlx_gfortran(path)
-        if linked is None:
-            return None
-        ctypes.CDLL(str(linked), mode=ctypes.RTLD_GLOBAL)
-        return str(linked)
-    except OSError:  # e.g. an unwritable cache directory
-        return None
+            raise
+    linked = link_mlx_gfortran(path)
+    if linked is None:
+        raise OSError(f"{path} needs libgfortran.so.5, which neither the system nor MLX's wheel has")
+    ctypes.CDLL(str(linked), mode=ctypes.RTLD_GLOBAL)
+    return str(path.resolve())
+
+
+def _warn(message: str):
+    global _warned
+    if not _warned:
+        _warned = True
+        sys.stderr.write(f"warning: {message}\n")
 
 
 def load(system: bool = True, warn: bool = True) -> Optional[str]:
@@ -149,19 +192,25 @@ def load(system: bool = True, warn: bool = True) -> Optional[str]:
 
     Args:
         system: try the distribution's OpenBLAS before pip wheels (tests pass False).
-        warn: print one line on stderr saying what to install when none is found.
+        warn: print one line on stderr (once per process) saying what failed.
     """
     if sys.platform != "linux":
         return None
     already = loaded()
     if already is not None:
         return already
+    if "mlx.core" in sys.modules:  # MLX bound its BLAS calls at import (RTLD_NOW): too late
+        if warn:
+            _warn(f"fast_blas.load() ran after mlx.core was imported, so {SLOWER}: call it first")
+        return None
+    failures = []
     for path in candidates(system):
-        loaded_path = _load_global(path)
-        if loaded_path is not None:
-            return loaded_path
+        try:
+            return _load_global(path)
+        except OSError as error:
+            failures.append(f"cannot load {path} ({error.strerror or error})")
     if warn:
-        sys.stderr.write(f"warning: {INSTALL_HINT}\n")
+        _warn(f"{failures[-1]}, so {SLOWER}" if failures else INSTALL_HINT)
     return None
 
 
@@ -201,12 +250,50 @@ def num_threads() -> Optional[int]:
     return None if functions is None else functions[1]()
 
 
+def bound_library(library: str = "libmlx.so", symbol: str = "cblas_sgemm") -> Optional[str]:
+    """The mapped file that `library`'s call to `symbol` jumps to, read from its GOT entry.
+
+    MLX is imported with RTLD_NOW, so once `library` is mapped its global offset table holds the
+    address the dynamic linker chose: the truth about which BLAS its matmuls run, whatever else
+    was loaded later. None when `library` is not mapped or the symbol is not found. ELF64 only.
+    """
+    rows = _mappings()
+    path = next((row[3] for row in rows if Path(row[3]).name == library), None)
+    if path is None:
+        return None
+    data = Path(path).read_bytes()
+    section_offset, = struct.unpack_from("<Q", data, 0x28)
+    entry_size, count = struct.unpack_from("<HH", data, 0x3A)
+    header_offset, = struct.unpack_from("<Q", data, 0x20)
+    header_size, header_count = struct.unpack_from("<HH", data, 0x36)
+    # Section header: name, type, flags, addr, offset, size, link, info, addralign, entsize.
+    sections = [struct.unpack_from("<IIQQQQIIQQ", data, section_offset + i * entry_size) for i in range(count)]
+    # Load bias: where the file's offset 0 is mapped, less its first PT_LOAD's (page-aligned) address.
+    headers = [struct.unpack_from("<IIQQ", data, header_offset + i * header_size) for i in range(header_count)]
+    first_load = min(vaddr for kind, _, _, vaddr in headers if kind == 1) & ~0xFFF
+    bias = min(start for start, _, offset, mapped in rows if mapped == path and offset == 0) - first_load
+    for _, kind, _, _, file_offset, size, link, *_ in sections:
+        if kind != 4:  # SHT_RELA: .rela.plt and .rela.dyn
+            continue
+        symbols, strings = sections[link][4], sections[sections[link][6]][4]
+        for index in range(size // 24):
+            got_offset, info, _ = struct.unpack_from("<QQq", data, file_offset + 24 * index)
+            name, = struct.unpack_from("<I", data, symbols + 24 * (info >> 32))
+            if data[strings + name:data.index(b"\0", strings + name)] == symbol.encode():
+                target = ctypes.c_uint64.from_address(bias + got_offset).value
+                return next((mapped for start, end, _, mapped in rows if start <= target < end), None)
+    return None
+
+
 def describe() -> str:
-    """The BLAS MLX's CPU matmuls use, in words."""
+    """The BLAS MLX's CPU matmuls use, in words (before ``import mlx.core``: the one they will use)."""
     if sys.platform == "darwin":
         return "Accelerate"
-    path = loaded()
-    if path is None:
+    try:
+        path = bound_library() if "mlx.core" in sys.modules else loaded()
+    except (OSError, struct.error, ValueError):  # not the ELF64 layout read above
+        path = loaded()
+    if path is None or not any(name in Path(path).name for name in FAST_BLAS_NAMES):
         return "reference BLAS"
     name = Path(path).name
     kind = "MKL" if "mkl" in name else "BLIS" if "blis" in name else "OpenBLAS"

@@ -10,6 +10,7 @@
 import argparse
 import json
 import os
+import signal
 import sys
 
 import fast_blas
@@ -243,6 +244,14 @@ def run(args):
     return result
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where Python next runs: cleanup and the one line are those of Ctrl-C."""
+
+
+def terminate(signum, _frame):
+    raise Terminated(signum)
+
+
 def main():
     reopen_closed_std_streams()
     args = build_parser().parse_args()
@@ -260,6 +269,8 @@ def main():
         errors += (RegexError,)
     except ImportError:
         pass
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:  # leave a caller's handler (or SIG_IGN) alone
+        signal.signal(signal.SIGTERM, terminate)
     try:
         run(args)
     except errors as error:
@@ -273,8 +284,9 @@ def main():
         where = f": {error.filename}" if error.filename else ""
         sys.stderr.write(f"error: {error.strerror or error}{where}\n")
         sys.exit(1)
-    except KeyboardInterrupt:
-        sys.exit(130)
+    except KeyboardInterrupt as error:  # Ctrl-C or SIGTERM: exit status 128 + the signal, as a shell reports
+        sys.stderr.write("interrupted\n")
+        sys.exit(128 + (error.args[0] if isinstance(error, Terminated) else signal.SIGINT))
 
 
 if __name__ == "__main__":

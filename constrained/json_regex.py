@@ -11,6 +11,8 @@ from fractions import Fraction
 
 from constrained.regex_parse import Alt, Chars, Concat, RegexError, Repeat, parse_regex
 
+PATTERN_MAX_DEPTH = 100  # groups nested in a `pattern`: the rewrite below walks the tree recursively
+
 # One character of a JSON string as written in the JSON text: a raw character other than `"`, `\` and
 # controls, a short escape, or a \u escape outside the surrogates (a lone surrogate is not a character).
 STRING_CHAR = (r'(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]'
@@ -59,24 +61,58 @@ def bounded_string(min_length: int, max_length) -> str:
 
 # --- integer ranges as digit patterns ----------------------------------------------------------
 
+def _digit_class(low: int, high: int) -> str:
+    return str(low) if low == high else f"[{low}-{high}]"
+
+
+def _any_digits(count: int) -> str:
+    return "" if count == 0 else "[0-9]" if count == 1 else f"[0-9]{{{count}}}"
+
+
+def _at_least(digits: str) -> str:
+    """Digit strings of len(digits) that are >= digits, built from the last digit: linear size."""
+    regex = ""
+    for index in range(len(digits) - 1, -1, -1):
+        digit, tail = int(digits[index]), len(digits) - 1 - index
+        if not digits[index + 1:].strip("0"):  # the tail is all zeros: any tail will do
+            regex = _digit_class(digit, 9) + _any_digits(tail)
+        elif digit < 9:
+            regex = f"(?:{digit}{regex}|{_digit_class(digit + 1, 9)}{_any_digits(tail)})"
+        else:
+            regex = f"9{regex}"
+    return regex
+
+
+def _at_most(digits: str) -> str:
+    """Digit strings of len(digits) that are <= digits (leading zeros allowed): linear size."""
+    regex = ""
+    for index in range(len(digits) - 1, -1, -1):
+        digit, tail = int(digits[index]), len(digits) - 1 - index
+        if not digits[index + 1:].strip("9"):  # the tail is all nines: any tail will do
+            regex = _digit_class(0, digit) + _any_digits(tail)
+        elif digit > 0:
+            regex = f"(?:{digit}{regex}|{_digit_class(0, digit - 1)}{_any_digits(tail)})"
+        else:
+            regex = f"0{regex}"
+    return regex
+
+
 def _digits_range(lo: str, hi: str) -> str:
-    """Digit strings of equal length from lo to hi (inclusive), e.g. ("120", "349")."""
+    """Digit strings of equal length from lo to hi (inclusive), e.g. ("120", "349"); size linear in digits."""
     if lo == hi:
         return lo
-    if len(lo) == 1:
-        return f"[{lo}-{hi}]"
-    if lo[0] == hi[0]:
-        return lo[0] + _digits_range(lo[1:], hi[1:])
-    rest = len(lo) - 1
-    options = []
-    # lo's first digit with the rest from lo up; the full middle digits; hi's first digit up to hi.
-    low_tail, high_tail = "0" * rest, "9" * rest
-    options.append(lo[0] + _digits_range(lo[1:], high_tail))
-    if int(hi[0]) - int(lo[0]) > 1:
-        middle = f"[{int(lo[0]) + 1}-{int(hi[0]) - 1}]" if int(hi[0]) - int(lo[0]) > 2 else str(int(lo[0]) + 1)
-        options.append(middle + f"[0-9]{{{rest}}}")
-    options.append(hi[0] + _digits_range(low_tail, hi[1:]))
-    return "(?:" + "|".join(options) + ")"
+    split = next(index for index, (a, b) in enumerate(zip(lo, hi)) if a != b)
+    prefix, low, high, tail = lo[:split], int(lo[split]), int(hi[split]), len(lo) - split - 1
+    # lo's digit with a tail >= lo's; the digits between with any tail; hi's digit with a tail <= hi's.
+    # A tail of all zeros (or nines) takes any tail, so that digit joins the middle.
+    first = low if not lo[split + 1:].strip("0") else low + 1
+    last = high if not hi[split + 1:].strip("9") else high - 1
+    options = [f"{low}{_at_least(lo[split + 1:])}"] if first > low else []
+    if first <= last:
+        options.append(_digit_class(first, last) + _any_digits(tail))
+    if last < high:
+        options.append(f"{high}{_at_most(hi[split + 1:])}")
+    return prefix + (options[0] if len(options) == 1 else "(?:" + "|".join(options) + ")")
 
 
 def _natural_range(lo: int, hi) -> list:
@@ -234,7 +270,7 @@ def pattern_string(pattern: str, min_length: int = 0, max_length=None) -> str:
     anchored_end = body.endswith("$") and not body.endswith("\\$")
     body = body[:-1] if anchored_end else body
     ascii_only = bool(re.search(r"\\[DWS]", body))
-    tree = parse_regex(f"(?:{body})") if body else Concat(())
+    tree = parse_regex(body, max_depth=PATTERN_MAX_DEPTH) if body else Concat(())
     anything = Repeat(Chars(((0, 0x10FFFF),)), 0, None)
     parts = ([] if anchored_start else [anything]) + [tree] + ([] if anchored_end else [anything])
     limited = _within_length(Concat(tuple(parts)), min_length, max_length)

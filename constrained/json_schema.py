@@ -12,22 +12,29 @@ in `json_regex.py`. Limits, all documented in constrained/README.md:
 - a recursive `$ref` is expanded `max_ref_depth` times along one path; deeper, the branch is left out
   (an optional property, an empty array, another `anyOf` branch) or the schema is refused;
 - `{}` (any value) nests arrays and objects `any_depth` levels deep;
-- `maxLength` and `maxItems` above `max_repeat` are lowered to it (each allowed length is DFA states).
+- `maxLength` and `maxItems` above `max_repeat` are lowered to it (each allowed length is DFA states);
+- budgets checked while building, so any input is refused in one line within about a second:
+  `MAX_DEPTH` nested subschemas, `MAX_SUBSCHEMAS` subschemas compiled (a recursive `$ref` multiplies
+  them), `MAX_REGEX_LENGTH` characters for any part of the regex, and numeric bounds within ±1e308.
 """
 
 import json
-import re
 from fractions import Fraction
 
 from constrained.json_regex import (BOOLEAN, FORMATS, INTEGER, NULL, NUMBER, STRING, bounded_string,
                                     integer_range, literal, number_range, pattern_string, whole_bounds)
+from constrained.regex_dfa import compile_regex
 from constrained.regex_parse import RegexError
-from constrained.schema_keywords import (ALL_TYPES, ANNOTATIONS, TYPE_KEYWORDS, SchemaError, check_supported,
-                                         common_types, json_type, load_schema, pointer_get)
+from constrained.schema_keywords import (ALL_TYPES, ANNOTATIONS, TYPE_KEYWORDS, SchemaError, check_finite,
+                                         check_supported, common_types, escape, json_type, load_schema,
+                                         pointer_get)
 
 __all__ = ["SchemaError", "load_schema", "schema_to_regex"]
 
-MAX_REGEX_LENGTH = 500_000
+MAX_REGEX_LENGTH = 500_000  # characters; compiling a regex near it takes about a second
+MAX_DEPTH = 64  # subschemas nested in one another (each level also nests the regex's groups)
+MAX_SUBSCHEMAS = 20_000  # subschemas compiled, counting every expansion of a $ref
+MAX_BOUND = 10 ** 309  # numeric bounds beyond ±1e308 (past float range) are refused
 
 
 def schema_to_regex(schema, whitespace: str = "", max_ref_depth: int = 3, any_depth: int = 1,
@@ -41,16 +48,19 @@ def schema_to_regex(schema, whitespace: str = "", max_ref_depth: int = 3, any_de
         any_depth: Nesting depth of arrays and objects where the schema allows any value.
         max_repeat: Largest `maxLength`/`maxItems` kept as is; larger ones are lowered to it.
     """
+    check_finite(schema)
     compiler = _Compiler(schema, whitespace, max_ref_depth, any_depth, max_repeat)
     try:
         regex = compiler.compile(schema, "#", ())
-    except RecursionError:
+    except RecursionError:  # a backstop: chains of $ref and oneOf are walked recursively
         raise SchemaError("the schema nests too deeply") from None
-    if regex is not None and len(regex) > MAX_REGEX_LENGTH:
-        raise SchemaError(f"the schema is too large: its regex has more than {MAX_REGEX_LENGTH} characters")
     if regex is None:
         raise SchemaError("the schema allows no value that can be generated (false, empty enum or unbounded recursion)")
     return regex
+
+
+def _too_large(path):
+    return SchemaError(f"the schema is too large: its regex passes {MAX_REGEX_LENGTH} characters at {path}")
 
 
 class _Compiler:
@@ -61,6 +71,8 @@ class _Compiler:
         self.any_depth = any_depth
         self.max_repeat = max_repeat
         self._any = {}
+        self.depth = 0
+        self.subschemas = 0
 
     # --- schema plumbing -----------------------------------------------------------------------
 
@@ -119,6 +131,26 @@ class _Compiler:
 
     def compile(self, schema, path, refs):
         """The regex for `schema` at JSON pointer `path`, or None when no value can be generated."""
+        self.subschemas += 1
+        if self.subschemas > MAX_SUBSCHEMAS:
+            raise SchemaError(f"the schema is too large: more than {MAX_SUBSCHEMAS} subschemas to compile "
+                              f"(counting each expansion of a $ref), the last at {path}")
+        if self.depth >= MAX_DEPTH:
+            raise SchemaError(f"the schema nests more than {MAX_DEPTH} levels deep at {path}")
+        self.depth += 1
+        try:
+            regex = self.compile_node(schema, path, refs)
+        finally:
+            self.depth -= 1
+        return self.within_budget(regex, path)
+
+    @staticmethod
+    def within_budget(regex, path):
+        if regex is not None and len(regex) > MAX_REGEX_LENGTH:
+            raise _too_large(path)
+        return regex
+
+    def compile_node(self, schema, path, refs):
         schema, refs = self.resolve(schema, path, refs)
         if schema is None or schema is False:
             return None
@@ -186,9 +218,10 @@ class _Compiler:
         if rest:
             # Keep the values the rest of the schema accepts (its regex is a subset of the schema).
             rest_regex = self.compile(rest, path, refs) or "(?!)"
+            # Our DFA, not Python's re: a `pattern` such as (a*)*b would make re backtrack for ages.
+            dfa = compile_regex(rest_regex)
             texts = [text for value, text in zip(values, texts)
-                     if re.fullmatch(rest_regex, json.dumps(value, ensure_ascii=False,
-                                                            separators=(",", ":")), re.ASCII)]
+                     if dfa.matches(json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode())]
         return "(?:" + "|".join(texts) + ")" if texts else None
 
     def _sep(self, char):
@@ -206,34 +239,58 @@ class _Compiler:
             members = self.map_members(additional, patterns, schema, path, refs)
             return rf"\{{{self.ws}{members}{self.ws}\}}"
         for pattern in patterns:  # we emit only declared properties: a pattern matters if one matches it
-            if any(re.search(pattern, name) for name in properties):
+            if any(self.pattern_matches(pattern, name, f"{path}/patternProperties") for name in properties):
                 raise SchemaError(f"patternProperties is not supported at {path}/patternProperties")
         self.apply_dependencies(dependencies, properties, required, path)
-        entries = []
+        entries, length = [], 0
         for name in list(properties) + [name for name in required if name not in properties]:
             sub = properties.get(name, additional)
-            value = self.compile(sub, f"{path}/properties/{name}", refs)
+            value = self.compile(sub, f"{path}/properties/{escape(name)}", refs)
             if value is None and name in required:
                 return None
             if value is not None:
                 entries.append((f"{literal(name)}{self._sep(':')}{value}", name in required))
+                length += len(entries[-1][0])
+                if length > MAX_REGEX_LENGTH:  # every member is written at least once: stop now
+                    raise _too_large(path)
         count = sum(req for _, req in entries), len(entries)
         if schema.get("minProperties", 0) > count[0] or schema.get("maxProperties", count[1]) < count[1]:
             raise SchemaError(f"minProperties/maxProperties beyond the declared properties at {path}")
         return rf"\{{{self.ws}{self.members(entries)}{self.ws}\}}"
 
     def members(self, entries):
-        """Members in order with commas right: alternatives by which optional member comes first."""
+        """Members in order with commas right: the optional ones before the first required member are
+        `some_of`, every later one is `(?:,member)?`."""
         if not entries:
             return ""
         sep = self._sep(",")
         first_required = next((i for i, (_, req) in enumerate(entries) if req), len(entries))
-        options = []
-        for first in range(min(first_required + 1, len(entries))):
-            rest = "".join(f"{sep}{member}" if req else f"(?:{sep}{member})?" for member, req in entries[first + 1:])
-            options.append(entries[first][0] + rest)
-        body = "(?:" + "|".join(options) + ")"
-        return body + "?" if first_required == len(entries) else body
+        leading = [member for member, _ in entries[:first_required]]
+        if first_required == len(entries):
+            return f"(?:{self.some_of(leading)})?"
+        head = f"(?:{self.some_of(leading)}{sep})?" if leading else ""
+        rest = "".join(f"{sep}{member}" if req else f"(?:{sep}{member})?" for member, req in entries[first_required + 1:])
+        return head + entries[first_required][0] + rest
+
+    def some_of(self, members):
+        """One or more of `members`, in order, comma-separated: each member written once.
+
+        Some of the first k is some of the first k-1 (then maybe the k-th) or the k-th alone. Naming
+        each possible first member instead writes n^2/2 members (84,000 optional properties took
+        24 GB). The groups nest n deep, which our parser handles (Python's `re` stops near 300).
+        """
+        sep = self._sep(",")
+        # (?:(?:m1(?:,m2)?|m2)(?:,m3)?|m3): the opening groups first, so no prefix is copied again.
+        return "(?:" * (len(members) - 1) + members[0] + "".join(f"(?:{sep}{member})?|{member})"
+                                                                for member in members[1:])
+
+    @staticmethod
+    def pattern_matches(pattern, name, path):
+        """re.search(pattern, name) through our DFA: Python's re can backtrack for ages on (a*)*b."""
+        try:
+            return compile_regex(pattern_string(pattern)).matches(json.dumps(name, ensure_ascii=False).encode())
+        except RegexError as error:
+            raise SchemaError(f"{path}: {error}") from None
 
     @staticmethod
     def apply_dependencies(dependencies, properties, required, path):
@@ -318,10 +375,11 @@ class _Compiler:
                 positions, low, high = [rest_regex], max(low - 1, 0), "" if most is None else high - 1
             if high != 0:
                 tail = f"(?:{sep}{rest_regex}){{{low},{high}}}"
-        content = tail
-        for index in range(len(positions) - 1, -1, -1):
-            item = (sep if index else "") + positions[index] + content
-            content = item if index < least else f"(?:{item})?"
+        # Items from index `least` on are optional, each with everything after it: nested groups,
+        # written opening parts first (one join, not a copy of the tail per item).
+        opening = "".join(("" if index < least else "(?:") + (sep if index else "") + regex
+                          for index, regex in enumerate(positions))
+        content = opening + tail + ")?" * max(len(positions) - least, 0)
         return rf"\[{self.ws}{content}{self.ws}\]"
 
     def string(self, schema, path):
@@ -362,6 +420,10 @@ class _Compiler:
                 hi, hi_exclusive = (value, True) if hi is None or value <= hi else (hi, hi_exclusive)
         if lo is None and hi is None:
             return INTEGER if name == "integer" else NUMBER
+        for key in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):
+            value = schema.get(key)
+            if not isinstance(value, bool) and value is not None and abs(value) >= MAX_BOUND:
+                raise SchemaError(f"{key} beyond ±1e308 is not supported at {path}/{key}")
         if name == "integer":
             return integer_range(*whole_bounds(lo, lo_exclusive, hi, hi_exclusive))
         return number_range(lo, lo_exclusive, hi, hi_exclusive)

@@ -70,7 +70,25 @@ class _NFA:
         self.byte_edges[source].append((range_id, target))
 
     def build(self, node):
-        """Add the fragment for `node`; returns its (entry, exit) states."""
+        """Add the fragment for `node`; returns its (entry, exit) states.
+
+        Each node's `fragment` is a generator that yields a child and receives that child's
+        (entry, exit); this loop runs them with its own stack, so deep trees need no recursion.
+        """
+        stack, built = [self.fragment(node)], None
+        while stack:
+            try:
+                child = stack[-1].send(built)
+            except StopIteration as finished:
+                stack.pop()
+                built = finished.value
+            else:
+                stack.append(self.fragment(child))
+                built = None
+        return built
+
+    def fragment(self, node):
+        """Thompson's construction for one node; `yield child` builds a child fragment."""
         entry = exit_ = self.add_state()
         if isinstance(node, Chars):
             exit_ = self.add_state()
@@ -84,28 +102,28 @@ class _NFA:
                     self.add_byte_edge(source, sequence[-1], exit_)
         elif isinstance(node, Concat):
             for item in node.items:
-                exit_ = self.append(exit_, item)
+                exit_ = self.after(exit_, (yield item))
         elif isinstance(node, Alt):
             exit_ = self.add_state()
             for option in node.options:
-                self.epsilons[self.append(entry, option)].append(exit_)
+                self.epsilons[self.after(entry, (yield option))].append(exit_)
         else:  # Repeat: min_count copies, then a loop or (max - min) optional copies
             for _ in range(node.min_count):
-                exit_ = self.append(exit_, node.item)
+                exit_ = self.after(exit_, (yield node.item))
             if node.max_count is None:
-                self.epsilons[self.append(exit_, node.item)].append(exit_)
+                self.epsilons[self.after(exit_, (yield node.item))].append(exit_)
             else:
                 skip_to = self.add_state()
                 for _ in range(node.max_count - node.min_count):
                     self.epsilons[exit_].append(skip_to)
-                    exit_ = self.append(exit_, node.item)
+                    exit_ = self.after(exit_, (yield node.item))
                 self.epsilons[exit_].append(skip_to)
                 exit_ = skip_to
         return entry, exit_
 
-    def append(self, source, node):
-        """Build `node` after state `source`; returns the fragment's exit."""
-        entry, exit_ = self.build(node)
+    def after(self, source, fragment):
+        """Link a built fragment (entry, exit) after state `source`; returns its exit."""
+        entry, exit_ = fragment
         self.epsilons[source].append(entry)
         return exit_
 

@@ -87,10 +87,11 @@ def _single_code(char_set):
 
 
 class _Parser:
-    """Recursive descent over the pattern; `pos` is the index of the next character."""
+    """One pass over the pattern with a stack of open groups, so nesting costs no Python recursion."""
 
-    def __init__(self, pattern):
+    def __init__(self, pattern, max_depth):
         self.pattern = pattern
+        self.max_depth = max_depth
         self.pos = 0
 
     def error(self, message, pos):
@@ -100,29 +101,35 @@ class _Parser:
         return self.pattern[self.pos] if self.pos < len(self.pattern) else ""
 
     def parse(self):
-        # Under fullmatch a leading ^ (and a trailing $, see parse_concat) changes nothing.
+        # Under fullmatch a leading ^ (and a trailing $) changes nothing.
         if self.pattern.startswith("^"):
             self.pos = 1
-        tree = self.parse_alternation(depth=0)
-        if self.pos < len(self.pattern):  # parse_alternation only stops early at a stray ")"
-            raise self.error("unbalanced parenthesis", self.pos)
-        return tree
-
-    def parse_alternation(self, depth):
-        options = [self.parse_concat(depth)]
-        while self.peek() == "|":
-            self.pos += 1
-            options.append(self.parse_concat(depth))
-        return options[0] if len(options) == 1 else Alt(tuple(options))
-
-    def parse_concat(self, depth):
-        items = []
-        while self.peek() not in ("", "|", ")"):
-            if self.peek() == "$" and self.pos == len(self.pattern) - 1 and depth == 0:
+        open_groups = []  # (position of "(", the enclosing group's options and items)
+        options, items = [], []  # of the innermost open group: finished alternatives, current sequence
+        while True:
+            char = self.peek()
+            if char == "|":
                 self.pos += 1
-                break
-            items.append(self.parse_quantifier(self.parse_atom(depth)))
-        return items[0] if len(items) == 1 else Concat(tuple(items))
+                options, items = options + [_sequence(items)], []
+            elif char == ")":
+                if not open_groups:
+                    raise self.error("unbalanced parenthesis", self.pos)
+                self.pos += 1
+                group = _alternation(options + [_sequence(items)])
+                _, options, items = open_groups.pop()
+                items.append(self.parse_quantifier(group))
+            elif char == "(":
+                if self.max_depth is not None and len(open_groups) >= self.max_depth:
+                    raise self.error(f"groups nested more than {self.max_depth} deep", self.pos)
+                open_groups.append((self.pos, options, items))
+                self.parse_group_start()
+                options, items = [], []
+            elif char == "" or (char == "$" and self.pos == len(self.pattern) - 1 and not open_groups):
+                if open_groups:
+                    raise self.error("unbalanced parenthesis", open_groups[-1][0])
+                return _alternation(options + [_sequence(items)])
+            else:
+                items.append(self.parse_quantifier(self.parse_atom()))
 
     def parse_quantifier(self, atom):
         bounds = self.read_repeat_bounds()
@@ -159,14 +166,12 @@ class _Parser:
             self.pos = end
         return bounds
 
-    def parse_atom(self, depth):
+    def parse_atom(self):
         start = self.pos
         if self.read_repeat_bounds(advance=False) is not None:
             raise self.error("nothing to repeat", start)
         char = self.pattern[start]
         self.pos += 1
-        if char == "(":
-            return self.parse_group(start, depth)
         if char == "[":
             return Chars(self.parse_class(start))
         if char == ".":
@@ -177,7 +182,10 @@ class _Parser:
             raise self.error(f"anchor {char} is only supported at the start (^) or end ($) of the pattern", start)
         return Chars(((ord(char), ord(char)),))
 
-    def parse_group(self, start, depth):
+    def parse_group_start(self):
+        """Step over "(" and a "?:" or "?P<name>" prefix; RegexError for group kinds we do not support."""
+        start = self.pos
+        self.pos += 1
         if self.pattern.startswith("?:", self.pos):
             self.pos += 2
         elif self.pattern.startswith("?P<", self.pos):
@@ -191,11 +199,6 @@ class _Parser:
             if feature is None:
                 raise self.error(f"unsupported group syntax {self.pattern[start:start + 3]}", start)
             raise self.error(f"{feature} not supported", start)
-        tree = self.parse_alternation(depth + 1)
-        if self.peek() != ")":
-            raise self.error("unbalanced parenthesis", start)
-        self.pos += 1
-        return tree
 
     def parse_class(self, start):
         negate = self.peek() == "^"
@@ -261,6 +264,19 @@ class _Parser:
         return ((code, code),)
 
 
-def parse_regex(pattern: str):
-    """Parse `pattern` into a tree of `Chars`, `Concat`, `Alt` and `Repeat` nodes."""
-    return _Parser(pattern).parse()
+def _sequence(items):
+    return items[0] if len(items) == 1 else Concat(tuple(items))
+
+
+def _alternation(options):
+    return options[0] if len(options) == 1 else Alt(tuple(options))
+
+
+def parse_regex(pattern: str, max_depth=None):
+    """Parse `pattern` into a tree of `Chars`, `Concat`, `Alt` and `Repeat` nodes.
+
+    Args:
+        max_depth: Most groups open at once (None: no limit; the parser keeps its own stack);
+            deeper nesting is a RegexError, for callers that walk the tree recursively.
+    """
+    return _Parser(pattern, max_depth).parse()

@@ -5,6 +5,7 @@ constrain values (refused with their JSON pointer, never dropped).
 """
 
 import json
+import math
 from pathlib import Path
 
 from constrained.regex_parse import RegexError
@@ -51,9 +52,35 @@ def load_schema(argument: str):
         schema = json.loads(text)
     except json.JSONDecodeError as error:
         raise SchemaError(f"the schema is not valid JSON: {error}") from None
+    except ValueError as error:  # an integer of more than 4300 digits (Python's int limit)
+        raise SchemaError(f"the schema has a number Python cannot read: {error}") from None
+    except RecursionError:  # json's C parser recurses once per nested [ or {
+        raise SchemaError("the schema nests too deeply to read") from None
     if not isinstance(schema, (dict, bool)):
         raise SchemaError("the schema must be a JSON object or a boolean")
     return schema
+
+
+def check_finite(schema):
+    """SchemaError naming the JSON pointer of a NaN or an infinity anywhere in `schema`.
+
+    Python's json reads `NaN`, `Infinity` and numbers beyond double range (`1e400`) as such floats;
+    they are no JSON a validator could compare against. The walk keeps its own stack: no depth limit.
+    """
+    stack = [(schema, "#")]
+    while stack:
+        node, path = stack.pop()
+        if isinstance(node, float) and not math.isfinite(node):
+            raise SchemaError(f"a number that is not finite (NaN, Infinity or beyond ±1.8e308) at {path}")
+        if isinstance(node, dict):
+            stack += [(value, f"{path}/{escape(str(key))}") for key, value in node.items()]
+        elif isinstance(node, list):
+            stack += [(value, f"{path}/{index}") for index, value in enumerate(node)]
+
+
+def escape(key: str) -> str:
+    """A key as one JSON pointer segment."""
+    return key.replace("~", "~0").replace("/", "~1")
 
 
 def pointer_get(root, pointer: str, path: str):

@@ -1,0 +1,56 @@
+"""`mlx.launch` with an exit status: non-zero when any rank fails.
+
+    python -m distributed.launch -n 3 main.py --prompt "Name three colours."
+
+`mlx.launch` stops the other ranks when one fails, but exits 0 itself and says so only in a
+coloured `[WARN] Node with rank N exited with code C` line per rank. This wrapper passes every
+argument to `mlx.launch` unchanged, passes its output through, replaces those lines with one
+`error:` line naming the first rank that failed, and exits 1 (or `mlx.launch`'s own non-zero
+status). It reads `mlx.launch`'s warning text: tests/test_reliability.py checks that it still does.
+"""
+
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+# mlx/_distributed_utils/launch.py: log_warning(f"Node with rank {rank} exited with code {code}" or "was killed").
+RANK_ENDED = re.compile(r"Node with rank (\d+) (?:exited with code (-?\d+)|was killed)")
+ANSI_COLOUR = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def find_launcher() -> str:
+    """`mlx.launch` beside this interpreter (a venv), else on PATH."""
+    found = shutil.which("mlx.launch", path=str(Path(sys.executable).parent)) or shutil.which("mlx.launch")
+    if found is None:
+        sys.stderr.write("error: mlx.launch not found (it ships with mlx; activate the environment that has it)\n")
+        sys.exit(1)
+    return found
+
+
+def main(arguments=None) -> int:
+    """Run `mlx.launch arguments`; returns the exit status (1 when a rank failed)."""
+    arguments = sys.argv[1:] if arguments is None else arguments
+    process = subprocess.Popen([find_launcher(), *arguments], stderr=subprocess.PIPE)
+    failures = []  # (rank, how), in the order mlx.launch saw them end
+    for raw in process.stderr:
+        line = raw.decode(errors="replace")
+        ended = RANK_ENDED.search(ANSI_COLOUR.sub("", line))
+        if ended is None:
+            sys.stderr.write(line)
+            sys.stderr.flush()
+        else:
+            code = ended.group(2)
+            failures.append((ended.group(1), "was stopped" if code is None else f"exited with status {code}"))
+    status = process.wait()
+    if failures:
+        rank, how = failures[0]
+        others = f"; mlx.launch then stopped {len(failures) - 1} other rank(s)" if len(failures) > 1 else ""
+        sys.stderr.write(f"error: rank {rank} {how}{others}\n")
+        return 1
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
