@@ -3,7 +3,6 @@ independent parser accepts (the `lark` package, jsonschema), the GBNF corpus, th
 
 import json
 import random
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -16,15 +15,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 pytest.importorskip("llguidance")
-lark = pytest.importorskip("lark")
+pytest.importorskip("lark")
 
-from constrained import ForcedTextSource, RegexConstraint  # noqa: E402
+from constrained import RegexConstraint  # noqa: E402
 from constrained.grammar import (REJECTED, GrammarConstraint, GrammarError, GrammarForcedSource,  # noqa: E402
                                 compile_grammar)
 from decoder import DecodingStats, generate, generate_step, sampling_probs  # noqa: E402
 from prompt_lookup import PromptLookupSource  # noqa: E402
 from speculative import DraftModelSource  # noqa: E402
 from tests.helpers import ScriptedSource, chi_square_p_value, tiny_byte_tokenizer, tiny_llama  # noqa: E402
+from tests.lark_oracle import lark_parser, parses  # noqa: E402
 from tests.test_cli import ROOT, assert_one_line_error, cli  # noqa: E402
 
 GBNF_DIR = Path(__file__).parent / "data" / "gbnf"
@@ -65,34 +65,6 @@ def run(grammar, prompt, sources=(), model=MODEL, max_tokens=40, **kwargs):
 
 def forced(constraint):
     return GrammarForcedSource(constraint, TOKENIZER)
-
-
-def lark_parser(lark_text):
-    """The `lark` package on the same grammar: llguidance's uppercase lexemes become ordinary rules
-    (Earley over characters, no lexer), `x{m,n}` becomes `x ~ m..n`, `""` an empty alternative."""
-    token = re.compile(r'(?P<comment>//[^\n]*)|(?P<string>"(?:[^"\\]|\\.)*"i?)|(?P<regex>/(?:[^/\\\n]|\\.)+/[imsx]*)'
-                       r'|(?P<repeat>\{\s*(\d+)\s*(?:,\s*(\d+)\s*)?\})|(?P<name>[A-Za-z_]\w*)|(?P<other>[\s\S])')
-    out = []
-    for match in token.finditer(lark_text):
-        kind, value = match.lastgroup, match.group()
-        if kind == "comment" or (kind == "string" and value == '""'):
-            value = ""
-        elif kind == "name" and re.fullmatch(r"[A-Z][A-Z_0-9]*", value):
-            value = "t_" + value.lower()
-        elif kind == "repeat":
-            low, high = match.group(5), match.group(6)
-            value = f" ~ {low}" if high is None else f" ~ {low}..{high}"
-        out.append(value)
-    text = "\n".join(line for line in "".join(out).splitlines() if not line.startswith("%llguidance"))
-    return lark.Lark(text, start="start", parser="earley", lexer="dynamic")
-
-
-def parses(parser, text) -> bool:
-    try:
-        parser.parse(text)
-        return True
-    except lark.exceptions.LarkError:
-        return False
 
 
 # --- losslessness --------------------------------------------------------------------------------
