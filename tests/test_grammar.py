@@ -81,11 +81,13 @@ def noise_source(seed):
 def test_greedy_output_is_the_same_with_every_draft_source(grammar, prompt, seed):
     reference = run(grammar, prompt)
     assert reference.stats.target_forward_passes == reference.generation_tokens
-    lookup = PromptLookupSource(ngram_max=2, num_draft=4, adaptive=False)
+    def lookup():
+        return PromptLookupSource(ngram_max=2, num_draft=4, adaptive=False)
+
     draft_model = DraftModelSource(DRAFT_MODEL, VOCAB, num_draft=3, adaptive=False)
-    for sources in ([forced], [noise_source(seed)], [lookup], [draft_model], [forced, lookup, noise_source(seed)]):
+    for sources in ([forced], [noise_source(seed)], [lookup()], [draft_model], [forced, lookup(), noise_source(seed)]):
         result = run(grammar, prompt, sources)
-        assert result.tokens == reference.tokens, sources
+        assert result.tokens == reference.tokens, list(result.stats.sources)
 
 
 def test_forced_text_saves_target_steps_and_names_its_source():
