@@ -78,15 +78,15 @@ def compile_json_schema(schema, ll_tokenizer=None, **options) -> str:
     llguidance = _llguidance()
     try:
         grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, overrides={**JSON_OPTIONS, **options})
-    except ValueError as error:
-        raise GrammarError(f"the schema is not valid JSON: {_one_line(str(error))}") from None
+    except ValueError as error:  # not a JSON object (e.g. `true`)
+        raise GrammarError(f"llguidance refused the schema: {_one_line(str(error))}") from None
     return _checked(grammar, ll_tokenizer, "the schema")
 
 
 def _checked(grammar: str, ll_tokenizer, what: str) -> str:
-    error = _llguidance().LLMatcher.validate_grammar(grammar, ll_tokenizer)
-    if error:
-        raise GrammarError(f"llguidance refused {what}: {_one_line(error)}")
+    is_error, messages = _llguidance().LLMatcher.validate_grammar_with_warnings(grammar, ll_tokenizer)
+    if is_error:
+        raise GrammarError(f"llguidance refused {what}: {_one_line(messages[0])}")
     return grammar
 
 
