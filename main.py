@@ -4,6 +4,7 @@
     python main.py --prompt-file code.txt --prompt-lookup --color
     python main.py --prompt "Give me a date" --regex '\\d{4}-\\d{2}-\\d{2}' --color
     python main.py --prompt "A user as JSON" --json-schema schema.json --color
+    python main.py --prompt "Add 12 and 30" --grammar tests/data/gbnf/arithmetic.gbnf --color
     python main.py --model target --draft-model draft --color --json
 """
 
@@ -20,7 +21,8 @@ from cli import read_text_file, read_text_stream, reopen_closed_std_streams, wri
 DEFAULT_PROMPT = "What is the capital of France? Answer in one sentence."
 
 # One colour per draft source; tokens the target chose itself stay uncoloured.
-COLORS = {"regex": "\033[36m", "prompt_lookup": "\033[32m", "draft_model": "\033[35m", "draft_head": "\033[33m"}
+COLORS = {"regex": "\033[36m", "grammar": "\033[34m", "prompt_lookup": "\033[32m", "draft_model": "\033[35m",
+          "draft_head": "\033[33m"}
 RESET = "\033[0m"
 
 
@@ -44,10 +46,18 @@ def build_parser() -> argparse.ArgumentParser:
     lookup.add_argument("--prompt-lookup", action="store_true", help="Draft by copying n-grams from the context.")
     lookup.add_argument("--ngram-max", type=int, default=3, help="Longest suffix n-gram to match (default: 3).")
     lookup.add_argument("--ngram-min", type=int, default=1, help="Shortest suffix n-gram to match (default: 1).")
-    constrained = parser.add_argument_group("regex-constrained decoding")
+    constrained = parser.add_argument_group("constrained decoding")
     constrained.add_argument("--regex", default=None, help="The output must fully match this regex (re.ASCII).")
     constrained.add_argument("--json-schema", default=None, metavar="FILE_OR_JSON",
                              help="The output must be JSON valid under this JSON Schema (a file or inline JSON).")
+    constrained.add_argument("--json-schema-engine", choices=["llguidance", "regex"], default=None,
+                             help="Compile --json-schema with llguidance (full JSON Schema) or the built-in regex "
+                                  "compiler (default: llguidance if installed).")
+    constrained.add_argument("--grammar", default=None, metavar="FILE_OR_TEXT",
+                             help="The output must be in this grammar's language: Lark (llguidance's dialect) or "
+                                  "GBNF (llama.cpp), a file or inline text; needs llguidance.")
+    constrained.add_argument("--grammar-format", choices=["auto", "lark", "gbnf"], default="auto",
+                             help="The --grammar syntax (default: auto, GBNF when rules are written 'name ::= ...').")
     speculative = parser.add_argument_group("speculative decoding")
     speculative.add_argument("--draft-model", default=None, help="Draft model directory or repo (same vocabulary).")
     head = parser.add_argument_group("draft head")
@@ -91,14 +101,45 @@ def validate(args):
         raise CliError("give --prompt or --prompt-file, not both")
     if args.regex is not None and args.json_schema is not None:
         raise CliError("give --regex or --json-schema, not both")
-    if args.json_schema is not None:
-        from constrained import load_schema, schema_to_regex
+    if args.grammar is not None and (args.regex is not None or args.json_schema is not None):
+        raise CliError("give --grammar alone, not with --regex or --json-schema")
+    # Compiled here, before the model loads: a refused grammar or schema costs no wait.
+    args.llguidance_grammar = None
+    if args.grammar is not None:
+        from constrained.grammar import compile_grammar
 
-        args.regex = schema_to_regex(load_schema(args.json_schema))  # SchemaError, a RegexError
+        text = read_text_file(args.grammar, "grammar file") if os.path.isfile(args.grammar) else args.grammar
+        check_text_argument(text, "--grammar")
+        args.llguidance_grammar = compile_grammar(text, args.grammar_format)  # GrammarError
+    if args.json_schema is not None:
+        from constrained import load_schema
+
+        schema = load_schema(args.json_schema)  # SchemaError
+        if json_schema_engine(args) == "llguidance":
+            from constrained.grammar import compile_json_schema
+
+            args.llguidance_grammar = compile_json_schema(schema)  # GrammarError
+        else:
+            from constrained import schema_to_regex
+
+            args.regex = schema_to_regex(schema)  # SchemaError, a RegexError
     if args.regex is not None:
         from constrained import compile_regex
 
         compile_regex(args.regex)  # fail on a bad regex before loading the model (RegexError)
+
+
+def json_schema_engine(args) -> str:
+    """llguidance serves more schemas (benchmarks/results/grammar.md); the regex compiler needs no package."""
+    if args.json_schema_engine is not None:
+        return args.json_schema_engine
+    try:
+        import llguidance  # noqa: F401
+    except ImportError:
+        sys.stderr.write("note: llguidance is not installed, so --json-schema uses the built-in regex compiler "
+                         "(pip install llguidance for full JSON Schema)\n")
+        return "regex"
+    return "llguidance"
 
 
 def read_prompt(args) -> str:
@@ -163,6 +204,15 @@ def build_run(args, session=None):
         constraint = RegexConstraint.from_regex(args.regex, tokenizer, vocab_size=output_size(model, tokenizer),
                                                 cache_dir=cache_dir() / "regex-index")
         sources.append(ForcedTextSource(constraint, tokenizer))
+    if getattr(args, "llguidance_grammar", None) is not None:
+        from constrained.grammar import GrammarConstraint, GrammarForcedSource
+        from speculative.draft_model import output_size
+
+        if search_extra:
+            raise CliError("--grammar and --json-schema need a Hugging Face tokenizer; T5 is not supported")
+        constraint = GrammarConstraint.from_llguidance(args.llguidance_grammar, tokenizer,
+                                                       vocab_size=output_size(model, tokenizer))
+        sources.append(GrammarForcedSource(constraint, tokenizer))
     if args.prompt_lookup:
         from prompt_lookup import PromptLookupSource
 
@@ -265,8 +315,9 @@ def main():
     errors = (CliError, ModelError, ConversionError, VocabularyMismatch, ConstraintError, DistributedError)
     try:
         from constrained import RegexError
+        from constrained.grammar import GrammarError
 
-        errors += (RegexError,)
+        errors += (RegexError, GrammarError)
     except ImportError:
         pass
     if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:  # leave a caller's handler (or SIG_IGN) alone

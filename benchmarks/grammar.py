@@ -1,0 +1,389 @@
+"""Grammar-constrained decoding (llguidance) side by side with the built-in regex engine and XGrammar.
+
+    python -m benchmarks.grammar --maskbench /tmp/maskbench          # everything (~15 min on 2 cores)
+    python -m benchmarks.grammar --maskbench /tmp/maskbench --coverage-only
+
+1. JSON Schema coverage on the development set: compile success, compile time, MaskBench's instance
+   tests (0 invalid instances may be accepted), random outputs checked with jsonschema.
+2. Mask cost per position on the 49k vocabulary, draft positions included, against one target step.
+3. Speed-ups of forced tokens, prompt lookup and the draft head under a grammar, on key-heavy JSON.
+4. llama.cpp's grammars (tests/data/gbnf) with the embedded model, outputs checked with `lark`.
+
+Development data: MaskBench (github.com/guidance-ai/jsonschemabench, maskbench/data), only the splits in
+DEV_SPLITS; the others are held out for an independent check and are skipped even if present. Copy them with:
+    git --git-dir=<jsonschemabench>/.git ls-tree -r --name-only HEAD maskbench/data | while read f; do
+        git --git-dir=<jsonschemabench>/.git show HEAD:"$f" > /tmp/maskbench/$(basename "$f"); done
+"""
+
+import argparse
+import datetime
+import importlib.metadata
+import json
+import platform
+import random
+import re
+import statistics
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from benchmarks.harness import Method, Totals, chat_tokens, markdown_table, side_by_side, time_loop
+from benchmarks.json_schema import load_schemas
+from benchmarks.regex_index import decode_step_ms
+from constrained import compile_regex, schema_to_regex
+from constrained.grammar import GrammarConstraint, GrammarForcedSource, compile_json_schema, ll_tokenizer_of
+from decoder import eos_ids_of
+from loading import default_dtype, describe_backend, load_model
+
+RESULTS = Path(__file__).parent / "results"
+GBNF = Path(__file__).parent.parent / "tests" / "data" / "gbnf"
+DEV_SPLITS = re.compile(r"(Github_trivial|Github_ultra|Handwritten|Synthesized|MCPspec)---.*|(BFCL_[a-z_]+|JME)_\d+\.json")
+WALKS, WALK_TOKENS = 2, 200
+
+
+def split_of(name: str) -> str:
+    return name.split("---")[0] if "---" in name else name.rsplit("_", 1)[0]
+
+
+def load_dev_set(folder: Path, per_split: int, seed: int = 0) -> list:
+    """[(split, name, schema, tests)]: at most `per_split` files per split, a fixed random sample."""
+    by_split = {}
+    for path in sorted(folder.iterdir()):
+        if DEV_SPLITS.fullmatch(path.name):
+            by_split.setdefault(split_of(path.name), []).append(path)
+    rng, cases = random.Random(seed), []
+    for split, paths in sorted(by_split.items()):
+        for path in sorted(rng.sample(paths, min(per_split, len(paths)))):
+            data = json.loads(path.read_text())
+            cases.append((split, path.name, data["schema"], data.get("tests", [])))
+    return cases
+
+
+def compact(value) -> str:
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+
+
+def validator_for(schema):
+    import jsonschema
+
+    cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+    return cls(schema, format_checker=cls.FORMAT_CHECKER)
+
+
+class Engine:
+    """One JSON Schema engine: compile, accept a text, and random token walks (outputs) under its masks."""
+
+    name = ""
+
+    def compile(self, schema):
+        raise NotImplementedError
+
+
+class LLGuidance(Engine):
+    name = "llguidance"
+
+    def __init__(self, tokenizer, vocab_size):
+        self.tokenizer, self.vocab_size = tokenizer, vocab_size
+        self.ll_tokenizer = ll_tokenizer_of(tokenizer)
+
+    def compile(self, schema):
+        return GrammarConstraint.from_llguidance(compile_json_schema(schema, self.ll_tokenizer), self.tokenizer,
+                                                 self.vocab_size)
+
+    def accepts(self, constraint, text):
+        constraint.reset()
+        tokens = self.ll_tokenizer.tokenize_str(text) + [self.ll_tokenizer.eos_token]
+        return constraint.matcher.validate_tokens(tokens) == len(tokens)
+
+    def allowed(self, constraint):
+        return np.array(constraint.masks(constraint.walk([])))[0]
+
+    def advance(self, constraint, token):
+        constraint.advance([token])
+
+
+class XGrammar(Engine):
+    name = "xgrammar"
+
+    def __init__(self, tokenizer, vocab_size):
+        import xgrammar
+
+        self.xgr = xgrammar
+        info = xgrammar.TokenizerInfo.from_huggingface(tokenizer._tokenizer, vocab_size=vocab_size)
+        self.compiler = xgrammar.GrammarCompiler(info, max_threads=1)
+        self.vocab_size, self.tokenizer = vocab_size, tokenizer
+        self.bitmask = xgrammar.allocate_token_bitmask(1, vocab_size)
+
+    def compile(self, schema):
+        compiled = self.compiler.compile_json_schema(json.dumps(schema), any_whitespace=False, separators=(",", ":"))
+        return self.xgr.GrammarMatcher(compiled)
+
+    def accepts(self, matcher, text):
+        matcher.reset()
+        tokens = self.tokenizer.encode(text, add_special_tokens=False) + sorted(eos_ids_of(self.tokenizer))[:1]
+        return all(matcher.accept_token(token) for token in tokens)
+
+    def allowed(self, matcher):
+        matcher.fill_next_token_bitmask(self.bitmask)
+        bits = np.unpackbits(self.bitmask.numpy().view(np.uint8), axis=1, bitorder="little")[0, : self.vocab_size]
+        return bits.astype(bool)
+
+    def advance(self, matcher, token):
+        matcher.accept_token(int(token))
+
+
+def random_outputs(engine, handle, eos, closers, rng, walks=WALKS):
+    """Texts of random walks that end with EOS: EOS half the time it is allowed, closing characters
+    often, any allowed token otherwise (outputs a model could produce, biased to finish)."""
+    texts = []
+    for _ in range(walks):
+        if hasattr(handle, "reset"):
+            handle.reset()
+        tokens = []
+        for _ in range(WALK_TOKENS):
+            allowed = engine.allowed(handle)  # (vocab,) bool
+            if any(allowed[token] for token in eos) and rng.random() < 0.5:
+                texts.append(engine.tokenizer.decode(tokens))
+                break
+            closing = closers[allowed[closers]]
+            pool = closing if len(closing) and rng.random() < 0.4 else np.flatnonzero(allowed)
+            if not len(pool):
+                break
+            token = int(rng.choice(pool))
+            if token in eos:
+                texts.append(engine.tokenizer.decode(tokens))
+                break
+            engine.advance(handle, token)
+            tokens.append(token)
+    return texts
+
+
+def coverage(cases, engines, tokenizer, rng, regex_rng) -> tuple:
+    """Per engine: served, compile ms, instance tests, random outputs; and llguidance's compiled constraints."""
+    eos = eos_ids_of(tokenizer)
+    closers = np.array([tokenizer.encode(c, add_special_tokens=False)[0] for c in ['"', "}", "]", ",", "0", "1"]])
+    rows, compiled = {}, []
+    for engine in ["regex"] + [e.name for e in engines]:
+        rows[engine] = dict(served=0, ms=[], valid=0, valid_ok=0, invalid=0, invalid_ok=0, outputs=0, bad_outputs=0,
+                            by_split={})
+    for split, name, schema, tests in cases:
+        validator = validator_for(schema)
+        for engine in [None] + engines:
+            key = "regex" if engine is None else engine.name
+            row = rows[key]
+            tic = time.perf_counter()
+            try:
+                handle = compile_regex(schema_to_regex(schema)) if engine is None else engine.compile(schema)
+            except Exception:  # noqa: BLE001 - a refusal (RegexError, GrammarError, xgrammar's) or a crash: not served
+                handle = None
+            row["ms"].append((time.perf_counter() - tic) * 1e3)
+            served = row["by_split"].setdefault(split, [0, 0])
+            served[1] += 1
+            if handle is None:
+                continue
+            row["served"] += 1
+            served[0] += 1
+            if key == "llguidance":
+                compiled.append((handle, tests, name))
+            for test in tests:
+                text = compact(test["data"])
+                ok = handle.matches(text.encode()) if engine is None else engine.accepts(handle, text)
+                row["valid" if test["valid"] else "invalid"] += 1
+                row["valid_ok" if test["valid"] else "invalid_ok"] += bool(ok)
+            if engine is None:
+                texts = [t for t in (handle.sample(regex_rng) for _ in range(WALKS)) if t is not None]
+            else:
+                texts = random_outputs(engine, handle, eos, closers, rng)
+            for text in texts:
+                row["outputs"] += 1
+                try:
+                    row["bad_outputs"] += not validator.is_valid(json.loads(text))
+                except ValueError:
+                    row["bad_outputs"] += 1
+    lines = ["| engine | served | compile ms p50 / p90 / max | valid instances accepted | invalid accepted | "
+             "random outputs invalid |", "|---|---:|---:|---:|---:|---:|"]
+    for key, row in rows.items():
+        ms = sorted(row["ms"])
+        lines.append(f"| {key} | {row['served']}/{len(cases)} ({row['served'] / len(cases):.0%}) | "
+                     f"{statistics.median(ms):.1f} / {ms[int(0.9 * len(ms))]:.1f} / {ms[-1]:.0f} | "
+                     f"{row['valid_ok']}/{row['valid']} | {row['invalid_ok']}/{row['invalid']} | "
+                     f"{row['bad_outputs']}/{row['outputs']} |")
+    splits = sorted(rows["regex"]["by_split"])
+    lines += ["", "| split | schemas | " + " | ".join(rows) + " |", "|---|---:|" + "---:|" * len(rows)]
+    for split in splits:
+        total = rows["regex"]["by_split"][split][1]
+        cells = " | ".join(f"{row['by_split'][split][0] / total:.0%}" for row in rows.values())
+        lines.append(f"| {split} | {total} | {cells} |")
+    return "\n".join(lines), compiled
+
+
+def mask_cost(compiled, tokenizer, step_ms, draft=4) -> str:
+    """Per-position mask time along MaskBench's valid instances: one position per call, and draft calls
+    of `draft` + 1 positions (per position), against one target step."""
+    single, per_draft_position, slowest = [], [], (0.0, "")
+    ll = ll_tokenizer_of(tokenizer)
+    for constraint, tests, name in compiled:
+        for test in tests:
+            if not test["valid"]:
+                continue
+            constraint.reset()
+            tokens = ll.tokenize_str(compact(test["data"]))
+            if constraint.matcher.validate_tokens(tokens) != len(tokens):
+                continue
+            for position in range(len(tokens)):
+                tic = time.perf_counter()
+                constraint.masks(constraint.walk([]))
+                single.append(time.perf_counter() - tic)
+                slowest = max(slowest, (single[-1], name))
+                states = constraint.walk(tokens[position: position + draft])
+                tic = time.perf_counter()
+                constraint.masks(states)
+                per_draft_position.append((time.perf_counter() - tic) / len(states))
+                constraint.advance(tokens[position: position + 1])
+
+    def describe(times):
+        ms = np.array(times) * 1e3
+        p50, p99, top = np.percentile(ms, 50), np.percentile(ms, 99), ms.max()
+        return (f"p50 {p50:.3f} ms, p99 {p99:.3f} ms, max {top:.2f} ms ({100 * p50 / step_ms:.2f}% / "
+                f"{100 * p99 / step_ms:.2f}% / {100 * top / step_ms:.1f}% of a {step_ms:.1f} ms step; "
+                f"{len(ms)} positions)")
+
+    return (f"- llguidance, one position per call (mask as a (1, 49152) mx bool array): {describe(single)}\n"
+            f"- llguidance, drafts of {draft} (+1) positions, per position: {describe(per_draft_position)}\n"
+            f"- the slowest single position: {slowest[1]} ({1e3 * slowest[0]:.1f} ms; llguidance builds lexer "
+            f"states lazily, so a schema's first visit to a state costs more)")
+
+
+def xgrammar_mask_cost(engine, cases, tokenizer, step_ms) -> str:
+    times = []
+    for split, name, schema, tests in cases:
+        try:
+            matcher = engine.compile(schema)
+        except Exception:  # noqa: BLE001 - refused schemas are counted in the coverage table
+            continue
+        for test in tests:
+            if not test["valid"]:
+                continue
+            matcher.reset()
+            for token in tokenizer.encode(compact(test["data"]), add_special_tokens=False):
+                tic = time.perf_counter()
+                engine.allowed(matcher)
+                times.append(time.perf_counter() - tic)
+                if not matcher.accept_token(token):
+                    break
+    ms = np.array(times) * 1e3
+    return (f"- xgrammar, one position per call (bitmask -> bool numpy): p50 {np.percentile(ms, 50):.3f} ms, "
+            f"p99 {np.percentile(ms, 99):.3f} ms, max {ms.max():.2f} ms of a {step_ms:.1f} ms step; "
+            f"{len(ms)} positions")
+
+
+def speed(model, tokenizer, args) -> str:
+    """Key-heavy JSON (benchmarks/json_schemas/suite, llguidance engine), greedy: drafts vs none."""
+    from prompt_lookup import PromptLookupSource
+
+    vocab_size = model.args.vocab_size
+    schemas = load_schemas("suite")
+    prompts, grammars = {}, {}
+    for name, schema in schemas.items():
+        prompts[name] = [(name, chat_tokens(tokenizer, schema.pop("_prompt")))]
+        grammars[name] = compile_json_schema(schema)
+    by_prompt = {tuple(items[0][1]): name for name, items in prompts.items()}
+
+    def grammar(forced=False, lookup=False):
+        def make(prompt):
+            constraint = GrammarConstraint.from_llguidance(grammars[by_prompt[tuple(prompt)]], tokenizer, vocab_size)
+            sources = [GrammarForcedSource(constraint, tokenizer)] if forced else []
+            sources += [PromptLookupSource()] if lookup else []
+            return dict(constraint=constraint, draft_sources=sources)
+        return make
+
+    def with_head(prompt, max_tokens):
+        from speculative.head_source import DraftHeadSource
+
+        tap, head = DraftHeadSource.create(model, None, temp=0.0)
+        kwargs = grammar(forced=True)(prompt)
+        kwargs["draft_sources"].append(head)
+        return time_loop(tap, prompt, max_tokens, eos_ids_of(tokenizer), **kwargs)
+
+    methods = [Method("grammar", grammar()), Method("grammar + forced", grammar(forced=True)),
+               Method("grammar + lookup", grammar(lookup=True)),
+               Method("grammar + forced + lookup", grammar(forced=True, lookup=True)),
+               Method("grammar + forced + draft head", run=with_head)]
+    results = side_by_side(model, tokenizer, prompts, methods, args.max_tokens)
+    total = {m.name: sum((by[m.name].runs for by in results.values()), []) for m in methods}
+    results["all schemas"] = {name: Totals(runs) for name, runs in total.items()}
+    return markdown_table(results, "grammar").replace("vs plain", "vs grammar")
+
+
+def gbnf_corpus(model, tokenizer, max_tokens) -> str:
+    """Each llama.cpp grammar with the embedded model (greedy, forced drafts); outputs checked with lark."""
+    from llguidance.gbnf_to_lark import gbnf_to_lark
+
+    from decoder import DecodingStats, generate
+    from tests.lark_oracle import lark_parser, parses
+
+    prompts = {"arithmetic": "Write an equation.", "c": "Write a C function that adds two ints.",
+               "chess": "Play a chess opening.", "english": "Say hello.", "japanese": "Say hello in Japanese.",
+               "json": "Describe a cat as JSON.", "json_arr": "List three colours as a JSON array.",
+               "list": "List three fruits."}
+    lines = ["| grammar | finished | lark parses | tokens | passes/token | output (start) |", "|---|---|---|---:|---:|---|"]
+    for path in sorted(GBNF.glob("*.gbnf")):
+        text = path.read_text()
+        constraint = GrammarConstraint.from_grammar(text, tokenizer, model.args.vocab_size)
+        result = generate(model, tokenizer, chat_tokens(tokenizer, prompts.get(path.stem, "Write something.")),
+                          constraint=constraint, draft_sources=[GrammarForcedSource(constraint, tokenizer)],
+                          max_tokens=max_tokens, stats=DecodingStats())
+        finished = result.finish_reason == "stop"
+        parsed = parses(lark_parser(gbnf_to_lark(text)), result.text) if finished else "-"
+        passes = result.stats.target_forward_passes / max(result.generation_tokens, 1)
+        lines.append(f"| {path.name} | {finished} | {parsed} | {result.generation_tokens} | {passes:.3f} | "
+                     f"`{json.dumps(result.text[:40])[1:-1]}` |")
+    return "\n".join(lines)
+
+
+def main():
+    parser = argparse.ArgumentParser(description="Grammar-constrained decoding benchmark (llguidance).")
+    parser.add_argument("--maskbench", type=Path, required=True, help="A folder of MaskBench's data files.")
+    parser.add_argument("--per-split", type=int, default=60, help="Schemas sampled per split (default: 60).")
+    parser.add_argument("--max-tokens", type=int, default=160)
+    parser.add_argument("--coverage-only", action="store_true")
+    args = parser.parse_args()
+    import llguidance
+
+    model, tokenizer, _ = load_model()
+    vocab_size = model.args.vocab_size
+    header = (f"{datetime.date.today()} · {platform.node() or 'this machine'} · {describe_backend()} · "
+              f"SmolLM2-135M-Instruct {default_dtype()} · greedy · llguidance {llguidance.__version__} · "
+              f"mlx {mx.__version__}")
+    print(header, flush=True)
+    cases = load_dev_set(args.maskbench, args.per_split)
+    engines = [LLGuidance(tokenizer, vocab_size)]
+    try:
+        engines.append(XGrammar(tokenizer, vocab_size))
+        header += f" · xgrammar {importlib.metadata.version('xgrammar')}"
+    except ImportError:
+        print("xgrammar is not installed: its columns are left out (pip install xgrammar)")
+    table, compiled = coverage(cases, engines, tokenizer, np.random.default_rng(0), random.Random(0))
+    sections = [header, f"## JSON Schema coverage: {len(cases)} MaskBench schemas (<= {args.per_split} per "
+                f"development split), compact JSON\n\n{table}"]
+    print(sections[-1], flush=True)
+    step_ms = decode_step_ms(model)
+    masks = mask_cost(compiled, tokenizer, step_ms)
+    if len(engines) > 1:
+        masks += "\n" + xgrammar_mask_cost(engines[1], cases, tokenizer, step_ms)
+    sections.append(f"## Mask cost per position (49,152-token vocabulary)\n\n{masks}")
+    print(sections[-1], flush=True)
+    if not args.coverage_only:
+        sections.append(f"## Drafts under a grammar: key-heavy JSON (benchmarks/json_schemas/suite)\n\n"
+                        f"{speed(model, tokenizer, args)}")
+        print(sections[-1], flush=True)
+        sections.append(f"## llama.cpp grammars (tests/data/gbnf) with the embedded model\n\n"
+                        f"{gbnf_corpus(model, tokenizer, 96)}")
+        print(sections[-1], flush=True)
+        (RESULTS / "grammar.md").write_text("\n\n".join(sections) + "\n")
+
+
+if __name__ == "__main__":
+    main()

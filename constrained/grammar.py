@@ -1,0 +1,232 @@
+"""Context-free constraints for the shared loop: Lark, GBNF and full JSON Schema through llguidance.
+
+The regex path (regex_dfa.py -> token_index.py -> constraint.py) is written by hand because it is
+the point of the example; a grammar engine is not, so here the best-kept one does the work:
+llguidance (``pip install llguidance``, MIT), an Earley parser over a lazy regex lexer. This file
+adapts it to the loop's ``Constraint`` protocol and adds a draft source for the text it forces.
+
+    constraint = GrammarConstraint.from_grammar('start: "yes" | "no"', tokenizer, vocab_size)
+    result = generate(model, tokenizer, prompt, constraint=constraint,
+                      draft_sources=[GrammarForcedSource(constraint, tokenizer)])
+
+llguidance is imported where it is used, so the rest of ``constrained/`` works without it.
+"""
+
+import re
+from copy import copy
+from typing import Optional
+
+import mlx.core as mx
+import numpy as np
+
+from decoder import ConstraintError, Draft, eos_ids_of
+
+INSTALL = "pip install llguidance"
+# Compact JSON, like the built-in schema compiler: separators are forced text, so they cost no model step.
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
+
+
+class GrammarError(ValueError):
+    """The engine refused a grammar or schema (its message is quoted on one line), or it is not installed."""
+
+
+def _llguidance():
+    try:
+        import llguidance
+    except ImportError:
+        raise GrammarError(f"grammars need the llguidance package: {INSTALL}") from None
+    return llguidance
+
+
+def _one_line(message: str, limit: int = 300) -> str:
+    message = " ".join(message.split())
+    return message if len(message) <= limit else message[: limit - 3] + "..."
+
+
+def is_gbnf(text: str) -> bool:
+    """GBNF (llama.cpp) writes rules as ``name ::= ...``; Lark writes ``name: ...``."""
+    return re.search(r"(?m)^\s*[A-Za-z][\w-]*\s*::=", text) is not None
+
+
+def grammar_to_lark(text: str, grammar_format: str = "auto") -> str:
+    """The grammar in llguidance's Lark dialect; GBNF goes through llguidance's own converter."""
+    if grammar_format == "auto":
+        grammar_format = "gbnf" if is_gbnf(text) else "lark"
+    if grammar_format == "lark":
+        return text
+    _llguidance()
+    from llguidance.gbnf_to_lark import gbnf_to_lark
+
+    try:
+        return gbnf_to_lark(text)
+    except Exception as error:  # noqa: BLE001 - the converter raises plain exceptions for bad input
+        raise GrammarError(f"cannot convert the GBNF grammar: {_one_line(str(error))}") from None
+
+
+def compile_grammar(text: str, grammar_format: str = "auto", ll_tokenizer=None) -> str:
+    """A Lark or GBNF grammar -> llguidance's grammar string; GrammarError quotes the engine's refusal.
+
+    Without ``ll_tokenizer`` this checks the grammar alone (fast: before a model loads).
+    """
+    llguidance = _llguidance()
+    grammar = llguidance.LLMatcher.grammar_from_lark(grammar_to_lark(text, grammar_format))
+    return _checked(grammar, ll_tokenizer, "the grammar")
+
+
+def compile_json_schema(schema, ll_tokenizer=None, **options) -> str:
+    """A JSON Schema (dict or JSON text) -> llguidance's grammar string for compact JSON that validates."""
+    llguidance = _llguidance()
+    try:
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, overrides={**JSON_OPTIONS, **options})
+    except ValueError as error:  # not a JSON object (e.g. `true`)
+        raise GrammarError(f"llguidance refused the schema: {_one_line(str(error))}") from None
+    return _checked(grammar, ll_tokenizer, "the schema")
+
+
+def _checked(grammar: str, ll_tokenizer, what: str) -> str:
+    is_error, messages = _llguidance().LLMatcher.validate_grammar_with_warnings(grammar, ll_tokenizer)
+    if is_error:
+        raise GrammarError(f"llguidance refused {what}: {_one_line(messages[0])}")
+    return grammar
+
+
+_LL_TOKENIZERS = {}  # id(backend tokenizer) -> (backend, LLTokenizer): building one costs ~0.3 s
+
+
+def ll_tokenizer_of(tokenizer):
+    """The ``llguidance.LLTokenizer`` for a Hugging Face fast tokenizer or an mlx-lm TokenizerWrapper."""
+    llguidance = _llguidance()
+    backend = getattr(tokenizer, "backend_tokenizer", None)  # mlx-lm's wrapper forwards to the HF tokenizer
+    if backend is None:
+        raise GrammarError("grammars need a Hugging Face fast tokenizer (tokenizer.json); T5 is not supported")
+    cached = _LL_TOKENIZERS.get(id(backend))
+    if cached is None or cached[0] is not backend:
+        serializable = copy(backend)
+        serializable.no_padding()
+        serializable.no_truncation()
+        eos = sorted(eos_ids_of(tokenizer))
+        cached = _LL_TOKENIZERS[id(backend)] = (backend, llguidance.LLTokenizer(serializable.to_str(), eos_token=eos))
+    return cached[1]
+
+
+REJECTED = None  # the walk's state after a forbidden draft token (see GrammarConstraint.walk)
+
+
+class GrammarConstraint:
+    """An llguidance matcher behind the loop's ``walk / masks / advance`` protocol.
+
+    The matcher holds the accepted text. A walk asks it how many draft tokens are valid
+    (``validate_tokens``, no state change); ``masks`` consumes them one at a time, writes the
+    bitmask before each, and rolls them back, so the matcher is exactly where it was. States
+    are the draft prefixes themselves (tuples), so ``masks(walk(draft))`` needs nothing else.
+    EOS is allowed exactly when the matcher accepts; after an EOS in a draft only EOS is.
+    """
+
+    def __init__(self, matcher, ll_tokenizer, vocab_size: int):
+        if matcher.is_error():
+            raise GrammarError(f"llguidance refused the grammar: {_one_line(matcher.get_error())}")
+        self.matcher = matcher
+        self.vocab_size = vocab_size  # the logits' width; may exceed the tokenizer's (padded with False)
+        self.num_tokens = ll_tokenizer.vocab_size
+        self.eos_token_ids = set(ll_tokenizer.eos_tokens)
+        self._words = (self.num_tokens + 31) // 32  # 32 tokens per int32 word of llguidance's bitmask
+
+    @classmethod
+    def from_llguidance(cls, grammar: str, tokenizer, vocab_size: int) -> "GrammarConstraint":
+        """From a compiled grammar string (``compile_grammar`` / ``compile_json_schema``)."""
+        ll_tokenizer = ll_tokenizer_of(tokenizer)
+        return cls(_llguidance().LLMatcher(ll_tokenizer, grammar), ll_tokenizer, vocab_size)
+
+    @classmethod
+    def from_grammar(cls, text: str, tokenizer, vocab_size: int, grammar_format: str = "auto"):
+        """Output in the language of a Lark (llguidance dialect) or GBNF grammar."""
+        grammar = compile_grammar(text, grammar_format, ll_tokenizer_of(tokenizer))
+        return cls.from_llguidance(grammar, tokenizer, vocab_size)
+
+    @classmethod
+    def from_json_schema(cls, schema, tokenizer, vocab_size: int, **options) -> "GrammarConstraint":
+        """Compact JSON valid under ``schema``; ``options`` override llguidance's JSON settings."""
+        grammar = compile_json_schema(schema, ll_tokenizer_of(tokenizer), **options)
+        return cls.from_llguidance(grammar, tokenizer, vocab_size)
+
+    def reset(self):
+        self.matcher.reset()
+
+    def walk(self, draft: list) -> list:
+        """The valid draft prefixes, then ``REJECTED`` if a forbidden token follows them.
+
+        The first forbidden token stays in the draft: the mask gives it probability 0, so the
+        target rejects it with certainty and, when the draft came with probabilities q, samples
+        from the residual (p - q)+ as speculative sampling requires. Cutting it off instead would
+        sample from p, which skews the output whenever q puts mass on forbidden tokens (a draft
+        model knows nothing of the grammar). For greedy and point-mass drafts both are the same.
+        """
+        # Ids past the tokenizer's vocabulary (a wider draft model) would put the matcher in an error state.
+        in_vocab = next((i for i, token in enumerate(draft) if not 0 <= token < self.num_tokens), len(draft))
+        num_valid = self.matcher.validate_tokens(draft[:in_vocab]) if in_vocab else 0
+        states = [tuple(draft[:length]) for length in range(num_valid + 1)]
+        return states + [REJECTED] if num_valid < len(draft) else states
+
+    def masks(self, states: list) -> mx.array:
+        """(len(states), vocab) bool; the row after a forbidden token repeats the one before (never used)."""
+        prefixes = [state for state in states if state is not REJECTED]
+        draft = prefixes[-1]
+        bitmask = np.zeros((len(prefixes), self._words), dtype=np.int32)
+        # After an EOS in the draft only EOS may follow. EOS is not consumed: a matcher that had
+        # already stopped does not count it, so rolling it back would not be exact.
+        stop = next((i + 1 for i, token in enumerate(draft) if token in self.eos_token_ids), len(prefixes))
+        consumed = 0
+        try:
+            for position in range(stop):
+                if position:
+                    self.matcher.consume_token(draft[position - 1])
+                    consumed += 1
+                row = bitmask[position]
+                self.matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+        finally:
+            self.matcher.rollback(consumed)  # exact: back to the accepted text
+        if self.matcher.is_error():
+            raise ConstraintError(f"the grammar engine failed: {_one_line(self.matcher.get_error())}")
+        # One bit per token, little-endian within each word -> one bool per token, padded to the logits' width.
+        bits = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")
+        allowed = np.zeros((len(states), self.vocab_size), dtype=bool)
+        width = min(self.num_tokens, self.vocab_size)
+        allowed[: len(prefixes), :width] = bits[:, :width]
+        allowed[stop : len(prefixes), list(self.eos_token_ids)] = True
+        allowed[len(prefixes) :] = allowed[len(prefixes) - 1]
+        return mx.array(allowed)
+
+    def advance(self, tokens: list):
+        if not self.matcher.consume_tokens(list(tokens)):
+            raise ConstraintError(f"the grammar engine rejected an accepted token: "
+                                  f"{_one_line(self.matcher.get_error())}")
+
+
+class GrammarForcedSource:
+    """Drafts the text the grammar forces next (``{"name":"`` in a JSON shape) at no model cost.
+
+    llguidance's ``compute_ff_bytes`` gives the forced bytes; they are tokenized by the model's
+    tokenizer, as ``ForcedTextSource`` does for regexes. (``compute_ff_tokens`` stops before any
+    token a longer one could still replace, e.g. before ``":"`` when ``":""`` exists, so it drafts
+    less.) The target verifies the draft like any other, so the output is unchanged.
+    """
+
+    name = "grammar"
+
+    def __init__(self, constraint: GrammarConstraint, tokenizer):
+        self.constraint = constraint
+        self.tokenizer = tokenizer
+
+    def reset(self, prompt_tokens=None):
+        pass  # the state lives on the constraint
+
+    def propose(self, tokens: list, max_draft: int) -> Optional[Draft]:
+        forced = self.constraint.matcher.compute_ff_bytes()
+        # Forced bytes can stop inside a multi-byte character; draft only whole characters.
+        text = forced.decode("utf-8", errors="ignore") if forced else ""
+        if not text:
+            return None
+        return Draft(self.tokenizer.encode(text, add_special_tokens=False)[:max_draft])
+
+    def update(self, tokens: list, num_proposed: int, num_accepted: int):
+        pass  # the constraint follows the accepted tokens
