@@ -198,7 +198,7 @@ def test_sampling_keeps_the_masked_target_distribution():
     for _ in range(1500):
         constraint.reset()
         out = [token for token, _ in generate_step(prompt, MODEL, draft_sources=[drafter], constraint=constraint,
-                                                   temp=temp, max_tokens=2, stats=stats)]
+                                                   temp=temp, max_tokens=2, stats=stats, eos_token_ids=())]
         counts[out[0] * VOCAB + out[1]] += 1
     assert chi_square_p_value(counts, joint.reshape(-1)) > 1e-3
     assert 0 < stats.draft_accepted < stats.draft_proposed
