@@ -38,10 +38,19 @@ class RegexConstraint:
         return cls.from_regex(schema_to_regex(schema, **options), tokenizer, vocab_size, cache_dir=cache_dir)
 
     def walk(self, draft: list) -> list:
+        """The states before each allowed draft token and after the last one; the first token the
+        regex forbids stays in the draft, with a copy of the state before it (its row is never used).
+
+        The mask gives that token probability 0, so the target rejects it and, when the draft came
+        with probabilities q, samples from the residual (p - q)+ as speculative sampling requires.
+        Cutting the draft there would sample from p instead, which skews the output whenever q puts
+        mass on forbidden tokens (a draft model knows nothing of the regex).
+        """
         states = [self.state]
         for token in draft:
             state = self.index.next_state(states[-1], token)
-            if state < 0:  # cut the draft at the first token the regex forbids
+            if state < 0:
+                states.append(states[-1])
                 break
             states.append(state)
         return states
