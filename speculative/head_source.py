@@ -91,7 +91,11 @@ class DraftHeadSource:
         self.vocab_list = vocab_ids.tolist()
         self.vocab_size = tap.target.args.vocab_size
         self.embed = tap.target.model.embed_tokens
-        self.out_rows = mx.take(output_weight(tap.target), vocab_ids, axis=0)
+        # Scores: the head's own output layer (EAGLE-3), the target's LM head itself for the whole
+        # vocabulary (EAGLE-1: no copy of a quantized matrix), else the target's sub-vocabulary rows.
+        whole = vocab_ids.size == self.vocab_size and mx.array_equal(vocab_ids, mx.arange(self.vocab_size)).item()
+        self.out_rows = None if hasattr(head, "logits") or whole else \
+            mx.take(output_weight(tap.target), vocab_ids, axis=0)
         self.temp, self.top_p = temp, top_p
         self.length = AdaptiveLength(num_draft, max_draft, draft_token_cost, enabled=adaptive)
         self.min_confidence = min_confidence
@@ -108,7 +112,8 @@ class DraftHeadSource:
 
     @classmethod
     def create(cls, target, head_dir=None, **kwargs):
-        """Load a head for ``target``; returns ``(tap, source)``: run the loop on ``tap``."""
+        """Load a head for ``target`` (ours or a published EAGLE head, see ``load_head``);
+        returns ``(tap, source)``: run the loop on ``tap``."""
         from speculative.draft_model import parameter_count
 
         head, vocab_ids = load_head(head_dir, target)
@@ -144,10 +149,17 @@ class DraftHeadSource:
         self.committed = stop
         return predicted[0, -1]
 
+    def _logits(self, predicted: mx.array) -> mx.array:
+        if hasattr(self.head, "logits"):
+            return self.head.logits(predicted)
+        if self.out_rows is None:
+            return logits_from_hidden(self.tap.target, predicted[None])[0]
+        return predicted @ self.out_rows.T
+
     def _distribution(self, predicted: mx.array) -> mx.array:
         """Scores over the sub-vocabulary: q when sampling; when greedy, the softmax only if the
         confidence stop needs it (the logits have the same argmax)."""
-        logits = predicted @ self.out_rows.T
+        logits = self._logits(predicted)
         if self.temp > 0:
             return sampling_probs(logits[None], self.temp, self.top_p)[0]
         confidence_needed = self.min_confidence > 0 or self.min_path_confidence > 0
