@@ -162,7 +162,8 @@ def load_eagle_head(head_dir, config: dict, target, dtype=None):
         if (head_dir / "pytorch_model.bin").is_file():
             raise HeadMismatch(f"{head_dir / 'pytorch_model.bin'}: PyTorch pickles are not read (they can run code); "
                                "save the weights as model.safetensors (speculative/README.md)")
-        raise HeadMismatch(f"{head_dir} has no model.safetensors")
+        raise HeadMismatch(f"{head_dir} has no model.safetensors (a head published as pytorch_model.bin "
+                           "must be saved as safetensors first: speculative/README.md)")
     args = _head_args(config, config_path)
     size, vocab_size = target.args.hidden_size, target.args.vocab_size
     if config.get("target_hidden_size", args.hidden_size) != size or args.hidden_size != size:
