@@ -31,20 +31,46 @@ def random_head(target, seed):
     return head
 
 
+def train_on_own_text(target, vocab_size):
+    """A head trained for a few steps on ``target``'s own greedy text; returns (head, vocab_ids, report)."""
+    prompts = np.random.default_rng(0).integers(0, vocab_size, size=(24, 4)).tolist()
+    answered = answer_with_features(target, prompts, max_tokens=24, eos_ids={0})
+    sequences = [s for s, _ in answered]
+    for sequence, prompt in zip(sequences, prompts):  # the batched answers are plain greedy decoding
+        assert sequence["tokens"][4:] == tokens_of(prompt, target, max_tokens=24)[: len(sequence["tokens"]) - 4]
+    features = np.concatenate([f for _, f in answered])
+    offsets = np.cumsum([0] + [len(s["tokens"]) for s in sequences])
+    vocab_ids = sub_vocabulary(sequences, 48, eos_ids={0}, vocab_size=vocab_size)
+    head, report = train(target, sequences, features, offsets, vocab_ids, steps_limit=60, epochs=60, lr=3e-3,
+                         depth1_fraction=0.5, batch_tokens=4096, log=lambda *_: None)
+    return head, mx.array(vocab_ids), report
+
+
 @pytest.fixture(scope="module")
 def trained():
     """A head trained for a few steps on the tiny target's own greedy text, and its report."""
-    prompts = np.random.default_rng(0).integers(0, VOCAB, size=(24, 4)).tolist()
-    answered = answer_with_features(TARGET, prompts, max_tokens=24, eos_ids={0})
-    sequences = [s for s, _ in answered]
-    for sequence, prompt in zip(sequences, prompts):  # the batched answers are plain greedy decoding
-        assert sequence["tokens"][4:] == tokens_of(prompt, TARGET, max_tokens=24)[: len(sequence["tokens"]) - 4]
-    features = np.concatenate([f for _, f in answered])
-    offsets = np.cumsum([0] + [len(s["tokens"]) for s in sequences])
-    vocab_ids = sub_vocabulary(sequences, 48, eos_ids={0}, vocab_size=VOCAB)
-    head, report = train(TARGET, sequences, features, offsets, vocab_ids, steps_limit=60, epochs=60, lr=3e-3, depth1_fraction=0.5, batch_tokens=4096,
-                         log=lambda *_: None)
-    return head, mx.array(vocab_ids), report
+    return train_on_own_text(TARGET, VOCAB)
+
+
+def test_a_head_trains_for_a_qwen2_target(tmp_path):
+    # The trainer and the head only use what mlx-lm's Llama-family models share (``model.layers``,
+    # ``embed_tokens``, ``norm``, tied or untied output), so a second architecture trains as is.
+    from mlx_lm.models import qwen2
+
+    mx.random.seed(1)
+    target = qwen2.Model(qwen2.ModelArgs(model_type="qwen2", hidden_size=32, num_hidden_layers=2,
+                                         intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                         rms_norm_eps=1e-6, vocab_size=VOCAB, tie_word_embeddings=True))
+    target.model.embed_tokens.weight = target.model.embed_tokens.weight * 4  # sharper than flat (tied)
+    mx.eval(target.parameters())
+    head, vocab_ids, report = train_on_own_text(target, VOCAB)
+    assert report["last_loss"] < 0.8 * report["first_loss"], report
+    save_head(tmp_path / "head", head, vocab_ids, target)
+    stats = DecodingStats()
+    for prompt in ([5, 6, 7, 8], [1, 2]):
+        tap, source = DraftHeadSource.create(target, tmp_path / "head", num_draft=3, adaptive=False)
+        assert tokens_of(prompt, tap, [source], max_tokens=30, stats=stats) == tokens_of(prompt, target, max_tokens=30)
+    assert stats.draft_accepted > 0
 
 
 def test_body_with_features_reads_the_layers_and_puts_them_back():

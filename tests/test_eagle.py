@@ -265,3 +265,40 @@ def test_heads_that_do_not_fit_the_target_are_refused_in_one_line(tmp_path):
     (head_dir / "model.safetensors").rename(head_dir / "pytorch_model.bin")
     with pytest.raises(HeadMismatch, match="pytorch_model.bin: PyTorch pickles are not read"):
         load_head(head_dir, TARGET)
+
+
+def test_an_eagle3_head_is_refused_on_a_sharded_target(tmp_path):
+    from distributed.sharding import ShardedBody
+
+    draft_ids = list(range(VOCAB))
+    config = head_config(TARGET, draft_vocab_size=VOCAB)  # no pruning: published without d2t/t2d
+    state = reference_head(TARGET, config, seed=2, draft_ids=draft_ids).state_dict()
+    head_dir = tmp_path / "eagle3"
+    head_dir.mkdir()
+    from safetensors.torch import save_file
+
+    save_file({k: v.contiguous() for k, v in state.items() if k not in ("d2t", "t2d", "embed_tokens.weight")},
+              str(head_dir / "model.safetensors"))
+    (head_dir / "config.json").write_text(json.dumps(config))
+    assert load_head(head_dir, TARGET)[1].tolist() == draft_ids
+    sharded = tiny_llama(vocab_size=VOCAB, num_layers=LAYERS, hidden_size=WIDTH, seed=0)
+    sharded.model = ShardedBody(sharded.model, group=None)
+    with pytest.raises(HeadMismatch, match=r"reads layers \[1, 3, 4\].*sharded"):
+        load_head(head_dir, sharded)
+
+
+@pytest.mark.slow
+def test_sampling_with_an_eagle3_head_keeps_the_target_distribution(tmp_path):
+    from speculative.head_source import HiddenStateTap
+    from tests.helpers import assert_sampling_keeps_the_target_distribution
+
+    target = tiny_llama(vocab_size=8, num_layers=LAYERS, hidden_size=WIDTH, seed=3, sharp=2.0)
+    draft_ids = [0, 2, 3, 5, 6, 7]  # q is zero on two tokens the target can still choose
+    config = head_config(target, draft_vocab_size=len(draft_ids))
+    head, vocab_ids = load_head(write_head(tmp_path, config, reference_head(target, config, 7, draft_ids)), target)
+
+    def make_run():
+        tap = HiddenStateTap(target, head.feature_layers)
+        return tap, [DraftHeadSource(tap, head, vocab_ids, temp=1.0, num_draft=3, adaptive=False)]
+
+    assert_sampling_keeps_the_target_distribution(target, make_run, 1.0, 1.0)
