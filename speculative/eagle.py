@@ -152,18 +152,37 @@ def _check_embeddings(weights: dict, target, weights_path):
                            "differs from the target's)")
 
 
+def read_weights(head_dir: Path) -> tuple:
+    """``(weights, path)``: ``model.safetensors``, else ``pytorch_model.bin`` (as most EAGLE heads
+    are published) read with torch's weights-only unpickler, which runs no code from the file."""
+    safetensors, pickle = head_dir / "model.safetensors", head_dir / "pytorch_model.bin"
+    if safetensors.is_file():
+        try:
+            return mx.load(str(safetensors)), safetensors
+        except (RuntimeError, ValueError, OSError) as error:  # a truncated or foreign file
+            raise HeadMismatch(f"{safetensors} cannot be read ({str(error).splitlines()[0]})") from None
+    if not pickle.is_file():
+        raise HeadMismatch(f"{head_dir} has neither model.safetensors nor pytorch_model.bin")
+    try:
+        import torch
+    except ImportError:
+        raise HeadMismatch(f"{pickle}: reading PyTorch weights needs torch (pip install torch), or save them "
+                           "as model.safetensors") from None
+    try:
+        state = torch.load(pickle, map_location="cpu", weights_only=True)
+        # numpy has no bfloat16: floats pass as float32 and take the target's dtype on loading.
+        return {name: mx.array((t.float() if t.is_floating_point() else t).numpy()) for name, t in state.items()}, pickle
+    except Exception as error:  # anything the unpickler refuses, or not a dict of tensors
+        reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise HeadMismatch(f"{pickle} cannot be read ({reason})") from None
+
+
 def load_eagle_head(head_dir, config: dict, target, dtype=None):
     """Returns ``(head, vocab_ids)`` for a head in a published EAGLE layout; refuses in one line
     (``HeadMismatch``, naming the file) a head that does not fit ``target``."""
     head_dir = Path(head_dir)
-    config_path, weights_path = head_dir / "config.json", head_dir / "model.safetensors"
+    config_path = head_dir / "config.json"
     layout = published_layout(config)
-    if not weights_path.is_file():
-        if (head_dir / "pytorch_model.bin").is_file():
-            raise HeadMismatch(f"{head_dir / 'pytorch_model.bin'}: PyTorch pickles are not read (they can run code); "
-                               "save the weights as model.safetensors (speculative/README.md)")
-        raise HeadMismatch(f"{head_dir} has no model.safetensors (a head published as pytorch_model.bin "
-                           "must be saved as safetensors first: speculative/README.md)")
     args = _head_args(config, config_path)
     size, vocab_size = target.args.hidden_size, target.args.vocab_size
     if config.get("target_hidden_size", args.hidden_size) != size or args.hidden_size != size:
@@ -171,10 +190,7 @@ def load_eagle_head(head_dir, config: dict, target, dtype=None):
     if args.vocab_size != vocab_size:
         raise HeadMismatch(f"the draft head {config_path} has a vocabulary of {args.vocab_size}, "
                            f"the target {vocab_size}")
-    try:
-        weights = mx.load(str(weights_path))
-    except (RuntimeError, ValueError, OSError) as error:
-        raise HeadMismatch(f"{weights_path} cannot be read ({str(error).splitlines()[0]})") from None
+    weights, weights_path = read_weights(head_dir)
     _check_embeddings(weights, target, weights_path)
     if layout == "eagle3":
         num_layers = target.args.num_hidden_layers

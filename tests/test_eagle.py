@@ -63,13 +63,17 @@ def reference_head(target, config: dict, seed: int, draft_ids=None):
     return head.eval()
 
 
-def write_head(path, config: dict, head, with_embeddings=False):
-    """The published file layout: config.json and model.safetensors (no embedding table unless asked)."""
+def write_head(path, config: dict, head, with_embeddings=False, pickled=False):
+    """The published file layout: config.json and model.safetensors, or pytorch_model.bin as most
+    EAGLE heads are published (no embedding table unless asked)."""
     from safetensors.torch import save_file
 
     path.mkdir(parents=True, exist_ok=True)
     weights = {k: v.contiguous() for k, v in head.state_dict().items() if with_embeddings or k != "embed_tokens.weight"}
-    save_file(weights, str(path / "model.safetensors"))
+    if pickled:
+        torch.save(weights, path / "pytorch_model.bin")
+    else:
+        save_file(weights, str(path / "model.safetensors"))
     (path / "config.json").write_text(json.dumps(config))
     return path
 
@@ -97,12 +101,13 @@ TARGET = tiny_llama(vocab_size=VOCAB, num_layers=LAYERS, hidden_size=WIDTH, seed
 TOKENS = [[5, 17, 3, 42, 8, 8, 61, 0, 33, 12, 7]]
 
 
-@pytest.mark.parametrize("with_embeddings", [False, True], ids=["target-embeddings", "shipped-embeddings"])
-def test_eagle3_draft_logits_match_the_reference(tmp_path, with_embeddings):
+@pytest.mark.parametrize("with_embeddings,pickled", [(False, False), (True, False), (False, True)],
+                         ids=["safetensors", "with-embeddings", "pytorch_model.bin"])
+def test_eagle3_draft_logits_match_the_reference(tmp_path, with_embeddings, pickled):
     draft_ids = sorted(np.random.default_rng(1).choice(VOCAB, 24, replace=False).tolist())
     config = head_config(TARGET, draft_vocab_size=len(draft_ids))
     reference = reference_head(TARGET, config, seed=2, draft_ids=draft_ids)
-    head, vocab_ids = load_head(write_head(tmp_path, config, reference, with_embeddings), TARGET)
+    head, vocab_ids = load_head(write_head(tmp_path, config, reference, with_embeddings, pickled), TARGET)
     assert isinstance(head, Eagle3Head) and vocab_ids.tolist() == draft_ids
 
     # The target features: the inputs of layers 2, L//2 and L-3, which the tap records as outputs.
@@ -262,8 +267,11 @@ def test_heads_that_do_not_fit_the_target_are_refused_in_one_line(tmp_path):
     save_file({k: v.contiguous() for k, v in bad_map.items()}, str(head_dir / "model.safetensors"))
     with pytest.raises(HeadMismatch, match="d2t does not map 32 draft tokens"):
         load_head(head_dir, TARGET)
-    (head_dir / "model.safetensors").rename(head_dir / "pytorch_model.bin")
-    with pytest.raises(HeadMismatch, match="pytorch_model.bin: PyTorch pickles are not read"):
+    (head_dir / "model.safetensors").unlink()
+    with pytest.raises(HeadMismatch, match="has neither model.safetensors nor pytorch_model.bin"):
+        load_head(head_dir, TARGET)
+    (head_dir / "pytorch_model.bin").write_bytes(b"not a pickle")
+    with pytest.raises(HeadMismatch, match="pytorch_model.bin cannot be read"):
         load_head(head_dir, TARGET)
 
 
