@@ -193,6 +193,11 @@ def load_eagle_head(head_dir, config: dict, target, dtype=None):
     weights, weights_path = read_weights(head_dir)
     _check_embeddings(weights, target, weights_path)
     if layout == "eagle3":
+        # Variants of other trainers that the reference lacks: refused rather than guessed.
+        if config.get("norm_before_residual") or (config.get("eagle_config") or {}).get(
+                "eagle_aux_hidden_state_layer_ids"):
+            raise HeadMismatch(f"{config_path}: norm_before_residual and eagle_aux_hidden_state_layer_ids are "
+                               "not supported (only SafeAILab's EAGLE-3 layout)")
         num_layers = target.args.num_hidden_layers
         feature_layers = eagle3_feature_layers(num_layers)
         if len(set(feature_layers)) != 3 or min(feature_layers) < 0:

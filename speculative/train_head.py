@@ -217,7 +217,9 @@ def evaluate(head, embed, out_rows, sequences, features, offsets, indices, sub_i
 def main():
     parser = Parser(description="Train a draft head for a target model by self-distillation.")
     parser.add_argument("--model", default=None, help="Target model (default: the embedded SmolLM2-135M-Instruct).")
-    parser.add_argument("--out", default="speculative/heads/smollm2-135m", help="Head directory to write.")
+    parser.add_argument("--out", default=None,
+                        help="Head directory to write (default: speculative/heads/smollm2-135m for the embedded "
+                             "model, else speculative/heads/<the model's name>).")
     parser.add_argument("--work-dir", default=None, help="Cache of the generated data (default: ~/.cache/mlx-decoding/draft-head-data).")
     parser.add_argument("--instructions", nargs="+", choices=["self", "templates"],
                         default=["self", "templates"],
@@ -242,6 +244,9 @@ def main():
     parser.add_argument("--init", default=None, help="Continue training this head directory (default: a fresh head).")
     parser.add_argument("--seed", type=int, default=0, help="Seed for the instructions and training (default: 0).")
     args = parser.parse_args()
+    if args.out is None:  # never the shipped head's directory for another model
+        name = "smollm2-135m" if args.model is None else Path(args.model.rstrip("/")).name.lower()
+        args.out = str(Path(__file__).parent / "heads" / name)
     try:
         check_arguments(args)
         run(args)
