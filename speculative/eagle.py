@@ -1,6 +1,7 @@
 """Published EAGLE draft heads (SafeAILab/EAGLE layouts) as MLX modules for mlx-lm targets.
 
-A head directory holds ``config.json`` (a Llama config of the head) and ``model.safetensors``.
+A head directory holds ``config.json`` (a Llama config of the head) and ``model.safetensors``
+or ``pytorch_model.bin``.
 Two layouts are published, and both plug into ``DraftHeadSource`` like our own head: the
 source feeds the head the target's features and the embedding of the next token, and feeds
 its prediction back in their place while drafting.
@@ -204,15 +205,17 @@ def load_eagle_head(head_dir, config: dict, target, dtype=None):
             raise HeadMismatch(f"the EAGLE-3 head {config_path} reads the inputs of layers 2, L//2 and L-3; "
                                f"the target has only {num_layers} layers")
         check_layers_exposed(target, feature_layers)
-        draft_vocab = int(config["draft_vocab_size"])
+        draft_vocab = config["draft_vocab_size"]
+        if not isinstance(draft_vocab, int) or not 0 < draft_vocab <= vocab_size:
+            raise HeadMismatch(f"{config_path}: draft_vocab_size must be a count of tokens up to {vocab_size}")
         d2t = weights.pop("d2t", mx.zeros(draft_vocab, mx.int64))  # absent when nothing is pruned
         weights.pop("t2d", None)  # the inverse map (a mask over target tokens): not needed to draft
-        vocab_ids = (mx.arange(draft_vocab) + d2t.astype(mx.int64)).astype(mx.int32)
-        if d2t.shape != (draft_vocab,) or vocab_ids.min().item() < 0 or vocab_ids.max().item() >= vocab_size \
+        vocab_ids = mx.arange(draft_vocab) + d2t.astype(mx.int64) if d2t.shape == (draft_vocab,) else None
+        if vocab_ids is None or vocab_ids.min().item() < 0 or vocab_ids.max().item() >= vocab_size \
                 or len(set(vocab_ids.tolist())) != draft_vocab:
             raise HeadMismatch(f"{weights_path}: d2t does not map {draft_vocab} draft tokens onto distinct tokens "
                                f"of the target's vocabulary of {vocab_size}")
-        head = Eagle3Head(args, draft_vocab, feature_layers)
+        head, vocab_ids = Eagle3Head(args, draft_vocab, feature_layers), vocab_ids.astype(mx.int32)
     else:
         head = Eagle1Head(args, bias="fc.bias" in weights)
         vocab_ids = mx.arange(vocab_size, dtype=mx.int32)

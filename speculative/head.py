@@ -120,9 +120,14 @@ def body_with_features(target, inputs: mx.array, feature_layers, cache=None) -> 
     return hidden, (parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1))
 
 
+def output_layer(target) -> nn.Module:
+    """The target's output layer: its lm_head, or the tied embedding."""
+    return getattr(target, "lm_head", None) or target.model.embed_tokens
+
+
 def output_weight(target) -> mx.array:
-    """The target's (vocab, d) output matrix: its lm_head, or the tied embedding."""
-    layer = getattr(target, "lm_head", None) or target.model.embed_tokens
+    """The target's (vocab, d) output matrix (dequantized if need be)."""
+    layer = output_layer(target)
     if hasattr(layer, "scales"):  # a quantized table: dequantize once
         return mx.dequantize(layer.weight, layer.scales, getattr(layer, "biases", None),
                              layer.group_size, layer.bits)
