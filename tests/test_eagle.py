@@ -196,21 +196,26 @@ def good_heads(target, successor, tmp_path, draft_ids) -> tuple:
         eagle3.norm.weight.fill_(1.0)
         eagle3.lm_head.weight.copy_(embeddings[torch.tensor(predecessor[predecessor[draft_ids]])])
     return (write_head(tmp_path / "eagle1", head_config(target), eagle1),
-            write_head(tmp_path / "eagle3", head_config(target, len(draft_ids)), eagle3))
+            write_head(tmp_path / "eagle3", head_config(target, len(draft_ids)), eagle3, with_embeddings=True))
 
 
 def tokens_of(prompt, model, sources=(), **kwargs):
     return [t for t, _ in generate_step(prompt, model, draft_sources=list(sources), eos_token_ids=(), **kwargs)]
 
 
-def test_published_heads_are_lossless_and_accepted_through_the_library(tmp_path):
+@pytest.mark.parametrize("bits", [None, 4], ids=["float32", "4-bit"])
+def test_published_heads_are_lossless_and_accepted_through_the_library(tmp_path, bits):
+    import mlx.nn as nn
+
     target, successor = bigram_target(VOCAB, num_layers=LAYERS)
     draft_ids = sorted(np.random.default_rng(3).choice(VOCAB, 48, replace=False).tolist())
     eagle1_dir, eagle3_dir = good_heads(target, successor, tmp_path, draft_ids)
+    if bits:  # as a Mac user runs them: heads trained on the float model, a quantized target
+        nn.quantize(target, group_size=32, bits=bits)
     for head_dir in (eagle1_dir, eagle3_dir):
         stats = DecodingStats()
         for prompt in ([1, 2, 3], [40], [9, 9, 9, 9, 30]):
-            tap, source = DraftHeadSource.create(target, head_dir, num_draft=3, adaptive=False)
+            tap, source = DraftHeadSource.create(target, head_dir, num_draft=3, adaptive=bits is not None)
             assert tokens_of(prompt, tap, [source], max_tokens=24, stats=stats) == tokens_of(prompt, target,
                                                                                            max_tokens=24)
         if head_dir == eagle1_dir:
