@@ -220,7 +220,9 @@ def main():
     parser.add_argument("--out", default=None,
                         help="Head directory to write (default: speculative/heads/smollm2-135m for the embedded "
                              "model, else speculative/heads/<the model's name>).")
-    parser.add_argument("--work-dir", default=None, help="Cache of the generated data (default: ~/.cache/mlx-decoding/draft-head-data).")
+    parser.add_argument("--work-dir", default=None,
+                        help="Cache of the generated data (default: ~/.cache/mlx-decoding/draft-head-data, "
+                             "in a subdirectory named after --model when given).")
     parser.add_argument("--instructions", nargs="+", choices=["self", "templates"],
                         default=["self", "templates"],
                         help="Where instructions come from: written by the target itself, or topic templates; "
@@ -245,13 +247,17 @@ def main():
     parser.add_argument("--seed", type=int, default=0, help="Seed for the instructions and training (default: 0).")
     args = parser.parse_args()
     if args.out is None:  # never the shipped head's directory for another model
-        name = "smollm2-135m" if args.model is None else Path(args.model.rstrip("/")).name.lower()
-        args.out = str(Path(__file__).parent / "heads" / name)
+        args.out = str(Path(__file__).parent / "heads" / model_name(args.model))
     try:
         check_arguments(args)
         run(args)
     except (CliError, HeadMismatch) as error:
         sys.exit(f"error: {error}")
+
+
+def model_name(model) -> str:
+    """``smollm2-135m`` for the embedded model, else the last part of its path or repo id."""
+    return "smollm2-135m" if model is None else Path(model.rstrip("/")).name.lower()
 
 
 def check_arguments(args):
@@ -272,7 +278,9 @@ def run(args):
         init, init_ids = load_head(args.init, target)
         if not isinstance(init, DraftHead):
             raise CliError(f"--init {args.init}: a published EAGLE head cannot be trained further here")
-    work = Path(args.work_dir) if args.work_dir else cache_dir() / "draft-head-data"
+    # Another model's answers and self-written instructions are its own: a directory per model.
+    work = Path(args.work_dir) if args.work_dir else cache_dir() / "draft-head-data" / (
+        "" if args.model is None else model_name(args.model))
     eos_ids = set(tokenizer.eos_token_ids)
     sequences, features, texts = training_data(target, tokenizer, work, args.instructions, args.num_instructions,
                                                args.seed, args.max_tokens, args.batch_size, args.generate_minutes)
