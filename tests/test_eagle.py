@@ -272,12 +272,34 @@ def test_heads_that_do_not_fit_the_target_are_refused_in_one_line(tmp_path):
     save_file({k: v.contiguous() for k, v in bad_map.items()}, str(head_dir / "model.safetensors"))
     with pytest.raises(HeadMismatch, match="d2t does not map 32 draft tokens"):
         load_head(head_dir, TARGET)
-    (head_dir / "model.safetensors").unlink()
+    weights = head_dir / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])  # truncated
+    with pytest.raises(HeadMismatch, match=f"{weights} cannot be read"):
+        load_head(head_dir, TARGET)
+    weights.unlink()
     with pytest.raises(HeadMismatch, match="has neither model.safetensors nor pytorch_model.bin"):
         load_head(head_dir, TARGET)
     (head_dir / "pytorch_model.bin").write_bytes(b"not a pickle")
     with pytest.raises(HeadMismatch, match="pytorch_model.bin cannot be read"):
         load_head(head_dir, TARGET)
+
+
+@pytest.mark.parametrize("change,fragment", [
+    ({"intermediate_size": None}, "is not a complete Llama config"),
+    ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
+    ({"draft_vocab_size": "many"}, "draft_vocab_size must be a count of tokens"),
+    ({"norm_before_residual": True}, "norm_before_residual and eagle_aux_hidden_state_layer_ids are not supported"),
+    ({"num_key_value_heads": 4}, "does not match"),  # the weights have 2
+])
+def test_an_eagle3_config_that_does_not_match_is_one_line(tmp_path, change, fragment):
+    draft_ids = list(range(0, VOCAB, 2))
+    config = head_config(TARGET, draft_vocab_size=len(draft_ids))
+    head_dir = write_head(tmp_path, config, reference_head(TARGET, config, seed=2, draft_ids=draft_ids))
+    config.update(change)
+    (head_dir / "config.json").write_text(json.dumps({k: v for k, v in config.items() if v is not None}))
+    with pytest.raises(HeadMismatch, match=fragment) as error:
+        load_head(head_dir, TARGET)
+    assert str(head_dir / "config.json") in str(error.value) and "\n" not in str(error.value)
 
 
 def test_an_eagle3_head_is_refused_on_a_sharded_target(tmp_path):
