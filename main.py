@@ -235,15 +235,30 @@ def build_run(args, session=None):
 
 
 def add_draft_head(model, sources: list, search_extra: list, args):
-    """Append the head's source (after any prompt lookup); returns the model the loop must run."""
+    """Append the head's source (after any prompt lookup); returns the model the loop must run.
+
+    ``--draft-head`` is a directory (ours, or a published EAGLE-1/2 or EAGLE-3 head) or a
+    Hugging Face repo id of one; bare, the head shipped for the embedded model."""
     from speculative.head import HeadMismatch
     from speculative.head_source import DraftHeadSource
 
     if search_extra:
         raise CliError("--draft-head needs a decoder-only model; T5 is not supported")
+    head_dir = os.path.expanduser(args.draft_head) if args.draft_head else None
+    if head_dir is not None and not os.path.exists(head_dir):
+        if head_dir.count("/") != 1 or head_dir.startswith((".", "/")):
+            raise CliError(f"--draft-head {head_dir} is neither a directory nor a Hugging Face repo id")
+        from huggingface_hub import snapshot_download
+
+        try:  # most EAGLE heads are published as pytorch_model.bin (read without running code)
+            head_dir = snapshot_download(head_dir, allow_patterns=["config.json", "model.safetensors",
+                                                                   "pytorch_model.bin"])
+        except Exception as error:
+            reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+            raise CliError(f"cannot download the draft head {args.draft_head}: {reason}") from None
     options = {} if args.num_draft is None else {"num_draft": args.num_draft}
     try:
-        tap, source = DraftHeadSource.create(model, args.draft_head or None, temp=args.temp, top_p=args.top_p,
+        tap, source = DraftHeadSource.create(model, head_dir, temp=args.temp, top_p=args.top_p,
                                              adaptive=not args.no_adaptive, **options)
     except HeadMismatch as error:
         raise CliError(str(error)) from None

@@ -128,9 +128,6 @@ def draft_head_cost_suite(model, tokenizer, args, repeats: int = 40):
             c.trim(1)
 
     steps = {"target step": target_step, **{f"head step, {k}": (lambda r=r: draft_step(r)) for k, r in rows.items()}}
-    if features.shape[-1] != hidden.shape[-1]:  # a fused head's first step also reduces the layers' features
-        last_row = rows[f"sub-vocabulary {vocab_ids.size}"]
-        steps["head step reading fused features"] = lambda: draft_step(last_row, features[:, -1:])
     times = {name: [] for name in steps}
     for _ in range(3):  # warm-up
         for step in steps.values():

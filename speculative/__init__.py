@@ -1,4 +1,5 @@
-"""Speculative decoding with a draft model (Llama family or T5) or a trained draft head.
+"""Speculative decoding with a draft model (Llama family or T5) or a draft head (trained here, or
+a published EAGLE-1/2 or EAGLE-3 head: ``load_head`` reads both).
 
 The names below are imported on first use, so ``python -m speculative.train_head`` can load
 a fast BLAS before anything imports ``mlx.core`` (see fast_blas.py).

@@ -1,21 +1,16 @@
 """A feature-level draft head (EAGLE style) for a Llama-family target.
 
-The head reads the target's features at position t and the embedding of the token
-x_{t+1} that follows it, fuses them with one linear layer, runs one Llama decoder
-layer and predicts h_{t+1}, the target's last hidden state (after the final norm).
-Tokens are scored with the target's own output matrix restricted to a
-frequency-ranked sub-vocabulary (FR-Spec), so a draft step reads ~4M head weights
-plus 8k output rows instead of the whole 135M-parameter target.
+The head reads the target's last hidden state h_t (after the final norm) and the embedding
+of the token x_{t+1} that follows it, fuses them with one linear layer, runs one Llama
+decoder layer and predicts h_{t+1}. From its second draft step on, it reads its own
+prediction in place of h_t. Tokens are scored with the target's own output matrix
+restricted to a frequency-ranked sub-vocabulary (FR-Spec), so a draft step reads ~4M head
+weights plus 8k output rows instead of the whole 135M-parameter target.
 
-The features are the target's last hidden state h_t (EAGLE-1), or the outputs of a
-few of its layers, low, middle and top, each RMS-normalised and reduced to one
-vector by a linear layer (EAGLE-3's fusion; ``feature_layers``). From its second
-draft step on, the head reads its own prediction in their place. On SmolLM2-135M
-with ~200k tokens of training text, fusion measured worse than the last hidden
-state alone (speculative/README.md), so the shipped head reads only that.
-
-A head directory holds ``model.safetensors`` (float16 head weights and the
-sub-vocabulary ids) and ``config.json`` (the target's args and fingerprint).
+A head directory holds ``model.safetensors`` (float16 head weights and the sub-vocabulary
+ids) and ``config.json`` (the target's args and fingerprint). ``load_head`` also reads heads
+in the published EAGLE-1/2 and EAGLE-3 layouts (speculative/eagle.py); EAGLE-3 reads the
+outputs of three target layers, which ``body_with_features`` collects.
 """
 
 import json
@@ -47,52 +42,28 @@ def head_args(target_args) -> llama.ModelArgs:
 
 
 class DraftHead(nn.Module):
-    def __init__(self, args: llama.ModelArgs, feature_layers=(FINAL,), num_layers: int = 1):
+    feature_layers = [FINAL]  # what the ``HiddenStateTap`` records for it: the last hidden state
+
+    def __init__(self, args: llama.ModelArgs):
         super().__init__()
         self.args = args
-        self.feature_layers = list(feature_layers)
-        size = args.hidden_size
-        if len(self.feature_layers) > 1:
-            self.feature_scales = mx.ones((len(self.feature_layers), size))
-            self.reduce = nn.Linear(len(self.feature_layers) * size, size, bias=False)
-            if self.feature_layers[-1] == FINAL:
-                # Start as a head that reads the last hidden state only; training mixes the others in.
-                self.reduce.weight = mx.concatenate(
-                    [mx.zeros((size, (len(self.feature_layers) - 1) * size)), mx.eye(size)], axis=1)
-        self.fuse = nn.Linear(2 * size, size)
+        self.fuse = nn.Linear(2 * args.hidden_size, args.hidden_size)
         self.layer = llama.TransformerBlock(args)
-        self.more_layers = [llama.TransformerBlock(args) for _ in range(num_layers - 1)]  # a deeper head
-        self.norm = nn.RMSNorm(size, eps=args.rms_norm_eps)
-
-    @property
-    def num_layers(self) -> int:
-        return 1 + len(self.more_layers)
-
-    def reduce_features(self, features: mx.array) -> mx.array:
-        """(..., k * d) features of k layers -> (..., d); the head's own predictions pass as they are."""
-        size = self.args.hidden_size
-        if features.shape[-1] == size:
-            return features
-        # Middle layers carry outliers in the tens of thousands: normalise each layer on its own.
-        parts = features.reshape(*features.shape[:-1], len(self.feature_layers), size)
-        parts = parts * mx.rsqrt(mx.mean(parts * parts, axis=-1, keepdims=True) + self.args.rms_norm_eps)
-        return self.reduce((parts * self.feature_scales).reshape(features.shape))
+        self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
     def __call__(self, features: mx.array, next_embeddings: mx.array, cache=None, mask=None) -> mx.array:
-        """(B, L, k * d) target features at t (or (B, L, d) predictions) and embeddings of x_{t+1}
+        """(B, L, d) target features at t (or the head's predictions) and embeddings of x_{t+1}
         -> predicted h_{t+1}.
 
-        ``cache`` is the list from ``make_cache`` (one per layer), as for mlx-lm models; ``mask``
-        overrides the causal mask (training unrolls drafting with its own, see train_head.py)."""
-        cache = cache or [None] * self.num_layers
-        x = self.fuse(mx.concatenate([self.reduce_features(features), next_embeddings], axis=-1))
-        mask = create_attention_mask(x, cache[0]) if mask is None else mask
-        for layer, layer_cache in zip([self.layer, *self.more_layers], cache):
-            x = layer(x, mask, cache=layer_cache)
-        return self.norm(x)
+        ``cache`` is the list from ``make_cache``, as for mlx-lm models; ``mask`` overrides the
+        causal mask (training unrolls drafting with its own, see train_head.py)."""
+        layer_cache = cache[0] if cache else None
+        x = self.fuse(mx.concatenate([features, next_embeddings], axis=-1))
+        mask = create_attention_mask(x, layer_cache) if mask is None else mask
+        return self.norm(self.layer(x, mask, cache=layer_cache))
 
     def make_cache(self) -> list:
-        return [KVCache() for _ in range(self.num_layers)]
+        return [KVCache()]
 
 
 class _LayerRecorder:
@@ -149,9 +120,14 @@ def body_with_features(target, inputs: mx.array, feature_layers, cache=None) -> 
     return hidden, (parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1))
 
 
+def output_layer(target) -> nn.Module:
+    """The target's output layer: its lm_head, or the tied embedding."""
+    return getattr(target, "lm_head", None) or target.model.embed_tokens
+
+
 def output_weight(target) -> mx.array:
-    """The target's (vocab, d) output matrix: its lm_head, or the tied embedding."""
-    layer = getattr(target, "lm_head", None) or target.model.embed_tokens
+    """The target's (vocab, d) output matrix (dequantized if need be)."""
+    layer = output_layer(target)
     if hasattr(layer, "scales"):  # a quantized table: dequantize once
         return mx.dequantize(layer.weight, layer.scales, getattr(layer, "biases", None),
                              layer.group_size, layer.bits)
@@ -179,14 +155,23 @@ def fingerprint(target) -> dict:
     return {"shape": shape, "probe": mx.concatenate([probe, norm]).tolist()}
 
 
-def check_fingerprint(expected: dict, target, head_dir) -> None:
+def check_fingerprint(expected, target, config_path) -> None:
+    if not isinstance(expected, dict) or not isinstance(expected.get("shape"), dict) \
+            or not isinstance(expected.get("probe"), list):
+        raise HeadMismatch(f"{config_path}: 'fingerprint' must hold a 'shape' object and a 'probe' list")
     actual = fingerprint(target)
     if actual["shape"] != expected["shape"]:
-        raise HeadMismatch(f"the draft head in {head_dir} was trained for another model "
+        raise HeadMismatch(f"the draft head {config_path} was trained for another model "
                            f"({expected['shape']}, the target is {actual['shape']})")
-    ours, theirs = np.array(actual["probe"]), np.array(expected["probe"])
+    ours = np.array(actual["probe"])
+    try:
+        theirs = np.array(expected["probe"], dtype=np.float64)
+    except (TypeError, ValueError):
+        theirs = None
+    if theirs is None or theirs.shape != ours.shape:
+        raise HeadMismatch(f"{config_path}: 'fingerprint' has a probe of another length (a damaged config)")
     if not np.allclose(ours, theirs, rtol=FINGERPRINT_TOLERANCE, atol=FINGERPRINT_TOLERANCE * 1e-2):
-        raise HeadMismatch(f"the draft head in {head_dir} was trained for another model "
+        raise HeadMismatch(f"the draft head {config_path} was trained for another model "
                            "(same shape, different weights)")
 
 
@@ -200,28 +185,63 @@ def save_head(head_dir, head: DraftHead, vocab_ids: mx.array, target, training: 
     (head_dir / "model.tmp.safetensors").replace(head_dir / "model.safetensors")
     config = {"target_args": {k: v for k, v in vars(target.args).items() if not k.startswith("_")},
               "fingerprint": fingerprint(target), "sub_vocab_size": int(vocab_ids.size),
-              "feature_layers": head.feature_layers, "num_layers": head.num_layers,
+              "feature_layers": head.feature_layers, "num_layers": 1,
               "training": training or {}}
     (head_dir / "config.tmp.json").write_text(json.dumps(config, indent=1, default=str))
     (head_dir / "config.tmp.json").replace(head_dir / "config.json")
 
 
+def read_config(config_path) -> dict:
+    """The JSON object in ``config_path``, or one line naming the file (``HeadMismatch``)."""
+    try:
+        config = json.loads(Path(config_path).read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise HeadMismatch(f"{config_path} is not valid JSON ({error})") from None
+    if not isinstance(config, dict):
+        raise HeadMismatch(f"{config_path} is not a JSON object")
+    return config
+
+
 def load_head(head_dir, target, dtype=None):
-    """Returns ``(head, vocab_ids)``; refuses a head trained for another target (``HeadMismatch``)."""
+    """Returns ``(head, vocab_ids)`` for a head written by ``save_head`` or in a published EAGLE
+    layout (speculative/eagle.py). A damaged head, or one for another target, is refused in one
+    line that names the file (``HeadMismatch``)."""
+    from speculative.eagle import load_eagle_head, published_layout
+
     head_dir = Path(head_dir or SHIPPED_HEAD)
     config_path, weights_path = head_dir / "config.json", head_dir / "model.safetensors"
-    if not config_path.is_file() or not weights_path.is_file():
-        raise HeadMismatch(f"{head_dir} is not a draft head directory (needs config.json and model.safetensors)")
     if not hasattr(target, "args") or not hasattr(target, "model"):
         raise HeadMismatch("a draft head needs a decoder-only mlx-lm target model")
-    config = json.loads(config_path.read_text())
-    check_fingerprint(config["fingerprint"], target, head_dir)
-    check_layers_exposed(target, config.get("feature_layers", [FINAL]))
-    weights = mx.load(str(weights_path))
-    head = DraftHead(head_args(target.args), config.get("feature_layers", [FINAL]), config.get("num_layers", 1))
-    head.load_weights([(k[len("head."):], v) for k, v in weights.items() if k.startswith("head.")], strict=True)
+    if not config_path.is_file():
+        raise HeadMismatch(f"{head_dir} is not a draft head directory (needs config.json and model.safetensors)")
+    config = read_config(config_path)
+    if published_layout(config):
+        return load_eagle_head(head_dir, config, target, dtype)
+    if not weights_path.is_file():
+        raise HeadMismatch(f"{head_dir} is not a draft head directory (needs config.json and model.safetensors)")
+    if "fingerprint" not in config:
+        raise HeadMismatch(f"{config_path} has no 'fingerprint' (neither written by train_head nor a published "
+                           "EAGLE config)")
+    # Heads that fused several layers or stacked decoder layers measured worse and were dropped.
+    if config.get("feature_layers", [FINAL]) != [FINAL] or config.get("num_layers", 1) != 1:
+        raise HeadMismatch(f"{config_path}: feature_layers {config.get('feature_layers')} with num_layers "
+                           f"{config.get('num_layers')} is not a head this version reads (only [-1] with 1)")
+    check_fingerprint(config["fingerprint"], target, config_path)
+    try:
+        weights = mx.load(str(weights_path))
+    except (RuntimeError, ValueError, OSError) as error:  # a truncated or foreign file
+        raise HeadMismatch(f"{weights_path} cannot be read ({str(error).splitlines()[0]})") from None
+    vocab_ids = weights.pop("vocab_ids", None)
+    vocab_size = target.args.vocab_size
+    if vocab_ids is None or vocab_ids.ndim != 1 or vocab_ids.size == 0 or vocab_ids.min().item() < 0 \
+            or vocab_ids.max().item() >= vocab_size:
+        raise HeadMismatch(f"{weights_path} has no valid 'vocab_ids' (token ids below {vocab_size})")
+    head = DraftHead(head_args(target.args))
+    try:
+        head.load_weights([(k.removeprefix("head."), v) for k, v in weights.items()], strict=True)
+    except ValueError as error:  # missing, extra or misshapen weights
+        raise HeadMismatch(f"{weights_path} does not match {config_path} ({str(error).splitlines()[0]})") from None
     # Compute in the target's dtype: float32 on a CPU, float16 on Apple GPUs.
-    dtype = dtype or output_weight(target).dtype
-    head.set_dtype(dtype)
+    head.set_dtype(dtype or target.model.norm.weight.dtype)
     mx.eval(head.parameters())
-    return head, weights["vocab_ids"]
+    return head, vocab_ids.astype(mx.int32)

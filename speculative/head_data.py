@@ -3,8 +3,7 @@
 ``generate_dataset`` answers instructions in batches (``answer_with_features`` keeps the final
 hidden states from the generating passes) and saves each batch under a name hashed from its
 prompts, so a stopped run resumes and a changed instruction list never reads a stale batch.
-Heads that fuse several layers get them from one teacher-forced pass per batch
-(``layer_features``). ``sub_vocabulary`` ranks the answers' tokens for FR-Spec.
+``sub_vocabulary`` ranks the answers' tokens for FR-Spec.
 """
 
 import hashlib
@@ -17,8 +16,7 @@ import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 from tqdm import tqdm
 
-from cli import CliError
-from speculative.head import FINAL, body_with_features, logits_from_hidden
+from speculative.head import logits_from_hidden
 
 
 def answer_with_features(model, prompts: list, max_tokens: int, eos_ids) -> list:
@@ -51,22 +49,11 @@ def answer_with_features(model, prompts: list, max_tokens: int, eos_ids) -> list
     return out
 
 
-def layer_features(model, sequences: list, feature_layers) -> np.ndarray:
-    """(positions, k * d) float16 features of ``feature_layers`` for a batch of ``sequences``, from
-    one teacher-forced pass (padded on the right: causal attention keeps padding out of real rows)."""
-    tokens = np.zeros((len(sequences), max(len(s["tokens"]) for s in sequences)), np.int32)
-    for row, s in enumerate(sequences):
-        tokens[row, : len(s["tokens"])] = s["tokens"]
-    _, features = body_with_features(model, mx.array(tokens), feature_layers)
-    features = np.array(mx.clip(features, -60000, 60000).astype(mx.float16))  # float16's range
-    return np.concatenate([features[row, : len(s["tokens"])] for row, s in enumerate(sequences)])
-
-
 def generate_dataset(model, prompts: list, work: Path, max_tokens: int, batch_size: int, eos_ids,
-                     minutes: float, feature_layers=(FINAL,)) -> tuple:
+                     minutes: float) -> tuple:
     """Answer ``prompts`` in batches of equal prompt length, each saved to ``work`` as it is done
     (a rerun resumes); starts no new batch after ``minutes``. Returns (sequences, final hidden
-    states, the head's input features: the same array unless ``feature_layers`` fuses several)."""
+    states); ``([], None)`` when nothing is cached and no time is given."""
     by_length = {}
     for prompt in prompts:
         by_length.setdefault(len(prompt), []).append(prompt)
@@ -76,10 +63,9 @@ def generate_dataset(model, prompts: list, work: Path, max_tokens: int, batch_si
     paths = [work / f"batch-{hashlib.sha256(json.dumps([batch, max_tokens]).encode()).hexdigest()[:16]}.npz"
              for batch in batches]
     if minutes <= 0 and not any(path.exists() for path in paths):
-        return [], None, None  # nothing cached, no time to generate
+        return [], None  # nothing cached, no time to generate
     tic = time.perf_counter()
-    sequences, features, inputs = [], [], []
-    fused = list(feature_layers) != [FINAL]
+    sequences, features = [], []
     for batch, path in tqdm(list(zip(batches, paths)), desc="generate", unit="batch"):
         if not path.exists():
             if time.perf_counter() - tic > 60 * minutes:
@@ -92,26 +78,19 @@ def generate_dataset(model, prompts: list, work: Path, max_tokens: int, batch_si
         answered = json.loads(str(saved["sequences"]))
         sequences += answered
         features.append(saved["features"])
-        if fused:
-            layers_path = path.with_name(f"{path.stem}-layers{'_'.join(map(str, feature_layers))}.npy")
-            if not layers_path.exists():
-                np.save(layers_path.with_suffix(".tmp.npy"), layer_features(model, answered, feature_layers))
-                layers_path.with_suffix(".tmp.npy").replace(layers_path)
-            inputs.append(np.load(layers_path))
     if not sequences:  # out of time before the first batch
-        return [], None, None
-    features = np.concatenate(features)
-    return sequences, features, (np.concatenate(inputs) if fused else features)
+        return [], None
+    return sequences, np.concatenate(features)
 
 
 def training_data(target, tokenizer, work: Path, sources, num_instructions: int, seed: int, max_tokens: int,
-                  batch_size: int, minutes: float, feature_layers=(FINAL,)) -> tuple:
+                  batch_size: int, minutes: float) -> tuple:
     """Instructions of each source (``self``, ``templates``) and the target's answers, one source
     after the other, each cached in ``work/<source>-seed<seed>``; starts no new batch after
-    ``minutes`` (instructions included). Returns (sequences, final hidden states, the head's input
-    features, {source: instructions})."""
+    ``minutes`` (instructions included). Returns (sequences, final hidden states,
+    {source: instructions}); no sequences when nothing is cached and no time was left."""
     eos_ids = set(tokenizer.eos_token_ids)
-    sequences, features, inputs, texts, tic = [], [], [], {}, time.perf_counter()
+    sequences, features, texts, tic = [], [], {}, time.perf_counter()
     for source in sources:
         source_dir = work / f"{source}-seed{seed}"
         source_dir.mkdir(parents=True, exist_ok=True)
@@ -120,18 +99,12 @@ def training_data(target, tokenizer, work: Path, sources, num_instructions: int,
         prompts = [tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
                    for text in texts[source]]
         minutes_left = minutes - (time.perf_counter() - tic) / 60
-        answered, answered_features, answered_inputs = generate_dataset(
-            target, prompts, source_dir, max_tokens, batch_size, eos_ids, minutes_left, feature_layers)
+        answered, answered_features = generate_dataset(target, prompts, source_dir, max_tokens, batch_size, eos_ids,
+                                                       minutes_left)
         if answered:
             sequences += answered
             features.append(answered_features)
-            inputs.append(answered_inputs)
-    if not sequences:
-        raise CliError(f"no answers to train on: none is cached in {work} and no time was left to generate "
-                       "(raise --generate-minutes)")
-    features = np.concatenate(features)
-    inputs = np.concatenate(inputs) if list(feature_layers) != [FINAL] else features
-    return sequences, features, inputs, texts
+    return sequences, (np.concatenate(features) if features else None), texts
 
 
 def cached_instructions(path: Path, source: str, target, tokenizer, count: int, seed: int) -> list:

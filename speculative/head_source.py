@@ -12,13 +12,22 @@ draft source.
 from typing import Optional
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 from mlx_lm.models.cache import trim_prompt_cache
 
 from decoder import Draft, sampling_probs
 from speculative.adaptive import AdaptiveLength
-from speculative.head import FINAL, body_with_features, load_head, logits_from_hidden, output_weight
+from speculative.head import FINAL, body_with_features, load_head, logits_from_hidden, output_layer, output_weight
 
 CATCH_UP_CHUNK = 512  # positions per head call when reading a prompt (as the target's prefill)
+
+
+def weight_bytes(model) -> int:
+    """Bytes of weights one call of ``model`` reads (a sharded target counts as a whole)."""
+    leaves = [value for _, value in tree_flatten(model.parameters())]
+    nbytes = sum(value.nbytes for value in leaves)
+    whole = getattr(model, "num_parameters", None)  # set by distributed/sharding.py: the whole model's count
+    return nbytes * whole // max(sum(value.size for value in leaves), 1) if whole else nbytes
 
 
 class HiddenStateTap:
@@ -91,7 +100,11 @@ class DraftHeadSource:
         self.vocab_list = vocab_ids.tolist()
         self.vocab_size = tap.target.args.vocab_size
         self.embed = tap.target.model.embed_tokens
-        self.out_rows = mx.take(output_weight(tap.target), vocab_ids, axis=0)
+        # Scores: the head's own output layer (EAGLE-3), the target's LM head itself for the whole
+        # vocabulary (EAGLE-1: no copy of a quantized matrix), else the target's sub-vocabulary rows.
+        whole = vocab_ids.size == self.vocab_size and mx.array_equal(vocab_ids, mx.arange(self.vocab_size)).item()
+        self.out_rows = None if hasattr(head, "logits") or whole else \
+            mx.take(output_weight(tap.target), vocab_ids, axis=0)
         self.temp, self.top_p = temp, top_p
         self.length = AdaptiveLength(num_draft, max_draft, draft_token_cost, enabled=adaptive)
         self.min_confidence = min_confidence
@@ -108,14 +121,19 @@ class DraftHeadSource:
 
     @classmethod
     def create(cls, target, head_dir=None, **kwargs):
-        """Load a head for ``target``; returns ``(tap, source)``: run the loop on ``tap``."""
-        from speculative.draft_model import parameter_count
-
+        """Load a head for ``target`` (ours or a published EAGLE head, see ``load_head``);
+        returns ``(tap, source)``: run the loop on ``tap``."""
         head, vocab_ids = load_head(head_dir, target)
         tap = HiddenStateTap(target, head.feature_layers)
-        # A draft step reads the head and its output rows; a verified token costs ~0.09 of a step.
-        read = parameter_count(head) + vocab_ids.size * target.args.hidden_size
-        kwargs.setdefault("draft_token_cost", read / parameter_count(target) + 0.09)
+        # A draft step reads the head and the output rows it scores with; a verified token costs
+        # ~0.09 of a target step. Counted in bytes: a 4-bit target reads far less than its count says.
+        if hasattr(head, "logits"):  # EAGLE-3: its output layer is one of its own weights
+            rows = 0
+        elif vocab_ids.size == target.args.vocab_size:  # the target's whole output layer (EAGLE-1)
+            rows = weight_bytes(output_layer(target))
+        else:
+            rows = vocab_ids.size * target.args.hidden_size * target.model.norm.weight.dtype.size
+        kwargs.setdefault("draft_token_cost", (weight_bytes(head) + rows) / weight_bytes(target) + 0.09)
         return tap, cls(tap, head, vocab_ids, **kwargs)
 
     @property
@@ -144,10 +162,17 @@ class DraftHeadSource:
         self.committed = stop
         return predicted[0, -1]
 
+    def _logits(self, predicted: mx.array) -> mx.array:
+        if hasattr(self.head, "logits"):
+            return self.head.logits(predicted)
+        if self.out_rows is None:
+            return logits_from_hidden(self.tap.target, predicted[None])[0]
+        return predicted @ self.out_rows.T
+
     def _distribution(self, predicted: mx.array) -> mx.array:
         """Scores over the sub-vocabulary: q when sampling; when greedy, the softmax only if the
         confidence stop needs it (the logits have the same argmax)."""
-        logits = predicted @ self.out_rows.T
+        logits = self._logits(predicted)
         if self.temp > 0:
             return sampling_probs(logits[None], self.temp, self.top_p)[0]
         confidence_needed = self.min_confidence > 0 or self.min_path_confidence > 0

@@ -7,12 +7,15 @@ stages 1-2 are in head_data.py):
 1. instructions: written by the target itself from its chat template, and from templates
    (speculative/instructions.py);
 2. generate: the target answers them greedily, in batches of equal-length prompts; the same
-   forward passes collect its final hidden states (a second pass would double the cost). A head
-   that fuses several layers gets their outputs from one more, teacher-forced, pass per batch;
+   forward passes collect its final hidden states (a second pass would double the cost);
 3. train: feature regression (smooth L1) + cross-entropy on the target's next token within a
    frequency-ranked sub-vocabulary; input features get noise. The first half trains draft
    depth 1 alone (cheap, and it decides most acceptance); then unrolled steps feed the head
    its own predictions while attending as drafting does (``unrolled_predictions``).
+
+Heads that fused several target layers (EAGLE-3's low/middle/top) or stacked two decoder layers
+trained worse here (speculative/README.md) and were dropped; published EAGLE-3 heads still load
+(speculative/eagle.py).
 """
 
 import json
@@ -32,7 +35,7 @@ import numpy as np
 from tqdm import tqdm
 
 from cli import CliError, Parser, check_finite
-from speculative.head import FINAL, DraftHead, HeadMismatch, head_args, load_head, output_weight, save_head
+from speculative.head import DraftHead, HeadMismatch, head_args, load_head, output_weight, save_head
 from speculative.head_data import sub_vocabulary, training_data
 
 
@@ -51,26 +54,23 @@ def make_batches(sequences: list, batch_tokens: int, rng) -> list:
     return batches
 
 
-def batch_arrays(sequences, features, inputs, offsets, batch, sub_index):
-    """Padded (B, L) tokens, (B, L, k * d) input features, (B, L, d) final hidden states, and loss
-    masks for one batch."""
+def batch_arrays(sequences, features, offsets, batch, sub_index):
+    """Padded (B, L) tokens, (B, L, d) final hidden states, and loss masks for one batch."""
     length = max(len(sequences[i]["tokens"]) for i in batch)
     length = 32 * math.ceil(length / 32)  # few distinct shapes
     tokens = np.zeros((len(batch), length), np.int32)
     feats = np.zeros((len(batch), length, features.shape[1]), np.float16)
-    ins = feats if inputs is features else np.zeros((len(batch), length, inputs.shape[1]), np.float16)
     answer = np.zeros((len(batch), length), bool)
     valid = np.zeros((len(batch), length), bool)
     for row, i in enumerate(batch):
         seq = sequences[i]["tokens"]
         tokens[row, : len(seq)] = seq
         feats[row, : len(seq)] = features[offsets[i] : offsets[i + 1]]
-        ins[row, : len(seq)] = inputs[offsets[i] : offsets[i + 1]]
         valid[row, : len(seq)] = True
         answer[row, sequences[i]["prompt_length"] : len(seq)] = True
     labels = sub_index[tokens]
-    return (mx.array(tokens), mx.array(ins).astype(mx.float32), mx.array(feats).astype(mx.float32),
-            mx.array(valid), mx.array(answer), mx.array(labels))
+    return (mx.array(tokens), mx.array(feats).astype(mx.float32), mx.array(valid), mx.array(answer),
+            mx.array(labels))
 
 
 class UnrolledCache:
@@ -104,11 +104,11 @@ def unrolled_mask(length: int, step: int) -> mx.array:
 def unrolled_predictions(head, features, embeddings, steps: int) -> list:
     """The head's predicted features for draft steps 1..``steps`` at every position at once.
 
-    ``features`` (B, L, k * d) are the target's features at t and ``embeddings`` (B, L, d) those
+    ``features`` (B, L, d) are the target's features at t and ``embeddings`` (B, L, d) those
     of x_t. Step s returns (B, L - s, d): row t is h_{t+s} as the head predicts it when drafting
     its s-th token after position t (the target's features up to t, its own predictions after).
     """
-    caches, inputs, out = [UnrolledCache() for _ in range(head.num_layers)], features[:, :-1], []
+    caches, inputs, out = [UnrolledCache()], features[:, :-1], []
     for step in range(1, steps + 1):
         for cache in caches:
             cache.offset = step - 1
@@ -118,13 +118,13 @@ def unrolled_predictions(head, features, embeddings, steps: int) -> list:
     return out
 
 
-def head_losses(head, embed, out_rows, tokens, inputs, feats, valid, answer, labels, unroll, noise):
+def head_losses(head, embed, out_rows, tokens, feats, valid, answer, labels, unroll, noise):
     """Regression and token losses (and token accuracy) averaged over ``unroll`` steps.
 
     Step s predicts h_{t+s} and, through its scores, x_{t+s+1} (the target's greedy choice
     inside answers); input features get noise, as drafting's own predictions are never exact.
     """
-    inputs = inputs + noise * mx.random.normal(inputs.shape) if noise > 0 else inputs
+    inputs = feats + noise * mx.random.normal(feats.shape) if noise > 0 else feats
     total_reg = total_ce = total_acc = 0.0
     for shift, pred in enumerate(unrolled_predictions(head, inputs, embed(tokens), unroll), start=1):
         reg_mask = valid[:, shift:]
@@ -141,17 +141,16 @@ def head_losses(head, embed, out_rows, tokens, inputs, feats, valid, answer, lab
     return total_reg / unroll, total_ce / unroll, total_acc / unroll
 
 
-def train(target, sequences, features, offsets, vocab_ids, *, inputs=None, feature_layers=(FINAL,), head_layers=1,
-          steps_limit=None, minutes=20.0, epochs=4, batch_tokens=2048, lr=1e-3, unroll=3, depth1_fraction=0.0,
+def train(target, sequences, features, offsets, vocab_ids, *, steps_limit=None, minutes=20.0, epochs=4,
+          batch_tokens=2048, lr=1e-3, unroll=3, depth1_fraction=0.0,
           noise=0.05, token_weight=0.5, seed=0, validation=0.05, init=None, log=print):
     """Train a head (fresh, or ``init`` further); returns ``(head, report)``. Stops after ``epochs``,
-    ``steps_limit`` or ``minutes``. ``inputs`` are the features of ``feature_layers`` (default: the
-    final hidden states ``features``). The first ``depth1_fraction`` of training (by steps or time,
+    ``steps_limit`` or ``minutes``; ``features`` are the target's final hidden states, row by row
+    of ``sequences`` (``offsets``). The first ``depth1_fraction`` of training (by steps or time,
     whichever is further along) trains draft depth 1 only, then ``unroll`` steps."""
     mx.random.seed(seed)
     rng = np.random.default_rng(seed)
-    inputs = features if inputs is None else inputs
-    head = init if init is not None else DraftHead(head_args(target.args), feature_layers, head_layers)
+    head = init if init is not None else DraftHead(head_args(target.args))
     embed = target.model.embed_tokens
     out_rows = mx.take(output_weight(target), mx.array(vocab_ids), axis=0).astype(mx.float32)
     sub_index = np.full(target.args.vocab_size, -1, np.int32)
@@ -177,7 +176,7 @@ def train(target, sequences, features, offsets, vocab_ids, *, inputs=None, featu
     step = 0
     while step < total_steps and time.perf_counter() - tic < 60 * minutes:
         batch = batches[step % len(batches)]
-        arrays = batch_arrays(sequences, features, inputs, offsets, [train_ids[i] for i in batch], sub_index)
+        arrays = batch_arrays(sequences, features, offsets, [train_ids[i] for i in batch], sub_index)
         progress = max(step / total_steps, (time.perf_counter() - tic) / (60 * minutes))
         optimizer.learning_rate = learning_rate(step, progress)
         # Depth 1 first: it learns ~3x faster per second unrolled alone, and decides most acceptance.
@@ -195,19 +194,19 @@ def train(target, sequences, features, offsets, vocab_ids, *, inputs=None, featu
     bar.close()
     report = {"steps": step, "first_loss": first_loss, "last_loss": loss.item(),
               "minutes": round((time.perf_counter() - tic) / 60, 2),
-              "held_out": evaluate(head, embed, out_rows, sequences, features, inputs, offsets,
-                                   sorted(held_out), sub_index)}
+              "held_out": evaluate(head, embed, out_rows, sequences, features, offsets, sorted(held_out),
+                                   sub_index)}
     log(f"trained {step} steps: {json.dumps(report)}")
     return head, report
 
 
-def evaluate(head, embed, out_rows, sequences, features, inputs, offsets, indices, sub_index) -> dict:
+def evaluate(head, embed, out_rows, sequences, features, offsets, indices, sub_index) -> dict:
     """Held-out token accuracy at draft depth 1 and 2 (an acceptance estimate), no noise."""
     accuracy = {}
     for unroll in (1, 2):
         hits = count = 0.0
         for start in range(0, len(indices), 8):
-            arrays = batch_arrays(sequences, features, inputs, offsets, indices[start : start + 8], sub_index)
+            arrays = batch_arrays(sequences, features, offsets, indices[start : start + 8], sub_index)
             _, _, acc = head_losses(head, embed, out_rows, *arrays, unroll=unroll, noise=0.0)
             hits += acc.item()
             count += 1
@@ -218,8 +217,12 @@ def evaluate(head, embed, out_rows, sequences, features, inputs, offsets, indice
 def main():
     parser = Parser(description="Train a draft head for a target model by self-distillation.")
     parser.add_argument("--model", default=None, help="Target model (default: the embedded SmolLM2-135M-Instruct).")
-    parser.add_argument("--out", default="speculative/heads/smollm2-135m", help="Head directory to write.")
-    parser.add_argument("--work-dir", default=None, help="Cache of the generated data (default: ~/.cache/mlx-decoding/draft-head-data).")
+    parser.add_argument("--out", default=None,
+                        help="Head directory to write (default: speculative/heads/smollm2-135m for the embedded "
+                             "model, else speculative/heads/<the model's name>).")
+    parser.add_argument("--work-dir", default=None,
+                        help="Cache of the generated data (default: ~/.cache/mlx-decoding/draft-head-data, "
+                             "in a subdirectory named after --model when given).")
     parser.add_argument("--instructions", nargs="+", choices=["self", "templates"],
                         default=["self", "templates"],
                         help="Where instructions come from: written by the target itself, or topic templates; "
@@ -230,10 +233,6 @@ def main():
     parser.add_argument("--generate-minutes", type=float, default=45.0,
                         help="Start no new batch after this long (instructions included) and train on what is "
                              "done (default: 45; ~20 minutes are enough on 2 idle cores).")
-    parser.add_argument("--feature-layers", type=int, nargs="+", default=[FINAL],
-                        help="Target layers the head reads, ascending: -1 is the last hidden state (after the "
-                             "final norm); several are fused, e.g. 1 14 -1 for low, middle and top (default: -1).")
-    parser.add_argument("--head-layers", type=int, default=1, help="Decoder layers in the head (default: 1).")
     parser.add_argument("--sub-vocab", type=int, default=8192, help="Sub-vocabulary size (default: 8192).")
     parser.add_argument("--epochs", type=int, default=10, help="Passes over the data at most (default: 10).")
     parser.add_argument("--minutes", type=float, default=30.0, help="Stop training after this long (default: 30).")
@@ -247,6 +246,8 @@ def main():
     parser.add_argument("--init", default=None, help="Continue training this head directory (default: a fresh head).")
     parser.add_argument("--seed", type=int, default=0, help="Seed for the instructions and training (default: 0).")
     args = parser.parse_args()
+    if args.out is None:  # never the shipped head's directory for another model
+        args.out = str(Path(__file__).parent / "heads" / model_name(args.model))
     try:
         check_arguments(args)
         run(args)
@@ -254,19 +255,19 @@ def main():
         sys.exit(f"error: {error}")
 
 
+def model_name(model) -> str:
+    """``smollm2-135m`` for the embedded model, else the last part of its path or repo id."""
+    return "smollm2-135m" if model is None else Path(model.rstrip("/")).name.lower()
+
+
 def check_arguments(args):
     """Refuse values that would fail only after minutes of generation (one line each)."""
     check_finite(args)
-    for name in ("num_instructions", "max_tokens", "batch_size", "sub_vocab", "epochs", "unroll", "head_layers"):
+    for name in ("num_instructions", "max_tokens", "batch_size", "sub_vocab", "epochs", "unroll"):
         if getattr(args, name) < 1:
             raise CliError(f"--{name.replace('_', '-')} must be at least 1, not {getattr(args, name)}")
     if args.generate_minutes < 0 or args.minutes <= 0 or not 0 <= args.depth1_fraction <= 1:
         raise CliError("--generate-minutes must be >= 0, --minutes > 0 and --depth1-fraction within 0 to 1")
-    layers, inner = args.feature_layers, [i for i in args.feature_layers if i != FINAL]
-    if layers != [FINAL] and (len(layers) < 2 or min(layers) < FINAL or inner != sorted(set(inner))
-                              or FINAL in layers[:-1]):
-        raise CliError(f"--feature-layers must be -1, or two or more distinct layers in ascending order "
-                       f"(-1, if given, last), not {' '.join(map(str, layers))}")
 
 
 def run(args):
@@ -275,23 +276,24 @@ def run(args):
     init = None
     if args.init:  # before generating, so a wrong head directory costs seconds, not an hour
         init, init_ids = load_head(args.init, target)
-        args.feature_layers, args.head_layers = init.feature_layers, init.num_layers
-    if max(args.feature_layers) >= target.args.num_hidden_layers:
-        raise CliError(f"--feature-layers: the target has layers 0 to {target.args.num_hidden_layers - 1}")
-    work = Path(args.work_dir) if args.work_dir else cache_dir() / "draft-head-data"
+        if not isinstance(init, DraftHead):
+            raise CliError(f"--init {args.init}: a published EAGLE head cannot be trained further here")
+    # Another model's answers and self-written instructions are its own: a directory per model.
+    work = Path(args.work_dir) if args.work_dir else cache_dir() / "draft-head-data" / (
+        "" if args.model is None else model_name(args.model))
     eos_ids = set(tokenizer.eos_token_ids)
-    sequences, features, inputs, texts = training_data(
-        target, tokenizer, work, args.instructions, args.num_instructions, args.seed, args.max_tokens,
-        args.batch_size, args.generate_minutes, args.feature_layers)
+    sequences, features, texts = training_data(target, tokenizer, work, args.instructions, args.num_instructions,
+                                               args.seed, args.max_tokens, args.batch_size, args.generate_minutes)
+    if not sequences:
+        raise CliError(f"no answers to train on: none is cached in {work} and no time was left to generate "
+                       "(raise --generate-minutes)")
     self_written = texts.get("self")
     offsets = np.cumsum([0] + [len(s["tokens"]) for s in sequences])
     print(f"{len(sequences)} answers, {features.shape[0]} positions")
     vocab_ids = sub_vocabulary(sequences, args.sub_vocab, eos_ids, target.args.vocab_size)
     if init is not None:
         vocab_ids = np.array(init_ids)  # the head's scores are tied to its sub-vocabulary
-    head, report = train(target, sequences, features, offsets, vocab_ids, inputs=inputs,
-                         feature_layers=args.feature_layers, head_layers=args.head_layers, minutes=args.minutes,
-                         epochs=args.epochs,
+    head, report = train(target, sequences, features, offsets, vocab_ids, minutes=args.minutes, epochs=args.epochs,
                          lr=args.lr, unroll=args.unroll, depth1_fraction=args.depth1_fraction, noise=args.noise,
                          token_weight=args.token_weight, seed=args.seed, init=init)
     report.update(vars(args), answer_tokens=int(sum(len(s["tokens"]) - s["prompt_length"] for s in sequences)))

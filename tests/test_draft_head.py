@@ -13,7 +13,7 @@ from decoder import DecodingStats, generate_step
 from speculative.head import (FINAL, SHIPPED_HEAD, DraftHead, HeadMismatch, body_with_features, head_args, load_head,
                               save_head)
 from speculative.head_source import DraftHeadSource, HiddenStateTap
-from speculative.head_data import answer_with_features, layer_features, sub_vocabulary
+from speculative.head_data import answer_with_features, sub_vocabulary
 from speculative.train_head import train, unrolled_predictions
 from tests.helpers import assert_sampling_keeps_the_target_distribution, tiny_llama
 from tests.test_cli import assert_one_line_error, cli
@@ -24,31 +24,53 @@ SUB_VOCAB = mx.arange(0, VOCAB, 2)  # half the vocabulary: some target tokens ca
 FUSED = [0, 1, FINAL]  # the tiny target's low and middle layers, and its last hidden state
 
 
-def random_head(target, seed, feature_layers=(FINAL,), num_layers=1):
+def random_head(target, seed):
     mx.random.seed(seed)
-    head = DraftHead(head_args(target.args), feature_layers, num_layers)
+    head = DraftHead(head_args(target.args))
     mx.eval(head.parameters())
     return head
 
 
-@pytest.fixture(scope="module", params=[[FINAL], FUSED], ids=["last", "fused"])
-def trained(request):
-    """A head trained for a few steps on the tiny target's own greedy text, and its report
-    (the fused head has two decoder layers)."""
-    prompts = np.random.default_rng(0).integers(0, VOCAB, size=(24, 4)).tolist()
-    answered = answer_with_features(TARGET, prompts, max_tokens=24, eos_ids={0})
+def train_on_own_text(target, vocab_size):
+    """A head trained for a few steps on ``target``'s own greedy text; returns (head, vocab_ids, report)."""
+    prompts = np.random.default_rng(0).integers(0, vocab_size, size=(24, 4)).tolist()
+    answered = answer_with_features(target, prompts, max_tokens=24, eos_ids={0})
     sequences = [s for s, _ in answered]
     for sequence, prompt in zip(sequences, prompts):  # the batched answers are plain greedy decoding
-        assert sequence["tokens"][4:] == tokens_of(prompt, TARGET, max_tokens=24)[: len(sequence["tokens"]) - 4]
+        assert sequence["tokens"][4:] == tokens_of(prompt, target, max_tokens=24)[: len(sequence["tokens"]) - 4]
     features = np.concatenate([f for _, f in answered])
     offsets = np.cumsum([0] + [len(s["tokens"]) for s in sequences])
-    vocab_ids = sub_vocabulary(sequences, 48, eos_ids={0}, vocab_size=VOCAB)
-    inputs = layer_features(TARGET, sequences, request.param)
-    head, report = train(TARGET, sequences, features, offsets, vocab_ids, inputs=inputs, feature_layers=request.param,
-                         head_layers=2 if request.param == FUSED else 1,
-                         steps_limit=60, epochs=60, lr=3e-3, depth1_fraction=0.5, batch_tokens=4096,
-                         log=lambda *_: None)
+    vocab_ids = sub_vocabulary(sequences, 48, eos_ids={0}, vocab_size=vocab_size)
+    head, report = train(target, sequences, features, offsets, vocab_ids, steps_limit=60, epochs=60, lr=3e-3,
+                         depth1_fraction=0.5, batch_tokens=4096, log=lambda *_: None)
     return head, mx.array(vocab_ids), report
+
+
+@pytest.fixture(scope="module")
+def trained():
+    """A head trained for a few steps on the tiny target's own greedy text, and its report."""
+    return train_on_own_text(TARGET, VOCAB)
+
+
+def test_a_head_trains_for_a_qwen2_target(tmp_path):
+    # The trainer and the head only use what mlx-lm's Llama-family models share (``model.layers``,
+    # ``embed_tokens``, ``norm``, tied or untied output), so a second architecture trains as is.
+    from mlx_lm.models import qwen2
+
+    mx.random.seed(1)
+    target = qwen2.Model(qwen2.ModelArgs(model_type="qwen2", hidden_size=32, num_hidden_layers=2,
+                                         intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                         rms_norm_eps=1e-6, vocab_size=VOCAB, tie_word_embeddings=True))
+    target.model.embed_tokens.weight = target.model.embed_tokens.weight * 4  # sharper than flat (tied)
+    mx.eval(target.parameters())
+    head, vocab_ids, report = train_on_own_text(target, VOCAB)
+    assert report["last_loss"] < 0.8 * report["first_loss"], report
+    save_head(tmp_path / "head", head, vocab_ids, target)
+    stats = DecodingStats()
+    for prompt in ([5, 6, 7, 8], [1, 2]):
+        tap, source = DraftHeadSource.create(target, tmp_path / "head", num_draft=3, adaptive=False)
+        assert tokens_of(prompt, tap, [source], max_tokens=30, stats=stats) == tokens_of(prompt, target, max_tokens=30)
+    assert stats.draft_accepted > 0
 
 
 def test_body_with_features_reads_the_layers_and_puts_them_back():
@@ -75,26 +97,21 @@ def test_a_fused_head_is_refused_where_only_the_last_hidden_states_are_shared():
         body_with_features(Target(), mx.array([[1, 2]]), FUSED)
 
 
-def test_a_fused_head_is_refused_on_a_sharded_target_when_it_loads(trained, tmp_path):
+def test_our_head_loads_on_a_sharded_target(trained, tmp_path):
     from distributed.sharding import ShardedBody
 
     head, vocab_ids, _ = trained
     save_head(tmp_path / "head", head, vocab_ids, TARGET)
     sharded = tiny_llama(vocab_size=VOCAB, num_layers=3, seed=0)
     sharded.model = ShardedBody(sharded.model, group=None)
-    if head.feature_layers == [FINAL]:
-        load_head(tmp_path / "head", sharded)  # the last hidden states are what a sharded body shares
-    else:
-        with pytest.raises(HeadMismatch, match="sharded target"):
-            load_head(tmp_path / "head", sharded)
+    load_head(tmp_path / "head", sharded)  # the last hidden states are what a sharded body shares
 
 
-@pytest.mark.parametrize("feature_layers,num_layers", [([FINAL], 1), (FUSED, 1), ([FINAL], 2)])
-def test_unrolled_training_steps_see_what_drafting_sees(feature_layers, num_layers):
+def test_unrolled_training_steps_see_what_drafting_sees():
     # Step s of training must compute, for every position t at once, what the head computes
     # when it drafts its s-th token after t with a real KV cache (true features up to t).
-    head, length, steps = random_head(TARGET, seed=3, feature_layers=feature_layers, num_layers=num_layers), 12, 3
-    features = mx.random.normal((1, length, len(feature_layers) * TARGET.args.hidden_size))
+    head, length, steps = random_head(TARGET, seed=3), 12, 3
+    features = mx.random.normal((1, length, TARGET.args.hidden_size))
     embeddings = TARGET.model.embed_tokens(mx.random.randint(0, VOCAB, (1, length)))
     unrolled = unrolled_predictions(head, features, embeddings, steps)
     for t in range(length - steps):
@@ -119,7 +136,7 @@ def test_greedy_output_with_the_head_equals_plain(trained, prompt, num_draft, ad
     from prompt_lookup import PromptLookupSource
 
     reference = tokens_of(prompt, TARGET, max_tokens=max_tokens)
-    for head, vocab_ids in ((trained[0], trained[1]), (random_head(TARGET, 7, num_layers=2), SUB_VOCAB)):
+    for head, vocab_ids in ((trained[0], trained[1]), (random_head(TARGET, 7), SUB_VOCAB)):
         tap = HiddenStateTap(TARGET, head.feature_layers)
         source = DraftHeadSource(tap, head, vocab_ids, num_draft=num_draft, adaptive=adaptive,
                                  min_confidence=min_confidence)
@@ -160,14 +177,13 @@ def test_greedy_with_the_head_under_a_regex_equals_constrained_plain():
     assert run([head], tap) == run([], target)
 
 
-@pytest.mark.parametrize("temp,top_p,min_path_confidence,feature_layers", [
-    (1.0, 1.0, 0.0, [FINAL]), (0.8, 0.9, 0.0, [FINAL]), (1.0, 1.0, 0.25, [FINAL]), (1.0, 1.0, 0.0, [0, FINAL])])
-def test_sampling_with_the_head_keeps_the_target_distribution(temp, top_p, min_path_confidence, feature_layers):
+@pytest.mark.parametrize("temp,top_p,min_path_confidence", [(1.0, 1.0, 0.0), (0.8, 0.9, 0.0), (1.0, 1.0, 0.25)])
+def test_sampling_with_the_head_keeps_the_target_distribution(temp, top_p, min_path_confidence):
     target = tiny_llama(vocab_size=8, num_layers=2, seed=3, sharp=2.0)
-    head = random_head(target, 5, feature_layers)
+    head = random_head(target, 5)
 
     def make_run():
-        tap = HiddenStateTap(target, feature_layers)
+        tap = HiddenStateTap(target)
         # A sub-vocabulary of 6: q is zero on two tokens the target can still choose. With a
         # path-confidence stop, the draft length varies with the head's confidence.
         return tap, [DraftHeadSource(tap, head, mx.arange(6), temp=temp, top_p=top_p, num_draft=3, adaptive=False,
@@ -180,8 +196,7 @@ def test_a_head_for_another_target_is_refused(trained, tmp_path):
     head, vocab_ids, _ = trained
     save_head(tmp_path / "head", head, vocab_ids, TARGET)
     loaded, ids = load_head(tmp_path / "head", TARGET)
-    assert ids.tolist() == vocab_ids.tolist() and loaded.feature_layers == head.feature_layers
-    assert loaded.num_layers == head.num_layers
+    assert ids.tolist() == vocab_ids.tolist()
     # The float16 file round-trips to the head we trained (up to float16 rounding).
     assert mx.allclose(loaded.fuse.weight, head.fuse.weight, atol=1e-2).item()
     prompt = [5, 6, 7, 8]
@@ -196,6 +211,60 @@ def test_a_head_for_another_target_is_refused(trained, tmp_path):
     half = tiny_llama(vocab_size=VOCAB, num_layers=3, seed=0)
     half.set_dtype(mx.float16)
     load_head(tmp_path / "head", half)
+
+
+def damage(head_dir, how: str):
+    """Damage a head directory as a user might find it; returns the file the error must name."""
+    config_path, weights_path = head_dir / "config.json", head_dir / "model.safetensors"
+    config = json.loads(config_path.read_text())
+    if how == "truncated weights":
+        weights_path.write_bytes(weights_path.read_bytes()[: weights_path.stat().st_size // 2])
+        return weights_path
+    if how == "weights of another head":
+        mx.save_safetensors(str(weights_path), {"vocab_ids": mx.arange(4), "head.fuse.weight": mx.zeros((2, 2))})
+        return weights_path
+    if how == "config not JSON":
+        config_path.write_text(config_path.read_text()[:40])
+        return config_path
+    if how == "config not an object":
+        config_path.write_text("[1, 2]")
+        return config_path
+    if how == "no fingerprint":
+        del config["fingerprint"]
+    elif how == "malformed fingerprint":
+        config["fingerprint"] = {"shape": config["fingerprint"]["shape"], "probe": ["x"]}
+    elif how == "another num_layers":
+        config["num_layers"] = 2
+    elif how == "another feature_layers":
+        config["feature_layers"] = [0, 1, FINAL]
+    config_path.write_text(json.dumps(config))
+    return config_path
+
+
+DAMAGES = ["truncated weights", "weights of another head", "config not JSON", "config not an object",
+           "no fingerprint", "malformed fingerprint", "another num_layers", "another feature_layers"]
+
+
+@pytest.mark.parametrize("how", DAMAGES)
+def test_a_damaged_head_is_one_error_that_names_the_file(trained, tmp_path, how):
+    head, vocab_ids, _ = trained
+    save_head(tmp_path / "head", head, vocab_ids, TARGET)
+    named = damage(tmp_path / "head", how)
+    with pytest.raises(HeadMismatch) as error:
+        load_head(tmp_path / "head", TARGET)
+    assert str(named) in str(error.value) and "\n" not in str(error.value), error.value
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (SHIPPED_HEAD / "config.json").exists(), reason="the head has not been trained yet")
+def test_a_damaged_head_from_the_command_line(embedded, tmp_path):
+    import shutil
+
+    for how in ("truncated weights", "config not JSON", "no fingerprint", "another num_layers"):
+        head_dir = tmp_path / how.replace(" ", "-")
+        shutil.copytree(SHIPPED_HEAD, head_dir)
+        named = damage(head_dir, how)
+        assert_one_line_error(cli("--max-tokens", "2", "--draft-head", str(head_dir)), str(named))
 
 
 @pytest.mark.skipif(not (SHIPPED_HEAD / "config.json").exists(), reason="the head has not been trained yet")
@@ -264,9 +333,8 @@ def test_a_model_that_never_ends_a_user_turn_is_refused(embedded):
     (["--num-instructions", "0"], "--num-instructions must be at least 1"),
     (["--minutes", "nan"], "--minutes must be a finite number"),
     (["--init", "{tmp}", "--generate-minutes", "0"], "is not a draft head directory"),
-    (["--feature-layers", "14", "1", "-1"], "--feature-layers must be -1, or two or more"),
-    (["--feature-layers", "14"], "--feature-layers must be -1, or two or more"),
-    (["--feature-layers", "1", "30", "-1"], "the target has layers 0 to 29"),
+    (["--feature-layers", "1", "14", "-1"], "unrecognized arguments: --feature-layers"),  # fused heads lost
+    (["--head-layers", "2"], "unrecognized arguments: --head-layers"),
 ])
 def test_bad_training_input_is_one_line_before_generating(args, fragment, embedded, tmp_path):
     import subprocess
