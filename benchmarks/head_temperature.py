@@ -36,42 +36,6 @@ def depth1_distributions(target, head, vocab_ids, tokens: list, temp: float):
     return p, q_logits
 
 
-def step_costs(target, tokenizer, head_dir, repeats: int = 30) -> dict:
-    """Milliseconds of one head draft (4 tokens) and of one accept decision over 5 positions,
-    greedy and at temperature 1: what a step spends besides the target's forward pass."""
-    import time
-
-    from decoder import Draft, accept_draft
-    from speculative import DraftHeadSource
-
-    prompt = heldout_prompts(tokenizer)[0][1]
-    logits = target(mx.array(prompt[-5:])[None])[0]
-    costs = {}
-    for temp in (0.0, 1.0):
-        tap, source = DraftHeadSource.create(target, head_dir, temp=temp, num_draft=4, adaptive=False)
-        tap(mx.array(prompt)[None], cache=None)  # the features the head reads
-        source.propose(prompt, 4)
-        tic = time.perf_counter()
-        for _ in range(repeats):
-            source.reset()
-            tap(mx.array(prompt)[None], cache=None)
-            mx.eval(tap.chunks[-1][1])
-        tap_time = time.perf_counter() - tic
-        tic = time.perf_counter()
-        for _ in range(repeats):
-            source.reset()
-            tap(mx.array(prompt)[None], cache=None)
-            draft = source.propose(prompt, 4)
-            mx.eval(draft.probs) if draft.probs is not None else None
-        costs[f"head draft of 4, temperature {temp:g}"] = (time.perf_counter() - tic - tap_time) / repeats * 1e3
-        draft = Draft(draft.tokens, draft.probs)
-        tic = time.perf_counter()
-        for _ in range(repeats):
-            accept_draft(logits, draft, temp)
-        costs[f"accept decision over 5 positions, temperature {temp:g}"] = (time.perf_counter() - tic) / repeats * 1e3
-    return costs
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompts", type=int, default=8)
@@ -109,9 +73,6 @@ def main():
     for name, total in sums.items():
         print(f"| {name} | {total / count:.3f} |")
     print(f"\nhead argmax = target argmax on {same_argmax / count:.1%} of these positions (greedy acceptance)")
-    print("\n| per step, besides the target's forward pass | ms |\n|---|---:|")
-    for name, ms in step_costs(target, tokenizer, args.head).items():
-        print(f"| {name} | {ms:.2f} |")
 
 
 if __name__ == "__main__":
