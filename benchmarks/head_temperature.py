@@ -16,7 +16,6 @@ import fast_blas
 fast_blas.load()
 
 import mlx.core as mx  # noqa: E402
-import numpy as np  # noqa: E402
 
 from benchmarks.draft_head import heldout_prompts  # noqa: E402
 from decoder import eos_ids_of, generate_step, sampling_probs  # noqa: E402
