@@ -64,6 +64,7 @@ CASES = {
     "1,000 optional properties": ("schema", properties(1_000)),
     "250 optional properties": ("schema", properties(250)),
     "150 optional properties": ("schema", properties(150)),
+    "enum of 1,000,000 values": ("schema", {"enum": list(range(1_000_000))}),
     "integer minimum 10^24": ("schema", {"type": "integer", "minimum": 10 ** 24, "maximum": 2 * 10 ** 24 + 7}),
     "integer minimum 1e308": ("schema", {"type": "integer", "minimum": 1e308}),
     "number in [-1.7e308, 1.7e308]": ("schema", {"type": "number", "minimum": -1.7e308, "maximum": 1.7e308}),

@@ -62,6 +62,10 @@ def test_optional_members_are_written_once_and_keep_their_order():
     assert not dfa.matches(b'{"k1":null}')  # k150 is required
 
 
+def test_a_million_value_enum_is_refused_while_building():
+    assert "too large: its regex passes" in refusal({"enum": list(range(1_000_000))})
+
+
 def test_recursive_ref_fanout_is_refused_by_the_subschema_budget():
     assert "more than 20000 subschemas" in refusal(ref_fanout(40))
 
