@@ -22,6 +22,8 @@ ROOT = Path(__file__).resolve().parent.parent
 # one JSON line: seconds and peak RSS (getrusage) spent after the imports.
 DRIVER = """
 import json, resource, sys, time
+import fast_blas
+fast_blas.load()  # first, as in main.py
 from constrained import RegexError, compile_regex, load_schema, schema_to_regex
 kind, argument = sys.argv[1:]
 start, rss_before = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
