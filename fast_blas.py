@@ -17,6 +17,7 @@ import atexit
 import ctypes
 import hashlib
 import importlib.metadata
+import mmap
 import os
 import platform
 import shutil
@@ -261,7 +262,14 @@ def bound_library(library: str = "libmlx.so", symbol: str = "cblas_sgemm") -> Op
     path = next((row[3] for row in rows if Path(row[3]).name == library), None)
     if path is None:
         return None
-    data = Path(path).read_bytes()
+    with open(path, "rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        return _got_target(data, path, rows, symbol)
+
+
+def _got_target(data, path: str, rows: list, symbol: str) -> Optional[str]:
+    """Find `symbol`'s relocation in the ELF file `data` and read the address its GOT slot holds."""
+    if data[:6] != b"\x7fELF\x02\x01":  # 64-bit little-endian (x86-64, aarch64) only
+        return None
     section_offset, = struct.unpack_from("<Q", data, 0x28)
     entry_size, count = struct.unpack_from("<HH", data, 0x3A)
     header_offset, = struct.unpack_from("<Q", data, 0x20)
@@ -279,7 +287,7 @@ def bound_library(library: str = "libmlx.so", symbol: str = "cblas_sgemm") -> Op
         for index in range(size // 24):
             got_offset, info, _ = struct.unpack_from("<QQq", data, file_offset + 24 * index)
             name, = struct.unpack_from("<I", data, symbols + 24 * (info >> 32))
-            if data[strings + name:data.index(b"\0", strings + name)] == symbol.encode():
+            if data[strings + name:data.find(b"\0", strings + name)] == symbol.encode():
                 target = ctypes.c_uint64.from_address(bias + got_offset).value
                 return next((mapped for start, end, _, mapped in rows if start <= target < end), None)
     return None

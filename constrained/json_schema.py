@@ -13,7 +13,7 @@ in `json_regex.py`. Limits, all documented in constrained/README.md:
   (an optional property, an empty array, another `anyOf` branch) or the schema is refused;
 - `{}` (any value) nests arrays and objects `any_depth` levels deep;
 - `maxLength` and `maxItems` above `max_repeat` are lowered to it (each allowed length is DFA states);
-- budgets checked while building, so any input is refused in one line within about a second:
+- budgets checked while building, so any input is refused in one line within about 2 s:
   `MAX_DEPTH` nested subschemas, `MAX_SUBSCHEMAS` subschemas compiled (a recursive `$ref` multiplies
   them), `MAX_REGEX_LENGTH` characters for any part of the regex, and numeric bounds within ±1e308.
 """
@@ -31,7 +31,7 @@ from constrained.schema_keywords import (ALL_TYPES, ANNOTATIONS, TYPE_KEYWORDS, 
 
 __all__ = ["SchemaError", "load_schema", "schema_to_regex"]
 
-MAX_REGEX_LENGTH = 500_000  # characters; compiling a regex near it takes about a second
+MAX_REGEX_LENGTH = 500_000  # characters of any part of the regex; the DFA caps (regex_dfa.py) bound the rest
 MAX_DEPTH = 64  # subschemas nested in one another (each level also nests the regex's groups)
 MAX_SUBSCHEMAS = 20_000  # subschemas compiled, counting every expansion of a $ref
 MAX_BOUND = 10 ** 309  # numeric bounds beyond ±1e308 (past float range) are refused
@@ -214,7 +214,12 @@ class _Compiler:
         if "const" in schema and "enum" in schema:
             values = [value for value in values if value in schema["enum"]]
         rest = {key: value for key, value in schema.items() if key not in {"const", "enum"} | ANNOTATIONS}
-        texts = [literal(value) for value in values]
+        texts, length = [], 0
+        for value in values:  # the budget as we go: a million-value enum stops after the first 500 kB
+            texts.append(literal(value))
+            length += len(texts[-1]) + 1
+            if length > MAX_REGEX_LENGTH:
+                raise _too_large(path)
         if rest:
             # Keep the values the rest of the schema accepts (its regex is a subset of the schema).
             rest_regex = self.compile(rest, path, refs) or "(?!)"

@@ -22,6 +22,10 @@ import numpy as np
 from constrained.regex_parse import Alt, Chars, Concat, RegexError, parse_regex  # noqa: F401
 
 DEFAULT_MAX_STATES = 50_000  # compile time (~3 s at the cap) bounds it; the index itself is lazy
+# NFA states visited by the subset construction's closures: its time (about 2 s at the cap). Many
+# alternatives open at once (hundreds of optional JSON properties) make each DFA state a large
+# NFA-state set, so this budget can end a build long before the DFA reaches max_states.
+MAX_SUBSET_WORK = 4_000_000
 
 
 def utf8_sequences(lo: int, hi: int) -> list:
@@ -225,6 +229,7 @@ def _subset_construction(nfa, nfa_start, nfa_accept, max_states):
     num_classes = int(byte_class.max()) + 1
     start_set = nfa.closure([nfa_start])
     state_ids, state_sets, rows = {start_set: 0}, [start_set], []
+    work = len(start_set)
     # state_sets grows while we walk it: each new subset is visited once.
     for state_set in state_sets:
         moves = {}
@@ -235,6 +240,10 @@ def _subset_construction(nfa, nfa_start, nfa_accept, max_states):
         row = [-1] * num_classes
         for cls, targets in moves.items():
             next_set = nfa.closure(targets)
+            work += len(next_set)
+            if work > MAX_SUBSET_WORK:
+                raise RegexError(f"regex too large: its DFA construction visits more than {MAX_SUBSET_WORK} "
+                                 "NFA states (too many alternatives open at once)")
             if next_set not in state_ids:
                 if len(state_sets) >= max_states:
                     raise RegexError(f"regex too large: more than {max_states} DFA states")

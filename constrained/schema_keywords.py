@@ -72,10 +72,13 @@ def check_finite(schema):
         node, path = stack.pop()
         if isinstance(node, float) and not math.isfinite(node):
             raise SchemaError(f"a number that is not finite (NaN, Infinity or beyond ±1.8e308) at {path}")
+        # Only containers and floats can hold a non-finite number: skip the rest without a pointer.
         if isinstance(node, dict):
-            stack += [(value, f"{path}/{escape(str(key))}") for key, value in node.items()]
+            stack += [(value, f"{path}/{escape(str(key))}") for key, value in node.items()
+                      if isinstance(value, (dict, list, float))]
         elif isinstance(node, list):
-            stack += [(value, f"{path}/{index}") for index, value in enumerate(node)]
+            stack += [(value, f"{path}/{index}") for index, value in enumerate(node)
+                      if isinstance(value, (dict, list, float))]
 
 
 def escape(key: str) -> str:
