@@ -11,6 +11,7 @@
 import argparse
 import json
 import os
+import re
 import sys
 
 import fast_blas
@@ -107,7 +108,9 @@ def validate(args):
     if args.grammar is not None:
         from constrained.grammar import compile_grammar
 
-        text = read_text_file(args.grammar, "grammar file") if os.path.isfile(args.grammar) else args.grammar
+        looks_like_a_file = re.fullmatch(r"\S+\.(gbnf|lark|ebnf|txt)", args.grammar) is not None
+        is_file = os.path.isfile(args.grammar) or looks_like_a_file  # a missing file: "not found", not a parse error
+        text = read_text_file(args.grammar, "grammar file") if is_file else args.grammar
         check_text_argument(text, "--grammar")
         args.llguidance_grammar = compile_grammar(text, args.grammar_format)  # GrammarError
     if args.json_schema is not None:

@@ -309,6 +309,7 @@ def test_gbnf_is_detected_and_bad_grammars_raise_one_clear_error():
 @pytest.mark.parametrize("args, fragment", [
     (["--grammar", "start: missing"], "llguidance refused the grammar: "),
     (["--grammar", 'root ::= "a"', "--regex", "a"], "give --grammar alone"),
+    (["--grammar", "missing.gbnf"], "grammar file not found: missing.gbnf"),
     (["--json-schema", '{"type": "object", "propertyNames": {"maxLength": 3}}'], "Unimplemented keys"),
 ])
 def test_cli_refusals_are_one_line(args, fragment):
