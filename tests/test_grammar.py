@@ -324,6 +324,12 @@ def test_cli_without_llguidance_says_what_to_install():
     assert_one_line_error(result, "pip install llguidance")
 
 
+def test_the_library_without_llguidance_says_what_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "llguidance", None)
+    with pytest.raises(GrammarError, match="pip install llguidance"):
+        GrammarConstraint.from_grammar('start: "a"', TOKENIZER, VOCAB)
+
+
 def test_json_schema_engine_falls_back_to_regex_in_one_line(monkeypatch, capsys):
     import argparse
 
