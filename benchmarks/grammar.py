@@ -22,6 +22,7 @@ import json
 import platform
 import random
 import re
+import resource
 import statistics
 import sys
 import time
@@ -45,6 +46,7 @@ WALKS, WALK_TOKENS = 2, 200
 # The embedded model's decode step on the 2-core VM when it is not shared (README); the step measured in
 # the run is printed beside it, since other jobs on the machine can slow both masks and steps.
 NOMINAL_STEP_MS = 65.0
+MEMORY_LIMIT = 12 << 30
 
 
 def split_of(name: str) -> str:
@@ -389,6 +391,9 @@ def main():
         print("\n\n".join(sections[1:]), flush=True)
         write_part("speed", "\n\n".join(sections))
         return
+    # The regex compiler can take all the memory on some Github_ultra schemas (23 GB before the kernel
+    # killed it); cap the address space so that shows as a MemoryError, counted as not served.
+    resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT, resource.getrlimit(resource.RLIMIT_AS)[1]))
     cases = load_dev_set(args.maskbench, args.per_split)
     engines = [LLGuidance(tokenizer, vocab_size)]
     try:
