@@ -297,7 +297,8 @@ def speed(model, tokenizer, args) -> str:
     from prompt_lookup import PromptLookupSource
 
     vocab_size = model.args.vocab_size
-    schemas = load_schemas("suite")
+    schemas = {name: schema for name, schema in load_schemas("suite").items()
+               if not args.schemas or name in args.schemas.split(",")}
     prompts, grammars = {}, {}
     for name, schema in schemas.items():
         prompts[name] = [(name, chat_tokens(tokenizer, schema.pop("_prompt")))]
@@ -372,6 +373,7 @@ def main():
                         help="coverage: JSON Schema engines and mask cost; speed: drafts under a grammar, GBNF corpus.")
     parser.add_argument("--per-split", type=int, default=15, help="Schemas sampled per split (default: 15).")
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--schemas", default=None, help="Comma-separated suite schemas for --part speed (default: all).")
     args = parser.parse_args()
     import llguidance
 
@@ -387,7 +389,7 @@ def main():
                     f"## Drafts under a grammar: key-heavy JSON (benchmarks/json_schemas/suite)\n\n"
                     f"{speed(model, tokenizer, args)}",
                     f"## llama.cpp grammars (tests/data/gbnf) with the embedded model, forced drafts\n\n"
-                    f"{gbnf_corpus(model, tokenizer, 96)}"]
+                    f"{gbnf_corpus(model, tokenizer, args.max_tokens)}"]
         print("\n\n".join(sections[1:]), flush=True)
         write_part("speed", "\n\n".join(sections))
         return
