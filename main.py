@@ -4,7 +4,7 @@
     python main.py --prompt-file code.txt --prompt-lookup --color
     python main.py --prompt "Give me a date" --regex '\\d{4}-\\d{2}-\\d{2}' --color
     python main.py --prompt "A user as JSON" --json-schema schema.json --color
-    python main.py --prompt "Add 12 and 30" --grammar tests/data/gbnf/arithmetic.gbnf --color
+    python main.py --prompt "Play chess" --grammar tests/data/gbnf/chess.gbnf --max-tokens 40 --color
     python main.py --model target --draft-model draft --color --json
 """
 
