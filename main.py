@@ -4,13 +4,14 @@
     python main.py --prompt-file code.txt --prompt-lookup --color
     python main.py --prompt "Give me a date" --regex '\\d{4}-\\d{2}-\\d{2}' --color
     python main.py --prompt "A user as JSON" --json-schema schema.json --color
-    python main.py --prompt "Add 12 and 30" --grammar tests/data/gbnf/arithmetic.gbnf --color
+    python main.py --prompt "Play chess" --grammar tests/data/gbnf/chess.gbnf --max-tokens 40 --color
     python main.py --model target --draft-model draft --color --json
 """
 
 import argparse
 import json
 import os
+import re
 import signal
 import sys
 
@@ -108,7 +109,9 @@ def validate(args):
     if args.grammar is not None:
         from constrained.grammar import compile_grammar
 
-        text = read_text_file(args.grammar, "grammar file") if os.path.isfile(args.grammar) else args.grammar
+        looks_like_a_file = re.fullmatch(r"\S+\.(gbnf|lark|ebnf|txt)", args.grammar) is not None
+        is_file = os.path.isfile(args.grammar) or looks_like_a_file  # a missing file: "not found", not a parse error
+        text = read_text_file(args.grammar, "grammar file") if is_file else args.grammar
         check_text_argument(text, "--grammar")
         args.llguidance_grammar = compile_grammar(text, args.grammar_format)  # GrammarError
     if args.json_schema is not None:

@@ -39,7 +39,7 @@ def _llguidance():
 
 
 def _one_line(message: str, limit: int = 300) -> str:
-    message = " ".join(message.split())
+    message = " ".join(message.split("<state>")[0].split())  # not the parser state dump that may follow
     return message if len(message) <= limit else message[: limit - 3] + "..."
 
 
@@ -123,6 +123,10 @@ class GrammarConstraint:
     """
 
     def __init__(self, matcher, ll_tokenizer, vocab_size: int):
+        # The lexer is built lazily under resource limits ("too many expressions constructed"): if even
+        # the first mask is past them, say so now rather than at the first step.
+        if not matcher.is_error():
+            matcher.compute_bitmask()
         if matcher.is_error():
             raise GrammarError(f"llguidance refused the grammar: {_one_line(matcher.get_error())}")
         self.matcher = matcher

@@ -309,6 +309,7 @@ def test_gbnf_is_detected_and_bad_grammars_raise_one_clear_error():
 @pytest.mark.parametrize("args, fragment", [
     (["--grammar", "start: missing"], "llguidance refused the grammar: "),
     (["--grammar", 'root ::= "a"', "--regex", "a"], "give --grammar alone"),
+    (["--grammar", "missing.gbnf"], "grammar file not found: missing.gbnf"),
     (["--json-schema", '{"type": "object", "propertyNames": {"maxLength": 3}}'], "Unimplemented keys"),
 ])
 def test_cli_refusals_are_one_line(args, fragment):
@@ -321,6 +322,12 @@ def test_cli_without_llguidance_says_what_to_install():
     result = subprocess.run([sys.executable, "-c", block, "--grammar", 'root ::= "a"'], capture_output=True,
                             text=True, cwd=ROOT, timeout=300)
     assert_one_line_error(result, "pip install llguidance")
+
+
+def test_the_library_without_llguidance_says_what_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "llguidance", None)
+    with pytest.raises(GrammarError, match="pip install llguidance"):
+        GrammarConstraint.from_grammar('start: "a"', TOKENIZER, VOCAB)
 
 
 def test_json_schema_engine_falls_back_to_regex_in_one_line(monkeypatch, capsys):
