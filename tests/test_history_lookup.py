@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from decoder import DecodingStats, generate_step
+from prompt_lookup import PromptLookupSource
 from prompt_lookup.history import (
     HistoryError,
     HistoryLookupSource,
@@ -169,3 +170,24 @@ def test_cli_flag_end_to_end(tmp_path):
     failed = subprocess.run(command[:-1] + [str(bad)], check=False, capture_output=True, text=True, env=env)
     assert failed.returncode == 1
     assert failed.stderr.startswith("error: ") and failed.stderr.count("\n") == 1
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    prompt=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=12),
+    outputs=st.lists(st.lists(st.integers(0, VOCAB - 1), max_size=20), max_size=3),
+    max_tokens=st.integers(1, 40),
+)
+def test_the_replay_study_counts_the_loops_passes(prompt, outputs, max_tokens):
+    """benchmarks/history_replay.py replays logged greedy outputs instead of decoding: it must
+    count exactly the passes and drafts the loop takes with the same source."""
+    from benchmarks.history_replay import replay
+
+    answer = plain(prompt, max_tokens)
+    for source in (PromptLookupSource(), HistoryLookupSource(join_outputs(outputs + [answer[:5]]))):
+        stats = DecodingStats()
+        list(generate_step(prompt, MODEL, draft_sources=[source], max_tokens=max_tokens, stats=stats,
+                           eos_token_ids=()))
+        replayed = replay(source, prompt, answer, max_tokens)
+        assert replayed["passes"] == stats.target_forward_passes
+        assert replayed["drafted"] == stats.draft_proposed
