@@ -5,8 +5,8 @@
 - Held-out chat (benchmarks/heldout/chat.txt): each prompt gets a fresh store, the seeded
   one (answers to the head's self-written instructions, benchmarks/history_data.py) plus
   what the run itself writes, so no prompt drafts from an earlier run of itself.
-- Repeated extraction (benchmarks/history_tasks.py): 20 requests in order, the store holding
-  the answers of the requests before (as ``main.py --lookup-history`` appends them).
+- Repeated order-confirmation replies (benchmarks/history_tasks.py): 20 requests in order, the
+  store holding the answers of the requests before (as ``main.py --lookup-history`` appends them).
 
 Methods are interleaved per prompt in one process (benchmarks/harness.py); greedy outputs
 must match plain decoding token for token, or the harness says so.
@@ -21,7 +21,7 @@ fast_blas.load()
 
 from benchmarks.harness import Method, chat_tokens, markdown_table, side_by_side, time_loop  # noqa: E402
 from benchmarks.history_data import HELDOUT, store_answers  # noqa: E402
-from benchmarks.history_tasks import extraction_requests  # noqa: E402
+from benchmarks.history_tasks import requests  # noqa: E402
 from decoder import eos_ids_of  # noqa: E402
 from prompt_lookup import PromptLookupSource  # noqa: E402
 from prompt_lookup.history import HistoryLookupSource, join_outputs  # noqa: E402
@@ -44,7 +44,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--store-prompts", type=int, default=480, help="Instructions answered for the seeded store.")
     parser.add_argument("--chat-tokens", type=int, default=128, help="Most tokens per chat answer.")
-    parser.add_argument("--email-tokens", type=int, default=64, help="Most tokens per extraction answer.")
+    parser.add_argument("--reply-tokens", type=int, default=96, help="Most tokens per reply.")
     parser.add_argument("--warmup-requests", type=int, default=3, help="Extraction requests reported apart.")
     args = parser.parse_args()
     from loading import load_model
@@ -60,12 +60,12 @@ def main():
         "draft_sources": [HistoryLookupSource(seeded)]})]
     results = side_by_side(model, tokenizer, chat, chat_methods, args.chat_tokens)
 
-    requests = [(f"email{i}", chat_tokens(tokenizer, text)) for i, text in enumerate(extraction_requests())]
+    replies = [(f"reply{i}", chat_tokens(tokenizer, text)) for i, text in enumerate(requests("replies"))]
     first = args.warmup_requests
-    emails = {f"emails 1-{first}": requests[:first], f"emails {first + 1}-{len(requests)}": requests[first:]}
+    workload = {f"replies 1-{first}": replies[:first], f"replies {first + 1}-{len(replies)}": replies[first:]}
     # No warm-up run here: it would put the first request's answer in the store (the process is warm).
-    email_methods = [Method("plain"), lookup, remembering(model, HistoryLookupSource(), eos)]
-    results.update(side_by_side(model, tokenizer, emails, email_methods, args.email_tokens, warmup=False))
+    reply_methods = [Method("plain"), lookup, remembering(model, HistoryLookupSource(), eos)]
+    results.update(side_by_side(model, tokenizer, workload, reply_methods, args.reply_tokens, warmup=False))
 
     table = markdown_table(results, "plain")
     print(table)

@@ -10,8 +10,8 @@ the real ``PromptLookupSource`` objects, so this is the pass count greedy decodi
 gives, adaptive draft lengths included (capped at 16 tokens).
 
 - prompt lookup: the query's prompt and its text so far.
-- + history: the same search with a store of earlier answers as older context
-  (``extra_context``), at several store sizes.
+- + history: ``HistoryLookupSource``, the same search with a store of earlier answers as
+  older context, at several store sizes.
 
 Cost model: verifying k draft tokens costs ``DRAFT_TOKEN_COST * k`` of a step on top of the
 step (measured for SmolLM2-135M, float32, 2-core x86 CPU), so the modelled speed-up is
@@ -30,18 +30,15 @@ fast_blas.load()
 
 from benchmarks.history_data import query_set, store_answers  # noqa: E402
 from prompt_lookup import PromptLookupSource  # noqa: E402
-from prompt_lookup.ngram import SEPARATOR  # noqa: E402
+from prompt_lookup.history import HistoryLookupSource, join_outputs  # noqa: E402
 
 DRAFT_TOKEN_COST = 0.09
 RESULTS = Path(__file__).parent / "results" / "history.md"
 
 
-def joined(answers: list) -> list:
-    """One context from many answers, a separator after each so no match spans two."""
-    tokens = []
-    for answer in answers:
-        tokens += answer + [SEPARATOR]
-    return tokens
+def with_history(context, **options):
+    """Prompt lookup over ``context`` (earlier answers) too, with no bound on the store."""
+    return HistoryLookupSource(context, max_history_tokens=max(len(context), 1), **options)
 
 
 def replay(source, prompt: list, answer: list, max_tokens: int) -> dict:
@@ -97,30 +94,30 @@ def chat_study(queries, store, sizes, max_tokens, variants) -> list:
                 break
             kept.insert(0, answer)
             count += len(answer)
-        context = joined(kept)
+        context = join_outputs(kept)
         for name, options in variants.items():
-            result = totals([replay(PromptLookupSource(extra_context=context, **options), p, a, max_tokens)
+            result = totals([replay(with_history(context, **options), p, a, max_tokens)
                              for p, a in queries])
             lines.append(row("held-out chat", name, len(context), result, baseline))
     return lines
 
 
-def repeated_study(queries, store, max_tokens, variants, warmup: int = 3) -> list:
+def repeated_study(workload, queries, store, max_tokens, variants, warmup: int = 3) -> list:
     """Request i drafts from the answers of requests 0..i-1 (the store a real run appends to),
     optionally after the instruction store. Totals over requests ``warmup`` and later."""
     lines = []
     later = queries[warmup:]
     baseline = totals([replay(PromptLookupSource(), p, a, max_tokens) for p, a in later])
-    lines.append(row(f"emails {warmup + 1}-{len(queries)}", "prompt lookup", 0, baseline, baseline))
+    lines.append(row(f"{workload} {warmup + 1}-{len(queries)}", "prompt lookup", 0, baseline, baseline))
     for seeded in (False, True):
-        seed = joined(store) if seeded else []
+        seed = list(join_outputs(store)) if seeded else []
         for name, options in variants.items():
             runs = []
             for i, (prompt, answer) in enumerate(queries[warmup:], start=warmup):
-                context = seed + joined([a for _, a in queries[:i]])
-                runs.append(replay(PromptLookupSource(extra_context=context, **options), prompt, answer, max_tokens))
+                context = seed + list(join_outputs([a for _, a in queries[:i]]))
+                runs.append(replay(with_history(context, **options), prompt, answer, max_tokens))
             label = f"{name}, earlier answers" + (" + instruction store" if seeded else "")
-            lines.append(row(f"emails {warmup + 1}-{len(queries)}", label, "grows", totals(runs), baseline))
+            lines.append(row(f"{workload} {warmup + 1}-{len(queries)}", label, "grows", totals(runs), baseline))
     return lines
 
 
@@ -135,7 +132,8 @@ def main():
     model, tokenizer, _ = load_model()
     store = store_answers(model, tokenizer, args.store_prompts)
     chat = query_set(model, tokenizer, "chat", 128)
-    emails = query_set(model, tokenizer, "emails", 64)
+    repeated = {"replies": (query_set(model, tokenizer, "replies", 96), 96),
+                "extraction": (query_set(model, tokenizer, "extraction", 64), 64)}
     full = sum(len(a) + 1 for a in store)
     sizes = sorted({s for s in args.sizes if s < full} | {full})
     variants = {"+ history": {}, "+ history, n-grams up to 8": {"ngram_max": 8}}
@@ -144,7 +142,8 @@ def main():
               "vs prompt lookup | modelled speed-up | search ms (median) |",
               "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     lines = header + chat_study(chat, store, sizes, 128, variants)
-    lines += repeated_study(emails, store, 64, variants)
+    for workload, (queries, max_tokens) in repeated.items():
+        lines += repeated_study(workload, queries, store, max_tokens, variants)
     table = "\n".join(lines)
     print(table)
     RESULTS.parent.mkdir(exist_ok=True)

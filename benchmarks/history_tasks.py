@@ -1,13 +1,19 @@
-"""A repeated-task workload for history lookup: the same extraction request over 20 emails.
+"""Repeated-task workloads for history lookup: one kind of request over 20 customer emails.
 
 The emails come from one template with varied senders, items, quantities, dates and wording,
-so an answer is never a copy of its email: what repeats is the shape of the request and
-of the model's answers, as in an agent that runs one tool prompt over many inputs.
+so an answer is never a copy of an earlier one: what repeats is the request and the shape
+of the model's answers, as in an agent that runs one prompt over many inputs.
+
+- replies: confirm the order in a short reply. SmolLM2-135M does this task, in formulaic
+  replies; this is the workload the results report.
+- extraction: four fields from each email. SmolLM2-135M mostly fails it (it echoes the email
+  or repeats a name), so it shows what history adds to a copy-heavy workload.
 """
 
 import random
 
-INSTRUCTION = ("Extract the customer's name, the product, the quantity and the delivery date from this "
+REPLY_INSTRUCTION = "Write a short reply to this customer email, confirming the order and the delivery date."
+EXTRACTION_INSTRUCTION = ("Extract the customer's name, the product, the quantity and the delivery date from this "
                "email. Answer with four lines: Name, Product, Quantity, Date.")
 
 NAMES = ["Maria Lopez", "James Carter", "Aiko Tanaka", "Peter Novak", "Fatima Khan", "Lucas Moreau",
@@ -42,6 +48,7 @@ def emails(count: int = 20, seed: int = 0) -> list:
     return letters
 
 
-def extraction_requests(count: int = 20) -> list:
-    """The workload's prompts, in the order they are sent."""
-    return [f"{INSTRUCTION}\n\n{email}" for email in emails(count)]
+def requests(workload: str, count: int = 20) -> list:
+    """The prompts of ``workload`` ("replies" or "extraction"), in the order they are sent."""
+    instruction = {"replies": REPLY_INSTRUCTION, "extraction": EXTRACTION_INSTRUCTION}[workload]
+    return [f"{instruction}\n\n{email}" for email in emails(count)]
