@@ -146,8 +146,13 @@ def main():
         lines += repeated_study(workload, queries, store, max_tokens, variants)
     table = "\n".join(lines)
     print(table)
-    RESULTS.parent.mkdir(exist_ok=True)
-    RESULTS.write_text(table + "\n")
+    sizes = " ".join(map(str, args.sizes))
+    command = f"python -m benchmarks.history_replay --store-prompts {args.store_prompts} --sizes {sizes}"
+    RESULTS.write_text(
+        f"Replay (no model runs; exact greedy pass counts, which tests/test_history_lookup.py checks against the "
+        f"loop): `{command}`. Store: answers to {len(store)} self-written instructions ({full} tokens). Answers "
+        f"at most 128 tokens (chat), 96 (replies), 64 (extraction); requests 1-3 of a workload are left out.\n\n"
+        f"{table}\n")
 
 
 if __name__ == "__main__":
