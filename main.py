@@ -265,7 +265,7 @@ def run(args):
         else:
             print()
             print_stats(result, args.verbose, use_color)
-    if args.lookup_history is not None and (session is None or session.rank == 0):
+    if args.lookup_history is not None and result.tokens and (session is None or session.rank == 0):
         from prompt_lookup.history import append_history
 
         append_history(history_path(args), [result.tokens])  # after the output: a slow disk never delays it
