@@ -13,6 +13,7 @@ must match plain decoding token for token, or the harness says so.
 """
 
 import argparse
+import sys
 from pathlib import Path
 
 import fast_blas
@@ -45,6 +46,7 @@ def main():
     parser.add_argument("--store-prompts", type=int, default=480, help="Instructions answered for the seeded store.")
     parser.add_argument("--chat-tokens", type=int, default=128, help="Most tokens per chat answer.")
     parser.add_argument("--reply-tokens", type=int, default=96, help="Most tokens per reply.")
+    parser.add_argument("--prompts", type=int, default=None, help="Use only the first N prompts of each workload.")
     parser.add_argument("--warmup-requests", type=int, default=3, help="Extraction requests reported apart.")
     args = parser.parse_args()
     from loading import load_model
@@ -54,13 +56,13 @@ def main():
     seeded = join_outputs(store_answers(model, tokenizer, args.store_prompts))
     lookup = Method("prompt lookup", lambda prompt: {"draft_sources": [PromptLookupSource()]})
 
-    lines = [line for line in HELDOUT.read_text().splitlines() if line.strip()]
+    lines = [line for line in HELDOUT.read_text().splitlines() if line.strip()][: args.prompts]
     chat = {"held-out chat": [(f"chat{i}", chat_tokens(tokenizer, line)) for i, line in enumerate(lines)]}
     chat_methods = [Method("plain"), lookup, Method("prompt lookup + history (seeded store)", lambda prompt: {
         "draft_sources": [HistoryLookupSource(seeded)]})]
     results = side_by_side(model, tokenizer, chat, chat_methods, args.chat_tokens)
 
-    replies = [(f"reply{i}", chat_tokens(tokenizer, text)) for i, text in enumerate(requests("replies"))]
+    replies = [(f"reply{i}", chat_tokens(tokenizer, text)) for i, text in enumerate(requests("replies")[: args.prompts])]
     first = args.warmup_requests
     workload = {f"replies 1-{first}": replies[:first], f"replies {first + 1}-{len(replies)}": replies[first:]}
     # No warm-up run here: it would put the first request's answer in the store (the process is warm).
@@ -70,8 +72,11 @@ def main():
     table = markdown_table(results, "plain")
     print(table)
     RESULTS.parent.mkdir(exist_ok=True)
-    with open(RESULTS, "a") as file:
-        file.write("\n" + table + "\n")
+    command = " ".join(["python -m benchmarks.history_lookup", *sys.argv[1:]])
+    with open(RESULTS, "a") as file:  # after the replay's table (benchmarks/history_replay.py writes the file)
+        file.write(f"\nReal decoding, timed, methods interleaved per prompt in one process: `{command}`. "
+                   f"Chat: {args.chat_tokens} tokens max, a fresh seeded store per prompt; replies: "
+                   f"{args.reply_tokens} tokens max, the store holding the earlier replies.\n\n{table}\n")
 
 
 if __name__ == "__main__":
