@@ -62,7 +62,8 @@ def main():
         "draft_sources": [HistoryLookupSource(seeded)]})]
     results = side_by_side(model, tokenizer, chat, chat_methods, args.chat_tokens)
 
-    replies = [(f"reply{i}", chat_tokens(tokenizer, text)) for i, text in enumerate(requests("replies")[: args.prompts])]
+    texts = requests("replies")[: args.prompts]
+    replies = [(f"reply{i}", chat_tokens(tokenizer, text)) for i, text in enumerate(texts)]
     first = args.warmup_requests
     workload = {f"replies 1-{first}": replies[:first], f"replies {first + 1}-{len(replies)}": replies[first:]}
     # No warm-up run here: it would put the first request's answer in the store (the process is warm).
