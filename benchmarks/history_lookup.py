@@ -43,7 +43,7 @@ def remembering(model, source, eos) -> Method:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--store-prompts", type=int, default=480, help="Instructions answered for the seeded store.")
+    parser.add_argument("--store-prompts", type=int, default=208, help="Instructions answered for the seeded store.")
     parser.add_argument("--chat-tokens", type=int, default=128, help="Most tokens per chat answer.")
     parser.add_argument("--reply-tokens", type=int, default=96, help="Most tokens per reply.")
     parser.add_argument("--prompts", type=int, default=None, help="Use only the first N prompts of each workload.")

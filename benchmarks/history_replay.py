@@ -1,6 +1,6 @@
 """Replay study: would drafting from the model's own past outputs save target passes?
 
-    flock /tmp/bench.lock python -m benchmarks.history_replay --store-prompts 480
+    flock /tmp/bench.lock python -m benchmarks.history_replay --store-prompts 208
 
 Under greedy decoding a model-free drafter's acceptance follows from logged outputs, with
 no model run: walk each logged answer as the loop would, let the drafter propose from what
@@ -123,7 +123,7 @@ def repeated_study(workload, queries, store, max_tokens, variants, warmup: int =
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--store-prompts", type=int, default=480, help="Instructions answered for the store.")
+    parser.add_argument("--store-prompts", type=int, default=208, help="Instructions answered for the store.")
     parser.add_argument("--sizes", type=int, nargs="+", default=[10_000, 20_000, 30_000],
                         help="Store sizes in tokens (the full store is always added).")
     args = parser.parse_args()
