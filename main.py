@@ -22,8 +22,8 @@ from cli import read_text_file, read_text_stream, reopen_closed_std_streams, wri
 DEFAULT_PROMPT = "What is the capital of France? Answer in one sentence."
 
 # One colour per draft source; tokens the target chose itself stay uncoloured.
-COLORS = {"regex": "\033[36m", "grammar": "\033[34m", "prompt_lookup": "\033[32m", "draft_model": "\033[35m",
-          "draft_head": "\033[33m"}
+COLORS = {"regex": "\033[36m", "grammar": "\033[34m", "prompt_lookup": "\033[32m", "history_lookup": "\033[32m",
+          "draft_model": "\033[35m", "draft_head": "\033[33m"}
 RESET = "\033[0m"
 
 
@@ -45,6 +45,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--json", action="store_true", help="Print one JSON object instead of streaming text.")
     lookup = parser.add_argument_group("prompt lookup")
     lookup.add_argument("--prompt-lookup", action="store_true", help="Draft by copying n-grams from the context.")
+    lookup.add_argument("--lookup-history", nargs="?", const="", default=None, metavar="PATH",
+                        help="Prompt lookup that also copies from earlier outputs kept in a store file, and adds "
+                             "this output to it (opt-in: it writes generated text to disk); bare: "
+                             "~/.cache/mlx-decoding/history/store.npz.")
     lookup.add_argument("--ngram-max", type=int, default=3, help="Longest suffix n-gram to match (default: 3).")
     lookup.add_argument("--ngram-min", type=int, default=1, help="Shortest suffix n-gram to match (default: 1).")
     constrained = parser.add_argument_group("constrained decoding")
@@ -216,12 +220,8 @@ def build_run(args, session=None):
         constraint = GrammarConstraint.from_llguidance(args.llguidance_grammar, tokenizer,
                                                        vocab_size=output_size(model, tokenizer))
         sources.append(GrammarForcedSource(constraint, tokenizer))
-    if args.prompt_lookup:
-        from prompt_lookup import PromptLookupSource
-
-        options = {} if args.num_draft is None else {"num_draft": args.num_draft}
-        sources.append(PromptLookupSource(ngram_max=args.ngram_max, ngram_min=args.ngram_min,
-                                          extra_context=search_extra, adaptive=not args.no_adaptive, **options))
+    if args.prompt_lookup or args.lookup_history is not None:
+        sources.append(lookup_source(search_extra, args))
     if args.draft_model is not None:
         from speculative import DraftModelSource
 
@@ -235,6 +235,30 @@ def build_run(args, session=None):
     kwargs = dict(draft_sources=sources, constraint=constraint, temp=args.temp, top_p=args.top_p,
                   max_tokens=max_tokens, stats=DecodingStats())
     return model, tokenizer, prompt, kwargs
+
+
+def history_path(args):
+    from loading import cache_dir
+
+    return args.lookup_history or cache_dir() / "history" / "store.npz"
+
+
+def lookup_source(search_extra: list, args):
+    """Prompt lookup, over the history store too with --lookup-history (which includes prompt lookup)."""
+    from prompt_lookup import PromptLookupSource
+
+    options = {"ngram_max": args.ngram_max, "ngram_min": args.ngram_min, "extra_context": search_extra,
+               "adaptive": not args.no_adaptive}
+    if args.num_draft is not None:
+        options["num_draft"] = args.num_draft
+    if args.lookup_history is None:
+        return PromptLookupSource(**options)
+    from prompt_lookup.history import HistoryError, HistoryLookupSource, load_history
+
+    try:
+        return HistoryLookupSource(load_history(history_path(args)), **options)
+    except HistoryError as error:
+        raise CliError(str(error)) from None
 
 
 def add_draft_head(model, sources: list, search_extra: list, args):
@@ -309,6 +333,10 @@ def run(args):
         else:
             print()
             print_stats(result, args.verbose, use_color)
+    if args.lookup_history is not None and result.tokens and (session is None or session.rank == 0):
+        from prompt_lookup.history import append_history
+
+        append_history(history_path(args), [result.tokens])  # after the output: a slow disk never delays it
     return result
 
 
