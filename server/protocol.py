@@ -141,7 +141,10 @@ def parse_chat(body: dict, tokenizer, model_id: str, default_max_tokens: int) ->
         except SchemaError as error:
             raise invalid(f"the JSON schema is not supported: {error}", param="response_format") from None
     options = {"tools": tools} if tools else {}
-    request.prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, **options)
+    try:
+        request.prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, **options)
+    except Exception as error:  # the template's own checks (jinja raise_exception, a missing key)
+        raise invalid(f"the chat template rejected the messages: {error}", param="messages") from None
     return request
 
 
