@@ -182,7 +182,8 @@ class Engine:
         constraint, forced = self._constraint(request)
         sources = ([forced] if forced is not None else []) + self.draft_sources
         for source in self.draft_sources:
-            source.temp, source.top_p = request.temp, request.top_p
+            if hasattr(source, "temp"):  # model drafts: sample as the target does, for high acceptance
+                source.temp, source.top_p = request.temp, request.top_p
         if request.seed is not None:
             mx.random.seed(request.seed)
         cache = self._reusable_cache(request.prompt)

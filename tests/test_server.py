@@ -240,8 +240,9 @@ def test_errors_are_openai_shaped_and_the_server_keeps_serving(server, client):
     assert [m.id for m in client.models.list().data] == [MODEL]  # still serving
 
 
-def post(base_url: str, path: str, body: bytes):
-    """A raw POST (stdlib http.client), to send bad JSON or hang up mid-stream."""
+def post(base_url: str, path: str, body: bytes, read: bool = True):
+    """A raw POST (stdlib http.client), to send bad JSON or hang up mid-stream; the response,
+    or the connection when not ``read``."""
     from http.client import HTTPConnection
     from urllib.parse import urlsplit
 
@@ -249,7 +250,7 @@ def post(base_url: str, path: str, body: bytes):
     connection = HTTPConnection(url.hostname, url.port, timeout=60)
     connection.request("POST", url.path + path, body, {"Authorization": f"Bearer {API_KEY}",
                                                         "Content-Type": "application/json"})
-    return connection.getresponse()
+    return connection.getresponse() if read else connection
 
 
 def rss_kib(pid: int) -> int:
@@ -265,6 +266,16 @@ def test_disconnect_mid_stream_stops_the_generation(server, client):
     received = [response.readline() for _ in range(6)]
     response.close()  # and the connection with it
     assert response.status == 200 and sum(line.startswith(b"data:") for line in received) == 3
+    assert_next_request_is_not_held_up(client)
+    # The same without streaming: the handler notices the closed connection while it waits.
+    body["stream"] = False
+    connection = post(server[1], "/chat/completions", json.dumps(body).encode(), read=False)
+    time.sleep(2)
+    connection.close()
+    assert_next_request_is_not_held_up(client)
+
+
+def assert_next_request_is_not_held_up(client):
     # 4000 tokens take minutes; the next request is answered as soon as the cancelled one stops.
     start = time.perf_counter()
     answer = client.completions.create(model=MODEL, prompt="Hello", max_tokens=2, temperature=0)
@@ -299,3 +310,25 @@ def test_load_16_clients_64_requests_none_lost(server, client):
     assert len(answered) >= 5  # the running request and a full queue, at least
     assert rss_kib(server[0].pid) - rss_before < 300_000
     assert client.models.list().data  # still serving
+
+
+@pytest.mark.slow
+def test_draft_sources_keep_the_greedy_output(client):
+    """A second server with prompt lookup and the draft head: the same text, fewer target passes."""
+    from openai import OpenAI
+
+    process = subprocess.Popen([sys.executable, "-m", "server", "--port", "0", "--prompt-lookup", "--draft-head"],
+                               cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = process.stdout.readline()
+        assert line.startswith("serving"), process.stderr.read()[-2000:]
+        drafted = OpenAI(base_url=line.split()[-1], api_key="none", max_retries=0, timeout=120)
+        prompt = (ROOT / "demo" / "museum.txt").read_text()
+        answers = [c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}],
+                                             temperature=0, max_tokens=48) for c in (client, drafted)]
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+    assert answers[1].choices[0].message.content == answers[0].choices[0].message.content
+    plain, fast = (a.usage.model_extra["decoding"] for a in answers)
+    assert fast["draft_accepted"] > 0 and fast["target_forward_passes"] < plain["target_forward_passes"]
