@@ -42,15 +42,17 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def start(name: str, command: list, port: int):
+def start(name: str, command: list, port: int, model: str):
     process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     from openai import OpenAI
 
     client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=600)
+    server = {"name": name, "process": process, "client": client, "model": model}
     for _ in range(600):
         try:
-            model = client.models.list().data[0].id
-            return {"name": name, "process": process, "client": client, "model": model}
+            # Ready when it answers (mlx_lm.server's /v1/models fails without a Hugging Face cache).
+            client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=1)
+            return server
         except Exception:
             if process.poll() is not None:
                 raise SystemExit(f"error: {name} exited while starting ({' '.join(command)})")
@@ -177,10 +179,11 @@ def main():
     ports = [free_port() for _ in range(3)]
     servers = [
         start("mlx_lm.server", [sys.executable, "-c", MLX_LM_SERVER, "--model", model_dir, "--port", str(ports[0]),
-                                "--log-level", "ERROR"], ports[0]),
-        start("ours", [sys.executable, "-m", "server", "--model", model_dir, "--port", str(ports[1])], ports[1]),
+                                "--log-level", "ERROR"], ports[0], "default_model"),
+        start("ours", [sys.executable, "-m", "server", "--model", model_dir, "--port", str(ports[1])], ports[1],
+              model_dir),
         start("ours --prompt-lookup", [sys.executable, "-m", "server", "--model", model_dir, "--port", str(ports[2]),
-                                       "--prompt-lookup"], ports[2]),
+                                       "--prompt-lookup"], ports[2], model_dir),
     ]
     try:
         for server in servers:  # warm-up: the first MLX call of a process is slow

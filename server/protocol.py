@@ -189,6 +189,7 @@ def _response_schema(body: dict, tools):
                           "{'type': 'function', 'function': {'name': <one of tools>}}", param="tool_choice")
         return functions[name], [name]
     response_format = _typed(body, "response_format", (dict,), {"type": "text"}, "an object")
+    _known_keys(response_format, {"type", "json_schema"}, "response_format")
     kind = response_format.get("type")
     if kind == "text":
         return None, None
@@ -199,8 +200,15 @@ def _response_schema(body: dict, tools):
         if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), (dict, bool)):
             raise invalid("response_format.json_schema must be {'name': ..., 'schema': {...}}",
                           param="response_format")
+        _known_keys(spec, {"name", "schema", "strict", "description"}, "response_format.json_schema")
         return spec.get("schema", {}), None
     raise invalid("response_format.type must be 'text', 'json_object' or 'json_schema'", param="response_format")
+
+
+def _known_keys(value: dict, known: set, where: str):
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise invalid(f"unrecognized argument {where}.{unknown[0]}", param=where)
 
 
 def parse_completion(body: dict, tokenizer, model_id: str, default_max_tokens: int) -> GenerationRequest:
