@@ -12,6 +12,7 @@ import time
 import uuid
 
 from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
@@ -21,6 +22,7 @@ from server.engine import Engine, Job, Outcome
 from server.protocol import ApiError, check_prompt, parse_body, parse_chat, parse_completion
 
 DISCONNECT_POLL_S = 0.25  # how often a waiting handler checks that its client is still there
+MAX_BODY_BYTES = 16 * 2**20  # a context of 8k tokens is ~50 KB of text; this leaves room for tools and schemas
 
 
 class ClientGone(Exception):
@@ -54,9 +56,14 @@ def build_app(engine: Engine, model_id: str, context_length=None, api_key=None,
 
     async def generate(request: Request, parse, fmt):
         authorize(request)
-        body = parse_body(await request.body())
-        generation = parse(body, engine.tokenizer, model_id, default_max_tokens)
-        check_prompt(generation, context_length, engine.vocab_size)
+        body = parse_body(await read_body(request))
+
+        def parse_and_check():  # tokenizing and compiling a schema can take a while: not on the event loop
+            generation = parse(body, engine.tokenizer, model_id, default_max_tokens)
+            check_prompt(generation, context_length, engine.vocab_size)
+            return generation
+
+        generation = await run_in_threadpool(parse_and_check)
         fmt.tools, fmt.tool_wrapped = generation.tool_names, generation.tool_wrapped
         job = engine.submit(generation, asyncio.get_running_loop())
         try:
@@ -77,6 +84,17 @@ def build_app(engine: Engine, model_id: str, context_length=None, api_key=None,
                 Route("/v1/completions", completions, methods=["POST"])],
         exception_handlers={ApiError: api_error, HTTPException: http_error, ClientGone: client_gone,
                             Exception: server_error})
+
+
+async def read_body(request: Request) -> bytes:
+    """The body, refused once it passes MAX_BODY_BYTES (before it all sits in memory)."""
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise ApiError(413, f"the request body is larger than {MAX_BODY_BYTES // 2**20} MiB")
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 async def next_event(request: Request, job: Job) -> tuple:

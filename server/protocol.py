@@ -62,6 +62,8 @@ def parse_body(raw: bytes) -> dict:
         body = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
         raise invalid(f"the request body is not valid JSON: {error}") from None
+    except RecursionError:
+        raise invalid("the request body nests too deeply") from None
     if not isinstance(body, dict):
         raise invalid("the request body must be a JSON object")
     return body

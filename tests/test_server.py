@@ -77,7 +77,7 @@ def test_unknown_model_is_404_and_malformed_json_400():
     with pytest.raises(ApiError) as caught:
         chat(model="gpt-4")
     assert caught.value.status == 404 and caught.value.code == "model_not_found"
-    for raw in (b"{bad", b"[1]", b"\xff"):
+    for raw in (b"{bad", b"[1]", b"\xff", b"[" * 100_000):
         with pytest.raises(ApiError) as caught:
             parse_body(raw)
         assert caught.value.status == 400
@@ -242,6 +242,8 @@ def test_errors_are_openai_shaped_and_the_server_keeps_serving(server, client):
         openai.OpenAI(base_url=server[1], api_key="wrong", max_retries=0).models.list()
     raw = post(server[1], "/chat/completions", b"{not json")
     assert raw.status == 400 and json.loads(raw.read())["error"]["type"] == "invalid_request_error"
+    raw = post(server[1], "/completions", b" " * (17 * 2**20))
+    assert raw.status == 413 and "larger than 16 MiB" in json.loads(raw.read())["error"]["message"]
     assert [m.id for m in client.models.list().data] == [MODEL]  # still serving
 
 
