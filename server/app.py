@@ -69,8 +69,7 @@ def build_app(engine: Engine, model_id: str, context_length=None, api_key=None,
         try:
             await next_event(request, job)  # "start", or the error that came first
             if generation.stream:
-                return StreamingResponse(stream(job, fmt, generation.include_usage), media_type="text/event-stream",
-                                         headers={"Cache-Control": "no-cache"})
+                return EventStream(job, fmt, generation.include_usage)
             while (event := await next_event(request, job))[0] == "text":
                 pass
             return JSONResponse(fmt.full(event[1]))
@@ -111,26 +110,38 @@ async def next_event(request: Request, job: Job) -> tuple:
         return kind, payload
 
 
-async def stream(job: Job, fmt, include_usage: bool):
-    """Server-sent events. Starlette cancels this generator when the client disconnects (ASGI spec
-    2.3, as uvicorn reports), and ``finally`` then stops the generation."""
-    try:
-        yield sse(fmt.chunk(role=True))
-        while True:
-            kind, payload = await job.events.get()
-            if kind == "text":
-                yield sse(fmt.chunk(text=payload))
-            elif kind == "error":  # after the first byte the status is sent; say it in the stream
-                yield sse(payload.body())
-                break
-            else:
-                yield sse(fmt.chunk(outcome=payload))
-                if include_usage:
-                    yield sse(fmt.usage_chunk(payload))
-                break
-        yield "data: [DONE]\n\n"
-    finally:
-        job.cancelled.set()  # a no-op once the job is done
+class EventStream(StreamingResponse):
+    """Server-sent events that stop the job however the response ends. Starlette cancels the
+    response when the client disconnects (ASGI spec 2.3, as uvicorn reports), even before the
+    first byte, when a ``finally`` in the generator would not run."""
+
+    def __init__(self, job: Job, fmt, include_usage: bool):
+        super().__init__(events(job, fmt, include_usage), media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache"})
+        self.job = job
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.job.cancelled.set()  # a no-op once the job is done
+
+
+async def events(job: Job, fmt, include_usage: bool):
+    yield sse(fmt.chunk(role=True))
+    while True:
+        kind, payload = await job.events.get()
+        if kind == "text":
+            yield sse(fmt.chunk(text=payload))
+        elif kind == "error":  # the status line is sent already: say it in the stream
+            yield sse(payload.body())
+            break
+        else:
+            yield sse(fmt.chunk(outcome=payload))
+            if include_usage:
+                yield sse(fmt.usage_chunk(payload))
+            break
+    yield "data: [DONE]\n\n"
 
 
 def sse(data: dict) -> str:
