@@ -8,6 +8,8 @@ Endpoints: GET /v1/models, POST /v1/chat/completions, POST /v1/completions (see 
 """
 
 import argparse
+import asyncio
+import socket
 import sys
 
 import fast_blas
@@ -76,11 +78,18 @@ def build_engine(args):
     return engine, model_id, context_length(path)
 
 
+def listen(host: str, port: int) -> socket.socket:
+    """Bind before the model loads, so a taken port fails at once, in one line."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        return socket.create_server((host, port), family=family)
+    except OSError as error:
+        raise CliError(f"cannot listen on {host}:{port}: {error.strerror or error}") from None
+
+
 def main():
     args = build_parser().parse_args()
     fast_blas.load()  # before anything imports mlx.core (Linux: MLX's own BLAS is ~20x slower)
-    import asyncio
-
     import uvicorn
 
     from loading import ModelError
@@ -89,25 +98,17 @@ def main():
 
     try:
         validate(args)
+        sock = listen(args.host, args.port)
         engine, model_id, limit = build_engine(args)
     except (CliError, ModelError, VocabularyMismatch) as error:
         sys.stderr.write(f"error: {error}\n")
         sys.exit(1)
     app = build_app(engine, model_id, limit, args.api_key, args.max_tokens)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning")
-    server = uvicorn.Server(config)
-
-    async def announce():  # the bound port, for --port 0 (tests read this line)
-        while not server.started:
-            await asyncio.sleep(0.05)
-        port = server.servers[0].sockets[0].getsockname()[1]
-        print(f"serving {model_id} on http://{args.host}:{port}/v1", flush=True)
-
-    async def serve():
-        await asyncio.gather(server.serve(), announce())
-
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    # Connections wait in the socket's backlog until uvicorn accepts them; tests read this line for --port 0.
+    print(f"serving {model_id} on http://{args.host}:{sock.getsockname()[1]}/v1", flush=True)
     try:
-        asyncio.run(serve())
+        asyncio.run(server.serve(sockets=[sock]))
     except KeyboardInterrupt:
         pass
 

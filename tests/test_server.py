@@ -339,3 +339,17 @@ def test_draft_sources_keep_the_greedy_output(client):
     assert answers[1].choices[0].message.content == answers[0].choices[0].message.content
     plain, fast = (a.usage.model_extra["decoding"] for a in answers)
     assert fast["draft_accepted"] > 0 and fast["target_forward_passes"] < plain["target_forward_passes"]
+
+
+@pytest.mark.slow
+def test_a_taken_port_or_bad_flag_is_one_line_before_the_model_loads():
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = str(taken.getsockname()[1])
+        for argv, message in ((["--port", port], "cannot listen on 127.0.0.1:"),
+                              (["--max-queue", "-1"], "--max-queue")):
+            result = subprocess.run([sys.executable, "-m", "server", *argv], cwd=ROOT, capture_output=True,
+                                    text=True, timeout=120)
+            assert result.returncode == 1 and result.stderr.startswith("error: ") and message in result.stderr
+            assert len(result.stderr.strip().splitlines()) == 1
