@@ -111,7 +111,8 @@ def _common(body: dict, allowed: set, model_id: str, max_tokens_field: Optional[
     stream = _typed(body, "stream", (bool,), False, "a boolean")
     options = _typed(body, "stream_options", (dict,), {}, "an object")
     request = GenerationRequest(
-        prompt=[], max_tokens=max_tokens, temp=temp, top_p=_number(body, "top_p", 1.0, 1e-9, 1.0),
+        prompt=[], max_tokens=max_tokens, temp=temp,
+        top_p=max(_number(body, "top_p", 1.0, 0.0, 1.0), 1e-9),  # 0 keeps the top token, as in OpenAI's API
         seed=_typed(body, "seed", (int,), None, "an integer"), stop=stop, stream=stream,
         include_usage=stream and bool(options.get("include_usage")))
     request.regex = _typed(body, "guided_regex", (str,), None, "a string")

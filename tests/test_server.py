@@ -173,6 +173,13 @@ def test_streaming_sends_the_same_text_and_usage_last(client):
 
 
 @pytest.mark.slow
+def test_a_seed_makes_sampling_repeatable(client):
+    texts = [client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=12, temperature=1.0,
+                                       seed=seed).choices[0].text for seed in (7, 7, 8)]
+    assert texts[0] == texts[1] != texts[2]
+
+
+@pytest.mark.slow
 def test_json_schema_output_validates(client):
     import jsonschema
 
