@@ -80,8 +80,8 @@ def _typed(body: dict, name: str, kinds, default=None, what: str = ""):
 
 
 def _number(body: dict, name: str, default: float, low: float, high: float) -> float:
-    value = float(_typed(body, name, (int, float), default, "a number"))
-    if not (math.isfinite(value) and low <= value <= high):
+    value = _typed(body, name, (int, float), default, "a number")
+    if not (math.isfinite(value) and low <= value <= high):  # math.isfinite takes ints of any size
         raise invalid(f"'{name}' must be between {low} and {high}", param=name)
     return value
 
@@ -101,7 +101,7 @@ def _common(body: dict, allowed: set, model_id: str, max_tokens_field: Optional[
     max_tokens = default_max_tokens if max_tokens_field is None else max_tokens_field
     if max_tokens < 1:
         raise invalid("'max_tokens' must be at least 1", param="max_tokens")
-    temp = _number(body, "temperature", 1.0, 0.0, 2.0)  # 1 is OpenAI's default
+    temp = float(_number(body, "temperature", 1.0, 0.0, 2.0))  # 1 is OpenAI's default
     if 0 < temp < 1e-6:
         temp = 0.0  # float32 logits / temp overflow below this
     stop = _typed(body, "stop", (str, list), [], "a string or a list of strings")
@@ -112,13 +112,15 @@ def _common(body: dict, allowed: set, model_id: str, max_tokens_field: Optional[
     options = _typed(body, "stream_options", (dict,), {}, "an object")
     request = GenerationRequest(
         prompt=[], max_tokens=max_tokens, temp=temp,
-        top_p=max(_number(body, "top_p", 1.0, 0.0, 1.0), 1e-9),  # 0 keeps the top token, as in OpenAI's API
+        top_p=max(float(_number(body, "top_p", 1.0, 0.0, 1.0)), 1e-9),  # 0 keeps the top token, as in OpenAI's API
         seed=_typed(body, "seed", (int,), None, "an integer"), stop=stop, stream=stream,
         include_usage=stream and bool(options.get("include_usage")))
     request.regex = _typed(body, "guided_regex", (str,), None, "a string")
     request.grammar = _typed(body, "guided_grammar", (str,), None, "a string")
     if request.seed is not None and not 0 <= request.seed < 2**64:
         raise invalid("'seed' must be in [0, 2**64)", param="seed")
+    if request.regex is not None and request.grammar is not None:
+        raise invalid("give guided_regex or guided_grammar, not both", param="guided_grammar")
     return request
 
 
