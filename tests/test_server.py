@@ -51,6 +51,7 @@ def chat(**body):
     ({"temperature": "hot"}, "'temperature' must be a number"),
     ({"temperature": 3}, "'temperature' must be between"),
     ({"temperature": 10**400}, "'temperature' must be between"),
+    ({"top_p": float("nan")}, "'top_p' must be between"),
     ({"guided_regex": "a", "guided_grammar": "start: 'a'"}, "not both"),
     ({"max_tokens": True}, "'max_tokens' must be an integer"),
     ({"max_tokens": 0}, "at least 1"),
