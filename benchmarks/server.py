@@ -17,6 +17,7 @@ servers reuse their prompt cache, and ours is also timed cold on the same prompt
 
 import argparse
 import json
+import signal
 import socket
 import statistics
 import subprocess
@@ -90,16 +91,16 @@ def user(text: str, nonce: str) -> list:
             {"role": "user", "content": text}]
 
 
-def single_turn_tasks(servers, repeats):
-    plain = [(PROMPTS / "open_ended" / name).read_text() for name in ("explain.txt", "advice.txt")]
-    grounded = [(PROMPTS / "extractive_qa" / name).read_text() for name in ("lighthouse.txt", "recipe.txt")]
+def single_turn_tasks(servers, repeats, max_tokens):
+    plain = [(PROMPTS / "open_ended" / "explain.txt").read_text()]
+    grounded = [(PROMPTS / "extractive_qa" / "lighthouse.txt").read_text()]
     order = (ROOT / "demo" / "order.txt").read_text()
     schema_prompt = order + "\nUse this JSON schema: " + json.dumps(ORDER_SCHEMA)
     response_format = {"type": "json_schema", "json_schema": {"name": "order", "schema": ORDER_SCHEMA}}
     rows = {}
     for repeat in range(repeats):
-        for task, prompts, max_tokens in (("plain chat", plain, 128), ("extractive QA (grounded)", grounded, 160),
-                                          ("JSON schema (order email)", [schema_prompt], 96)):
+        for task, prompts in (("plain chat", plain), ("extractive QA (grounded)", grounded),
+                              ("JSON schema (order email)", [schema_prompt])):
             for index, prompt in enumerate(prompts):
                 for server in servers:
                     extra = {}
@@ -124,7 +125,7 @@ def is_valid(text: str) -> bool:
         return False
 
 
-def multi_turn(servers, repeats):
+def multi_turn(servers, repeats, num_turns):
     """A conversation over a document: the history grows, each new turn is one short question."""
     document = (ROOT / "demo" / "museum.txt").read_text()
     rows = []
@@ -132,15 +133,15 @@ def multi_turn(servers, repeats):
         for server in servers:
             messages = [{"role": "system", "content": f"Answer briefly from the document (run {repeat})."},
                         {"role": "user", "content": document}]
-            for turn, question in enumerate(FOLLOW_UPS):
+            for turn, question in enumerate(FOLLOW_UPS[:num_turns]):
                 if turn:
                     messages.append({"role": "user", "content": question})
-                warm = timed_chat(server, messages, 32)
+                warm = timed_chat(server, messages, 24)
                 row = {"server": server["name"], "turn": turn + 1, "ttft": warm["ttft"],
                        "prompt_tokens": warm["prompt_tokens"], "cached": warm["cached"]}
                 if server["name"] == "ours":  # the same prompt again after another conversation evicted it
                     timed_chat(server, user("Say hi.", f"evict {repeat}.{turn}"), 1)
-                    row["cold_ttft"] = timed_chat(server, messages, 32)["ttft"]
+                    row["cold_ttft"] = timed_chat(server, messages, 1)["ttft"]
                 rows.append(row)
                 messages.append({"role": "assistant", "content": warm["text"]})
                 print(f"multi-turn | {server['name']} | turn {turn + 1} | {row}", flush=True)
@@ -156,7 +157,7 @@ def report(single, turns, repeats) -> str:
                      f"{med(r['tps'] for r in results):.1f} | {med(r['tokens'] for r in results):.0f} | {valid} |")
     lines += ["", "| turn | prompt tokens | mlx_lm.server: cached | TTFT (s) | ours: cached | TTFT (s) | "
               "ours, cache evicted: TTFT (s) |", "|---:|---:|---:|---:|---:|---:|---:|"]
-    for turn in range(1, len(FOLLOW_UPS) + 1):
+    for turn in sorted({r["turn"] for r in turns}):
         theirs = [r for r in turns if r["turn"] == turn and r["server"] == "mlx_lm.server"]
         ours = [r for r in turns if r["turn"] == turn and r["server"] == "ours"]
         lines.append(f"| {turn} | {ours[0]['prompt_tokens']} | {theirs[0]['cached']} | "
@@ -169,6 +170,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default=None, help="Also write the tables to this file.")
+    parser.add_argument("--max-tokens", type=int, default=128, help="Tokens per single-turn answer (default: 128).")
+    parser.add_argument("--turns", type=int, default=len(FOLLOW_UPS), help="Turns of the conversation (default: 5).")
     args = parser.parse_args()
     import fast_blas
 
@@ -185,18 +188,24 @@ def main():
         start("ours --prompt-lookup", [sys.executable, "-m", "server", "--model", model_dir, "--port", str(ports[2]),
                                        "--prompt-lookup"], ports[2], model_dir),
     ]
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # run the finally below under `timeout`
     try:
         for server in servers:  # warm-up: the first MLX call of a process is slow
             timed_chat(server, user("Hi", "warm-up"), 4)
-        single = single_turn_tasks(servers, args.repeats)
-        turns = multi_turn(servers[:2], args.repeats)
+        # The multi-turn table first, written as soon as it is done.
+        turns = multi_turn(servers[:2], args.repeats, args.turns)
+        write(args.out, report({}, turns, args.repeats))
+        single = single_turn_tasks(servers, args.repeats, args.max_tokens)
+        write(args.out, report(single, turns, args.repeats))
     finally:
         for server in servers:
             server["process"].terminate()
-    table = report(single, turns, args.repeats)
-    print(table)
-    if args.out:
-        Path(args.out).write_text(table)
+
+
+def write(path, table: str):
+    print(table, flush=True)
+    if path:
+        Path(path).write_text(table)
 
 
 if __name__ == "__main__":
