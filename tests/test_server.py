@@ -342,7 +342,7 @@ def test_draft_sources_keep_the_greedy_output(client):
         drafted = OpenAI(base_url=line.split()[-1], api_key="none", max_retries=0, timeout=120)
         prompt = (ROOT / "demo" / "museum.txt").read_text()
         answers = [c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}],
-                                             temperature=0, max_tokens=48) for c in (client, drafted)]
+                                             temperature=0, max_tokens=32) for c in (client, drafted)]
     finally:
         process.terminate()
         process.wait(timeout=30)
