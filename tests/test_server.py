@@ -1,0 +1,365 @@
+"""The OpenAI-compatible server (server/), driven by the official ``openai`` client.
+
+Fast tests check request parsing and stop strings without a model. The slow ones start one server
+(``python -m server --port 0``) with the embedded model and talk to it over HTTP.
+"""
+
+import importlib.util
+import json
+import re
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from server.engine import StopText
+from server.protocol import ApiError, parse_body, parse_chat, parse_completion
+
+ROOT = Path(__file__).resolve().parent.parent
+API_KEY = "test-key"
+MODEL = "SmolLM2-135M-Instruct"
+QUESTION = "What is the capital of France? Answer in one sentence."
+USER_SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                                "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+               "required": ["name", "age"]}
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"]}}}
+
+
+# ---- without a model -------------------------------------------------------------------------------
+
+class FakeTokenizer:
+    def apply_chat_template(self, messages, add_generation_prompt=True, **options):
+        return [len(m["content"]) for m in messages]
+
+    def encode(self, text):
+        return [ord(c) for c in text]
+
+
+def chat(**body):
+    return parse_chat({"messages": [{"role": "user", "content": "hi"}], **body}, FakeTokenizer(), MODEL, 64)
+
+
+@pytest.mark.parametrize("body, fragment", [
+    ({"temperature": "hot"}, "'temperature' must be a number"),
+    ({"temperature": 3}, "'temperature' must be between"),
+    ({"temperature": 10**400}, "'temperature' must be between"),
+    ({"top_p": float("nan")}, "'top_p' must be between"),
+    ({"guided_regex": "a", "guided_grammar": "start: 'a'"}, "not both"),
+    ({"max_tokens": True}, "'max_tokens' must be an integer"),
+    ({"max_tokens": 0}, "at least 1"),
+    ({"n": 2}, "n=1"),
+    ({"stop": ["a", "b", "c", "d", "e"]}, "up to 4"),
+    ({"temperatur": 0}, "unrecognized request argument: temperatur"),
+    ({"messages": []}, "non-empty list"),
+    ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+    ({"response_format": {"type": "xml"}}, "response_format.type"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "object", "minProperties": 2}}}},
+     "the JSON schema is not supported"),
+    ({"tool_choice": "required"}, "'tool_choice' needs 'tools'"),
+    ({"tools": [WEATHER_TOOL], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"logprobs": True}, "logprobs"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {}, "stric": True}}},
+     "unrecognized argument response_format.json_schema.stric"),
+])
+def test_bad_chat_requests_are_400_with_the_field_named(body, fragment):
+    with pytest.raises(ApiError) as caught:
+        chat(**body)
+    assert caught.value.status == 400 and fragment in caught.value.message
+    assert caught.value.body()["error"]["type"] == "invalid_request_error"
+
+
+def test_unknown_model_is_404_and_malformed_json_400():
+    with pytest.raises(ApiError) as caught:
+        chat(model="gpt-4")
+    assert caught.value.status == 404 and caught.value.code == "model_not_found"
+    for raw in (b"{bad", b"[1]", b"\xff", b"[" * 100_000):
+        with pytest.raises(ApiError) as caught:
+            parse_body(raw)
+        assert caught.value.status == 400
+
+
+def test_requests_become_generation_options():
+    request = chat(temperature=0, max_completion_tokens=7, stop="\n", seed=3,
+                   response_format={"type": "json_schema", "json_schema": {"name": "u", "schema": USER_SCHEMA}})
+    assert (request.temp, request.max_tokens, request.stop, request.seed) == (0.0, 7, ["\n"], 3)
+    assert re.fullmatch(request.regex, '{"name":"Ann","age":3}') and not re.fullmatch(request.regex, '{"age":3}')
+    forced = chat(tools=[WEATHER_TOOL], tool_choice="required")
+    assert forced.tool_names == ["get_weather"] and forced.tool_wrapped
+    assert re.fullmatch(forced.regex, '{"name":"get_weather","arguments":{"city":"Oslo","unit":"celsius"}}')
+    completion = parse_completion({"prompt": "ab", "max_tokens": 3}, FakeTokenizer(), MODEL, 64)
+    assert completion.prompt == [97, 98] and completion.max_tokens == 3
+
+
+@pytest.mark.parametrize("pieces, stop, expected_sent, stopped", [
+    (["Hel", "lo\nWor", "ld"], ["\n"], ["Hel", "lo"], True),
+    (["a<", "/", "b>c"], ["</b>"], ["a", "", ""], True),  # held back while it may start a stop string
+    (["a<", "x"], ["</b>"], ["a", "<x"], False),
+    (["abc"], [], ["abc"], False),
+])
+def test_stop_text_holds_back_possible_stop_prefixes(pieces, stop, expected_sent, stopped):
+    stopper, sent, found = StopText(stop), [], False
+    for piece in pieces:
+        text, found = stopper.add(piece)
+        sent.append(text)
+        if found:
+            break
+    assert sent == expected_sent and found == stopped
+
+
+# ---- one server for the slow tests ------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def server():
+    process = subprocess.Popen([sys.executable, "-m", "server", "--port", "0", "--api-key", API_KEY,
+                                "--max-queue", "4", "--max-tokens", "32"],
+                               cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    line = process.stdout.readline()  # "serving MODEL on http://127.0.0.1:PORT/v1", or EOF on failure
+    if not line.startswith("serving"):
+        process.kill()
+        pytest.fail(f"the server did not start: {line}{process.stderr.read()[-2000:]}")
+    url = line.split()[-1]
+    yield process, url
+    process.terminate()
+    process.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    from openai import OpenAI
+
+    return OpenAI(base_url=server[1], api_key=API_KEY, max_retries=0, timeout=120)
+
+
+def main_py_text(*args):
+    output = subprocess.run([sys.executable, "main.py", "--json", *args], cwd=ROOT, capture_output=True,
+                            text=True, timeout=300, check=True).stdout
+    return json.loads(output)["text"]
+
+
+@pytest.mark.slow
+def test_greedy_chat_equals_main_py(client):
+    answer = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": QUESTION}],
+                                            temperature=0, max_tokens=24)
+    assert answer.choices[0].message.content == main_py_text("--prompt", QUESTION, "--max-tokens", "24")
+    assert answer.usage.completion_tokens <= 24 and answer.usage.prompt_tokens > 20
+
+
+@pytest.mark.slow
+def test_a_longer_prompt_reuses_the_cache_and_decodes_the_same(client):
+    first = "The quick brown fox jumps over the lazy dog. " * 4
+    client.completions.create(model=MODEL, prompt=first, max_tokens=2, temperature=0)
+    second = first + "The quick brown"
+    answer = client.completions.create(model=MODEL, prompt=second, max_tokens=12, temperature=0)
+    assert answer.usage.prompt_tokens_details.cached_tokens >= 40  # of 44 + 3 prompt tokens
+    assert answer.choices[0].text == main_py_text("--no-chat-template", "--prompt", second, "--max-tokens", "12")
+
+
+@pytest.mark.slow
+def test_streaming_sends_the_same_text_and_usage_last(client):
+    messages = [{"role": "user", "content": QUESTION}]
+    whole = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=16)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=16,
+                                                 stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    decoding = chunks[-1].usage.model_extra["decoding"]
+    assert decoding["target_forward_passes"] >= 1 and decoding["draft_proposed"] >= decoding["draft_accepted"]
+
+
+@pytest.mark.slow
+def test_a_seed_makes_sampling_repeatable(client):
+    texts = [client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=12, temperature=1.0,
+                                       seed=seed).choices[0].text for seed in (7, 7, 8)]
+    assert texts[0] == texts[1] != texts[2]
+
+
+@pytest.mark.slow
+def test_json_schema_output_validates(client):
+    import jsonschema
+
+    answer = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Give me a user as JSON."}], max_tokens=40, seed=1,
+        response_format={"type": "json_schema", "json_schema": {"name": "user", "schema": USER_SCHEMA,
+                                                                "strict": True}})
+    jsonschema.validate(json.loads(answer.choices[0].message.content), USER_SCHEMA)
+    assert answer.usage.model_extra["decoding"]["draft_accepted"] > 0  # the forced '{"name":"' and '","age":'
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_forced_tool_call_arguments_validate(client, tool_choice):
+    import jsonschema
+
+    answer = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "What is the weather in Paris?"}], temperature=0,
+        max_tokens=60, tools=[WEATHER_TOOL], tool_choice=tool_choice)
+    choice = answer.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    call = choice.message.tool_calls[0]
+    assert call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER_TOOL["function"]["parameters"])
+
+
+@pytest.mark.slow
+def test_guided_regex_and_stop(client):
+    answer = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "A date?"}],
+                                            temperature=0, extra_body={"guided_regex": r"\d{4}-\d{2}-\d{2}"})
+    assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", answer.choices[0].message.content)
+    answer = client.completions.create(model=MODEL, prompt="1, 2, 3, 4,", temperature=0, max_tokens=20, stop=[" 7"])
+    assert answer.choices[0].finish_reason == "stop" and " 7" not in answer.choices[0].text
+
+
+@pytest.mark.slow
+def test_the_readme_server_example_prints_what_it_says(server):
+    readme = (ROOT / "README.md").read_text()
+    code = re.search(r"^## Server\n.*?^```py\n(.*?)^```", readme, flags=re.S | re.M).group(1)
+    expected = re.search(r"# (\{.*\})$", code, flags=re.M).group(1)
+    code = code.replace("http://127.0.0.1:8080/v1", server[1]).replace('api_key="none"', f'api_key="{API_KEY}"')
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.stdout.strip() == expected, result.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_errors_are_openai_shaped_and_the_server_keeps_serving(server, client):
+    import openai
+
+    messages = [{"role": "user", "content": "hi"}]
+    cases = [
+        (openai.NotFoundError, "model_not_found", dict(model="gpt-4", messages=messages)),
+        (openai.BadRequestError, "context_length_exceeded",
+         dict(model=MODEL, messages=[{"role": "user", "content": "word " * 9000}])),
+        (openai.BadRequestError, None, dict(model=MODEL, messages=messages, extra_body={"guided_regex": "(a"})),
+        (openai.BadRequestError, None, dict(model=MODEL, messages=messages, n=2)),
+    ]
+    if importlib.util.find_spec("constrained.grammar") is None:  # else another test's business
+        cases.append((openai.BadRequestError, None,
+                      dict(model=MODEL, messages=messages, extra_body={"guided_grammar": "start: 'a'"})))
+    for error, code, request in cases:
+        with pytest.raises(error) as caught:
+            client.chat.completions.create(**request)
+        assert caught.value.body["message"] and caught.value.body["type"] == "invalid_request_error"
+        assert caught.value.body["code"] == code
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server[1], api_key="wrong", max_retries=0).models.list()
+    raw = post(server[1], "/chat/completions", b"{not json")
+    assert raw.status == 400 and json.loads(raw.read())["error"]["type"] == "invalid_request_error"
+    raw = post(server[1], "/completions", b" " * (17 * 2**20))
+    assert raw.status == 413 and "larger than 16 MiB" in json.loads(raw.read())["error"]["message"]
+    assert [m.id for m in client.models.list().data] == [MODEL]  # still serving
+
+
+def post(base_url: str, path: str, body: bytes, read: bool = True):
+    """A raw POST (stdlib http.client), to send bad JSON or hang up mid-stream; the response,
+    or the connection when not ``read``."""
+    from http.client import HTTPConnection
+    from urllib.parse import urlsplit
+
+    url = urlsplit(base_url)
+    connection = HTTPConnection(url.hostname, url.port, timeout=60)
+    connection.request("POST", url.path + path, body, {"Authorization": f"Bearer {API_KEY}",
+                                                        "Content-Type": "application/json"})
+    return connection.getresponse() if read else connection
+
+
+def rss_kib(pid: int) -> int:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(re.search(r"VmRSS:\s+(\d+)", status).group(1))
+
+
+@pytest.mark.slow
+def test_disconnect_mid_stream_stops_the_generation(server, client):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Write a long story."}],
+            "max_tokens": 4000, "temperature": 0, "stream": True}
+    response = post(server[1], "/chat/completions", json.dumps(body).encode())
+    received = [response.readline() for _ in range(6)]
+    response.close()  # and the connection with it
+    assert response.status == 200 and sum(line.startswith(b"data:") for line in received) == 3
+    assert_next_request_is_not_held_up(client)
+    # The same without streaming: the handler notices the closed connection while it waits.
+    body["stream"] = False
+    connection = post(server[1], "/chat/completions", json.dumps(body).encode(), read=False)
+    time.sleep(2)
+    connection.close()
+    assert_next_request_is_not_held_up(client)
+
+
+def assert_next_request_is_not_held_up(client):
+    # 4000 tokens take minutes; the next request is answered as soon as the cancelled one stops.
+    start = time.perf_counter()
+    answer = client.completions.create(model=MODEL, prompt="Hello", max_tokens=2, temperature=0)
+    assert answer.usage.completion_tokens == 2 and time.perf_counter() - start < 30
+
+
+@pytest.mark.slow
+def test_load_16_clients_64_requests_none_lost(server, client):
+    """Every request is answered or refused with 503 (queue of 4), and memory stays bounded."""
+    import openai
+
+    rss_before = rss_kib(server[0].pid)
+    outcomes, lock = [], threading.Lock()
+
+    def one(index):
+        try:
+            answer = client.completions.create(model=MODEL, prompt=f"Count: {index},", max_tokens=3, temperature=0)
+            result = ("ok", answer.usage.completion_tokens)
+        except openai.APIStatusError as error:
+            result = (error.status_code, error.response.headers.get("retry-after"))
+        with lock:
+            outcomes.append(result)
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=16) as pool:
+        list(pool.map(one, range(64)))
+    assert time.perf_counter() - start < 240
+    assert len(outcomes) == 64
+    answered = [o for o in outcomes if o[0] == "ok"]
+    refused = [o for o in outcomes if o[0] != "ok"]
+    assert all(o == (503, "1") for o in refused) and all(1 <= o[1] <= 3 for o in answered)
+    assert len(answered) >= 5  # the running request and a full queue, at least
+    assert rss_kib(server[0].pid) - rss_before < 300_000
+    assert client.models.list().data  # still serving
+
+
+@pytest.mark.slow
+def test_draft_sources_keep_the_greedy_output(client):
+    """A second server with prompt lookup and the draft head: the same text, fewer target passes."""
+    from openai import OpenAI
+
+    process = subprocess.Popen([sys.executable, "-m", "server", "--port", "0", "--prompt-lookup", "--draft-head"],
+                               cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = process.stdout.readline()
+        assert line.startswith("serving"), process.stderr.read()[-2000:]
+        drafted = OpenAI(base_url=line.split()[-1], api_key="none", max_retries=0, timeout=120)
+        prompt = (ROOT / "demo" / "museum.txt").read_text()
+        answers = [c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}],
+                                             temperature=0, max_tokens=32) for c in (client, drafted)]
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+    assert answers[1].choices[0].message.content == answers[0].choices[0].message.content
+    plain, fast = (a.usage.model_extra["decoding"] for a in answers)
+    assert fast["draft_accepted"] > 0 and fast["target_forward_passes"] < plain["target_forward_passes"]
+
+
+@pytest.mark.slow
+def test_a_taken_port_or_bad_flag_is_one_line_before_the_model_loads():
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = str(taken.getsockname()[1])
+        for argv, message in ((["--port", port], "cannot listen on 127.0.0.1:"),
+                              (["--max-queue", "-1"], "--max-queue")):
+            result = subprocess.run([sys.executable, "-m", "server", *argv], cwd=ROOT, capture_output=True,
+                                    text=True, timeout=120)
+            assert result.returncode == 1 and result.stderr.startswith("error: ") and message in result.stderr
+            assert len(result.stderr.strip().splitlines()) == 1
