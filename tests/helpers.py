@@ -91,6 +91,44 @@ def assert_sampling_keeps_the_target_distribution(target, make_run, temp, top_p,
     assert 0 < stats.draft_accepted < stats.draft_proposed
 
 
+def assert_constrained_sampling_is_exact(model, constraint, temp=1.0, runs=1500):
+    """Two tokens sampled under ``constraint`` with a drafter that ignores it (its own q puts mass
+    on forbidden tokens, as a draft model's does), chi-squared against the target's masked joint
+    distribution computed by brute force. A forbidden draft token must be rejected into the
+    residual (p - q)+; cutting the draft there and sampling from p would skew the output."""
+    import numpy as np
+
+    from decoder import DecodingStats, generate_step, sampling_probs
+
+    vocab, prompt = model.args.vocab_size, [1, 2, 3]
+
+    def masked(context, mask):
+        logits = model(mx.array([context]))[0, -1]
+        return np.array(sampling_probs(mx.where(mx.array(mask), logits, -mx.inf)[None], temp))[0]
+
+    first_mask = np.array(constraint.masks(constraint.walk([])))[0]
+    p1 = masked(prompt, first_mask)
+    joint = np.zeros((vocab, vocab))
+    for first in np.flatnonzero(first_mask):
+        second_mask = np.array(constraint.masks(constraint.walk([int(first)])))[1]
+        joint[first] = p1[first] * masked(prompt + [int(first)], second_mask)
+
+    q = np.full(vocab, 0.2 / vocab)
+    q[[ord(c) for c in "abcx"]] += 0.2  # mostly allowed letters, some forbidden tokens
+    q = q / q.sum()
+    rng = np.random.default_rng(0)
+    drafter = ScriptedSource(lambda tokens, k: rng.choice(vocab, size=min(k, 2), p=q).tolist(), name="random",
+                             probs_fn=lambda tokens, draft: mx.array(np.tile(q, (len(draft), 1)), mx.float32))
+    mx.random.seed(5)
+    counts, stats = np.zeros(vocab * vocab, dtype=np.int64), DecodingStats()
+    for _ in range(runs):
+        out = [token for token, _ in generate_step(prompt, model, draft_sources=[drafter], constraint=constraint,
+                                                   temp=temp, max_tokens=2, stats=stats, eos_token_ids=())]
+        counts[out[0] * vocab + out[1]] += 1
+    assert chi_square_p_value(counts, joint.reshape(-1)) > 1e-3
+    assert 0 < stats.draft_accepted < stats.draft_proposed
+
+
 def tiny_byte_tokenizer():
     """A byte-level BPE tokenizer with every byte, a few merges and an EOS: vocab of ~270.
 

@@ -101,40 +101,6 @@ def test_embedded_model_output_matches_and_drafts_are_lossless(embedded, chat_pr
 
 
 def test_sampling_with_a_drafter_that_ignores_the_regex_keeps_the_masked_distribution():
-    """A draft with its own q (a draft model knows nothing of the regex) proposes forbidden tokens
-    too. The target must reject them and sample from the residual (p - q)+; cutting the draft
-    there and sampling from p instead would skew the output. Two sampled tokens against the
-    target's masked joint distribution, by brute force."""
-    import mlx.core as mx
-    import numpy as np
+    from tests.helpers import assert_constrained_sampling_is_exact
 
-    from decoder import generate_step, sampling_probs
-    from tests.helpers import chi_square_p_value
-
-    pattern, temp, prompt = "[a-e]{2}", 1.0, [1, 2, 3]
-    constraint = RegexConstraint.from_regex(pattern, TOKENIZER, vocab_size=VOCAB)
-
-    def masked(context, mask):
-        logits = MODEL(mx.array([context]))[0, -1]
-        return np.array(sampling_probs(mx.where(mx.array(mask), logits, -mx.inf)[None], temp))[0]
-
-    first_mask = np.array(constraint.masks(constraint.walk([])))[0]
-    p1 = masked(prompt, first_mask)
-    joint = np.zeros((VOCAB, VOCAB))
-    for first in np.flatnonzero(first_mask):
-        joint[first] = p1[first] * masked(prompt + [int(first)], np.array(constraint.masks(constraint.walk([int(first)])))[1])
-
-    q = np.full(VOCAB, 0.2 / VOCAB)
-    q[[ord(c) for c in "abcx"]] += 0.2  # mostly allowed letters, some forbidden tokens
-    q = q / q.sum()
-    rng = np.random.default_rng(0)
-    drafter = ScriptedSource(lambda tokens, k: rng.choice(VOCAB, size=min(k, 2), p=q).tolist(), name="random",
-                             probs_fn=lambda tokens, draft: mx.array(np.tile(q, (len(draft), 1)), mx.float32))
-    mx.random.seed(5)
-    counts, stats = np.zeros(VOCAB * VOCAB, dtype=np.int64), DecodingStats()
-    for _ in range(1500):
-        out = [token for token, _ in generate_step(prompt, MODEL, draft_sources=[drafter], constraint=constraint,
-                                                   temp=temp, max_tokens=2, stats=stats, eos_token_ids=())]
-        counts[out[0] * VOCAB + out[1]] += 1
-    assert chi_square_p_value(counts, joint.reshape(-1)) > 1e-3
-    assert 0 < stats.draft_accepted < stats.draft_proposed
+    assert_constrained_sampling_is_exact(MODEL, RegexConstraint.from_regex("[a-e]{2}", TOKENIZER, vocab_size=VOCAB))

@@ -20,10 +20,10 @@ pytest.importorskip("lark")
 from constrained import RegexConstraint  # noqa: E402
 from constrained.grammar import (REJECTED, GrammarConstraint, GrammarError, GrammarForcedSource,  # noqa: E402
                                 compile_grammar)
-from decoder import DecodingStats, generate, generate_step, sampling_probs  # noqa: E402
+from decoder import DecodingStats, generate  # noqa: E402
 from prompt_lookup import PromptLookupSource  # noqa: E402
 from speculative import DraftModelSource  # noqa: E402
-from tests.helpers import ScriptedSource, chi_square_p_value, tiny_byte_tokenizer, tiny_llama  # noqa: E402
+from tests.helpers import ScriptedSource, assert_constrained_sampling_is_exact, tiny_byte_tokenizer, tiny_llama  # noqa: E402
 from tests.lark_oracle import lark_parser, parses  # noqa: E402
 from tests.test_cli import ROOT, assert_one_line_error, cli  # noqa: E402
 
@@ -175,33 +175,7 @@ def test_walk_keeps_the_first_forbidden_or_out_of_vocabulary_token_to_be_rejecte
 def test_sampling_keeps_the_masked_target_distribution():
     """Two sampled tokens under a grammar, with a random drafter that has its own distribution,
     against the target's masked joint distribution computed by brute force."""
-    grammar, temp, prompt = "start: /[a-e]{2}/", 1.0, [1, 2, 3]
-    constraint = grammar_constraint(grammar)
-    first_mask = np.array(constraint.masks(constraint.walk([])))[0]
-    logits = MODEL(mx.array([prompt]))[0, -1]
-    p1 = np.array(sampling_probs(mx.where(mx.array(first_mask), logits, -mx.inf)[None], temp))[0]
-    joint = np.zeros((VOCAB, VOCAB))
-    for first in np.flatnonzero(first_mask):
-        second_mask = np.array(constraint.masks(constraint.walk([int(first)])))[1]
-        logits = MODEL(mx.array([prompt + [int(first)]]))[0, -1]
-        p2 = np.array(sampling_probs(mx.where(mx.array(second_mask), logits, -mx.inf)[None], temp))[0]
-        joint[first] = p1[first] * p2
-
-    q = np.full(VOCAB, 0.2 / VOCAB)
-    q[[ord(c) for c in "abcx"]] += 0.2  # mostly allowed letters, some forbidden tokens
-    q = q / q.sum()
-    rng = np.random.default_rng(0)
-    drafter = ScriptedSource(lambda tokens, k: rng.choice(VOCAB, size=min(k, 2), p=q).tolist(), name="random",
-                             probs_fn=lambda tokens, draft: mx.array(np.tile(q, (len(draft), 1)), mx.float32))
-    mx.random.seed(5)
-    counts, stats = np.zeros(VOCAB * VOCAB, dtype=np.int64), DecodingStats()
-    for _ in range(1500):
-        constraint.reset()
-        out = [token for token, _ in generate_step(prompt, MODEL, draft_sources=[drafter], constraint=constraint,
-                                                   temp=temp, max_tokens=2, stats=stats, eos_token_ids=())]
-        counts[out[0] * VOCAB + out[1]] += 1
-    assert chi_square_p_value(counts, joint.reshape(-1)) > 1e-3
-    assert 0 < stats.draft_accepted < stats.draft_proposed
+    assert_constrained_sampling_is_exact(MODEL, grammar_constraint("start: /[a-e]{2}/"))
 
 
 # --- outputs an independent parser accepts ----------------------------------------------------------
