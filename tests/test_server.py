@@ -219,6 +219,20 @@ def test_guided_regex_and_stop(client):
 
 
 @pytest.mark.slow
+def test_guided_grammar_output_is_in_the_language_and_a_bad_one_is_400(client):
+    import openai
+
+    grammar = 'start: "The capital of France is " CITY "."\nCITY: /[A-Z][a-z]+/'
+    answer = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Capital of France?"}],
+                                            temperature=0, max_tokens=16, extra_body={"guided_grammar": grammar})
+    assert re.fullmatch(r"The capital of France is [A-Z][a-z]+\.", answer.choices[0].message.content)
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                       extra_body={"guided_grammar": "start: undefined_rule"})
+    assert caught.value.body["type"] == "invalid_request_error"
+
+
+@pytest.mark.slow
 def test_the_readme_server_example_prints_what_it_says(server):
     readme = (ROOT / "README.md").read_text()
     code = re.search(r"^## Server\n.*?^```py\n(.*?)^```", readme, flags=re.S | re.M).group(1)
