@@ -70,8 +70,7 @@ def build_app(engine: Engine, model_id: str, context_length=None, api_key=None,
             await next_event(request, job)  # "start", or the error that came first
             if generation.stream:
                 return EventStream(job, fmt, generation.include_usage)
-            while (event := await next_event(request, job))[0] == "text":
-                pass
+            event = await next_event(request, job, skip_text=True)
             return JSONResponse(fmt.full(event[1]))
         except BaseException:  # an error event, a client that left, a cancelled task
             job.cancelled.set()
@@ -96,18 +95,24 @@ async def read_body(request: Request) -> bytes:
     return b"".join(chunks)
 
 
-async def next_event(request: Request, job: Job) -> tuple:
-    """The job's next event; raises its error, or ClientGone when the client disconnects meanwhile."""
+async def next_event(request: Request, job: Job, skip_text: bool = False) -> tuple:
+    """The job's next event (with ``skip_text``, the next one that is not text); raises its error,
+    or ClientGone when the client disconnects meanwhile. The client is checked every
+    DISCONNECT_POLL_S, also while events keep coming (text arrives faster than that)."""
+    checked = time.monotonic()
     while True:
         try:
             kind, payload = await asyncio.wait_for(job.events.get(), DISCONNECT_POLL_S)
         except asyncio.TimeoutError:
+            kind = payload = None
+        if time.monotonic() - checked >= DISCONNECT_POLL_S:
             if await request.is_disconnected():
                 raise ClientGone() from None
-            continue
+            checked = time.monotonic()
         if kind == "error":
             raise payload
-        return kind, payload
+        if kind is not None and not (skip_text and kind == "text"):
+            return kind, payload
 
 
 class EventStream(StreamingResponse):
