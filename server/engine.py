@@ -16,7 +16,6 @@ import threading
 import traceback
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Optional
 
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
