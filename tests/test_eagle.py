@@ -118,18 +118,27 @@ def test_eagle3_draft_logits_match_the_reference(tmp_path, with_embeddings, pick
     _, features = body_with_features(TARGET, mx.array(TOKENS), head.feature_layers)
     assert close(features, expected)
 
-    # Reading the accepted text (h_t with x_{t+1}), then three draft steps on its own outputs.
+    def next_token(my_logits, their_logits):
+        index = int(their_logits[0, -1].argmax())
+        assert mx.argmax(my_logits[0, -1]).item() == index
+        token = int(reference.target_tokens(torch.tensor(index)))
+        assert vocab_ids[index].item() == token  # d2t: draft index -> target token
+        return token
+
+    draft_steps_agree(reference, head, expected, features, reference.logits, head.logits, next_token)
+
+
+def draft_steps_agree(reference, head, expected, features, their_scores, my_scores, next_token):
+    """Reading the accepted text (h_t with x_{t+1}), then three draft steps on the heads' own
+    outputs: the logits agree at every step (``next_token`` picks the token fed back)."""
     tokens, cache = mx.array(TOKENS), head.make_cache()
     with torch.no_grad():
         theirs, past = reference(expected[:, :-1], torch.tensor(TOKENS)[:, 1:])
     mine = head(features[:, :-1], TARGET.model.embed_tokens(tokens[:, 1:]), cache=cache)
     for step in range(4):
-        their_logits, my_logits = reference.logits(theirs), head.logits(mine)
+        their_logits, my_logits = their_scores(theirs), my_scores(mine)
         assert close(my_logits, their_logits), step
-        index = int(their_logits[0, -1].argmax())
-        assert mx.argmax(my_logits[0, -1]).item() == index
-        token = int(reference.target_tokens(torch.tensor(index)))
-        assert vocab_ids[index].item() == token  # d2t: draft index -> target token
+        token = next_token(my_logits, their_logits)
         with torch.no_grad():
             theirs, past = reference(theirs[:, -1:], torch.tensor([[token]]), past)
         mine = head(mine[:, -1:], TARGET.model.embed_tokens(mx.array([[token]])), cache=cache)
@@ -146,18 +155,9 @@ def test_eagle1_draft_logits_match_the_reference(tmp_path):
     _, features = body_with_features(TARGET, mx.array(TOKENS), head.feature_layers)
     assert close(features, expected)
 
-    tokens, cache = mx.array(TOKENS), head.make_cache()
-    with torch.no_grad():
-        theirs, past = reference(expected[:, :-1], torch.tensor(TOKENS)[:, 1:])
-    mine = head(features[:, :-1], TARGET.model.embed_tokens(tokens[:, 1:]), cache=cache)
-    for step in range(4):
-        their_logits = oracle.lm_head(theirs)  # EAGLE-1 scores with the target's own LM head
-        my_logits = logits_from_hidden(TARGET, mine)
-        assert close(my_logits, their_logits), step
-        token = int(their_logits[0, -1].argmax())
-        with torch.no_grad():
-            theirs, past = reference(theirs[:, -1:], torch.tensor([[token]]), past)
-        mine = head(mine[:, -1:], TARGET.model.embed_tokens(mx.array([[token]])), cache=cache)
+    # EAGLE-1 scores with the target's own LM head.
+    draft_steps_agree(reference, head, expected, features, oracle.lm_head, lambda h: logits_from_hidden(TARGET, h),
+                      lambda mine, theirs: int(theirs[0, -1].argmax()))
 
 
 def bigram_target(vocab_size, hidden_size=64, num_layers=LAYERS, seed=0):
