@@ -465,6 +465,8 @@ def generate(model, tokenizer, prompt: Union[str, Sequence[int]], verbose: bool 
     """
     prompt = encode(tokenizer, prompt)
     stats = kwargs.pop("stats", None) or DecodingStats()
+    eos = kwargs.pop("eos_token_ids", None)
+    eos = eos_ids_of(tokenizer) if eos is None else set(eos)
     max_tokens = kwargs.get("max_tokens", 256)
     mx.reset_peak_memory()
     tokens, sources, segments = [], [], []
@@ -472,7 +474,7 @@ def generate(model, tokenizer, prompt: Union[str, Sequence[int]], verbose: bool 
         print("=" * 10)
     tic = time.perf_counter()
     first_token_time = None
-    for response in stream_generate(model, tokenizer, prompt, stats=stats, **kwargs):
+    for response in stream_generate(model, tokenizer, prompt, stats=stats, eos_token_ids=eos, **kwargs):
         if first_token_time is None:
             first_token_time = time.perf_counter()
         tokens.append(response.token)
@@ -486,8 +488,6 @@ def generate(model, tokenizer, prompt: Union[str, Sequence[int]], verbose: bool 
     first_token_time = first_token_time or end
     # As in mlx-lm: prompt speed is prefill time; generation speed counts tokens after the first.
     decode_time = end - first_token_time
-    eos = kwargs.get("eos_token_ids")
-    eos = eos_ids_of(tokenizer) if eos is None else set(eos)
     finished = bool(tokens) and tokens[-1] in eos
     result = GenerationResult(
         text="".join(segments),
