@@ -58,6 +58,7 @@ def load_schema(argument: str):
         raise SchemaError("the schema nests too deeply to read") from None
     if not isinstance(schema, (dict, bool)):
         raise SchemaError("the schema must be a JSON object or a boolean")
+    check_finite(schema)  # here, not only in the regex compiler: every engine reads what this returns
     return schema
 
 

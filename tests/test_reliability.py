@@ -95,6 +95,9 @@ def test_a_bound_of_1e308_has_a_short_exact_form():
 ])
 def test_non_finite_numbers_are_refused_with_their_pointer(text, pointer):
     assert refusal(text).endswith(f"not finite (NaN, Infinity or beyond ±1.8e308) at {pointer}")
+    # Already when the schema is read, so the llguidance engine (main.py's default) refuses it the same way.
+    with pytest.raises(SchemaError, match=f"not finite .* at {pointer}"):
+        load_schema(text)
 
 
 def test_integer_bounds_beyond_float_range_are_refused():
