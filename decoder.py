@@ -39,10 +39,15 @@ class Draft:
 
     ``probs`` is the (len(tokens), vocab) distribution each token was drawn
     from; ``None`` means a point mass (n-gram copies, forced text).
+
+    ``expected_speedup`` is what the source expects this step to give: tokens
+    emitted (accepted + the target's own) per plain step's time, so 1.0 is a
+    plain step. ``None`` (no estimate) means the draft is taken as it is.
     """
 
     tokens: list
     probs: Optional[mx.array] = None
+    expected_speedup: Optional[float] = None
 
 
 class DraftSource(Protocol):
@@ -53,6 +58,10 @@ class DraftSource(Protocol):
 
     def propose(self, tokens: list, max_draft: int) -> Optional[Draft]:
         """Propose up to ``max_draft`` tokens to follow ``tokens``."""
+
+    # Optional, for sources that cost something to ask (a model):
+    # def forecast_speedup(self) -> Optional[float]:
+    #     """The ``expected_speedup`` of the draft it would propose now, known before drafting."""
 
     def update(self, tokens: list, num_proposed: int, num_accepted: int) -> None:
         """Follow along: ``tokens`` is the whole accepted sequence so far;
@@ -221,17 +230,36 @@ def prefill(model, cache, tokens: list, step_size: int = 512):
 def _truncate(draft: Draft, length: int) -> Draft:
     if len(draft.tokens) <= length:
         return draft
-    return Draft(draft.tokens[:length], None if draft.probs is None else draft.probs[:length])
+    return Draft(draft.tokens[:length], None if draft.probs is None else draft.probs[:length],
+                 draft.expected_speedup)
 
 
 def _propose(draft_sources, tokens, max_draft):
-    """The first source with a non-empty draft wins (sources are in priority order)."""
-    if max_draft > 0:
-        for source in draft_sources:
-            draft = source.propose(tokens, max_draft)
-            if draft is not None and draft.tokens:
-                return _truncate(draft, max_draft), source
-    return Draft([]), None
+    """Pick this step's draft; sources are in priority order, cheap ones first.
+
+    The first non-empty draft wins, unless it comes with an ``expected_speedup``: then a
+    later source that can forecast its own (``forecast_speedup``, known before it drafts)
+    is asked to draft when it expects more, and its draft replaces the first. This is
+    SuffixDecoding's per-step choice between a cheap copy and a model: the model is
+    only run on the steps where it is expected to pay more than the copy.
+
+    The choice depends on the context and on past steps only, never on tokens drawn
+    this step, so every draft is still drawn from the ``probs`` it reports.
+    """
+    chosen, drafter = Draft([]), None
+    if max_draft <= 0:
+        return chosen, drafter
+    for source in draft_sources:
+        if drafter is not None:
+            forecast = getattr(source, "forecast_speedup", lambda: None)()
+            if chosen.expected_speedup is None or forecast is None or forecast <= chosen.expected_speedup:
+                break
+        draft = source.propose(tokens, max_draft)
+        if draft is not None and draft.tokens:
+            chosen, drafter = _truncate(draft, max_draft), source
+            if draft.expected_speedup is None:
+                break
+    return chosen, drafter
 
 
 def generate_step(
@@ -255,7 +283,8 @@ def generate_step(
         prompt: at least one token id.
         model: an mlx-lm model (``model(inputs, cache=cache) -> logits``).
         eos_token_ids: stop after emitting one of these (``eos_ids_of(tokenizer)``; ``()`` for none).
-        draft_sources: tried in order each step; the first non-empty draft is verified.
+        draft_sources: tried in order each step; the first non-empty draft is verified, or a
+            later model's when it forecasts a larger speed-up (see ``_propose``).
         constraint: optional logits mask that advances along accepted tokens.
         temp, top_p: 0 temperature is greedy; drafts are accepted with ``min(1, p/q)``.
         sampler: an mlx-lm sampler (``make_sampler(...)``) to use instead of ``temp``/``top_p``;

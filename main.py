@@ -14,6 +14,7 @@ import os
 import re
 import signal
 import sys
+from pathlib import Path
 
 import fast_blas
 from cli import CLOSED_PIPE_STATUS, CliError, Parser, check_finite, check_text_argument, discard_stdout
@@ -220,8 +221,9 @@ def build_run(args, session=None):
         constraint = GrammarConstraint.from_llguidance(args.llguidance_grammar, tokenizer,
                                                        vocab_size=output_size(model, tokenizer))
         sources.append(GrammarForcedSource(constraint, tokenizer))
+    head_dir = draft_head_dir(args) if args.draft_head is not None else None
     if args.prompt_lookup or args.lookup_history is not None:
-        sources.append(lookup_source(search_extra, args))
+        sources.append(lookup_source(search_extra, args, head_dir))
     if args.draft_model is not None:
         from speculative import DraftModelSource
 
@@ -231,7 +233,7 @@ def build_run(args, session=None):
             draft_model, draft_tokenizer, model, tokenizer, encoder_input=search_extra or None,
             temp=args.temp, top_p=args.top_p, adaptive=not args.no_adaptive, **options))
     if args.draft_head is not None:
-        model = add_draft_head(model, sources, search_extra, args)
+        model = add_draft_head(model, sources, search_extra, head_dir, args)
     kwargs = dict(draft_sources=sources, constraint=constraint, temp=args.temp, top_p=args.top_p,
                   max_tokens=max_tokens, stats=DecodingStats())
     return model, tokenizer, prompt, kwargs
@@ -243,8 +245,11 @@ def history_path(args):
     return args.lookup_history or cache_dir() / "history" / "store.npz"
 
 
-def lookup_source(search_extra: list, args):
-    """Prompt lookup, over the history store too with --lookup-history (which includes prompt lookup)."""
+def lookup_source(search_extra: list, args, head_dir=None):
+    """Prompt lookup, over the history store too with --lookup-history (which includes prompt lookup).
+
+    With --draft-head, the store starts with the seed that ships with the head (``history.npz``,
+    answers to its training instructions), read-only; the run appends only to PATH."""
     from prompt_lookup import PromptLookupSource
 
     options = {"ngram_max": args.ngram_max, "ngram_min": args.ngram_min, "extra_context": search_extra,
@@ -253,36 +258,48 @@ def lookup_source(search_extra: list, args):
         options["num_draft"] = args.num_draft
     if args.lookup_history is None:
         return PromptLookupSource(**options)
-    from prompt_lookup.history import HistoryError, HistoryLookupSource, load_history
+    import numpy as np
 
+    from prompt_lookup.history import HistoryError, HistoryLookupSource, load_history
+    from speculative.head import SHIPPED_HEAD
+
+    stores = [history_path(args)]
+    if args.draft_head is not None:
+        stores.insert(0, Path(head_dir or SHIPPED_HEAD) / "history.npz")  # older than anything in PATH
     try:
-        return HistoryLookupSource(load_history(history_path(args)), **options)
+        return HistoryLookupSource(np.concatenate([load_history(path) for path in stores]), **options)
     except HistoryError as error:
         raise CliError(str(error)) from None
 
 
-def add_draft_head(model, sources: list, search_extra: list, args):
+def draft_head_dir(args):
+    """``--draft-head`` as a local directory: a repo id is downloaded; None is the shipped head."""
+    head_dir = os.path.expanduser(args.draft_head) if args.draft_head else None
+    if head_dir is None or os.path.exists(head_dir):
+        return head_dir
+    if head_dir.count("/") != 1 or head_dir.startswith((".", "/")):
+        raise CliError(f"--draft-head {head_dir} is neither a directory nor a Hugging Face repo id")
+    from huggingface_hub import snapshot_download
+
+    try:  # most EAGLE heads are published as pytorch_model.bin (read without running code)
+        return snapshot_download(head_dir, allow_patterns=["config.json", "model.safetensors",
+                                                           "pytorch_model.bin", "history.npz"])
+    except Exception as error:
+        reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise CliError(f"cannot download the draft head {args.draft_head}: {reason}") from None
+
+
+def add_draft_head(model, sources: list, search_extra: list, head_dir, args):
     """Append the head's source (after any prompt lookup); returns the model the loop must run.
 
-    ``--draft-head`` is a directory (ours, or a published EAGLE-1/2 or EAGLE-3 head) or a
-    Hugging Face repo id of one; bare, the head shipped for the embedded model."""
+    ``head_dir`` (``draft_head_dir``) holds ours or a published EAGLE-1/2 or EAGLE-3 head;
+    None is the head shipped for the embedded model. With prompt lookup before it, the loop
+    lets the head draft on the steps it is expected to pay more (decoder._propose)."""
     from speculative.head import HeadMismatch
     from speculative.head_source import DraftHeadSource
 
     if search_extra:
         raise CliError("--draft-head needs a decoder-only model; T5 is not supported")
-    head_dir = os.path.expanduser(args.draft_head) if args.draft_head else None
-    if head_dir is not None and not os.path.exists(head_dir):
-        if head_dir.count("/") != 1 or head_dir.startswith((".", "/")):
-            raise CliError(f"--draft-head {head_dir} is neither a directory nor a Hugging Face repo id")
-        from huggingface_hub import snapshot_download
-
-        try:  # most EAGLE heads are published as pytorch_model.bin (read without running code)
-            head_dir = snapshot_download(head_dir, allow_patterns=["config.json", "model.safetensors",
-                                                                   "pytorch_model.bin"])
-        except Exception as error:
-            reason = str(error).splitlines()[0] if str(error) else type(error).__name__
-            raise CliError(f"cannot download the draft head {args.draft_head}: {reason}") from None
     options = {} if args.num_draft is None else {"num_draft": args.num_draft}
     try:
         tap, source = DraftHeadSource.create(model, head_dir, temp=args.temp, top_p=args.top_p,

@@ -9,6 +9,10 @@
   so that replaying them gives exactly the passes that greedy decoding with a drafter takes.
 
     python -m benchmarks.history_data --store-prompts 208   # generate what is missing
+    python -m benchmarks.history_data --write-seed speculative/heads/smollm2-135m/history.npz
+
+The second writes the store answers as the history store that ships with the head (the
+seed ``main.py --draft-head --lookup-history`` starts from).
 
 Everything is cached as JSON under ~/.cache/mlx-decoding/history-study/ and generated only
 when missing; the store grows batch by batch, so an interrupted run keeps its progress.
@@ -86,14 +90,19 @@ def query_set(model, tokenizer, name: str, max_tokens: int, log=print) -> list:
 def main():
     parser = argparse.ArgumentParser(description="Generate the history study's cached answers.")
     parser.add_argument("--store-prompts", type=int, default=208, help="Instructions answered for the store.")
+    parser.add_argument("--write-seed", metavar="PATH", help="Write the store answers as a history store file.")
     args = parser.parse_args()
     from loading import load_model
+    from prompt_lookup.history import join_outputs, save_history
 
     model, tokenizer, _ = load_model()
     query_set(model, tokenizer, "chat", 128)
     query_set(model, tokenizer, "replies", 96)
     query_set(model, tokenizer, "extraction", 64)
-    store_answers(model, tokenizer, args.store_prompts)
+    answers = store_answers(model, tokenizer, args.store_prompts)
+    if args.write_seed:
+        save_history(args.write_seed, join_outputs(answers))
+        print(f"wrote {args.write_seed}: {len(answers)} answers, {sum(map(len, answers))} tokens")
 
 
 if __name__ == "__main__":

@@ -63,27 +63,33 @@ def load_history(path) -> np.ndarray:
     return tokens.astype(np.int32)
 
 
+def save_history(path, history: np.ndarray):
+    """Write a store array to ``path`` atomically: written aside, then moved into place with
+    ``os.replace``, so a reader sees the old store or the new one, never a partial file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(temporary, "wb") as file:
+            np.savez_compressed(file, tokens=history)
+            file.flush()
+            os.fsync(file.fileno())  # the data is on disk before the name points at it
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)
+
+
 def append_history(path, outputs: Sequence[Sequence[int]], max_tokens: int = DEFAULT_MAX_HISTORY_TOKENS):
     """Add ``outputs`` (token id lists) to the store at ``path``, keeping at most ``max_tokens``.
 
-    Writers take turns on a lock file, so no run's outputs are lost to another's write; the
-    new store is written aside and moved into place with ``os.replace``, so a reader sees the
-    old store or the new one, never a partial file.
+    Writers take turns on a lock file, so no run's outputs are lost to another's write;
+    ``save_history`` replaces the file atomically.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.with_name(path.name + ".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-        history = bound_history(np.concatenate([load_history(path), join_outputs(outputs)]), max_tokens)
-        temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        try:
-            with open(temporary, "wb") as file:
-                np.savez(file, tokens=history)
-                file.flush()
-                os.fsync(file.fileno())  # the data is on disk before the name points at it
-            os.replace(temporary, path)
-        finally:
-            temporary.unlink(missing_ok=True)
+        save_history(path, bound_history(np.concatenate([load_history(path), join_outputs(outputs)]), max_tokens))
 
 
 class HistoryLookupSource(PromptLookupSource):
@@ -124,3 +130,8 @@ class HistoryLookupSource(PromptLookupSource):
         super().reset()
         if self.history.size:
             self._context = mx.concatenate([mx.array(self.history), self._context])
+
+    def match_kind(self, ngram: int, start: int):
+        """A copy from the store and one from this generation's own context are told apart: a
+        3-gram seen in another answer predicts less than one seen in this answer."""
+        return super().match_kind(ngram, start), start < self.history.size

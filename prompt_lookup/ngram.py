@@ -57,7 +57,7 @@ def find_draft(
     check_search_args(ngram_max, ngram_min, num_draft)
     tokens = list(tokens)
     context = list(extra_context) + [SEPARATOR] + tokens if extra_context else tokens
-    draft, _ = search(mx.array(context, mx.int32), len(tokens), ngram_max, ngram_min, num_draft)
+    draft, _, _ = search(mx.array(context, mx.int32), len(tokens), ngram_max, ngram_min, num_draft)
     return draft
 
 
@@ -71,13 +71,14 @@ def search(
     """``find_draft`` on a ready context: an int32 array whose last ``num_tokens``
     entries are the tokens, preceded by ``extra_context + [SEPARATOR]`` if any.
 
-    Returns ``(draft, ngram)``: the draft and the size of the n-gram it matched.
+    Returns ``(draft, ngram, start)``: the draft, the size of the n-gram it matched and
+    where in ``context`` the copied tokens start.
     """
     length = context.shape[0]
     lookback = max(ngram_max, LONGEST_LOOKBACK)
     window = min(lookback, num_tokens)  # the suffix comes from the tokens alone
     if window == 0:
-        return [], 0
+        return [], 0, 0
     # windows[j]: the `window` tokens right before position j, newest first, so that
     # match_length[j] counts how many of them equal the end of the context: an
     # occurrence whose continuation starts at j. All positions in one comparison.
@@ -95,8 +96,8 @@ def search(
     draft = mx.where(follow < length, context[mx.minimum(follow, length - 1)], SEPARATOR)
     draft = mx.where(best >= ngram_min, draft, SEPARATOR)
     # The one host sync of a search: the loop needs the draft as Python ints.
-    *draft, ngram = mx.concatenate([draft, best[None].astype(mx.int32)]).tolist()
-    return (draft[: draft.index(SEPARATOR)] if SEPARATOR in draft else draft), ngram
+    *draft, ngram, start = mx.concatenate([draft, mx.stack([best, start]).astype(mx.int32)]).tolist()
+    return (draft[: draft.index(SEPARATOR)] if SEPARATOR in draft else draft), ngram, start
 
 
 class PromptLookupSource:
@@ -111,8 +112,8 @@ class PromptLookupSource:
     best draft length is ``log(draft_token_cost) / log(a)``, capped at
     ``2 * num_draft``.
 
-    ``a`` is estimated for each matched n-gram size apart (a 3-gram match is a
-    safer copy than a 1-gram one) from its recent drafts, forgetting old ones by
+    ``a`` is estimated for each kind of match apart (``match_kind``: a 3-gram
+    match is a safer copy than a 1-gram one) from its recent drafts, forgetting old ones by
     ``FORGET`` per draft. It starts where the best length is ``num_draft``. A
     size whose copies do not pay (best length 0) is skipped, but probed with a
     one-token draft after 1, 2, 4, ... ``MAX_PROBE_GAP`` skipped matches, so
@@ -161,18 +162,34 @@ class PromptLookupSource:
         prefix = self.extra_context + [SEPARATOR] if self.extra_context else []
         self._context = mx.array(prefix, mx.int32)
         self._num_seen = 0  # how many of the tokens are in self._context
-        # Per n-gram size: [continued, stopped] pseudo-counts of draft tokens, a prior
+        # Per kind of match: [continued, stopped] pseudo-counts of draft tokens, a prior
         # worth two drafts whose best length is num_draft.
         prior = self.draft_token_cost ** (1 / (self.num_draft + 0.5))
         self._counts = defaultdict(lambda: [2 * prior, 2 * (1 - prior)])
         self._skipped = defaultdict(int)  # matches skipped since the last probe
         self._probe_gap = defaultdict(lambda: 1)
-        self._ngram = None  # the n-gram size of the last draft
+        self._kind = None  # the kind of match of the last draft
 
-    def draft_length(self, ngram: int) -> int:
-        """The draft length that pays best for a match of ``ngram`` tokens."""
-        continued, stopped = self._counts[ngram]
-        accept = continued / (continued + stopped)
+    def match_kind(self, ngram: int, start: int):
+        """Matches of one kind share an acceptance estimate. Here: the n-gram size, where
+        agreements longer than ``ngram_max`` count as one size (they are all long)."""
+        return min(ngram, self.ngram_max)
+
+    def _accept(self, kind) -> float:
+        """The estimated chance that a copied token is accepted once the one before it was."""
+        continued, stopped = self._counts[kind]
+        return continued / (continued + stopped)
+
+    def expected_speedup(self, kind, length: int) -> float:
+        """Tokens a ``length``-token copy after a match of ``kind`` is expected to give, per
+        plain step's time: (1 + a + a^2 + ... + a^length) / (1 + length * draft_token_cost)."""
+        accept = self._accept(kind)
+        accepted = sum(accept**i for i in range(1, length + 1))
+        return (1 + accepted) / (1 + length * self.draft_token_cost)
+
+    def draft_length(self, kind) -> int:
+        """The draft length that pays best for a match of ``kind`` (``match_kind``)."""
+        accept = self._accept(kind)
         if accept <= self.draft_token_cost:
             return 0
         if accept >= 1.0:
@@ -190,30 +207,30 @@ class PromptLookupSource:
             self._context = mx.concatenate([self._context, new_tokens])
             self._num_seen = len(tokens)
         longest = self.max_draft_length if self.adaptive else self.num_draft
-        draft, ngram = search(self._context, len(tokens), self.ngram_max, self.ngram_min,
-                              min(max_draft, longest))
+        draft, ngram, start = search(self._context, len(tokens), self.ngram_max, self.ngram_min,
+                                     min(max_draft, longest))
         if not draft:
             return None
-        # Agreements longer than ngram_max share one estimate: they are all long.
-        ngram = min(ngram, self.ngram_max)
-        if self.adaptive:
-            length = self.draft_length(ngram)
-            if length == 0:  # copies from this n-gram size do not pay: skip, probing now and then
-                self._skipped[ngram] += 1
-                if self._skipped[ngram] <= self._probe_gap[ngram]:
-                    return None
-                self._skipped[ngram] = 0
-                self._probe_gap[ngram] = min(2 * self._probe_gap[ngram], self.MAX_PROBE_GAP)
-                length = 1
-            draft = draft[:length]
-        self._ngram = ngram
-        return Draft(draft)
+        kind = self._kind = self.match_kind(ngram, start)
+        if not self.adaptive:
+            return Draft(draft)
+        length = self.draft_length(kind)
+        if length == 0:  # copies from this kind of match do not pay: skip, probing now and then
+            self._skipped[kind] += 1
+            if self._skipped[kind] <= self._probe_gap[kind]:
+                return None
+            self._skipped[kind] = 0
+            self._probe_gap[kind] = min(2 * self._probe_gap[kind], self.MAX_PROBE_GAP)
+            length = 1
+        draft = draft[:length]
+        # With it, the loop can hand the step to a model source that expects more (decoder._propose).
+        return Draft(draft, expected_speedup=self.expected_speedup(kind, length))
 
     def update(self, tokens: list, num_proposed: int, num_accepted: int) -> None:
         if not self.adaptive or num_proposed == 0:
             return
-        counts = self._counts[self._ngram]
+        counts = self._counts[self._kind]
         counts[0] = self.FORGET * counts[0] + num_accepted
         counts[1] = self.FORGET * counts[1] + (num_accepted < num_proposed)
         if num_accepted:
-            self._probe_gap[self._ngram] = 1
+            self._probe_gap[self._kind] = 1

@@ -29,6 +29,7 @@ class AdaptiveLength:
         """Start over, as for a new generation."""
         self.num_draft = self.initial_num_draft
         self.first_accepted, self.drafts = 1.0, 2.0  # prior: the first token is accepted half the time
+        self.accepted, self.proposed = 1.0, 2.0  # tokens per draft (same weights): one drafted, half accepted
         self.skipped, self.probe_gap = 0, 1
 
     def paused(self) -> bool:
@@ -46,9 +47,17 @@ class AdaptiveLength:
             return
         self.first_accepted = self.FORGET * self.first_accepted + (num_accepted > 0)
         self.drafts = self.FORGET * self.drafts + 1
+        self.accepted = self.FORGET * self.accepted + num_accepted
+        self.proposed = self.FORGET * self.proposed + num_proposed
         if num_accepted:
             self.probe_gap = 1
         if num_accepted == num_proposed:
             self.num_draft = min(self.num_draft + 2, self.max_draft)
         else:
             self.num_draft = max(self.num_draft - 1, 1)
+
+    def expected_speedup(self) -> float:
+        """What the next draft is expected to give, from the recent ones: tokens emitted per
+        plain step's time, (1 + accepted per draft) / (1 + cost of the tokens drafted per draft)."""
+        accepted, proposed = self.accepted / self.drafts, self.proposed / self.drafts
+        return (1 + accepted) / (1 + self.draft_token_cost * proposed)

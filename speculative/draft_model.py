@@ -136,6 +136,10 @@ class DraftModelSource:
     def num_draft(self) -> int:
         return self.length.num_draft
 
+    def forecast_speedup(self) -> Optional[float]:
+        """The speed-up its next draft is expected to give, from its recent drafts (see decoder._propose)."""
+        return self.length.expected_speedup() if self.length.enabled else None
+
     def propose(self, tokens: list, max_draft: int) -> Optional[Draft]:
         if self.length.paused():
             return None  # the cache catches up in one batched call when drafting resumes

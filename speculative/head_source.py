@@ -140,6 +140,11 @@ class DraftHeadSource:
     def num_draft(self) -> int:
         return self.length.num_draft
 
+    def forecast_speedup(self) -> Optional[float]:
+        """The speed-up its next draft is expected to give, from its recent drafts; the loop
+        lets it draft instead of an earlier, cheaper source only when this is larger."""
+        return self.length.expected_speedup() if self.length.enabled else None
+
     def _rewind(self):
         """Drop the head's cache entries for drafted positions (read from its own predictions)."""
         trim_prompt_cache(self.cache, self.cache[0].offset - self.committed)

@@ -106,7 +106,7 @@ def test_a_failed_write_leaves_the_old_store(tmp_path, monkeypatch):
     def full_disk(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(np, "savez", full_disk)
+    monkeypatch.setattr(np, "savez_compressed", full_disk)
     with pytest.raises(OSError):
         append_history(path, [[3, 4]])
     assert load_history(path).tolist() == [1, 2, SEPARATOR]
