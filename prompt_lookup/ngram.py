@@ -224,7 +224,7 @@ class PromptLookupSource:
             length = 1
         draft = draft[:length]
         # With it, the loop can hand the step to a model source that expects more (decoder._propose).
-        return Draft(draft, expected_speedup=self.expected_speedup(kind, length))
+        return Draft(draft, expected_speedup=self.expected_speedup(kind, len(draft)))
 
     def update(self, tokens: list, num_proposed: int, num_accepted: int) -> None:
         if not self.adaptive or num_proposed == 0:

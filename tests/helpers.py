@@ -66,9 +66,10 @@ def chi_square_p_value(counts, probs):
     return chisquare(observed_cells, expected_cells).pvalue
 
 
-def assert_sampling_keeps_the_target_distribution(target, make_run, temp, top_p, runs=2000):
+def assert_sampling_keeps_the_target_distribution(target, make_run, temp, top_p, runs=2000, stats=None):
     """Sample two tokens ``runs`` times through the loop and chi-square them against the target's
-    own joint distribution. ``make_run() -> (model, draft_sources)`` builds fresh sources per run."""
+    own joint distribution. ``make_run() -> (model, draft_sources)`` builds fresh sources per run;
+    ``stats`` collects the runs' decoding statistics."""
     import numpy as np
 
     from decoder import DecodingStats, generate_step, sampling_probs
@@ -80,7 +81,7 @@ def assert_sampling_keeps_the_target_distribution(target, make_run, temp, top_p,
     joint = (p1[:, None] * p2).reshape(-1)
 
     mx.random.seed(11)
-    stats = DecodingStats()
+    stats = DecodingStats() if stats is None else stats
     counts = np.zeros(vocab * vocab, dtype=np.int64)
     for _ in range(runs):
         model, sources = make_run()

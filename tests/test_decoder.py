@@ -71,6 +71,72 @@ def test_combined_sources_first_non_empty_wins_and_stay_lossless():
     assert any(proposed > 0 for _, proposed, _ in wrong.updates)
 
 
+class Copier(ScriptedSource):
+    """A cheap source whose drafts say what speed-up they expect."""
+
+    def __init__(self, fn, expected, name="copier"):
+        super().__init__(fn, name=name)
+        self.expected = expected
+
+    def propose(self, tokens, max_draft):
+        draft = super().propose(tokens, max_draft)
+        if draft is not None:
+            draft.expected_speedup = self.expected
+        return draft
+
+
+class Modeller(ScriptedSource):
+    """A costly source that forecasts its speed-up before it is asked to draft."""
+
+    def __init__(self, fn, forecast, name="modeller"):
+        super().__init__(fn, name=name)
+        self.forecast = forecast
+        self.asked = 0
+
+    def forecast_speedup(self):
+        return self.forecast
+
+    def propose(self, tokens, max_draft):
+        self.asked += 1
+        return super().propose(tokens, max_draft)
+
+
+@pytest.mark.parametrize("copy_expects,model_forecasts,drafter", [
+    (1.2, 1.5, "modeller"),  # the model expects more: it drafts
+    (1.5, 1.2, "copier"),  # the copy expects more: the model is not even run
+    (1.5, 1.5, "copier"),  # a tie keeps the cheap copy
+    (None, 9.0, "copier"),  # a copy without an estimate wins as before
+    (1.2, None, "copier"),  # so does any copy when the model cannot forecast
+])
+def test_the_loop_lets_a_model_draft_only_when_it_expects_more(copy_expects, model_forecasts, drafter):
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    reference = plain_greedy(prompt, 20)
+    start = len(prompt)
+
+    def right(tokens, k):  # both propose the right tokens, so the chosen one is always accepted
+        return reference[len(tokens) - start:][:2]
+
+    copier, modeller = Copier(right, copy_expects), Modeller(right, model_forecasts)
+    stats = DecodingStats()
+    tokens, _ = run(prompt, [copier, modeller], 20, stats=stats)
+    assert tokens == reference
+    assert list(stats.sources) == [drafter]
+    if drafter == "copier":
+        assert modeller.asked == 0 and all(proposed == 0 for _, proposed, _ in modeller.updates)
+    else:  # the copy's draft was made but not used: it is told it did not draft
+        assert all(proposed == 0 for _, proposed, _ in copier.updates)
+
+
+def test_a_chosen_model_with_no_draft_leaves_the_step_to_the_copy():
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    reference = plain_greedy(prompt, 12)
+    copier = Copier(lambda tokens, k: reference[len(tokens) - len(prompt):][:1], 1.1)
+    paused = Modeller(lambda tokens, k: [], 2.0)
+    stats = DecodingStats()
+    assert run(prompt, [copier, paused], 12, stats=stats)[0] == reference
+    assert list(stats.sources) == ["copier"] and paused.asked > 0
+
+
 def test_stops_at_eos_inside_an_accepted_draft():
     prompt = [7, 7, 7]
     reference = plain_greedy(prompt, 20)

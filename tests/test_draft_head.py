@@ -129,18 +129,21 @@ def tokens_of(prompt, model, sources=(), **kwargs):
 
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(prompt=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=8), num_draft=st.integers(1, 5),
-       adaptive=st.booleans(), with_lookup=st.booleans(), min_confidence=st.sampled_from([0.0, 0.3]),
-       max_tokens=st.integers(1, 30))
-def test_greedy_output_with_the_head_equals_plain(trained, prompt, num_draft, adaptive, with_lookup, min_confidence,
+       adaptive=st.booleans(), copier=st.sampled_from([None, "lookup", "history"]),
+       min_confidence=st.sampled_from([0.0, 0.3]), max_tokens=st.integers(1, 30))
+def test_greedy_output_with_the_head_equals_plain(trained, prompt, num_draft, adaptive, copier, min_confidence,
                                                   max_tokens):
-    from prompt_lookup import PromptLookupSource
+    from prompt_lookup import HistoryLookupSource, PromptLookupSource
 
     reference = tokens_of(prompt, TARGET, max_tokens=max_tokens)
+    # With a copier first, the loop picks per step which of the two drafts (decoder._propose).
+    copiers = {None: [], "lookup": [PromptLookupSource()],
+               "history": [HistoryLookupSource(reference[: max_tokens // 2] + [1, 2, 3] + reference)]}
     for head, vocab_ids in ((trained[0], trained[1]), (random_head(TARGET, 7), SUB_VOCAB)):
         tap = HiddenStateTap(TARGET, head.feature_layers)
         source = DraftHeadSource(tap, head, vocab_ids, num_draft=num_draft, adaptive=adaptive,
                                  min_confidence=min_confidence)
-        sources = [PromptLookupSource(), source] if with_lookup else [source]
+        sources = copiers[copier] + [source]
         assert tokens_of(prompt, tap, sources, max_tokens=max_tokens) == reference
         # Features are freed once the head has read them (it re-reads at most the last one).
         assert tap.chunks[0][0] >= source.committed - 1
@@ -190,6 +193,30 @@ def test_sampling_with_the_head_keeps_the_target_distribution(temp, top_p, min_p
                                      min_path_confidence=min_path_confidence)]
 
     assert_sampling_keeps_the_target_distribution(target, make_run, temp, top_p)
+
+
+@pytest.mark.parametrize("copier", ["lookup", "history"])
+def test_sampling_with_a_copier_and_the_head_choosing_per_step_keeps_the_target_distribution(copier):
+    from prompt_lookup import HistoryLookupSource, PromptLookupSource
+
+    target = tiny_llama(vocab_size=8, num_layers=2, seed=3, sharp=2.0)
+    head = random_head(target, 5)
+    rng = np.random.default_rng(0)
+
+    def make_run():
+        tap = HiddenStateTap(target)
+        source = DraftHeadSource(tap, head, mx.arange(6), temp=1.0, num_draft=2)
+        # A forecast around what the copier expects, so that both draft across the runs.
+        source.forecast_speedup = lambda: float(rng.uniform(1.0, 2.0))
+        # Something to copy from in a two-token run (the prompt alone has no repeats).
+        older = rng.integers(0, 8, size=40).tolist()
+        first = PromptLookupSource(extra_context=older) if copier == "lookup" else HistoryLookupSource(older)
+        return tap, [first, source]
+
+    stats = DecodingStats()
+    assert_sampling_keeps_the_target_distribution(target, make_run, 1.0, 1.0, stats=stats)
+    assert stats.sources["draft_head"].drafts > 0
+    assert stats.sources["history_lookup" if copier == "history" else "prompt_lookup"].drafts > 0
 
 
 def test_a_head_for_another_target_is_refused(trained, tmp_path):

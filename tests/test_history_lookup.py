@@ -191,3 +191,49 @@ def test_the_replay_study_counts_the_loops_passes(prompt, outputs, max_tokens):
         replayed = replay(source, prompt, answer, max_tokens)
         assert replayed["passes"] == stats.target_forward_passes
         assert replayed["drafted"] == stats.draft_proposed
+
+
+def test_copies_from_the_store_and_from_the_answer_keep_separate_estimates():
+    store = [7, 8, 9, 10, 11]
+    source = HistoryLookupSource(store)
+    source.reset()
+    assert source.match_kind(2, 0) == (2, True)  # copied from the store
+    assert source.match_kind(9, len(store) + 3) == (3, False)  # from the generation; long counts as ngram_max
+    tokens = [1, 2, 7, 8]  # "7 8" occurs only in the store
+    draft = source.propose(tokens, 4)
+    assert draft.tokens[:1] == [9] and source._kind == (2, True)
+    source.update(tokens + [0], len(draft.tokens), 0)  # rejected: only the store's estimate drops
+    assert source._accept((2, True)) < source._accept((2, False))
+
+
+def test_a_draft_says_what_it_expects_and_longer_agreement_expects_more():
+    source = PromptLookupSource()
+    source._counts[3], source._counts[1] = [8.0, 2.0], [1.0, 4.0]
+    assert source.expected_speedup(3, 4) > source.expected_speedup(1, 1) > 1.0
+    assert source.expected_speedup(1, 8) < 1.0  # a long copy of a poor match costs more than it gives
+    tokens = [5, 6, 7, 1, 5, 6, 7]
+    draft = source.propose(tokens, 8)
+    assert draft.expected_speedup == source.expected_speedup(3, len(draft.tokens))
+    assert PromptLookupSource(adaptive=False).propose(tokens, 8).expected_speedup is None
+
+
+@pytest.mark.slow
+def test_the_head_ships_a_seed_that_is_read_but_never_written(tmp_path):
+    """``--draft-head --lookup-history PATH``: the store starts with the seed shipped with the
+    head, and the run appends its output to PATH only."""
+    import hashlib
+    import main
+
+    seed = ROOT / "speculative" / "heads" / "smollm2-135m" / "history.npz"
+    seed_tokens = load_history(seed)
+    assert seed_tokens.size > 10_000 and seed_tokens[-1] == SEPARATOR
+    before = hashlib.sha256(seed.read_bytes()).hexdigest()
+    store = tmp_path / "fresh.npz"
+    args = main.build_parser().parse_args(["--draft-head", "--lookup-history", str(store), "--max-tokens", "12",
+                                           "--json", "--prompt", "Name three colours."])
+    _, _, _, kwargs = main.build_run(args)
+    source = kwargs["draft_sources"][0]
+    assert isinstance(source, HistoryLookupSource) and source.history.tolist() == seed_tokens.tolist()
+    result = main.run(args)
+    assert load_history(store).tolist() == result.tokens + [SEPARATOR]
+    assert hashlib.sha256(seed.read_bytes()).hexdigest() == before
