@@ -169,6 +169,7 @@ class PromptLookupSource:
         self._skipped = defaultdict(int)  # matches skipped since the last probe
         self._probe_gap = defaultdict(lambda: 1)
         self._kind = None  # the kind of match of the last draft
+        self._offered = None  # (len(tokens), draft) of the last draft proposed
 
     def match_kind(self, ngram: int, start: int):
         """Matches of one kind share an acceptance estimate. Here: the n-gram size, where
@@ -223,14 +224,30 @@ class PromptLookupSource:
             self._probe_gap[kind] = min(2 * self._probe_gap[kind], self.MAX_PROBE_GAP)
             length = 1
         draft = draft[:length]
+        self._offered = (len(tokens), draft)
         # With it, the loop can hand the step to a model source that expects more (decoder._propose).
         return Draft(draft, expected_speedup=self.expected_speedup(kind, len(draft)))
 
     def update(self, tokens: list, num_proposed: int, num_accepted: int) -> None:
-        if not self.adaptive or num_proposed == 0:
+        offered, self._offered = self._offered, None
+        if not self.adaptive:
             return
+        stopped = num_accepted < num_proposed
+        if num_proposed == 0:  # another source drafted this step
+            if offered is None:
+                return
+            # Score the copy against what the step emitted, as if it had been verified: greedy, it
+            # would have been accepted exactly as far as it agrees; sampling, a copied token x is
+            # accepted with p(x), the chance the emitted token is x. So the estimates learn on
+            # every step, not only on the steps the copy drafts. A copy longer than what was
+            # emitted and agreeing with all of it is censored: its tokens count, its end is unknown.
+            start, draft = offered
+            emitted = tokens[start:]
+            num_accepted = next((i for i, (a, b) in enumerate(zip(draft, emitted)) if a != b),
+                                min(len(draft), len(emitted)))
+            stopped = num_accepted < min(len(draft), len(emitted))
         counts = self._counts[self._kind]
         counts[0] = self.FORGET * counts[0] + num_accepted
-        counts[1] = self.FORGET * counts[1] + (num_accepted < num_proposed)
+        counts[1] = self.FORGET * counts[1] + stopped
         if num_accepted:
             self._probe_gap[self._kind] = 1

@@ -105,6 +105,10 @@ class DraftHeadSource:
         whole = vocab_ids.size == self.vocab_size and mx.array_equal(vocab_ids, mx.arange(self.vocab_size)).item()
         self.out_rows = None if hasattr(head, "logits") or whole else \
             mx.take(output_weight(tap.target), vocab_ids, axis=0)
+        if self.out_rows is not None:
+            # Computed now, in the thread that builds the source: MLX runs a lazy array on the
+            # stream of the thread that made it, and a server drafts on a worker thread.
+            mx.eval(self.out_rows)
         self.temp, self.top_p = temp, top_p
         self.length = AdaptiveLength(num_draft, max_draft, draft_token_cost, enabled=adaptive)
         self.min_confidence = min_confidence

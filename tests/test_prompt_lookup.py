@@ -178,6 +178,23 @@ def test_draft_length_follows_the_cost_model():
     assert [source.draft_length(n) for n in (3, 2, 1)] == [16, 3, 0]
 
 
+@pytest.mark.parametrize("emitted,continued,stopped", [
+    ([3, 9], 1, 1),  # agrees with the first emitted token, then not: one accepted, then a stop
+    ([3], 1, 0),  # agrees with all that was emitted, and is longer: censored, no stop known
+    ([3, 4, 1, 2, 5], 4, 0),  # all of it agrees: a fully accepted copy
+    ([7, 3], 0, 1),
+])
+def test_a_copy_another_source_drafted_over_is_scored_against_what_was_emitted(emitted, continued, stopped):
+    source = PromptLookupSource()
+    tokens = [1, 2, 3, 4, 1, 2]
+    assert source.propose(tokens, 8).tokens == [3, 4, 1, 2]
+    before = list(source._counts[2])
+    source.update(tokens + emitted, 0, 0)  # another source drafted; these tokens were emitted
+    assert source._counts[2] == pytest.approx([0.8 * before[0] + continued, 0.8 * before[1] + stopped])
+    source.update(tokens + emitted + [0], 0, 0)  # no copy offered since: nothing to score
+    assert source._counts[2] == pytest.approx([0.8 * before[0] + continued, 0.8 * before[1] + stopped])
+
+
 def gaps(lengths):
     """Lengths of the runs of steps without a draft."""
     runs, run = [], 0
