@@ -221,7 +221,11 @@ def build_run(args, session=None):
         constraint = GrammarConstraint.from_llguidance(args.llguidance_grammar, tokenizer,
                                                        vocab_size=output_size(model, tokenizer))
         sources.append(GrammarForcedSource(constraint, tokenizer))
-    head_dir = draft_head_dir(args) if args.draft_head is not None else None
+    head_dir = None
+    if args.draft_head is not None:
+        if search_extra:  # before any download
+            raise CliError("--draft-head needs a decoder-only model; T5 is not supported")
+        head_dir = draft_head_dir(args)
     if args.prompt_lookup or args.lookup_history is not None:
         sources.append(lookup_source(search_extra, args, head_dir))
     if args.draft_model is not None:
@@ -233,7 +237,7 @@ def build_run(args, session=None):
             draft_model, draft_tokenizer, model, tokenizer, encoder_input=search_extra or None,
             temp=args.temp, top_p=args.top_p, adaptive=not args.no_adaptive, **options))
     if args.draft_head is not None:
-        model = add_draft_head(model, sources, search_extra, head_dir, args)
+        model = add_draft_head(model, sources, head_dir, args)
     kwargs = dict(draft_sources=sources, constraint=constraint, temp=args.temp, top_p=args.top_p,
                   max_tokens=max_tokens, stats=DecodingStats())
     return model, tokenizer, prompt, kwargs
@@ -261,21 +265,23 @@ def lookup_source(search_extra: list, args, head_dir=None):
     import numpy as np
 
     from prompt_lookup.history import HistoryError, HistoryLookupSource, load_history
-    from speculative.head import SHIPPED_HEAD
 
     stores = [history_path(args)]
-    if args.draft_head is not None:
-        stores.insert(0, Path(head_dir or SHIPPED_HEAD) / "history.npz")  # older than anything in PATH
+    if head_dir is not None:
+        stores.insert(0, Path(head_dir) / "history.npz")  # older than anything in PATH
     try:
         return HistoryLookupSource(np.concatenate([load_history(path) for path in stores]), **options)
     except HistoryError as error:
         raise CliError(str(error)) from None
 
 
-def draft_head_dir(args):
-    """``--draft-head`` as a local directory: a repo id is downloaded; None is the shipped head."""
-    head_dir = os.path.expanduser(args.draft_head) if args.draft_head else None
-    if head_dir is None or os.path.exists(head_dir):
+def draft_head_dir(args) -> str:
+    """``--draft-head`` as a local directory: bare, the head shipped for the embedded model; a
+    repo id is downloaded."""
+    from speculative.head import SHIPPED_HEAD
+
+    head_dir = os.path.expanduser(args.draft_head) if args.draft_head else str(SHIPPED_HEAD)
+    if os.path.exists(head_dir):
         return head_dir
     if head_dir.count("/") != 1 or head_dir.startswith((".", "/")):
         raise CliError(f"--draft-head {head_dir} is neither a directory nor a Hugging Face repo id")
@@ -289,17 +295,15 @@ def draft_head_dir(args):
         raise CliError(f"cannot download the draft head {args.draft_head}: {reason}") from None
 
 
-def add_draft_head(model, sources: list, search_extra: list, head_dir, args):
+def add_draft_head(model, sources: list, head_dir: str, args):
     """Append the head's source (after any prompt lookup); returns the model the loop must run.
 
-    ``head_dir`` (``draft_head_dir``) holds ours or a published EAGLE-1/2 or EAGLE-3 head;
-    None is the head shipped for the embedded model. With prompt lookup before it, the loop
-    lets the head draft on the steps it is expected to pay more (decoder._propose)."""
+    ``head_dir`` (``draft_head_dir``) holds ours or a published EAGLE-1/2 or EAGLE-3 head.
+    With prompt lookup before it, the loop lets the head draft on the steps it is expected to
+    pay more (decoder._propose)."""
     from speculative.head import HeadMismatch
     from speculative.head_source import DraftHeadSource
 
-    if search_extra:
-        raise CliError("--draft-head needs a decoder-only model; T5 is not supported")
     options = {} if args.num_draft is None else {"num_draft": args.num_draft}
     try:
         tap, source = DraftHeadSource.create(model, head_dir, temp=args.temp, top_p=args.top_p,

@@ -85,15 +85,14 @@ def main():
     eos = eos_ids_of(tokenizer)
     seed = load_history(SHIPPED_HEAD / "history.npz")
     tap, head = DraftHeadSource.create(model)
-    _, sampled_head = DraftHeadSource.create(model, temp=1.0)
-    sampled_head.tap = tap  # one tap serves both: the loop runs it, the source reads its features
+    sampled_tap, sampled_head = DraftHeadSource.create(model, temp=1.0)
 
     lines = [line for line in HELDOUT.read_text().splitlines() if line.strip()]
     chat = [(f"chat{i}", chat_tokens(tokenizer, line)) for i, line in enumerate(lines)]
     results = side_by_side(model, tokenizer, {"held-out chat, temp 0": chat[: args.chat_prompts]},
                            chat_methods(model, tap, head, seed, eos, 0.0), args.max_tokens)
     results.update(side_by_side(model, tokenizer, {"held-out chat, temp 1": chat[: args.sampled_prompts]},
-                                chat_methods(model, tap, sampled_head, seed, eos, 1.0), args.max_tokens))
+                                chat_methods(model, sampled_tap, sampled_head, seed, eos, 1.0), args.max_tokens))
     first = args.warmup_requests
     for workload in ("replies", "extraction"):
         items = [(f"{workload}{i}", chat_tokens(tokenizer, text))
