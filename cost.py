@@ -1,0 +1,123 @@
+"""What a verification pass costs, measured by the loop that runs it.
+
+Every adaptive choice (how long a copy, a draft model's or a head's draft should be, and
+which source drafts a step) weighs the tokens a draft may win against what scoring it
+costs. That cost depends on the hardware: on a 2-core CPU one more token in a pass adds
+about a tenth of a step, on a Mac's GPU nearly nothing. So the loops time their own
+passes and every choice reads this one model instead of a constant.
+
+    cost = PassCost()
+    cost.record(seconds, width=1 + len(draft), rows=1)  # the loop, after each pass
+    cost.token_cost()                                    # a source, choosing its length
+
+A pass of ``rows`` sequences, each ``width`` tokens wide, is modelled as a line,
+``seconds = base + slope * (width - 1)``, fitted per ``rows`` to recent timings.
+Until both ends of the line are measured, a prior (``default_token_cost``) fills in.
+"""
+
+import time
+from typing import Callable, Optional
+
+
+class PassCost:
+    """Recent timings of target passes by shape, and of each draft source's drafting.
+
+    Args:
+        default_token_cost: the prior for one more token of width, as a fraction of a
+            one-token pass, used until the loop has timed passes of two widths.
+        forget: the weight of the past in each timing's running mean.
+        clock: seconds as a float; tests pass a simulated clock.
+    """
+
+    PRIOR_WEIGHT = 1.0  # the prior counts as one pass at each end of the line
+    PRIOR_WIDTH = 9  # where the prior's line is pinned: a typical long draft plus one
+
+    def __init__(self, default_token_cost: float = 0.09, forget: float = 0.9,
+                 clock: Callable[[], float] = time.perf_counter):
+        if not 0 < default_token_cost:
+            raise ValueError(f"default_token_cost must be positive, got {default_token_cost}")
+        self.default_token_cost = default_token_cost
+        self.forget = forget
+        self.clock = clock
+        self.passes = {}  # rows -> {width: [weight, mean seconds]}
+        self.drafting = {}  # source name -> [weight, mean seconds per drafted token]
+        self._fits = {}  # rows -> (base, slope), cleared by each record
+
+    def record(self, seconds: float, width: int, rows: int = 1):
+        """One pass of ``rows`` x ``width`` tokens took ``seconds``."""
+        entry = self.passes.setdefault(rows, {}).setdefault(width, [0.0, 0.0])
+        entry[0] = self.forget * entry[0] + 1
+        entry[1] += (seconds - entry[1]) / entry[0]
+        self._fits.pop(rows, None)
+
+    def record_draft(self, name: str, seconds: float, num_drafted: int):
+        """Source ``name`` took ``seconds`` to draft ``num_drafted`` tokens."""
+        if num_drafted <= 0:
+            return
+        entry = self.drafting.setdefault(name, [0.0, 0.0])
+        entry[0] = self.forget * entry[0] + 1
+        entry[1] += (seconds / num_drafted - entry[1]) / entry[0]
+
+    def _fit(self, rows: int) -> Optional[tuple]:
+        """``(base, slope)`` of the line through the timings at ``rows`` (weighted least squares
+        with the prior's two pseudo-passes), or None before any pass of that many rows."""
+        if rows in self._fits:
+            return self._fits[rows]
+        widths = self.passes.get(rows)
+        if not widths:
+            measured = [r for r in self.passes if self.passes[r]]
+            if not measured:
+                return None
+            # Another batch size's line, scaled: rows cost alike until measured.
+            nearest = min(measured, key=lambda r: abs(r - rows))
+            base, slope = self._fit(nearest)
+            return base * rows / nearest, slope * rows / nearest
+        narrowest = min(widths)
+        anchor = widths[narrowest][1] / (1 + self.default_token_cost * (narrowest - 1))
+        points = [(w, weight, mean) for w, (weight, mean) in widths.items()]
+        points += [(1, self.PRIOR_WEIGHT, anchor),
+                   (self.PRIOR_WIDTH, self.PRIOR_WEIGHT,
+                    anchor * (1 + self.default_token_cost * (self.PRIOR_WIDTH - 1)))]
+        total = sum(weight for _, weight, _ in points)
+        mean_x = sum(weight * (w - 1) for w, weight, _ in points) / total
+        mean_y = sum(weight * t for _, weight, t in points) / total
+        spread = sum(weight * (w - 1 - mean_x) ** 2 for w, weight, _ in points)
+        slope = sum(weight * (w - 1 - mean_x) * (t - mean_y) for w, weight, t in points) / spread
+        base = mean_y - slope * mean_x
+        if base <= 0:  # noise on a nearly flat line: keep the measured narrowest pass as the base
+            base = widths[narrowest][1]
+        fit = self._fits[rows] = (base, max(slope, 0.0))
+        return fit
+
+    def seconds(self, width: int = 1, rows: int = 1) -> Optional[float]:
+        """The expected seconds of a ``rows`` x ``width`` pass; None before any pass was timed."""
+        fit = self._fit(rows)
+        return None if fit is None else fit[0] + fit[1] * (width - 1)
+
+    def relative(self, width: int, rows: int = 1) -> float:
+        """A ``rows`` x ``width`` pass as a multiple of a ``rows`` x 1 pass."""
+        fit = self._fit(rows)
+        if fit is None:
+            return 1 + self.default_token_cost * (width - 1)
+        return 1 + fit[1] / fit[0] * (width - 1)
+
+    def token_cost(self, rows: int = 1) -> float:
+        """What one more token of width adds to a pass, as a fraction of a one-token pass."""
+        return max(self.relative(2, rows) - 1, 1e-3)
+
+    def draft_cost(self, name: str, prior: float) -> float:
+        """Source ``name``'s drafting time per token, as a fraction of a one-token pass; ``prior``
+        (the source's own guess, e.g. from weight bytes) until both have been timed."""
+        entry, step = self.drafting.get(name), self.seconds()
+        if entry is None or step is None:
+            return prior
+        return entry[1] / step
+
+    def summary(self) -> dict:
+        """What was measured, for reports: seconds by rows and width, and the fitted token cost."""
+        return {
+            "passes": {rows: {width: round(mean, 6) for width, (_, mean) in sorted(widths.items())}
+                       for rows, widths in sorted(self.passes.items())},
+            "token_cost": {rows: round(self.token_cost(rows), 4) for rows in sorted(self.passes)},
+            "draft_seconds_per_token": {name: round(mean, 6) for name, (_, mean) in self.drafting.items()},
+        }
