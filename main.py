@@ -235,7 +235,7 @@ def build_run(args, session=None):
         options = {} if args.num_draft is None else {"num_draft": args.num_draft}
         sources.append(DraftModelSource.create(
             draft_model, draft_tokenizer, model, tokenizer, encoder_input=search_extra or None,
-            temp=args.temp, top_p=args.top_p, adaptive=not args.no_adaptive, **options))
+            adaptive=not args.no_adaptive, **options))
     if args.draft_head is not None:
         model = add_draft_head(model, sources, head_dir, args)
     kwargs = dict(draft_sources=sources, constraint=constraint, temp=args.temp, top_p=args.top_p,
@@ -300,14 +300,13 @@ def add_draft_head(model, sources: list, head_dir: str, args):
 
     ``head_dir`` (``draft_head_dir``) holds ours or a published EAGLE-1/2 or EAGLE-3 head.
     With prompt lookup before it, the loop lets the head draft on the steps it is expected to
-    pay more (decoder._propose)."""
+    pay more (decoder.choose_draft)."""
     from speculative.head import HeadMismatch
     from speculative.head_source import DraftHeadSource
 
     options = {} if args.num_draft is None else {"num_draft": args.num_draft}
     try:
-        tap, source = DraftHeadSource.create(model, head_dir, temp=args.temp, top_p=args.top_p,
-                                             adaptive=not args.no_adaptive, **options)
+        tap, source = DraftHeadSource.create(model, head_dir, adaptive=not args.no_adaptive, **options)
     except HeadMismatch as error:
         raise CliError(str(error)) from None
     sources.append(source)

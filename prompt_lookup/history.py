@@ -126,8 +126,8 @@ class HistoryLookupSource(PromptLookupSource):
         self.history = bound_history(np.concatenate([self.history, join_outputs([tokens])]),
                                      self.max_history_tokens)
 
-    def reset(self):
-        super().reset()
+    def reset(self, cost=None, temp: float = 0.0, top_p: float = 1.0):
+        super().reset(cost, temp, top_p)
         if self.history.size:
             self._context = mx.concatenate([mx.array(self.history), self._context])
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
+from cost import PassCost
 from decoder import ConstraintError, DecodingStats, TextStream, eos_ids_of, generate_step
 from server.protocol import ApiError, GenerationRequest, invalid
 
@@ -80,8 +81,8 @@ class Engine:
 
     Args:
         model: what the loop runs (a ``HiddenStateTap`` when a draft head is on).
-        draft_sources: reused for every request (the loop resets them); their ``temp``/``top_p``
-            are set to each request's, so their drafts come from the distribution they report.
+        draft_sources: reused for every request (the loop resets them with each request's
+            ``temp``/``top_p``, so their drafts come from the distribution they report).
         reuse_cache: False when a source needs the whole prompt run through the model (a draft head).
         max_queue: requests waiting behind the running one before new ones get HTTP 503.
     """
@@ -96,6 +97,7 @@ class Engine:
         self.jobs = queue.Queue(maxsize=max_queue)
         self.constraints = OrderedDict()  # (kind, pattern) -> (constraint, forced-text source)
         self.cache, self.cache_tokens = make_prompt_cache(model), []
+        self.pass_cost = PassCost()  # kept across requests: the measured cost of passes here
         self.worker = threading.Thread(target=self._work, name="generation", daemon=True)
         self.worker.start()
 
@@ -180,9 +182,6 @@ class Engine:
         request = job.request
         constraint, forced = self._constraint(request)
         sources = ([forced] if forced is not None else []) + self.draft_sources
-        for source in self.draft_sources:
-            if hasattr(source, "temp"):  # model drafts: sample as the target does, for high acceptance
-                source.temp, source.top_p = request.temp, request.top_p
         if request.seed is not None:
             mx.random.seed(request.seed)
         cache = self._reusable_cache(request.prompt)
@@ -191,7 +190,8 @@ class Engine:
         text, stopper, generated, pieces = TextStream(self.tokenizer), StopText(request.stop), [], []
         steps = generate_step(request.prompt, self.model, eos_token_ids=self.eos, draft_sources=sources,
                               constraint=constraint, temp=request.temp, top_p=request.top_p,
-                              max_tokens=request.max_tokens, stats=outcome.stats, kv_cache=cache)
+                              max_tokens=request.max_tokens, stats=outcome.stats, prompt_cache=cache,
+                              pass_cost=self.pass_cost)
         try:
             for token, _source in steps:
                 generated.append(token)

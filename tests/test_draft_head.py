@@ -189,7 +189,7 @@ def test_sampling_with_the_head_keeps_the_target_distribution(temp, top_p, min_p
         tap = HiddenStateTap(target)
         # A sub-vocabulary of 6: q is zero on two tokens the target can still choose. With a
         # path-confidence stop, the draft length varies with the head's confidence.
-        return tap, [DraftHeadSource(tap, head, mx.arange(6), temp=temp, top_p=top_p, num_draft=3, adaptive=False,
+        return tap, [DraftHeadSource(tap, head, mx.arange(6), num_draft=3, adaptive=False,
                                      min_path_confidence=min_path_confidence)]
 
     assert_sampling_keeps_the_target_distribution(target, make_run, temp, top_p)
@@ -205,7 +205,7 @@ def test_sampling_with_a_copier_and_the_head_choosing_per_step_keeps_the_target_
 
     def make_run():
         tap = HiddenStateTap(target)
-        source = DraftHeadSource(tap, head, mx.arange(6), temp=1.0, num_draft=2)
+        source = DraftHeadSource(tap, head, mx.arange(6), num_draft=2)
         # A forecast around what the copier expects, so that both draft across the runs.
         source.forecast_speedup = lambda: float(rng.uniform(1.0, 2.0))
         # Something to copy from in a two-token run (the prompt alone has no repeats).

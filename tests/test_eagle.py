@@ -334,6 +334,6 @@ def test_sampling_with_an_eagle3_head_keeps_the_target_distribution(tmp_path):
 
     def make_run():
         tap = HiddenStateTap(target, head.feature_layers)
-        return tap, [DraftHeadSource(tap, head, vocab_ids, temp=1.0, num_draft=3, adaptive=False)]
+        return tap, [DraftHeadSource(tap, head, vocab_ids, num_draft=3, adaptive=False)]
 
     assert_sampling_keeps_the_target_distribution(target, make_run, 1.0, 1.0)
