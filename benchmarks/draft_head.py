@@ -9,19 +9,11 @@ open-ended and extractive-QA classes of benchmarks/prompts/ (never used for trai
 """
 
 import time
-from pathlib import Path
 
 import mlx.core as mx
 
-from benchmarks.harness import Method, chat_tokens, load_prompts, markdown_table, side_by_side, time_loop
+from benchmarks.harness import Method, heldout_prompts, load_prompts, markdown_table, side_by_side, time_loop
 from decoder import SourceStats, eos_ids_of
-
-HELDOUT = Path(__file__).parent / "heldout" / "chat.txt"
-
-
-def heldout_prompts(tokenizer) -> list:
-    lines = [line for line in HELDOUT.read_text().splitlines() if line.strip()]
-    return [(f"chat{i}", chat_tokens(tokenizer, line)) for i, line in enumerate(lines)]
 
 
 class Recorded:

@@ -22,16 +22,12 @@ import sys
 from pathlib import Path
 
 import fast_blas
-
-fast_blas.load()
-
-from benchmarks.harness import Method, chat_tokens, markdown_table, side_by_side, time_loop  # noqa: E402
-from benchmarks.history_data import HELDOUT  # noqa: E402
-from benchmarks.history_tasks import requests  # noqa: E402
-from decoder import eos_ids_of  # noqa: E402
-from prompt_lookup import HistoryLookupSource, PromptLookupSource, load_history  # noqa: E402
-from speculative.head import SHIPPED_HEAD  # noqa: E402
-from speculative.head_source import DraftHeadSource  # noqa: E402
+from benchmarks.harness import Method, chat_tokens, heldout_prompts, markdown_table, side_by_side, time_loop
+from benchmarks.history_tasks import requests
+from decoder import eos_ids_of
+from prompt_lookup import HistoryLookupSource, PromptLookupSource, load_history
+from speculative.head import SHIPPED_HEAD
+from speculative.head_source import DraftHeadSource
 
 RESULTS = Path(__file__).parent / "results" / "head_history.md"
 
@@ -87,8 +83,7 @@ def main():
     tap, head = DraftHeadSource.create(model)
     sampled_tap, sampled_head = DraftHeadSource.create(model, temp=1.0)
 
-    lines = [line for line in HELDOUT.read_text().splitlines() if line.strip()]
-    chat = [(f"chat{i}", chat_tokens(tokenizer, line)) for i, line in enumerate(lines)]
+    chat = heldout_prompts(tokenizer)
     results = side_by_side(model, tokenizer, {"held-out chat, temp 0": chat[: args.chat_prompts]},
                            chat_methods(model, tap, head, seed, eos, 0.0), args.max_tokens)
     results.update(side_by_side(model, tokenizer, {"held-out chat, temp 1": chat[: args.sampled_prompts]},

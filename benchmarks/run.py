@@ -1,7 +1,7 @@
 """Benchmarks: python -m benchmarks.run --suite {plain,prompt_lookup,regex,speculative,draft_head,...}
 
-Each suite prints a Markdown table (and saves it under benchmarks/results/).
-On Linux run it with OpenBLAS preloaded (`make bench` does).
+Each suite prints a Markdown table and saves it as benchmarks/results/<suite>.md
+(<suite>.latest.md beside a hand-written one). The fast BLAS loads in benchmarks/__init__.py.
 """
 
 import argparse

@@ -319,8 +319,7 @@ def test_draft_head_from_the_command_line(embedded, tmp_path):
 
 
 def test_the_benchmark_prompts_are_held_out_from_training():
-    from benchmarks.draft_head import HELDOUT
-    from benchmarks.harness import PROMPTS
+    from benchmarks.harness import HELDOUT, PROMPTS
     from speculative.instructions import TOPICS, all_instructions
 
     generated = set(all_instructions())
