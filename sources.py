@@ -50,8 +50,8 @@ def check(args):
         path = history_path(args)
         if path.is_dir():
             raise CliError(f"--lookup-history {path} is a directory; give a file path (a new name starts a new store)")
-        parent = next(p for p in path.parents if p.exists())  # "/" exists
-        if not parent.is_dir():
+        parent = next((p for p in path.parents if p.exists()), None)  # the store's folder is made if missing
+        if parent is not None and not parent.is_dir():
             raise CliError(f"--lookup-history {path}: {parent} is not a directory")
 
 
