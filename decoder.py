@@ -482,14 +482,26 @@ class TextStream:
         return text[len(printed):]
 
 
-def encode(tokenizer, prompt: Union[str, Sequence[int]]) -> list:
-    """Token ids for ``prompt``: a str goes through the chat template when the tokenizer has
-    one (as in mlx-lm's CLI), else it is encoded as is; token ids pass through."""
-    if not isinstance(prompt, str):
+def encode(tokenizer, prompt: Union[str, Sequence[int], Sequence[dict]], system: Optional[str] = None,
+           **template_options) -> list:
+    """Token ids for ``prompt``, the one place a chat template is applied.
+
+    Args:
+        prompt: a str, a list of chat messages (``{"role": ..., "content": ...}``) or token ids.
+            A str goes through the chat template when the tokenizer has one (as in mlx-lm's CLI),
+            else it is encoded as is; messages always go through it; token ids pass through.
+        system: a system message put first (ignored for raw text and token ids).
+        template_options: for the template, e.g. ``tools=[...]``.
+    """
+    is_messages = isinstance(prompt, (list, tuple)) and len(prompt) > 0 and isinstance(prompt[0], dict)
+    if not isinstance(prompt, str) and not is_messages:
         return list(prompt)
-    if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
-    return tokenizer.encode(prompt)
+    if isinstance(prompt, str):
+        if not getattr(tokenizer, "chat_template", None):
+            return tokenizer.encode(prompt)
+        prompt = [{"role": "user", "content": prompt}]
+    messages = ([{"role": "system", "content": system}] if system else []) + list(prompt)
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, **template_options)
 
 
 def stream_generate(model, tokenizer, prompt: Union[str, Sequence[int]], **kwargs) -> Iterator[Response]:

@@ -134,7 +134,7 @@ def resolve_model_path(path_or_repo: str = None) -> Path:
             raise ModelError(f"{path} is not a model directory (no config.json)")
         damage = verify_checksums(path)
         if damage is not None:
-            raise ModelError(f"the model at {path} is damaged ({damage}); convert it again")
+            raise ModelError(f"the model at {path} is damaged ({damage}); convert it again into a new directory")
         return path
     if path_or_repo.count("/") != 1 or path_or_repo.startswith((".", "/", "~")):
         raise ModelError(f"model not found: {path_or_repo} is neither a local directory nor a Hugging Face repo id")

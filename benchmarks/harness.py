@@ -14,7 +14,7 @@ from typing import Callable, Optional
 
 import mlx.core as mx
 
-from decoder import DecodingStats, eos_ids_of, generate_step
+from decoder import DecodingStats, encode, eos_ids_of, generate_step
 
 PROMPTS = Path(__file__).parent / "prompts"
 # Open-ended chat written for the draft head's benchmarks: no line of it is an instruction the
@@ -142,7 +142,7 @@ def markdown_table(results: dict, baseline: str) -> str:
 
 
 def chat_tokens(tokenizer, text: str) -> list:
-    return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+    return encode(tokenizer, text)
 
 
 def load_prompts(tokenizer, classes=None, chat=True) -> dict:

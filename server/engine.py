@@ -19,10 +19,12 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+from mlx_lm.utils import common_prefix_len
 
 from cost import PassCost
 from decoder import ConstraintError, DecodingStats, TextStream, eos_ids_of, generate_step
 from server.protocol import ApiError, GenerationRequest, invalid
+from sources import grammar_constraint, regex_constraint
 
 MAX_CACHED_CONSTRAINTS = 32  # token indexes are ~1 MB each; a client reuses few schemas
 
@@ -139,23 +141,22 @@ class Engine:
         return self.constraints[key]
 
     def _build_constraint(self, kind: str, pattern: str):
+        """Built as main.py builds --regex and --grammar (sources.py)."""
         if kind == "grammar":
             try:
-                from constrained.grammar import GrammarConstraint, GrammarError, GrammarForcedSource
+                from constrained.grammar import GrammarError, compile_grammar
             except ImportError:
                 raise invalid("guided_grammar needs constrained/grammar.py and llguidance", "guided_grammar") from None
             try:
-                constraint = GrammarConstraint.from_grammar(pattern, self.tokenizer, self.vocab_size)
+                return grammar_constraint(compile_grammar(pattern), self.tokenizer, self.vocab_size)
             except GrammarError as error:
                 raise invalid(f"the grammar is not supported: {error}", "guided_grammar") from None
-            return constraint, GrammarForcedSource(constraint, self.tokenizer)
-        from constrained import ForcedTextSource, RegexConstraint, RegexError
+        from constrained import RegexError
 
         try:
-            constraint = RegexConstraint.from_regex(pattern, self.tokenizer, self.vocab_size, self.cache_dir)
+            return regex_constraint(pattern, self.tokenizer, self.vocab_size, self.cache_dir)
         except RegexError as error:
             raise invalid(f"the regex (or the schema's regex) is not supported: {error}", "guided_regex") from None
-        return constraint, ForcedTextSource(constraint, self.tokenizer)
 
     def _reusable_cache(self, prompt: list) -> list:
         """The kept cache trimmed to its longest common prefix with ``prompt`` (at least one
@@ -163,9 +164,7 @@ class Engine:
         if not self.reuse_cache:
             self.cache, self.cache_tokens = make_prompt_cache(self.model), []
             return self.cache
-        common, limit = 0, min(len(self.cache_tokens), len(prompt) - 1)
-        while common < limit and self.cache_tokens[common] == prompt[common]:
-            common += 1
+        common = common_prefix_len(self.cache_tokens, prompt[:-1])
         trim_prompt_cache(self.cache, len(self.cache_tokens) - common)
         del self.cache_tokens[common:]
         return self.cache

@@ -9,6 +9,7 @@ from typing import Optional
 
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+from mlx_lm.utils import common_prefix_len
 
 from cost import PassCost
 from decoder import Draft, DraftSource, prefill, sampling_probs
@@ -108,10 +109,8 @@ class DraftModelSource(DraftSource):
 
     def _rewind(self, tokens: list):
         """Trim the cache back to the longest prefix it shares with ``tokens``."""
-        common = self.synced
-        limit = min(len(self.cache_tokens), len(tokens))
-        while common < limit and self.cache_tokens[common] == tokens[common]:
-            common += 1
+        # The first ``synced`` tokens are known to match: compare only what follows them.
+        common = self.synced + common_prefix_len(self.cache_tokens[self.synced:], tokens[self.synced:])
         trim_prompt_cache(self.cache, len(self.cache_tokens) - common)
         del self.cache_tokens[common:]
         self.synced = common

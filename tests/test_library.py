@@ -157,3 +157,16 @@ def test_a_str_prompt_gets_the_chat_template_and_eos_by_default(embedded, chat_p
     assert "Paris" in result.text and result.finish_reason == "stop" and len(result.tokens) < 40
     printed = capsys.readouterr().out
     assert result.text in printed and "Generation:" in printed and "Peak memory:" in printed
+
+
+def test_encode_takes_text_a_system_message_chat_messages_or_token_ids(embedded):
+    from decoder import encode
+
+    _, tokenizer, _ = embedded
+    messages = [{"role": "system", "content": "Answer in French."}, {"role": "user", "content": "Hi"}]
+    expected = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    assert encode(tokenizer, "Hi", system="Answer in French.") == expected
+    assert encode(tokenizer, messages[1:], system="Answer in French.") == expected
+    assert encode(tokenizer, messages) == expected
+    assert encode(tokenizer, "Hi") == tokenizer.apply_chat_template(messages[1:], add_generation_prompt=True)
+    assert encode(tokenizer, [5, 6]) == [5, 6] and encode(tokenizer, []) == []

@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 FOLDERS = ["prompt_lookup", "constrained", "speculative", "distributed"]
 MODEL_ID = "mlx-community/SmolLM2-135M-Instruct"
 # Modules of the application (main.py's side) that no copied folder may need.
-APPLICATION_MODULES = {"loading", "cli", "fast_blas", "model_cache", "main", "convert"}
+APPLICATION_MODULES = {"loading", "cli", "fast_blas", "model_cache", "main", "convert", "sources"}
 
 
 def python_blocks(readme: Path) -> list:
