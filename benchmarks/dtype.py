@@ -12,7 +12,7 @@ import mlx.core as mx
 from mlx_lm import load
 
 from benchmarks.harness import Method, load_prompts, markdown_table, side_by_side
-from convert import convert
+from conversion import convert
 from loading import cache_dir, describe_backend, embedded_gguf
 
 VARIANTS = {"float32": {}, "float16": {}, "bfloat16": {}, "4-bit (float16 scales)": {"quantize": True}}

@@ -20,7 +20,8 @@ import mlx.core as mx  # noqa: E402
 from benchmarks.draft_head import heldout_prompts  # noqa: E402
 from decoder import eos_ids_of, generate_step, sampling_probs  # noqa: E402
 from loading import load_model  # noqa: E402
-from speculative.head import FINAL, body_with_features, load_head, logits_from_hidden, output_weight  # noqa: E402
+from speculative.head import FINAL, body_with_features, logits_from_hidden, output_weight  # noqa: E402
+from speculative.head_loading import load_head  # noqa: E402
 
 
 def depth1_distributions(target, head, vocab_ids, tokens: list, temp: float):
