@@ -180,10 +180,9 @@ def build_run(args, session=None):
     """
     from decoder import DecodingStats
     from loading import context_length, load_model
-
-    text = read_prompt(args)  # bad prompt bytes fail before the model loads
     from t5 import T5Decoder, is_encoder_decoder
 
+    text = read_prompt(args)  # bad prompt bytes fail before the model loads
     model, tokenizer, path = load_model(args.model, lazy=session is not None)
     if session is not None:
         if is_encoder_decoder(model):

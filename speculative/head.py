@@ -62,7 +62,7 @@ class DraftHead(nn.Module):
         -> predicted h_{t+1}.
 
         ``cache`` is the list from ``make_cache``, as for mlx-lm models; ``mask`` overrides the
-        causal mask (training unrolls drafting with its own, see train_head.py)."""
+        causal mask (training unrolls drafting with its own, see head_training/train.py)."""
         layer_cache = cache[0] if cache else None
         x = self.fuse(mx.concatenate([features, next_embeddings], axis=-1))
         mask = create_attention_mask(x, layer_cache) if mask is None else mask

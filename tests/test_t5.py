@@ -197,3 +197,20 @@ def test_the_readme_snippet_runs(t5_dir, capsys):
     exec(code.replace('"flan-t5-small"', repr(str(t5_dir))), namespace)
     result = namespace["result"]
     assert result.stats.target_forward_passes > 0 and capsys.readouterr().out == result.text + "\n"
+
+
+def test_what_t5_does_not_support_is_refused_in_one_line(t5_dir):
+    # Each is decided by is_encoder_decoder, before any draft head download or server start.
+    import main
+    from cli import CliError
+    from server.__main__ import build_engine
+    from server.__main__ import build_parser as server_parser
+
+    args = main.build_parser().parse_args(["--model", str(t5_dir), "--prompt", "hi", "--draft-head"])
+    with pytest.raises(CliError, match="--draft-head needs a decoder-only model"):
+        main.build_run(args)
+    args = main.build_parser().parse_args(["--model", str(t5_dir), "--prompt", "hi"])
+    with pytest.raises(CliError, match="a T5 target cannot be sharded"):
+        main.build_run(args, session=object())  # as under mlx.launch; refused before sharding
+    with pytest.raises(CliError, match="the server serves decoder-only models"):
+        build_engine(server_parser().parse_args(["--model", str(t5_dir)]))
