@@ -29,7 +29,7 @@ from model_cache import (
     warn,
     write_checksums,
 )
-from speculative.t5 import is_t5_dir, load_t5
+from t5 import is_t5_dir, load_t5
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
@@ -102,7 +102,7 @@ def _damage(path: Path):
 
 
 def _convert_embedded(output: Path, dtype: str):
-    from convert import convert_into
+    from conversion import convert_into
 
     try:
         convert_into(output, gguf=str(embedded_gguf()), dtype=dtype)
@@ -158,7 +158,6 @@ def load_model(path_or_repo: str = None, lazy: bool = False):
     path = resolve_model_path(path_or_repo)
     try:
         if is_t5_dir(path):
-
             model, tokenizer = load_t5(path)
         else:
             from mlx_lm import load

@@ -160,15 +160,16 @@ def build_run(args, session=None):
     from loading import cache_dir, context_length, load_model
     from sources import draft_sources, grammar_constraint, regex_constraint
     from speculative.draft_model import output_size
+    from t5 import T5Decoder, is_encoder_decoder
 
     text = read_prompt(args)  # bad prompt bytes fail before the model loads
     model, tokenizer, path = load_model(args.model, lazy=session is not None)
     if session is not None:
+        if is_encoder_decoder(model):
+            raise CliError("a T5 target cannot be sharded; run it in one process")
         model = session.shard(model, args.shard)
     encoder_input = None
-    if hasattr(model, "encode"):  # T5: the encoder reads the prompt, the decoder starts fresh
-        from speculative.t5 import T5Decoder
-
+    if is_encoder_decoder(model):  # the encoder reads the prompt, the decoder starts fresh
         encoder_input = tokenizer.encode(text)
         model = T5Decoder(model, encoder_input)
         prompt = model.prompt_tokens()
@@ -261,7 +262,7 @@ def main():
     reopen_closed_std_streams()
     args = build_parser().parse_args()
     fast_blas.load()  # before anything imports mlx.core (Linux: MLX's own BLAS is ~20x slower)
-    from convert import ConversionError
+    from conversion import ConversionError
     from decoder import ConstraintError
     from distributed import DistributedError
     from loading import ModelError

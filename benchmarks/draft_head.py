@@ -92,7 +92,8 @@ def draft_head_cost_suite(model, tokenizer, args, repeats: int = 40):
     """One draft step (head + sub-vocabulary scores + argmax + sync) vs one target step, interleaved."""
     from mlx_lm.models.cache import make_prompt_cache
 
-    from speculative.head import body_with_features, load_head, output_weight
+    from speculative.head import body_with_features, output_weight
+    from speculative.head_loading import load_head
 
     head, vocab_ids = load_head(args.head, model)
     prompt = heldout_prompts(tokenizer)[0][1]
@@ -140,8 +141,9 @@ def draft_head_misses_suite(model, tokenizer, args):
     """Where the head's misses go, teacher-forced on the target's own greedy answers to the
     held-out chat prompts: accuracy at draft depth 1 and 2 by how frequent the right token is."""
     from decoder import generate_step
-    from speculative.head import body_with_features, load_head, output_weight
-    from speculative.train_head import unrolled_predictions
+    from speculative.head import body_with_features, output_weight
+    from speculative.head_loading import load_head
+    from head_training.train import unrolled_predictions
 
     head, vocab_ids = load_head(args.head, model)
     rank = {token: i for i, token in enumerate(vocab_ids.tolist())}

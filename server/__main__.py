@@ -48,9 +48,10 @@ def build_engine(args):
     from loading import cache_dir, context_length, load_model
     from server.engine import Engine
     from speculative.draft_model import output_size
+    from t5 import is_encoder_decoder
 
     model, tokenizer, path = load_model(args.model)
-    if hasattr(model, "encode"):
+    if is_encoder_decoder(model):
         raise CliError("the server serves decoder-only models; T5 is not supported")
     vocab_size = output_size(model, tokenizer)
     model, drafts = sources.draft_sources(args, model, tokenizer)

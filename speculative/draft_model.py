@@ -14,6 +14,7 @@ from mlx_lm.utils import common_prefix_len
 from cost import PassCost
 from decoder import Draft, DraftSource, prefill, sampling_probs
 from speculative.adaptive import AdaptiveLength, weight_bytes
+from t5 import T5Decoder, is_encoder_decoder
 
 
 class VocabularyMismatch(ValueError):
@@ -88,9 +89,7 @@ class DraftModelSource(DraftSource):
         draft_size = output_size(draft_model, draft_tokenizer)
         target_size = output_size(target_model, target_tokenizer)
         check_same_vocabulary(draft_tokenizer, target_tokenizer, draft_size, target_size)
-        if hasattr(draft_model, "encode"):
-            from speculative.t5 import T5Decoder
-
+        if is_encoder_decoder(draft_model):
             if encoder_input is None:
                 raise VocabularyMismatch("a T5 draft model needs a T5 target model")
             draft_model = T5Decoder(draft_model, encoder_input)

@@ -17,7 +17,8 @@ from mlx_lm.models.cache import trim_prompt_cache
 from cost import PassCost
 from decoder import Draft, DraftSource, sampling_probs
 from speculative.adaptive import AdaptiveLength, weight_bytes
-from speculative.head import FINAL, body_with_features, load_head, logits_from_hidden, output_layer, output_weight
+from speculative.head import FINAL, body_with_features, logits_from_hidden
+from speculative.head_loading import load_head
 
 CATCH_UP_CHUNK = 512  # positions per head call when reading a prompt (as the target's prefill)
 
@@ -70,7 +71,8 @@ class DraftHeadSource(DraftSource):
 
     Args:
         tap: the ``HiddenStateTap`` the loop runs as its model.
-        head, vocab_ids: from ``load_head``.
+        head, vocab_ids: from ``load_head``; the head scores with ``head.logits``, over the tokens
+            ``vocab_ids`` names.
         num_draft, adaptive, max_draft: draft length (see ``AdaptiveLength``).
         min_confidence: stop a draft once the head's top probability falls below this.
         min_path_confidence: stop a draft once the product of the head's top probabilities at
@@ -94,15 +96,6 @@ class DraftHeadSource(DraftSource):
         self.vocab_list = vocab_ids.tolist()
         self.vocab_size = tap.target.args.vocab_size
         self.embed = tap.target.model.embed_tokens
-        # Scores: the head's own output layer (EAGLE-3), the target's LM head itself for the whole
-        # vocabulary (EAGLE-1: no copy of a quantized matrix), else the target's sub-vocabulary rows.
-        whole = vocab_ids.size == self.vocab_size and mx.array_equal(vocab_ids, mx.arange(self.vocab_size)).item()
-        self.out_rows = None if hasattr(head, "logits") or whole else \
-            mx.take(output_weight(tap.target), vocab_ids, axis=0)
-        if self.out_rows is not None:
-            # Computed now, in the thread that builds the source: MLX runs a lazy array on the
-            # stream of the thread that made it, and a server drafts on a worker thread.
-            mx.eval(self.out_rows)
         self.length = AdaptiveLength(num_draft, max_draft, enabled=adaptive)
         self.min_confidence = min_confidence
         self.draft_cost_prior = draft_cost_prior
@@ -123,15 +116,10 @@ class DraftHeadSource(DraftSource):
         returns ``(tap, source)``: run the loop on ``tap``."""
         head, vocab_ids = load_head(head_dir, target)
         tap = HiddenStateTap(target, head.feature_layers)
-        # A draft step reads the head and the output rows it scores with. Counted in bytes: a 4-bit
-        # target reads far less than its parameter count says.
-        if hasattr(head, "logits"):  # EAGLE-3: its output layer is one of its own weights
-            rows = 0
-        elif vocab_ids.size == target.args.vocab_size:  # the target's whole output layer (EAGLE-1)
-            rows = weight_bytes(output_layer(target))
-        else:
-            rows = vocab_ids.size * target.args.hidden_size * target.model.norm.weight.dtype.size
-        kwargs.setdefault("draft_cost_prior", (weight_bytes(head) + rows) / weight_bytes(target))
+        # A draft step reads the head and the target's output rows it scores with (``output_bytes``;
+        # none for EAGLE-3, whose output layer is its own). Counted in bytes: a 4-bit target reads
+        # far less than its parameter count says.
+        kwargs.setdefault("draft_cost_prior", (weight_bytes(head) + head.output_bytes) / weight_bytes(target))
         return tap, cls(tap, head, vocab_ids, **kwargs)
 
     @property
@@ -175,17 +163,10 @@ class DraftHeadSource(DraftSource):
         self.committed = stop
         return predicted[0, -1]
 
-    def _logits(self, predicted: mx.array) -> mx.array:
-        if hasattr(self.head, "logits"):
-            return self.head.logits(predicted)
-        if self.out_rows is None:
-            return logits_from_hidden(self.tap.target, predicted[None])[0]
-        return predicted @ self.out_rows.T
-
     def _distribution(self, predicted: mx.array) -> mx.array:
         """Scores over the sub-vocabulary: q when sampling; when greedy, the softmax only if the
         confidence stop needs it (the logits have the same argmax)."""
-        logits = self._logits(predicted)
+        logits = self.head.logits(predicted[None])[0]
         if self.temp > 0:
             return sampling_probs(logits[None], self.temp, self.top_p)[0]
         confidence_needed = self.min_confidence > 0 or self.min_path_confidence > 0

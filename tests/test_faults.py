@@ -66,8 +66,8 @@ def tiny_gguf(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tiny_model(tiny_gguf, tmp_path_factory):
-    """The tiny GGUF converted by convert.py's code path (so it has checksums.json)."""
-    from convert import convert
+    """The tiny GGUF converted by the conversion code path (so it has checksums.json)."""
+    from conversion import convert
 
     return convert(str(tmp_path_factory.mktemp("model") / "tiny"), gguf=str(tiny_gguf))
 
@@ -93,11 +93,11 @@ def assert_one_line_error(result, fragment):
 CACHE_RUN = """
 import os, sys, time
 from pathlib import Path
-import convert, loading
+import conversion, loading
 
 loading.embedded_gguf = lambda: Path(os.environ["TINY_GGUF"])
 if os.environ.get("HOLD"):
-    read_gguf = convert.read_gguf
+    read_gguf = conversion.read_gguf
 
     def held_read(path):
         Path(os.environ["HOLD"], f"started-{os.getpid()}").touch()
@@ -105,7 +105,7 @@ if os.environ.get("HOLD"):
             time.sleep(0.02)
         return read_gguf(path)
 
-    convert.read_gguf = held_read
+    conversion.read_gguf = held_read
 print(loading.default_model_path())
 """
 

@@ -31,10 +31,10 @@ def draft_model():
 
 def draft_head():
     from speculative import DraftHeadSource, HiddenStateTap
-    from speculative.head import DraftHead, head_args
+    from speculative.head import DraftHead, head_args, output_rows
 
     mx.random.seed(3)
-    head = DraftHead(head_args(TARGET.args))
+    head = DraftHead(head_args(TARGET.args), output_rows(TARGET, mx.arange(VOCAB)))
     mx.eval(head.parameters())
     tap = HiddenStateTap(TARGET)
     return tap, [DraftHeadSource(tap, head, mx.arange(VOCAB), num_draft=3, adaptive=False)], None

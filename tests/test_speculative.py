@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from cost import PassCost
 from decoder import DecodingStats, generate_step
 from speculative import DraftModelSource, VocabularyMismatch
-from speculative.t5 import T5Decoder, load_t5
+from t5 import T5Decoder, load_t5
 from tests.helpers import assert_sampling_keeps_the_target_distribution, tiny_llama
 from tests.t5_fixtures import make_tiny_t5_dir, train_tiny_spiece
 from tests.test_cli import assert_one_line_error, cli
@@ -131,7 +131,7 @@ def test_a_draft_that_never_pays_is_paused_and_probed():
 @pytest.mark.slow
 def test_self_draft_pair_from_the_command_line(embedded, tmp_path):
     """The README's offline pair: the embedded model and its first layers (convert.py --num-layers)."""
-    from convert import convert
+    from conversion import convert
     from loading import embedded_gguf
 
     _, _, target = embedded

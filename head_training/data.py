@@ -110,7 +110,7 @@ def training_data(target, tokenizer, work: Path, sources, num_instructions: int,
 def cached_instructions(path: Path, source: str, target, tokenizer, count: int, seed: int) -> list:
     """The instructions of one source, written to ``path`` once (atomically) so a rerun answers the
     same ones and reuses the cached batches of answers."""
-    from speculative.instructions import sample_instructions, self_instructions
+    from head_training.instructions import sample_instructions, self_instructions
 
     if path.exists():
         return json.loads(path.read_text())
