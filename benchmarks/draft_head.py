@@ -59,7 +59,7 @@ def draft_head_suite(model, tokenizer, args):
 
             def run(prompt, max_tokens):
                 # The loop runs on the tap, so this method times the loop itself.
-                tap, source = DraftHeadSource.create(model, args.head, temp=temp, **options)
+                tap, source = DraftHeadSource.create(model, args.head, **options)
                 sources = [PromptLookupSource(), Recorded(source, stats)] if lookup else [Recorded(source, stats)]
                 return time_loop(tap, prompt, max_tokens, eos, temp=temp, draft_sources=sources)
             return Method(name, run=run, greedy=greedy)
@@ -69,7 +69,7 @@ def draft_head_suite(model, tokenizer, args):
             Method(f"mlx-lm speculative, self-draft {num_layers} layers, k=4",
                    run=mlx_lm_speculative_runner(model, tokenizer, self_draft, 4, temp), greedy=greedy),
             Method(f"draft model ({num_layers} layers), adaptive", lambda prompt: {"temp": temp, "draft_sources": [
-                DraftModelSource.create(self_draft, tokenizer, model, tokenizer, temp=temp)]}, greedy=greedy),
+                DraftModelSource.create(self_draft, tokenizer, model, tokenizer)]}, greedy=greedy),
             head_method("head, k=4 fixed", num_draft=4, adaptive=False),
             head_method("head, k=2 fixed", num_draft=2, adaptive=False),
             head_method("head, adaptive"),

@@ -308,7 +308,7 @@ def speed(model, tokenizer, args) -> str:
     def with_head(prompt, max_tokens):
         from speculative.head_source import DraftHeadSource
 
-        tap, head = DraftHeadSource.create(model, None, temp=0.0)
+        tap, head = DraftHeadSource.create(model, None)
         kwargs = grammar(forced=True)(prompt)
         kwargs["draft_sources"].append(head)
         return time_loop(tap, prompt, max_tokens, eos_ids_of(tokenizer), **kwargs)

@@ -12,7 +12,7 @@
   ``--warmup-requests`` are reported apart.
 
 "+ head" methods put the copier first and the head second: per step the loop lets the head draft
-only when it forecasts a larger speed-up than the copy's draft (decoder._propose). Methods are
+only when it forecasts a larger speed-up than the copy's draft (decoder.choose_draft). Methods are
 interleaved per prompt in one process (benchmarks/harness.py); greedy outputs must match plain
 decoding token for token, or the harness says so.
 """
@@ -81,7 +81,7 @@ def main():
     eos = eos_ids_of(tokenizer)
     seed = load_history(SHIPPED_HEAD / "history.npz")
     tap, head = DraftHeadSource.create(model)
-    sampled_tap, sampled_head = DraftHeadSource.create(model, temp=1.0)
+    sampled_tap, sampled_head = DraftHeadSource.create(model)
 
     chat = heldout_prompts(tokenizer)
     results = side_by_side(model, tokenizer, {"held-out chat, temp 0": chat[: args.chat_prompts]},

@@ -180,8 +180,8 @@ def speculative_suite(model, tokenizer, args):
         for num_layers in args.draft_layers:
             draft, _ = load(self_draft_path(num_layers))
 
-            def source(draft=draft, temp=temp, **options):
-                return DraftModelSource.create(draft, tokenizer, model, tokenizer, temp=temp, num_draft=4, **options)
+            def source(draft=draft, **options):
+                return DraftModelSource.create(draft, tokenizer, model, tokenizer, num_draft=4, **options)
 
             def method(name, make_sources, temp=temp):
                 return Method(name, lambda prompt: {"temp": temp, "draft_sources": make_sources()}, greedy=temp == 0)

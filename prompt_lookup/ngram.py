@@ -222,7 +222,7 @@ class PromptLookupSource(DraftSource):
             length = 1
         draft = draft[:length]
         self._offered = (len(tokens), draft)
-        # With it, the loop can hand the step to a model source that expects more (decoder._propose).
+        # With it, the loop can hand the step to a model source that expects more (decoder.choose_draft).
         return Draft(draft, expected_speedup=self.expected_speedup(kind, len(draft)))
 
     def update(self, tokens: list, num_proposed: int, num_accepted: int) -> None:
