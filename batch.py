@@ -372,8 +372,12 @@ class BatchGenerator:
             # A NaN score is no score: it must not win an argmax or poison a softmax.
             keep = (allowed & ~mx.isnan(logits)) | ~mx.array(constrained)[:, None, None]
             logits = mx.where(keep, logits, -mx.inf)
-        # The step's one host sync: the greedy rows' decisions, and every row's logits with them.
-        targets = mx.argmax(logits, axis=-1).tolist()
+        # The step's one host sync: the greedy rows' decisions (and whether the constraints allow
+        # them), and every row's logits with them.
+        argmax = mx.argmax(logits, axis=-1)
+        argmax_allowed = None if allowed is None else mx.take_along_axis(allowed, argmax[..., None], -1)[..., 0]
+        mx.eval(argmax, argmax_allowed)
+        targets = argmax.tolist()
         self.cost.record(clock() - started, width=width, rows=len(rows))
         self.stats.passes += 1
         self.stats.widths[width] += 1
@@ -385,16 +389,8 @@ class BatchGenerator:
                 results.append(self._accept(row, draft, logits[index, : len(draft.tokens) + 1], targets[index]))
             except Exception as error:  # noqa: BLE001
                 results.append(error)
-        if allowed is not None:  # the target's own token is forbidden only when no allowed token had a usable score
-            checks = [(i, *r) for i, r in enumerate(results) if constrained[i] and not isinstance(r, Exception)]
-            if checks:
-                ok = allowed[mx.array([c[0] for c in checks]), mx.array([c[1] for c in checks]),
-                             mx.array([c[2] for c in checks])].tolist()
-                for (index, _, _), fine in zip(checks, ok):
-                    if not fine:
-                        results[index] = ConstraintError(
-                            f"the model gave no allowed token a usable score (NaN or -inf) "
-                            f"at generated token {rows[index].num_generated + results[index][0] + 1}")
+        if allowed is not None:
+            self._check_allowed(results, constrained, targets, argmax_allowed.tolist(), allowed)
         trim_rows(self.cache, [width - 1 - r[0] if not isinstance(r, Exception) else 0 for r in results])
 
         finished, emitted_total = [], 0
@@ -414,6 +410,27 @@ class BatchGenerator:
             for layer in self.cache:
                 layer.realign()
         return emitted_total
+
+    def _check_allowed(self, results: list, constrained: list, targets: list, argmax_allowed: list, allowed):
+        """The target's own token is forbidden only when no allowed token had a usable score (the
+        argmax or sample of an all -inf row): that row fails with a ConstraintError."""
+        verdicts, sampled = {}, []
+        for index, result in enumerate(results):
+            if constrained[index] and not isinstance(result, Exception):
+                num_accepted, token = result
+                if token == targets[index][num_accepted]:
+                    verdicts[index] = argmax_allowed[index][num_accepted]
+                else:
+                    sampled.append(index)
+        if sampled:  # a sampled token other than the argmax: ask its mask
+            found = allowed[mx.array(sampled), mx.array([results[i][0] for i in sampled]),
+                            mx.array([results[i][1] for i in sampled])].tolist()
+            verdicts.update(zip(sampled, found))
+        for index, fine in verdicts.items():
+            if not fine:
+                results[index] = ConstraintError(
+                    f"the model gave no allowed token a usable score (NaN or -inf) "
+                    f"at generated token {self.rows[index].num_generated + results[index][0] + 1}")
 
     def _accept(self, row: _Row, draft: Draft, logits: mx.array, targets: list) -> tuple:
         if row.sampler is not None:
