@@ -25,7 +25,8 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from batch import BatchGenerator, BatchPassCost
+from batch import BatchGenerator
+from batch_policy import BatchPassCost
 from benchmarks.harness import PROMPTS, chat_tokens
 from constrained import ForcedTextSource, RegexConstraint, schema_to_regex
 from constrained.token_index import load_or_build_index

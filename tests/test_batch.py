@@ -12,7 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import batch
-from batch import BatchGenerator, BatchPassCost, batch_generate, choose_width
+from batch import BatchGenerator, batch_generate
+from batch_policy import BatchPassCost, choose_width
 from batch_draft import BatchDraftModel
 from constrained import ForcedTextSource, RegexConstraint
 from cost import PassCost
