@@ -24,7 +24,7 @@ from typing import Callable, List, Optional, Sequence
 
 import mlx.core as mx
 
-from batch_cache import prefill_rows, trim_rows
+from batch_cache import Prefill, trim_rows
 from batch_draft import BatchDraftModel, DraftModelRow
 from batch_policy import Acceptance, BatchPassCost, choose_width
 from cost import PassCost
@@ -71,6 +71,9 @@ class RowResponse:
     finish_reason: Optional[str] = None  # "stop", "length" or "error"; None while the row runs
     error: Optional[str] = None  # one line, when finish_reason is "error"
     stats: Optional[DecodingStats] = None  # the row's own counts, on its last response
+    # With keep_caches, on the last response: per layer (keys, values) [1, heads, n, dim] of the
+    # row's first n tokens (prompt and output), for a later prompt that extends them.
+    cache: Optional[list] = None
 
 
 @dataclass
@@ -107,6 +110,7 @@ class _Row:
     sampler: Optional[Callable]
     max_tokens: int
     eos_token_ids: set
+    prompt_cache: Optional[list] = None  # KV entries of a prefix of tokens, until prefilled
     num_generated: int = 0
     acceptance: Acceptance = field(default_factory=Acceptance)
     stats: DecodingStats = field(default_factory=DecodingStats)
@@ -131,15 +135,22 @@ class BatchGenerator:
         max_width: the widest pass (1 + draft tokens); None leaves it to the policy.
         pass_cost: the verification-cost model; the engine times every ``[B, W]`` pass into it
             (default: a fresh ``BatchPassCost``).
+        interleave_prefill: while rows are decoding, prefill joining prompts one chunk per
+            ``next()`` (a long prompt does not stall the running rows); else all at once.
+        keep_caches: give each finished row's KV entries in its last response (``cache``).
     """
 
     def __init__(self, model, *, eos_token_ids: Sequence[int] = (), prefill_step_size: int = 512,
                  prefill_batch_size: int = 8, max_width: Optional[int] = None,
-                 pass_cost: Optional[PassCost] = None):
+                 pass_cost: Optional[PassCost] = None, interleave_prefill: bool = False,
+                 keep_caches: bool = False):
         self.model = model
         self.eos_token_ids = set(eos_token_ids)
         self.prefill_step_size, self.prefill_batch_size = prefill_step_size, prefill_batch_size
         self.max_width = max_width
+        self.interleave_prefill, self.keep_caches = interleave_prefill, keep_caches
+        self.prefilling = None  # (rows, Prefill) while joining prompts are prefilled chunk by chunk
+        self.removed = set()  # uids removed while prefilling
         self.cost = pass_cost if pass_cost is not None else BatchPassCost()
         self.stats = BatchStats()
         self.rows: List[_Row] = []  # in cache order
@@ -148,10 +159,13 @@ class BatchGenerator:
         self._next_uid = 0
 
     def insert(self, prompts: Sequence[Sequence[int]], *, draft_sources=None, constraint=None,
-               temp=0.0, top_p=1.0, sampler=None, max_tokens=256, eos_token_ids=None) -> List[int]:
+               temp=0.0, top_p=1.0, sampler=None, max_tokens=256, eos_token_ids=None,
+               prompt_cache=None) -> List[int]:
         """Queue prompts (token id lists); returns their uids. Each option is one value for every
         prompt or a list with one per prompt; ``draft_sources`` is a list of fresh sources per prompt
-        and ``constraint`` one object per prompt: rows never share a stateful object."""
+        and ``constraint`` one object per prompt: rows never share a stateful object.
+        ``prompt_cache`` is per prompt None or the KV entries of its first n < len(prompt) tokens
+        (a finished row's ``RowResponse.cache``, cut to n), so only the rest is prefilled."""
         count = len(prompts)
         draft_sources = [[] for _ in prompts] if draft_sources is None else _per_row("draft_sources", draft_sources, count)
         constraints = _per_row("constraint", constraint, count) if count > 1 or constraint is None or \
@@ -160,6 +174,7 @@ class BatchGenerator:
                    (("temp", temp), ("top_p", top_p), ("sampler", sampler), ("max_tokens", max_tokens))]
         eos = self.eos_token_ids if eos_token_ids is None else set(eos_token_ids)
         owned = [id(o) for row in self.rows + self.waiting for o in row.sources + [row.constraint] if o is not None]
+        prompt_caches = [None] * count if prompt_cache is None else _per_row("prompt_cache", prompt_cache, count)
         rows = []
         for prompt, sources, row_constraint, row_temp, row_top_p, row_sampler, row_max in zip(
                 prompts, draft_sources, constraints, *options):
@@ -178,7 +193,7 @@ class BatchGenerator:
                     raise ValueError(f"{type(stateful).__name__} object is given to two rows: each row needs its own")
                 owned.append(id(stateful))
             rows.append(_Row(self._next_uid, list(prompt), list(sources), row_constraint, row_temp, row_top_p,
-                             row_sampler, row_max, eos))
+                             row_sampler, row_max, eos, prompt_caches[len(rows)]))
             self._next_uid += 1
         self.waiting += rows
         return [row.uid for row in rows]
@@ -187,6 +202,8 @@ class BatchGenerator:
         """Drop rows (running or waiting); the others go on untouched."""
         uids = set(uids)
         self.waiting = [row for row in self.waiting if row.uid not in uids]
+        if self.prefilling is not None:
+            self.removed |= uids & {row.uid for row in self.prefilling[0]}
         self._drop([i for i, row in enumerate(self.rows) if row.uid in uids])
 
     def _drop(self, indices: Sequence[int]):
@@ -205,35 +222,50 @@ class BatchGenerator:
                 layer.filter(keep)
 
     def __len__(self) -> int:
-        return len(self.rows) + len(self.waiting)
+        return len(self.rows) + len(self.waiting) + (len(self.prefilling[0]) if self.prefilling else 0)
 
     def _admit(self, responses: list):
-        """Prefill up to ``prefill_batch_size`` waiting prompts as one left-padded batch and merge them in."""
-        joining = []
-        for row in self.waiting[: self.prefill_batch_size]:
-            try:
-                sampled = row.sampler is None
-                for source in row.sources:
-                    _reset_source(source, self.cost, row.temp if sampled else 0.0, row.top_p if sampled else 1.0)
-                if row.constraint is not None:
-                    row.constraint.reset()
-                row.stats.pass_cost = self.cost
-                joining.append(row)
-            except Exception as error:  # noqa: BLE001 - a row's own objects failed; the batch goes on
-                responses.append(self._failed(row, error))
-        del self.waiting[: self.prefill_batch_size]
-        if not joining:
-            return
+        """Prefill up to ``prefill_batch_size`` waiting prompts as one left-padded batch and merge them in
+        (one chunk per call with ``interleave_prefill`` while other rows decode)."""
+        if self.prefilling is None:
+            joining = []
+            for row in self.waiting[: self.prefill_batch_size]:
+                try:
+                    sampled = row.sampler is None
+                    for source in row.sources:
+                        _reset_source(source, self.cost, row.temp if sampled else 0.0, row.top_p if sampled else 1.0)
+                    if row.constraint is not None:
+                        row.constraint.reset()
+                    row.stats.pass_cost = self.cost
+                    joining.append(row)
+                except Exception as error:  # noqa: BLE001 - a row's own objects failed; the batch goes on
+                    responses.append(self._failed(row, error))
+            del self.waiting[: self.prefill_batch_size]
+            if not joining:
+                return
+            prefill = Prefill(self.model, [row.tokens[:-1] for row in joining], self.prefill_step_size,
+                              [row.prompt_cache for row in joining])
+            for row in joining:
+                row.prompt_cache = None
+            self.prefilling = (joining, prefill)
+        joining, prefill = self.prefilling
         tic = time.perf_counter()
-        cache = prefill_rows(self.model, [row.tokens[:-1] for row in joining], self.prefill_step_size)
+        done = prefill.step()
+        while not done and not (self.interleave_prefill and self.rows):
+            done = prefill.step()
+        self.stats.prompt_time += time.perf_counter() - tic
+        if not done:
+            return
+        self.prefilling = None
         if self.cache is None:
-            self.cache = cache
+            self.cache = prefill.cache
         else:
-            for layer, new_layer in zip(self.cache, cache):
+            for layer, new_layer in zip(self.cache, prefill.cache):
                 layer.extend(new_layer)
         self.rows += joining
-        self.stats.prompt_time += time.perf_counter() - tic
         self.stats.prompt_tokens += sum(len(row.tokens) for row in joining)
+        removed, self.removed = self.removed, set()
+        self._drop([i for i, row in enumerate(self.rows) if row.uid in removed])
 
     def _failed(self, row: _Row, error: Exception) -> RowResponse:
         message = " ".join(str(error).split()) or type(error).__name__
@@ -345,11 +377,19 @@ class BatchGenerator:
             responses.append(response)
             if response.finish_reason is not None:
                 finished.append(index)
+                if self.keep_caches and response.finish_reason != "error":
+                    response.cache = self._row_cache(index)
         self._drop(finished)
         if self.rows and max(self.cache[0].ends) - min(self.cache[0].ends) > MAX_RAGGEDNESS:
             for layer in self.cache:
                 layer.realign()
         return emitted_total
+
+    def _row_cache(self, index: int) -> list:
+        """Row ``index``'s KV entries, copied out of the batch cache."""
+        start, end = self.cache[0].starts[index], self.cache[0].ends[index]
+        return [(mx.contiguous(layer.keys[index : index + 1, :, start:end]),
+                 mx.contiguous(layer.values[index : index + 1, :, start:end])) for layer in self.cache]
 
     def _check_allowed(self, results: list, constrained: list, targets: list, argmax_allowed: list, allowed):
         """The target's own token is forbidden only when no allowed token had a usable score (the

@@ -187,10 +187,58 @@ def trim_rows(cache: list, counts: Sequence[int]):
 def prefill_rows(model, prompts: Sequence[Sequence[int]], step_size: int = 512) -> list:
     """A new cache holding ``prompts`` (token id lists, any lengths), left-padded into one batch and
     run through ``model`` in chunks of ``step_size`` (bounded attention memory)."""
-    longest = max(len(prompt) for prompt in prompts)
-    cache = make_ragged_cache(model, [longest - len(prompt) for prompt in prompts])
-    padded = mx.array([[0] * (longest - len(prompt)) + list(prompt) for prompt in prompts])
-    for start in range(0, longest, step_size):
-        model(padded[:, start : start + step_size], cache=cache)
-        mx.eval([layer.state for layer in cache])
-    return cache
+    prefill = Prefill(model, prompts, step_size)
+    while not prefill.step():
+        pass
+    return prefill.cache
+
+
+class Prefill:
+    """Prompts being run into a new cache one chunk at a time (``step``), so that a caller can
+    interleave decoding steps with a long prompt's prefill.
+
+    Args:
+        cached: per prompt, None or the KV entries of its first L tokens (per layer a
+            ``(keys, values)`` pair of shape ``[1, heads, L, dim]``); only the rest is run.
+
+    Without cached prefixes the prompts are left-padded and written aligned (the padding is run
+    with them). A row with a cached prefix keeps it right before its own remaining tokens; rows
+    then feed different counts per chunk, right-padded to the longest, and each drops its padding.
+    """
+
+    def __init__(self, model, prompts: Sequence[Sequence[int]], step_size: int = 512, cached=None):
+        cached = [None] * len(prompts) if cached is None else list(cached)
+        lengths = [0 if c is None else c[0][0].shape[2] for c in cached]
+        longest = max(len(prompt) for prompt in prompts)
+        starts = [longest - len(prompt) for prompt in prompts]
+        self.model, self.step_size = model, step_size
+        if not any(lengths):
+            self.cache = make_ragged_cache(model, starts)
+            self.pending = [[0] * start + list(prompt) for start, prompt in zip(starts, prompts)]
+            return
+        ends = [start + length for start, length in zip(starts, lengths)]
+        self.pending = [list(prompt[length:]) for prompt, length in zip(prompts, lengths)]
+        self.cache = [RaggedKVCache(starts, ends) for _ in range(len(model.layers))]
+        filled = next(c for c in cached if c is not None)
+        for layer, (layer_keys, layer_values) in zip(self.cache, filled):
+            size = (longest + RaggedKVCache.step - 1) // RaggedKVCache.step * RaggedKVCache.step
+            _, heads, _, key_dim = layer_keys.shape
+            layer.keys = mx.zeros((len(prompts), heads, size, key_dim), layer_keys.dtype)
+            layer.values = mx.zeros((len(prompts), heads, size, layer_values.shape[3]), layer_values.dtype)
+        for row, entries in enumerate(cached):
+            if entries is None:
+                continue
+            for layer, (keys, values) in zip(self.cache, entries):
+                layer.keys[row : row + 1, :, starts[row] : ends[row]] = keys
+                layer.values[row : row + 1, :, starts[row] : ends[row]] = values
+
+    def step(self) -> bool:
+        """Run the next chunk; True once every prompt is in the cache."""
+        chunks = [tokens[: self.step_size] for tokens in self.pending]
+        width = max(len(chunk) for chunk in chunks)
+        if width:
+            self.model(mx.array([chunk + [0] * (width - len(chunk)) for chunk in chunks]), cache=self.cache)
+            trim_rows(self.cache, [width - len(chunk) for chunk in chunks])
+            mx.eval([layer.state for layer in self.cache])
+        self.pending = [tokens[self.step_size :] for tokens in self.pending]
+        return not any(self.pending)

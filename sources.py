@@ -176,3 +176,30 @@ def grammar_constraint(grammar: str, tokenizer, vocab_size: int) -> tuple:
 
     constraint = GrammarConstraint.from_llguidance(grammar, tokenizer, vocab_size=vocab_size)
     return constraint, GrammarForcedSource(constraint, tokenizer)
+
+
+def row_sources(args, model, tokenizer):
+    """For the batched engine (batch.py): a function that returns fresh draft sources for one row,
+    from the same flags as ``draft_sources`` (rows never share a stateful source). A draft model
+    is loaded once, as a ``BatchDraftModel`` that drafts for all its rows in one pass; the draft
+    head reads one sequence's hidden states and has no batched form (use ``draft_sources``)."""
+    drafter = None
+    options = {} if args.num_draft is None else {"num_draft": args.num_draft, "max_draft": max(12, args.num_draft)}
+    if args.draft_model is not None:
+        from batch_draft import BatchDraftModel
+        from loading import load_model
+        from speculative.draft_model import check_same_vocabulary, output_size
+        from t5 import is_encoder_decoder
+
+        draft_model, draft_tokenizer, _ = load_model(args.draft_model)
+        if is_encoder_decoder(draft_model):
+            raise CliError("--draft-model: a T5 draft model needs a T5 target, which batching does not serve")
+        target_size = output_size(model, tokenizer)
+        check_same_vocabulary(draft_tokenizer, tokenizer, output_size(draft_model, draft_tokenizer), target_size)
+        drafter = BatchDraftModel(draft_model, target_size, adaptive=not args.no_adaptive, **options)
+
+    def make() -> list:
+        row = [lookup_source(args, [])] if args.prompt_lookup else []
+        return row + ([drafter.source()] if drafter is not None else [])
+
+    return make
