@@ -26,8 +26,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--api-key", default=None, help="Require 'Authorization: Bearer KEY' on every request.")
     parser.add_argument("--max-tokens", type=int, default=512,
                         help="max_tokens for requests that do not set it (default: 512).")
+    parser.add_argument("--max-batch", type=int, default=8,
+                        help="Requests decoded together (continuous batching; 1: one at a time; default: 8).")
     parser.add_argument("--max-queue", type=int, default=8,
-                        help="Requests waiting behind the running one; more get HTTP 503 (default: 8).")
+                        help="Requests waiting beyond the running ones; more get HTTP 503 (default: 8).")
+    parser.add_argument("--prompt-cache-bytes", type=int, default=2**30,
+                        help="KV entries kept of earlier conversations, least recently used out (default: 1 GiB).")
     # main.py's flags, built by the same code; requests set the sampling, and no history is kept.
     sources.add_arguments(parser, history=False)
     return parser
@@ -36,8 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
 def validate(args):
     if not 0 <= args.port < 65536:
         raise CliError("--port must be in [0, 65536)")
-    if args.max_tokens < 1 or args.max_queue < 0:
-        raise CliError("--max-tokens must be >= 1 and --max-queue >= 0")
+    if args.max_tokens < 1 or args.max_queue < 0 or args.max_batch < 1 or args.prompt_cache_bytes < 0:
+        raise CliError("--max-tokens and --max-batch must be >= 1, --max-queue and --prompt-cache-bytes >= 0")
     if args.api_key is not None and not args.api_key.strip():
         raise CliError("--api-key must not be empty")
     sources.check(args)
@@ -54,9 +58,13 @@ def build_engine(args):
     if is_encoder_decoder(model):
         raise CliError("the server serves decoder-only models; T5 is not supported")
     vocab_size = output_size(model, tokenizer)
-    model, drafts = sources.draft_sources(args, model, tokenizer)
-    engine = Engine(model, tokenizer, vocab_size, drafts, reuse_cache=args.draft_head is None,
-                    max_queue=args.max_queue, cache_dir=cache_dir() / "regex-index")
+    if args.draft_head is not None:  # no batched form: one request at a time
+        model, solo = sources.draft_sources(args, model, tokenizer)
+        make = list
+    else:
+        solo, make = None, sources.row_sources(args, model, tokenizer)
+    engine = Engine(model, tokenizer, vocab_size, make, solo, max_batch=args.max_batch, max_queue=args.max_queue,
+                    cache_dir=cache_dir() / "regex-index", prompt_cache_bytes=args.prompt_cache_bytes)
     model_id = "SmolLM2-135M-Instruct" if args.model is None else args.model.rstrip("/")
     return engine, model_id, context_length(path)
 

@@ -14,7 +14,7 @@ import uuid
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
@@ -87,11 +87,14 @@ def build_app(engine: Engine, model_id: str, context_length=None, api_key=None,
 async def read_body(request: Request) -> bytes:
     """The body, refused once it passes MAX_BODY_BYTES (before it all sits in memory)."""
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > MAX_BODY_BYTES:
-            raise ApiError(413, f"the request body is larger than {MAX_BODY_BYTES // 2**20} MiB")
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > MAX_BODY_BYTES:
+                raise ApiError(413, f"the request body is larger than {MAX_BODY_BYTES // 2**20} MiB")
+            chunks.append(chunk)
+    except ClientDisconnect:  # the client left while sending: nothing to answer, nothing to log
+        raise ClientGone() from None
     return b"".join(chunks)
 
 

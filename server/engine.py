@@ -1,12 +1,16 @@
-"""One generation at a time on a worker thread, fed by a bounded first-in-first-out queue.
+"""Continuous batching on one worker thread, fed by a bounded first-in-first-out queue.
 
 MLX is not thread-safe for concurrent generation on one model, so every MLX call happens on the
-worker; the HTTP side only tokenizes and waits for events. A request that arrives with the queue
-full is refused at once (HTTP 503) rather than left waiting. A cancelled request (the client left)
-is dropped from the queue, or stopped within one decoding step if it is running.
+worker; the HTTP side only tokenizes and waits for events. Up to ``max_batch`` requests decode
+together in one ``batch.BatchGenerator``; beyond that they wait in the queue, and a request that
+arrives with the queue full is refused at once (HTTP 503). Each step the worker admits waiting
+requests (those that wait together are prefilled as one batch, a chunk per step while others
+decode), runs one step, and streams each row's new text. Finished, cancelled and disconnected
+rows leave at once.
 
-The KV cache of the last generation is kept with the tokens it holds. A new request that shares a
-prefix with them (the same conversation one turn later) prefills only what follows that prefix.
+Finished rows' KV entries are kept in a least-recently-used prompt cache bounded in bytes; a
+request that extends an earlier conversation prefills only what follows the longest cached prefix.
+A draft head has no batched form: with one, requests run one at a time through ``decoder.generate_step``.
 """
 
 import asyncio
@@ -18,9 +22,9 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import mlx.core as mx
-from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 from mlx_lm.utils import common_prefix_len
 
+from batch import BatchGenerator
 from cost import PassCost
 from decoder import ConstraintError, DecodingStats, TextStream, eos_ids_of, generate_step
 from server.protocol import ApiError, GenerationRequest, invalid
@@ -37,7 +41,7 @@ class Outcome:
     finish_reason: str  # "stop", "length" or "cancelled"
     prompt_tokens: int
     completion_tokens: int
-    cached_tokens: int  # prompt tokens whose KV entries came from the previous request
+    cached_tokens: int  # prompt tokens whose KV entries came from the prompt cache
     stats: DecodingStats = field(default_factory=DecodingStats)
 
 
@@ -78,30 +82,73 @@ class StopText:
         return text
 
 
+class PromptCache:
+    """KV entries of finished sequences, least recently used first out, at most ``max_bytes``."""
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes, self.entries = max_bytes, OrderedDict()  # tuple(tokens) -> (layers, nbytes)
+
+    def add(self, tokens: list, layers: list):
+        tokens = tuple(tokens[: layers[0][0].shape[2]])
+        layers = [(keys[:, :, : len(tokens)], values[:, :, : len(tokens)]) for keys, values in layers]
+        mx.eval(layers)
+        for key in [k for k in self.entries if tokens[: len(k)] == k]:  # prefixes of this one say nothing more
+            del self.entries[key]
+        self.entries[tokens] = (layers, sum(k.nbytes + v.nbytes for k, v in layers))
+        while self.entries and sum(size for _, size in self.entries.values()) > self.max_bytes:
+            self.entries.popitem(last=False)
+
+    def lookup(self, prompt: list):
+        """``(layers cut to the longest cached prefix of prompt[:-1], its length)``, or (None, 0)."""
+        best, length = None, 0
+        for key in self.entries:
+            common = common_prefix_len(list(key), prompt[:-1])
+            if common > length:
+                best, length = key, common
+        if best is None:
+            return None, 0
+        self.entries.move_to_end(best)
+        return [(k[:, :, :length], v[:, :, :length]) for k, v in self.entries[best][0]], length
+
+
+class Row:
+    """A running job's text state."""
+
+    def __init__(self, job: Job, tokenizer, cached: int):
+        self.job, self.text, self.stopper = job, TextStream(tokenizer), StopText(job.request.stop)
+        self.outcome = Outcome("", "length", len(job.request.prompt), 0, cached)
+        self.pieces, self.generated = [], []
+
+
 class Engine:
-    """The model, its draft sources and the prompt cache, driven by one worker thread.
+    """The model, a factory of per-row draft sources and the prompt cache, driven by one worker thread.
 
     Args:
-        model: what the loop runs (a ``HiddenStateTap`` when a draft head is on).
-        draft_sources: reused for every request (the loop resets them with each request's
-            ``temp``/``top_p``, so their drafts come from the distribution they report).
-        reuse_cache: False when a source needs the whole prompt run through the model (a draft head).
-        max_queue: requests waiting behind the running one before new ones get HTTP 503.
+        make_sources: returns fresh draft sources for one request (``sources.row_sources``).
+        solo_sources: with a draft head, the sources for one-at-a-time decoding (no batching, no cache).
+        max_batch: requests decoded together; max_queue: requests waiting beyond them before HTTP 503.
     """
 
-    def __init__(self, model, tokenizer, vocab_size: int, draft_sources=(), reuse_cache: bool = True,
-                 max_queue: int = 8, cache_dir=None):
+    def __init__(self, model, tokenizer, vocab_size: int, make_sources=list, solo_sources=None,
+                 max_batch: int = 8, max_queue: int = 8, cache_dir=None, prompt_cache_bytes: int = 2**30,
+                 prefill_step_size: int = 256):
         self.model, self.tokenizer, self.vocab_size = model, tokenizer, vocab_size
-        self.draft_sources = list(draft_sources)
-        self.reuse_cache = reuse_cache
-        self.cache_dir = cache_dir
+        self.make_sources, self.solo_sources = make_sources, solo_sources
+        self.max_batch, self.cache_dir = max_batch, cache_dir
         self.eos = eos_ids_of(tokenizer)
         self.jobs = queue.Queue(maxsize=max_queue)
-        self.constraints = OrderedDict()  # (kind, pattern) -> (constraint, forced-text source)
-        self.cache, self.cache_tokens = make_prompt_cache(model), []
-        self.pass_cost = PassCost()  # kept across requests: the measured cost of passes here
+        self.constraints = OrderedDict()  # (kind, pattern) -> a built (constraint, forced) pair
+        self.prompt_cache = PromptCache(prompt_cache_bytes)
+        self.pass_cost = PassCost()
+        self.prefill_step_size = prefill_step_size
+        self.generator = self._new_generator()
+        self.rows = {}  # uid -> Row
         self.worker = threading.Thread(target=self._work, name="generation", daemon=True)
         self.worker.start()
+
+    def _new_generator(self) -> BatchGenerator:
+        return BatchGenerator(self.model, eos_token_ids=self.eos, prefill_step_size=self.prefill_step_size,
+                              prefill_batch_size=self.max_batch, interleave_prefill=True, keep_caches=True)
 
     def submit(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop) -> Job:
         job = Job(request, loop)
@@ -114,22 +161,100 @@ class Engine:
 
     def _work(self):
         while True:
-            job = self.jobs.get()
-            if job.cancelled.is_set():
-                continue  # the client left while the request was queued
+            if self.solo_sources is not None:
+                job = self.jobs.get()
+                if not job.cancelled.is_set():
+                    self._guarded(job, lambda: job.send("done", self._generate_alone(job)))
+                continue
+            waiting = [] if self.rows or len(self.generator) else [self.jobs.get()]  # idle: block, not spin
+            while len(self.rows) + len(waiting) < self.max_batch and not self.jobs.empty():
+                waiting.append(self.jobs.get_nowait())
+            for job in waiting:
+                if not job.cancelled.is_set():
+                    self._guarded(job, lambda: self._admit(job))
+            if not len(self.generator):
+                continue
             try:
-                job.send("done", self._generate(job))
-            except ApiError as error:
-                job.send("error", error)
-            except ConstraintError as error:
-                job.send("error", ApiError(500, f"constrained decoding failed: {error}"))
-            except Exception as error:  # a fault in one request must not stop the worker
+                responses = self.generator.next()
+            except Exception as error:  # a fault in the step: its rows fail, the worker goes on
                 traceback.print_exc(file=sys.stderr)
-                self.cache, self.cache_tokens = make_prompt_cache(self.model), []  # its state is unknown
-                job.send("error", ApiError(500, f"generation failed: {type(error).__name__}: {error}"))
+                for row in self.rows.values():
+                    row.job.send("error", ApiError(500, f"generation failed: {type(error).__name__}: {error}"))
+                self.rows, self.generator = {}, self._new_generator()
+                continue
+            for response in responses:
+                self._respond(response)
+            gone = [uid for uid, row in self.rows.items() if row.job.cancelled.is_set()]
+            if gone:
+                self.generator.remove(gone)
+                for uid in gone:
+                    del self.rows[uid]
+
+    def _guarded(self, job: Job, run):
+        try:
+            run()
+        except ApiError as error:
+            job.send("error", error)
+        except ConstraintError as error:
+            job.send("error", ApiError(500, f"constrained decoding failed: {error}"))
+        except Exception as error:  # a fault in one request must not stop the worker
+            traceback.print_exc(file=sys.stderr)
+            job.send("error", ApiError(500, f"generation failed: {type(error).__name__}: {error}"))
+
+    def _admit(self, job: Job):
+        request = job.request
+        constraint, forced = self._constraint(request)
+        if request.seed is not None:
+            mx.random.seed(request.seed)  # repeatable when the request decodes alone
+        layers, cached = self.prompt_cache.lookup(request.prompt)
+        uid, = self.generator.insert([request.prompt], draft_sources=[([forced] if forced else []) + self.make_sources()],
+                                     constraint=[constraint], temp=request.temp, top_p=request.top_p,
+                                     max_tokens=request.max_tokens, prompt_cache=[layers])
+        self.rows[uid] = Row(job, self.tokenizer, cached)
+        job.send("start")
+
+    def _respond(self, response):
+        row = self.rows.get(response.uid)
+        if row is None:
+            return
+        outcome, job = row.outcome, row.job
+        row.generated += response.tokens
+        stopped = False
+        for token in response.tokens:
+            if token in self.eos:
+                break
+            piece, stopped = row.stopper.add(row.text.add(token))
+            if piece:
+                row.pieces.append(piece)
+                job.send("text", piece)
+            if stopped:
+                break
+        if response.finish_reason == "error":
+            del self.rows[response.uid]
+            kind = "constrained decoding" if response.error.startswith("ConstraintError") else "generation"
+            job.send("error", ApiError(500, f"{kind} failed: {response.error}"))
+            return
+        if not stopped and response.finish_reason is None:
+            return
+        if stopped:
+            outcome.finish_reason = "stop"
+            if response.finish_reason is None:
+                self.generator.remove([response.uid])
+        else:
+            outcome.finish_reason = response.finish_reason
+            if rest := row.stopper.flush():  # text held back for a stop string that never came
+                row.pieces.append(rest)
+                job.send("text", rest)
+            outcome.stats = response.stats or outcome.stats
+        if response.cache is not None:
+            self.prompt_cache.add(job.request.prompt + row.generated, response.cache)
+        del self.rows[response.uid]
+        outcome.text, outcome.completion_tokens = "".join(row.pieces), len(row.generated)
+        job.send("done", outcome)
 
     def _constraint(self, request: GenerationRequest):
-        """The (constraint, forced-text source) for the request's regex or grammar; built once each."""
+        """A fresh (constraint, forced-text source) for the request's regex or grammar (rows never
+        share one); the costly part, the token index or compiled grammar, is built once each."""
         key = ("regex", request.regex) if request.regex is not None else ("grammar", request.grammar)
         if key[1] is None:
             return None, None
@@ -138,7 +263,13 @@ class Engine:
             if len(self.constraints) > MAX_CACHED_CONSTRAINTS:
                 self.constraints.popitem(last=False)
         self.constraints.move_to_end(key)
-        return self.constraints[key]
+        built = self.constraints[key]
+        if key[0] == "regex":
+            from constrained import ForcedTextSource, RegexConstraint
+
+            constraint = RegexConstraint(built[0].index)
+            return constraint, ForcedTextSource(constraint, self.tokenizer)
+        return grammar_constraint(built, self.tokenizer, self.vocab_size)
 
     def _build_constraint(self, kind: str, pattern: str):
         """Built as main.py builds --regex and --grammar (sources.py)."""
@@ -148,7 +279,9 @@ class Engine:
             except ImportError:
                 raise invalid("guided_grammar needs constrained/grammar.py and llguidance", "guided_grammar") from None
             try:
-                return grammar_constraint(compile_grammar(pattern), self.tokenizer, self.vocab_size)
+                compiled = compile_grammar(pattern)
+                grammar_constraint(compiled, self.tokenizer, self.vocab_size)  # refused now, not at the first step
+                return compiled
             except GrammarError as error:
                 raise invalid(f"the grammar is not supported: {error}", "guided_grammar") from None
         from constrained import RegexError
@@ -158,39 +291,19 @@ class Engine:
         except RegexError as error:
             raise invalid(f"the regex (or the schema's regex) is not supported: {error}", "guided_regex") from None
 
-    def _reusable_cache(self, prompt: list) -> list:
-        """The kept cache trimmed to its longest common prefix with ``prompt`` (at least one
-        prompt token is left to run, since the loop starts from the last one)."""
-        if not self.reuse_cache:
-            self.cache, self.cache_tokens = make_prompt_cache(self.model), []
-            return self.cache
-        common = common_prefix_len(self.cache_tokens, prompt[:-1])
-        trim_prompt_cache(self.cache, len(self.cache_tokens) - common)
-        del self.cache_tokens[common:]
-        return self.cache
-
-    def _keep_cache(self, tokens: list):
-        """Record what the cache holds after a generation: a prefix of ``tokens`` (prompt + output).
-        It may hold more, when accepted draft tokens past a stop were not emitted; those are cut."""
-        held = self.cache[0].offset
-        keep = min(held, len(tokens))
-        trim_prompt_cache(self.cache, held - keep)
-        self.cache_tokens = tokens[:keep]
-
-    def _generate(self, job: Job) -> Outcome:
+    def _generate_alone(self, job: Job) -> Outcome:
+        """One request through decoder.generate_step (the draft head reads one sequence's hidden states)."""
         request = job.request
         constraint, forced = self._constraint(request)
-        sources = ([forced] if forced is not None else []) + self.draft_sources
+        sources = ([forced] if forced is not None else []) + self.solo_sources
         if request.seed is not None:
             mx.random.seed(request.seed)
-        cache = self._reusable_cache(request.prompt)
-        outcome = Outcome("", "length", len(request.prompt), 0, len(self.cache_tokens))
+        outcome = Outcome("", "length", len(request.prompt), 0, 0)
         job.send("start")
         text, stopper, generated, pieces = TextStream(self.tokenizer), StopText(request.stop), [], []
         steps = generate_step(request.prompt, self.model, eos_token_ids=self.eos, draft_sources=sources,
                               constraint=constraint, temp=request.temp, top_p=request.top_p,
-                              max_tokens=request.max_tokens, stats=outcome.stats, prompt_cache=cache,
-                              pass_cost=self.pass_cost)
+                              max_tokens=request.max_tokens, stats=outcome.stats, pass_cost=self.pass_cost)
         try:
             for token, _source in steps:
                 generated.append(token)
@@ -209,8 +322,6 @@ class Engine:
                     break
         finally:
             steps.close()
-            self._keep_cache(request.prompt + generated)
-        # Text held back for a stop string that never came is output after all.
         if outcome.finish_reason != "cancelled" and (rest := stopper.flush()):
             pieces.append(rest)
             job.send("text", rest)

@@ -124,7 +124,7 @@ def test_draft_source_flags_mean_the_same_in_main_py_and_the_server(embedded, mo
     server_main.validate(server_args)
     engine, _, _ = server_main.build_engine(server_args)
     assert downloads == ["someone/smollm2-head"] * 2
-    for drafts in (kwargs["draft_sources"], engine.draft_sources):
+    for drafts in (kwargs["draft_sources"], engine.solo_sources):
         assert [source.name for source in drafts] == ["prompt_lookup", "draft_head"]
         assert [source.num_draft for source in drafts] == [3, 3] and drafts[0].ngram_max == 2
 
