@@ -96,6 +96,38 @@ def run_ours(model, eos, prompts, max_tokens, options, cost):
                mx.get_peak_memory() / 1e9, dict(sorted(stats.widths.items())))
 
 
+class SimulatedClock:
+    """The model on a simulated clock where a ``[B, W]`` pass takes ``base + per_token * (W - 1)``
+    at any B: verification nearly free, as on a GPU (the curve of tests/test_cost.py)."""
+
+    def __init__(self, model, base=1.0, per_token=0.005):
+        self.model, self.layers, self.args = model, model.layers, model.args
+        self.base, self.per_token, self.now = base, per_token, 0.0
+
+    def __call__(self, inputs, cache=None):
+        self.now += self.base + self.per_token * (inputs.shape[1] - 1)
+        return self.model(inputs, cache=cache)
+
+    def time(self) -> float:
+        return self.now
+
+    def seconds(self, widths: dict) -> float:
+        return sum(count * (self.base + self.per_token * (width - 1)) for width, count in widths.items())
+
+
+def simulated(model, eos, prompts, max_tokens, options):
+    """Tokens per simulated second and passes per token of the same policy on the cheap curve."""
+    clocked = SimulatedClock(model)
+    generator = BatchGenerator(clocked, eos_token_ids=eos, prefill_batch_size=len(prompts),
+                               pass_cost=BatchPassCost(clock=clocked.time))
+    generator.insert(prompts, max_tokens=max_tokens, **options())
+    while generator.next():
+        pass
+    stats = generator.stats
+    return (stats.generation_tokens / clocked.seconds(stats.widths), stats.row_passes / stats.generation_tokens,
+            dict(sorted(stats.widths.items())))
+
+
 def load_workloads(tokenizer, vocab_size, names):
     grounded = [(f"{folder}/{file.stem}", file.read_text()) for folder in ("extractive_qa", "code_edit", "summarize_quotes")
                 for file in sorted((PROMPTS / folder).glob("*.txt"))]
@@ -150,6 +182,8 @@ def main():
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--workloads", nargs="+", default=["chat", "grounded", "json"],
                         choices=["chat", "grounded", "json"])
+    parser.add_argument("--simulate-rows", type=int, default=8,
+                        help="Also run grounded and json at this many rows on a simulated GPU-like cost curve (0: skip)")
     parser.add_argument("--out", default=str(RESULTS), help="Markdown file for the table ('' to skip)")
     args = parser.parse_args()
 
@@ -196,14 +230,33 @@ def main():
                     mismatches.append(f"{workload} x{rows}: {name} differs from {next(iter(results))} on "
                                       f"{differing} of {rows} rows")
                     print("  !!", mismatches[-1], flush=True)
+    simulated_lines = []
+    if args.simulate_rows:
+        simulated_lines = ["", f"Simulated GPU-like cost curve, {args.simulate_rows} rows: a [B, W] pass takes "
+                           "1 + 0.005 (W - 1) time units at any B (the same policy, reading the simulated timings)",
+                           "", "| workload | method | tokens per time unit | vs first | passes/token | widths (passes) |",
+                           "|---|---|---:|---:|---:|---|"]
+        for workload, (prompts, indexes) in work.items():
+            if workload == "chat":
+                continue
+            first = None
+            for name, factory in methods_for(workload, indexes, tokenizer):
+                if factory is None:
+                    continue
+                rate, passes, widths = simulated(model, eos, pick(prompts, args.simulate_rows), args.max_tokens,
+                                                 factory(args.simulate_rows))
+                first = first or rate
+                simulated_lines.append(f"| {workload} | {name} | {rate:.2f} | {rate / first:.2f}x | {passes:.3f} "
+                                       f"| {widths} |")
+                print(simulated_lines[-1], flush=True)
     if args.out:
         command = "python -m benchmarks.batch " + " ".join(
             [f"--sizes {' '.join(map(str, args.sizes))}", f"--max-tokens {args.max_tokens}",
-             f"--workloads {' '.join(args.workloads)}"])
+             f"--workloads {' '.join(args.workloads)}", f"--simulate-rows {args.simulate_rows}"])
         header = [f"# Batched decoding ({platform.machine()}, {describe_backend()}, SmolLM2-135M float32, greedy, "
                   f"{args.max_tokens} tokens per request)", "", f"    {command}", ""]
         notes = [""] + ([f"- {m}" for m in mismatches] or ["- every method gave every row the same tokens"])
-        Path(args.out).write_text("\n".join(header + lines + notes) + "\n")
+        Path(args.out).write_text("\n".join(header + lines + notes + simulated_lines) + "\n")
 
 
 if __name__ == "__main__":
