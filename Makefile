@@ -41,9 +41,9 @@ test-fast: setup-dev
 bench: setup-dev
 	$(PY) -m benchmarks.run --suite all
 
-# Retrain the shipped draft head (speculative/README.md): about an hour on a busy 2-core CPU.
+# Retrain the shipped draft head (head_training/README.md): about an hour on a busy 2-core CPU.
 draft-head: setup
-	$(PY) -m speculative.train_head --out speculative/heads/smollm2-135m
+	$(PY) -m head_training.train --out speculative/heads/smollm2-135m
 
 clean:
 	rm -rf $(VENV)

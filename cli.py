@@ -55,7 +55,7 @@ def read_text_file(path: str, description: str) -> str:
     """The UTF-8 text of a file, or a CliError saying what is wrong with it."""
     path = Path(path)
     if path.is_dir():
-        raise CliError(f"{description} {path} is a directory")
+        raise CliError(f"{description} {path} is a directory; give a file path")
     if not path.exists():
         raise CliError(f"{description} not found: {path}")
     try:

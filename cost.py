@@ -29,8 +29,8 @@ class PassCost:
         clock: seconds as a float; tests pass a simulated clock.
     """
 
-    PRIOR_WEIGHT = 1.0  # the prior counts as one pass at each end of the line
-    PRIOR_WIDTH = 9  # where the prior's line is pinned: a typical long draft plus one
+    PRIOR_WEIGHT = 0.5  # the prior counts as half a pass at widths 1 and 2: it sets the slope
+    # until a second width is timed, and soon gives way once one is
 
     def __init__(self, default_token_cost: float = 0.09, forget: float = 0.9,
                  clock: Callable[[], float] = time.perf_counter):
@@ -68,16 +68,17 @@ class PassCost:
             measured = [r for r in self.passes if self.passes[r]]
             if not measured:
                 return None
-            # Another batch size's line, scaled: rows cost alike until measured.
+            # The nearest batch size's line, scaled as if each row cost alike, until measured.
             nearest = min(measured, key=lambda r: abs(r - rows))
-            base, slope = self._fit(nearest)
-            return base * rows / nearest, slope * rows / nearest
+            fit = self._fit(nearest)
+            return None if fit is None else (fit[0] * rows / nearest, fit[1] * rows / nearest)
         narrowest = min(widths)
+        if widths[narrowest][1] <= 0:  # a clock that did not move (a test's): nothing measured
+            return None
         anchor = widths[narrowest][1] / (1 + self.default_token_cost * (narrowest - 1))
         points = [(w, weight, mean) for w, (weight, mean) in widths.items()]
         points += [(1, self.PRIOR_WEIGHT, anchor),
-                   (self.PRIOR_WIDTH, self.PRIOR_WEIGHT,
-                    anchor * (1 + self.default_token_cost * (self.PRIOR_WIDTH - 1)))]
+                   (2, self.PRIOR_WEIGHT, anchor * (1 + self.default_token_cost))]
         total = sum(weight for _, weight, _ in points)
         mean_x = sum(weight * (w - 1) for w, weight, _ in points) / total
         mean_y = sum(weight * t for _, weight, t in points) / total
@@ -109,7 +110,7 @@ class PassCost:
         """Source ``name``'s drafting time per token, as a fraction of a one-token pass; ``prior``
         (the source's own guess, e.g. from weight bytes) until both have been timed."""
         entry, step = self.drafting.get(name), self.seconds()
-        if entry is None or step is None:
+        if entry is None or not step:
             return prior
         return entry[1] / step
 

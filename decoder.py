@@ -11,13 +11,14 @@ Layers, as in mlx-lm:
     stream_generate -> yields Response (text segment, token, source)
     generate        -> GenerationResult (text, tokens and every statistic)
 
-Sources and constraints are reusable: the loop calls their ``reset()`` at the start
-of every generation.
+Sources and constraints are reusable: the loop calls their ``reset`` at the start of
+every generation. What a pass costs is measured here, where it runs (``cost.PassCost``):
+the loop times every pass by width and every draft, and the sources read that one model.
 """
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Optional, Protocol, Sequence, Union
+from typing import Callable, Iterator, Optional, Sequence, Union
 
 import mlx.core as mx
 from mlx_lm.models.cache import (
@@ -25,6 +26,8 @@ from mlx_lm.models.cache import (
     make_prompt_cache,
     trim_prompt_cache,
 )
+
+from cost import PassCost
 
 TARGET = "target"  # the source name of tokens the target model chose itself
 
@@ -50,39 +53,55 @@ class Draft:
     expected_speedup: Optional[float] = None
 
 
-class DraftSource(Protocol):
-    name: str
+class DraftSource:
+    """Proposes tokens for the loop to verify. Subclasses implement ``propose``; the other
+    methods have defaults, so a source overrides only what it uses."""
 
-    def reset(self) -> None:
-        """Forget the last generation; the loop calls this before each one."""
+    name = "draft"
+
+    def reset(self, cost: Optional[PassCost] = None, temp: float = 0.0, top_p: float = 1.0) -> None:
+        """Forget the last generation; the loop calls this before each one.
+
+        ``cost`` is the loop's measured verification cost, which adaptive sources read to
+        choose their draft lengths (None: a fresh ``PassCost``, its prior until measured).
+        ``temp`` and ``top_p`` are the target's sampling settings: a source that draws its
+        tokens draws them the same way, so that q is close to p.
+        """
+        self.cost = cost if cost is not None else PassCost()
+        self.temp, self.top_p = temp, top_p
 
     def propose(self, tokens: list, max_draft: int) -> Optional[Draft]:
         """Propose up to ``max_draft`` tokens to follow ``tokens``."""
+        raise NotImplementedError
 
-    # Optional, for sources that cost something to ask (a model):
-    # def forecast_speedup(self) -> Optional[float]:
-    #     """The ``expected_speedup`` of the draft it would propose now, known before drafting."""
+    def forecast_speedup(self) -> Optional[float]:
+        """For sources that cost something to ask (a model): the ``expected_speedup`` of the draft
+        it would propose now, known before drafting (see ``choose_draft``). None: no forecast."""
+        return None
 
     def update(self, tokens: list, num_proposed: int, num_accepted: int) -> None:
         """Follow along: ``tokens`` is the whole accepted sequence so far;
         ``num_proposed`` is 0 when another source drafted this step."""
 
 
-class Constraint(Protocol):
+class Constraint:
     """A token-level automaton that masks logits (see constrained/)."""
 
     def reset(self) -> None:
         """Go back to the start state; the loop calls this before each generation."""
 
     def walk(self, draft: list) -> list:
-        """States before each allowed draft token and after the last one;
-        stops at the first token the automaton forbids."""
+        """The states before each allowed draft token and after the last allowed one; stops at
+        the first token the automaton forbids (so it returns ``allowed + 1`` states)."""
+        raise NotImplementedError
 
     def masks(self, states: list) -> mx.array:
         """Boolean (len(states), vocab) masks of the allowed next tokens."""
+        raise NotImplementedError
 
     def advance(self, tokens: list) -> None:
         """Commit accepted tokens."""
+        raise NotImplementedError
 
 
 @dataclass
@@ -122,6 +141,7 @@ class DecodingStats:
     target_forward_passes: int = 0
     prompt_time: float = 0.0
     sources: dict = field(default_factory=dict)
+    pass_cost: Optional[PassCost] = None  # the loop's timings of its passes (set by generate_step)
 
     def source(self, name: str) -> SourceStats:
         return self.sources.setdefault(name, SourceStats())
@@ -234,32 +254,61 @@ def _truncate(draft: Draft, length: int) -> Draft:
                  draft.expected_speedup)
 
 
-def _propose(draft_sources, tokens, max_draft):
-    """Pick this step's draft; sources are in priority order, cheap ones first.
+def choose_draft(draft_sources: Sequence[DraftSource], tokens: list, max_draft: int,
+                 cost: Optional[PassCost] = None) -> tuple:
+    """Pick this step's draft; returns ``(draft, drafter)``. Sources are in priority order,
+    cheap ones first.
 
     The first non-empty draft wins, unless it comes with an ``expected_speedup``: then a
-    later source that can forecast its own (``forecast_speedup``, known before it drafts)
-    is asked to draft when it expects more, and its draft replaces the first. This is
+    later source that forecasts its own (``forecast_speedup``, known before it drafts) is
+    asked to draft when it expects more, and its draft replaces the first. This is
     SuffixDecoding's per-step choice between a cheap copy and a model: the model is
     only run on the steps where it is expected to pay more than the copy.
 
     The choice depends on the context and on past steps only, never on tokens drawn
-    this step, so every draft is still drawn from the ``probs`` it reports.
+    this step, so every draft is still drawn from the ``probs`` it reports. Each
+    ``propose`` is timed into ``cost`` (a source's drafting time is part of what it costs).
     """
     chosen, drafter = Draft([]), None
     if max_draft <= 0:
         return chosen, drafter
     for source in draft_sources:
         if drafter is not None:
-            forecast = getattr(source, "forecast_speedup", lambda: None)()
+            forecast = source.forecast_speedup()
             if chosen.expected_speedup is None or forecast is None or forecast <= chosen.expected_speedup:
                 break
+        tic = cost.clock() if cost is not None else 0.0
         draft = source.propose(tokens, max_draft)
         if draft is not None and draft.tokens:
+            if cost is not None:
+                cost.record_draft(source.name, cost.clock() - tic, len(draft.tokens))
             chosen, drafter = _truncate(draft, max_draft), source
             if draft.expected_speedup is None:
                 break
     return chosen, drafter
+
+
+def constrain_draft(constraint: Constraint, draft: Draft) -> tuple:
+    """Cut ``draft`` to what ``constraint`` allows; returns ``(draft, allowed)``, the
+    (len(draft) + 1, vocab) masks of every position the target scores.
+
+    A draft drawn from probabilities q keeps its first forbidden token: the mask gives it
+    p = 0, so the target rejects it and samples the residual (p - q)+, as speculative
+    sampling requires. Cutting it off would sample from p instead, which skews the output
+    whenever q puts mass on forbidden tokens (a draft model knows nothing of the regex).
+    The row after it is never used; it repeats the last one. A point-mass draft (q = 1)
+    is cut: its residual is p either way. The rule lives here so no constraint repeats it.
+    """
+    states = constraint.walk(draft.tokens)
+    num_allowed = len(states) - 1
+    allowed = constraint.masks(states)
+    if num_allowed < len(draft.tokens):
+        if draft.probs is None:
+            draft = _truncate(draft, num_allowed)
+        else:
+            draft = _truncate(draft, num_allowed + 1)
+            allowed = mx.concatenate([allowed, allowed[-1:]])
+    return draft, allowed
 
 
 def generate_step(
@@ -275,6 +324,8 @@ def generate_step(
     max_tokens: int = 256,
     stats: Optional[DecodingStats] = None,
     prefill_step_size: int = 512,
+    prompt_cache: Optional[list] = None,
+    pass_cost: Optional[PassCost] = None,
     kv_cache: Optional[list] = None,
 ) -> Iterator[tuple]:
     """Generate tokens with draft-and-verify steps.
@@ -284,16 +335,19 @@ def generate_step(
         model: an mlx-lm model (``model(inputs, cache=cache) -> logits``).
         eos_token_ids: stop after emitting one of these (``eos_ids_of(tokenizer)``; ``()`` for none).
         draft_sources: tried in order each step; the first non-empty draft is verified, or a
-            later model's when it forecasts a larger speed-up (see ``_propose``).
+            later model's when it forecasts a larger speed-up (see ``choose_draft``).
         constraint: optional logits mask that advances along accepted tokens.
         temp, top_p: 0 temperature is greedy; drafts are accepted with ``min(1, p/q)``.
         sampler: an mlx-lm sampler (``make_sampler(...)``) to use instead of ``temp``/``top_p``;
             drafts are then accepted when they equal its draws (``accept_sampled``).
         max_tokens: stop after this many generated tokens.
         stats: filled in as decoding proceeds (forward passes, per-source counts).
-        kv_cache: a cache from ``make_prompt_cache(model)`` that already holds the first
-            ``kv_cache[0].offset`` tokens of ``prompt`` (kept by the caller across turns);
-            only the rest is prefilled. Without it every call starts empty.
+        prompt_cache: a cache from ``make_prompt_cache(model)`` that already holds the first
+            ``prompt_cache[0].offset`` tokens of ``prompt`` (kept by the caller across turns);
+            only the rest is prefilled. Without it every call starts empty. (``kv_cache`` is
+            the same argument under its old name.)
+        pass_cost: the verification-cost model the loop times its passes into and the sources
+            read (``cost.PassCost``); pass one to keep its measurements across generations.
 
     Yields:
         ``(token, source_name)`` for each accepted token; ``source_name`` is
@@ -301,16 +355,19 @@ def generate_step(
     """
     stats = stats if stats is not None else DecodingStats()
     eos_token_ids = set(eos_token_ids)
-    cache = kv_cache if kv_cache is not None else make_prompt_cache(model)
+    cost = stats.pass_cost = pass_cost if pass_cost is not None else PassCost()
+    prompt_cache = prompt_cache if prompt_cache is not None else kv_cache
+    cache = prompt_cache if prompt_cache is not None else make_prompt_cache(model)
     if not can_trim_prompt_cache(cache):
         raise ValueError("The model's KV cache cannot be trimmed, so drafts cannot be rolled back.")
     if not prompt:
         raise ValueError("the prompt is empty: give at least one token")
     cached = cache[0].offset if cache else 0
     if cached >= len(prompt):
-        raise ValueError(f"kv_cache holds {cached} tokens; it must hold fewer than the prompt's {len(prompt)}")
+        raise ValueError(f"prompt_cache holds {cached} tokens; it must hold fewer than the prompt's {len(prompt)}")
+    # With an mlx-lm sampler, q plays no part in acceptance: model sources draft greedily.
     for source in draft_sources:
-        source.reset()
+        source.reset(cost, temp if sampler is None else 0.0, top_p if sampler is None else 1.0)
     if constraint is not None:
         constraint.reset()
 
@@ -322,18 +379,19 @@ def generate_step(
 
     num_generated = 0
     while num_generated < max_tokens:
-        # The target adds one token after the draft, so never draft past max_tokens.
-        draft, drafter = _propose(draft_sources, tokens, max_tokens - num_generated - 1)
+        # The target adds one token after the draft, so never draft past max_tokens. The first
+        # step's drafting includes the sources' own prefill, so it is not timed.
+        draft, drafter = choose_draft(draft_sources, tokens, max_tokens - num_generated - 1,
+                                      cost if num_generated else None)
         if constraint is not None:
-            states = constraint.walk(draft.tokens)
-            draft = _truncate(draft, len(states) - 1)
-            if not draft.tokens:  # the regex forbade the whole draft: a plain step
+            draft, allowed = constrain_draft(constraint, draft)
+            if not draft.tokens:
                 drafter = None
 
+        tic = cost.clock()
         logits = model(mx.array([tokens[-1]] + draft.tokens)[None], cache=cache)[0]
         stats.target_forward_passes += 1
         if constraint is not None:
-            allowed = constraint.masks(states)
             if allowed.shape[-1] != logits.shape[-1]:
                 raise ValueError(f"the constraint masks {allowed.shape[-1]} tokens but the model scores "
                                  f"{logits.shape[-1]}: build it with this model's tokenizer and vocab_size")
@@ -343,9 +401,11 @@ def generate_step(
             num_accepted, next_token = accept_sampled(logits, draft, sampler)
         else:
             num_accepted, next_token = accept_draft(logits, draft, temp, top_p)
+        # The accept decision synced the pass: its time is the pass's cost at this width.
+        cost.record(cost.clock() - tic, width=1 + len(draft.tokens))
         if constraint is not None:
-            # Draft tokens were checked by the walk. The target's own token is forbidden only when no
-            # allowed token had a usable score (the argmax or sample of an all -inf row).
+            # The target's own token is forbidden only when no allowed token had a usable score
+            # (the argmax or sample of an all -inf row).
             if not allowed[num_accepted, next_token].item():  # the masks were evaluated with the logits
                 raise ConstraintError(f"the model gave no allowed token a usable score (NaN or -inf) "
                                       f"at generated token {num_generated + num_accepted + 1}")
@@ -386,6 +446,11 @@ class Response:
     token: int
     source: str
 
+    @property
+    def from_draft(self) -> bool:
+        """Whether a draft source proposed this token (mlx-lm's name for it)."""
+        return self.source != TARGET
+
 
 class TextStream:
     """Text segments for a growing list of tokens, in constant time per token.
@@ -396,7 +461,7 @@ class TextStream:
     (a leading space, the rest of a character). A window whose text ends in a partial
     UTF-8 character ("\\ufffd") grows until the character is complete. Any tokenizer
     with ``decode(ids) -> str`` works: mlx-lm's, T5's sentencepiece, plain Hugging Face.
-    Measured: ~5 us per token at 100 and at 4,000 tokens (``python -m benchmarks.streaming``).
+    Measured: ~5 us per token at 100 and at 4,000 tokens (benchmarks/results/README.md, "Streaming detokenization").
     """
 
     def __init__(self, tokenizer):
@@ -417,14 +482,26 @@ class TextStream:
         return text[len(printed):]
 
 
-def encode(tokenizer, prompt: Union[str, Sequence[int]]) -> list:
-    """Token ids for ``prompt``: a str goes through the chat template when the tokenizer has
-    one (as in mlx-lm's CLI), else it is encoded as is; token ids pass through."""
-    if not isinstance(prompt, str):
+def encode(tokenizer, prompt: Union[str, Sequence[int], Sequence[dict]], system: Optional[str] = None,
+           **template_options) -> list:
+    """Token ids for ``prompt``, the one place a chat template is applied.
+
+    Args:
+        prompt: a str, a list of chat messages (``{"role": ..., "content": ...}``) or token ids.
+            A str goes through the chat template when the tokenizer has one (as in mlx-lm's CLI),
+            else it is encoded as is; messages always go through it; token ids pass through.
+        system: a system message put first (ignored for raw text and token ids).
+        template_options: for the template, e.g. ``tools=[...]``.
+    """
+    is_messages = isinstance(prompt, (list, tuple)) and len(prompt) > 0 and isinstance(prompt[0], dict)
+    if not isinstance(prompt, str) and not is_messages:
         return list(prompt)
-    if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
-    return tokenizer.encode(prompt)
+    if isinstance(prompt, str):
+        if not getattr(tokenizer, "chat_template", None):
+            return tokenizer.encode(prompt)
+        prompt = [{"role": "user", "content": prompt}]
+    messages = ([{"role": "system", "content": system}] if system else []) + list(prompt)
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, **template_options)
 
 
 def stream_generate(model, tokenizer, prompt: Union[str, Sequence[int]], **kwargs) -> Iterator[Response]:
@@ -479,6 +556,7 @@ class GenerationResult:
             "prompt_tps": self.prompt_tps,
             "peak_memory_gb": self.peak_memory_gb,
             "finish_reason": self.finish_reason,
+            "verification_cost": self.stats.pass_cost.summary() if self.stats.pass_cost else None,
         }
 
 

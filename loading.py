@@ -29,7 +29,7 @@ from model_cache import (
     warn,
     write_checksums,
 )
-from speculative.t5 import is_t5_dir, load_t5
+from t5 import is_t5_dir, load_t5
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
@@ -102,7 +102,7 @@ def _damage(path: Path):
 
 
 def _convert_embedded(output: Path, dtype: str):
-    from convert import convert_into
+    from conversion import convert_into
 
     try:
         convert_into(output, gguf=str(embedded_gguf()), dtype=dtype)
@@ -134,7 +134,7 @@ def resolve_model_path(path_or_repo: str = None) -> Path:
             raise ModelError(f"{path} is not a model directory (no config.json)")
         damage = verify_checksums(path)
         if damage is not None:
-            raise ModelError(f"the model at {path} is damaged ({damage}); convert it again")
+            raise ModelError(f"the model at {path} is damaged ({damage}); convert it again into a new directory")
         return path
     if path_or_repo.count("/") != 1 or path_or_repo.startswith((".", "/", "~")):
         raise ModelError(f"model not found: {path_or_repo} is neither a local directory nor a Hugging Face repo id")
@@ -158,7 +158,6 @@ def load_model(path_or_repo: str = None, lazy: bool = False):
     path = resolve_model_path(path_or_repo)
     try:
         if is_t5_dir(path):
-
             model, tokenizer = load_t5(path)
         else:
             from mlx_lm import load

@@ -14,11 +14,12 @@ import os
 import re
 import signal
 import sys
-from pathlib import Path
 
 import fast_blas
 from cli import CLOSED_PIPE_STATUS, CliError, Parser, check_finite, check_text_argument, discard_stdout
 from cli import read_text_file, read_text_stream, reopen_closed_std_streams, writing_output
+from sources import add_arguments as add_source_arguments
+from sources import check as check_source_arguments
 
 DEFAULT_PROMPT = "What is the capital of France? Answer in one sentence."
 
@@ -44,14 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="Colour tokens by draft source; bare --color colours only on a terminal.")
     parser.add_argument("--verbose", action="store_true", help="Print per-source statistics.")
     parser.add_argument("--json", action="store_true", help="Print one JSON object instead of streaming text.")
-    lookup = parser.add_argument_group("prompt lookup")
-    lookup.add_argument("--prompt-lookup", action="store_true", help="Draft by copying n-grams from the context.")
-    lookup.add_argument("--lookup-history", nargs="?", const="", default=None, metavar="PATH",
-                        help="Prompt lookup that also copies from earlier outputs kept in a store file, and adds "
-                             "this output to it (opt-in: it writes generated text to disk); bare: "
-                             "~/.cache/mlx-decoding/history/store.npz.")
-    lookup.add_argument("--ngram-max", type=int, default=3, help="Longest suffix n-gram to match (default: 3).")
-    lookup.add_argument("--ngram-min", type=int, default=1, help="Shortest suffix n-gram to match (default: 1).")
+    add_source_arguments(parser)  # --prompt-lookup, --draft-model, --draft-head, ... (shared with the server)
     constrained = parser.add_argument_group("constrained decoding")
     constrained.add_argument("--regex", default=None, help="The output must fully match this regex (re.ASCII).")
     constrained.add_argument("--json-schema", default=None, metavar="FILE_OR_JSON",
@@ -64,14 +58,6 @@ def build_parser() -> argparse.ArgumentParser:
                                   "GBNF (llama.cpp), a file or inline text; needs llguidance.")
     constrained.add_argument("--grammar-format", choices=["auto", "lark", "gbnf"], default="auto",
                              help="The --grammar syntax (default: auto, GBNF when rules are written 'name ::= ...').")
-    speculative = parser.add_argument_group("speculative decoding")
-    speculative.add_argument("--draft-model", default=None, help="Draft model directory or repo (same vocabulary).")
-    head = parser.add_argument_group("draft head")
-    head.add_argument("--draft-head", nargs="?", const="", default=None, metavar="DIR",
-                      help="Draft with a trained head; bare: the one shipped for the embedded model.")
-    parser.add_argument("--num-draft", type=int, default=None,
-                        help="Tokens to draft per step (default: each source's measured best).")
-    parser.add_argument("--no-adaptive", action="store_true", help="Keep the draft length fixed at --num-draft.")
     distributed = parser.add_argument_group(
         "distributed (under mlx.launch; see distributed/README.md)",
         "Ranks on one host split its cores between their BLAS threads unless OPENBLAS_NUM_THREADS is set.")
@@ -88,6 +74,9 @@ def validate(args):
         check_text_argument(getattr(args, flag), f"--{flag}")
     if args.json_schema is not None and not os.path.exists(args.json_schema):  # inline JSON, not a file name
         check_text_argument(args.json_schema, "--json-schema")
+    for flag in ("json_schema", "grammar"):  # a folder would be read as inline text: say what it is
+        if getattr(args, flag) is not None and os.path.isdir(getattr(args, flag)):
+            raise CliError(f"--{flag.replace('_', '-')} {getattr(args, flag)} is a directory; give a file path")
     if not 0 <= args.seed < 2**64:
         raise CliError("--seed must be in [0, 2**64)")
     if args.max_tokens < 0:
@@ -97,10 +86,7 @@ def validate(args):
         raise CliError("--temp must be 0 (greedy) or between 1e-6 and 1e6")
     if not 0 < args.top_p <= 1:
         raise CliError("--top-p must be in (0, 1]")
-    if args.num_draft is not None and not 1 <= args.num_draft <= 256:
-        raise CliError("--num-draft must be between 1 and 256")
-    if not 1 <= args.ngram_min <= args.ngram_max <= 256:
-        raise CliError("--ngram-min and --ngram-max must satisfy 1 <= ngram-min <= ngram-max <= 256")
+    check_source_arguments(args)
     if args.dist_timeout <= 0:
         raise CliError("--dist-timeout must be > 0")
     if args.prompt is not None and args.prompt_file is not None:
@@ -165,35 +151,32 @@ def read_prompt(args) -> str:
     return DEFAULT_PROMPT
 
 
-def encode_prompt(tokenizer, text: str, args) -> list:
-    if args.no_chat_template or not getattr(tokenizer, "chat_template", None):
-        return tokenizer.encode(text)
-    messages = [{"role": "system", "content": args.system}] if args.system else []
-    messages.append({"role": "user", "content": text})
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-
-
 def build_run(args, session=None):
     """Load models and draft sources; returns (target, tokenizer, prompt_tokens, loop kwargs).
 
     ``session`` (from ``distributed.start``) shards the target over the launched ranks.
     """
-    from decoder import DecodingStats
-    from loading import context_length, load_model
+    from decoder import DecodingStats, encode
+    from loading import cache_dir, context_length, load_model
+    from sources import draft_sources, grammar_constraint, regex_constraint
+    from speculative.draft_model import output_size
+    from t5 import T5Decoder, is_encoder_decoder
 
     text = read_prompt(args)  # bad prompt bytes fail before the model loads
     model, tokenizer, path = load_model(args.model, lazy=session is not None)
     if session is not None:
+        if is_encoder_decoder(model):
+            raise CliError("a T5 target cannot be sharded; run it in one process")
         model = session.shard(model, args.shard)
-    search_extra = []
-    if hasattr(model, "encode"):  # T5: the encoder reads the prompt, the decoder starts fresh
-        from speculative.t5 import T5Decoder
-
-        search_extra = tokenizer.encode(text)
-        model = T5Decoder(model, search_extra)
+    encoder_input = None
+    if is_encoder_decoder(model):  # the encoder reads the prompt, the decoder starts fresh
+        encoder_input = tokenizer.encode(text)
+        model = T5Decoder(model, encoder_input)
         prompt = model.prompt_tokens()
+    elif args.no_chat_template:
+        prompt = tokenizer.encode(text)
     else:
-        prompt = encode_prompt(tokenizer, text, args)
+        prompt = encode(tokenizer, text, system=args.system)
     if not prompt:
         raise CliError("the prompt is empty")
     limit = context_length(path)
@@ -201,117 +184,22 @@ def build_run(args, session=None):
         raise CliError(f"the prompt has {len(prompt)} tokens; the model's context is {limit} tokens")
     max_tokens = args.max_tokens if limit is None else min(args.max_tokens, limit - len(prompt))
 
-    sources, constraint = [], None
+    forced, constraint = [], None
     if args.regex is not None:
-        from constrained import ForcedTextSource, RegexConstraint
-        from loading import cache_dir
-        from speculative.draft_model import output_size
-
-        if search_extra:
+        if encoder_input is not None:
             raise CliError("--regex needs a byte-level or sentencepiece Hugging Face tokenizer; T5 is not supported")
-        constraint = RegexConstraint.from_regex(args.regex, tokenizer, vocab_size=output_size(model, tokenizer),
-                                                cache_dir=cache_dir() / "regex-index")
-        sources.append(ForcedTextSource(constraint, tokenizer))
+        constraint, source = regex_constraint(args.regex, tokenizer, output_size(model, tokenizer),
+                                              cache_dir=cache_dir() / "regex-index")
+        forced.append(source)
     if getattr(args, "llguidance_grammar", None) is not None:
-        from constrained.grammar import GrammarConstraint, GrammarForcedSource
-        from speculative.draft_model import output_size
-
-        if search_extra:
+        if encoder_input is not None:
             raise CliError("--grammar and --json-schema need a Hugging Face tokenizer; T5 is not supported")
-        constraint = GrammarConstraint.from_llguidance(args.llguidance_grammar, tokenizer,
-                                                       vocab_size=output_size(model, tokenizer))
-        sources.append(GrammarForcedSource(constraint, tokenizer))
-    head_dir = None
-    if args.draft_head is not None:
-        if search_extra:  # before any download
-            raise CliError("--draft-head needs a decoder-only model; T5 is not supported")
-        head_dir = draft_head_dir(args)
-    if args.prompt_lookup or args.lookup_history is not None:
-        sources.append(lookup_source(search_extra, args, head_dir))
-    if args.draft_model is not None:
-        from speculative import DraftModelSource
-
-        draft_model, draft_tokenizer, _ = load_model(args.draft_model)
-        options = {} if args.num_draft is None else {"num_draft": args.num_draft}
-        sources.append(DraftModelSource.create(
-            draft_model, draft_tokenizer, model, tokenizer, encoder_input=search_extra or None,
-            temp=args.temp, top_p=args.top_p, adaptive=not args.no_adaptive, **options))
-    if args.draft_head is not None:
-        model = add_draft_head(model, sources, head_dir, args)
-    kwargs = dict(draft_sources=sources, constraint=constraint, temp=args.temp, top_p=args.top_p,
+        constraint, source = grammar_constraint(args.llguidance_grammar, tokenizer, output_size(model, tokenizer))
+        forced.append(source)
+    model, drafts = draft_sources(args, model, tokenizer, encoder_input)
+    kwargs = dict(draft_sources=forced + drafts, constraint=constraint, temp=args.temp, top_p=args.top_p,
                   max_tokens=max_tokens, stats=DecodingStats())
     return model, tokenizer, prompt, kwargs
-
-
-def history_path(args):
-    from loading import cache_dir
-
-    return args.lookup_history or cache_dir() / "history" / "store.npz"
-
-
-def lookup_source(search_extra: list, args, head_dir=None):
-    """Prompt lookup, over the history store too with --lookup-history (which includes prompt lookup).
-
-    With --draft-head, the store starts with the seed that ships with the head (``history.npz``,
-    answers to its training instructions), read-only; the run appends only to PATH."""
-    from prompt_lookup import PromptLookupSource
-
-    options = {"ngram_max": args.ngram_max, "ngram_min": args.ngram_min, "extra_context": search_extra,
-               "adaptive": not args.no_adaptive}
-    if args.num_draft is not None:
-        options["num_draft"] = args.num_draft
-    if args.lookup_history is None:
-        return PromptLookupSource(**options)
-    import numpy as np
-
-    from prompt_lookup.history import HistoryError, HistoryLookupSource, load_history
-
-    stores = [history_path(args)]
-    if head_dir is not None:
-        stores.insert(0, Path(head_dir) / "history.npz")  # older than anything in PATH
-    try:
-        return HistoryLookupSource(np.concatenate([load_history(path) for path in stores]), **options)
-    except HistoryError as error:
-        raise CliError(str(error)) from None
-
-
-def draft_head_dir(args) -> str:
-    """``--draft-head`` as a local directory: bare, the head shipped for the embedded model; a
-    repo id is downloaded."""
-    from speculative.head import SHIPPED_HEAD
-
-    head_dir = os.path.expanduser(args.draft_head) if args.draft_head else str(SHIPPED_HEAD)
-    if os.path.exists(head_dir):
-        return head_dir
-    if head_dir.count("/") != 1 or head_dir.startswith((".", "/")):
-        raise CliError(f"--draft-head {head_dir} is neither a directory nor a Hugging Face repo id")
-    from huggingface_hub import snapshot_download
-
-    try:  # most EAGLE heads are published as pytorch_model.bin (read without running code)
-        return snapshot_download(head_dir, allow_patterns=["config.json", "model.safetensors",
-                                                           "pytorch_model.bin", "history.npz"])
-    except Exception as error:
-        reason = str(error).splitlines()[0] if str(error) else type(error).__name__
-        raise CliError(f"cannot download the draft head {args.draft_head}: {reason}") from None
-
-
-def add_draft_head(model, sources: list, head_dir: str, args):
-    """Append the head's source (after any prompt lookup); returns the model the loop must run.
-
-    ``head_dir`` (``draft_head_dir``) holds ours or a published EAGLE-1/2 or EAGLE-3 head.
-    With prompt lookup before it, the loop lets the head draft on the steps it is expected to
-    pay more (decoder._propose)."""
-    from speculative.head import HeadMismatch
-    from speculative.head_source import DraftHeadSource
-
-    options = {} if args.num_draft is None else {"num_draft": args.num_draft}
-    try:
-        tap, source = DraftHeadSource.create(model, head_dir, temp=args.temp, top_p=args.top_p,
-                                             adaptive=not args.no_adaptive, **options)
-    except HeadMismatch as error:
-        raise CliError(str(error)) from None
-    sources.append(source)
-    return tap
 
 
 def print_stats(result, verbose: bool, use_color: bool):
@@ -356,6 +244,7 @@ def run(args):
             print_stats(result, args.verbose, use_color)
     if args.lookup_history is not None and result.tokens and (session is None or session.rank == 0):
         from prompt_lookup.history import append_history
+        from sources import history_path
 
         append_history(history_path(args), [result.tokens])  # after the output: a slow disk never delays it
     return result
@@ -373,7 +262,7 @@ def main():
     reopen_closed_std_streams()
     args = build_parser().parse_args()
     fast_blas.load()  # before anything imports mlx.core (Linux: MLX's own BLAS is ~20x slower)
-    from convert import ConversionError
+    from conversion import ConversionError
     from decoder import ConstraintError
     from distributed import DistributedError
     from loading import ModelError

@@ -1,7 +1,8 @@
 """Benchmarks: ``python -m benchmarks.<name>``.
 
-Every entry point is a module of this package, so loading a fast BLAS here,
-before any of them imports mlx.core, covers them all.
+``python -m benchmarks.x`` imports this package before the module, so loading a fast BLAS
+here, before anything imports mlx.core, covers every entry point. The processes they start
+(distributed's ranks, hostile_inputs' cases, the servers of benchmarks.server) load it themselves.
 """
 
 import fast_blas

@@ -27,6 +27,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+# The ranks run this file as a script (launch() below), so they do not import the benchmarks
+# package, which loads the fast BLAS: each rank loads it itself before mlx.core.
 sys.path.insert(0, str(ROOT))
 
 import fast_blas  # noqa: E402

@@ -9,19 +9,11 @@ open-ended and extractive-QA classes of benchmarks/prompts/ (never used for trai
 """
 
 import time
-from pathlib import Path
 
 import mlx.core as mx
 
-from benchmarks.harness import Method, chat_tokens, load_prompts, markdown_table, side_by_side, time_loop
+from benchmarks.harness import Method, heldout_prompts, load_prompts, markdown_table, side_by_side, time_loop
 from decoder import SourceStats, eos_ids_of
-
-HELDOUT = Path(__file__).parent / "heldout" / "chat.txt"
-
-
-def heldout_prompts(tokenizer) -> list:
-    lines = [line for line in HELDOUT.read_text().splitlines() if line.strip()]
-    return [(f"chat{i}", chat_tokens(tokenizer, line)) for i, line in enumerate(lines)]
 
 
 class Recorded:
@@ -67,7 +59,7 @@ def draft_head_suite(model, tokenizer, args):
 
             def run(prompt, max_tokens):
                 # The loop runs on the tap, so this method times the loop itself.
-                tap, source = DraftHeadSource.create(model, args.head, temp=temp, **options)
+                tap, source = DraftHeadSource.create(model, args.head, **options)
                 sources = [PromptLookupSource(), Recorded(source, stats)] if lookup else [Recorded(source, stats)]
                 return time_loop(tap, prompt, max_tokens, eos, temp=temp, draft_sources=sources)
             return Method(name, run=run, greedy=greedy)
@@ -77,7 +69,7 @@ def draft_head_suite(model, tokenizer, args):
             Method(f"mlx-lm speculative, self-draft {num_layers} layers, k=4",
                    run=mlx_lm_speculative_runner(model, tokenizer, self_draft, 4, temp), greedy=greedy),
             Method(f"draft model ({num_layers} layers), adaptive", lambda prompt: {"temp": temp, "draft_sources": [
-                DraftModelSource.create(self_draft, tokenizer, model, tokenizer, temp=temp)]}, greedy=greedy),
+                DraftModelSource.create(self_draft, tokenizer, model, tokenizer)]}, greedy=greedy),
             head_method("head, k=4 fixed", num_draft=4, adaptive=False),
             head_method("head, k=2 fixed", num_draft=2, adaptive=False),
             head_method("head, adaptive"),
@@ -100,7 +92,8 @@ def draft_head_cost_suite(model, tokenizer, args, repeats: int = 40):
     """One draft step (head + sub-vocabulary scores + argmax + sync) vs one target step, interleaved."""
     from mlx_lm.models.cache import make_prompt_cache
 
-    from speculative.head import body_with_features, load_head, output_weight
+    from speculative.head import body_with_features, output_weight
+    from speculative.head_loading import load_head
 
     head, vocab_ids = load_head(args.head, model)
     prompt = heldout_prompts(tokenizer)[0][1]
@@ -148,8 +141,9 @@ def draft_head_misses_suite(model, tokenizer, args):
     """Where the head's misses go, teacher-forced on the target's own greedy answers to the
     held-out chat prompts: accuracy at draft depth 1 and 2 by how frequent the right token is."""
     from decoder import generate_step
-    from speculative.head import body_with_features, load_head, output_weight
-    from speculative.train_head import unrolled_predictions
+    from speculative.head import body_with_features, output_weight
+    from speculative.head_loading import load_head
+    from head_training.train import unrolled_predictions
 
     head, vocab_ids = load_head(args.head, model)
     rank = {token: i for i, token in enumerate(vocab_ids.tolist())}

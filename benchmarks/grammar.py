@@ -31,9 +31,8 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from benchmarks.harness import Method, Totals, chat_tokens, markdown_table, side_by_side, time_loop
-from benchmarks.json_schema import load_schemas
-from benchmarks.regex_index import decode_step_ms
+from benchmarks.harness import Method, Totals, chat_tokens, decode_step_ms, markdown_table, side_by_side, time_loop
+from benchmarks.json_schema import load_schemas, validator_for
 from constrained import compile_regex, schema_to_regex
 from constrained.grammar import GrammarConstraint, GrammarForcedSource, compile_json_schema, ll_tokenizer_of
 from decoder import ConstraintError, eos_ids_of
@@ -69,13 +68,6 @@ def load_dev_set(folder: Path, per_split: int, seed: int = 0) -> list:
 
 def compact(value) -> str:
     return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
-
-
-def validator_for(schema):
-    import jsonschema
-
-    cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
-    return cls(schema, format_checker=cls.FORMAT_CHECKER)
 
 
 class Engine:
@@ -316,7 +308,7 @@ def speed(model, tokenizer, args) -> str:
     def with_head(prompt, max_tokens):
         from speculative.head_source import DraftHeadSource
 
-        tap, head = DraftHeadSource.create(model, None, temp=0.0)
+        tap, head = DraftHeadSource.create(model, None)
         kwargs = grammar(forced=True)(prompt)
         kwargs["draft_sources"].append(head)
         return time_loop(tap, prompt, max_tokens, eos_ids_of(tokenizer), **kwargs)

@@ -6,6 +6,7 @@ speed: tokens after the first one over the time since the first one (the
 prompt's prefill is reported apart, as mlx-lm does).
 """
 
+import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -13,9 +14,12 @@ from typing import Callable, Optional
 
 import mlx.core as mx
 
-from decoder import DecodingStats, eos_ids_of, generate_step
+from decoder import DecodingStats, encode, eos_ids_of, generate_step
 
 PROMPTS = Path(__file__).parent / "prompts"
+# Open-ended chat written for the draft head's benchmarks: no line of it is an instruction the
+# head's training generator can produce (tests/test_draft_head.py checks).
+HELDOUT = Path(__file__).parent / "heldout" / "chat.txt"
 
 
 @dataclass
@@ -58,18 +62,23 @@ class Totals:
         return sum(len(r.tokens) - 1 for r in self.runs) / max(self.sum("decode_time"), 1e-9)
 
 
+def decode_timed(tokens) -> tuple:
+    """(the tokens, seconds from the first one to the last): decode time, the prefill left out."""
+    collected, first = [], None
+    for token in tokens:
+        collected.append(token)
+        if first is None:
+            first = time.perf_counter()
+    return collected, time.perf_counter() - first
+
+
 def time_loop(model, prompt, max_tokens, eos, **kwargs) -> Run:
     stats = DecodingStats()
     mx.reset_peak_memory()
-    tokens, first = [], None
-    for token, _ in generate_step(prompt, model, max_tokens=max_tokens, eos_token_ids=eos, stats=stats, **kwargs):
-        tokens.append(token)
-        if first is None:
-            first = time.perf_counter()
-    end = time.perf_counter()
-    sources = stats.sources.values()
-    return Run(tokens, end - first, stats.target_forward_passes, stats.draft_proposed, stats.draft_accepted,
-               sum(s.drafts for s in sources), mx.get_peak_memory() / 1e9)
+    tokens, seconds = decode_timed(token for token, _ in generate_step(
+        prompt, model, max_tokens=max_tokens, eos_token_ids=eos, stats=stats, **kwargs))
+    return Run(tokens, seconds, stats.target_forward_passes, stats.draft_proposed, stats.draft_accepted,
+               sum(s.drafts for s in stats.sources.values()), mx.get_peak_memory() / 1e9)
 
 
 def time_custom(run, prompt, max_tokens) -> Run:
@@ -78,13 +87,8 @@ def time_custom(run, prompt, max_tokens) -> Run:
     output = run(prompt, max_tokens)
     if isinstance(output, Run):
         return output
-    tokens, first = [], None
-    for token in output:
-        tokens.append(token)
-        if first is None:
-            first = time.perf_counter()
-    end = time.perf_counter()
-    return Run(tokens, end - first, len(tokens), 0, 0, 0, mx.get_peak_memory() / 1e9)
+    tokens, seconds = decode_timed(output)
+    return Run(tokens, seconds, len(tokens), 0, 0, 0, mx.get_peak_memory() / 1e9)
 
 
 def side_by_side(model, tokenizer, prompts: dict, methods: list, max_tokens: int, warmup: bool = True,
@@ -138,7 +142,7 @@ def markdown_table(results: dict, baseline: str) -> str:
 
 
 def chat_tokens(tokenizer, text: str) -> list:
-    return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+    return encode(tokenizer, text)
 
 
 def load_prompts(tokenizer, classes=None, chat=True) -> dict:
@@ -156,6 +160,12 @@ def load_prompts(tokenizer, classes=None, chat=True) -> dict:
     return prompts
 
 
+def heldout_prompts(tokenizer) -> list:
+    """benchmarks/heldout/chat.txt, one prompt a line -> [(name, tokens)]."""
+    lines = [line for line in HELDOUT.read_text().splitlines() if line.strip()]
+    return [(f"chat{i}", chat_tokens(tokenizer, line)) for i, line in enumerate(lines)]
+
+
 def first_prompts(prompts: dict, count: int) -> dict:
     """Keep ``count`` prompts per task class (the slow suites), all when count is None."""
     return {task: items[:count] for task, items in prompts.items()} if count else prompts
@@ -163,7 +173,7 @@ def first_prompts(prompts: dict, count: int) -> dict:
 
 def self_draft_path(num_layers: int) -> str:
     """The embedded model cut to its first layers (convert.py --num-layers), cached."""
-    from convert import convert
+    from conversion import convert
     from loading import cache_dir, default_dtype, embedded_gguf
 
     path = cache_dir() / "models" / f"SmolLM2-135M-Instruct-{default_dtype()}-layers{num_layers}"
@@ -192,3 +202,29 @@ def mlx_lm_speculative_runner(model, tokenizer, draft, num_draft, temp):
         return Run(tokens, elapsed, steps, steps * num_draft, drafted, steps, mx.get_peak_memory() / 1e9)
 
     return run
+
+
+def median_ms(call, repeats: int = 3) -> tuple:
+    """(median milliseconds of ``repeats`` calls, the last call's result)."""
+    times = []
+    for _ in range(repeats):
+        tic = time.perf_counter()
+        result = call()
+        times.append(time.perf_counter() - tic)
+    return statistics.median(times) * 1e3, result
+
+
+def decode_step_ms(model) -> float:
+    """Median ms of one decoding step (one token, KV cache of 64): what a mask's cost is compared with."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    model(mx.zeros((1, 64), mx.int32), cache=cache)
+    step = mx.array([[1]])
+
+    def decode_step():
+        mx.eval(model(step, cache=cache))
+        for layer in cache:
+            layer.trim(1)
+
+    return median_ms(decode_step, 30)[0]

@@ -12,7 +12,7 @@
   ``--warmup-requests`` are reported apart.
 
 "+ head" methods put the copier first and the head second: per step the loop lets the head draft
-only when it forecasts a larger speed-up than the copy's draft (decoder._propose). Methods are
+only when it forecasts a larger speed-up than the copy's draft (decoder.choose_draft). Methods are
 interleaved per prompt in one process (benchmarks/harness.py); greedy outputs must match plain
 decoding token for token, or the harness says so.
 """
@@ -22,16 +22,12 @@ import sys
 from pathlib import Path
 
 import fast_blas
-
-fast_blas.load()
-
-from benchmarks.harness import Method, chat_tokens, markdown_table, side_by_side, time_loop  # noqa: E402
-from benchmarks.history_data import HELDOUT  # noqa: E402
-from benchmarks.history_tasks import requests  # noqa: E402
-from decoder import eos_ids_of  # noqa: E402
-from prompt_lookup import HistoryLookupSource, PromptLookupSource, load_history  # noqa: E402
-from speculative.head import SHIPPED_HEAD  # noqa: E402
-from speculative.head_source import DraftHeadSource  # noqa: E402
+from benchmarks.harness import Method, chat_tokens, heldout_prompts, markdown_table, side_by_side, time_loop
+from benchmarks.history_tasks import requests
+from decoder import eos_ids_of
+from prompt_lookup import HistoryLookupSource, PromptLookupSource, load_history
+from speculative.head import SHIPPED_HEAD
+from speculative.head_source import DraftHeadSource
 
 RESULTS = Path(__file__).parent / "results" / "head_history.md"
 
@@ -85,10 +81,9 @@ def main():
     eos = eos_ids_of(tokenizer)
     seed = load_history(SHIPPED_HEAD / "history.npz")
     tap, head = DraftHeadSource.create(model)
-    sampled_tap, sampled_head = DraftHeadSource.create(model, temp=1.0)
+    sampled_tap, sampled_head = DraftHeadSource.create(model)
 
-    lines = [line for line in HELDOUT.read_text().splitlines() if line.strip()]
-    chat = [(f"chat{i}", chat_tokens(tokenizer, line)) for i, line in enumerate(lines)]
+    chat = heldout_prompts(tokenizer)
     results = side_by_side(model, tokenizer, {"held-out chat, temp 0": chat[: args.chat_prompts]},
                            chat_methods(model, tap, head, seed, eos, 0.0), args.max_tokens)
     results.update(side_by_side(model, tokenizer, {"held-out chat, temp 1": chat[: args.sampled_prompts]},

@@ -22,18 +22,13 @@ import argparse
 import json
 from pathlib import Path
 
-import fast_blas
-
-fast_blas.load()
-
-from benchmarks.harness import chat_tokens  # noqa: E402
-from benchmarks.history_tasks import requests  # noqa: E402
-from decoder import eos_ids_of, generate_step  # noqa: E402
-from loading import cache_dir  # noqa: E402
+from benchmarks.harness import HELDOUT, chat_tokens
+from benchmarks.history_tasks import requests
+from decoder import eos_ids_of, generate_step
+from loading import cache_dir
 
 ROOT = Path(__file__).parent.parent
 INSTRUCTIONS = ROOT / "speculative" / "heads" / "smollm2-135m" / "instructions.json"
-HELDOUT = Path(__file__).parent / "heldout" / "chat.txt"
 BATCH = 16
 
 

@@ -14,8 +14,8 @@ gives, adaptive draft lengths included (capped at 16 tokens).
   older context, at several store sizes.
 
 Cost model: verifying k draft tokens costs ``DRAFT_TOKEN_COST * k`` of a step on top of the
-step (measured for SmolLM2-135M, float32, 2-core x86 CPU), so the modelled speed-up is
-``tokens / (passes + DRAFT_TOKEN_COST * drafted)``; the search itself is reported apart.
+step (the embedded model's measured figure, benchmarks/results/README.md), so the modelled
+speed-up is ``tokens / (passes + DRAFT_TOKEN_COST * drafted)``; the search is reported apart.
 Data (generated once, cached): benchmarks/history_data.py.
 """
 
@@ -24,13 +24,9 @@ import statistics
 import time
 from pathlib import Path
 
-import fast_blas
-
-fast_blas.load()
-
-from benchmarks.history_data import query_set, store_answers  # noqa: E402
-from prompt_lookup import PromptLookupSource  # noqa: E402
-from prompt_lookup.history import HistoryLookupSource, join_outputs  # noqa: E402
+from benchmarks.history_data import query_set, store_answers
+from prompt_lookup import PromptLookupSource
+from prompt_lookup.history import HistoryLookupSource, join_outputs
 
 DRAFT_TOKEN_COST = 0.09
 RESULTS = Path(__file__).parent / "results" / "history.md"

@@ -5,7 +5,8 @@
 
 Each case runs what `main.py` runs before loading a model (load the schema, compile it to a regex,
 compile the regex to a DFA) and reports the seconds and peak memory after the imports, with a time
-limit and an address-space limit so that a case that runs away cannot take the machine down. Results: benchmarks/results/reliability.md.
+limit and an address-space limit so that a case that runs away cannot take the machine down.
+Results: benchmarks/results/reliability.md.
 """
 
 import argparse

@@ -18,8 +18,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from benchmarks.harness import Method, Totals, chat_tokens, markdown_table, side_by_side
-from benchmarks.regex_index import decode_step_ms, median_ms, outlines_vocabulary
+from benchmarks.harness import Method, Totals, chat_tokens, decode_step_ms, markdown_table, median_ms, side_by_side
 from constrained import ForcedTextSource, RegexConstraint, RegexError, compile_regex, schema_to_regex
 from constrained.token_index import TokenIndex, TokenTable, token_byte_strings
 from decoder import DecodingStats, eos_ids_of, generate_step
@@ -33,8 +32,29 @@ def load_schemas(folder: str) -> dict:
     return {path.stem: json.loads(path.read_text()) for path in sorted((SCHEMAS / folder).glob("*.json"))}
 
 
+def validator_for(schema):
+    """A jsonschema validator for the schema's draft (2020-12 when it names none), formats checked."""
+    import jsonschema
+
+    cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+    return cls(schema, format_checker=cls.FORMAT_CHECKER)
+
+
 OUTLINES_MEMORY_LIMIT = 4 << 30
 OUTLINES_TIMEOUT_S = 120
+
+
+def outlines_vocabulary(token_bytes, eos):
+    """The same token bytes, as outlines-core wants them (None when it is not installed)."""
+    try:
+        import outlines_core
+    except ImportError:
+        return None
+    by_bytes = {}
+    for token_id, data in enumerate(token_bytes):
+        if data is not None:
+            by_bytes.setdefault(data, []).append(token_id)
+    return outlines_core.Vocabulary(min(eos), by_bytes)
 
 
 def _outlines_child(schema, vocabulary, connection):
@@ -138,18 +158,14 @@ def suite(model, tokenizer, args):
 
 
 def validate_outputs(tokenizer, cases, prompts, runs, eos):
+    finished = [(name, run.tokens[:-1]) for name, run in zip(prompts, runs) if run.tokens and run.tokens[-1] in eos]
     try:
-        import jsonschema
+        valid = sum(validator_for(cases[name]).is_valid(json.loads(tokenizer.decode(tokens)))
+                    for name, tokens in finished)
     except ImportError:
         return "outputs: not validated (pip install jsonschema)"
-    finished = valid = 0
-    for (name, _), run in zip(prompts.items(), runs):
-        if run.tokens and run.tokens[-1] in eos:
-            finished += 1
-            checker = jsonschema.Draft202012Validator.FORMAT_CHECKER
-            validator = jsonschema.Draft202012Validator(cases[name], format_checker=checker)
-            valid += validator.is_valid(json.loads(tokenizer.decode(run.tokens[:-1])))
-    return f"outputs: {finished}/{len(runs)} finished with EOS, {valid}/{finished} of those validate (jsonschema, formats on)"
+    return (f"outputs: {len(finished)}/{len(runs)} finished with EOS, {valid}/{len(finished)} of those validate "
+            "(jsonschema, formats on)")
 
 
 def mask_cost(model, table, eos, schema):
@@ -172,13 +188,11 @@ def mask_cost(model, table, eos, schema):
 def invalid_walks(schema, dfa, walks: int) -> str:
     """How many of `walks` random members of the DFA's language fail `jsonschema` (formats on)."""
     try:
-        import jsonschema
+        validator = validator_for(schema)
     except ImportError:
         return "-"
     import random
 
-    validator_class = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
-    validator = validator_class(schema, format_checker=validator_class.FORMAT_CHECKER)
     rng = random.Random(0)
     texts = [text for text in (dfa.sample(rng) for _ in range(walks)) if text is not None]
     return f"{sum(not validator.is_valid(json.loads(text)) for text in texts)}/{len(texts)}"

@@ -1,7 +1,7 @@
 """Benchmarks: python -m benchmarks.run --suite {plain,prompt_lookup,regex,speculative,draft_head,...}
 
-Each suite prints a Markdown table (and saves it under benchmarks/results/).
-On Linux run it with OpenBLAS preloaded (`make bench` does).
+Each suite prints a Markdown table and saves it as benchmarks/results/<suite>.md
+(<suite>.latest.md beside a hand-written one). The fast BLAS loads in benchmarks/__init__.py.
 """
 
 import argparse
@@ -180,8 +180,8 @@ def speculative_suite(model, tokenizer, args):
         for num_layers in args.draft_layers:
             draft, _ = load(self_draft_path(num_layers))
 
-            def source(draft=draft, temp=temp, **options):
-                return DraftModelSource.create(draft, tokenizer, model, tokenizer, temp=temp, num_draft=4, **options)
+            def source(draft=draft, **options):
+                return DraftModelSource.create(draft, tokenizer, model, tokenizer, num_draft=4, **options)
 
             def method(name, make_sources, temp=temp):
                 return Method(name, lambda prompt: {"temp": temp, "draft_sources": make_sources()}, greedy=temp == 0)

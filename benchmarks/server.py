@@ -175,9 +175,6 @@ def main():
     parser.add_argument("--max-tokens", type=int, default=128, help="Tokens per single-turn answer (default: 128).")
     parser.add_argument("--turns", type=int, default=len(FOLLOW_UPS), help="Turns of the conversation (default: 5).")
     args = parser.parse_args()
-    import fast_blas
-
-    fast_blas.load()
     from loading import default_model_path
 
     model_dir = str(default_model_path())

@@ -11,10 +11,10 @@ from typing import Optional
 import mlx.core as mx
 
 from constrained.token_index import TokenIndex, load_or_build_index
-from decoder import Draft, eos_ids_of
+from decoder import Constraint, Draft, DraftSource, eos_ids_of
 
 
-class RegexConstraint:
+class RegexConstraint(Constraint):
     """The DFA state of the accepted text, and the masks for the next positions."""
 
     def __init__(self, index: TokenIndex):
@@ -38,19 +38,12 @@ class RegexConstraint:
         return cls.from_regex(schema_to_regex(schema, **options), tokenizer, vocab_size, cache_dir=cache_dir)
 
     def walk(self, draft: list) -> list:
-        """The states before each allowed draft token and after the last one; the first token the
-        regex forbids stays in the draft, with a copy of the state before it (its row is never used).
-
-        The mask gives that token probability 0, so the target rejects it and, when the draft came
-        with probabilities q, samples from the residual (p - q)+ as speculative sampling requires.
-        Cutting the draft there would sample from p instead, which skews the output whenever q puts
-        mass on forbidden tokens (a draft model knows nothing of the regex).
-        """
+        """The states before each allowed draft token and after the last one (the loop decides
+        what happens to a forbidden token: ``decoder.constrain_draft``)."""
         states = [self.state]
         for token in draft:
             state = self.index.next_state(states[-1], token)
             if state < 0:
-                states.append(states[-1])
                 break
             states.append(state)
         return states
@@ -63,7 +56,7 @@ class RegexConstraint:
             self.state = self.index.next_state(self.state, token)
 
 
-class ForcedTextSource:
+class ForcedTextSource(DraftSource):
     """Drafts the bytes the regex forces from the current state, tokenized by the model's tokenizer.
 
     The tokenization of the forced text on its own may differ from the one the
@@ -87,12 +80,6 @@ class ForcedTextSource:
             self._drafts[state] = self.tokenizer.encode(text, add_special_tokens=False) if text else []
         return self._drafts[state]
 
-    def reset(self):
-        pass  # the state lives on the constraint, which the loop resets
-
     def propose(self, tokens: list, max_draft: int) -> Optional[Draft]:
         forced = self._forced_tokens(self.constraint.state)
         return Draft(forced[:max_draft]) if forced else None
-
-    def update(self, tokens: list, num_proposed: int, num_accepted: int):
-        pass  # the state lives on the constraint, which the loop advances

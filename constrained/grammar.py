@@ -19,7 +19,7 @@ from typing import Optional
 import mlx.core as mx
 import numpy as np
 
-from decoder import ConstraintError, Draft, eos_ids_of
+from decoder import Constraint, ConstraintError, Draft, DraftSource, eos_ids_of
 
 INSTALL = "pip install llguidance"
 # Compact JSON, like the built-in schema compiler: separators are forced text, so they cost no model step.
@@ -109,10 +109,7 @@ def ll_tokenizer_of(tokenizer):
     return cached[1]
 
 
-REJECTED = None  # the walk's state after a forbidden draft token (see GrammarConstraint.walk)
-
-
-class GrammarConstraint:
+class GrammarConstraint(Constraint):
     """An llguidance matcher behind the loop's ``walk / masks / advance`` protocol.
 
     The matcher holds the accepted text. A walk asks it how many draft tokens are valid
@@ -157,28 +154,20 @@ class GrammarConstraint:
         self.matcher.reset()
 
     def walk(self, draft: list) -> list:
-        """The valid draft prefixes, then ``REJECTED`` if a forbidden token follows them.
-
-        The first forbidden token stays in the draft: the mask gives it probability 0, so the
-        target rejects it with certainty and, when the draft came with probabilities q, samples
-        from the residual (p - q)+ as speculative sampling requires. Cutting it off instead would
-        sample from p, which skews the output whenever q puts mass on forbidden tokens (a draft
-        model knows nothing of the grammar). For greedy and point-mass drafts both are the same.
-        """
+        """The allowed draft prefixes, as tuples of tokens: the grammar's state is the matcher's
+        after the accepted text plus a prefix."""
         # Ids past the tokenizer's vocabulary (a wider draft model) would put the matcher in an error state.
         in_vocab = next((i for i, token in enumerate(draft) if not 0 <= token < self.num_tokens), len(draft))
         num_valid = self.matcher.validate_tokens(draft[:in_vocab]) if in_vocab else 0
-        states = [tuple(draft[:length]) for length in range(num_valid + 1)]
-        return states + [REJECTED] if num_valid < len(draft) else states
+        return [tuple(draft[:length]) for length in range(num_valid + 1)]
 
     def masks(self, states: list) -> mx.array:
-        """(len(states), vocab) bool; the row after a forbidden token repeats the one before (never used)."""
-        prefixes = [state for state in states if state is not REJECTED]
-        draft = prefixes[-1]
-        bitmask = np.zeros((len(prefixes), self._words), dtype=np.int32)
+        """(len(states), vocab) bool: the tokens allowed after each prefix."""
+        draft = states[-1]
+        bitmask = np.zeros((len(states), self._words), dtype=np.int32)
         # After an EOS in the draft only EOS may follow. EOS is not consumed: a matcher that had
         # already stopped does not count it, so rolling it back would not be exact.
-        stop = next((i + 1 for i, token in enumerate(draft) if token in self.eos_token_ids), len(prefixes))
+        stop = next((i + 1 for i, token in enumerate(draft) if token in self.eos_token_ids), len(states))
         consumed = 0
         try:
             for position in range(stop):
@@ -195,9 +184,8 @@ class GrammarConstraint:
         bits = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")
         allowed = np.zeros((len(states), self.vocab_size), dtype=bool)
         width = min(self.num_tokens, self.vocab_size)
-        allowed[: len(prefixes), :width] = bits[:, :width]
-        allowed[stop : len(prefixes), list(self.eos_token_ids)] = True
-        allowed[len(prefixes) :] = allowed[len(prefixes) - 1]
+        allowed[:, :width] = bits[:, :width]
+        allowed[stop:, list(self.eos_token_ids)] = True
         return mx.array(allowed)
 
     def advance(self, tokens: list):
@@ -206,7 +194,7 @@ class GrammarConstraint:
                                   f"{_one_line(self.matcher.get_error())}")
 
 
-class GrammarForcedSource:
+class GrammarForcedSource(DraftSource):
     """Drafts the text the grammar forces next (``{"name":"`` in a JSON shape) at no model cost.
 
     llguidance's ``compute_ff_bytes`` gives the forced bytes; they are tokenized by the model's
@@ -221,9 +209,6 @@ class GrammarForcedSource:
         self.constraint = constraint
         self.tokenizer = tokenizer
 
-    def reset(self, prompt_tokens=None):
-        pass  # the state lives on the constraint
-
     def propose(self, tokens: list, max_draft: int) -> Optional[Draft]:
         forced = self.constraint.matcher.compute_ff_bytes()
         # Forced bytes can stop inside a multi-byte character; draft only whole characters.
@@ -231,6 +216,3 @@ class GrammarForcedSource:
         if not text:
             return None
         return Draft(self.tokenizer.encode(text, add_special_tokens=False)[:max_draft])
-
-    def update(self, tokens: list, num_proposed: int, num_accepted: int):
-        pass  # the constraint follows the accepted tokens

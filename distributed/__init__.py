@@ -99,8 +99,6 @@ class Session:
 
     def shard(self, model, mode: str = "auto"):
         """Shard a lazily loaded mlx-lm model in place; the watchdog restarts at its first forward pass."""
-        if hasattr(model, "encode"):
-            raise DistributedError("a T5 target cannot be sharded; run it in one process")
         try:
             return shard_model(model, self.group, mode, heartbeat=self.watchdog.beat)
         except ValueError as error:

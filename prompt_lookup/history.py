@@ -49,15 +49,19 @@ def bound_history(history: np.ndarray, max_tokens: int) -> np.ndarray:
 
 
 def load_history(path) -> np.ndarray:
-    """The store at ``path`` (empty when there is no file yet)."""
+    """The store at ``path`` (empty when there is no file yet). A HistoryError says what is wrong
+    and leaves advice to the caller: only it knows whether the file is one it made (a cache it
+    may tell the user to delete) or one the user named."""
     path = Path(path)
     if not path.exists():
         return np.zeros(0, np.int32)
+    if path.is_dir():
+        raise HistoryError(f"{path} is a directory, not a history store file")
     try:
         with np.load(path, allow_pickle=False) as data:
             tokens = data["tokens"]
     except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as error:
-        raise HistoryError(f"{path} is not a history store ({error}); delete it to start a new one") from None
+        raise HistoryError(f"{path} is not a history store ({error})") from None
     if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer) or (tokens.size and tokens.min() < SEPARATOR):
         raise HistoryError(f"{path} is not a history store (it must hold one array of token ids)")
     return tokens.astype(np.int32)
@@ -126,8 +130,8 @@ class HistoryLookupSource(PromptLookupSource):
         self.history = bound_history(np.concatenate([self.history, join_outputs([tokens])]),
                                      self.max_history_tokens)
 
-    def reset(self):
-        super().reset()
+    def reset(self, cost=None, temp: float = 0.0, top_p: float = 1.0):
+        super().reset(cost, temp, top_p)
         if self.history.size:
             self._context = mx.concatenate([mx.array(self.history), self._context])
 

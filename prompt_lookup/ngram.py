@@ -12,7 +12,8 @@ from typing import Optional, Sequence
 
 import mlx.core as mx
 
-from decoder import Draft
+from cost import PassCost
+from decoder import Draft, DraftSource
 
 # Never a token id: stops matches and continuations at the edges of the context.
 SEPARATOR = -1
@@ -100,17 +101,16 @@ def search(
     return (draft[: draft.index(SEPARATOR)] if SEPARATOR in draft else draft), ngram, start
 
 
-class PromptLookupSource:
+class PromptLookupSource(DraftSource):
     """A draft source that copies from the prompt and the text generated so far.
 
     Adaptive drafting (``adaptive=True``) follows from what verification costs.
-    Scoring one more draft token adds ``draft_token_cost`` of a decoding step
-    (measured: about 0.09 for SmolLM2-135M in float32 on a 2-core x86 CPU,
-    5.5 ms on a 64 ms step), while each accepted token saves a whole step. If a
-    copied token is accepted with probability ``a`` once the token before it
-    was, the i-th draft token pays off while ``a**i > draft_token_cost``, so the
-    best draft length is ``log(draft_token_cost) / log(a)``, capped at
-    ``2 * num_draft``.
+    Scoring one more draft token adds ``c`` of a decoding step, the token cost the
+    loop measures (``cost.PassCost.token_cost``: about 0.09 on a 2-core CPU, far
+    less on a GPU), while each accepted token saves a whole step. If a copied
+    token is accepted with probability ``a`` once the token before it was, the
+    i-th draft token pays off while ``a**i > c``, so the best draft length is
+    ``log(c) / log(a)``, capped at ``2 * num_draft``.
 
     ``a`` is estimated for each kind of match apart (``match_kind``: a 3-gram
     match is a safer copy than a 1-gram one) from its recent drafts, forgetting old ones by
@@ -140,31 +140,28 @@ class PromptLookupSource:
         num_draft: int = 8,
         extra_context: Sequence[int] = (),
         adaptive: bool = True,
-        draft_token_cost: float = 0.09,
     ):
         check_search_args(ngram_max, ngram_min, num_draft)
         if any(token < 0 for token in extra_context):
             raise ValueError("extra_context must hold token ids (non-negative integers).")
-        if not 0 < draft_token_cost < 1:
-            raise ValueError(f"draft_token_cost must be in (0, 1), got {draft_token_cost}.")
         self.ngram_max = ngram_max
         self.ngram_min = ngram_min
         self.num_draft = num_draft
         self.extra_context = list(extra_context)
         self.adaptive = adaptive
-        self.draft_token_cost = draft_token_cost
         self.max_draft_length = 2 * num_draft
         self.reset()
 
-    def reset(self):
+    def reset(self, cost: Optional[PassCost] = None, temp: float = 0.0, top_p: float = 1.0):
         """Forget the followed sequence and the drafting history (the loop calls this per generation)."""
+        super().reset(cost, temp, top_p)
         self._tokens = None  # the list being followed
         prefix = self.extra_context + [SEPARATOR] if self.extra_context else []
         self._context = mx.array(prefix, mx.int32)
         self._num_seen = 0  # how many of the tokens are in self._context
         # Per kind of match: [continued, stopped] pseudo-counts of draft tokens, a prior
         # worth two drafts whose best length is num_draft.
-        prior = self.draft_token_cost ** (1 / (self.num_draft + 0.5))
+        prior = self.cost.token_cost() ** (1 / (self.num_draft + 0.5))
         self._counts = defaultdict(lambda: [2 * prior, 2 * (1 - prior)])
         self._skipped = defaultdict(int)  # matches skipped since the last probe
         self._probe_gap = defaultdict(lambda: 1)
@@ -183,24 +180,24 @@ class PromptLookupSource:
 
     def expected_speedup(self, kind, length: int) -> float:
         """Tokens a ``length``-token copy after a match of ``kind`` is expected to give, per
-        plain step's time: (1 + a + a^2 + ... + a^length) / (1 + length * draft_token_cost)."""
+        plain step's time: (1 + a + a^2 + ... + a^length) / (a pass of 1 + length tokens)."""
         accept = self._accept(kind)
         accepted = sum(accept**i for i in range(1, length + 1))
-        return (1 + accepted) / (1 + length * self.draft_token_cost)
+        return (1 + accepted) / self.cost.relative(1 + length)
 
     def draft_length(self, kind) -> int:
         """The draft length that pays best for a match of ``kind`` (``match_kind``)."""
-        accept = self._accept(kind)
-        if accept <= self.draft_token_cost:
+        accept, token_cost = self._accept(kind), self.cost.token_cost()
+        if accept <= token_cost:
             return 0
         if accept >= 1.0:
             return self.max_draft_length
-        return min(int(math.log(self.draft_token_cost) / math.log(accept)), self.max_draft_length)
+        return min(int(math.log(token_cost) / math.log(accept)), self.max_draft_length)
 
     def propose(self, tokens: list, max_draft: int) -> Optional[Draft]:
         # generate_step passes the same growing list every step; another list is a new generation.
         if tokens is not self._tokens:
-            self.reset()
+            self.reset(self.cost, self.temp, self.top_p)
             self._tokens = tokens
         if len(tokens) > self._num_seen:
             new_tokens = mx.array(tokens[self._num_seen :], mx.int32)
@@ -225,7 +222,7 @@ class PromptLookupSource:
             length = 1
         draft = draft[:length]
         self._offered = (len(tokens), draft)
-        # With it, the loop can hand the step to a model source that expects more (decoder._propose).
+        # With it, the loop can hand the step to a model source that expects more (decoder.choose_draft).
         return Draft(draft, expected_speedup=self.expected_speedup(kind, len(draft)))
 
     def update(self, tokens: list, num_proposed: int, num_accepted: int) -> None:

@@ -1,6 +1,6 @@
 """An OpenAI-compatible server: structured outputs and lossless speculation behind the usual API.
 
-    python -m server [--prompt-lookup] [--draft-model DIR] [--draft-head] [--api-key KEY]
+    python -m server [--prompt-lookup] [--draft-model DIR] [--draft-head [DIR_OR_REPO]] [--api-key KEY]
 
 - ``protocol.py``: request bodies -> a checked ``GenerationRequest``; OpenAI-shaped ``ApiError``.
 - ``engine.py``: one worker thread runs the shared decoding loop (decoder.generate_step) for one

@@ -13,6 +13,7 @@ import socket
 import sys
 
 import fast_blas
+import sources
 from cli import CliError, Parser
 
 
@@ -27,11 +28,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="max_tokens for requests that do not set it (default: 512).")
     parser.add_argument("--max-queue", type=int, default=8,
                         help="Requests waiting behind the running one; more get HTTP 503 (default: 8).")
-    parser.add_argument("--prompt-lookup", action="store_true", help="Draft by copying n-grams from the context.")
-    parser.add_argument("--draft-model", default=None, help="Draft model directory or repo (same vocabulary).")
-    parser.add_argument("--draft-head", nargs="?", const="", default=None, metavar="DIR",
-                        help="Draft with a trained head; bare: the one shipped for the embedded model. "
-                             "Turns the prompt cache off (the head reads the whole prompt's hidden states).")
+    # main.py's flags, built by the same code; requests set the sampling, and no history is kept.
+    sources.add_arguments(parser, history=False)
     return parser
 
 
@@ -42,6 +40,7 @@ def validate(args):
         raise CliError("--max-tokens must be >= 1 and --max-queue >= 0")
     if args.api_key is not None and not args.api_key.strip():
         raise CliError("--api-key must not be empty")
+    sources.check(args)
 
 
 def build_engine(args):
@@ -49,30 +48,14 @@ def build_engine(args):
     from loading import cache_dir, context_length, load_model
     from server.engine import Engine
     from speculative.draft_model import output_size
+    from t5 import is_encoder_decoder
 
     model, tokenizer, path = load_model(args.model)
-    if hasattr(model, "encode"):
+    if is_encoder_decoder(model):
         raise CliError("the server serves decoder-only models; T5 is not supported")
     vocab_size = output_size(model, tokenizer)
-    sources = []
-    if args.prompt_lookup:
-        from prompt_lookup import PromptLookupSource
-
-        sources.append(PromptLookupSource())
-    if args.draft_model is not None:
-        from speculative import DraftModelSource
-
-        draft_model, draft_tokenizer, _ = load_model(args.draft_model)
-        sources.append(DraftModelSource.create(draft_model, draft_tokenizer, model, tokenizer))
-    if args.draft_head is not None:
-        from speculative import DraftHeadSource, HeadMismatch
-
-        try:
-            model, head = DraftHeadSource.create(model, args.draft_head or None)
-        except HeadMismatch as error:
-            raise CliError(str(error)) from None
-        sources.append(head)
-    engine = Engine(model, tokenizer, vocab_size, sources, reuse_cache=args.draft_head is None,
+    model, drafts = sources.draft_sources(args, model, tokenizer)
+    engine = Engine(model, tokenizer, vocab_size, drafts, reuse_cache=args.draft_head is None,
                     max_queue=args.max_queue, cache_dir=cache_dir() / "regex-index")
     model_id = "SmolLM2-135M-Instruct" if args.model is None else args.model.rstrip("/")
     return engine, model_id, context_length(path)

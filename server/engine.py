@@ -19,9 +19,12 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+from mlx_lm.utils import common_prefix_len
 
+from cost import PassCost
 from decoder import ConstraintError, DecodingStats, TextStream, eos_ids_of, generate_step
 from server.protocol import ApiError, GenerationRequest, invalid
+from sources import grammar_constraint, regex_constraint
 
 MAX_CACHED_CONSTRAINTS = 32  # token indexes are ~1 MB each; a client reuses few schemas
 
@@ -80,8 +83,8 @@ class Engine:
 
     Args:
         model: what the loop runs (a ``HiddenStateTap`` when a draft head is on).
-        draft_sources: reused for every request (the loop resets them); their ``temp``/``top_p``
-            are set to each request's, so their drafts come from the distribution they report.
+        draft_sources: reused for every request (the loop resets them with each request's
+            ``temp``/``top_p``, so their drafts come from the distribution they report).
         reuse_cache: False when a source needs the whole prompt run through the model (a draft head).
         max_queue: requests waiting behind the running one before new ones get HTTP 503.
     """
@@ -96,6 +99,7 @@ class Engine:
         self.jobs = queue.Queue(maxsize=max_queue)
         self.constraints = OrderedDict()  # (kind, pattern) -> (constraint, forced-text source)
         self.cache, self.cache_tokens = make_prompt_cache(model), []
+        self.pass_cost = PassCost()  # kept across requests: the measured cost of passes here
         self.worker = threading.Thread(target=self._work, name="generation", daemon=True)
         self.worker.start()
 
@@ -137,23 +141,22 @@ class Engine:
         return self.constraints[key]
 
     def _build_constraint(self, kind: str, pattern: str):
+        """Built as main.py builds --regex and --grammar (sources.py)."""
         if kind == "grammar":
             try:
-                from constrained.grammar import GrammarConstraint, GrammarError, GrammarForcedSource
+                from constrained.grammar import GrammarError, compile_grammar
             except ImportError:
                 raise invalid("guided_grammar needs constrained/grammar.py and llguidance", "guided_grammar") from None
             try:
-                constraint = GrammarConstraint.from_grammar(pattern, self.tokenizer, self.vocab_size)
+                return grammar_constraint(compile_grammar(pattern), self.tokenizer, self.vocab_size)
             except GrammarError as error:
                 raise invalid(f"the grammar is not supported: {error}", "guided_grammar") from None
-            return constraint, GrammarForcedSource(constraint, self.tokenizer)
-        from constrained import ForcedTextSource, RegexConstraint, RegexError
+        from constrained import RegexError
 
         try:
-            constraint = RegexConstraint.from_regex(pattern, self.tokenizer, self.vocab_size, self.cache_dir)
+            return regex_constraint(pattern, self.tokenizer, self.vocab_size, self.cache_dir)
         except RegexError as error:
             raise invalid(f"the regex (or the schema's regex) is not supported: {error}", "guided_regex") from None
-        return constraint, ForcedTextSource(constraint, self.tokenizer)
 
     def _reusable_cache(self, prompt: list) -> list:
         """The kept cache trimmed to its longest common prefix with ``prompt`` (at least one
@@ -161,9 +164,7 @@ class Engine:
         if not self.reuse_cache:
             self.cache, self.cache_tokens = make_prompt_cache(self.model), []
             return self.cache
-        common, limit = 0, min(len(self.cache_tokens), len(prompt) - 1)
-        while common < limit and self.cache_tokens[common] == prompt[common]:
-            common += 1
+        common = common_prefix_len(self.cache_tokens, prompt[:-1])
         trim_prompt_cache(self.cache, len(self.cache_tokens) - common)
         del self.cache_tokens[common:]
         return self.cache
@@ -180,9 +181,6 @@ class Engine:
         request = job.request
         constraint, forced = self._constraint(request)
         sources = ([forced] if forced is not None else []) + self.draft_sources
-        for source in self.draft_sources:
-            if hasattr(source, "temp"):  # model drafts: sample as the target does, for high acceptance
-                source.temp, source.top_p = request.temp, request.top_p
         if request.seed is not None:
             mx.random.seed(request.seed)
         cache = self._reusable_cache(request.prompt)
@@ -191,7 +189,8 @@ class Engine:
         text, stopper, generated, pieces = TextStream(self.tokenizer), StopText(request.stop), [], []
         steps = generate_step(request.prompt, self.model, eos_token_ids=self.eos, draft_sources=sources,
                               constraint=constraint, temp=request.temp, top_p=request.top_p,
-                              max_tokens=request.max_tokens, stats=outcome.stats, kv_cache=cache)
+                              max_tokens=request.max_tokens, stats=outcome.stats, prompt_cache=cache,
+                              pass_cost=self.pass_cost)
         try:
             for token, _source in steps:
                 generated.append(token)

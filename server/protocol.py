@@ -9,6 +9,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Optional
 
+from decoder import encode
+
 MAX_STOP_STRINGS = 4  # as OpenAI
 
 # Accepted and ignored: they change nothing here (or only bookkeeping on OpenAI's side).
@@ -146,7 +148,7 @@ def parse_chat(body: dict, tokenizer, model_id: str, default_max_tokens: int) ->
             raise invalid(f"the JSON schema is not supported: {error}", param="response_format") from None
     options = {"tools": tools} if tools else {}
     try:
-        request.prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, **options)
+        request.prompt = encode(tokenizer, messages, **options)
     except Exception as error:  # the template's own checks (jinja raise_exception, a missing key)
         raise invalid(f"the chat template rejected the messages: {error}", param="messages") from None
     return request

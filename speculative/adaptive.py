@@ -1,26 +1,37 @@
 """Adaptive draft length and pausing, shared by the model-based draft sources."""
 
+from mlx.utils import tree_flatten
+
+
+def weight_bytes(model) -> int:
+    """Bytes of weights one call of ``model`` reads (a sharded target counts as a whole).
+    Decoding is memory-bound, so the ratio of two models' bytes is a first guess at the
+    ratio of their step times, until the loop has timed both (``cost.PassCost``)."""
+    leaves = [value for _, value in tree_flatten(model.parameters())]
+    nbytes = sum(value.nbytes for value in leaves)
+    whole = getattr(model, "num_parameters", None)  # set by distributed/sharding.py: the whole model's count
+    return nbytes * whole // max(sum(value.size for value in leaves), 1) if whole else nbytes
+
 
 class AdaptiveLength:
     """How many tokens to draft next, learned from how the last drafts fared.
 
     +2 after a fully accepted draft, -1 otherwise, within [1, max_draft]. Drafting pauses
-    while the first draft token is accepted less often than drafting and verifying it costs
-    (``draft_token_cost``, as a fraction of a target step), probing after 1, 2, 4 ... skipped steps.
+    while the recent drafts gave fewer tokens than they cost (``token_cost`` per drafted
+    token, as a fraction of a target step, from the loop's measurements), probing with one
+    token after 1, 2, 4 ... skipped steps.
 
     Args:
         num_draft: the length to start with (and the fixed length when not ``enabled``).
         max_draft: the longest draft.
-        draft_token_cost: the break-even first-token acceptance.
         enabled: False keeps ``num_draft`` fixed and never pauses.
     """
 
     FORGET = 0.8  # weight of the past in the acceptance estimate: about the last 5 drafts count
     MAX_PROBE_GAP = 64
 
-    def __init__(self, num_draft: int, max_draft: int, draft_token_cost: float, enabled: bool = True):
+    def __init__(self, num_draft: int, max_draft: int, enabled: bool = True):
         self.max_draft = max(max_draft, num_draft)
-        self.draft_token_cost = draft_token_cost
         self.enabled = enabled
         self.initial_num_draft = num_draft
         self.reset()
@@ -32,15 +43,19 @@ class AdaptiveLength:
         self.accepted, self.proposed = 1.0, 2.0  # tokens per draft (same weights): one drafted, half accepted
         self.skipped, self.probe_gap = 0, 1
 
-    def paused(self) -> bool:
-        """Skip this step's draft? (Counts the skip; the caller must then not draft.)"""
-        if not self.enabled or self.first_accepted / self.drafts > self.draft_token_cost:
-            return False
+    def next_length(self, token_cost: float) -> int:
+        """How many tokens to draft this step, when a drafted token costs ``token_cost`` of a
+        step: 0 (pause) while the recent drafts are expected to give less than a plain step
+        (for one-token drafts: the first token is accepted less often than it costs), with a
+        one-token probe after 1, 2, 4 ... skipped steps; else ``num_draft``."""
+        if not self.enabled or self.expected_speedup(token_cost) > 1:
+            self.probe_gap = 1
+            return self.num_draft
         self.skipped += 1
         if self.skipped <= self.probe_gap:
-            return True
+            return 0
         self.skipped, self.probe_gap = 0, min(2 * self.probe_gap, self.MAX_PROBE_GAP)
-        return False
+        return 1
 
     def record(self, num_proposed: int, num_accepted: int):
         if not num_proposed or not self.enabled:
@@ -49,15 +64,13 @@ class AdaptiveLength:
         self.drafts = self.FORGET * self.drafts + 1
         self.accepted = self.FORGET * self.accepted + num_accepted
         self.proposed = self.FORGET * self.proposed + num_proposed
-        if num_accepted:
-            self.probe_gap = 1
         if num_accepted == num_proposed:
             self.num_draft = min(self.num_draft + 2, self.max_draft)
         else:
             self.num_draft = max(self.num_draft - 1, 1)
 
-    def expected_speedup(self) -> float:
+    def expected_speedup(self, token_cost: float) -> float:
         """What the next draft is expected to give, from the recent ones: tokens emitted per
-        plain step's time, (1 + accepted per draft) / (1 + cost of the tokens drafted per draft)."""
+        plain step's time, (1 + accepted per draft) / (1 + token_cost * tokens drafted per draft)."""
         accepted, proposed = self.accepted / self.drafts, self.proposed / self.drafts
-        return (1 + accepted) / (1 + self.draft_token_cost * proposed)
+        return (1 + accepted) / (1 + token_cost * proposed)

@@ -9,9 +9,12 @@ from typing import Optional
 
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+from mlx_lm.utils import common_prefix_len
 
-from decoder import Draft, prefill, sampling_probs
-from speculative.adaptive import AdaptiveLength
+from cost import PassCost
+from decoder import Draft, DraftSource, prefill, sampling_probs
+from speculative.adaptive import AdaptiveLength, weight_bytes
+from t5 import T5Decoder, is_encoder_decoder
 
 
 class VocabularyMismatch(ValueError):
@@ -42,51 +45,42 @@ def check_same_vocabulary(draft_tokenizer, target_tokenizer, draft_size: int, ta
             f"fewer than the {len(target_vocab)} tokens of their tokenizer")
 
 
-def parameter_count(model) -> int:
-    from mlx.utils import tree_flatten
-
-    # A sharded target (distributed/) holds part of the weights; it reports the whole model's count.
-    whole = getattr(model, "num_parameters", None)
-    return whole or sum(value.size for _, value in tree_flatten(model.parameters()))
-
-
 def output_size(model, tokenizer) -> int:
     """The width of the model's logits (its config's vocab_size, else the tokenizer's size)."""
     args = getattr(model, "args", None)
     return getattr(args, "vocab_size", None) or len(vocabulary(tokenizer))
 
 
-class DraftModelSource:
-    """Drafts tokens autoregressively with a small model.
+class DraftModelSource(DraftSource):
+    """Drafts tokens autoregressively with a small model, drawing them as the target samples
+    (the loop's ``temp``/``top_p``, given to ``reset``), so q is the distribution each draft
+    token was actually drawn from.
 
     Args:
         model: the draft (mlx-lm model, or ``T5Decoder``).
         vocab_size: the target's output size; the draft distribution is padded or cut to it.
-        temp, top_p: the target's sampling settings, applied to the draft as well, so
-            that q is the distribution the draft token was actually drawn from.
         num_draft: draft length to start with (and the fixed length when not adaptive).
         adaptive: +2 after a fully accepted draft, -1 otherwise, within [1, max_draft];
-            and pause drafting while the first draft token is accepted less often than
-            ``draft_token_cost`` (see ``AdaptiveLength``).
+            and pause drafting while the first draft token is accepted less often than a
+            drafted token costs (see ``AdaptiveLength``).
         min_confidence: stop drafting once the draft's top probability falls below this
             (0.5 measured slightly better than no stop, see the README).
-        draft_token_cost: what drafting and verifying one token costs, as a fraction of a
-            target step; ``create`` sets it from the models' sizes (decoding is memory-bound).
+        draft_cost_prior: drafting one token as a fraction of a target step, until the loop
+            has timed it (``PassCost.draft_cost``); ``create`` sets it from the weight bytes.
     """
 
     name = "draft_model"
 
-    def __init__(self, model, vocab_size: int, temp: float = 0.0, top_p: float = 1.0,
-                 num_draft: int = 4, adaptive: bool = True, max_draft: int = 12,
-                 min_confidence: float = 0.5, draft_token_cost: float = 0.1):
+    def __init__(self, model, vocab_size: int, num_draft: int = 4, adaptive: bool = True,
+                 max_draft: int = 12, min_confidence: float = 0.5, draft_cost_prior: float = 0.1):
         self.model = model
         self.vocab_size = vocab_size
-        self.temp, self.top_p = temp, top_p
-        self.length = AdaptiveLength(num_draft, max_draft, draft_token_cost, enabled=adaptive)
+        self.length = AdaptiveLength(num_draft, max_draft, enabled=adaptive)
         self.min_confidence = min_confidence
+        self.draft_cost_prior = draft_cost_prior
         self.cache = make_prompt_cache(model)
         self.cache_tokens = []  # the tokens whose keys and values are in self.cache
-        self.synced = 0  # cache_tokens[:synced] is known to equal the accepted tokens
+        self.reset()
 
     @classmethod
     def create(cls, draft_model, draft_tokenizer, target_model, target_tokenizer,
@@ -95,27 +89,27 @@ class DraftModelSource:
         draft_size = output_size(draft_model, draft_tokenizer)
         target_size = output_size(target_model, target_tokenizer)
         check_same_vocabulary(draft_tokenizer, target_tokenizer, draft_size, target_size)
-        if hasattr(draft_model, "encode"):
-            from speculative.t5 import T5Decoder
-
+        if is_encoder_decoder(draft_model):
             if encoder_input is None:
                 raise VocabularyMismatch("a T5 draft model needs a T5 target model")
             draft_model = T5Decoder(draft_model, encoder_input)
-        # A draft step reads the draft's weights, a verified token costs ~0.09 of a target step (README).
-        kwargs.setdefault("draft_token_cost", parameter_count(draft_model) / parameter_count(target_model) + 0.09)
+        kwargs.setdefault("draft_cost_prior", weight_bytes(draft_model) / weight_bytes(target_model))
         return cls(draft_model, target_size, **kwargs)
 
-    def reset(self):
+    def reset(self, cost: Optional[PassCost] = None, temp: float = 0.0, top_p: float = 1.0):
         """A new generation: the cache is kept, and reused up to what it shares with the new prompt."""
-        self.synced = 0
+        super().reset(cost, temp, top_p)
+        self.synced = 0  # cache_tokens[:synced] is known to equal the accepted tokens
         self.length.reset()
+
+    def token_cost(self) -> float:
+        """Drafting and verifying one token, as a fraction of a target step (measured by the loop)."""
+        return self.cost.draft_cost(self.name, self.draft_cost_prior) + self.cost.token_cost()
 
     def _rewind(self, tokens: list):
         """Trim the cache back to the longest prefix it shares with ``tokens``."""
-        common = self.synced
-        limit = min(len(self.cache_tokens), len(tokens))
-        while common < limit and self.cache_tokens[common] == tokens[common]:
-            common += 1
+        # The first ``synced`` tokens are known to match: compare only what follows them.
+        common = self.synced + common_prefix_len(self.cache_tokens[self.synced:], tokens[self.synced:])
         trim_prompt_cache(self.cache, len(self.cache_tokens) - common)
         del self.cache_tokens[common:]
         self.synced = common
@@ -137,11 +131,12 @@ class DraftModelSource:
         return self.length.num_draft
 
     def forecast_speedup(self) -> Optional[float]:
-        """The speed-up its next draft is expected to give, from its recent drafts (see decoder._propose)."""
-        return self.length.expected_speedup() if self.length.enabled else None
+        """The speed-up its next draft is expected to give, from its recent drafts (see decoder.choose_draft)."""
+        return self.length.expected_speedup(self.token_cost()) if self.length.enabled else None
 
     def propose(self, tokens: list, max_draft: int) -> Optional[Draft]:
-        if self.length.paused():
+        num_draft = min(self.length.next_length(self.token_cost()), max_draft)
+        if num_draft == 0:
             return None  # the cache catches up in one batched call when drafting resumes
         self._rewind(tokens)
         if len(self.cache_tokens) == len(tokens):  # re-feed the last token to get its logits
@@ -153,7 +148,7 @@ class DraftModelSource:
             self.cache_tokens.extend(pending[:-1])
             pending = pending[-1:]
         draft, rows = [], []
-        for _ in range(min(self.num_draft, max_draft)):
+        for _ in range(num_draft):
             probs = self._next_distribution(pending)
             if self.temp == 0:
                 token = mx.argmax(probs)

@@ -8,14 +8,15 @@ restricted to a frequency-ranked sub-vocabulary (FR-Spec), so a draft step reads
 weights plus 8k output rows instead of the whole 135M-parameter target.
 
 A head directory holds ``model.safetensors`` (float16 head weights and the sub-vocabulary
-ids) and ``config.json`` (the target's args and fingerprint). ``load_head`` also reads heads
-in the published EAGLE-1/2 and EAGLE-3 layouts (speculative/eagle.py); EAGLE-3 reads the
-outputs of three target layers, which ``body_with_features`` collects.
+ids) and ``config.json`` (the target's args and fingerprint), written by ``save_head``;
+``load_head`` (head_loading.py) reads it, and heads in the published EAGLE layouts (eagle.py).
+EAGLE-3 reads the outputs of three target layers, which ``body_with_features`` collects.
 """
 
 import json
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -27,7 +28,6 @@ from mlx_lm.models.cache import KVCache
 
 SHIPPED_HEAD = Path(__file__).parent / "heads" / "smollm2-135m"
 FINAL = -1  # in ``feature_layers``: the target's last hidden state, after its final norm
-FINGERPRINT_TOLERANCE = 1e-2  # float16/bfloat16 conversion moves weights by < 0.4% (relative)
 
 
 class HeadMismatch(ValueError):
@@ -42,25 +42,35 @@ def head_args(target_args) -> llama.ModelArgs:
 
 
 class DraftHead(nn.Module):
+    """Scores with ``out_rows``, the target's output rows for the head's sub-vocabulary
+    (``output_rows``); ``load_head`` hands them over. A head built to be trained needs none."""
+
     feature_layers = [FINAL]  # what the ``HiddenStateTap`` records for it: the last hidden state
 
-    def __init__(self, args: llama.ModelArgs):
+    def __init__(self, args: llama.ModelArgs, out_rows: Optional[mx.array] = None):
         super().__init__()
         self.args = args
         self.fuse = nn.Linear(2 * args.hidden_size, args.hidden_size)
         self.layer = llama.TransformerBlock(args)
         self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        # The leading underscore keeps the target's rows out of parameters(): never trained or saved.
+        self._out_rows = out_rows
+        self.output_bytes = 0 if out_rows is None else out_rows.nbytes  # what scoring reads beyond the head
 
     def __call__(self, features: mx.array, next_embeddings: mx.array, cache=None, mask=None) -> mx.array:
         """(B, L, d) target features at t (or the head's predictions) and embeddings of x_{t+1}
         -> predicted h_{t+1}.
 
         ``cache`` is the list from ``make_cache``, as for mlx-lm models; ``mask`` overrides the
-        causal mask (training unrolls drafting with its own, see train_head.py)."""
+        causal mask (training unrolls drafting with its own, see head_training/train.py)."""
         layer_cache = cache[0] if cache else None
         x = self.fuse(mx.concatenate([features, next_embeddings], axis=-1))
         mask = create_attention_mask(x, layer_cache) if mask is None else mask
         return self.norm(self.layer(x, mask, cache=layer_cache))
+
+    def logits(self, predicted: mx.array) -> mx.array:
+        """(..., d) predicted features -> (..., sub-vocabulary) scores (FR-Spec)."""
+        return predicted @ self._out_rows.T
 
     def make_cache(self) -> list:
         return [KVCache()]
@@ -134,6 +144,14 @@ def output_weight(target) -> mx.array:
     return layer.weight
 
 
+def output_rows(target, vocab_ids: mx.array) -> mx.array:
+    """The target's output rows for ``vocab_ids``, (len(vocab_ids), d), computed now: MLX runs a lazy
+    array on the stream of the thread that made it, and a server drafts on a worker thread."""
+    rows = mx.take(output_weight(target), vocab_ids, axis=0)
+    mx.eval(rows)
+    return rows
+
+
 def logits_from_hidden(target, hidden: mx.array) -> mx.array:
     """The target's logits from its final hidden states (what its ``__call__`` returns)."""
     if hasattr(target, "lm_head"):
@@ -155,26 +173,6 @@ def fingerprint(target) -> dict:
     return {"shape": shape, "probe": mx.concatenate([probe, norm]).tolist()}
 
 
-def check_fingerprint(expected, target, config_path) -> None:
-    if not isinstance(expected, dict) or not isinstance(expected.get("shape"), dict) \
-            or not isinstance(expected.get("probe"), list):
-        raise HeadMismatch(f"{config_path}: 'fingerprint' must hold a 'shape' object and a 'probe' list")
-    actual = fingerprint(target)
-    if actual["shape"] != expected["shape"]:
-        raise HeadMismatch(f"the draft head {config_path} was trained for another model "
-                           f"({expected['shape']}, the target is {actual['shape']})")
-    ours = np.array(actual["probe"])
-    try:
-        theirs = np.array(expected["probe"], dtype=np.float64)
-    except (TypeError, ValueError):
-        theirs = None
-    if theirs is None or theirs.shape != ours.shape:
-        raise HeadMismatch(f"{config_path}: 'fingerprint' has a probe of another length (a damaged config)")
-    if not np.allclose(ours, theirs, rtol=FINGERPRINT_TOLERANCE, atol=FINGERPRINT_TOLERANCE * 1e-2):
-        raise HeadMismatch(f"the draft head {config_path} was trained for another model "
-                           "(same shape, different weights)")
-
-
 def save_head(head_dir, head: DraftHead, vocab_ids: mx.array, target, training: dict = None):
     """Write the head as float16 safetensors plus a JSON config (atomically, file by file)."""
     head_dir = Path(head_dir)
@@ -189,59 +187,3 @@ def save_head(head_dir, head: DraftHead, vocab_ids: mx.array, target, training: 
               "training": training or {}}
     (head_dir / "config.tmp.json").write_text(json.dumps(config, indent=1, default=str))
     (head_dir / "config.tmp.json").replace(head_dir / "config.json")
-
-
-def read_config(config_path) -> dict:
-    """The JSON object in ``config_path``, or one line naming the file (``HeadMismatch``)."""
-    try:
-        config = json.loads(Path(config_path).read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise HeadMismatch(f"{config_path} is not valid JSON ({error})") from None
-    if not isinstance(config, dict):
-        raise HeadMismatch(f"{config_path} is not a JSON object")
-    return config
-
-
-def load_head(head_dir, target, dtype=None):
-    """Returns ``(head, vocab_ids)`` for a head written by ``save_head`` or in a published EAGLE
-    layout (speculative/eagle.py). A damaged head, or one for another target, is refused in one
-    line that names the file (``HeadMismatch``)."""
-    from speculative.eagle import load_eagle_head, published_layout
-
-    head_dir = Path(head_dir or SHIPPED_HEAD)
-    config_path, weights_path = head_dir / "config.json", head_dir / "model.safetensors"
-    if not hasattr(target, "args") or not hasattr(target, "model"):
-        raise HeadMismatch("a draft head needs a decoder-only mlx-lm target model")
-    if not config_path.is_file():
-        raise HeadMismatch(f"{head_dir} is not a draft head directory (needs config.json and model.safetensors)")
-    config = read_config(config_path)
-    if published_layout(config):
-        return load_eagle_head(head_dir, config, target, dtype)
-    if not weights_path.is_file():
-        raise HeadMismatch(f"{head_dir} is not a draft head directory (needs config.json and model.safetensors)")
-    if "fingerprint" not in config:
-        raise HeadMismatch(f"{config_path} has no 'fingerprint' (neither written by train_head nor a published "
-                           "EAGLE config)")
-    # Heads that fused several layers or stacked decoder layers measured worse and were dropped.
-    if config.get("feature_layers", [FINAL]) != [FINAL] or config.get("num_layers", 1) != 1:
-        raise HeadMismatch(f"{config_path}: feature_layers {config.get('feature_layers')} with num_layers "
-                           f"{config.get('num_layers')} is not a head this version reads (only [-1] with 1)")
-    check_fingerprint(config["fingerprint"], target, config_path)
-    try:
-        weights = mx.load(str(weights_path))
-    except (RuntimeError, ValueError, OSError) as error:  # a truncated or foreign file
-        raise HeadMismatch(f"{weights_path} cannot be read ({str(error).splitlines()[0]})") from None
-    vocab_ids = weights.pop("vocab_ids", None)
-    vocab_size = target.args.vocab_size
-    if vocab_ids is None or vocab_ids.ndim != 1 or vocab_ids.size == 0 or vocab_ids.min().item() < 0 \
-            or vocab_ids.max().item() >= vocab_size:
-        raise HeadMismatch(f"{weights_path} has no valid 'vocab_ids' (token ids below {vocab_size})")
-    head = DraftHead(head_args(target.args))
-    try:
-        head.load_weights([(k.removeprefix("head."), v) for k, v in weights.items()], strict=True)
-    except ValueError as error:  # missing, extra or misshapen weights
-        raise HeadMismatch(f"{weights_path} does not match {config_path} ({str(error).splitlines()[0]})") from None
-    # Compute in the target's dtype: float32 on a CPU, float16 on Apple GPUs.
-    head.set_dtype(dtype or target.model.norm.weight.dtype)
-    mx.eval(head.parameters())
-    return head, vocab_ids.astype(mx.int32)

@@ -12,22 +12,15 @@ draft source.
 from typing import Optional
 
 import mlx.core as mx
-from mlx.utils import tree_flatten
 from mlx_lm.models.cache import trim_prompt_cache
 
-from decoder import Draft, sampling_probs
-from speculative.adaptive import AdaptiveLength
-from speculative.head import FINAL, body_with_features, load_head, logits_from_hidden, output_layer, output_weight
+from cost import PassCost
+from decoder import Draft, DraftSource, sampling_probs
+from speculative.adaptive import AdaptiveLength, weight_bytes
+from speculative.head import FINAL, body_with_features, logits_from_hidden
+from speculative.head_loading import load_head
 
 CATCH_UP_CHUNK = 512  # positions per head call when reading a prompt (as the target's prefill)
-
-
-def weight_bytes(model) -> int:
-    """Bytes of weights one call of ``model`` reads (a sharded target counts as a whole)."""
-    leaves = [value for _, value in tree_flatten(model.parameters())]
-    nbytes = sum(value.nbytes for value in leaves)
-    whole = getattr(model, "num_parameters", None)  # set by distributed/sharding.py: the whole model's count
-    return nbytes * whole // max(sum(value.size for value in leaves), 1) if whole else nbytes
 
 
 class HiddenStateTap:
@@ -73,51 +66,45 @@ class HiddenStateTap:
                        if first + rows.shape[0] > position]
 
 
-class DraftHeadSource:
+class DraftHeadSource(DraftSource):
     """Drafts tokens with a draft head that reads the target's hidden states.
 
     Args:
         tap: the ``HiddenStateTap`` the loop runs as its model.
-        head, vocab_ids: from ``load_head``.
-        temp, top_p: the target's sampling settings, applied to the head as well, so q is
-            the distribution each draft token was drawn from.
+        head, vocab_ids: from ``load_head``; the head scores with ``head.logits``, over the tokens
+            ``vocab_ids`` names.
         num_draft, adaptive, max_draft: draft length (see ``AdaptiveLength``).
         min_confidence: stop a draft once the head's top probability falls below this.
         min_path_confidence: stop a draft once the product of the head's top probabilities at
             the positions drafted so far (the chance that all are accepted, if the head is
-            calibrated) falls below this. Default: ``draft_token_cost`` when adaptive (a further token is
-            then worth less than it costs), else 0 (off).
-        draft_token_cost: drafting and verifying one token, as a fraction of a target step.
+            calibrated) falls below this. Default: what a drafted token costs (``token_cost``) when
+            adaptive (a further token is then worth less than it costs), else 0 (off).
+        draft_cost_prior: drafting one token as a fraction of a target step, until the loop has
+            timed it (``PassCost.draft_cost``); ``create`` sets it from the weight bytes.
+
+    The head draws its tokens as the target samples (the loop's ``temp``/``top_p``, given to
+    ``reset``), so q is the distribution each draft token was drawn from.
     """
 
     name = "draft_head"
 
-    def __init__(self, tap: HiddenStateTap, head, vocab_ids: mx.array, temp: float = 0.0, top_p: float = 1.0,
-                 num_draft: int = 4, adaptive: bool = True, max_draft: int = 8, min_confidence: float = 0.0,
-                 draft_token_cost: float = 0.15, min_path_confidence: Optional[float] = None):
+    def __init__(self, tap: HiddenStateTap, head, vocab_ids: mx.array, num_draft: int = 4, adaptive: bool = True,
+                 max_draft: int = 8, min_confidence: float = 0.0, draft_cost_prior: float = 0.06,
+                 min_path_confidence: Optional[float] = None):
         self.tap, self.head = tap, head
         self.vocab_ids = vocab_ids
         self.vocab_list = vocab_ids.tolist()
         self.vocab_size = tap.target.args.vocab_size
         self.embed = tap.target.model.embed_tokens
-        # Scores: the head's own output layer (EAGLE-3), the target's LM head itself for the whole
-        # vocabulary (EAGLE-1: no copy of a quantized matrix), else the target's sub-vocabulary rows.
-        whole = vocab_ids.size == self.vocab_size and mx.array_equal(vocab_ids, mx.arange(self.vocab_size)).item()
-        self.out_rows = None if hasattr(head, "logits") or whole else \
-            mx.take(output_weight(tap.target), vocab_ids, axis=0)
-        if self.out_rows is not None:
-            # Computed now, in the thread that builds the source: MLX runs a lazy array on the
-            # stream of the thread that made it, and a server drafts on a worker thread.
-            mx.eval(self.out_rows)
-        self.temp, self.top_p = temp, top_p
-        self.length = AdaptiveLength(num_draft, max_draft, draft_token_cost, enabled=adaptive)
+        self.length = AdaptiveLength(num_draft, max_draft, enabled=adaptive)
         self.min_confidence = min_confidence
-        self.min_path_confidence = (draft_token_cost if adaptive else 0.0) if min_path_confidence is None \
-            else min_path_confidence
+        self.draft_cost_prior = draft_cost_prior
+        self.path_confidence_option = min_path_confidence
         self.reset()
 
-    def reset(self):
+    def reset(self, cost: Optional[PassCost] = None, temp: float = 0.0, top_p: float = 1.0):
         """A new generation: forget the features, the head's cache and the draft length."""
+        super().reset(cost, temp, top_p)
         self.tap.chunks = []
         self.cache = self.head.make_cache()
         self.committed = 0  # head cache positions read from true features and accepted tokens
@@ -129,15 +116,10 @@ class DraftHeadSource:
         returns ``(tap, source)``: run the loop on ``tap``."""
         head, vocab_ids = load_head(head_dir, target)
         tap = HiddenStateTap(target, head.feature_layers)
-        # A draft step reads the head and the output rows it scores with; a verified token costs
-        # ~0.09 of a target step. Counted in bytes: a 4-bit target reads far less than its count says.
-        if hasattr(head, "logits"):  # EAGLE-3: its output layer is one of its own weights
-            rows = 0
-        elif vocab_ids.size == target.args.vocab_size:  # the target's whole output layer (EAGLE-1)
-            rows = weight_bytes(output_layer(target))
-        else:
-            rows = vocab_ids.size * target.args.hidden_size * target.model.norm.weight.dtype.size
-        kwargs.setdefault("draft_token_cost", (weight_bytes(head) + rows) / weight_bytes(target) + 0.09)
+        # A draft step reads the head and the target's output rows it scores with (``output_bytes``;
+        # none for EAGLE-3, whose output layer is its own). Counted in bytes: a 4-bit target reads
+        # far less than its parameter count says.
+        kwargs.setdefault("draft_cost_prior", (weight_bytes(head) + head.output_bytes) / weight_bytes(target))
         return tap, cls(tap, head, vocab_ids, **kwargs)
 
     @property
@@ -147,7 +129,17 @@ class DraftHeadSource:
     def forecast_speedup(self) -> Optional[float]:
         """The speed-up its next draft is expected to give, from its recent drafts; the loop
         lets it draft instead of an earlier, cheaper source only when this is larger."""
-        return self.length.expected_speedup() if self.length.enabled else None
+        return self.length.expected_speedup(self.token_cost()) if self.length.enabled else None
+
+    def token_cost(self) -> float:
+        """Drafting and verifying one token, as a fraction of a target step (measured by the loop)."""
+        return self.cost.draft_cost(self.name, self.draft_cost_prior) + self.cost.token_cost()
+
+    @property
+    def min_path_confidence(self) -> float:
+        if self.path_confidence_option is not None:
+            return self.path_confidence_option
+        return self.token_cost() if self.length.enabled else 0.0
 
     def _rewind(self):
         """Drop the head's cache entries for drafted positions (read from its own predictions)."""
@@ -171,39 +163,33 @@ class DraftHeadSource:
         self.committed = stop
         return predicted[0, -1]
 
-    def _logits(self, predicted: mx.array) -> mx.array:
-        if hasattr(self.head, "logits"):
-            return self.head.logits(predicted)
-        if self.out_rows is None:
-            return logits_from_hidden(self.tap.target, predicted[None])[0]
-        return predicted @ self.out_rows.T
-
     def _distribution(self, predicted: mx.array) -> mx.array:
         """Scores over the sub-vocabulary: q when sampling; when greedy, the softmax only if the
         confidence stop needs it (the logits have the same argmax)."""
-        logits = self._logits(predicted)
+        logits = self.head.logits(predicted[None])[0]
         if self.temp > 0:
             return sampling_probs(logits[None], self.temp, self.top_p)[0]
         confidence_needed = self.min_confidence > 0 or self.min_path_confidence > 0
         return mx.softmax(logits.astype(mx.float32)) if confidence_needed else logits
 
     def propose(self, tokens: list, max_draft: int) -> Optional[Draft]:
-        if len(tokens) < 2 or self.length.paused():
+        num_draft = min(self.length.next_length(self.token_cost()), max_draft) if len(tokens) >= 2 else 0
+        if num_draft == 0:
             return None  # the head catches up in one batched call when drafting resumes
         self._rewind()
         predicted = self._catch_up(tokens)
-        num_draft = min(self.num_draft, max_draft)
+        min_path_confidence = self.min_path_confidence
         indices, rows, path_confidence = [], [], 1.0
         # Without the path-confidence stop the whole draft is one lazy graph: each step feeds the
         # last sub-vocabulary index back without a host round trip, and one sync reads them all.
         for position in range(num_draft):
             probs = self._distribution(predicted)
             index = mx.argmax(probs) if self.temp == 0 else mx.random.categorical(mx.log(probs))
-            if self.min_path_confidence > 0:  # one sync per step, so no step is computed in vain
+            if min_path_confidence > 0:  # one sync per step, so no step is computed in vain
                 # The top probability, not the drawn token's: whether to draft position i must not
                 # depend on the token drawn there, or sampling would no longer be exact.
                 path_confidence *= probs.max().item()
-                if position and path_confidence < self.min_path_confidence:
+                if position and path_confidence < min_path_confidence:
                     break
             indices.append(index)
             rows.append(probs)

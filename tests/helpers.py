@@ -3,7 +3,7 @@
 import mlx.core as mx
 from mlx_lm.models import llama
 
-from decoder import Draft
+from decoder import Draft, DraftSource
 
 
 def tiny_llama(vocab_size=64, num_layers=2, hidden_size=32, seed=0, sharp=4.0):
@@ -24,7 +24,7 @@ def tiny_llama(vocab_size=64, num_layers=2, hidden_size=32, seed=0, sharp=4.0):
     return model
 
 
-class ScriptedSource:
+class ScriptedSource(DraftSource):
     """Proposes tokens from a function of the position; records what it was told."""
 
     def __init__(self, propose_fn, name="scripted", probs_fn=None):
@@ -34,7 +34,8 @@ class ScriptedSource:
         self.updates = []
         self.resets = 0
 
-    def reset(self):
+    def reset(self, cost=None, temp=0.0, top_p=1.0):
+        super().reset(cost, temp, top_p)
         self.resets += 1
 
     def propose(self, tokens, max_draft):

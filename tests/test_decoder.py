@@ -5,10 +5,10 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import make_prompt_cache
 
-from decoder import TARGET, DecodingStats, Draft, accept_draft, generate_step, sampling_probs
-from tests.helpers import ScriptedSource, chi_square_p_value, tiny_llama
+from decoder import TARGET, Constraint, DecodingStats, Draft, accept_draft, generate_step, sampling_probs
+from tests.helpers import ScriptedSource, assert_constrained_sampling_is_exact, chi_square_p_value, tiny_llama
 
 VOCAB = 64
 MODEL = tiny_llama(vocab_size=VOCAB)
@@ -158,15 +158,54 @@ def test_never_drafts_past_max_tokens():
     assert max(seen) <= 4 and all(k >= 1 for k in seen)
 
 
-def test_kv_cache_trim_then_continue_matches_a_fresh_pass():
-    tokens = mx.array([[5, 3, 8, 1, 9, 2, 4, 6]])
-    full = MODEL(tokens)
+def test_rejected_drafts_leave_the_cache_as_a_plain_run_would():
+    """Mostly rejected drafts are trimmed off: the cache then holds the prompt and output but
+    the last token, and continuing from it scores like a fresh pass over that text."""
+    prompt = [5, 3, 8, 1]
+    rng = np.random.default_rng(1)
+    wrong = ScriptedSource(lambda tokens, k: rng.integers(0, 64, size=min(k, 3)).tolist())
     cache = make_prompt_cache(MODEL)
-    MODEL(tokens[:, :4], cache=cache)
-    MODEL(mx.array([[11, 12, 13]]), cache=cache)  # a rejected draft
-    assert trim_prompt_cache(cache, 3) == 3
-    rest = MODEL(tokens[:, 4:], cache=cache)
-    assert mx.allclose(rest, full[:, 4:], atol=1e-4)
+    stats = DecodingStats()
+    out = [t for t, _ in generate_step(prompt, MODEL, draft_sources=[wrong], max_tokens=12, eos_token_ids=(),
+                                       prompt_cache=cache, stats=stats)]
+    assert stats.draft_accepted < stats.draft_proposed  # some drafts were rolled back
+    text = prompt + out
+    assert cache[0].offset == len(text) - 1
+    continued = MODEL(mx.array([text[-1:]]), cache=cache)[0, -1]
+    assert mx.allclose(continued, MODEL(mx.array([text]))[0, -1], atol=1e-4)
+
+
+class ResidueConstraint(Constraint):
+    """A constraint written from the protocol's docstrings alone: the n-th token must be n
+    modulo 4. Its walk stops at the first forbidden token, as the docstring says."""
+
+    def __init__(self, vocab_size):
+        self.vocab_size = vocab_size
+        self.reset()
+
+    def reset(self):
+        self.position = 0
+
+    def walk(self, draft):
+        states = [self.position]
+        for token in draft:
+            if token % 4 != states[-1] % 4:
+                break
+            states.append(states[-1] + 1)
+        return states
+
+    def masks(self, states):
+        return mx.array([[token % 4 == state % 4 for token in range(self.vocab_size)] for state in states])
+
+    def advance(self, tokens):
+        self.position += len(tokens)
+
+
+def test_sampling_stays_exact_under_a_constraint_that_follows_the_protocol():
+    """The loop keeps a q-draft's first forbidden token so the target rejects it into (p - q)+;
+    a third-party constraint need not know (``constrain_draft``)."""
+    model = tiny_llama(vocab_size=128, seed=2, sharp=2.0)
+    assert_constrained_sampling_is_exact(model, ResidueConstraint(128))
 
 
 # --- exact sampling ------------------------------------------------------------------

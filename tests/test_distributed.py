@@ -85,7 +85,7 @@ def sharded(ranks, cases):
 
 @pytest.fixture(scope="module")
 def self_draft(embedded, tmp_path_factory):
-    from convert import convert
+    from conversion import convert
     from loading import embedded_gguf
 
     return convert(str(tmp_path_factory.mktemp("draft") / "draft"), gguf=str(embedded_gguf()), num_layers=24)

@@ -10,11 +10,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from decoder import DecodingStats, generate_step
-from speculative.head import (FINAL, SHIPPED_HEAD, DraftHead, HeadMismatch, body_with_features, head_args, load_head,
+from head_training.data import answer_with_features, sub_vocabulary
+from head_training.train import train, unrolled_predictions
+from speculative.head import (FINAL, SHIPPED_HEAD, DraftHead, HeadMismatch, body_with_features, head_args, output_rows,
                               save_head)
+from speculative.head_loading import load_head
 from speculative.head_source import DraftHeadSource, HiddenStateTap
-from speculative.head_data import answer_with_features, sub_vocabulary
-from speculative.train_head import train, unrolled_predictions
 from tests.helpers import assert_sampling_keeps_the_target_distribution, tiny_llama
 from tests.test_cli import assert_one_line_error, cli
 
@@ -24,9 +25,10 @@ SUB_VOCAB = mx.arange(0, VOCAB, 2)  # half the vocabulary: some target tokens ca
 FUSED = [0, 1, FINAL]  # the tiny target's low and middle layers, and its last hidden state
 
 
-def random_head(target, seed):
+def random_head(target, seed, vocab_ids=None):
+    """A random head that scores ``vocab_ids`` (default: none, for training-only checks)."""
     mx.random.seed(seed)
-    head = DraftHead(head_args(target.args))
+    head = DraftHead(head_args(target.args), None if vocab_ids is None else output_rows(target, vocab_ids))
     mx.eval(head.parameters())
     return head
 
@@ -139,7 +141,7 @@ def test_greedy_output_with_the_head_equals_plain(trained, prompt, num_draft, ad
     # With a copier first, the loop picks per step which of the two drafts (decoder._propose).
     copiers = {None: [], "lookup": [PromptLookupSource()],
                "history": [HistoryLookupSource(reference[: max_tokens // 2] + [1, 2, 3] + reference)]}
-    for head, vocab_ids in ((trained[0], trained[1]), (random_head(TARGET, 7), SUB_VOCAB)):
+    for head, vocab_ids in ((trained[0], trained[1]), (random_head(TARGET, 7, SUB_VOCAB), SUB_VOCAB)):
         tap = HiddenStateTap(TARGET, head.feature_layers)
         source = DraftHeadSource(tap, head, vocab_ids, num_draft=num_draft, adaptive=adaptive,
                                  min_confidence=min_confidence)
@@ -176,20 +178,20 @@ def test_greedy_with_the_head_under_a_regex_equals_constrained_plain():
         return tokens_of([1, 2, 3], model, sources, constraint=constraint, max_tokens=12)
 
     tap = HiddenStateTap(target)
-    head = DraftHeadSource(tap, random_head(target, 3), mx.arange(vocab), num_draft=3, adaptive=False)
+    head = DraftHeadSource(tap, random_head(target, 3, mx.arange(vocab)), mx.arange(vocab), num_draft=3, adaptive=False)
     assert run([head], tap) == run([], target)
 
 
 @pytest.mark.parametrize("temp,top_p,min_path_confidence", [(1.0, 1.0, 0.0), (0.8, 0.9, 0.0), (1.0, 1.0, 0.25)])
 def test_sampling_with_the_head_keeps_the_target_distribution(temp, top_p, min_path_confidence):
     target = tiny_llama(vocab_size=8, num_layers=2, seed=3, sharp=2.0)
-    head = random_head(target, 5)
+    head = random_head(target, 5, mx.arange(6))
 
     def make_run():
         tap = HiddenStateTap(target)
         # A sub-vocabulary of 6: q is zero on two tokens the target can still choose. With a
         # path-confidence stop, the draft length varies with the head's confidence.
-        return tap, [DraftHeadSource(tap, head, mx.arange(6), temp=temp, top_p=top_p, num_draft=3, adaptive=False,
+        return tap, [DraftHeadSource(tap, head, mx.arange(6), num_draft=3, adaptive=False,
                                      min_path_confidence=min_path_confidence)]
 
     assert_sampling_keeps_the_target_distribution(target, make_run, temp, top_p)
@@ -200,12 +202,12 @@ def test_sampling_with_a_copier_and_the_head_choosing_per_step_keeps_the_target_
     from prompt_lookup import HistoryLookupSource, PromptLookupSource
 
     target = tiny_llama(vocab_size=8, num_layers=2, seed=3, sharp=2.0)
-    head = random_head(target, 5)
+    head = random_head(target, 5, mx.arange(6))
     rng = np.random.default_rng(0)
 
     def make_run():
         tap = HiddenStateTap(target)
-        source = DraftHeadSource(tap, head, mx.arange(6), temp=1.0, num_draft=2)
+        source = DraftHeadSource(tap, head, mx.arange(6), num_draft=2)
         # A forecast around what the copier expects, so that both draft across the runs.
         source.forecast_speedup = lambda: float(rng.uniform(1.0, 2.0))
         # Something to copy from in a two-token run (the prompt alone has no repeats).
@@ -319,9 +321,8 @@ def test_draft_head_from_the_command_line(embedded, tmp_path):
 
 
 def test_the_benchmark_prompts_are_held_out_from_training():
-    from benchmarks.draft_head import HELDOUT
-    from benchmarks.harness import PROMPTS
-    from speculative.instructions import TOPICS, all_instructions
+    from benchmarks.harness import HELDOUT, PROMPTS
+    from head_training.instructions import TOPICS, all_instructions
 
     generated = set(all_instructions())
     heldout = [line for line in HELDOUT.read_text().splitlines() if line.strip()]
@@ -338,7 +339,7 @@ def test_the_benchmark_prompts_are_held_out_from_training():
 
 
 def test_the_target_writes_its_own_instructions(embedded):
-    from speculative.instructions import self_instructions
+    from head_training.instructions import self_instructions
 
     model, tokenizer, _ = embedded
     first = self_instructions(model, tokenizer, 3, seed=1, batch_size=8)
@@ -347,7 +348,7 @@ def test_the_target_writes_its_own_instructions(embedded):
 
 
 def test_a_model_that_never_ends_a_user_turn_is_refused(embedded):
-    from speculative.instructions import self_instructions
+    from head_training.instructions import self_instructions
 
     _, tokenizer, _ = embedded
     babbler = tiny_llama(vocab_size=tokenizer.vocab_size, num_layers=1, seed=0)  # random: never writes <|im_end|>
@@ -370,7 +371,7 @@ def test_bad_training_input_is_one_line_before_generating(args, fragment, embedd
     from tests.test_cli import ROOT
 
     args = [a.replace("{tmp}", str(tmp_path)) for a in args]
-    result = subprocess.run([sys.executable, "-m", "speculative.train_head", "--out", str(tmp_path / "head"),
+    result = subprocess.run([sys.executable, "-m", "head_training.train", "--out", str(tmp_path / "head"),
                              "--work-dir", str(tmp_path / "work"), *args], capture_output=True, text=True,
                             cwd=ROOT, timeout=300)
     assert_one_line_error(result, fragment)
@@ -387,7 +388,7 @@ def test_no_time_to_generate_and_nothing_cached_is_one_line(embedded, tmp_path):
     written = tmp_path / "work" / "templates-seed0" / "instructions-4.json"
     written.parent.mkdir(parents=True)
     written.write_text(json.dumps(["Name a colour.", "Name a fruit.", "Name a city.", "Name a tree."]))
-    result = subprocess.run([sys.executable, "-m", "speculative.train_head", "--out", str(tmp_path / "head"),
+    result = subprocess.run([sys.executable, "-m", "head_training.train", "--out", str(tmp_path / "head"),
                              "--work-dir", str(tmp_path / "work"), "--instructions", "templates",
                              "--num-instructions", "4", "--generate-minutes", "0"], capture_output=True, text=True,
                             cwd=ROOT, timeout=300)

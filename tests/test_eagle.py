@@ -13,7 +13,8 @@ torch.set_num_threads(1)
 
 from decoder import DecodingStats, generate_step  # noqa: E402
 from speculative.eagle import Eagle1Head, Eagle3Head, eagle3_feature_layers  # noqa: E402
-from speculative.head import HeadMismatch, body_with_features, load_head, logits_from_hidden  # noqa: E402
+from speculative.head import HeadMismatch, body_with_features  # noqa: E402
+from speculative.head_loading import load_head  # noqa: E402
 from speculative.head_source import DraftHeadSource  # noqa: E402
 from tests.eagle_reference import Eagle1Reference, Eagle3Reference, eagle3_layer_inputs  # noqa: E402
 from tests.helpers import tiny_llama  # noqa: E402
@@ -156,7 +157,7 @@ def test_eagle1_draft_logits_match_the_reference(tmp_path):
     assert close(features, expected)
 
     # EAGLE-1 scores with the target's own LM head.
-    draft_steps_agree(reference, head, expected, features, oracle.lm_head, lambda h: logits_from_hidden(TARGET, h),
+    draft_steps_agree(reference, head, expected, features, oracle.lm_head, head.logits,
                       lambda mine, theirs: int(theirs[0, -1].argmax()))
 
 
@@ -334,6 +335,6 @@ def test_sampling_with_an_eagle3_head_keeps_the_target_distribution(tmp_path):
 
     def make_run():
         tap = HiddenStateTap(target, head.feature_layers)
-        return tap, [DraftHeadSource(tap, head, vocab_ids, temp=1.0, num_draft=3, adaptive=False)]
+        return tap, [DraftHeadSource(tap, head, vocab_ids, num_draft=3, adaptive=False)]
 
     assert_sampling_keeps_the_target_distribution(target, make_run, 1.0, 1.0)

@@ -66,9 +66,9 @@ def test_matmul_binds_to_the_loaded_blas(mode, tmp_path):
         assert "site-packages" in bound and "mlx_cpu.libs" not in bound
 
 
-@pytest.mark.parametrize("module", ["speculative.train_head", "benchmarks.run", "convert"])
+@pytest.mark.parametrize("module", ["head_training.train", "benchmarks.run", "convert"])
 def test_entry_points_load_it_before_mlx(module, tmp_path):
-    # `python -m speculative.train_head` imports the package first: it must not import mlx.core
+    # `python -m head_training.train` imports the package first: it must not import mlx.core
     # before fast_blas.load() (it did once, and data generation ran ~20x slower).
     if not fast_blas.candidates():
         pytest.skip("no fast BLAS here")

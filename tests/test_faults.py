@@ -66,8 +66,8 @@ def tiny_gguf(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tiny_model(tiny_gguf, tmp_path_factory):
-    """The tiny GGUF converted by convert.py's code path (so it has checksums.json)."""
-    from convert import convert
+    """The tiny GGUF converted by the conversion code path (so it has checksums.json)."""
+    from conversion import convert
 
     return convert(str(tmp_path_factory.mktemp("model") / "tiny"), gguf=str(tiny_gguf))
 
@@ -93,11 +93,11 @@ def assert_one_line_error(result, fragment):
 CACHE_RUN = """
 import os, sys, time
 from pathlib import Path
-import convert, loading
+import conversion, loading
 
 loading.embedded_gguf = lambda: Path(os.environ["TINY_GGUF"])
 if os.environ.get("HOLD"):
-    read_gguf = convert.read_gguf
+    read_gguf = conversion.read_gguf
 
     def held_read(path):
         Path(os.environ["HOLD"], f"started-{os.getpid()}").touch()
@@ -105,7 +105,7 @@ if os.environ.get("HOLD"):
             time.sleep(0.02)
         return read_gguf(path)
 
-    convert.read_gguf = held_read
+    conversion.read_gguf = held_read
 print(loading.default_model_path())
 """
 
@@ -327,6 +327,8 @@ def run_main(monkeypatch, capsys, args, stdin_bytes=None):
     (["--seed", "99999999999999999999"], None, "--seed must be in [0, 2**64)"),
     (["--num-draft", "99999999999"], None, "--num-draft must be between"),
     (["--ngram-max", "99999999999"], None, "ngram-max <= 256"),
+    (["--grammar", "{tmp}"], None, "is a directory; give a file path"),
+    (["--lookup-history", "{latin1}/store.npz"], None, "latin1.txt is not a directory"),
 ])
 def test_bad_input_is_one_line_before_loading(args, stdin, fragment, tmp_path, monkeypatch, capsys):
     import loading
@@ -336,6 +338,42 @@ def test_bad_input_is_one_line_before_loading(args, stdin, fragment, tmp_path, m
     monkeypatch.setattr(loading, "load_model", lambda *a: pytest.fail("loaded the model"))
     code, stderr = run_main(monkeypatch, capsys, args, stdin)
     assert code == 1 and stderr.count("\n") == 1 and fragment in stderr, stderr
+
+
+# Paths the user gave are theirs: refused in one line that never says to delete them, and left as
+# they were. Only a file the tool made in its own cache may be called deletable.
+
+def test_a_folder_for_lookup_history_is_one_line_and_left_alone(tmp_path, monkeypatch, capsys):
+    import loading
+
+    folder = tmp_path / "some" / "folder"
+    folder.mkdir(parents=True)
+    (folder / "notes.txt").write_text("mine")
+    monkeypatch.setattr(loading, "load_model", lambda *a, **k: pytest.fail("loaded the model"))
+    code, stderr = run_main(monkeypatch, capsys, ["--lookup-history", str(folder)])
+    assert code == 1 and stderr.count("\n") == 1, stderr
+    assert f"--lookup-history {folder} is a directory; give a file path" in stderr and "delete" not in stderr
+    assert [p.name for p in folder.iterdir()] == ["notes.txt"] and (folder / "notes.txt").read_text() == "mine"
+
+
+def test_a_users_file_that_is_not_a_store_is_not_called_deletable(tiny_model, tmp_path, monkeypatch, capsys):
+    notes = tmp_path / "notes.npz"
+    notes.write_bytes(b"my own notes")
+    args = ["--model", str(tiny_model), "--prompt", "hi", "--lookup-history", str(notes)]
+    code, stderr = run_main(monkeypatch, capsys, args)
+    assert code == 1 and stderr.count("\n") == 1, stderr
+    assert "is not a history store" in stderr and "give another path" in stderr and "delete" not in stderr
+    assert notes.read_bytes() == b"my own notes"
+
+
+def test_a_damaged_store_in_the_tools_own_cache_may_be_deleted(tiny_model, tmp_path, monkeypatch, capsys):
+    store = tmp_path / "mlx-decoding" / "history" / "store.npz"
+    store.parent.mkdir(parents=True)
+    store.write_bytes(b"damaged")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    code, stderr = run_main(monkeypatch, capsys, ["--model", str(tiny_model), "--prompt", "hi", "--lookup-history"])
+    assert code == 1 and stderr.count("\n") == 1, stderr
+    assert f"{store} is not a history store" in stderr and "delete it to start a new one" in stderr
 
 
 def test_undecodable_argv_from_a_real_command_line(tiny_model):

@@ -13,6 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from cost import PassCost
 from decoder import DecodingStats, generate_step
 from prompt_lookup import PromptLookupSource
 from prompt_lookup.history import (
@@ -186,8 +187,9 @@ def test_the_replay_study_counts_the_loops_passes(prompt, outputs, max_tokens):
     answer = plain(prompt, max_tokens)
     for source in (PromptLookupSource(), HistoryLookupSource(join_outputs(outputs + [answer[:5]]))):
         stats = DecodingStats()
+        # The replay prices passes at the cost model's prior; a clock that stands still keeps the loop there too.
         list(generate_step(prompt, MODEL, draft_sources=[source], max_tokens=max_tokens, stats=stats,
-                           eos_token_ids=()))
+                           eos_token_ids=(), pass_cost=PassCost(clock=lambda: 0.0)))
         replayed = replay(source, prompt, answer, max_tokens)
         assert replayed["passes"] == stats.target_forward_passes
         assert replayed["drafted"] == stats.draft_proposed

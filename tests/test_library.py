@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 from mlx_lm.sample_utils import make_sampler
 
+from cost import PassCost
 from decoder import DecodingStats, Draft, accept_sampled, generate, generate_step
 from tests.helpers import ScriptedSource, chi_square_p_value, tiny_byte_tokenizer, tiny_llama
 
@@ -30,10 +31,10 @@ def draft_model():
 
 def draft_head():
     from speculative import DraftHeadSource, HiddenStateTap
-    from speculative.head import DraftHead, head_args
+    from speculative.head import DraftHead, head_args, output_rows
 
     mx.random.seed(3)
-    head = DraftHead(head_args(TARGET.args))
+    head = DraftHead(head_args(TARGET.args), output_rows(TARGET, mx.arange(VOCAB)))
     mx.eval(head.parameters())
     tap = HiddenStateTap(TARGET)
     return tap, [DraftHeadSource(tap, head, mx.arange(VOCAB), num_draft=3, adaptive=False)], None
@@ -57,8 +58,10 @@ def test_a_reused_source_gives_what_a_fresh_one_gives(make, temp):
     def run(model, sources, constraint, prompt, seed):
         mx.random.seed(seed)
         stats = DecodingStats()
+        # Timings differ between runs; a clock that stands still keeps the cost model at its prior.
         tokens = [t for t, _ in generate_step(prompt, model, draft_sources=sources, constraint=constraint,
-                                              temp=temp, max_tokens=24, eos_token_ids=(), stats=stats)]
+                                              temp=temp, max_tokens=24, eos_token_ids=(), stats=stats,
+                                              pass_cost=PassCost(clock=lambda: 0.0))]
         return tokens, stats.target_forward_passes, stats.draft_accepted
 
     reused = make()
@@ -102,7 +105,7 @@ def test_a_kv_cache_is_continued_not_refilled():
     TARGET(mx.array(prompt[:10])[None], cache=cache)
     reused = [t for t, _ in generate_step(prompt, TARGET, max_tokens=8, eos_token_ids=(), kv_cache=cache)]
     assert reused == plain and cache[0].offset == len(prompt) + 8 - 1
-    with pytest.raises(ValueError, match="kv_cache holds"):
+    with pytest.raises(ValueError, match="prompt_cache holds"):
         list(generate_step(prompt[:3], TARGET, max_tokens=1, eos_token_ids=(), kv_cache=cache))
 
 
@@ -154,3 +157,16 @@ def test_a_str_prompt_gets_the_chat_template_and_eos_by_default(embedded, chat_p
     assert "Paris" in result.text and result.finish_reason == "stop" and len(result.tokens) < 40
     printed = capsys.readouterr().out
     assert result.text in printed and "Generation:" in printed and "Peak memory:" in printed
+
+
+def test_encode_takes_text_a_system_message_chat_messages_or_token_ids(embedded):
+    from decoder import encode
+
+    _, tokenizer, _ = embedded
+    messages = [{"role": "system", "content": "Answer in French."}, {"role": "user", "content": "Hi"}]
+    expected = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    assert encode(tokenizer, "Hi", system="Answer in French.") == expected
+    assert encode(tokenizer, messages[1:], system="Answer in French.") == expected
+    assert encode(tokenizer, messages) == expected
+    assert encode(tokenizer, "Hi") == tokenizer.apply_chat_template(messages[1:], add_generation_prompt=True)
+    assert encode(tokenizer, [5, 6]) == [5, 6] and encode(tokenizer, []) == []

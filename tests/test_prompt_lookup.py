@@ -5,6 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from cost import PassCost
 from decoder import DecodingStats, generate_step
 from prompt_lookup import PromptLookupSource, find_draft
 from prompt_lookup.ngram import LONGEST_LOOKBACK
@@ -171,7 +172,8 @@ def test_adaptive_shrinks_after_a_partial_acceptance():
 
 
 def test_draft_length_follows_the_cost_model():
-    source = PromptLookupSource(num_draft=8, draft_token_cost=0.1)
+    source = PromptLookupSource(num_draft=8)
+    source.reset(PassCost(default_token_cost=0.1))
     source._counts[3] = [9.0, 1.0]  # a = 0.9: 0.9**21 > 0.1 > 0.9**22, capped at 16
     source._counts[2] = [1.0, 1.0]  # a = 0.5: 0.5**3 > 0.1 > 0.5**4
     source._counts[1] = [1.0, 19.0]  # a = 0.05 < cost: do not draft

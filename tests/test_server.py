@@ -98,6 +98,53 @@ def test_requests_become_generation_options():
     assert completion.prompt == [97, 98] and completion.max_tokens == 3
 
 
+def test_draft_source_flags_mean_the_same_in_main_py_and_the_server(embedded, monkeypatch):
+    """`--draft-head REPO_ID` is downloaded, and every draft-source flag builds the same sources,
+    in `python main.py` and `python -m server` alike."""
+    import huggingface_hub
+
+    import loading
+    import main
+    from server import __main__ as server_main
+    from speculative.head import SHIPPED_HEAD
+
+    downloads = []
+
+    def download(repo_id, **options):
+        downloads.append(repo_id)
+        return str(SHIPPED_HEAD)  # as if fetched from the Hub
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", download)
+    monkeypatch.setattr(loading, "load_model", lambda *args, **kwargs: embedded)
+    flags = ["--draft-head", "someone/smollm2-head", "--prompt-lookup", "--num-draft", "3", "--ngram-max", "2"]
+    main_args = main.build_parser().parse_args(flags + ["--prompt", "hi"])
+    main.validate(main_args)
+    _, _, _, kwargs = main.build_run(main_args)
+    server_args = server_main.build_parser().parse_args(flags)
+    server_main.validate(server_args)
+    engine, _, _ = server_main.build_engine(server_args)
+    assert downloads == ["someone/smollm2-head"] * 2
+    for drafts in (kwargs["draft_sources"], engine.draft_sources):
+        assert [source.name for source in drafts] == ["prompt_lookup", "draft_head"]
+        assert [source.num_draft for source in drafts] == [3, 3] and drafts[0].ngram_max == 2
+
+
+def test_main_py_and_the_server_template_a_system_message_alike(embedded, monkeypatch):
+    import loading
+    import main
+
+    _, tokenizer, _ = embedded
+    messages = [{"role": "system", "content": "Answer in French."}, {"role": "user", "content": QUESTION}]
+    expected = tokenizer.apply_chat_template(messages, add_generation_prompt=True)  # the oracle, written out
+    monkeypatch.setattr(loading, "load_model", lambda *args, **kwargs: embedded)
+    _, _, prompt, _ = main.build_run(main.build_parser().parse_args(["--system", messages[0]["content"],
+                                                                     "--prompt", QUESTION]))
+    request = parse_chat({"messages": messages}, tokenizer, MODEL, 64)
+    assert prompt == request.prompt == expected
+    _, _, plain, _ = main.build_run(main.build_parser().parse_args(["--prompt", QUESTION]))
+    assert plain != expected  # the system message made a difference
+
+
 @pytest.mark.parametrize("pieces, stop, expected_sent, stopped", [
     (["Hel", "lo\nWor", "ld"], ["\n"], ["Hel", "lo"], True),
     (["a<", "/", "b>c"], ["</b>"], ["a", "", ""], True),  # held back while it may start a stop string

@@ -6,9 +6,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from cost import PassCost
 from decoder import DecodingStats, generate_step
 from speculative import DraftModelSource, VocabularyMismatch
-from speculative.t5 import T5Decoder, load_t5
+from t5 import T5Decoder, load_t5
 from tests.helpers import assert_sampling_keeps_the_target_distribution, tiny_llama
 from tests.t5_fixtures import make_tiny_t5_dir, train_tiny_spiece
 from tests.test_cli import assert_one_line_error, cli
@@ -36,7 +37,8 @@ def test_greedy_draft_model_output_equals_plain(prompt, num_draft, adaptive, min
 def test_a_perfect_draft_is_always_accepted_and_grows():
     stats = DecodingStats()
     source = DraftModelSource(TARGET, VOCAB, num_draft=2, adaptive=True, max_draft=8, min_confidence=0.0)
-    tokens_of([1, 2, 3], TARGET, [source], max_tokens=40, stats=stats)
+    # A clock that stands still: the costs stay at their priors (a self-draft costs a whole step here).
+    tokens_of([1, 2, 3], TARGET, [source], max_tokens=40, stats=stats, pass_cost=PassCost(clock=lambda: 0.0))
     assert stats.draft_accepted == stats.draft_proposed > 0
     assert source.num_draft == 8
     assert stats.target_forward_passes < 40 / 4
@@ -57,7 +59,7 @@ def test_sampling_with_a_draft_model_keeps_the_target_distribution(temp, top_p):
     draft = tiny_llama(vocab_size=8, num_layers=1, seed=9, sharp=2.0)
 
     def make_run():
-        return target, [DraftModelSource(draft, 8, temp=temp, top_p=top_p, num_draft=2, adaptive=False)]
+        return target, [DraftModelSource(draft, 8, num_draft=2, adaptive=False)]
 
     assert_sampling_keeps_the_target_distribution(target, make_run, temp, top_p)
 
@@ -118,7 +120,7 @@ def test_vocabulary_mismatch_is_refused(t5_pair, tmp_path):
 def test_a_draft_that_never_pays_is_paused_and_probed():
     """A draft whose tokens are never accepted stops costing steps: it is probed ever more rarely."""
     stats = DecodingStats()
-    source = DraftModelSource(DRAFT, VOCAB, num_draft=4, draft_token_cost=0.4)
+    source = DraftModelSource(DRAFT, VOCAB, num_draft=4, draft_cost_prior=0.3)
     reference = tokens_of([1, 2, 3], TARGET, max_tokens=120)
     assert tokens_of([1, 2, 3], TARGET, [source], max_tokens=120, stats=stats) == reference
     drafts = stats.source("draft_model").drafts
@@ -129,7 +131,7 @@ def test_a_draft_that_never_pays_is_paused_and_probed():
 @pytest.mark.slow
 def test_self_draft_pair_from_the_command_line(embedded, tmp_path):
     """The README's offline pair: the embedded model and its first layers (convert.py --num-layers)."""
-    from convert import convert
+    from conversion import convert
     from loading import embedded_gguf
 
     _, _, target = embedded

@@ -1,21 +1,17 @@
 """T5 in MLX against transformers (the oracle), plus cache and loader checks."""
 
 import json
+import re
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 
-from speculative.t5 import (
-    ModelArgs,
-    T5Decoder,
-    convert_t5,
-    is_t5_dir,
-    load_t5,
-    load_t5_model,
-    relative_position_bucket,
-)
+from t5 import ModelArgs, T5Decoder, convert_t5, is_encoder_decoder, is_t5_dir, load_t5, load_t5_model
+from t5.t5 import relative_position_bucket
+from tests.helpers import tiny_llama
 from tests.t5_fixtures import VOCAB_SIZE, make_tiny_t5_dir, train_tiny_spiece
 
 # (variant, encoder layers, decoder layers)
@@ -140,6 +136,9 @@ def test_t5_decoder_adapter(t5_dir):
     target, _, full = full_and_memory(model)
     decoder = T5Decoder(model, source[0].tolist())
     assert decoder.prompt_tokens() == [0]
+    # The one test for "a T5": the adapter already looks decoder-only, and so does an mlx-lm model.
+    assert is_encoder_decoder(model) and not is_encoder_decoder(decoder)
+    assert not is_encoder_decoder(tiny_llama(vocab_size=VOCAB_SIZE, num_layers=1))
     assert decoder.args is model.args
 
     cache = decoder.make_cache()
@@ -187,3 +186,31 @@ def test_loader_errors(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "t5"}))
     with pytest.raises(ValueError, match="no \\*.safetensors"):
         load_t5(tmp_path)
+
+
+def test_the_readme_snippet_runs(t5_dir, capsys):
+    # t5/README.md's snippet, on the tiny checkpoint instead of flan-t5-small.
+    readme = (Path(__file__).resolve().parent.parent / "t5" / "README.md").read_text()
+    code = re.findall(r"^```python\n(.*?)^```", readme, flags=re.S | re.M)[0]
+    assert '"flan-t5-small"' in code
+    namespace = {}
+    exec(code.replace('"flan-t5-small"', repr(str(t5_dir))), namespace)
+    result = namespace["result"]
+    assert result.stats.target_forward_passes > 0 and capsys.readouterr().out == result.text + "\n"
+
+
+def test_what_t5_does_not_support_is_refused_in_one_line(t5_dir):
+    # Each is decided by is_encoder_decoder, before any draft head download or server start.
+    import main
+    from cli import CliError
+    from server.__main__ import build_engine
+    from server.__main__ import build_parser as server_parser
+
+    args = main.build_parser().parse_args(["--model", str(t5_dir), "--prompt", "hi", "--draft-head"])
+    with pytest.raises(CliError, match="--draft-head needs a decoder-only model"):
+        main.build_run(args)
+    args = main.build_parser().parse_args(["--model", str(t5_dir), "--prompt", "hi"])
+    with pytest.raises(CliError, match="a T5 target cannot be sharded"):
+        main.build_run(args, session=object())  # as under mlx.launch; refused before sharding
+    with pytest.raises(CliError, match="the server serves decoder-only models"):
+        build_engine(server_parser().parse_args(["--model", str(t5_dir)]))

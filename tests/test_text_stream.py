@@ -5,7 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from decoder import TextStream, generate
-from speculative.t5 import T5Tokenizer
+from t5 import T5Tokenizer
 from tests.t5_fixtures import train_tiny_spiece
 
 

@@ -30,10 +30,10 @@ REGEXES = [
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    """SmolLM2's tokenizer as `convert.gguf_tokenizer` builds it for the embedded model (a HF fast tokenizer)."""
+    """SmolLM2's tokenizer as `conversion.gguf_tokenizer` builds it for the embedded model (a HF fast tokenizer)."""
     import mlx.core as mx
 
-    from convert import gguf_tokenizer
+    from conversion import gguf_tokenizer
     from loading import embedded_gguf
 
     _, metadata = mx.load(str(embedded_gguf()), return_metadata=True)

@@ -16,6 +16,7 @@ import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 from tqdm import tqdm
 
+from decoder import encode
 from speculative.head import logits_from_hidden
 
 
@@ -96,8 +97,7 @@ def training_data(target, tokenizer, work: Path, sources, num_instructions: int,
         source_dir.mkdir(parents=True, exist_ok=True)
         texts[source] = cached_instructions(source_dir / f"instructions-{num_instructions}.json", source, target,
                                             tokenizer, num_instructions, seed)
-        prompts = [tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
-                   for text in texts[source]]
+        prompts = [encode(tokenizer, text) for text in texts[source]]
         minutes_left = minutes - (time.perf_counter() - tic) / 60
         answered, answered_features = generate_dataset(target, prompts, source_dir, max_tokens, batch_size, eos_ids,
                                                        minutes_left)
@@ -110,7 +110,7 @@ def training_data(target, tokenizer, work: Path, sources, num_instructions: int,
 def cached_instructions(path: Path, source: str, target, tokenizer, count: int, seed: int) -> list:
     """The instructions of one source, written to ``path`` once (atomically) so a rerun answers the
     same ones and reuses the cached batches of answers."""
-    from speculative.instructions import sample_instructions, self_instructions
+    from head_training.instructions import sample_instructions, self_instructions
 
     if path.exists():
         return json.loads(path.read_text())

@@ -330,6 +330,12 @@ class T5Tokenizer:
         return self.sp.decode([i for i in ids if i not in special and i < self.vocab_size])
 
 
+def is_encoder_decoder(model) -> bool:
+    """Whether ``model`` is a T5 (as ``load_t5`` returns it): the encoder reads the prompt and the
+    decoder starts fresh, so it needs ``T5Decoder`` before a decoding loop can run it."""
+    return isinstance(model, Model)
+
+
 def is_t5_dir(path) -> bool:
     config = Path(path) / "config.json"
     return config.is_file() and json.loads(config.read_text()).get("model_type") == "t5"

@@ -1,11 +1,11 @@
 """Train a draft head for a target by self-distillation, on a CPU in about an hour.
 
-    python -m speculative.train_head --out speculative/heads/smollm2-135m
+    python -m head_training.train --out speculative/heads/smollm2-135m
 
 Stages (instructions and batches of answers are cached in --work-dir, so a rerun resumes;
-stages 1-2 are in head_data.py):
+stages 1-2 are in data.py):
 1. instructions: written by the target itself from its chat template, and from templates
-   (speculative/instructions.py);
+   (instructions.py);
 2. generate: the target answers them greedily, in batches of equal-length prompts; the same
    forward passes collect its final hidden states (a second pass would double the cost);
 3. train: feature regression (smooth L1) + cross-entropy on the target's next token within a
@@ -15,7 +15,7 @@ stages 1-2 are in head_data.py):
 
 Heads that fused several target layers (EAGLE-3's low/middle/top) or stacked two decoder layers
 trained worse here (speculative/README.md) and were dropped; published EAGLE-3 heads still load
-(speculative/eagle.py).
+(speculative/head_loading.py).
 """
 
 import json
@@ -35,8 +35,9 @@ import numpy as np
 from tqdm import tqdm
 
 from cli import CliError, Parser, check_finite
-from speculative.head import DraftHead, HeadMismatch, head_args, load_head, output_weight, save_head
-from speculative.head_data import sub_vocabulary, training_data
+from head_training.data import sub_vocabulary, training_data
+from speculative.head import SHIPPED_HEAD, DraftHead, HeadMismatch, head_args, output_rows, output_weight, save_head
+from speculative.head_loading import load_head
 
 
 def make_batches(sequences: list, batch_tokens: int, rng) -> list:
@@ -150,7 +151,8 @@ def train(target, sequences, features, offsets, vocab_ids, *, steps_limit=None, 
     whichever is further along) trains draft depth 1 only, then ``unroll`` steps."""
     mx.random.seed(seed)
     rng = np.random.default_rng(seed)
-    head = init if init is not None else DraftHead(head_args(target.args))
+    # A fresh head gets the target's rows for its sub-vocabulary, so the trained head drafts as it is.
+    head = init if init is not None else DraftHead(head_args(target.args), output_rows(target, mx.array(vocab_ids)))
     embed = target.model.embed_tokens
     out_rows = mx.take(output_weight(target), mx.array(vocab_ids), axis=0).astype(mx.float32)
     sub_index = np.full(target.args.vocab_size, -1, np.int32)
@@ -247,7 +249,7 @@ def main():
     parser.add_argument("--seed", type=int, default=0, help="Seed for the instructions and training (default: 0).")
     args = parser.parse_args()
     if args.out is None:  # never the shipped head's directory for another model
-        args.out = str(Path(__file__).parent / "heads" / model_name(args.model))
+        args.out = str(SHIPPED_HEAD.parent / model_name(args.model))
     try:
         check_arguments(args)
         run(args)

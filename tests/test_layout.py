@@ -1,0 +1,120 @@
+"""The layout, read from the source with ``ast`` (nothing is imported): no import cycle among the
+project's own modules, and the library -- what a user copies -- never imports the application.
+
+Imports inside functions count too: a lazy import hides a cycle from Python, not from a reader.
+"""
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+# What a user copies into their project (README: "Use it from Python").
+LIBRARY = ["decoder.py", "cost.py", "prompt_lookup", "constrained", "speculative", "t5"]
+# main.py's side: entry points, loaders, the server, the benchmarks, the trainer.
+APPLICATION = {"main", "cli", "loading", "fast_blas", "model_cache", "convert", "conversion", "server", "benchmarks",
+               "distributed", "head_training", "demo"}
+
+
+def project_modules(root: Path) -> dict:
+    """Dotted module name -> file, for the ``.py`` files under ``root`` (hidden folders skipped)."""
+    modules = {}
+    for top in root.iterdir():
+        if top.name.startswith("."):
+            continue
+        for path in [top] if top.suffix == ".py" else sorted(top.rglob("*.py")) if top.is_dir() else []:
+            parts = path.relative_to(root).with_suffix("").parts
+            modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return modules
+
+
+def imports_of(name: str, path: Path, modules: dict) -> set:
+    """The project modules that module ``name`` imports: ``from a import b`` is ``a.b`` where that
+    is a module, else ``a``; ``import a.b.c`` is its longest prefix that is a module."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            candidates = [[alias.name] for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: resolved against this module's package
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1] if package else []
+                base = ".".join(anchor + ([node.module] if node.module else []))
+            candidates = [[f"{base}.{alias.name}", base] for alias in node.names]
+        else:
+            continue
+        for names in candidates:
+            for dotted in names:
+                parts = dotted.split(".")
+                prefixes = (".".join(parts[:i]) for i in range(len(parts), 0, -1))
+                module = next((prefix for prefix in prefixes if prefix in modules), None)
+                if module is not None:
+                    found.add(module)
+                    break
+    found.discard(name)
+    return found
+
+
+def import_graph(root: Path) -> dict:
+    modules = project_modules(root)
+    return {name: imports_of(name, path, modules) for name, path in modules.items()}
+
+
+def cycles(graph: dict) -> list:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(node):
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for other in graph.get(node, ()):
+            if other not in index:
+                visit(other)
+                low[node] = min(low[node], low[other])
+            elif other in on_stack:
+                low[node] = min(low[node], index[other])
+        if low[node] == index[node]:
+            component = []
+            while not component or component[-1] != node:
+                component.append(stack.pop())
+                on_stack.discard(component[-1])
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def in_library(name: str) -> bool:
+    top = name.split(".")[0]
+    return any(top == entry.removesuffix(".py") for entry in LIBRARY)
+
+
+def test_no_import_cycle():
+    assert cycles(import_graph(ROOT)) == []
+
+
+def test_the_library_never_imports_the_application():
+    graph = import_graph(ROOT)
+    library = [name for name in graph if in_library(name)]
+    assert {"decoder", "speculative.head", "t5.t5"} <= set(library)  # the walk found the files
+    offending = {name: sorted(other for other in graph[name] if other.split(".")[0] in APPLICATION)
+                 for name in library}
+    assert not {name: others for name, others in offending.items() if others}
+
+
+def test_the_checks_can_fail(tmp_path):
+    # A planted cycle through a relative import and a package's submodule, and a library module
+    # that imports the application: both are found.
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "pkg" / "x.py").write_text("def f():\n    from .y import g\n")
+    (tmp_path / "pkg" / "y.py").write_text("from pkg import x\n")
+    (tmp_path / "decoder.py").write_text("import loading.sub\n")
+    (tmp_path / "loading.py").write_text("import os\n")
+    graph = import_graph(tmp_path)
+    assert cycles(graph) == [["pkg.x", "pkg.y"]]
+    assert graph["decoder"] == {"loading"}
