@@ -26,35 +26,15 @@ import mlx.core as mx
 
 from batch_cache import prefill_rows, trim_rows
 from batch_draft import BatchDraftModel, DraftModelRow
-from batch_policy import Acceptance, BatchPassCost, choose_width
+from batch_policy import Acceptance, choose_width
 from cost import PassCost
-from decoder import (TARGET, ConstraintError, DecodingStats, Draft, accept_draft, accept_sampled, encode,
-                     eos_ids_of)
+from decoder import (TARGET, ConstraintError, DecodingStats, Draft, accept_draft, accept_sampled, choose_draft,
+                     constrain_draft, encode, eos_ids_of)
 from speculative.head_source import DraftHeadSource
 
 # Rows whose ends drift further apart than this are rolled back into line (one copy of the cache),
 # so that no row attends over many slots that hold nothing of its own.
 MAX_RAGGEDNESS = 64
-
-try:  # TEMPORARY until decoder.py's shared step functions land on main
-    from decoder import choose_draft, constrain_draft
-except ImportError:
-    from decoder import _propose, _truncate
-
-    def choose_draft(draft_sources, tokens, max_draft, cost=None):
-        return _propose(draft_sources, tokens, max_draft)
-
-    def constrain_draft(constraint, draft):
-        states = constraint.walk(draft.tokens)
-        return _truncate(draft, len(states) - 1), constraint.masks(states)
-
-
-def _reset_source(source, cost, temp, top_p):  # TEMPORARY: old sources take no arguments
-    try:
-        source.reset(cost, temp, top_p)
-    except TypeError:
-        source.reset()
-
 
 def _cut(draft: Draft, length: int) -> Draft:
     if len(draft.tokens) <= length:
@@ -130,7 +110,7 @@ class BatchGenerator:
         prefill_batch_size: at most this many waiting prompts join the batch per ``next()``.
         max_width: the widest pass (1 + draft tokens); None leaves it to the policy.
         pass_cost: the verification-cost model; the engine times every ``[B, W]`` pass into it
-            (default: a fresh ``BatchPassCost``).
+            and the rows' sources read it (keep one across batches to keep what it measured).
     """
 
     def __init__(self, model, *, eos_token_ids: Sequence[int] = (), prefill_step_size: int = 512,
@@ -140,7 +120,7 @@ class BatchGenerator:
         self.eos_token_ids = set(eos_token_ids)
         self.prefill_step_size, self.prefill_batch_size = prefill_step_size, prefill_batch_size
         self.max_width = max_width
-        self.cost = pass_cost if pass_cost is not None else BatchPassCost()
+        self.cost = pass_cost if pass_cost is not None else PassCost()
         self.stats = BatchStats()
         self.rows: List[_Row] = []  # in cache order
         self.waiting: List[_Row] = []
@@ -214,7 +194,7 @@ class BatchGenerator:
             try:
                 sampled = row.sampler is None
                 for source in row.sources:
-                    _reset_source(source, self.cost, row.temp if sampled else 0.0, row.top_p if sampled else 1.0)
+                    source.reset(self.cost, row.temp if sampled else 0.0, row.top_p if sampled else 1.0)
                 if row.constraint is not None:
                     row.constraint.reset()
                 row.stats.pass_cost = self.cost
@@ -249,7 +229,7 @@ class BatchGenerator:
                     requests.setdefault(id(source.drafter), (source.drafter, []))[1].append((source, row.tokens, budget))
         for drafter, rows in requests.values():
             try:
-                drafter.draft_all(rows)
+                drafter.draft_all(rows, self.cost, len(self.rows))
             except Exception as error:  # noqa: BLE001 - the model's rows fail, the others go on
                 failing = {id(handle) for handle, _, _ in rows}
                 indices = [i for i, row in enumerate(self.rows) if any(id(s) in failing for s in row.sources)]
@@ -259,8 +239,9 @@ class BatchGenerator:
     def _plan(self, row: _Row):
         """This step's draft for ``row``: (draft, drafter, masks or None, offered tokens)."""
         max_draft = row.max_tokens - row.num_generated - 1  # the target adds one token after the draft
-        # The first step's drafting includes the sources' own prefill, so it is not timed.
-        draft, drafter = choose_draft(row.sources, row.tokens, max_draft, self.cost if row.num_generated else None)
+        # Drafting is not timed here: a batched draft model drafted for all its rows already
+        # (``_draft_with_models`` times that), and a lookup's propose is not a model call.
+        draft, drafter = choose_draft(row.sources, row.tokens, max_draft)
         masks = None
         if row.constraint is not None:
             draft, masks = constrain_draft(row.constraint, draft)

@@ -12,18 +12,6 @@ from typing import Optional, Sequence
 from cost import PassCost
 
 
-class BatchPassCost(PassCost):
-    """``PassCost`` with its prior pinned at width 2 rather than 9.
-
-    In a batch the policy mostly runs narrow passes (W = 1 to 3), and a prior point at width 9
-    has so much leverage on the fitted line that it outweighs every measured narrow pass: timings
-    of 1.0, 1.6 and 2.2 s at W = 1, 2, 3 were fitted as 0.07 per token. Pinned next to the
-    measured widths, the prior only fills in until they are timed.
-    """
-
-    PRIOR_WIDTH = 2
-
-
 class Acceptance:
     """A row's running estimate, per source, of the chance a drafted token is accepted once the one
     before it was (as ``PromptLookupSource`` keeps per kind of match).

@@ -26,7 +26,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from batch import BatchGenerator
-from batch_policy import BatchPassCost
+from cost import PassCost
 from benchmarks.harness import PROMPTS, chat_tokens
 from constrained import ForcedTextSource, RegexConstraint, schema_to_regex
 from constrained.token_index import load_or_build_index
@@ -119,7 +119,7 @@ def simulated(model, eos, prompts, max_tokens, options):
     """Tokens per simulated second and passes per token of the same policy on the cheap curve."""
     clocked = SimulatedClock(model)
     generator = BatchGenerator(clocked, eos_token_ids=eos, prefill_batch_size=len(prompts),
-                               pass_cost=BatchPassCost(clock=clocked.time))
+                               pass_cost=PassCost(clock=clocked.time))
     generator.insert(prompts, max_tokens=max_tokens, **options())
     while generator.next():
         pass
@@ -193,7 +193,7 @@ def main():
     costs = {}  # one cost model per method, kept across batch sizes
     warm = pick(work[args.workloads[0]][0], 2)
     run_mlx_lm(model, eos, warm, 8, None)
-    run_ours(model, eos, warm, 8, lambda: {}, BatchPassCost())
+    run_ours(model, eos, warm, 8, lambda: {}, PassCost())
 
     lines = ["| workload | rows | method | tok/s | vs first | decode tok/s | vs first | passes/token "
              "| p50 ms/token | p95 ms/token | peak GB | widths (passes) |",
@@ -208,7 +208,7 @@ def main():
                 if factory is None:
                     results[name] = run_mlx_lm(model, eos, batch_prompts, args.max_tokens, None)
                 else:
-                    cost = costs.setdefault((workload, name), BatchPassCost())
+                    cost = costs.setdefault((workload, name), PassCost())
                     results[name] = run_ours(model, eos, batch_prompts, args.max_tokens, factory(rows), cost)
             first = first_decode = None
             for name, run in results.items():

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 import batch
 from batch import BatchGenerator, batch_generate
-from batch_policy import BatchPassCost, choose_width
+from batch_policy import choose_width
 from batch_draft import BatchDraftModel
 from constrained import ForcedTextSource, RegexConstraint
 from cost import PassCost
@@ -358,7 +358,7 @@ def test_the_policy_drafts_wider_where_verifying_is_cheap_with_identical_output(
     results = {}
     for name, per_token in (("cheap", 0.001), ("dear", 2.0)):
         model = ClockedModel(MODEL, 1.0, per_token)
-        generator = BatchGenerator(model, pass_cost=BatchPassCost(clock=model.clock))
+        generator = BatchGenerator(model, pass_cost=PassCost(clock=model.clock))
         generator.insert(prompts, max_tokens=40, draft_sources=[[PromptLookupSource()] for _ in prompts])
         out = {}
         while responses := generator.next():
