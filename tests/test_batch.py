@@ -371,3 +371,19 @@ def test_the_policy_drafts_wider_where_verifying_is_cheap_with_identical_output(
     assert results["cheap"][0] > results["dear"][0] + 1, results
     assert results["cheap"][1] < results["dear"][1], results
     assert results["dear"][2][1] > results["dear"][2].total() / 2, results  # mostly no drafts where dear
+
+
+def test_embedded_model_rows_match_their_single_sequence_output(embedded, chat_prompt):
+    """The real model in float32: a batched matmul may sum in another order than a single row's,
+    so a flipped token must be a near-tie (assert_same_or_near_tie)."""
+    model, tokenizer, _ = embedded
+    texts = ["What is the capital of France?", "Repeat after me: the quick brown fox jumps over the lazy dog.",
+             "Write a haiku about rain.", "List three prime numbers."]
+    prompts = [chat_prompt(text) for text in texts]
+    eos = sorted(tokenizer.eos_token_ids)
+    specs = [dict(prompt=p, max_tokens=16, join=i // 2, draft_sources=[PromptLookupSource()])
+             for i, p in enumerate(prompts)]
+    got, _, errors, _ = run(BatchGenerator(model, eos_token_ids=eos), specs)
+    for prompt, tokens in zip(prompts, got):
+        assert_same_or_near_tie(model, prompt, tokens, alone(model, prompt, 16, eos=eos))
+    assert errors == [None] * 4
