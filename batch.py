@@ -1,0 +1,445 @@
+"""Many sequences at once: decoder.py's draft-and-verify step for a batch, rows joining and leaving.
+
+Each row has its own prompt, draft sources, constraint, sampling settings, ``max_tokens`` and stop
+tokens. A step asks every row's sources for a draft (``decoder.choose_draft``) and cuts it to what
+the row's constraint allows (``decoder.constrain_draft``), chooses one width ``W`` for the batch
+(``choose_width``), scores ``[B, W]`` tokens in one forward pass and accepts each row's prefix by
+``decoder.accept_draft``'s rules. Each row then drops its own rejected tokens from the one batch
+cache (``batch_cache.RaggedKVCache``: every row keeps its own end, no copy).
+
+    gen = BatchGenerator(model, eos_token_ids=eos_ids_of(tokenizer))
+    uids = gen.insert(prompts, draft_sources=[[PromptLookupSource()] for _ in prompts])
+    while responses := gen.next():
+        for response in responses:  # uid, the tokens this step emitted, their sources, finish_reason
+            ...
+
+Nothing here holds a thread or a lock: a server calls ``insert``, ``next`` and ``remove`` from the
+one thread that owns the model.
+"""
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Callable, List, Optional, Sequence
+
+import mlx.core as mx
+
+from batch_cache import prefill_rows, trim_rows
+from batch_draft import BatchDraftModel, DraftModelRow
+from batch_policy import Acceptance, choose_width
+from cost import PassCost
+from decoder import (TARGET, ConstraintError, DecodingStats, Draft, accept_draft, accept_sampled, choose_draft,
+                     constrain_draft, encode, eos_ids_of)
+from speculative.head_source import DraftHeadSource
+
+# Rows whose ends drift further apart than this are rolled back into line (one copy of the cache),
+# so that no row attends over many slots that hold nothing of its own.
+MAX_RAGGEDNESS = 64
+
+def _cut(draft: Draft, length: int) -> Draft:
+    if len(draft.tokens) <= length:
+        return draft
+    probs = None if draft.probs is None else draft.probs[:length]
+    return Draft(draft.tokens[:length], probs, draft.expected_speedup)
+
+
+@dataclass
+class RowResponse:
+    uid: int
+    tokens: list  # emitted this step (several when a draft was accepted)
+    sources: list  # the source of each token: a draft source's name or TARGET
+    finish_reason: Optional[str] = None  # "stop", "length" or "error"; None while the row runs
+    error: Optional[str] = None  # one line, when finish_reason is "error"
+    stats: Optional[DecodingStats] = None  # the row's own counts, on its last response
+
+
+@dataclass
+class BatchStats:
+    passes: int = 0  # [B, W] verification passes
+    widths: Counter = field(default_factory=Counter)  # W -> passes of that width (what the policy chose)
+    row_passes: int = 0  # sum over passes of the rows in them
+    prompt_tokens: int = 0
+    prompt_time: float = 0.0
+    generation_tokens: int = 0
+    decode_time: float = 0.0
+
+    def summary(self, cost: Optional[PassCost] = None) -> dict:
+        return {
+            "passes": self.passes,
+            "width_histogram": dict(sorted(self.widths.items())),
+            "passes_per_token": self.row_passes / max(self.generation_tokens, 1),
+            "prompt_tokens": self.prompt_tokens,
+            "generation_tokens": self.generation_tokens,
+            "prompt_tps": self.prompt_tokens / max(self.prompt_time, 1e-9),
+            "generation_tps": self.generation_tokens / max(self.decode_time, 1e-9),
+            "verification_cost": cost.summary() if cost is not None else None,
+        }
+
+
+@dataclass
+class _Row:
+    uid: int
+    tokens: list
+    sources: list
+    constraint: object
+    temp: float
+    top_p: float
+    sampler: Optional[Callable]
+    max_tokens: int
+    eos_token_ids: set
+    num_generated: int = 0
+    acceptance: Acceptance = field(default_factory=Acceptance)
+    stats: DecodingStats = field(default_factory=DecodingStats)
+
+
+def _per_row(name: str, value, count: int) -> list:
+    if isinstance(value, (list, tuple)):
+        if len(value) != count:
+            raise ValueError(f"{name} has {len(value)} entries for {count} prompts: give one value or one per prompt")
+        return list(value)
+    return [value] * count
+
+
+class BatchGenerator:
+    """Continuous batching with every draft source and constraint, one row per sequence.
+
+    Args:
+        model: an mlx-lm model whose layers take a per-layer cache (Llama-style attention).
+        eos_token_ids: a row stops after emitting one of these (``insert`` can override per call).
+        prefill_step_size: new prompts are prefilled together in chunks of this many positions.
+        prefill_batch_size: at most this many waiting prompts join the batch per ``next()``.
+        max_width: the widest pass (1 + draft tokens); None leaves it to the policy.
+        pass_cost: the verification-cost model; the engine times every ``[B, W]`` pass into it
+            and the rows' sources read it (keep one across batches to keep what it measured).
+    """
+
+    def __init__(self, model, *, eos_token_ids: Sequence[int] = (), prefill_step_size: int = 512,
+                 prefill_batch_size: int = 8, max_width: Optional[int] = None,
+                 pass_cost: Optional[PassCost] = None):
+        self.model = model
+        self.eos_token_ids = set(eos_token_ids)
+        self.prefill_step_size, self.prefill_batch_size = prefill_step_size, prefill_batch_size
+        self.max_width = max_width
+        self.cost = pass_cost if pass_cost is not None else PassCost()
+        self.stats = BatchStats()
+        self.rows: List[_Row] = []  # in cache order
+        self.waiting: List[_Row] = []
+        self.cache = None
+        self._next_uid = 0
+
+    def insert(self, prompts: Sequence[Sequence[int]], *, draft_sources=None, constraint=None,
+               temp=0.0, top_p=1.0, sampler=None, max_tokens=256, eos_token_ids=None) -> List[int]:
+        """Queue prompts (token id lists); returns their uids. Each option is one value for every
+        prompt or a list with one per prompt; ``draft_sources`` is a list of fresh sources per prompt
+        and ``constraint`` one object per prompt: rows never share a stateful object."""
+        count = len(prompts)
+        draft_sources = [[] for _ in prompts] if draft_sources is None else _per_row("draft_sources", draft_sources, count)
+        constraints = _per_row("constraint", constraint, count) if count > 1 or constraint is None or \
+            isinstance(constraint, (list, tuple)) else [constraint]
+        options = [_per_row(name, value, count) for name, value in
+                   (("temp", temp), ("top_p", top_p), ("sampler", sampler), ("max_tokens", max_tokens))]
+        eos = self.eos_token_ids if eos_token_ids is None else set(eos_token_ids)
+        owned = [id(o) for row in self.rows + self.waiting for o in row.sources + [row.constraint] if o is not None]
+        rows = []
+        for prompt, sources, row_constraint, row_temp, row_top_p, row_sampler, row_max in zip(
+                prompts, draft_sources, constraints, *options):
+            if len(prompt) == 0:
+                raise ValueError("a prompt is empty: give at least one token")
+            if row_max < 1:
+                raise ValueError(f"max_tokens must be at least 1, got {row_max}")
+            if row_temp < 0 or not 0 < row_top_p <= 1:
+                raise ValueError(f"need temp >= 0 and 0 < top_p <= 1, got {row_temp} and {row_top_p}")
+            for source in sources:
+                if isinstance(source, DraftHeadSource):
+                    raise ValueError("the draft head cannot draft for a batch (it reads one sequence's hidden "
+                                     "states); use prompt lookup or BatchDraftModel, or decode it alone")
+            for stateful in list(sources) + [row_constraint]:
+                if stateful is not None and id(stateful) in owned:
+                    raise ValueError(f"{type(stateful).__name__} object is given to two rows: each row needs its own")
+                owned.append(id(stateful))
+            rows.append(_Row(self._next_uid, list(prompt), list(sources), row_constraint, row_temp, row_top_p,
+                             row_sampler, row_max, eos))
+            self._next_uid += 1
+        self.waiting += rows
+        return [row.uid for row in rows]
+
+    def remove(self, uids: Sequence[int]):
+        """Drop rows (running or waiting); the others go on untouched."""
+        uids = set(uids)
+        self.waiting = [row for row in self.waiting if row.uid not in uids]
+        self._drop([i for i, row in enumerate(self.rows) if row.uid in uids])
+
+    def _drop(self, indices: Sequence[int]):
+        if not indices:
+            return
+        for index in indices:
+            for source in self.rows[index].sources:
+                if isinstance(source, DraftModelRow):
+                    source.drafter.remove(source)
+        keep = [i for i in range(len(self.rows)) if i not in set(indices)]
+        self.rows = [self.rows[i] for i in keep]
+        if not keep:
+            self.cache = None
+        else:
+            for layer in self.cache:
+                layer.filter(keep)
+
+    def __len__(self) -> int:
+        return len(self.rows) + len(self.waiting)
+
+    def _admit(self, responses: list):
+        """Prefill up to ``prefill_batch_size`` waiting prompts as one left-padded batch and merge them in."""
+        joining = []
+        for row in self.waiting[: self.prefill_batch_size]:
+            try:
+                sampled = row.sampler is None
+                for source in row.sources:
+                    source.reset(self.cost, row.temp if sampled else 0.0, row.top_p if sampled else 1.0)
+                if row.constraint is not None:
+                    row.constraint.reset()
+                row.stats.pass_cost = self.cost
+                joining.append(row)
+            except Exception as error:  # noqa: BLE001 - a row's own objects failed; the batch goes on
+                responses.append(self._failed(row, error))
+        del self.waiting[: self.prefill_batch_size]
+        if not joining:
+            return
+        tic = time.perf_counter()
+        cache = prefill_rows(self.model, [row.tokens[:-1] for row in joining], self.prefill_step_size)
+        if self.cache is None:
+            self.cache = cache
+        else:
+            for layer, new_layer in zip(self.cache, cache):
+                layer.extend(new_layer)
+        self.rows += joining
+        self.stats.prompt_time += time.perf_counter() - tic
+        self.stats.prompt_tokens += sum(len(row.tokens) for row in joining)
+
+    def _failed(self, row: _Row, error: Exception) -> RowResponse:
+        message = " ".join(str(error).split()) or type(error).__name__
+        return RowResponse(row.uid, [], [], "error", f"{type(error).__name__}: {message}", row.stats)
+
+    def _draft_with_models(self, responses: list):
+        """Each batched draft model drafts for all its rows at once, before the rows choose."""
+        requests = {}
+        for row in self.rows:
+            for source in row.sources:
+                if isinstance(source, DraftModelRow):
+                    budget = row.max_tokens - row.num_generated - 1
+                    requests.setdefault(id(source.drafter), (source.drafter, []))[1].append((source, row.tokens, budget))
+        for drafter, rows in requests.values():
+            try:
+                drafter.draft_all(rows, self.cost, len(self.rows))
+            except Exception as error:  # noqa: BLE001 - the model's rows fail, the others go on
+                failing = {id(handle) for handle, _, _ in rows}
+                indices = [i for i, row in enumerate(self.rows) if any(id(s) in failing for s in row.sources)]
+                responses += [self._failed(self.rows[i], error) for i in indices]
+                self._drop(indices)
+
+    def _plan(self, row: _Row):
+        """This step's draft for ``row``: (draft, drafter, masks or None, offered tokens)."""
+        max_draft = row.max_tokens - row.num_generated - 1  # the target adds one token after the draft
+        # Drafting is not timed here: a batched draft model drafted for all its rows already
+        # (``_draft_with_models`` times that), and a lookup's propose is not a model call.
+        draft, drafter = choose_draft(row.sources, row.tokens, max_draft)
+        masks = None
+        if row.constraint is not None:
+            draft, masks = constrain_draft(row.constraint, draft)
+            if not draft.tokens:
+                drafter = None
+        return draft, drafter, masks, list(draft.tokens)
+
+    def next(self) -> List[RowResponse]:
+        """One step: admit waiting prompts, then one ``[B, W]`` pass for every running row. Returns a
+        response for each row that emitted tokens or finished; an empty list once nothing is left."""
+        responses = []
+        self._admit(responses)
+        if not self.rows:
+            return responses
+        tic = time.perf_counter()
+        self._draft_with_models(responses)
+        plans, failed = [], []
+        for index, row in enumerate(self.rows):
+            try:
+                plans.append(self._plan(row))
+            except Exception as error:  # noqa: BLE001
+                responses.append(self._failed(row, error))
+                failed.append(index)
+        self._drop(failed)
+        if not self.rows:
+            return responses
+        width = choose_width([len(plan[0].tokens) for plan in plans],
+                             [row.acceptance.rate(plan[1].name) if plan[1] else 0.0
+                              for row, plan in zip(self.rows, plans)], self.cost, self.max_width)
+        emitted = self._verify(width, plans, responses)
+        self.stats.decode_time += time.perf_counter() - tic
+        self.stats.generation_tokens += emitted
+        return responses
+
+    def _verify(self, width: int, plans: list, responses: list) -> int:
+        rows, vocab = self.rows, None
+        drafts = [_cut(draft, width - 1) for draft, _, _, _ in plans]
+        inputs = mx.array([[row.tokens[-1]] + d.tokens + [0] * (width - 1 - len(d.tokens))
+                           for row, d in zip(rows, drafts)])
+        clock = self.cost.clock
+        started = clock()
+        logits = self.model(inputs, cache=self.cache)
+        vocab = logits.shape[-1]
+        constrained = [masks is not None for _, _, masks, _ in plans]
+        allowed = None
+        if any(constrained):
+            allowed = mx.stack([mx.ones((width, vocab), mx.bool_) if masks is None else _pad_rows(masks, width)
+                                for _, _, masks, _ in plans])
+            # A NaN score is no score: it must not win an argmax or poison a softmax.
+            keep = (allowed & ~mx.isnan(logits)) | ~mx.array(constrained)[:, None, None]
+            logits = mx.where(keep, logits, -mx.inf)
+        # The step's one host sync: the greedy rows' decisions (and whether the constraints allow
+        # them), and every row's logits with them.
+        argmax = mx.argmax(logits, axis=-1)
+        argmax_allowed = None if allowed is None else mx.take_along_axis(allowed, argmax[..., None], -1)[..., 0]
+        mx.eval(argmax, argmax_allowed)
+        targets = argmax.tolist()
+        self.cost.record(clock() - started, width=width, rows=len(rows))
+        self.stats.passes += 1
+        self.stats.widths[width] += 1
+        self.stats.row_passes += len(rows)
+
+        results = []  # per row: (num_accepted, next_token) or an exception
+        for index, (row, draft) in enumerate(zip(rows, drafts)):
+            try:
+                results.append(self._accept(row, draft, logits[index, : len(draft.tokens) + 1], targets[index]))
+            except Exception as error:  # noqa: BLE001
+                results.append(error)
+        if allowed is not None:
+            self._check_allowed(results, constrained, targets, argmax_allowed.tolist(), allowed)
+        trim_rows(self.cache, [width - 1 - r[0] if not isinstance(r, Exception) else 0 for r in results])
+
+        finished, emitted_total = [], 0
+        for index, (row, draft, plan, result) in enumerate(zip(rows, drafts, plans, results)):
+            try:
+                if isinstance(result, Exception):
+                    raise result
+                response = self._emit(row, draft, plan, *result)
+                emitted_total += len(response.tokens)
+            except Exception as error:  # noqa: BLE001
+                response = self._failed(row, error)
+            responses.append(response)
+            if response.finish_reason is not None:
+                finished.append(index)
+        self._drop(finished)
+        if self.rows and max(self.cache[0].ends) - min(self.cache[0].ends) > MAX_RAGGEDNESS:
+            for layer in self.cache:
+                layer.realign()
+        return emitted_total
+
+    def _check_allowed(self, results: list, constrained: list, targets: list, argmax_allowed: list, allowed):
+        """The target's own token is forbidden only when no allowed token had a usable score (the
+        argmax or sample of an all -inf row): that row fails with a ConstraintError."""
+        verdicts, sampled = {}, []
+        for index, result in enumerate(results):
+            if constrained[index] and not isinstance(result, Exception):
+                num_accepted, token = result
+                if token == targets[index][num_accepted]:
+                    verdicts[index] = argmax_allowed[index][num_accepted]
+                else:
+                    sampled.append(index)
+        if sampled:  # a sampled token other than the argmax: ask its mask
+            found = allowed[mx.array(sampled), mx.array([results[i][0] for i in sampled]),
+                            mx.array([results[i][1] for i in sampled])].tolist()
+            verdicts.update(zip(sampled, found))
+        for index, fine in verdicts.items():
+            if not fine:
+                results[index] = ConstraintError(
+                    f"the model gave no allowed token a usable score (NaN or -inf) "
+                    f"at generated token {self.rows[index].num_generated + results[index][0] + 1}")
+
+    def _accept(self, row: _Row, draft: Draft, logits: mx.array, targets: list) -> tuple:
+        if row.sampler is not None:
+            return accept_sampled(logits, draft, row.sampler)
+        if row.temp == 0:  # accept_draft's greedy rule, on the argmax already on the host
+            num_accepted = 0
+            while num_accepted < len(draft.tokens) and draft.tokens[num_accepted] == targets[num_accepted]:
+                num_accepted += 1
+            return num_accepted, targets[num_accepted]
+        return accept_draft(logits, draft, row.temp, row.top_p)
+
+    def _emit(self, row: _Row, draft: Draft, plan: tuple, num_accepted: int, next_token: int) -> RowResponse:
+        _, offerer, _, offered = plan  # the source that offered a draft, and all it offered
+        drafter = offerer if draft.tokens else None  # the policy may have cut the draft to nothing
+        row.stats.target_forward_passes += 1
+        emitted = draft.tokens[:num_accepted] + [next_token]
+        # Emit up to EOS or max_tokens; accepted draft tokens past that are neither emitted nor counted.
+        stop = next((i + 1 for i, token in enumerate(emitted) if token in row.eos_token_ids), len(emitted))
+        emitted = emitted[: min(stop, row.max_tokens - row.num_generated)]
+        num_accepted = min(num_accepted, len(emitted))
+        num_proposed = len(draft.tokens)
+        if drafter is not None:
+            row.stats.source(drafter.name).record(num_proposed, num_accepted)
+        if offerer is not None:
+            row.acceptance.record(offerer.name, offered, emitted)
+        sources = [drafter.name if i < num_accepted else TARGET for i in range(len(emitted))]
+        row.tokens += emitted
+        row.num_generated += len(emitted)
+        if emitted[-1] in row.eos_token_ids:
+            return RowResponse(row.uid, emitted, sources, "stop", stats=row.stats)
+        if row.num_generated >= row.max_tokens:
+            return RowResponse(row.uid, emitted, sources, "length", stats=row.stats)
+        if row.constraint is not None:
+            row.constraint.advance(emitted)
+        for source in row.sources:
+            proposed = num_proposed if source is drafter else 0
+            source.update(row.tokens, proposed, num_accepted if proposed else 0)
+        return RowResponse(row.uid, emitted, sources)
+
+
+def _pad_rows(masks: mx.array, width: int) -> mx.array:
+    """Masks for the first len(masks) positions; the padded positions' scores are never read."""
+    if masks.shape[0] >= width:
+        return masks[:width]
+    return mx.concatenate([masks, mx.ones((width - masks.shape[0], masks.shape[1]), mx.bool_)])
+
+
+@dataclass
+class BatchResult:
+    texts: list
+    tokens: list  # per prompt
+    sources: list  # per prompt, the source of each token
+    finish_reasons: list
+    errors: list  # per prompt: None, or the one line that ended it
+    row_stats: list  # per prompt: DecodingStats
+    stats: BatchStats
+    pass_cost: PassCost
+    peak_memory_gb: float
+
+    def to_json(self) -> dict:
+        return {"texts": self.texts, "finish_reasons": self.finish_reasons, "errors": self.errors,
+                **self.stats.summary(self.pass_cost), "peak_memory_gb": self.peak_memory_gb}
+
+
+def batch_generate(model, tokenizer, prompts: Sequence, *, pass_cost: Optional[PassCost] = None,
+                   prefill_step_size: int = 512, prefill_batch_size: int = 8, max_width: Optional[int] = None,
+                   **options) -> BatchResult:
+    """Generate for every prompt (a str, chat template applied, or token ids) in one batch.
+
+    ``options`` are ``BatchGenerator.insert``'s, one value or one per prompt; EOS is the
+    tokenizer's unless ``eos_token_ids`` says otherwise.
+    """
+    options.setdefault("eos_token_ids", eos_ids_of(tokenizer))
+    generator = BatchGenerator(model, prefill_step_size=prefill_step_size, prefill_batch_size=prefill_batch_size,
+                               max_width=max_width, pass_cost=pass_cost)
+    mx.reset_peak_memory()
+    uids = generator.insert([encode(tokenizer, prompt) for prompt in prompts], **options)
+    tokens, sources = {uid: [] for uid in uids}, {uid: [] for uid in uids}
+    finish, errors, stats = {}, {}, {}
+    while responses := generator.next():
+        for response in responses:
+            tokens[response.uid] += response.tokens
+            sources[response.uid] += response.sources
+            if response.finish_reason is not None:
+                finish[response.uid], errors[response.uid] = response.finish_reason, response.error
+                stats[response.uid] = response.stats
+    eos = set(options["eos_token_ids"])
+    texts = [tokenizer.decode([t for t in tokens[uid] if t not in eos]) for uid in uids]
+    return BatchResult(texts, [tokens[u] for u in uids], [sources[u] for u in uids], [finish[u] for u in uids],
+                       [errors[u] for u in uids], [stats[u] for u in uids], generator.stats, generator.cost,
+                       mx.get_peak_memory() / 1e9)

@@ -1,0 +1,61 @@
+"""The batch's width policy: how many draft tokens each row verifies in this step's pass.
+
+A ``[B, W]`` pass verifies up to ``W - 1`` draft tokens of every row. Its cost grows with both B
+and W, and how fast depends on the machine: on a 2-core CPU at 8 rows a draft token costs about as
+much as another row, on a GPU nearly nothing. So the engine times its own passes into a
+``PassCost`` and ``choose_width`` weighs each width's expected tokens against that measured cost,
+with each row's expected acceptance from ``Acceptance``.
+"""
+
+from typing import Optional, Sequence
+
+from cost import PassCost
+
+
+class Acceptance:
+    """A row's running estimate, per source, of the chance a drafted token is accepted once the one
+    before it was (as ``PromptLookupSource`` keeps per kind of match).
+
+    Every offered draft is scored against what the step emitted, verified or not: greedy, a draft
+    would have been accepted exactly as far as it agrees; a point-mass draft token x is accepted
+    with p(x), the chance that the emitted token is x. So rows whose drafts the policy skips still
+    learn. A draft agreeing with all that was emitted is censored: its end is unknown.
+    """
+
+    FORGET = 0.8  # about the last 5 drafts count
+    PRIOR = 0.5  # worth two drafts
+
+    def __init__(self):
+        self.counts = {}
+
+    def rate(self, name: str) -> float:
+        continued, stopped = self.counts.get(name, (2 * self.PRIOR, 2 * (1 - self.PRIOR)))
+        return continued / (continued + stopped)
+
+    def record(self, name: str, offered: list, emitted: list):
+        compared = min(len(offered), len(emitted))
+        agree = next((i for i in range(compared) if offered[i] != emitted[i]), compared)
+        continued, stopped = self.counts.get(name, (2 * self.PRIOR, 2 * (1 - self.PRIOR)))
+        self.counts[name] = (self.FORGET * continued + agree, self.FORGET * stopped + (agree < compared))
+
+
+def choose_width(draft_lengths: Sequence[int], acceptance: Sequence[float], cost: PassCost,
+                 max_width: Optional[int] = None) -> int:
+    """The pass width ``W`` (1 + draft tokens per row) that maximises expected tokens per second.
+
+    Row b drafts ``min(d_b, W - 1)`` tokens; if each is accepted with chance ``a_b`` once the one
+    before it was, the row is expected to emit ``1 + a_b + a_b^2 + ...`` tokens. A ``[B, W]`` pass
+    costs ``cost.relative(W, B)`` plain passes, measured by the engine on this machine. W = 1
+    (no drafts) wins whenever no wider pass is expected to pay for itself.
+    """
+    rows = len(draft_lengths)
+    widest = 1 + max(draft_lengths, default=0)
+    if max_width is not None:
+        widest = min(widest, max_width)
+    best_width, best_rate, expected = 1, float(rows), float(rows)
+    for width in range(2, widest + 1):
+        expected += sum(a ** (width - 1) for d, a in zip(draft_lengths, acceptance) if d >= width - 1)
+        rate = expected / cost.relative(width, rows)
+        if rate > best_rate:
+            best_width, best_rate = width, rate
+    return best_width

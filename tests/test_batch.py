@@ -1,0 +1,389 @@
+"""The batched engine: every row gives exactly what it gives alone, with every source and constraint,
+while rows of different lengths join and leave; sampling keeps each row's distribution; one row's
+failure never touches another; the width policy follows the measured cost of a pass."""
+
+import random
+import re
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import batch
+from batch import BatchGenerator, batch_generate
+from batch_policy import choose_width
+from batch_draft import BatchDraftModel
+from constrained import ForcedTextSource, RegexConstraint
+from cost import PassCost
+from decoder import TARGET, generate_step, sampling_probs
+from prompt_lookup.history import HistoryLookupSource
+from prompt_lookup.ngram import PromptLookupSource
+from tests.helpers import ScriptedSource, chi_square_p_value, tiny_byte_tokenizer, tiny_llama
+
+VOCAB = 64
+MODEL = tiny_llama(vocab_size=VOCAB, num_layers=2, hidden_size=32, seed=0)
+DRAFT = tiny_llama(vocab_size=VOCAB, num_layers=1, hidden_size=32, seed=1)
+EOS = 3
+
+
+def alone(model, prompt, max_tokens, sources=(), constraint=None, eos=(EOS,), **kwargs):
+    return [t for t, _ in generate_step(prompt, model, eos_token_ids=eos, max_tokens=max_tokens,
+                                        draft_sources=list(sources), constraint=constraint, **kwargs)]
+
+
+def run(generator, rows, remove_at=None):
+    """Insert each row at its ``join`` step and step to the end; returns tokens, finish reason and
+    error per row. ``rows``: dicts with prompt, join and insert options; ``remove_at``: {row: step}."""
+    uids, out, finish, errors, sources = {}, {}, {}, {}, {}
+    step = 0
+    while step == 0 or len(generator) or any(i not in uids for i in range(len(rows))):
+        for i, row in enumerate(rows):
+            if row.get("join", 0) == step and i not in uids:
+                options = {k: v for k, v in row.items() if k not in ("prompt", "join")}
+                options["draft_sources"] = [options["draft_sources"]] if "draft_sources" in options else None
+                uids[i] = generator.insert([row["prompt"]], **options)[0]
+        for i, at in (remove_at or {}).items():
+            if at == step and i in uids:
+                generator.remove([uids[i]])
+                finish[uids[i]] = "removed"
+        for response in generator.next():
+            out.setdefault(response.uid, []).extend(response.tokens)
+            sources.setdefault(response.uid, []).extend(response.sources)
+            if response.finish_reason is not None:
+                finish[response.uid], errors[response.uid] = response.finish_reason, response.error
+        step += 1
+        assert step < 500
+    return ([out.get(uids[i], []) for i in range(len(rows))], [finish.get(uids[i]) for i in range(len(rows))],
+            [errors.get(uids[i]) for i in range(len(rows))], [sources.get(uids[i], []) for i in range(len(rows))])
+
+
+def assert_same_or_near_tie(model, prompt, got, want):
+    """Equal, or the first difference is a float near-tie of the two tokens (a batched matmul may sum
+    in another order than a single row's)."""
+    if got == want:
+        return
+    at = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
+    logits = model(mx.array([prompt + want[:at]]))[0, -1]
+    gap = abs(logits[got[at]].item() - logits[want[at]].item())
+    assert gap < 1e-4, f"rows differ at token {at} with a top-2 logit gap of {gap}"
+
+
+def oracle(truth, prompt_length, rng, corrupt=0.3):
+    """Drafts the row's true continuation, a token corrupted now and then: long, ragged acceptances."""
+    def propose(tokens, k):
+        draft = list(truth[len(tokens) - prompt_length:][:k])
+        return [rng.randrange(VOCAB) if rng.random() < corrupt else t for t in draft]
+    return ScriptedSource(propose, name="oracle")
+
+
+SOURCE_KINDS = ["none", "prompt_lookup", "history", "oracle", "noise", "draft_model", "self_draft"]
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(rows=st.lists(st.tuples(st.lists(st.integers(0, 15), min_size=1, max_size=40), st.integers(1, 30),
+                               st.integers(0, 4), st.sampled_from(SOURCE_KINDS)), min_size=1, max_size=6),
+       seed=st.integers(0, 1000), ragged=st.sampled_from([batch.MAX_RAGGEDNESS, 2]))
+def test_every_row_gives_its_own_greedy_output_while_rows_join_and_leave(rows, seed, ragged):
+    """Prompts draw from few ids so copies find matches; a small MAX_RAGGEDNESS exercises realign."""
+    saved, batch.MAX_RAGGEDNESS = batch.MAX_RAGGEDNESS, ragged
+    try:
+        check_rows_against_alone(rows, seed)
+    finally:
+        batch.MAX_RAGGEDNESS = saved
+
+
+def check_rows_against_alone(rows, seed):
+    rng = random.Random(seed)
+    drafters = {"draft_model": BatchDraftModel(DRAFT, VOCAB, num_draft=3),
+                "self_draft": BatchDraftModel(MODEL, VOCAB, num_draft=5)}
+    specs, wants = [], []
+    for prompt, max_tokens, join, kind in rows:
+        want = alone(MODEL, prompt, max_tokens)
+        sources = {"none": [], "prompt_lookup": [PromptLookupSource()],
+                   "history": [HistoryLookupSource(history=[rng.randrange(16) for _ in range(30)])],
+                   "oracle": [oracle(want, len(prompt), rng)],
+                   "noise": [ScriptedSource(lambda tokens, k: [rng.randrange(VOCAB) for _ in range(k)], "noise")],
+                   "draft_model": [PromptLookupSource(), drafters["draft_model"].source()],
+                   "self_draft": [drafters["self_draft"].source()]}[kind]
+        specs.append(dict(prompt=prompt, max_tokens=max_tokens, join=join, draft_sources=sources))
+        wants.append(want)
+    got, finish, errors, _ = run(BatchGenerator(MODEL, eos_token_ids=[EOS]), specs)
+    for spec, tokens, want, reason, error in zip(specs, got, wants, finish, errors):
+        assert error is None
+        assert_same_or_near_tie(MODEL, spec["prompt"], tokens, want)
+        assert reason == ("stop" if tokens[-1] == EOS else "length")
+
+
+def test_drafts_are_used_and_accepted_tokens_say_where_they_came_from():
+    prompt = [5, 6, 7, 8, 9] * 4
+    truth = alone(MODEL, prompt, 30)
+    rng = random.Random(0)
+    specs = [dict(prompt=prompt, max_tokens=30, draft_sources=[oracle(truth, len(prompt), rng, corrupt=0.0)]),
+             dict(prompt=[1, 2], max_tokens=30, draft_sources=[BatchDraftModel(MODEL, VOCAB).source()])]
+    generator = BatchGenerator(MODEL, eos_token_ids=[EOS])
+    got, _, _, sources = run(generator, specs)
+    assert got[0] == truth and got[1] == alone(MODEL, [1, 2], 30)
+    assert "oracle" in sources[0] and TARGET in sources[0] and "draft_model" in sources[1]
+    assert generator.stats.row_passes < sum(len(tokens) for tokens in got)
+    assert sum(generator.stats.widths.values()) == generator.stats.passes and max(generator.stats.widths) > 1
+
+
+# --- constraints -----------------------------------------------------------------------
+
+TOKENIZER = tiny_byte_tokenizer()
+BYTE_VOCAB = len(TOKENIZER)
+BYTE_MODEL = tiny_llama(vocab_size=BYTE_VOCAB, num_layers=2, hidden_size=32, seed=7, sharp=3.0)
+BYTE_EOS = TOKENIZER.eos_token_id
+PATTERNS = [r"\d{4}-\d{2}-\d{2}", r'\{"name": "[a-z]{1,8}", "age": \d{1,3}\}', r"(yes|no|maybe)", r"(ab)*c?"]
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
+                                           "ok": {"type": "boolean"}}, "required": ["name", "ok"]}
+
+
+def regex_row(pattern, with_forced=True, noise_seed=None):
+    if pattern == "schema":
+        constraint = RegexConstraint.from_json_schema(SCHEMA, TOKENIZER, BYTE_VOCAB)
+    else:
+        constraint = RegexConstraint.from_regex(pattern, TOKENIZER, BYTE_VOCAB)
+    sources = [ForcedTextSource(constraint, TOKENIZER)] if with_forced else []
+    if noise_seed is not None:
+        rng = random.Random(noise_seed)
+        sources.append(ScriptedSource(lambda tokens, k: [rng.randrange(BYTE_VOCAB) for _ in range(k)], "noise"))
+    return constraint, sources
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(rows=st.lists(st.tuples(st.sampled_from(PATTERNS + ["schema", None]), st.booleans(),
+                               st.lists(st.integers(0, 255), min_size=1, max_size=12), st.integers(0, 3)),
+                     min_size=1, max_size=5), seed=st.integers(0, 100))
+def test_constrained_rows_give_their_own_output_with_forced_text_and_noise(rows, seed):
+    specs, wants = [], []
+    for index, (pattern, noisy, prompt, join) in enumerate(rows):
+        if pattern is None:
+            specs.append(dict(prompt=prompt, join=join, max_tokens=24))
+            wants.append(alone(BYTE_MODEL, prompt, 24, eos=(BYTE_EOS,)))
+            continue
+        constraint, sources = regex_row(pattern, noise_seed=seed + index if noisy else None)
+        wants.append(alone(BYTE_MODEL, prompt, 48, *regex_row(pattern)[::-1], eos=(BYTE_EOS,)))
+        specs.append(dict(prompt=prompt, join=join, max_tokens=48, draft_sources=sources, constraint=constraint))
+    got, finish, errors, _ = run(BatchGenerator(BYTE_MODEL, eos_token_ids=[BYTE_EOS]), specs)
+    for (pattern, *_), spec, tokens, want, reason in zip(rows, specs, got, wants, finish):
+        assert_same_or_near_tie(BYTE_MODEL, spec["prompt"], tokens, want)
+        if pattern not in (None, "schema") and reason == "stop":
+            assert re.fullmatch(pattern, TOKENIZER.decode(tokens[:-1]), re.ASCII)
+
+
+def test_grammar_rows_with_forced_text():
+    pytest.importorskip("llguidance")
+    from constrained.grammar import GrammarConstraint, GrammarForcedSource
+
+    def grammar_row():
+        constraint = GrammarConstraint.from_json_schema(SCHEMA, TOKENIZER, BYTE_VOCAB)
+        return constraint, [GrammarForcedSource(constraint, TOKENIZER)]
+
+    prompts = [[1, 2, 3], [40, 41], [7] * 9]
+    wants = [alone(BYTE_MODEL, p, 40, *grammar_row()[::-1], eos=(BYTE_EOS,)) for p in prompts]
+    specs = []
+    for join, prompt in enumerate(prompts):
+        constraint, sources = grammar_row()
+        specs.append(dict(prompt=prompt, join=join, max_tokens=40, constraint=constraint, draft_sources=sources))
+    got, _, errors, sources = run(BatchGenerator(BYTE_MODEL, eos_token_ids=[BYTE_EOS]), specs)
+    assert got == wants and errors == [None] * 3
+    assert any("grammar" in s for s in sources)
+
+
+class PoisonedModel:
+    """Wraps a model: NaN scores for the tokens in ``columns`` on every call, and for a whole row
+    (index ``row`` of the batch) on call number ``at``."""
+
+    def __init__(self, model, columns, row=None, at=None):
+        self.model, self.layers, self.args = model, model.layers, model.args
+        self.columns = mx.array(np.isin(np.arange(model.args.vocab_size), columns))
+        self.row, self.at, self.calls = row, at, 0
+
+    def __call__(self, inputs, cache=None):
+        logits = self.model(inputs, cache=cache)
+        logits = mx.where(self.columns, mx.nan, logits)
+        self.calls += 1
+        if self.calls == self.at:
+            logits = mx.where((mx.arange(logits.shape[0]) == self.row)[:, None, None], mx.nan, logits)
+        return logits
+
+
+def test_a_rows_constraint_holds_under_nan_scores_and_an_all_nan_row_fails_alone():
+    # Every token with an odd digit in it scores NaN.
+    digits = [i for i in range(BYTE_VOCAB) if set(TOKENIZER.decode([i])) & set("13579")]
+    pattern = r"\d{4}-\d{2}-\d{2}"
+    prompts = [[1, 2], [5, 6, 7], [9]]
+    wants = [alone(PoisonedModel(BYTE_MODEL, digits), p, 20, *regex_row(pattern)[::-1], eos=(BYTE_EOS,))
+             for p in prompts]
+    for want in wants:
+        assert re.fullmatch(r"[02468]{4}-[02468]{2}-[02468]{2}", TOKENIZER.decode(want[:-1]))
+    specs = []
+    for prompt in prompts:
+        constraint, sources = regex_row(pattern)
+        specs.append(dict(prompt=prompt, max_tokens=20, constraint=constraint, draft_sources=sources))
+    # Row 1 scores NaN everywhere on the third call (the prefill is the first).
+    got, finish, errors, _ = run(BatchGenerator(PoisonedModel(BYTE_MODEL, digits, row=1, at=3),
+                                                eos_token_ids=[BYTE_EOS]), specs)
+    assert got[0] == wants[0] and got[2] == wants[2]
+    assert finish[1] == "error" and "ConstraintError" in errors[1] and "usable score" in errors[1]
+    assert wants[1][: len(got[1])] == got[1]
+
+
+def test_one_rows_error_or_removal_never_touches_another():
+    def failing(tokens, k):
+        if len(tokens) > 12:
+            raise RuntimeError("source broke")
+        return [1, 2]
+
+    prompts = [[4, 5, 6, 7], [8, 9, 10, 11, 12, 13, 14, 15, 4, 5], [6, 6, 6], [7, 8]]
+    specs = [dict(prompt=prompts[0], max_tokens=25, draft_sources=[PromptLookupSource()]),
+             dict(prompt=prompts[1], max_tokens=25, draft_sources=[ScriptedSource(failing, "failing")]),
+             dict(prompt=prompts[2], max_tokens=25, draft_sources=[BatchDraftModel(DRAFT, VOCAB).source()]),
+             dict(prompt=prompts[3], max_tokens=25)]
+    got, finish, errors, _ = run(BatchGenerator(MODEL, eos_token_ids=[]), specs, remove_at={3: 4})
+    for i in (0, 2):
+        assert got[i] == alone(MODEL, prompts[i], 25, eos=())
+    assert finish[1] == "error" and errors[1] == "RuntimeError: source broke"
+    assert finish[3] == "removed" and 0 < len(got[3]) < 25
+    assert got[3] == alone(MODEL, prompts[3], 25, eos=())[: len(got[3])]
+
+
+def test_bad_rows_are_refused_in_one_line():
+    from speculative.head_source import DraftHeadSource
+
+    generator = BatchGenerator(MODEL)
+    shared = PromptLookupSource()
+    with pytest.raises(ValueError, match="each row needs its own"):
+        generator.insert([[1], [2]], draft_sources=[[shared], [shared]])
+    with pytest.raises(ValueError, match="draft head cannot draft for a batch"):
+        generator.insert([[1]], draft_sources=[[DraftHeadSource.__new__(DraftHeadSource)]])
+    with pytest.raises(ValueError, match="one value or one per prompt"):
+        generator.insert([[1], [2]], temp=[0.0])
+    with pytest.raises(ValueError, match="prompt is empty"):
+        generator.insert([[]])
+    assert len(generator) == 0
+
+
+def test_batch_generate_decodes_text_prompts():
+    prompts = ["ab", "hello there", [1, 2, 3]]
+    result = batch_generate(BYTE_MODEL, TOKENIZER, prompts, max_tokens=[5, 9, 7],
+                            draft_sources=[[PromptLookupSource()] for _ in prompts])
+    for prompt, tokens, text in zip(prompts, result.tokens, result.texts):
+        ids = TOKENIZER.encode(prompt) if isinstance(prompt, str) else prompt
+        want = alone(BYTE_MODEL, ids, len(tokens), eos=(BYTE_EOS,))
+        assert tokens == want and text == TOKENIZER.decode([t for t in want if t != BYTE_EOS])
+    assert result.to_json()["width_histogram"] and result.finish_reasons[0] in ("stop", "length")
+
+
+# --- sampling --------------------------------------------------------------------------
+
+SMALL = tiny_llama(vocab_size=8, num_layers=2, seed=3, sharp=2.0)
+SMALL_DRAFT = tiny_llama(vocab_size=8, num_layers=1, seed=9, sharp=2.0)
+
+
+@pytest.mark.parametrize("drafting", ["scripted", "draft_model"])
+def test_sampling_keeps_each_rows_distribution(drafting):
+    """Two tokens sampled by 1500 rows, 100 at a time, with greedy rows among them, chi-squared
+    against the target's own joint distribution; the greedy rows give their greedy output."""
+    temp, top_p, vocab, prompt = 1.0, 0.9, 8, [1, 2, 3]
+    p1 = np.array(sampling_probs(SMALL(mx.array([prompt]))[0, -1:], temp, top_p)[0])
+    p2 = np.array(sampling_probs(SMALL(mx.array([prompt + [t] for t in range(vocab)]))[:, -1], temp, top_p))
+    joint = (p1[:, None] * p2).reshape(-1)
+    greedy = alone(SMALL, [4, 5], 6, eos=())
+    q = np.full(vocab, 1 / vocab, np.float32)
+    rng = np.random.default_rng(0)
+    mx.random.seed(3)
+    counts = np.zeros(vocab * vocab, np.int64)
+    proposed = accepted = 0
+    for _ in range(15):
+        drafter = BatchDraftModel(SMALL_DRAFT, vocab, num_draft=2, adaptive=False, min_confidence=0.0)
+
+        def sources():
+            if drafting == "draft_model":
+                return [drafter.source()]
+            return [ScriptedSource(lambda tokens, k: rng.choice(vocab, size=min(k, 2), p=q).tolist(), "random",
+                                   probs_fn=lambda tokens, draft: mx.array(np.tile(q, (len(draft), 1))))]
+        generator = BatchGenerator(SMALL, max_width=3, prefill_batch_size=128)
+        uids = generator.insert([prompt] * 100, temp=temp, top_p=top_p, max_tokens=2,
+                                draft_sources=[sources() for _ in range(100)])
+        greedy_uids = generator.insert([[4, 5]] * 2, max_tokens=6, draft_sources=[sources() for _ in range(2)])
+        out = {uid: [] for uid in uids + greedy_uids}
+        while responses := generator.next():
+            for response in responses:
+                out[response.uid] += response.tokens
+                if response.stats is not None:
+                    proposed += response.stats.draft_proposed
+                    accepted += response.stats.draft_accepted
+        for uid in uids:
+            counts[out[uid][0] * vocab + out[uid][1]] += 1
+        assert [out[uid] for uid in greedy_uids] == [greedy, greedy]
+    assert chi_square_p_value(counts, joint) > 1e-3
+    assert 0 < accepted < proposed
+
+
+# --- the width policy ------------------------------------------------------------------
+
+def test_choose_width_weighs_expected_tokens_against_the_pass_cost():
+    cheap, dear = PassCost(default_token_cost=0.01), PassCost(default_token_cost=1.0)
+    assert choose_width([8, 8], [0.9, 0.9], cheap) == 9
+    assert choose_width([8, 8], [0.9, 0.9], dear) == 1
+    assert choose_width([0, 0], [0.9, 0.9], cheap) == 1
+    assert choose_width([8, 8], [0.9, 0.9], cheap, max_width=4) == 4
+    # One sure long draft among rows without drafts: worth a wide pass only when width is cheap.
+    assert choose_width([6, 0, 0, 0], [1.0, 0, 0, 0], PassCost(default_token_cost=0.05)) == 7
+    assert choose_width([6, 0, 0, 0], [1.0, 0, 0, 0], PassCost(default_token_cost=0.5)) == 1
+
+
+class ClockedModel:
+    """A model whose every pass takes ``base + per_token * (width - 1)`` simulated seconds."""
+
+    def __init__(self, model, base, per_token):
+        self.model, self.layers, self.args = model, model.layers, model.args
+        self.base, self.per_token, self.now = base, per_token, 0.0
+
+    def clock(self):
+        return self.now
+
+    def __call__(self, inputs, cache=None):
+        self.now += self.base + self.per_token * (inputs.shape[1] - 1)
+        return self.model(inputs, cache=cache)
+
+
+def test_the_policy_drafts_wider_where_verifying_is_cheap_with_identical_output():
+    prompts = [[5, 6, 7, 8, 9, 10] * 3 + [i] for i in range(4)] + [[11, 12, 13, 14] * 4]
+    wants = [alone(MODEL, p, 40, eos=()) for p in prompts]
+    results = {}
+    for name, per_token in (("cheap", 0.001), ("dear", 2.0)):
+        model = ClockedModel(MODEL, 1.0, per_token)
+        generator = BatchGenerator(model, pass_cost=PassCost(clock=model.clock))
+        generator.insert(prompts, max_tokens=40, draft_sources=[[PromptLookupSource()] for _ in prompts])
+        out = {}
+        while responses := generator.next():
+            for response in responses:
+                out.setdefault(response.uid, []).extend(response.tokens)
+        assert list(out.values()) == wants
+        widths = generator.stats.widths
+        results[name] = (sum(w * n for w, n in widths.items()) / sum(widths.values()),
+                         generator.stats.passes / generator.stats.generation_tokens, widths)
+    assert results["cheap"][0] > results["dear"][0] + 1, results
+    assert results["cheap"][1] < results["dear"][1], results
+    assert results["dear"][2][1] > results["dear"][2].total() / 2, results  # mostly no drafts where dear
+
+
+def test_embedded_model_rows_match_their_single_sequence_output(embedded, chat_prompt):
+    """The real model in float32: a batched matmul may sum in another order than a single row's,
+    so a flipped token must be a near-tie (assert_same_or_near_tie)."""
+    model, tokenizer, _ = embedded
+    texts = ["What is the capital of France?", "Repeat after me: the quick brown fox jumps over the lazy dog.",
+             "Write a haiku about rain.", "List three prime numbers."]
+    prompts = [chat_prompt(text) for text in texts]
+    eos = sorted(tokenizer.eos_token_ids)
+    specs = [dict(prompt=p, max_tokens=16, join=i // 2, draft_sources=[PromptLookupSource()])
+             for i, p in enumerate(prompts)]
+    got, _, errors, _ = run(BatchGenerator(model, eos_token_ids=eos), specs)
+    for prompt, tokens in zip(prompts, got):
+        assert_same_or_near_tie(model, prompt, tokens, alone(model, prompt, 16, eos=eos))
+    assert errors == [None] * 4
