@@ -36,6 +36,9 @@ from speculative.head_source import DraftHeadSource
 # so that no row attends over many slots that hold nothing of its own.
 MAX_RAGGEDNESS = 64
 
+__all__ = ["BatchDraftModel", "BatchGenerator", "BatchResult", "BatchStats", "RowResponse", "batch_generate"]
+
+
 def _cut(draft: Draft, length: int) -> Draft:
     if len(draft.tokens) <= length:
         return draft
@@ -108,17 +111,19 @@ class BatchGenerator:
         eos_token_ids: a row stops after emitting one of these (``insert`` can override per call).
         prefill_step_size: new prompts are prefilled together in chunks of this many positions.
         prefill_batch_size: at most this many waiting prompts join the batch per ``next()``.
+        max_batch: at most this many rows run at once; the others wait their turn (None: no limit).
         max_width: the widest pass (1 + draft tokens); None leaves it to the policy.
         pass_cost: the verification-cost model; the engine times every ``[B, W]`` pass into it
             and the rows' sources read it (keep one across batches to keep what it measured).
     """
 
     def __init__(self, model, *, eos_token_ids: Sequence[int] = (), prefill_step_size: int = 512,
-                 prefill_batch_size: int = 8, max_width: Optional[int] = None,
+                 prefill_batch_size: int = 8, max_batch: Optional[int] = None, max_width: Optional[int] = None,
                  pass_cost: Optional[PassCost] = None):
         self.model = model
         self.eos_token_ids = set(eos_token_ids)
         self.prefill_step_size, self.prefill_batch_size = prefill_step_size, prefill_batch_size
+        self.max_batch = max_batch
         self.max_width = max_width
         self.cost = pass_cost if pass_cost is not None else PassCost()
         self.stats = BatchStats()
@@ -133,9 +138,10 @@ class BatchGenerator:
         prompt or a list with one per prompt; ``draft_sources`` is a list of fresh sources per prompt
         and ``constraint`` one object per prompt: rows never share a stateful object."""
         count = len(prompts)
-        draft_sources = [[] for _ in prompts] if draft_sources is None else _per_row("draft_sources", draft_sources, count)
-        constraints = _per_row("constraint", constraint, count) if count > 1 or constraint is None or \
-            isinstance(constraint, (list, tuple)) else [constraint]
+        draft_sources = [[] for _ in prompts] if draft_sources is None else list(draft_sources)
+        if len(draft_sources) != count or not all(isinstance(s, (list, tuple)) for s in draft_sources):
+            raise ValueError(f"draft_sources needs one list of sources per prompt ({count} lists)")
+        constraints = _per_row("constraint", constraint, count)
         options = [_per_row(name, value, count) for name, value in
                    (("temp", temp), ("top_p", top_p), ("sampler", sampler), ("max_tokens", max_tokens))]
         eos = self.eos_token_ids if eos_token_ids is None else set(eos_token_ids)
@@ -189,8 +195,10 @@ class BatchGenerator:
 
     def _admit(self, responses: list):
         """Prefill up to ``prefill_batch_size`` waiting prompts as one left-padded batch and merge them in."""
-        joining = []
-        for row in self.waiting[: self.prefill_batch_size]:
+        joining, count = [], self.prefill_batch_size
+        if self.max_batch is not None:
+            count = max(0, min(count, self.max_batch - len(self.rows)))
+        for row in self.waiting[:count]:
             try:
                 sampled = row.sampler is None
                 for source in row.sources:
@@ -201,7 +209,7 @@ class BatchGenerator:
                 joining.append(row)
             except Exception as error:  # noqa: BLE001 - a row's own objects failed; the batch goes on
                 responses.append(self._failed(row, error))
-        del self.waiting[: self.prefill_batch_size]
+        del self.waiting[:count]
         if not joining:
             return
         tic = time.perf_counter()
@@ -277,7 +285,7 @@ class BatchGenerator:
         return responses
 
     def _verify(self, width: int, plans: list, responses: list) -> int:
-        rows, vocab = self.rows, None
+        rows = self.rows
         drafts = [_cut(draft, width - 1) for draft, _, _, _ in plans]
         inputs = mx.array([[row.tokens[-1]] + d.tokens + [0] * (width - 1 - len(d.tokens))
                            for row, d in zip(rows, drafts)])
@@ -285,6 +293,12 @@ class BatchGenerator:
         started = clock()
         logits = self.model(inputs, cache=self.cache)
         vocab = logits.shape[-1]
+        results = [None] * len(rows)  # per row: (num_accepted, next_token) or an exception
+        for index, (_, _, masks, _) in enumerate(plans):
+            if masks is not None and masks.shape[-1] != vocab:
+                results[index] = ValueError(f"the constraint masks {masks.shape[-1]} tokens but the model scores "
+                                            f"{vocab}: build it with this model's tokenizer and vocab_size")
+                plans[index] = plans[index][:2] + (None,) + plans[index][3:]
         constrained = [masks is not None for _, _, masks, _ in plans]
         allowed = None
         if any(constrained):
@@ -304,12 +318,12 @@ class BatchGenerator:
         self.stats.widths[width] += 1
         self.stats.row_passes += len(rows)
 
-        results = []  # per row: (num_accepted, next_token) or an exception
         for index, (row, draft) in enumerate(zip(rows, drafts)):
-            try:
-                results.append(self._accept(row, draft, logits[index, : len(draft.tokens) + 1], targets[index]))
-            except Exception as error:  # noqa: BLE001
-                results.append(error)
+            if results[index] is None:
+                try:
+                    results[index] = self._accept(row, draft, logits, index, targets[index])
+                except Exception as error:  # noqa: BLE001
+                    results[index] = error
         if allowed is not None:
             self._check_allowed(results, constrained, targets, argmax_allowed.tolist(), allowed)
         trim_rows(self.cache, [width - 1 - r[0] if not isinstance(r, Exception) else 0 for r in results])
@@ -353,15 +367,16 @@ class BatchGenerator:
                     f"the model gave no allowed token a usable score (NaN or -inf) "
                     f"at generated token {self.rows[index].num_generated + results[index][0] + 1}")
 
-    def _accept(self, row: _Row, draft: Draft, logits: mx.array, targets: list) -> tuple:
-        if row.sampler is not None:
-            return accept_sampled(logits, draft, row.sampler)
-        if row.temp == 0:  # accept_draft's greedy rule, on the argmax already on the host
+    def _accept(self, row: _Row, draft: Draft, logits: mx.array, index: int, targets: list) -> tuple:
+        if row.sampler is None and row.temp == 0:  # accept_draft's greedy rule, on the argmax already on the host
             num_accepted = 0
             while num_accepted < len(draft.tokens) and draft.tokens[num_accepted] == targets[num_accepted]:
                 num_accepted += 1
             return num_accepted, targets[num_accepted]
-        return accept_draft(logits, draft, row.temp, row.top_p)
+        row_logits = logits[index, : len(draft.tokens) + 1]
+        if row.sampler is not None:
+            return accept_sampled(row_logits, draft, row.sampler)
+        return accept_draft(row_logits, draft, row.temp, row.top_p)
 
     def _emit(self, row: _Row, draft: Draft, plan: tuple, num_accepted: int, next_token: int) -> RowResponse:
         _, offerer, _, offered = plan  # the source that offered a draft, and all it offered
@@ -417,8 +432,8 @@ class BatchResult:
 
 
 def batch_generate(model, tokenizer, prompts: Sequence, *, pass_cost: Optional[PassCost] = None,
-                   prefill_step_size: int = 512, prefill_batch_size: int = 8, max_width: Optional[int] = None,
-                   **options) -> BatchResult:
+                   prefill_step_size: int = 512, prefill_batch_size: int = 8, max_batch: Optional[int] = None,
+                   max_width: Optional[int] = None, **options) -> BatchResult:
     """Generate for every prompt (a str, chat template applied, or token ids) in one batch.
 
     ``options`` are ``BatchGenerator.insert``'s, one value or one per prompt; EOS is the
@@ -426,7 +441,7 @@ def batch_generate(model, tokenizer, prompts: Sequence, *, pass_cost: Optional[P
     """
     options.setdefault("eos_token_ids", eos_ids_of(tokenizer))
     generator = BatchGenerator(model, prefill_step_size=prefill_step_size, prefill_batch_size=prefill_batch_size,
-                               max_width=max_width, pass_cost=pass_cost)
+                               max_batch=max_batch, max_width=max_width, pass_cost=pass_cost)
     mx.reset_peak_memory()
     uids = generator.insert([encode(tokenizer, prompt) for prompt in prompts], **options)
     tokens, sources = {uid: [] for uid in uids}, {uid: [] for uid in uids}

@@ -251,6 +251,20 @@ def test_one_rows_error_or_removal_never_touches_another():
     assert got[3] == alone(MODEL, prompts[3], 25, eos=())[: len(got[3])]
 
 
+def test_max_batch_keeps_the_other_rows_waiting_their_turn():
+    prompts = [[i + 1, i + 2, i + 3] for i in range(5)]
+    lengths = [3, 6, 2, 5, 4]
+    generator = BatchGenerator(MODEL, eos_token_ids=[], max_batch=2)
+    uids = generator.insert(prompts, max_tokens=lengths, draft_sources=[[PromptLookupSource()] for _ in prompts])
+    out, widest = {uid: [] for uid in uids}, 0
+    while responses := generator.next():
+        widest = max(widest, len(responses))
+        for response in responses:
+            out[response.uid] += response.tokens
+    assert widest == 2
+    assert [out[uid] for uid in uids] == [alone(MODEL, p, n, eos=()) for p, n in zip(prompts, lengths)]
+
+
 def test_bad_rows_are_refused_in_one_line():
     from speculative.head_source import DraftHeadSource
 
@@ -264,6 +278,8 @@ def test_bad_rows_are_refused_in_one_line():
         generator.insert([[1], [2]], temp=[0.0])
     with pytest.raises(ValueError, match="prompt is empty"):
         generator.insert([[]])
+    with pytest.raises(ValueError, match="one list of sources per prompt"):
+        generator.insert([[1]], draft_sources=[PromptLookupSource()])
     assert len(generator) == 0
 
 
