@@ -20,13 +20,13 @@ one thread that owns the model.
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, List, NamedTuple, Optional, Sequence
 
 import mlx.core as mx
 
 from batch_cache import prefill_rows, trim_rows
 from batch_draft import BatchDraftModel, DraftModelRow
-from batch_policy import Acceptance, choose_width
+from batch_policy import Acceptance, DraftGate, choose_width
 from cost import PassCost
 from decoder import (TARGET, ConstraintError, DecodingStats, Draft, accept_draft, accept_sampled, choose_draft,
                      constrain_draft, encode, eos_ids_of)
@@ -44,6 +44,13 @@ def _cut(draft: Draft, length: int) -> Draft:
         return draft
     probs = None if draft.probs is None else draft.probs[:length]
     return Draft(draft.tokens[:length], probs, draft.expected_speedup)
+
+
+class _Plan(NamedTuple):
+    draft: Draft  # what the row's sources offered, cut to what its constraint allows
+    drafter: Optional[object]  # the source that offered it
+    masks: Optional[mx.array]  # the constraint's (len(draft) + 1, vocab) masks, or None
+    asked: bool  # whether the sources were asked at all (DraftGate)
 
 
 @dataclass
@@ -126,6 +133,7 @@ class BatchGenerator:
         self.max_batch = max_batch
         self.max_width = max_width
         self.cost = pass_cost if pass_cost is not None else PassCost()
+        self.gate = DraftGate()
         self.stats = BatchStats()
         self.rows: List[_Row] = []  # in cache order
         self.waiting: List[_Row] = []
@@ -244,18 +252,20 @@ class BatchGenerator:
                 responses += [self._failed(self.rows[i], error) for i in indices]
                 self._drop(indices)
 
-    def _plan(self, row: _Row):
-        """This step's draft for ``row``: (draft, drafter, masks or None, offered tokens)."""
-        max_draft = row.max_tokens - row.num_generated - 1  # the target adds one token after the draft
-        # Drafting is not timed here: a batched draft model drafted for all its rows already
-        # (``_draft_with_models`` times that), and a lookup's propose is not a model call.
-        draft, drafter = choose_draft(row.sources, row.tokens, max_draft)
+    def _plan(self, row: _Row, asked: bool) -> _Plan:
+        """This step's draft for ``row``, and its constraint's masks."""
+        draft, drafter = Draft([]), None
+        if asked:
+            max_draft = row.max_tokens - row.num_generated - 1  # the target adds one token after the draft
+            # Drafting is not timed here: a batched draft model drafted for all its rows already
+            # (``_draft_with_models`` times that), and a lookup's propose is not a model call.
+            draft, drafter = choose_draft(row.sources, row.tokens, max_draft)
         masks = None
         if row.constraint is not None:
             draft, masks = constrain_draft(row.constraint, draft)
             if not draft.tokens:
                 drafter = None
-        return draft, drafter, masks, list(draft.tokens)
+        return _Plan(draft, drafter, masks, asked and bool(row.sources))
 
     def next(self) -> List[RowResponse]:
         """One step: admit waiting prompts, then one ``[B, W]`` pass for every running row. Returns a
@@ -265,19 +275,21 @@ class BatchGenerator:
         if not self.rows:
             return responses
         tic = time.perf_counter()
-        self._draft_with_models(responses)
+        asked = self.gate.ask([row.acceptance.first for row in self.rows if row.sources], len(self.rows), self.cost)
+        if asked:
+            self._draft_with_models(responses)
         plans, failed = [], []
         for index, row in enumerate(self.rows):
             try:
-                plans.append(self._plan(row))
+                plans.append(self._plan(row, asked))
             except Exception as error:  # noqa: BLE001
                 responses.append(self._failed(row, error))
                 failed.append(index)
         self._drop(failed)
         if not self.rows:
             return responses
-        width = choose_width([len(plan[0].tokens) for plan in plans],
-                             [row.acceptance.rate(plan[1].name) if plan[1] else 0.0
+        width = choose_width([len(plan.draft.tokens) for plan in plans],
+                             [row.acceptance.rate(plan.drafter.name) if plan.drafter else 0.0
                               for row, plan in zip(self.rows, plans)], self.cost, self.max_width)
         emitted = self._verify(width, plans, responses)
         self.stats.decode_time += time.perf_counter() - tic
@@ -286,7 +298,7 @@ class BatchGenerator:
 
     def _verify(self, width: int, plans: list, responses: list) -> int:
         rows = self.rows
-        drafts = [_cut(draft, width - 1) for draft, _, _, _ in plans]
+        drafts = [_cut(plan.draft, width - 1) for plan in plans]
         inputs = mx.array([[row.tokens[-1]] + d.tokens + [0] * (width - 1 - len(d.tokens))
                            for row, d in zip(rows, drafts)])
         clock = self.cost.clock
@@ -294,16 +306,16 @@ class BatchGenerator:
         logits = self.model(inputs, cache=self.cache)
         vocab = logits.shape[-1]
         results = [None] * len(rows)  # per row: (num_accepted, next_token) or an exception
-        for index, (_, _, masks, _) in enumerate(plans):
-            if masks is not None and masks.shape[-1] != vocab:
-                results[index] = ValueError(f"the constraint masks {masks.shape[-1]} tokens but the model scores "
-                                            f"{vocab}: build it with this model's tokenizer and vocab_size")
-                plans[index] = plans[index][:2] + (None,) + plans[index][3:]
-        constrained = [masks is not None for _, _, masks, _ in plans]
+        for index, plan in enumerate(plans):
+            if plan.masks is not None and plan.masks.shape[-1] != vocab:
+                results[index] = ValueError(f"the constraint masks {plan.masks.shape[-1]} tokens but the model "
+                                            f"scores {vocab}: build it with this model's tokenizer and vocab_size")
+                plans[index] = plan._replace(masks=None)
+        constrained = [plan.masks is not None for plan in plans]
         allowed = None
         if any(constrained):
-            allowed = mx.stack([mx.ones((width, vocab), mx.bool_) if masks is None else _pad_rows(masks, width)
-                                for _, _, masks, _ in plans])
+            allowed = mx.stack([mx.ones((width, vocab), mx.bool_) if plan.masks is None
+                                else _pad_rows(plan.masks, width) for plan in plans])
             # A NaN score is no score: it must not win an argmax or poison a softmax.
             keep = (allowed & ~mx.isnan(logits)) | ~mx.array(constrained)[:, None, None]
             logits = mx.where(keep, logits, -mx.inf)
@@ -378,8 +390,8 @@ class BatchGenerator:
             return accept_sampled(row_logits, draft, row.sampler)
         return accept_draft(row_logits, draft, row.temp, row.top_p)
 
-    def _emit(self, row: _Row, draft: Draft, plan: tuple, num_accepted: int, next_token: int) -> RowResponse:
-        _, offerer, _, offered = plan  # the source that offered a draft, and all it offered
+    def _emit(self, row: _Row, draft: Draft, plan: _Plan, num_accepted: int, next_token: int) -> RowResponse:
+        offerer, offered = plan.drafter, plan.draft.tokens  # the source that offered a draft, and all it offered
         drafter = offerer if draft.tokens else None  # the policy may have cut the draft to nothing
         row.stats.target_forward_passes += 1
         emitted = draft.tokens[:num_accepted] + [next_token]
@@ -392,6 +404,8 @@ class BatchGenerator:
             row.stats.source(drafter.name).record(num_proposed, num_accepted)
         if offerer is not None:
             row.acceptance.record(offerer.name, offered, emitted)
+        if plan.asked:
+            row.acceptance.record_step(offered, emitted)
         sources = [drafter.name if i < num_accepted else TARGET for i in range(len(emitted))]
         row.tokens += emitted
         row.num_generated += len(emitted)

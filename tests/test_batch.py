@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 import batch
 from batch import BatchGenerator, batch_generate
-from batch_policy import choose_width
+from batch_policy import DraftGate, choose_width
 from batch_draft import BatchDraftModel
 from constrained import ForcedTextSource, RegexConstraint
 from cost import PassCost
@@ -353,6 +353,16 @@ def test_choose_width_weighs_expected_tokens_against_the_pass_cost():
     assert choose_width([6, 0, 0, 0], [1.0, 0, 0, 0], PassCost(default_token_cost=0.5)) == 1
 
 
+def test_the_gate_skips_asking_while_no_width_can_pay_and_probes_now_and_then():
+    dear = PassCost(default_token_cost=0.5)
+    gate = DraftGate()
+    assert gate.ask([0.9, 0.9], 2, dear) and not gate.ask([], 2, dear)
+    asked = [gate.ask([0.1] * 8, 8, dear) for _ in range(200)]
+    # Probes after 1, 2, 4, ... 64 skipped steps.
+    assert [i for i, a in enumerate(asked) if a] == [1, 4, 9, 18, 35, 68, 133, 198]
+    assert gate.ask([0.9] * 8, 8, dear) and gate.probe_gap == 1
+
+
 class ClockedModel:
     """A model whose every pass takes ``base + per_token * (width - 1)`` simulated seconds."""
 
@@ -387,6 +397,26 @@ def test_the_policy_drafts_wider_where_verifying_is_cheap_with_identical_output(
     assert results["cheap"][0] > results["dear"][0] + 1, results
     assert results["cheap"][1] < results["dear"][1], results
     assert results["dear"][2][1] > results["dear"][2].total() / 2, results  # mostly no drafts where dear
+
+
+def test_sources_whose_drafts_never_pay_are_not_asked_and_output_stays_the_same():
+    prompts = [[i, i + 1, i + 2] for i in range(6)]
+    wants = [alone(MODEL, p, 40, eos=()) for p in prompts]
+    model = ClockedModel(MODEL, 1.0, 0.5)
+    asked = [0]
+
+    def wrong(tokens, k):
+        asked[0] += 1
+        return [(tokens[-1] + 7) % VOCAB] * k
+    sources = [ScriptedSource(wrong, "wrong") for _ in prompts]
+    generator = BatchGenerator(model, pass_cost=PassCost(clock=model.clock))
+    uids = generator.insert(prompts, max_tokens=40, draft_sources=[[s] for s in sources])
+    out = {uid: [] for uid in uids}
+    while responses := generator.next():
+        for response in responses:
+            out[response.uid] += response.tokens
+    assert [out[uid] for uid in uids] == wants
+    assert generator.stats.passes == 40 and asked[0] / len(prompts) < 12
 
 
 def test_embedded_model_rows_match_their_single_sequence_output(embedded, chat_prompt):
