@@ -50,7 +50,6 @@ class _Plan(NamedTuple):
     draft: Draft  # what the row's sources offered, cut to what its constraint allows
     drafter: Optional[object]  # the source that offered it
     masks: Optional[mx.array]  # the constraint's (len(draft) + 1, vocab) masks, or None
-    asked: bool  # whether the sources were asked at all (DraftGate)
 
 
 @dataclass
@@ -228,6 +227,7 @@ class BatchGenerator:
             for layer, new_layer in zip(self.cache, cache):
                 layer.extend(new_layer)
         self.rows += joining
+        self.gate.reset()  # new rows' sources are asked at once
         self.stats.prompt_time += time.perf_counter() - tic
         self.stats.prompt_tokens += sum(len(row.tokens) for row in joining)
 
@@ -265,7 +265,7 @@ class BatchGenerator:
             draft, masks = constrain_draft(row.constraint, draft)
             if not draft.tokens:
                 drafter = None
-        return _Plan(draft, drafter, masks, asked and bool(row.sources))
+        return _Plan(draft, drafter, masks)
 
     def next(self) -> List[RowResponse]:
         """One step: admit waiting prompts, then one ``[B, W]`` pass for every running row. Returns a
@@ -275,7 +275,7 @@ class BatchGenerator:
         if not self.rows:
             return responses
         tic = time.perf_counter()
-        asked = self.gate.ask([row.acceptance.first for row in self.rows if row.sources], len(self.rows), self.cost)
+        asked = self.gate.ask() and any(row.sources for row in self.rows)
         if asked:
             self._draft_with_models(responses)
         plans, failed = [], []
@@ -291,6 +291,8 @@ class BatchGenerator:
         width = choose_width([len(plan.draft.tokens) for plan in plans],
                              [row.acceptance.rate(plan.drafter.name) if plan.drafter else 0.0
                               for row, plan in zip(self.rows, plans)], self.cost, self.max_width)
+        if asked:
+            self.gate.record(width)
         emitted = self._verify(width, plans, responses)
         self.stats.decode_time += time.perf_counter() - tic
         self.stats.generation_tokens += emitted
@@ -404,8 +406,6 @@ class BatchGenerator:
             row.stats.source(drafter.name).record(num_proposed, num_accepted)
         if offerer is not None:
             row.acceptance.record(offerer.name, offered, emitted)
-        if plan.asked:
-            row.acceptance.record_step(offered, emitted)
         sources = [drafter.name if i < num_accepted else TARGET for i in range(len(emitted))]
         row.tokens += emitted
         row.num_generated += len(emitted)

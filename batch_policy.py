@@ -27,9 +27,6 @@ class Acceptance:
 
     def __init__(self):
         self.counts = {}
-        # The recent chance that a step's first draft token was accepted, 0 for a step with no draft:
-        # what this row adds to a [B, 2] pass (see DraftGate).
-        self.first = self.PRIOR
 
     def rate(self, name: str) -> float:
         continued, stopped = self.counts.get(name, (2 * self.PRIOR, 2 * (1 - self.PRIOR)))
@@ -41,40 +38,40 @@ class Acceptance:
         continued, stopped = self.counts.get(name, (2 * self.PRIOR, 2 * (1 - self.PRIOR)))
         self.counts[name] = (self.FORGET * continued + agree, self.FORGET * stopped + (agree < compared))
 
-    def record_step(self, offered: list, emitted: list):
-        """A step whose sources were asked: did they offer a first token that was accepted?"""
-        hit = bool(offered) and offered[0] == emitted[0]
-        self.first = self.FORGET * self.first + (1 - self.FORGET) * hit
-
 
 class DraftGate:
-    """Whether to ask the rows' sources for drafts at all this step.
+    """Whether to ask the rows' sources for drafts this step at all.
 
-    A ``[B, 2]`` pass pays only if the rows' first draft tokens are expected to give more than the
-    token of width costs: ``sum_b v_b > B * c``, with ``v_b`` row b's ``Acceptance.first`` and ``c``
-    the measured cost of a token of width at B rows. Later draft tokens are accepted less often than
-    first ones, so when no [B, 2] pass can pay no wider one can either, and the sources' searches
-    are skipped (measured: at 8 and 16 rows of chat on a 2-core CPU, where copies never paid, asking
-    cost 7-10% of every step). A probe after 1, 2, 4, ... ``MAX_PROBE_GAP`` skipped steps keeps the
-    estimates current, so rows whose text turns repetitive are drafted for again.
+    Asking costs every row a search (measured: 7-10% of a step at 8 and 16 rows of chat on a 2-core
+    CPU, where the policy then verified no draft anyway), and it pays only when it changes the pass.
+    So the gate asks while the last step it asked for drafted (``choose_width`` chose W > 1); after
+    a step that drafted nothing it skips 1, 2, 4, then ``MAX_PROBE_GAP`` steps between probes, so a
+    row whose text turns repetitive is drafted for again within a few steps. New rows reset it.
+    Like the width, this depends on past steps only, so sampling stays exact.
     """
 
-    MAX_PROBE_GAP = 64
+    MAX_PROBE_GAP = 8
 
     def __init__(self):
-        self.skipped, self.probe_gap = 0, 1
+        self.reset()
 
-    def ask(self, first_accepted: Sequence[float], rows: int, cost: PassCost) -> bool:
-        if not first_accepted:
-            return False
-        if sum(first_accepted) > rows * cost.token_cost(rows):
-            self.skipped, self.probe_gap = 0, 1
+    def reset(self):
+        self.skipped, self.probe_gap, self.drafted = 0, 1, True
+
+    def ask(self) -> bool:
+        if self.drafted:
             return True
         self.skipped += 1
         if self.skipped <= self.probe_gap:
             return False
         self.skipped, self.probe_gap = 0, min(2 * self.probe_gap, self.MAX_PROBE_GAP)
         return True
+
+    def record(self, width: int):
+        """The width chosen on a step the gate asked for."""
+        self.drafted = width > 1
+        if self.drafted:
+            self.probe_gap = 1
 
 
 def choose_width(draft_lengths: Sequence[int], acceptance: Sequence[float], cost: PassCost,

@@ -353,14 +353,21 @@ def test_choose_width_weighs_expected_tokens_against_the_pass_cost():
     assert choose_width([6, 0, 0, 0], [1.0, 0, 0, 0], PassCost(default_token_cost=0.5)) == 1
 
 
-def test_the_gate_skips_asking_while_no_width_can_pay_and_probes_now_and_then():
-    dear = PassCost(default_token_cost=0.5)
+def test_the_gate_asks_while_drafting_pays_and_probes_now_and_then():
     gate = DraftGate()
-    assert gate.ask([0.9, 0.9], 2, dear) and not gate.ask([], 2, dear)
-    asked = [gate.ask([0.1] * 8, 8, dear) for _ in range(200)]
-    # Probes after 1, 2, 4, ... 64 skipped steps.
-    assert [i for i, a in enumerate(asked) if a] == [1, 4, 9, 18, 35, 68, 133, 198]
-    assert gate.ask([0.9] * 8, 8, dear) and gate.probe_gap == 1
+    assert gate.ask()
+    gate.record(1)  # the step drafted nothing
+    asked = []
+    for _ in range(40):
+        asked.append(gate.ask())
+        if asked[-1]:
+            gate.record(1)
+    assert [i for i, a in enumerate(asked) if a] == [1, 4, 9, 18, 27, 36]  # skips 1, 2, 4, then 8
+    gate.record(3)  # a probe that drafted
+    assert all(gate.ask() for _ in range(5))
+    gate.record(1)
+    gate.reset()  # rows joined
+    assert gate.ask()
 
 
 class ClockedModel:
