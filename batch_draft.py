@@ -168,6 +168,8 @@ class BatchDraftModel:
         """Draft for every row: ``requests`` holds ``(handle, tokens, max_draft)`` for each of the
         target's rows that drafts with this model; ``batch_rows`` is the target's batch size."""
         self.batch_rows = batch_rows
+        for handle in self.rows:
+            handle.draft = None  # a draft the rows did not take last step is stale now
         self._admit(requests)
         tokens_of = {id(handle): tokens for handle, tokens, _ in requests}
         limits = {id(handle): max_draft for handle, _, max_draft in requests}
@@ -198,6 +200,7 @@ class BatchDraftModel:
         for position in range(max(lengths)):
             tokens, confidence, probs = self._distributions(logits)
             # One sync per draft position: the next pass and the early stop need the values.
+            mx.eval(tokens, confidence)
             token_list, confidence_list = tokens.tolist(), confidence.tolist()
             for b in range(len(self.rows)):
                 if not alive[b] or position >= lengths[b]:
