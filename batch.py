@@ -20,40 +20,23 @@ one thread that owns the model.
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, List, NamedTuple, Optional, Sequence
 
 import mlx.core as mx
 
 from batch_cache import Prefill, trim_rows
 from batch_draft import BatchDraftModel, DraftModelRow
-from batch_policy import Acceptance, BatchPassCost, choose_width
+from batch_policy import Acceptance, DraftGate, choose_width
 from cost import PassCost
-from decoder import (TARGET, ConstraintError, DecodingStats, Draft, accept_draft, accept_sampled, encode,
-                     eos_ids_of)
+from decoder import (TARGET, ConstraintError, DecodingStats, Draft, accept_draft, accept_sampled, choose_draft,
+                     constrain_draft, encode, eos_ids_of)
 from speculative.head_source import DraftHeadSource
 
 # Rows whose ends drift further apart than this are rolled back into line (one copy of the cache),
 # so that no row attends over many slots that hold nothing of its own.
 MAX_RAGGEDNESS = 64
 
-try:  # TEMPORARY until decoder.py's shared step functions land on main
-    from decoder import choose_draft, constrain_draft
-except ImportError:
-    from decoder import _propose, _truncate
-
-    def choose_draft(draft_sources, tokens, max_draft, cost=None):
-        return _propose(draft_sources, tokens, max_draft)
-
-    def constrain_draft(constraint, draft):
-        states = constraint.walk(draft.tokens)
-        return _truncate(draft, len(states) - 1), constraint.masks(states)
-
-
-def _reset_source(source, cost, temp, top_p):  # TEMPORARY: old sources take no arguments
-    try:
-        source.reset(cost, temp, top_p)
-    except TypeError:
-        source.reset()
+__all__ = ["BatchDraftModel", "BatchGenerator", "BatchResult", "BatchStats", "RowResponse", "batch_generate"]
 
 
 def _cut(draft: Draft, length: int) -> Draft:
@@ -61,6 +44,12 @@ def _cut(draft: Draft, length: int) -> Draft:
         return draft
     probs = None if draft.probs is None else draft.probs[:length]
     return Draft(draft.tokens[:length], probs, draft.expected_speedup)
+
+
+class _Plan(NamedTuple):
+    draft: Draft  # what the row's sources offered, cut to what its constraint allows
+    drafter: Optional[object]  # the source that offered it
+    masks: Optional[mx.array]  # the constraint's (len(draft) + 1, vocab) masks, or None
 
 
 @dataclass
@@ -132,26 +121,29 @@ class BatchGenerator:
         eos_token_ids: a row stops after emitting one of these (``insert`` can override per call).
         prefill_step_size: new prompts are prefilled together in chunks of this many positions.
         prefill_batch_size: at most this many waiting prompts join the batch per ``next()``.
+        max_batch: at most this many rows run at once; the others wait their turn (None: no limit).
         max_width: the widest pass (1 + draft tokens); None leaves it to the policy.
         pass_cost: the verification-cost model; the engine times every ``[B, W]`` pass into it
-            (default: a fresh ``BatchPassCost``).
+            and the rows' sources read it (keep one across batches to keep what it measured).
         interleave_prefill: while rows are decoding, prefill joining prompts one chunk per
             ``next()`` (a long prompt does not stall the running rows); else all at once.
         keep_caches: give each finished row's KV entries in its last response (``cache``).
     """
 
     def __init__(self, model, *, eos_token_ids: Sequence[int] = (), prefill_step_size: int = 512,
-                 prefill_batch_size: int = 8, max_width: Optional[int] = None,
+                 prefill_batch_size: int = 8, max_batch: Optional[int] = None, max_width: Optional[int] = None,
                  pass_cost: Optional[PassCost] = None, interleave_prefill: bool = False,
                  keep_caches: bool = False):
         self.model = model
         self.eos_token_ids = set(eos_token_ids)
         self.prefill_step_size, self.prefill_batch_size = prefill_step_size, prefill_batch_size
+        self.max_batch = max_batch
         self.max_width = max_width
         self.interleave_prefill, self.keep_caches = interleave_prefill, keep_caches
         self.prefilling = None  # (rows, Prefill) while joining prompts are prefilled chunk by chunk
         self.removed = set()  # uids removed while prefilling
-        self.cost = pass_cost if pass_cost is not None else BatchPassCost()
+        self.cost = pass_cost if pass_cost is not None else PassCost()
+        self.gate = DraftGate()
         self.stats = BatchStats()
         self.rows: List[_Row] = []  # in cache order
         self.waiting: List[_Row] = []
@@ -167,9 +159,10 @@ class BatchGenerator:
         ``prompt_cache`` is per prompt None or the KV entries of its first n < len(prompt) tokens
         (a finished row's ``RowResponse.cache``, cut to n), so only the rest is prefilled."""
         count = len(prompts)
-        draft_sources = [[] for _ in prompts] if draft_sources is None else _per_row("draft_sources", draft_sources, count)
-        constraints = _per_row("constraint", constraint, count) if count > 1 or constraint is None or \
-            isinstance(constraint, (list, tuple)) else [constraint]
+        draft_sources = [[] for _ in prompts] if draft_sources is None else list(draft_sources)
+        if len(draft_sources) != count or not all(isinstance(s, (list, tuple)) for s in draft_sources):
+            raise ValueError(f"draft_sources needs one list of sources per prompt ({count} lists)")
+        constraints = _per_row("constraint", constraint, count)
         options = [_per_row(name, value, count) for name, value in
                    (("temp", temp), ("top_p", top_p), ("sampler", sampler), ("max_tokens", max_tokens))]
         eos = self.eos_token_ids if eos_token_ids is None else set(eos_token_ids)
@@ -228,19 +221,21 @@ class BatchGenerator:
         """Prefill up to ``prefill_batch_size`` waiting prompts as one left-padded batch and merge them in
         (one chunk per call with ``interleave_prefill`` while other rows decode)."""
         if self.prefilling is None:
-            joining = []
-            for row in self.waiting[: self.prefill_batch_size]:
+            joining, count = [], self.prefill_batch_size
+            if self.max_batch is not None:
+                count = max(0, min(count, self.max_batch - len(self.rows)))
+            for row in self.waiting[:count]:
                 try:
                     sampled = row.sampler is None
                     for source in row.sources:
-                        _reset_source(source, self.cost, row.temp if sampled else 0.0, row.top_p if sampled else 1.0)
+                        source.reset(self.cost, row.temp if sampled else 0.0, row.top_p if sampled else 1.0)
                     if row.constraint is not None:
                         row.constraint.reset()
                     row.stats.pass_cost = self.cost
                     joining.append(row)
                 except Exception as error:  # noqa: BLE001 - a row's own objects failed; the batch goes on
                     responses.append(self._failed(row, error))
-            del self.waiting[: self.prefill_batch_size]
+            del self.waiting[:count]
             if not joining:
                 return
             prefill = Prefill(self.model, [row.tokens[:-1] for row in joining], self.prefill_step_size,
@@ -263,6 +258,7 @@ class BatchGenerator:
             for layer, new_layer in zip(self.cache, prefill.cache):
                 layer.extend(new_layer)
         self.rows += joining
+        self.gate.reset()  # new rows' sources are asked at once
         self.stats.prompt_tokens += sum(len(row.tokens) for row in joining)
         removed, self.removed = self.removed, set()
         self._drop([i for i, row in enumerate(self.rows) if row.uid in removed])
@@ -281,24 +277,27 @@ class BatchGenerator:
                     requests.setdefault(id(source.drafter), (source.drafter, []))[1].append((source, row.tokens, budget))
         for drafter, rows in requests.values():
             try:
-                drafter.draft_all(rows)
+                drafter.draft_all(rows, self.cost, len(self.rows))
             except Exception as error:  # noqa: BLE001 - the model's rows fail, the others go on
                 failing = {id(handle) for handle, _, _ in rows}
                 indices = [i for i, row in enumerate(self.rows) if any(id(s) in failing for s in row.sources)]
                 responses += [self._failed(self.rows[i], error) for i in indices]
                 self._drop(indices)
 
-    def _plan(self, row: _Row):
-        """This step's draft for ``row``: (draft, drafter, masks or None, offered tokens)."""
-        max_draft = row.max_tokens - row.num_generated - 1  # the target adds one token after the draft
-        # The first step's drafting includes the sources' own prefill, so it is not timed.
-        draft, drafter = choose_draft(row.sources, row.tokens, max_draft, self.cost if row.num_generated else None)
+    def _plan(self, row: _Row, asked: bool) -> _Plan:
+        """This step's draft for ``row``, and its constraint's masks."""
+        draft, drafter = Draft([]), None
+        if asked:
+            max_draft = row.max_tokens - row.num_generated - 1  # the target adds one token after the draft
+            # Drafting is not timed here: a batched draft model drafted for all its rows already
+            # (``_draft_with_models`` times that), and a lookup's propose is not a model call.
+            draft, drafter = choose_draft(row.sources, row.tokens, max_draft)
         masks = None
         if row.constraint is not None:
             draft, masks = constrain_draft(row.constraint, draft)
             if not draft.tokens:
                 drafter = None
-        return draft, drafter, masks, list(draft.tokens)
+        return _Plan(draft, drafter, masks)
 
     def next(self) -> List[RowResponse]:
         """One step: admit waiting prompts, then one ``[B, W]`` pass for every running row. Returns a
@@ -308,39 +307,49 @@ class BatchGenerator:
         if not self.rows:
             return responses
         tic = time.perf_counter()
-        self._draft_with_models(responses)
+        asked = self.gate.ask() and any(row.sources for row in self.rows)
+        if asked:
+            self._draft_with_models(responses)
         plans, failed = [], []
         for index, row in enumerate(self.rows):
             try:
-                plans.append(self._plan(row))
+                plans.append(self._plan(row, asked))
             except Exception as error:  # noqa: BLE001
                 responses.append(self._failed(row, error))
                 failed.append(index)
         self._drop(failed)
         if not self.rows:
             return responses
-        width = choose_width([len(plan[0].tokens) for plan in plans],
-                             [row.acceptance.rate(plan[1].name) if plan[1] else 0.0
+        width = choose_width([len(plan.draft.tokens) for plan in plans],
+                             [row.acceptance.rate(plan.drafter.name) if plan.drafter else 0.0
                               for row, plan in zip(self.rows, plans)], self.cost, self.max_width)
+        if asked:
+            self.gate.record(width)
         emitted = self._verify(width, plans, responses)
         self.stats.decode_time += time.perf_counter() - tic
         self.stats.generation_tokens += emitted
         return responses
 
     def _verify(self, width: int, plans: list, responses: list) -> int:
-        rows, vocab = self.rows, None
-        drafts = [_cut(draft, width - 1) for draft, _, _, _ in plans]
+        rows = self.rows
+        drafts = [_cut(plan.draft, width - 1) for plan in plans]
         inputs = mx.array([[row.tokens[-1]] + d.tokens + [0] * (width - 1 - len(d.tokens))
                            for row, d in zip(rows, drafts)])
         clock = self.cost.clock
         started = clock()
         logits = self.model(inputs, cache=self.cache)
         vocab = logits.shape[-1]
-        constrained = [masks is not None for _, _, masks, _ in plans]
+        results = [None] * len(rows)  # per row: (num_accepted, next_token) or an exception
+        for index, plan in enumerate(plans):
+            if plan.masks is not None and plan.masks.shape[-1] != vocab:
+                results[index] = ValueError(f"the constraint masks {plan.masks.shape[-1]} tokens but the model "
+                                            f"scores {vocab}: build it with this model's tokenizer and vocab_size")
+                plans[index] = plan._replace(masks=None)
+        constrained = [plan.masks is not None for plan in plans]
         allowed = None
         if any(constrained):
-            allowed = mx.stack([mx.ones((width, vocab), mx.bool_) if masks is None else _pad_rows(masks, width)
-                                for _, _, masks, _ in plans])
+            allowed = mx.stack([mx.ones((width, vocab), mx.bool_) if plan.masks is None
+                                else _pad_rows(plan.masks, width) for plan in plans])
             # A NaN score is no score: it must not win an argmax or poison a softmax.
             keep = (allowed & ~mx.isnan(logits)) | ~mx.array(constrained)[:, None, None]
             logits = mx.where(keep, logits, -mx.inf)
@@ -355,12 +364,12 @@ class BatchGenerator:
         self.stats.widths[width] += 1
         self.stats.row_passes += len(rows)
 
-        results = []  # per row: (num_accepted, next_token) or an exception
         for index, (row, draft) in enumerate(zip(rows, drafts)):
-            try:
-                results.append(self._accept(row, draft, logits[index, : len(draft.tokens) + 1], targets[index]))
-            except Exception as error:  # noqa: BLE001
-                results.append(error)
+            if results[index] is None:
+                try:
+                    results[index] = self._accept(row, draft, logits, index, targets[index])
+                except Exception as error:  # noqa: BLE001
+                    results[index] = error
         if allowed is not None:
             self._check_allowed(results, constrained, targets, argmax_allowed.tolist(), allowed)
         trim_rows(self.cache, [width - 1 - r[0] if not isinstance(r, Exception) else 0 for r in results])
@@ -412,18 +421,19 @@ class BatchGenerator:
                     f"the model gave no allowed token a usable score (NaN or -inf) "
                     f"at generated token {self.rows[index].num_generated + results[index][0] + 1}")
 
-    def _accept(self, row: _Row, draft: Draft, logits: mx.array, targets: list) -> tuple:
-        if row.sampler is not None:
-            return accept_sampled(logits, draft, row.sampler)
-        if row.temp == 0:  # accept_draft's greedy rule, on the argmax already on the host
+    def _accept(self, row: _Row, draft: Draft, logits: mx.array, index: int, targets: list) -> tuple:
+        if row.sampler is None and row.temp == 0:  # accept_draft's greedy rule, on the argmax already on the host
             num_accepted = 0
             while num_accepted < len(draft.tokens) and draft.tokens[num_accepted] == targets[num_accepted]:
                 num_accepted += 1
             return num_accepted, targets[num_accepted]
-        return accept_draft(logits, draft, row.temp, row.top_p)
+        row_logits = logits[index, : len(draft.tokens) + 1]
+        if row.sampler is not None:
+            return accept_sampled(row_logits, draft, row.sampler)
+        return accept_draft(row_logits, draft, row.temp, row.top_p)
 
-    def _emit(self, row: _Row, draft: Draft, plan: tuple, num_accepted: int, next_token: int) -> RowResponse:
-        _, offerer, _, offered = plan  # the source that offered a draft, and all it offered
+    def _emit(self, row: _Row, draft: Draft, plan: _Plan, num_accepted: int, next_token: int) -> RowResponse:
+        offerer, offered = plan.drafter, plan.draft.tokens  # the source that offered a draft, and all it offered
         drafter = offerer if draft.tokens else None  # the policy may have cut the draft to nothing
         row.stats.target_forward_passes += 1
         emitted = draft.tokens[:num_accepted] + [next_token]
@@ -476,8 +486,8 @@ class BatchResult:
 
 
 def batch_generate(model, tokenizer, prompts: Sequence, *, pass_cost: Optional[PassCost] = None,
-                   prefill_step_size: int = 512, prefill_batch_size: int = 8, max_width: Optional[int] = None,
-                   **options) -> BatchResult:
+                   prefill_step_size: int = 512, prefill_batch_size: int = 8, max_batch: Optional[int] = None,
+                   max_width: Optional[int] = None, **options) -> BatchResult:
     """Generate for every prompt (a str, chat template applied, or token ids) in one batch.
 
     ``options`` are ``BatchGenerator.insert``'s, one value or one per prompt; EOS is the
@@ -485,7 +495,7 @@ def batch_generate(model, tokenizer, prompts: Sequence, *, pass_cost: Optional[P
     """
     options.setdefault("eos_token_ids", eos_ids_of(tokenizer))
     generator = BatchGenerator(model, prefill_step_size=prefill_step_size, prefill_batch_size=prefill_batch_size,
-                               max_width=max_width, pass_cost=pass_cost)
+                               max_batch=max_batch, max_width=max_width, pass_cost=pass_cost)
     mx.reset_peak_memory()
     uids = generator.insert([encode(tokenizer, prompt) for prompt in prompts], **options)
     tokens, sources = {uid: [] for uid in uids}, {uid: [] for uid in uids}

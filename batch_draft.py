@@ -7,42 +7,49 @@ draft with it, and each row gets a ``DraftModelRow`` for its list of sources:
     drafter = BatchDraftModel(small_model, vocab_size=target.args.vocab_size)
     gen.insert(prompts, draft_sources=[[PromptLookupSource(), drafter.source()] for _ in prompts])
 
-Before the rows choose their drafts, the engine calls ``draft_all`` once: a catch-up pass feeds
+A row joins when it first drafts. Before the rows choose their drafts, the engine calls
+``draft_all`` once a step: a catch-up pass feeds
 each row the tokens accepted since its last draft (right-padded to the longest; each row then
 drops its own padding), and then one pass per draft position drafts all rows together. After
 drafting, every row's draft cache holds exactly its accepted tokens, so verification needs no
 rollback here: what was accepted is fed at the next catch-up, with the target's token.
 """
 
+import time
 from typing import Optional
 
 import mlx.core as mx
 
 from batch_cache import prefill_rows, trim_rows
-from decoder import Draft, sampling_probs
-from speculative.adaptive import AdaptiveLength
+from cost import PassCost
+from decoder import Draft, DraftSource, sampling_probs
+from speculative.adaptive import AdaptiveLength, weight_bytes
+from speculative.draft_model import check_same_vocabulary, output_size
 
 
-class DraftModelRow:
-    """One row's handle on a ``BatchDraftModel`` (a draft source with ``DraftModelSource``'s
-    adaptive length); ``propose`` returns what ``draft_all`` drafted for this row."""
+class DraftModelRow(DraftSource):
+    """One row's handle on a ``BatchDraftModel``: ``DraftModelSource``'s adaptive length and
+    pausing, with ``propose`` returning what ``draft_all`` drafted for this row."""
 
     name = "draft_model"
 
-    def __init__(self, drafter: "BatchDraftModel", num_draft: int, max_draft: int, draft_token_cost: float,
-                 adaptive: bool):
+    def __init__(self, drafter: "BatchDraftModel", num_draft: int, max_draft: int, adaptive: bool):
         self.drafter = drafter
-        self.length = AdaptiveLength(num_draft, max_draft, draft_token_cost, enabled=adaptive)
-        self.temp, self.top_p = 0.0, 1.0
+        self.length = AdaptiveLength(num_draft, max_draft, enabled=adaptive)
         self.draft = None  # from the last draft_all, until proposed
+        self.reset()
 
-    def reset(self, cost=None, temp: float = 0.0, top_p: float = 1.0):
-        self.temp, self.top_p = temp, top_p
+    def reset(self, cost: Optional[PassCost] = None, temp: float = 0.0, top_p: float = 1.0):
+        super().reset(cost, temp, top_p)
         self.length.reset()
-        self.drafter.join(self)
+        self.draft = None
+
+    def token_cost(self) -> float:
+        """Drafting and verifying one token, as a fraction of the batch's plain pass (measured)."""
+        return self.drafter.draft_cost(self.cost) + self.cost.token_cost(self.drafter.batch_rows)
 
     def forecast_speedup(self) -> Optional[float]:
-        return self.length.expected_speedup() if self.length.enabled else None
+        return self.length.expected_speedup(self.token_cost()) if self.length.enabled else None
 
     def propose(self, tokens: list, max_draft: int) -> Optional[Draft]:
         draft, self.draft = self.draft, None
@@ -62,33 +69,55 @@ class BatchDraftModel:
     Args:
         model: the draft model (an mlx-lm model).
         vocab_size: the target's output size; draft distributions are padded or cut to it.
-        num_draft, max_draft, adaptive, draft_token_cost: each row's ``AdaptiveLength``.
+        num_draft, max_draft, adaptive: each row's ``AdaptiveLength``.
         min_confidence: a row stops drafting once its top probability falls below this.
+        draft_cost_prior: one draft position as a fraction of a target pass, until timed
+            (``create`` sets it from the weight bytes).
     """
 
+    FORGET = 0.9  # weight of the past in the running mean of a draft position's time
+
     def __init__(self, model, vocab_size: int, num_draft: int = 4, max_draft: int = 12, adaptive: bool = True,
-                 min_confidence: float = 0.5, draft_token_cost: float = 0.1, prefill_step_size: int = 512):
+                 min_confidence: float = 0.5, draft_cost_prior: float = 0.1, prefill_step_size: int = 512):
         self.model, self.vocab_size = model, vocab_size
-        self.options = dict(num_draft=num_draft, max_draft=max_draft, draft_token_cost=draft_token_cost,
-                            adaptive=adaptive)
+        self.options = dict(num_draft=num_draft, max_draft=max_draft, adaptive=adaptive)
         self.min_confidence = min_confidence
+        self.draft_cost_prior = draft_cost_prior
         self.prefill_step_size = prefill_step_size
         self.rows = []  # handles, in cache order
         self.cached = []  # per row: how many of its tokens the cache holds
-        self.joining = []
         self.cache = None
+        self.batch_rows = 1  # rows in the target's batch at the last draft
+        self.position_time = None  # [weight, mean seconds] of one draft position for all rows
+
+    @classmethod
+    def create(cls, draft_model, draft_tokenizer, target_model, target_tokenizer, **kwargs) -> "BatchDraftModel":
+        """Check the pair shares a vocabulary (``VocabularyMismatch`` otherwise) and build it."""
+        target_size = output_size(target_model, target_tokenizer)
+        check_same_vocabulary(draft_tokenizer, target_tokenizer, output_size(draft_model, draft_tokenizer),
+                              target_size)
+        kwargs.setdefault("draft_cost_prior", weight_bytes(draft_model) / weight_bytes(target_model))
+        return cls(draft_model, target_size, **kwargs)
+
+    def draft_cost(self, cost: PassCost) -> float:
+        """One draft position (a pass of the draft model over all its rows) as a fraction of the
+        target's plain pass over the batch: both measured, or the prior until they are."""
+        target = cost.seconds(1, self.batch_rows)
+        if self.position_time is None or not target:
+            return self.draft_cost_prior
+        return self.position_time[1] / target
+
+    def _time(self, seconds: float, positions: int):
+        weight, mean = self.position_time or (0.0, 0.0)
+        weight = self.FORGET * weight + 1
+        self.position_time = (weight, mean + (seconds / positions - mean) / weight)
 
     def source(self) -> DraftModelRow:
         """A handle for one row's ``draft_sources``."""
         return DraftModelRow(self, **self.options)
 
-    def join(self, handle: DraftModelRow):
-        if handle not in self.rows and handle not in self.joining:
-            self.joining.append(handle)
-
     def remove(self, handle: DraftModelRow):
-        if handle in self.joining:
-            self.joining.remove(handle)
+        """The row left the batch."""
         if handle in self.rows:
             index = self.rows.index(handle)
             keep = [i for i in range(len(self.rows)) if i != index]
@@ -99,19 +128,19 @@ class BatchDraftModel:
             else:
                 self.cache = None
 
-    def _admit(self, tokens_of: dict):
-        joining = [handle for handle in self.joining if id(handle) in tokens_of]
-        self.joining = [handle for handle in self.joining if id(handle) not in tokens_of]
+    def _admit(self, requests: list):
+        """Prefill the rows drafting for the first time (as one left-padded batch) and merge them in."""
+        joining = [(handle, tokens) for handle, tokens, _ in requests if handle not in self.rows]
         if not joining:
             return
-        prompts = [tokens_of[id(handle)][:-1] for handle in joining]
+        prompts = [tokens[:-1] for _, tokens in joining]
         cache = prefill_rows(self.model, prompts, self.prefill_step_size)
         if self.cache is None:
             self.cache = cache
         else:
             for layer, new_layer in zip(self.cache, cache):
                 layer.extend(new_layer)
-        self.rows += joining
+        self.rows += [handle for handle, _ in joining]
         self.cached += [len(prompt) for prompt in prompts]
 
     def _distributions(self, logits: mx.array) -> tuple:
@@ -135,18 +164,21 @@ class BatchDraftModel:
                 probs[member] = group[position]
         return tokens, confidence, probs
 
-    def draft_all(self, requests: list):
-        """Draft for every row; ``requests`` holds ``(handle, tokens, max_draft)`` per row."""
+    def draft_all(self, requests: list, cost: PassCost, batch_rows: int):
+        """Draft for every row: ``requests`` holds ``(handle, tokens, max_draft)`` for each of the
+        target's rows that drafts with this model; ``batch_rows`` is the target's batch size."""
+        self.batch_rows = batch_rows
+        for handle in self.rows:
+            handle.draft = None  # a draft the rows did not take last step is stale now
+        self._admit(requests)
         tokens_of = {id(handle): tokens for handle, tokens, _ in requests}
         limits = {id(handle): max_draft for handle, _, max_draft in requests}
-        self._admit(tokens_of)
-        if not self.rows:
-            return
-        # paused() counts a skipped step, so it is asked once per step.
-        wanted = [limits.get(id(h), 0) > 0 and not h.length.paused() for h in self.rows]
-        lengths = [min(h.length.num_draft, limits[id(h)]) if w else 0 for h, w in zip(self.rows, wanted)]
+        # next_length counts a paused step, so it is asked once per step.
+        lengths = [min(h.length.next_length(h.token_cost()), limits[id(h)]) if limits.get(id(h), 0) > 0 else 0
+                   for h in self.rows]
         if not any(lengths):
             return  # the caches catch up at the next draft
+        tic = time.perf_counter()
         refeed = [int(cached == len(tokens_of[id(h)])) for h, cached in zip(self.rows, self.cached)]
         trim_rows(self.cache, refeed)  # a row with nothing new re-feeds its last token for its logits
         pending = [tokens_of[id(h)][cached - again:] for h, cached, again in zip(self.rows, self.cached, refeed)]
@@ -163,11 +195,12 @@ class BatchDraftModel:
             logits = step_logits if logits is None else mx.where(has, step_logits, logits)
         self.cached = [len(tokens_of[id(h)]) for h in self.rows]
 
-        drafts, rows, alive = [[] for _ in self.rows], [[] for _ in self.rows], list(wanted)
+        drafts, rows, alive = [[] for _ in self.rows], [[] for _ in self.rows], [n > 0 for n in lengths]
         fed = 0
         for position in range(max(lengths)):
             tokens, confidence, probs = self._distributions(logits)
             # One sync per draft position: the next pass and the early stop need the values.
+            mx.eval(tokens, confidence)
             token_list, confidence_list = tokens.tolist(), confidence.tolist()
             for b in range(len(self.rows)):
                 if not alive[b] or position >= lengths[b]:
@@ -182,6 +215,7 @@ class BatchDraftModel:
             logits = self.model(tokens[:, None], cache=self.cache)[:, -1]
             fed += 1
         trim_rows(self.cache, [fed] * len(self.rows))
+        self._time(time.perf_counter() - tic, fed + 1)  # the last position's values were synced
         for handle, draft, row in zip(self.rows, drafts, rows):
             sampled = bool(row) and row[0] is not None
             handle.draft = Draft(draft, mx.stack(row) if sampled else None) if draft else None

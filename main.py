@@ -199,6 +199,8 @@ def build_run(args, session=None):
     model, drafts = draft_sources(args, model, tokenizer, encoder_input)
     kwargs = dict(draft_sources=forced + drafts, constraint=constraint, temp=args.temp, top_p=args.top_p,
                   max_tokens=max_tokens, stats=DecodingStats())
+    if session is not None:  # every rank must fit the same cost, or their drafts differ
+        kwargs["pass_cost"] = session.pass_cost()
     return model, tokenizer, prompt, kwargs
 
 

@@ -19,6 +19,8 @@ from typing import Optional
 
 import mlx.core as mx
 
+from cost import PassCost
+
 from .sharding import MODES, shard_model
 from .watchdog import Watchdog
 
@@ -90,12 +92,35 @@ def quiet_native_stderr():
     sys.stderr = os.fdopen(terminal, "w", buffering=1)
 
 
+class SharedPassCost(PassCost):
+    """A ``PassCost`` that every rank fits alike: each timing is averaged over the group (one
+    scalar all-reduce), so all ranks choose the same draft lengths, as lockstep decoding needs.
+    Each rank's own clock would differ a little, and one different choice deadlocks the group."""
+
+    def __init__(self, group, **options):
+        super().__init__(**options)
+        self.group = group
+
+    def _shared(self, seconds: float) -> float:
+        return mx.distributed.all_sum(mx.array(seconds), group=self.group).item() / self.group.size()
+
+    def record(self, seconds: float, width: int, rows: int = 1):
+        super().record(self._shared(seconds), width, rows)
+
+    def record_draft(self, name: str, seconds: float, num_drafted: int):
+        super().record_draft(name, self._shared(seconds), num_drafted)
+
+
 class Session:
     """This rank's view of the run: the group, the watchdog and sharding."""
 
     def __init__(self, group, watchdog: Watchdog):
         self.group, self.watchdog = group, watchdog
         self.rank, self.size = group.rank(), group.size()
+
+    def pass_cost(self) -> PassCost:
+        """The cost model the loop must use on every rank (``generate_step(pass_cost=...)``)."""
+        return SharedPassCost(self.group)
 
     def shard(self, model, mode: str = "auto"):
         """Shard a lazily loaded mlx-lm model in place; the watchdog restarts at its first forward pass."""

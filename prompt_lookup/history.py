@@ -22,7 +22,7 @@ import numpy as np
 
 from prompt_lookup.ngram import SEPARATOR, PromptLookupSource
 
-# A search over 32k tokens costs about 1 ms on a 2-core x86 CPU, 1.5% of a SmolLM2-135M step.
+# Bounds the store, and so the cost of a search (prompt_lookup/README.md, "Search cost").
 DEFAULT_MAX_HISTORY_TOKENS = 32_768
 
 

@@ -44,7 +44,7 @@ def find_draft(
     with the context furthest back (up to ``LONGEST_LOOKBACK`` tokens) is
     copied, the most recent on a tie: the same as the most recent match with a
     larger ``ngram_max``. (The most recent and the earliest occurrence were
-    measured and lost; see git history.) Occurrences with nothing after them
+    measured and lost: benchmarks/results/prompt_lookup.md.) Occurrences with nothing after them
     are skipped, so the suffix never matches itself.
 
     Args:

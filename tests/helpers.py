@@ -49,6 +49,25 @@ class ScriptedSource(DraftSource):
         self.updates.append((len(tokens), num_proposed, num_accepted))
 
 
+def end_with_a_match(tokens: list, ngram: int):
+    """Extend ``tokens`` in place with new ids so that its end repeats ``ngram`` earlier tokens and
+    agrees with them exactly ``ngram`` tokens back: a prompt-lookup match of that size, whose copy
+    (the 16 tokens that followed, then more) is long enough for any draft length."""
+    first = max(tokens, default=0) + 1
+    before, other_before, *pattern = range(first, first + 2 + ngram)
+    follow = list(range(first + 2 + ngram, first + 18 + ngram))
+    tokens += [before, *pattern, *follow, other_before, *pattern]
+
+
+def target_accepts(source, tokens: list, num_accepted: int, times: int = 60):
+    """Let ``source`` copy at the end of ``tokens`` ``times`` times, and report to it what a target
+    that accepts the first ``num_accepted`` tokens of each copy and rejects the next one would."""
+    for _ in range(times):
+        draft = source.propose(tokens, max_draft=100)
+        num_proposed = len(draft.tokens) if draft else 0
+        source.update(tokens, num_proposed, min(num_accepted, num_proposed))
+
+
 def chi_square_p_value(counts, probs):
     """Pearson chi-square goodness of fit; cells with tiny expectation are pooled."""
     import numpy as np

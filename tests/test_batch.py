@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 import batch
 from batch import BatchGenerator, batch_generate
-from batch_policy import BatchPassCost, choose_width
+from batch_policy import DraftGate, choose_width
 from batch_draft import BatchDraftModel
 from constrained import ForcedTextSource, RegexConstraint
 from cost import PassCost
@@ -251,6 +251,20 @@ def test_one_rows_error_or_removal_never_touches_another():
     assert got[3] == alone(MODEL, prompts[3], 25, eos=())[: len(got[3])]
 
 
+def test_max_batch_keeps_the_other_rows_waiting_their_turn():
+    prompts = [[i + 1, i + 2, i + 3] for i in range(5)]
+    lengths = [3, 6, 2, 5, 4]
+    generator = BatchGenerator(MODEL, eos_token_ids=[], max_batch=2)
+    uids = generator.insert(prompts, max_tokens=lengths, draft_sources=[[PromptLookupSource()] for _ in prompts])
+    out, widest = {uid: [] for uid in uids}, 0
+    while responses := generator.next():
+        widest = max(widest, len(responses))
+        for response in responses:
+            out[response.uid] += response.tokens
+    assert widest == 2
+    assert [out[uid] for uid in uids] == [alone(MODEL, p, n, eos=()) for p, n in zip(prompts, lengths)]
+
+
 def test_bad_rows_are_refused_in_one_line():
     from speculative.head_source import DraftHeadSource
 
@@ -264,6 +278,8 @@ def test_bad_rows_are_refused_in_one_line():
         generator.insert([[1], [2]], temp=[0.0])
     with pytest.raises(ValueError, match="prompt is empty"):
         generator.insert([[]])
+    with pytest.raises(ValueError, match="one list of sources per prompt"):
+        generator.insert([[1]], draft_sources=[PromptLookupSource()])
     assert len(generator) == 0
 
 
@@ -337,6 +353,23 @@ def test_choose_width_weighs_expected_tokens_against_the_pass_cost():
     assert choose_width([6, 0, 0, 0], [1.0, 0, 0, 0], PassCost(default_token_cost=0.5)) == 1
 
 
+def test_the_gate_asks_while_drafting_pays_and_probes_now_and_then():
+    gate = DraftGate()
+    assert gate.ask()
+    gate.record(1)  # the step drafted nothing
+    asked = []
+    for _ in range(40):
+        asked.append(gate.ask())
+        if asked[-1]:
+            gate.record(1)
+    assert [i for i, a in enumerate(asked) if a] == [1, 4, 9, 18, 27, 36]  # skips 1, 2, 4, then 8
+    gate.record(3)  # a probe that drafted
+    assert all(gate.ask() for _ in range(5))
+    gate.record(1)
+    gate.reset()  # rows joined
+    assert gate.ask()
+
+
 class ClockedModel:
     """A model whose every pass takes ``base + per_token * (width - 1)`` simulated seconds."""
 
@@ -358,7 +391,7 @@ def test_the_policy_drafts_wider_where_verifying_is_cheap_with_identical_output(
     results = {}
     for name, per_token in (("cheap", 0.001), ("dear", 2.0)):
         model = ClockedModel(MODEL, 1.0, per_token)
-        generator = BatchGenerator(model, pass_cost=BatchPassCost(clock=model.clock))
+        generator = BatchGenerator(model, pass_cost=PassCost(clock=model.clock))
         generator.insert(prompts, max_tokens=40, draft_sources=[[PromptLookupSource()] for _ in prompts])
         out = {}
         while responses := generator.next():
@@ -371,3 +404,39 @@ def test_the_policy_drafts_wider_where_verifying_is_cheap_with_identical_output(
     assert results["cheap"][0] > results["dear"][0] + 1, results
     assert results["cheap"][1] < results["dear"][1], results
     assert results["dear"][2][1] > results["dear"][2].total() / 2, results  # mostly no drafts where dear
+
+
+def test_sources_whose_drafts_never_pay_are_not_asked_and_output_stays_the_same():
+    prompts = [[i, i + 1, i + 2] for i in range(6)]
+    wants = [alone(MODEL, p, 40, eos=()) for p in prompts]
+    model = ClockedModel(MODEL, 1.0, 0.5)
+    asked = [0]
+
+    def wrong(tokens, k):
+        asked[0] += 1
+        return [(tokens[-1] + 7) % VOCAB] * k
+    sources = [ScriptedSource(wrong, "wrong") for _ in prompts]
+    generator = BatchGenerator(model, pass_cost=PassCost(clock=model.clock))
+    uids = generator.insert(prompts, max_tokens=40, draft_sources=[[s] for s in sources])
+    out = {uid: [] for uid in uids}
+    while responses := generator.next():
+        for response in responses:
+            out[response.uid] += response.tokens
+    assert [out[uid] for uid in uids] == wants
+    assert generator.stats.passes == 40 and asked[0] / len(prompts) < 12
+
+
+def test_embedded_model_rows_match_their_single_sequence_output(embedded, chat_prompt):
+    """The real model in float32: a batched matmul may sum in another order than a single row's,
+    so a flipped token must be a near-tie (assert_same_or_near_tie)."""
+    model, tokenizer, _ = embedded
+    texts = ["What is the capital of France?", "Repeat after me: the quick brown fox jumps over the lazy dog.",
+             "Write a haiku about rain.", "List three prime numbers."]
+    prompts = [chat_prompt(text) for text in texts]
+    eos = sorted(tokenizer.eos_token_ids)
+    specs = [dict(prompt=p, max_tokens=16, join=i // 2, draft_sources=[PromptLookupSource()])
+             for i, p in enumerate(prompts)]
+    got, _, errors, _ = run(BatchGenerator(model, eos_token_ids=eos), specs)
+    for prompt, tokens in zip(prompts, got):
+        assert_same_or_near_tie(model, prompt, tokens, alone(model, prompt, 16, eos=eos))
+    assert errors == [None] * 4

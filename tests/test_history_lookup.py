@@ -25,7 +25,7 @@ from prompt_lookup.history import (
     load_history,
 )
 from prompt_lookup.ngram import SEPARATOR
-from tests.helpers import tiny_llama
+from tests.helpers import end_with_a_match, target_accepts, tiny_llama
 
 VOCAB = 64
 MODEL = tiny_llama(vocab_size=VOCAB)
@@ -199,22 +199,32 @@ def test_copies_from_the_store_and_from_the_answer_keep_separate_estimates():
     store = [7, 8, 9, 10, 11]
     source = HistoryLookupSource(store)
     source.reset()
-    assert source.match_kind(2, 0) == (2, True)  # copied from the store
+    from_store, from_answer = (2, True), (2, False)
+    assert source.match_kind(2, 0) == from_store
     assert source.match_kind(9, len(store) + 3) == (3, False)  # from the generation; long counts as ngram_max
+    assert source.draft_length(from_store) == source.draft_length(from_answer) == source.num_draft  # the prior
     tokens = [1, 2, 7, 8]  # "7 8" occurs only in the store
-    draft = source.propose(tokens, 4)
-    assert draft.tokens[:1] == [9] and source._kind == (2, True)
-    source.update(tokens + [0], len(draft.tokens), 0)  # rejected: only the store's estimate drops
-    assert source._accept((2, True)) < source._accept((2, False))
+    for _ in range(3):  # the store's copies are rejected
+        draft = source.propose(tokens, 8)
+        assert draft.tokens[0] == 9 and draft.expected_speedup == source.expected_speedup(from_store, len(draft.tokens))
+        source.update(tokens, len(draft.tokens), 0)
+    assert 0 < source.draft_length(from_store) < source.draft_length(from_answer) == source.num_draft
+    # A 2-gram of the answer itself ("5 6", after 0 there and 4 here) is still copied at full length.
+    tokens += [0, 5, 6, *range(20, 30), 4, 5, 6]
+    draft = source.propose(tokens, 8)
+    assert draft.tokens == list(range(20, 28))
+    assert draft.expected_speedup == source.expected_speedup(from_answer, 8) > source.expected_speedup(from_store, 8)
 
 
 def test_a_draft_says_what_it_expects_and_longer_agreement_expects_more():
     source = PromptLookupSource()
-    source._counts[3], source._counts[1] = [8.0, 2.0], [1.0, 4.0]
-    assert source.expected_speedup(3, 4) > source.expected_speedup(1, 1) > 1.0
+    tokens = []
+    for ngram, num_accepted in ((1, 0), (2, 1), (3, 4)):  # a = 0, 0.5 and 0.8
+        end_with_a_match(tokens, ngram)
+        target_accepts(source, tokens, num_accepted)
+    assert source.expected_speedup(3, 4) > source.expected_speedup(2, 1) > 1.0
     assert source.expected_speedup(1, 8) < 1.0  # a long copy of a poor match costs more than it gives
-    tokens = [5, 6, 7, 1, 5, 6, 7]
-    draft = source.propose(tokens, 8)
+    draft = source.propose(tokens, 8)  # after the 3-gram match
     assert draft.expected_speedup == source.expected_speedup(3, len(draft.tokens))
     assert PromptLookupSource(adaptive=False).propose(tokens, 8).expected_speedup is None
 

@@ -56,7 +56,8 @@ def test_lazy_rows_equal_the_dense_index(pattern, gappy):
         assert np.array_equal(index.row(state), rows[state]), (pattern, state)
     states = list(range(dfa.num_states))
     assert np.array_equal(np.array(index.masks(states)), rows >= 0)
-    assert len(index._rows) <= index.max_cached_rows
+    # A cached row is (V,) int32 next states and a (V,) bool mask: the cache holds max_cached_rows at most.
+    assert index.cached_bytes <= index.max_cached_rows * 5 * len(token_bytes)
 
 
 def test_a_large_regex_is_cheap_until_visited(tmp_path):

@@ -9,7 +9,7 @@ from cost import PassCost
 from decoder import DecodingStats, generate_step
 from prompt_lookup import PromptLookupSource, find_draft
 from prompt_lookup.ngram import LONGEST_LOOKBACK
-from tests.helpers import tiny_llama
+from tests.helpers import end_with_a_match, target_accepts, tiny_llama
 
 VOCAB = 64
 MODEL = tiny_llama(vocab_size=VOCAB)
@@ -172,29 +172,40 @@ def test_adaptive_shrinks_after_a_partial_acceptance():
 
 
 def test_draft_length_follows_the_cost_model():
-    source = PromptLookupSource(num_draft=8)
-    source.reset(PassCost(default_token_cost=0.1))
-    source._counts[3] = [9.0, 1.0]  # a = 0.9: 0.9**21 > 0.1 > 0.9**22, capped at 16
-    source._counts[2] = [1.0, 1.0]  # a = 0.5: 0.5**3 > 0.1 > 0.5**4
-    source._counts[1] = [1.0, 19.0]  # a = 0.05 < cost: do not draft
-    assert [source.draft_length(n) for n in (3, 2, 1)] == [16, 3, 0]
+    source = PromptLookupSource(num_draft=8, ngram_max=4)
+    source.reset(PassCost(default_token_cost=0.1))  # nothing timed: one more token costs 0.1 of a step
+    tokens = []  # one sequence, so that the source keeps what it learns about each size of match
+    for ngram, num_accepted in ((4, 9), (3, 4), (2, 1), (1, 0)):
+        end_with_a_match(tokens, ngram)
+        target_accepts(source, tokens, num_accepted)  # a = num_accepted / (num_accepted + 1)
+    # a = 0.9: 0.9**21 > 0.1 > 0.9**22, capped at 16; a = 0.8: 0.8**10 > 0.1 > 0.8**11;
+    # a = 0.5: 0.5**3 > 0.1 > 0.5**4; a = 0 < cost: do not draft.
+    assert [source.draft_length(n) for n in (4, 3, 2, 1)] == [16, 10, 3, 0]
 
 
-@pytest.mark.parametrize("emitted,continued,stopped", [
-    ([3, 9], 1, 1),  # agrees with the first emitted token, then not: one accepted, then a stop
-    ([3], 1, 0),  # agrees with all that was emitted, and is longer: censored, no stop known
-    ([3, 4, 1, 2, 5], 4, 0),  # all of it agrees: a fully accepted copy
-    ([7, 3], 0, 1),
+def estimates(source, kind):
+    """What ``source`` expects from copies of each length after a match of ``kind``."""
+    return [source.expected_speedup(kind, length) for length in range(1, 9)]
+
+
+@pytest.mark.parametrize("emitted,num_accepted", [
+    ([3, 9], 1),  # agrees with the first emitted token, then not: one accepted, then a rejection
+    ([3], 1),  # agrees with all that was emitted, and is longer: censored, no rejection known
+    ([3, 4, 1, 2, 5], 4),  # all of it agrees: a fully accepted copy
+    ([7, 3], 0),
 ])
-def test_a_copy_another_source_drafted_over_is_scored_against_what_was_emitted(emitted, continued, stopped):
-    source = PromptLookupSource()
-    tokens = [1, 2, 3, 4, 1, 2]
-    assert source.propose(tokens, 8).tokens == [3, 4, 1, 2]
-    before = list(source._counts[2])
-    source.update(tokens + emitted, 0, 0)  # another source drafted; these tokens were emitted
-    assert source._counts[2] == pytest.approx([0.8 * before[0] + continued, 0.8 * before[1] + stopped])
-    source.update(tokens + emitted + [0], 0, 0)  # no copy offered since: nothing to score
-    assert source._counts[2] == pytest.approx([0.8 * before[0] + continued, 0.8 * before[1] + stopped])
+def test_a_copy_another_source_drafted_over_is_scored_as_if_verified(emitted, num_accepted):
+    tokens = [1, 2, 3, 4, 1, 2]  # a 2-gram match
+    scored, verified = PromptLookupSource(), PromptLookupSource()
+    assert scored.propose(tokens, 8).tokens == [3, 4, 1, 2]
+    before = estimates(scored, 2)
+    scored.update(tokens + emitted, 0, 0)  # another source drafted; these tokens were emitted
+    # The same copy, cut to what was emitted, verified by the target.
+    draft = verified.propose(tokens, len(emitted))
+    verified.update(tokens + emitted, len(draft.tokens), num_accepted)
+    assert estimates(scored, 2) == estimates(verified, 2) != before
+    scored.update(tokens + emitted + [0], 0, 0)  # no copy offered since: nothing to score
+    assert estimates(scored, 2) == estimates(verified, 2)
 
 
 def gaps(lengths):

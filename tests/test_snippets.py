@@ -1,6 +1,6 @@
 """The READMEs' Python snippets run as written, and each folder works when copied alone.
 
-A folder's snippet runs in a temporary directory that holds only ``decoder.py``, that folder
+A folder's snippet runs in a temporary directory that holds only ``decoder.py`` and ``cost.py``, that folder
 and the folders it needs (``NEEDS``), as in a user's project with ``mlx``, ``mlx-lm`` and numpy
 installed: an import of ``loading``, ``cli`` or ``fast_blas`` there fails the test. The model id in the snippets is
 swapped for the embedded model's converted directory (no download here).
@@ -17,6 +17,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 FOLDERS = ["prompt_lookup", "constrained", "speculative", "distributed"]
+CORE = ["decoder.py", "cost.py"]  # what every copied folder needs beside it
 NEEDS = {"speculative": ["t5"]}  # T5 drafts (t5/README.md); its README has no mlx-lm snippet to run here
 MODEL_ID = "mlx-community/SmolLM2-135M-Instruct"
 # Modules of the application (main.py's side) that no copied folder may need.
@@ -81,7 +82,8 @@ def run_snippet(code: str, cwd: Path, model_path: Path) -> subprocess.CompletedP
 @pytest.mark.parametrize("folder", FOLDERS)
 def test_a_copied_folder_runs_its_readme_snippets(folder, embedded, tmp_path):
     _, _, model_path = embedded
-    shutil.copy(ROOT / "decoder.py", tmp_path)
+    for core in CORE:
+        shutil.copy(ROOT / core, tmp_path)
     for name in [folder] + NEEDS.get(folder, []):
         shutil.copytree(ROOT / name, tmp_path / name, ignore=shutil.ignore_patterns("__pycache__"))
     for code in python_blocks(ROOT / folder / "README.md"):
@@ -95,7 +97,8 @@ def test_the_top_readme_snippets_run(embedded, tmp_path):
     _, _, model_path = embedded
     for folder in FOLDERS + ["t5"]:
         shutil.copytree(ROOT / folder, tmp_path / folder, ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copy(ROOT / "decoder.py", tmp_path)
+    for module in CORE + [path.name for path in ROOT.glob("batch*.py")]:  # the Batches section
+        shutil.copy(ROOT / module, tmp_path)
     for code in python_blocks(ROOT / "README.md"):
         result = run_snippet(code, tmp_path, model_path)
         assert result.returncode == 0, result.stderr[-3000:]
