@@ -391,6 +391,50 @@ def test_load_16_clients_64_requests_none_lost(server, client):
 
 
 @pytest.mark.slow
+def test_requests_decoded_together_each_get_the_text_they_get_alone(client):
+    """Continuous batching: four requests of different lengths, one with a schema, sent at once
+    (they join one batch as they arrive) give exactly what each gives alone."""
+    requests = [dict(messages=[{"role": "user", "content": QUESTION}], max_tokens=24),
+                dict(messages=[{"role": "user", "content": "Name three colours."}], max_tokens=9),
+                dict(messages=[{"role": "user", "content": "Anna, 34. Give her as JSON."}], max_tokens=30,
+                     response_format={"type": "json_schema", "json_schema": {"name": "u", "schema": USER_SCHEMA}}),
+                dict(messages=[{"role": "user", "content": "Repeat: red, green, blue, red, green, blue."}],
+                     max_tokens=16)]
+
+    def ask(request):
+        answer = client.chat.completions.create(model=MODEL, temperature=0, **request)
+        return answer.choices[0].message.content, answer.usage.completion_tokens
+
+    alone = [ask(request) for request in requests]
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        together = list(pool.map(ask, requests))
+    assert together == alone
+    assert [tokens for _, tokens in alone] != [alone[0][1]] * 4  # rows of different lengths
+    json.loads(alone[2][0])
+
+
+@pytest.mark.slow
+def test_interleaved_conversations_each_reuse_their_own_cached_prefix(client):
+    """The prompt cache keeps several conversations: turns of two conversations in turn each
+    prefill only their new message."""
+    document = (ROOT / "demo" / "museum.txt").read_text()
+    conversations = [[{"role": "system", "content": f"Conversation {c}: answer briefly."},
+                      {"role": "user", "content": document}] for c in range(2)]
+    cached = {}
+    for turn, question in enumerate(["When did the museum open?", "Who founded it?"]):
+        for c, messages in enumerate(conversations):
+            if turn:
+                messages.append({"role": "user", "content": question})
+            answer = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=8)
+            messages.append({"role": "assistant", "content": answer.choices[0].message.content})
+            cached[turn, c] = (answer.usage.prompt_tokens, answer.usage.prompt_tokens_details.cached_tokens)
+    for c in range(2):
+        first_prompt, _ = cached[0, c]
+        prompt, hit = cached[1, c]
+        assert hit >= first_prompt and prompt - hit < 40  # only the last answer and the new question
+
+
+@pytest.mark.slow
 def test_draft_sources_keep_the_greedy_output(client):
     """A second server with prompt lookup and the draft head: the same text, fewer target passes."""
     from openai import OpenAI
