@@ -12,7 +12,9 @@ passes and every choice reads this one model instead of a constant.
 
 A pass of ``rows`` sequences, each ``width`` tokens wide, is modelled as a line,
 ``seconds = base + slope * (width - 1)``, fitted per ``rows`` to recent timings.
-Until both ends of the line are measured, a prior (``default_token_cost``) fills in.
+Until both ends of the line are measured, a prior fills in: the token cost measured at the
+nearest batch size timed at two widths, else ``default_token_cost``. (A batch engine meets
+many batch sizes, and on a CPU one more token of width costs far more at 8 rows than at 1.)
 """
 
 import time
@@ -48,7 +50,7 @@ class PassCost:
         entry = self.passes.setdefault(rows, {}).setdefault(width, [0.0, 0.0])
         entry[0] = self.forget * entry[0] + 1
         entry[1] += (seconds - entry[1]) / entry[0]
-        self._fits.pop(rows, None)
+        self._fits.clear()  # a line at one batch size is the prior of the others
 
     def record_draft(self, name: str, seconds: float, num_drafted: int):
         """Source ``name`` took ``seconds`` to draft ``num_drafted`` tokens."""
@@ -58,10 +60,18 @@ class PassCost:
         entry[0] = self.forget * entry[0] + 1
         entry[1] += (seconds / num_drafted - entry[1]) / entry[0]
 
-    def _fit(self, rows: int) -> Optional[tuple]:
+    def _prior_token_cost(self, rows: int) -> float:
+        """The token cost measured at the nearest other batch size timed at two widths, else the default."""
+        known = [r for r, widths in self.passes.items() if r != rows and len(widths) >= 2]
+        if not known:
+            return self.default_token_cost
+        fit = self._fit(min(known, key=lambda r: abs(r - rows)), borrow=False)
+        return self.default_token_cost if fit is None else max(fit[1] / fit[0], 1e-3)
+
+    def _fit(self, rows: int, borrow: bool = True) -> Optional[tuple]:
         """``(base, slope)`` of the line through the timings at ``rows`` (weighted least squares
         with the prior's two pseudo-passes), or None before any pass of that many rows."""
-        if rows in self._fits:
+        if borrow and rows in self._fits:
             return self._fits[rows]
         widths = self.passes.get(rows)
         if not widths:
@@ -75,10 +85,10 @@ class PassCost:
         narrowest = min(widths)
         if widths[narrowest][1] <= 0:  # a clock that did not move (a test's): nothing measured
             return None
-        anchor = widths[narrowest][1] / (1 + self.default_token_cost * (narrowest - 1))
+        prior = self._prior_token_cost(rows) if borrow else self.default_token_cost
+        anchor = widths[narrowest][1] / (1 + prior * (narrowest - 1))
         points = [(w, weight, mean) for w, (weight, mean) in widths.items()]
-        points += [(1, self.PRIOR_WEIGHT, anchor),
-                   (2, self.PRIOR_WEIGHT, anchor * (1 + self.default_token_cost))]
+        points += [(1, self.PRIOR_WEIGHT, anchor), (2, self.PRIOR_WEIGHT, anchor * (1 + prior))]
         total = sum(weight for _, weight, _ in points)
         mean_x = sum(weight * (w - 1) for w, weight, _ in points) / total
         mean_y = sum(weight * t for _, weight, t in points) / total
@@ -87,7 +97,9 @@ class PassCost:
         base = mean_y - slope * mean_x
         if base <= 0:  # noise on a nearly flat line: keep the measured narrowest pass as the base
             base = widths[narrowest][1]
-        fit = self._fits[rows] = (base, max(slope, 0.0))
+        fit = (base, max(slope, 0.0))
+        if borrow:
+            self._fits[rows] = fit
         return fit
 
     def seconds(self, width: int = 1, rows: int = 1) -> Optional[float]:
