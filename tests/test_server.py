@@ -65,7 +65,7 @@ def chat(**body):
      "the JSON schema is not supported"),
     ({"tool_choice": "required"}, "'tool_choice' needs 'tools'"),
     ({"tools": [WEATHER_TOOL], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
-    ({"logprobs": True}, "logprobs"),
+    ({"logprobs": True, "top_logprobs": 30}, "'top_logprobs' must be between 0 and 20"),
     ({"response_format": {"type": "json_schema", "json_schema": {"schema": {}, "stric": True}}},
      "unrecognized argument response_format.json_schema.stric"),
 ])
