@@ -23,8 +23,8 @@ from tests import tiny_server
 
 ROOT = Path(__file__).resolve().parent.parent
 TOKENIZER = tiny_server.tokenizer()
-VOCAB = len(TOKENIZER)
-MODEL = tiny_server.model(VOCAB)
+VOCAB = tiny_server.vocab_size()
+MODEL = tiny_server.model()
 EOS = TOKENIZER.eos_token_id
 PROMPT = TOKENIZER.encode("name: ab 12 20 ab name: ab 12")
 
@@ -89,8 +89,10 @@ def test_completion_logprobs_are_the_models_with_and_without_prompt_lookup(plain
         assert logprobs.tokens == [token_string(t) for t in tokens]
         assert np.abs(np.array(logprobs.token_logprobs) - want[np.arange(len(tokens)), tokens]).max() < 1e-5
         for token, top, row in zip(logprobs.tokens, logprobs.top_logprobs, want):
-            assert len(top) == 3 and max(top, key=top.get) == token  # greedy: the chosen token is the top one
-            assert np.allclose(sorted(top.values(), reverse=True), np.sort(row)[::-1][:3], atol=1e-5)
+            # Greedy: the chosen token is the top one. Tokens of a partial UTF-8 character all read
+            # "\ufffd", so they share one key of the dict (hence <= 3).
+            assert 1 <= len(top) <= 3 and top[token] == max(top.values())
+            assert all(np.isclose(np.sort(row)[::-1][:3], value, atol=1e-5).any() for value in top.values())
         lengths = [len(token) for token in logprobs.tokens]
         assert logprobs.text_offset == [sum(lengths[:i]) for i in range(len(lengths))]
         streamed = list(client(server).completions.create(model="tiny", prompt=PROMPT, max_tokens=24, temperature=0,

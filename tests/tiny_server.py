@@ -15,17 +15,27 @@ CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% 
 
 
 def tokenizer():
+    """tests.helpers' byte-level tokenizer with a chat template, wrapped as mlx-lm loads one (its
+    apply_chat_template gives token ids)."""
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
     from tests.helpers import tiny_byte_tokenizer
 
     byte_tokenizer = tiny_byte_tokenizer()
     byte_tokenizer.chat_template = CHAT_TEMPLATE
-    return byte_tokenizer
+    return TokenizerWrapper(byte_tokenizer)
 
 
-def model(vocab_size: int):
+def vocab_size() -> int:
+    from tests.helpers import tiny_byte_tokenizer
+
+    return len(tiny_byte_tokenizer())
+
+
+def model():
     from tests.helpers import tiny_llama
 
-    return tiny_llama(vocab_size=vocab_size, num_layers=2, hidden_size=32, seed=3, sharp=3.0)
+    return tiny_llama(vocab_size=vocab_size(), num_layers=2, hidden_size=32, seed=3, sharp=3.0)
 
 
 def main():
@@ -43,10 +53,8 @@ def main():
     from server.app import build_app
     from server.engine import Engine
 
-    byte_tokenizer = tokenizer()
-    vocab_size = len(byte_tokenizer)
     sources = (lambda: [PromptLookupSource()]) if args.prompt_lookup else list
-    engine = Engine(model(vocab_size), byte_tokenizer, vocab_size, sources, max_batch=args.max_batch,
+    engine = Engine(model(), tokenizer(), vocab_size(), sources, max_batch=args.max_batch,
                     max_queue=args.max_queue, prompt_cache_bytes=args.prompt_cache_bytes)
     sock = listen("127.0.0.1", 0)
     server = uvicorn.Server(uvicorn.Config(build_app(engine, "tiny", context_length=4096), log_level="warning"))
