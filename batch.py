@@ -13,6 +13,10 @@ cache (``batch_cache.RaggedKVCache``: every row keeps its own end, no copy).
         for response in responses:  # uid, the tokens this step emitted, their sources, finish_reason
             ...
 
+``insert(..., logprobs=k)`` also gives, per emitted token, the target's log-probability of it and
+its k most likely tokens (``RowResponse.logprobs``), read from the pass that verified it: a token
+has the same logprobs whether a source drafted it or the target chose it.
+
 Nothing here holds a thread or a lock: a server calls ``insert``, ``next`` and ``remove`` from the
 one thread that owns the model.
 """
@@ -36,7 +40,8 @@ from speculative.head_source import DraftHeadSource
 # so that no row attends over many slots that hold nothing of its own.
 MAX_RAGGEDNESS = 64
 
-__all__ = ["BatchDraftModel", "BatchGenerator", "BatchResult", "BatchStats", "RowResponse", "batch_generate"]
+__all__ = ["BatchDraftModel", "BatchGenerator", "BatchResult", "BatchStats", "RowResponse", "TokenLogprobs",
+           "batch_generate"]
 
 
 def _cut(draft: Draft, length: int) -> Draft:
@@ -44,6 +49,15 @@ def _cut(draft: Draft, length: int) -> Draft:
         return draft
     probs = None if draft.probs is None else draft.probs[:length]
     return Draft(draft.tokens[:length], probs, draft.expected_speedup)
+
+
+class TokenLogprobs(NamedTuple):
+    """The target's log-softmax at one emitted token's position (temperature 1, before top_p, as
+    mlx_lm.server reports; under a constraint, of the masked distribution: forbidden tokens are -inf)."""
+
+    logprob: float  # of the emitted token
+    top_ids: list  # the k most likely tokens, most likely first
+    top_logprobs: list
 
 
 class _Plan(NamedTuple):
@@ -63,6 +77,7 @@ class RowResponse:
     # With keep_caches, on the last response: per layer (keys, values) [1, heads, n, dim] of the
     # row's first n tokens (prompt and output), for a later prompt that extends them.
     cache: Optional[list] = None
+    logprobs: Optional[list] = None  # with insert(logprobs=k): a TokenLogprobs per token in tokens
 
 
 @dataclass
@@ -100,6 +115,7 @@ class _Row:
     max_tokens: int
     eos_token_ids: set
     prompt_cache: Optional[list] = None  # KV entries of a prefix of tokens, until prefilled
+    logprobs: Optional[int] = None  # report logprobs and this many top tokens per emitted token
     num_generated: int = 0
     acceptance: Acceptance = field(default_factory=Acceptance)
     stats: DecodingStats = field(default_factory=DecodingStats)
@@ -152,24 +168,27 @@ class BatchGenerator:
 
     def insert(self, prompts: Sequence[Sequence[int]], *, draft_sources=None, constraint=None,
                temp=0.0, top_p=1.0, sampler=None, max_tokens=256, eos_token_ids=None,
-               prompt_cache=None) -> List[int]:
+               prompt_cache=None, logprobs=None) -> List[int]:
         """Queue prompts (token id lists); returns their uids. Each option is one value for every
         prompt or a list with one per prompt; ``draft_sources`` is a list of fresh sources per prompt
         and ``constraint`` one object per prompt: rows never share a stateful object.
         ``prompt_cache`` is per prompt None or the KV entries of its first n < len(prompt) tokens
-        (a finished row's ``RowResponse.cache``, cut to n), so only the rest is prefilled."""
+        (a finished row's ``RowResponse.cache``, cut to n), so only the rest is prefilled.
+        ``logprobs`` is None (the default: nothing extra is computed) or k >= 0: each response then
+        has a ``TokenLogprobs`` per token, with the k most likely tokens at its position."""
         count = len(prompts)
         draft_sources = [[] for _ in prompts] if draft_sources is None else list(draft_sources)
         if len(draft_sources) != count or not all(isinstance(s, (list, tuple)) for s in draft_sources):
             raise ValueError(f"draft_sources needs one list of sources per prompt ({count} lists)")
         constraints = _per_row("constraint", constraint, count)
         options = [_per_row(name, value, count) for name, value in
-                   (("temp", temp), ("top_p", top_p), ("sampler", sampler), ("max_tokens", max_tokens))]
+                   (("temp", temp), ("top_p", top_p), ("sampler", sampler), ("max_tokens", max_tokens),
+                    ("logprobs", logprobs))]
         eos = self.eos_token_ids if eos_token_ids is None else set(eos_token_ids)
         owned = [id(o) for row in self.rows + self.waiting for o in row.sources + [row.constraint] if o is not None]
         prompt_caches = [None] * count if prompt_cache is None else _per_row("prompt_cache", prompt_cache, count)
         rows = []
-        for prompt, sources, row_constraint, row_temp, row_top_p, row_sampler, row_max in zip(
+        for prompt, sources, row_constraint, row_temp, row_top_p, row_sampler, row_max, row_logprobs in zip(
                 prompts, draft_sources, constraints, *options):
             if len(prompt) == 0:
                 raise ValueError("a prompt is empty: give at least one token")
@@ -177,6 +196,8 @@ class BatchGenerator:
                 raise ValueError(f"max_tokens must be at least 1, got {row_max}")
             if row_temp < 0 or not 0 < row_top_p <= 1:
                 raise ValueError(f"need temp >= 0 and 0 < top_p <= 1, got {row_temp} and {row_top_p}")
+            if row_logprobs is not None and row_logprobs < 0:
+                raise ValueError(f"logprobs must be None or >= 0 (top tokens per position), got {row_logprobs}")
             for source in sources:
                 if isinstance(source, DraftHeadSource):
                     raise ValueError("the draft head cannot draft for a batch (it reads one sequence's hidden "
@@ -186,7 +207,7 @@ class BatchGenerator:
                     raise ValueError(f"{type(stateful).__name__} object is given to two rows: each row needs its own")
                 owned.append(id(stateful))
             rows.append(_Row(self._next_uid, list(prompt), list(sources), row_constraint, row_temp, row_top_p,
-                             row_sampler, row_max, eos, prompt_caches[len(rows)]))
+                             row_sampler, row_max, eos, prompt_caches[len(rows)], row_logprobs))
             self._next_uid += 1
         self.waiting += rows
         return [row.uid for row in rows]
@@ -373,6 +394,7 @@ class BatchGenerator:
         if allowed is not None:
             self._check_allowed(results, constrained, targets, argmax_allowed.tolist(), allowed)
         trim_rows(self.cache, [width - 1 - r[0] if not isinstance(r, Exception) else 0 for r in results])
+        logprobs = self._logprobs(drafts, results, logits)
 
         finished, emitted_total = [], 0
         for index, (row, draft, plan, result) in enumerate(zip(rows, drafts, plans, results)):
@@ -380,6 +402,8 @@ class BatchGenerator:
                 if isinstance(result, Exception):
                     raise result
                 response = self._emit(row, draft, plan, *result)
+                if logprobs[index] is not None:  # _emit may have cut the tokens at EOS or max_tokens
+                    response.logprobs = logprobs[index][: len(response.tokens)]
                 emitted_total += len(response.tokens)
             except Exception as error:  # noqa: BLE001
                 response = self._failed(row, error)
@@ -393,6 +417,36 @@ class BatchGenerator:
             for layer in self.cache:
                 layer.realign()
         return emitted_total
+
+    def _logprobs(self, drafts: list, results: list, logits: mx.array) -> list:
+        """Per row: None, or for the rows that asked, a ``TokenLogprobs`` for each token it accepted
+        this step and the target's next one, read off this pass's (masked) logits at their positions.
+        Only those rows' positions are scored; one host sync, and none when no row asked."""
+        asking = [i for i, (row, result) in enumerate(zip(self.rows, results))
+                  if row.logprobs is not None and not isinstance(result, Exception)]
+        found = [None] * len(results)
+        if not asking:
+            return found
+        chosen = [drafts[i].tokens[: results[i][0]] + [results[i][1]] for i in asking]
+        length = max(len(tokens) for tokens in chosen)
+        scores = logits[mx.array(asking), :length].astype(mx.float32)
+        logprobs = scores - mx.logsumexp(scores, axis=-1, keepdims=True)
+        ids = mx.array([tokens + [0] * (length - len(tokens)) for tokens in chosen])
+        picked = mx.take_along_axis(logprobs, ids[..., None], -1)[..., 0]
+        top = min(max(self.rows[i].logprobs for i in asking), logprobs.shape[-1])
+        top_ids = mx.zeros((len(asking), length, 0), mx.int32)
+        if top:
+            top_ids = mx.argpartition(-logprobs, kth=top - 1, axis=-1)[..., :top]
+            order = mx.argsort(-mx.take_along_axis(logprobs, top_ids, -1), axis=-1)
+            top_ids = mx.take_along_axis(top_ids, order, -1)
+        top_values = mx.take_along_axis(logprobs, top_ids, -1)
+        mx.eval(picked, top_ids, top_values)
+        for index, tokens, row_picked, row_ids, row_values in zip(asking, chosen, picked.tolist(), top_ids.tolist(),
+                                                                  top_values.tolist()):
+            k = self.rows[index].logprobs
+            found[index] = [TokenLogprobs(row_picked[p], row_ids[p][:k], row_values[p][:k])
+                            for p in range(len(tokens))]
+        return found
 
     def _row_cache(self, index: int) -> list:
         """Row ``index``'s KV entries, copied out of the batch cache."""

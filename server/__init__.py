@@ -7,6 +7,12 @@
   request at a time from a bounded queue, and keeps the KV cache across turns.
 - ``app.py``: the routes, JSON answers and server-sent events.
 
+``logprobs`` (chat: ``logprobs``/``top_logprobs`` up to 20; completions: legacy ``logprobs: N``)
+are the target's log-softmax at temperature 1 before top_p, as ``mlx_lm.server`` reports them,
+taken from the verify pass at each token's position (``batch.TokenLogprobs``), so they are the same
+whether a token was drafted or not; under a constraint they are of the masked distribution. With
+``--draft-head`` they are refused (400).
+
 Why Starlette and uvicorn: the server needs streaming responses and to notice a client that has
 left, and little else. Starlette's ``StreamingResponse`` cancels the response's generator when the
 client disconnects and ``Request.is_disconnected()`` covers the wait before the first byte;

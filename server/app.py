@@ -140,7 +140,7 @@ async def events(job: Job, fmt, include_usage: bool):
     while True:
         kind, payload = await job.events.get()
         if kind == "text":
-            yield sse(fmt.chunk(text=payload))
+            yield sse(fmt.chunk(text=payload[0], logprobs=payload[1]))
         elif kind == "error":  # the status line is sent already: say it in the stream
             yield sse(payload.body())
             break
@@ -169,7 +169,8 @@ def usage(outcome: Outcome) -> dict:
 
 class ChatFormat:
     """chat.completion objects and chat.completion.chunk events; a forced tool call's output becomes
-    ``tool_calls`` (sent as one delta at the end when streaming)."""
+    ``tool_calls`` (sent as one delta at the end when streaming, without its tokens' logprobs).
+    ``logprobs`` is ``{"content": [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}``."""
 
     def __init__(self, model_id: str):
         self.model_id, self.tools, self.tool_wrapped = model_id, None, False
@@ -199,9 +200,20 @@ class ChatFormat:
         fields, finish_reason = self._tool_message(outcome)
         message = {"role": "assistant", **fields}
         return self._object("chat.completion", [{"index": 0, "message": message, "finish_reason": finish_reason,
-                                                 "logprobs": None}], usage=usage(outcome))
+                                                 "logprobs": self._logprobs(outcome.logprobs)}], usage=usage(outcome))
 
-    def chunk(self, role: bool = False, text: str = None, outcome: Outcome = None) -> dict:
+    @staticmethod
+    def _logprobs(entries) -> dict:
+        if entries is None:
+            return None
+
+        def described(token, raw, logprob):
+            return {"token": token, "logprob": logprob, "bytes": raw}
+
+        return {"content": [{**described(e.token, e.bytes, e.logprob), "top_logprobs": [described(*t) for t in e.top]}
+                            for e in entries], "refusal": None}
+
+    def chunk(self, role: bool = False, text: str = None, outcome: Outcome = None, logprobs=None) -> dict:
         if role:
             delta, finish_reason = {"role": "assistant", "content": ""}, None
         elif outcome is None:
@@ -217,18 +229,22 @@ class ChatFormat:
                 else:
                     delta = {"content": outcome.text}
         return self._object("chat.completion.chunk", [{"index": 0, "delta": delta, "finish_reason": finish_reason,
-                                                       "logprobs": None}])
+                                                       "logprobs": self._logprobs(logprobs)}])
 
     def usage_chunk(self, outcome: Outcome) -> dict:
         return self._object("chat.completion.chunk", [], usage=usage(outcome))
 
 
 class CompletionFormat:
-    """text_completion objects; streamed chunks have the same shape with a piece of the text."""
+    """text_completion objects; streamed chunks have the same shape with a piece of the text. Legacy
+    ``logprobs``: ``tokens``, ``token_logprobs``, ``top_logprobs`` (per token a dict of the top ones
+    and the chosen token, as OpenAI's), ``text_offset`` (where each token's string starts, counted
+    over the completion's tokens from 0, across chunks when streaming)."""
 
     def __init__(self, model_id: str):
         self.model_id, self.tools, self.tool_wrapped = model_id, None, False
         self.id, self.created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        self.text_offset = 0
 
     def _object(self, choices: list, **extra) -> dict:
         return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model_id,
@@ -236,11 +252,24 @@ class CompletionFormat:
 
     def full(self, outcome: Outcome) -> dict:
         return self._object([{"index": 0, "text": outcome.text, "finish_reason": outcome.finish_reason,
-                              "logprobs": None}], usage=usage(outcome))
+                              "logprobs": self._logprobs(outcome.logprobs)}], usage=usage(outcome))
 
-    def chunk(self, role: bool = False, text: str = None, outcome: Outcome = None) -> dict:
+    def _logprobs(self, entries) -> dict:
+        if entries is None:
+            return None
+        offsets = []
+        for entry in entries:
+            offsets.append(self.text_offset)
+            self.text_offset += len(entry.token)
+        return {"tokens": [e.token for e in entries], "token_logprobs": [e.logprob for e in entries],
+                "top_logprobs": [{**{token: logprob for token, _, logprob in e.top},
+                                  e.token: e.logprob} for e in entries],
+                "text_offset": offsets}
+
+    def chunk(self, role: bool = False, text: str = None, outcome: Outcome = None, logprobs=None) -> dict:
         finish_reason = None if outcome is None else outcome.finish_reason
-        return self._object([{"index": 0, "text": text or "", "finish_reason": finish_reason, "logprobs": None}])
+        return self._object([{"index": 0, "text": text or "", "finish_reason": finish_reason,
+                              "logprobs": self._logprobs(logprobs)}])
 
     def usage_chunk(self, outcome: Outcome) -> dict:
         return self._object([], usage=usage(outcome))

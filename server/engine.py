@@ -10,16 +10,25 @@ rows leave at once.
 
 Finished rows' KV entries are kept in a least-recently-used prompt cache bounded in bytes; a
 request that extends an earlier conversation prefills only what follows the longest cached prefix.
-A draft head has no batched form: with one, requests run one at a time through ``decoder.generate_step``.
+A draft head has no batched form: with one, requests run one at a time through ``decoder.generate_step``
+(and ``logprobs`` are refused: that loop does not report them).
+
+A request with ``logprobs`` gets, per generated token (EOS aside), the target's log-probability of
+it and its most likely alternatives, from the verify pass that scored the token
+(``batch.TokenLogprobs``: log-softmax at temperature 1 before top_p, as mlx_lm.server reports; under
+a constraint, of the masked distribution, so forbidden tokens never appear among the top ones). The
+token that completes a stop string is reported, the ones after it are not.
 """
 
 import asyncio
+import math
 import queue
 import sys
 import threading
 import traceback
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import Optional
 
 import mlx.core as mx
 from mlx_lm.utils import common_prefix_len
@@ -43,11 +52,23 @@ class Outcome:
     completion_tokens: int
     cached_tokens: int  # prompt tokens whose KV entries came from the prompt cache
     stats: DecodingStats = field(default_factory=DecodingStats)
+    logprobs: Optional[list] = None  # with request.logprobs: a TokenLogprob per generated token
+
+
+@dataclass
+class TokenLogprob:
+    """One generated token as OpenAI reports it: its text and bytes, its logprob and the top ones."""
+
+    token: str
+    bytes: list
+    logprob: float
+    top: list  # (token, bytes, logprob) of the most likely tokens, most likely first
 
 
 class Job:
-    """A queued request and the events its handler awaits: ("start", None), ("text", str), then
-    ("done", Outcome) or ("error", ApiError)."""
+    """A queued request and the events its handler awaits: ("start", None), ("text", (str, logprobs)),
+    then ("done", Outcome) or ("error", ApiError). A text event's logprobs are None when the request
+    did not ask, else the TokenLogprobs of the tokens since the last text event."""
 
     def __init__(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop):
         self.request = request
@@ -118,6 +139,17 @@ class Row:
         self.job, self.text, self.stopper = job, TextStream(tokenizer), StopText(job.request.stop)
         self.outcome = Outcome("", "length", len(job.request.prompt), 0, cached)
         self.pieces, self.generated = [], []
+        asked = job.request.logprobs is not None
+        self.pending = [] if asked else None  # TokenLogprobs not yet sent with a text event
+        self.outcome.logprobs = [] if asked else None
+
+    def send(self, piece: str):
+        """Send ``piece`` with the logprobs of the tokens since the last one."""
+        self.pieces.append(piece)
+        if self.pending is not None:
+            self.outcome.logprobs += self.pending
+        self.job.send("text", (piece, self.pending))
+        self.pending = [] if self.pending is not None else None
 
 
 class Engine:
@@ -143,6 +175,7 @@ class Engine:
         self.prefill_step_size = prefill_step_size
         self.generator = self._new_generator()
         self.rows = {}  # uid -> Row
+        self.token_bytes = None  # per token id, its bytes (for logprobs; read from the vocabulary once)
         self.worker = threading.Thread(target=self._work, name="generation", daemon=True)
         self.worker.start()
 
@@ -152,6 +185,9 @@ class Engine:
                               pass_cost=self.pass_cost)  # what it measured outlives a failed step
 
     def submit(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop) -> Job:
+        if request.logprobs is not None and self.solo_sources is not None:
+            raise invalid("logprobs are not supported with --draft-head (its one-at-a-time loop does not report "
+                          "them)", param="logprobs")
         job = Job(request, loop)
         try:
             self.jobs.put_nowait(job)
@@ -210,7 +246,8 @@ class Engine:
         layers, cached = self.prompt_cache.lookup(request.prompt)
         uid, = self.generator.insert([request.prompt], draft_sources=[([forced] if forced else []) + self.make_sources()],
                                      constraint=[constraint], temp=request.temp, top_p=request.top_p,
-                                     max_tokens=request.max_tokens, prompt_cache=[layers])
+                                     max_tokens=request.max_tokens, prompt_cache=[layers],
+                                     logprobs=[request.logprobs])
         self.rows[uid] = Row(job, self.tokenizer, cached)
         job.send("start")
 
@@ -221,13 +258,14 @@ class Engine:
         outcome, job = row.outcome, row.job
         row.generated += response.tokens
         stopped = False
-        for token in response.tokens:
+        for index, token in enumerate(response.tokens):
             if token in self.eos:
                 break
+            if row.pending is not None:
+                row.pending.append(self._token_logprob(token, response.logprobs[index]))
             piece, stopped = row.stopper.add(row.text.add(token))
             if piece:
-                row.pieces.append(piece)
-                job.send("text", piece)
+                row.send(piece)
             if stopped:
                 break
         if response.finish_reason == "error":
@@ -244,14 +282,35 @@ class Engine:
         else:
             outcome.finish_reason = response.finish_reason
             if rest := row.stopper.flush():  # text held back for a stop string that never came
-                row.pieces.append(rest)
-                job.send("text", rest)
+                row.send(rest)
             outcome.stats = response.stats or outcome.stats
+        if row.pending:  # tokens whose text is held back or cut: their logprobs still go out
+            row.send("")
         if response.cache is not None:
             self.prompt_cache.add(job.request.prompt + row.generated, response.cache)
         del self.rows[response.uid]
         outcome.text, outcome.completion_tokens = "".join(row.pieces), len(row.generated)
         job.send("done", outcome)
+
+    def _token_logprob(self, token: int, found) -> TokenLogprob:
+        """A ``batch.TokenLogprobs`` in OpenAI's terms. A -inf logprob (a NaN-scored token) is
+        reported as -9999.0, as OpenAI floors it; forbidden (-inf) top tokens are left out."""
+        if self.token_bytes is None:
+            from constrained.token_index import token_byte_strings
+
+            try:
+                self.token_bytes = token_byte_strings(self.tokenizer, self.vocab_size)
+            except ValueError:  # a vocabulary written in neither byte-level nor SentencePiece style
+                self.token_bytes = [None] * self.vocab_size
+
+        def describe(token_id: int) -> tuple:
+            raw = self.token_bytes[token_id] if token_id < len(self.token_bytes) else None
+            raw = raw if raw is not None else self.tokenizer.decode([token_id]).encode()  # special tokens
+            return raw.decode("utf-8", errors="replace"), list(raw)
+
+        top = [(*describe(i), value) for i, value in zip(found.top_ids, found.top_logprobs) if math.isfinite(value)]
+        logprob = found.logprob if math.isfinite(found.logprob) else -9999.0
+        return TokenLogprob(*describe(token), logprob, top)
 
     def _constraint(self, request: GenerationRequest):
         """A fresh (constraint, forced-text source) for the request's regex or grammar (rows never
@@ -314,7 +373,7 @@ class Engine:
                 piece, stopped = stopper.add(text.add(token))
                 if piece:
                     pieces.append(piece)
-                    job.send("text", piece)
+                    job.send("text", (piece, None))
                 if stopped:
                     outcome.finish_reason = "stop"
                     break
@@ -325,6 +384,6 @@ class Engine:
             steps.close()
         if outcome.finish_reason != "cancelled" and (rest := stopper.flush()):
             pieces.append(rest)
-            job.send("text", rest)
+            job.send("text", (rest, None))
         outcome.text, outcome.completion_tokens = "".join(pieces), len(generated)
         return outcome

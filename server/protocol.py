@@ -12,14 +12,16 @@ from typing import Optional
 from decoder import encode
 
 MAX_STOP_STRINGS = 4  # as OpenAI
+MAX_TOP_LOGPROBS = 20  # as OpenAI's chat API (its legacy completions allow 5; 20 here too, as vLLM)
 
 # Accepted and ignored: they change nothing here (or only bookkeeping on OpenAI's side).
-IGNORED = {"user", "store", "metadata", "service_tier", "parallel_tool_calls", "stream_options", "logprobs",
-           "frequency_penalty", "presence_penalty", "logit_bias", "top_logprobs", "modalities"}
+IGNORED = {"user", "store", "metadata", "service_tier", "parallel_tool_calls", "stream_options",
+           "frequency_penalty", "presence_penalty", "logit_bias", "modalities"}
 COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "stream", "stream_options",
           "guided_regex", "guided_grammar"}
-CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "response_format", "tools", "tool_choice"}
-COMPLETION_FIELDS = COMMON | {"prompt", "echo", "suffix", "best_of"}
+CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "response_format", "tools", "tool_choice", "logprobs",
+                        "top_logprobs"}
+COMPLETION_FIELDS = COMMON | {"prompt", "echo", "suffix", "best_of", "logprobs"}
 
 
 class ApiError(Exception):
@@ -56,6 +58,7 @@ class GenerationRequest:
     tool_wrapped: bool = False  # the output is {"name": ..., "arguments": ...}, not the arguments alone
     stream: bool = False
     include_usage: bool = False
+    logprobs: Optional[int] = None  # None: none; k: each token's logprob and the k most likely tokens
 
 
 def parse_body(raw: bytes) -> dict:
@@ -97,8 +100,6 @@ def _common(body: dict, allowed: set, model_id: str, max_tokens_field: Optional[
                        param="model", code="model_not_found")
     if _typed(body, "n", (int,), 1, "an integer") != 1:
         raise invalid("only n=1 is supported", param="n")
-    if body.get("logprobs") not in (None, False) or body.get("top_logprobs") not in (None, 0):
-        raise invalid("logprobs are not supported", param="logprobs")
     max_tokens = default_max_tokens if max_tokens_field is None else max_tokens_field
     if max_tokens < 1:
         raise invalid("'max_tokens' must be at least 1", param="max_tokens")
@@ -130,6 +131,11 @@ def parse_chat(body: dict, tokenizer, model_id: str, default_max_tokens: int) ->
     limit = body.get("max_completion_tokens", body.get("max_tokens"))
     max_tokens = _typed({"max_tokens": limit}, "max_tokens", (int,), None, "an integer")
     request = _common(body, CHAT_FIELDS, model_id, max_tokens, default_max_tokens)
+    top = _top_logprobs(body, "top_logprobs")
+    if _typed(body, "logprobs", (bool,), False, "a boolean"):
+        request.logprobs = top or 0
+    elif top:
+        raise invalid("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
     messages = _typed(body, "messages", (list,), None, "a list of messages")
     if not messages:
         raise invalid("'messages' must be a non-empty list", param="messages")
@@ -217,10 +223,18 @@ def _known_keys(value: dict, known: set, where: str):
         raise invalid(f"unrecognized argument {where}.{unknown[0]}", param=where)
 
 
+def _top_logprobs(body: dict, name: str) -> Optional[int]:
+    top = _typed(body, name, (int,), None, "an integer")
+    if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise invalid(f"'{name}' must be between 0 and {MAX_TOP_LOGPROBS}", param=name)
+    return top
+
+
 def parse_completion(body: dict, tokenizer, model_id: str, default_max_tokens: int) -> GenerationRequest:
     """A /v1/completions body: the prompt is raw text (no chat template) or token ids."""
     max_tokens = _typed(body, "max_tokens", (int,), None, "an integer")
     request = _common(body, COMPLETION_FIELDS, model_id, max_tokens, default_max_tokens)
+    request.logprobs = _top_logprobs(body, "logprobs")  # the legacy form: the number of top tokens
     for name, default in (("echo", False), ("suffix", None), ("best_of", 1)):
         if body.get(name, default) not in (default, None):
             raise invalid(f"'{name}' is not supported", param=name)

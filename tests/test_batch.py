@@ -440,3 +440,72 @@ def test_embedded_model_rows_match_their_single_sequence_output(embedded, chat_p
     for prompt, tokens in zip(prompts, got):
         assert_same_or_near_tie(model, prompt, tokens, alone(model, prompt, 16, eos=eos))
     assert errors == [None] * 4
+
+
+# --- logprobs --------------------------------------------------------------------------
+
+def full_sequence_logprobs(model, prompt, tokens, constraint=None):
+    """The oracle: a plain log_softmax of the model's logits over the whole sequence in one pass
+    (masked by the constraint's masks along ``tokens`` when there is one)."""
+    logits = model(mx.array([prompt + tokens]))[0, len(prompt) - 1: len(prompt) - 1 + len(tokens)]
+    if constraint is not None:
+        constraint.reset()
+        logits = mx.where(constraint.masks(constraint.walk(tokens))[: len(tokens)], logits, -mx.inf)
+    return np.array(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+
+
+def logprobs_run(model, prompt, max_tokens, sources=(), top=5, constraint=None, eos=EOS):
+    """One row that asks for logprobs, beside one that does not; the first row's tokens, TokenLogprobs
+    and sources."""
+    generator = BatchGenerator(model, eos_token_ids=[eos])
+    uid, = generator.insert([prompt], draft_sources=[list(sources)], constraint=[constraint], max_tokens=max_tokens,
+                            logprobs=top)
+    generator.insert([[1, 2, 3]], max_tokens=max_tokens)
+    tokens, entries, origins = [], [], []
+    while responses := generator.next():
+        for response in responses:
+            if response.uid != uid:
+                assert response.logprobs is None  # nothing computed for a row that did not ask
+                continue
+            assert response.logprobs is not None and len(response.logprobs) == len(response.tokens)
+            tokens, entries, origins = tokens + response.tokens, entries + response.logprobs, origins + response.sources
+    return tokens, entries, origins
+
+
+def test_logprobs_are_the_targets_whether_a_token_was_drafted_or_not():
+    prompt = [5, 6, 7, 8, 9] * 4
+    truth = alone(MODEL, prompt, 30)
+    runs = {"plain": logprobs_run(MODEL, prompt, 30),
+            "prompt_lookup": logprobs_run(MODEL, prompt, 30, [PromptLookupSource()]),
+            "oracle": logprobs_run(MODEL, prompt, 30, [oracle(truth, len(prompt), random.Random(0))])}
+    assert "oracle" in runs["oracle"][2] and TARGET in runs["oracle"][2]  # drafted and target tokens both
+    want = full_sequence_logprobs(MODEL, prompt, truth)
+    for name, (tokens, entries, _) in runs.items():
+        assert tokens == truth, name
+        for position, (token, entry) in enumerate(zip(tokens, entries)):
+            row = want[position]
+            assert abs(entry.logprob - row[token]) < 1e-5, (name, position)
+            assert entry.top_ids == np.argsort(-row)[:5].tolist() and entry.top_ids[0] == token  # greedy: the top
+            assert np.allclose(entry.top_logprobs, row[entry.top_ids], atol=1e-5)
+            assert entry.top_logprobs == sorted(entry.top_logprobs, reverse=True)
+    for name in ("prompt_lookup", "oracle"):
+        got = np.array([[e.logprob] + e.top_logprobs for e in runs[name][1]])
+        assert np.abs(got - np.array([[e.logprob] + e.top_logprobs for e in runs["plain"][1]])).max() < 1e-5
+    assert [e.top_ids for e in logprobs_run(MODEL, prompt, 4, top=0)[1]] == [[]] * 4
+    with pytest.raises(ValueError, match="logprobs must be None or >= 0"):
+        BatchGenerator(MODEL).insert([[1]], logprobs=-1)
+
+
+def test_logprobs_under_a_constraint_are_of_the_masked_distribution():
+    pattern = PATTERNS[1]
+    constraint, sources = regex_row(pattern)
+    tokens, entries, origins = logprobs_run(BYTE_MODEL, [10, 20, 30], 48, sources, top=3, constraint=constraint,
+                                            eos=BYTE_EOS)
+    assert tokens[-1] == BYTE_EOS and re.fullmatch(pattern, TOKENIZER.decode(tokens[:-1]))
+    assert "regex" in origins and TARGET in origins  # the forced text was drafted
+    want = full_sequence_logprobs(BYTE_MODEL, [10, 20, 30], tokens, RegexConstraint(constraint.index))
+    for position, (token, entry) in enumerate(zip(tokens, entries)):
+        assert abs(entry.logprob - want[position][token]) < 1e-5
+        finite = [value for value in entry.top_logprobs if value > -np.inf]
+        assert np.allclose(finite, want[position][entry.top_ids[: len(finite)]], atol=1e-5)
+    assert abs(entries[-1].logprob) < 1e-6  # only EOS is allowed after the '}': probability 1

@@ -65,7 +65,7 @@ def chat(**body):
      "the JSON schema is not supported"),
     ({"tool_choice": "required"}, "'tool_choice' needs 'tools'"),
     ({"tools": [WEATHER_TOOL], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
-    ({"logprobs": True}, "logprobs"),
+    ({"logprobs": True, "top_logprobs": 30}, "'top_logprobs' must be between 0 and 20"),
     ({"response_format": {"type": "json_schema", "json_schema": {"schema": {}, "stric": True}}},
      "unrecognized argument response_format.json_schema.stric"),
 ])
@@ -194,9 +194,12 @@ def main_py_text(*args):
 @pytest.mark.slow
 def test_greedy_chat_equals_main_py(client):
     answer = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": QUESTION}],
-                                            temperature=0, max_tokens=24)
+                                            temperature=0, max_tokens=24, logprobs=True, top_logprobs=2)
     assert answer.choices[0].message.content == main_py_text("--prompt", QUESTION, "--max-tokens", "24")
     assert answer.usage.completion_tokens <= 24 and answer.usage.prompt_tokens > 20
+    content = answer.choices[0].logprobs.content  # the real tokenizer's token strings spell the answer
+    assert "".join(entry.token for entry in content) == answer.choices[0].message.content
+    assert all(entry.top_logprobs[0].token == entry.token for entry in content)  # greedy
 
 
 @pytest.mark.slow
@@ -447,6 +450,7 @@ def test_interleaved_conversations_each_reuse_their_own_cached_prefix(client):
 @pytest.mark.slow
 def test_draft_sources_keep_the_greedy_output(client):
     """A second server with prompt lookup and the draft head: the same text, fewer target passes."""
+    import openai
     from openai import OpenAI
 
     process = subprocess.Popen([sys.executable, "-m", "server", "--port", "0", "--prompt-lookup", "--draft-head"],
@@ -458,6 +462,8 @@ def test_draft_sources_keep_the_greedy_output(client):
         prompt = (ROOT / "demo" / "museum.txt").read_text()
         answers = [c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}],
                                              temperature=0, max_tokens=32) for c in (client, drafted)]
+        with pytest.raises(openai.BadRequestError, match="logprobs are not supported with --draft-head"):
+            drafted.completions.create(model=MODEL, prompt="Hi", max_tokens=2, logprobs=1)
     finally:
         process.terminate()
         process.wait(timeout=30)

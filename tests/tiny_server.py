@@ -1,0 +1,66 @@
+"""The server on a tiny random model, for tests that need many requests fast (no model to load).
+
+    python -m tests.tiny_server [--prompt-lookup] [--max-batch N] [--max-queue N] [--prompt-cache-bytes N]
+
+Prints "serving tiny on http://127.0.0.1:PORT/v1" once it listens, as ``python -m server`` does.
+The model is ``model()``, so a test builds the same one to compute what the server should answer.
+"""
+
+import argparse
+import asyncio
+
+import fast_blas
+
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
+
+
+def tokenizer():
+    """tests.helpers' byte-level tokenizer with a chat template, wrapped as mlx-lm loads one (its
+    apply_chat_template gives token ids)."""
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+    from tests.helpers import tiny_byte_tokenizer
+
+    byte_tokenizer = tiny_byte_tokenizer()
+    byte_tokenizer.chat_template = CHAT_TEMPLATE
+    return TokenizerWrapper(byte_tokenizer)
+
+
+def vocab_size() -> int:
+    from tests.helpers import tiny_byte_tokenizer
+
+    return len(tiny_byte_tokenizer())
+
+
+def model():
+    from tests.helpers import tiny_llama
+
+    return tiny_llama(vocab_size=vocab_size(), num_layers=2, hidden_size=32, seed=3, sharp=3.0)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--prompt-lookup", action="store_true")
+    parser.add_argument("--max-batch", type=int, default=8)
+    parser.add_argument("--max-queue", type=int, default=8)
+    parser.add_argument("--prompt-cache-bytes", type=int, default=2**20)
+    args = parser.parse_args()
+    fast_blas.load()
+    import uvicorn
+
+    from prompt_lookup.ngram import PromptLookupSource
+    from server.__main__ import listen
+    from server.app import build_app
+    from server.engine import Engine
+
+    sources = (lambda: [PromptLookupSource()]) if args.prompt_lookup else list
+    engine = Engine(model(), tokenizer(), vocab_size(), sources, max_batch=args.max_batch,
+                    max_queue=args.max_queue, prompt_cache_bytes=args.prompt_cache_bytes)
+    sock = listen("127.0.0.1", 0)
+    server = uvicorn.Server(uvicorn.Config(build_app(engine, "tiny", context_length=4096), log_level="warning"))
+    print(f"serving tiny on http://127.0.0.1:{sock.getsockname()[1]}/v1", flush=True)
+    asyncio.run(server.serve(sockets=[sock]))
+
+
+if __name__ == "__main__":
+    main()
