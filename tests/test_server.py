@@ -27,12 +27,12 @@ MODEL = "SmolLM2-135M-Instruct"
 QUESTION = "What is the capital of France? Answer in one sentence."
 USER_SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
                                                 "age": {"type": "integer", "minimum": 0, "maximum": 120}},
-               "required": ["name", "age"]}
+               "required": ["name", "age"], "additionalProperties": False}  # closed, as OpenAI's strict mode asks
 WEATHER_TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
                                                     "unit": {"enum": ["celsius", "fahrenheit"]}},
-                   "required": ["city", "unit"]}}}
+                   "required": ["city", "unit"], "additionalProperties": False}}}
 
 
 # ---- without a model -------------------------------------------------------------------------------
