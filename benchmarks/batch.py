@@ -1,12 +1,14 @@
 """Batched decoding side by side: mlx-lm's BatchGenerator and ours, plain and with drafts, at 1-16 rows.
 
-    python -m benchmarks.batch [--sizes 1 2 4 8 16] [--max-tokens 64] [--workloads chat grounded json]
+    python -m benchmarks.batch [--sizes 1 2 4 8 16] [--max-tokens 64] [--workloads chat grounded json mix]
 
 Workloads (greedy, the embedded SmolLM2-135M, chat template):
 - chat: open questions (benchmarks/heldout/chat.txt);
 - grounded: document questions, code edits and quote summaries (benchmarks/prompts), with prompt lookup;
 - json: JSON Schema extraction (benchmarks/json_schemas/suite, the built-in regex compiler), with the
-  forced text of the schema and prompt lookup.
+  forced text of the schema and prompt lookup;
+- mix: the three in turn (row i is chat, grounded or json as i % 3), each row with its own sources
+  and constraint in one batch.
 
 At each batch size the methods run one after another on the same prompts, ``--repeat`` times in
 turn (A B C A B C), and each method's best run counts: on a shared machine other work only ever
@@ -146,14 +148,19 @@ def load_workloads(tokenizer, vocab_size, names):
         work["chat"] = ([chat_tokens(tokenizer, text) for text in chat], None)
     if "grounded" in names:
         work["grounded"] = ([chat_tokens(tokenizer, text) for _, text in grounded], None)
-    if "json" in names:
+    if "json" in names or "mix" in names:
         schemas = [json.loads(p.read_text()) for p in sorted((ROOT / "json_schemas" / "suite").glob("*.json"))]
         index_dir = cache_dir() / "regex-index"
         indexes = [load_or_build_index(schema_to_regex({k: v for k, v in s.items() if k != "_prompt"}), tokenizer,
                                        vocab_size, eos_ids_of(tokenizer), cache_dir=index_dir) for s in schemas]
         prompts = [chat_tokens(tokenizer, s["_prompt"] + " Answer with the JSON only.") for s in schemas]
         work["json"] = (prompts, indexes)
-    return work
+    if "mix" in names:  # chat, grounded, json in turn, so row i's kind is i % 3 (see methods_for)
+        count = min(len(chat), len(grounded), len(work["json"][0]))
+        mixed = [chat_tokens(tokenizer, chat[i]) if kind == 0 else chat_tokens(tokenizer, grounded[i][1]) if kind == 1
+                 else work["json"][0][i] for i in range(count) for kind in range(3)]
+        work["mix"] = (mixed, work["json"][1][:count])
+    return {name: work[name] for name in names}
 
 
 def methods_for(workload, indexes, tokenizer):
@@ -168,6 +175,17 @@ def methods_for(workload, indexes, tokenizer):
             return {"constraint": constraints, "draft_sources": sources}
         return make
 
+    if workload == "mix":
+        def mixed(rows, drafts):
+            def make():
+                constraints = [RegexConstraint(indexes[(i % (3 * len(indexes))) // 3]) if i % 3 == 2 else None
+                               for i in range(rows)]
+                sources = [([ForcedTextSource(c, tokenizer)] if c is not None else []) + [PromptLookupSource()]
+                           if drafts else [] for c in constraints]
+                return {"constraint": constraints, "draft_sources": sources}
+            return make
+        return [("ours, no drafts", lambda rows: mixed(rows, False)),
+                ("ours + forced + lookup", lambda rows: mixed(rows, True))]
     if workload == "json":
         return [("ours constrained", lambda rows: constrained(rows, False)),
                 ("ours constrained + forced + lookup", lambda rows: constrained(rows, True))]
@@ -190,7 +208,7 @@ def main():
     parser.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--workloads", nargs="+", default=["chat", "grounded", "json"],
-                        choices=["chat", "grounded", "json"])
+                        choices=["chat", "grounded", "json", "mix"])
     parser.add_argument("--repeat", type=int, default=2,
                         help="Run the methods this many times in turn at each size and keep each one's best "
                              "(a shared machine's noise only ever slows a run down)")
@@ -227,7 +245,7 @@ def main():
                     if name not in results or run.full_tps > results[name].full_tps:
                         results[name] = run
             first = next(iter(results.values())).full_tps
-            plain = results.get("ours plain", results.get("ours constrained")).full_tps
+            plain = next(run for name, run in results.items() if name.startswith("ours")).full_tps
             for name, run in results.items():
                 total = sum(len(t) for t in run.tokens)
                 lines.append(f"| {rows} | {name} | {run.full_tps:.1f} | {run.full_tps / first:.2f}x | "
