@@ -52,7 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
                              help="The output must be JSON valid under this JSON Schema (a file or inline JSON).")
     constrained.add_argument("--json-schema-engine", choices=["llguidance", "regex"], default=None,
                              help="Compile --json-schema with llguidance (full JSON Schema) or the built-in regex "
-                                  "compiler (default: llguidance if installed).")
+                                  "compiler, and only it (default: llguidance if installed, the built-in compiler "
+                                  "for a schema llguidance refuses).")
     constrained.add_argument("--grammar", default=None, metavar="FILE_OR_TEXT",
                              help="The output must be in this grammar's language: Lark (llguidance's dialect) or "
                                   "GBNF (llama.cpp), a file or inline text; needs llguidance.")
@@ -107,33 +108,18 @@ def validate(args):
         args.llguidance_grammar = compile_grammar(text, args.grammar_format)  # GrammarError
     if args.json_schema is not None:
         from constrained import load_schema
+        from sources import compile_schema
 
         schema = load_schema(args.json_schema)  # SchemaError
-        if json_schema_engine(args) == "llguidance":
-            from constrained.grammar import compile_json_schema
-
-            args.llguidance_grammar = compile_json_schema(schema)  # GrammarError
+        kind, compiled = compile_schema(schema, args.json_schema_engine)  # a RegexError, GrammarError
+        if kind == "grammar":
+            args.llguidance_grammar = compiled
         else:
-            from constrained import schema_to_regex
-
-            args.regex = schema_to_regex(schema)  # SchemaError, a RegexError
-    if args.regex is not None:
+            args.regex = compiled
+    elif args.regex is not None:
         from constrained import compile_regex
 
         compile_regex(args.regex)  # fail on a bad regex before loading the model (RegexError)
-
-
-def json_schema_engine(args) -> str:
-    """llguidance serves more schemas (benchmarks/results/grammar.md); the regex compiler needs no package."""
-    if args.json_schema_engine is not None:
-        return args.json_schema_engine
-    try:
-        import llguidance  # noqa: F401
-    except ImportError:
-        sys.stderr.write("note: llguidance is not installed, so --json-schema uses the built-in regex compiler "
-                         "(pip install llguidance for full JSON Schema)\n")
-        return "regex"
-    return "llguidance"
 
 
 def read_prompt(args) -> str:

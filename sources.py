@@ -3,12 +3,14 @@
     sources.add_arguments(parser)                 # --prompt-lookup, --draft-model, --draft-head, ...
     sources.check(args)                           # before the model loads
     model, drafts = sources.draft_sources(args, model, tokenizer)   # run the loop on the returned model
+    kind, compiled = sources.compile_schema(schema)  # llguidance, else the built-in regex compiler
 
 A flag read here means the same in ``python main.py`` and ``python -m server``: both parse it
 with the same definition and build its source with the same code.
 """
 
 import os
+import sys
 from pathlib import Path
 
 from cli import CliError
@@ -176,6 +178,49 @@ def grammar_constraint(grammar: str, tokenizer, vocab_size: int) -> tuple:
 
     constraint = GrammarConstraint.from_llguidance(grammar, tokenizer, vocab_size=vocab_size)
     return constraint, GrammarForcedSource(constraint, tokenizer)
+
+
+def compile_schema(schema, engine=None) -> tuple:
+    """``("grammar", llguidance's grammar)`` or ``("regex", regex)`` for JSON text that validates
+    against ``schema``: how main.py and the server choose a schema compiler.
+
+    Args:
+        engine: "llguidance" or "regex" to use that one alone; None: llguidance (it serves more
+            schemas, benchmarks/results/grammar.md), and the built-in regex compiler where llguidance
+            is not installed or refuses a schema the built-in one serves, said in one line on stderr.
+
+    Raises GrammarError or SchemaError (a RegexError); with no ``engine``, a SchemaError quoting
+    both refusals, only when both refuse.
+    """
+    from constrained import RegexError, SchemaError, compile_regex, schema_to_regex
+    from constrained.grammar import GrammarError, compile_json_schema
+
+    if engine is None:
+        try:
+            import llguidance  # noqa: F401
+        except ImportError:
+            sys.stderr.write("note: llguidance is not installed, so the built-in compiler compiles the schema "
+                             "(pip install llguidance for full JSON Schema)\n")
+            engine = "regex"
+    refusal = None
+    if engine != "regex":
+        try:
+            return "grammar", compile_json_schema(schema)
+        except GrammarError as error:
+            if engine == "llguidance":  # asked for by name: no fallback
+                raise
+            refusal = error
+    try:
+        regex = schema_to_regex(schema)
+        compile_regex(regex)  # its DFA within the limits too: refused here, not once the model has loaded
+    except RegexError as error:
+        if refusal is None:
+            raise
+        raise SchemaError(f"{refusal}; the built-in compiler refused it too: {error}") from None
+    if refusal is not None:
+        reason = str(refusal).removeprefix("llguidance refused the schema: ")
+        sys.stderr.write(f"note: llguidance refused the schema ({reason}); using the built-in compiler\n")
+    return "regex", regex
 
 
 def row_sources(args, model, tokenizer):

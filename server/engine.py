@@ -21,6 +21,7 @@ token that completes a stop string is reported, the ones after it are not.
 """
 
 import asyncio
+import json
 import math
 import queue
 import sys
@@ -37,7 +38,7 @@ from batch import BatchGenerator
 from cost import PassCost
 from decoder import ConstraintError, DecodingStats, TextStream, eos_ids_of, generate_step
 from server.protocol import ApiError, GenerationRequest, invalid
-from sources import grammar_constraint, regex_constraint
+from sources import compile_schema, grammar_constraint, regex_constraint
 
 MAX_CACHED_CONSTRAINTS = 32  # token indexes are ~1 MB each; a client reuses few schemas
 
@@ -169,7 +170,7 @@ class Engine:
         self.max_batch, self.cache_dir = max_batch, cache_dir
         self.eos = eos_ids_of(tokenizer)
         self.jobs = queue.Queue(maxsize=max_queue)
-        self.constraints = OrderedDict()  # (kind, pattern) -> a built (constraint, forced) pair
+        self.constraints = OrderedDict()  # (kind, pattern) -> (kind, token index or compiled grammar)
         self.prompt_cache = PromptCache(prompt_cache_bytes)
         self.pass_cost = PassCost()
         self.prefill_step_size = prefill_step_size
@@ -313,9 +314,10 @@ class Engine:
         return TokenLogprob(*describe(token), logprob, top)
 
     def _constraint(self, request: GenerationRequest):
-        """A fresh (constraint, forced-text source) for the request's regex or grammar (rows never
-        share one); the costly part, the token index or compiled grammar, is built once each."""
-        key = ("regex", request.regex) if request.regex is not None else ("grammar", request.grammar)
+        """A fresh (constraint, forced-text source) for the request's regex, schema or grammar (rows
+        never share one); the costly part, the token index or compiled grammar, is built once each."""
+        key = ("regex", request.regex) if request.regex is not None else \
+            ("schema", request.schema) if request.schema is not None else ("grammar", request.grammar)
         if key[1] is None:
             return None, None
         if key not in self.constraints:
@@ -323,33 +325,33 @@ class Engine:
             if len(self.constraints) > MAX_CACHED_CONSTRAINTS:
                 self.constraints.popitem(last=False)
         self.constraints.move_to_end(key)
-        built = self.constraints[key]
-        if key[0] == "regex":
+        kind, built = self.constraints[key]
+        if kind == "regex":
             from constrained import ForcedTextSource, RegexConstraint
 
             constraint = RegexConstraint(built[0].index)
             return constraint, ForcedTextSource(constraint, self.tokenizer)
         return grammar_constraint(built, self.tokenizer, self.vocab_size)
 
-    def _build_constraint(self, kind: str, pattern: str):
-        """Built as main.py builds --regex and --grammar (sources.py)."""
-        if kind == "grammar":
-            try:
-                from constrained.grammar import GrammarError, compile_grammar
-            except ImportError:
-                raise invalid("guided_grammar needs constrained/grammar.py and llguidance", "guided_grammar") from None
-            try:
-                compiled = compile_grammar(pattern)
-                grammar_constraint(compiled, self.tokenizer, self.vocab_size)  # refused now, not at the first step
-                return compiled
-            except GrammarError as error:
-                raise invalid(f"the grammar is not supported: {error}", "guided_grammar") from None
-        from constrained import RegexError
+    def _build_constraint(self, kind: str, pattern: str) -> tuple:
+        """``("regex", (constraint, forced))`` or ``("grammar", compiled grammar)``, built as main.py
+        builds --regex, --grammar and --json-schema (sources.py); a refusal is a 400 naming the field."""
+        from constrained import GrammarError, RegexError
+        from constrained.grammar import compile_grammar
 
+        what, param = {"regex": ("regex", "guided_regex"), "grammar": ("grammar", "guided_grammar"),
+                       "schema": ("JSON schema", "response_format")}[kind]
         try:
-            return regex_constraint(pattern, self.tokenizer, self.vocab_size, self.cache_dir)
-        except RegexError as error:
-            raise invalid(f"the regex (or the schema's regex) is not supported: {error}", "guided_regex") from None
+            if kind == "schema":  # llguidance, else the built-in compiler (a note in the log says so)
+                kind, pattern = compile_schema(json.loads(pattern))
+            elif kind == "grammar":
+                pattern = compile_grammar(pattern)
+            if kind == "grammar":
+                grammar_constraint(pattern, self.tokenizer, self.vocab_size)  # refused now, not at the first step
+                return kind, pattern
+            return kind, regex_constraint(pattern, self.tokenizer, self.vocab_size, self.cache_dir)
+        except (GrammarError, RegexError) as error:
+            raise invalid(f"the {what} is not supported: {error}", param) from None
 
     def _generate_alone(self, job: Job) -> Outcome:
         """One request through decoder.generate_step (the draft head reads one sequence's hidden states)."""

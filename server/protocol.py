@@ -52,7 +52,8 @@ class GenerationRequest:
     top_p: float = 1.0
     seed: Optional[int] = None
     stop: list = field(default_factory=list)
-    regex: Optional[str] = None  # the output must fully match it (response_format, tools, guided_regex)
+    regex: Optional[str] = None  # the output must fully match it (guided_regex)
+    schema: Optional[str] = None  # JSON text of the schema the output must follow (response_format, tools)
     grammar: Optional[str] = None  # guided_grammar, when constrained/grammar.py is present
     tool_names: Optional[list] = None  # forced tool call: the function names the output may call
     tool_wrapped: bool = False  # the output is {"name": ..., "arguments": ...}, not the arguments alone
@@ -144,14 +145,9 @@ def parse_chat(body: dict, tokenizer, model_id: str, default_max_tokens: int) ->
     schema, request.tool_names = _response_schema(body, tools)
     request.tool_wrapped = body.get("tool_choice") == "required"
     if schema is not None:
-        from constrained import SchemaError, schema_to_regex
-
         if request.regex is not None or request.grammar is not None:
             raise invalid("give one of response_format, a forced tool call, guided_regex and guided_grammar")
-        try:
-            request.regex = schema_to_regex(schema)
-        except SchemaError as error:
-            raise invalid(f"the JSON schema is not supported: {error}", param="response_format") from None
+        request.schema = json.dumps(schema)  # the engine compiles each distinct schema once
     options = {"tools": tools} if tools else {}
     try:
         request.prompt = encode(tokenizer, messages, **options)

@@ -62,6 +62,27 @@ def test_bad_input_is_one_line(args, fragment):
     assert_one_line_error(cli(*args), fragment)
 
 
+def test_json_schema_true_falls_back_to_the_built_in_compiler_and_gives_json(embedded):
+    result = cli("--prompt", "Three prime numbers as a JSON array.", "--json-schema", "true", "--json",
+                 "--max-tokens", "40")
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ("note: llguidance refused the schema (Expecting object schema to apply options); "
+                             "using the built-in compiler\n")
+    data = json.loads(result.stdout)
+    assert data["finish_reason"] == "stop"
+    json.loads(data["text"])  # any JSON value
+
+
+@pytest.mark.parametrize("args,fragment", [
+    (["--json-schema", '{"type": "string", "not": {"const": "a"}}'],
+     'llguidance refused the schema: Unimplemented keys: ["not"]; the built-in compiler refused it too: not is'),
+    (["--json-schema", "true", "--json-schema-engine", "llguidance"],  # asked for by name: no fallback
+     "error: llguidance refused the schema: Expecting object schema"),
+])
+def test_refused_json_schemas_are_one_line(args, fragment):
+    assert_one_line_error(cli(*args), fragment)
+
+
 def test_prompt_longer_than_the_context(embedded, tmp_path):
     long_prompt = tmp_path / "long.txt"
     long_prompt.write_text("word " * 9000)

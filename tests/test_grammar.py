@@ -303,16 +303,47 @@ def test_the_library_without_llguidance_says_what_to_install(monkeypatch):
         GrammarConstraint.from_grammar('start: "a"', TOKENIZER, VOCAB)
 
 
-def test_json_schema_engine_falls_back_to_regex_in_one_line(monkeypatch, capsys):
-    import argparse
+ONLY_LLGUIDANCE = {"type": "integer", "multipleOf": 7, "minimum": 0, "maximum": 99}  # regex: "multipleOf 7"
+NEITHER = {"type": "string", "not": {"const": "a"}}  # llguidance: "Unimplemented keys"; regex: "not"
 
-    from main import json_schema_engine
 
+def test_compile_schema_prefers_llguidance_and_falls_back_in_one_line(monkeypatch, capsys):
+    from constrained import SchemaError, schema_to_regex
+    from sources import compile_schema
+
+    assert compile_schema(ONLY_LLGUIDANCE)[0] == "grammar" and capsys.readouterr().err == ""
+    assert compile_schema(True) == ("regex", schema_to_regex(True))  # any JSON value
+    assert capsys.readouterr().err == ("note: llguidance refused the schema (Expecting object schema to apply "
+                                       "options); using the built-in compiler\n")
+    with pytest.raises(GrammarError, match="Expecting object schema"):  # asked for by name: no fallback
+        compile_schema(True, "llguidance")
+    with pytest.raises(SchemaError) as caught:
+        compile_schema(NEITHER)
+    message = str(caught.value)
+    assert "Unimplemented keys" in message and "the built-in compiler refused it too: not is not supported" in message
+    assert "\n" not in message and capsys.readouterr().err == ""
     monkeypatch.setitem(sys.modules, "llguidance", None)
-    assert json_schema_engine(argparse.Namespace(json_schema_engine=None)) == "regex"
-    assert capsys.readouterr().err.count("\n") == 1
-    monkeypatch.undo()
-    assert json_schema_engine(argparse.Namespace(json_schema_engine=None)) == "llguidance"
+    assert compile_schema({"type": "boolean"}) == ("regex", schema_to_regex({"type": "boolean"}))
+    assert "llguidance is not installed" in capsys.readouterr().err
+    with pytest.raises(GrammarError, match="pip install llguidance"):
+        compile_schema({"type": "boolean"}, "llguidance")
+
+
+def test_main_py_compiles_the_schema_with_compile_schema(capsys):
+    import main
+
+    def validated(*flags):
+        args = main.build_parser().parse_args(list(flags))
+        main.validate(args)
+        return args
+
+    args = validated("--json-schema", json.dumps(ONLY_LLGUIDANCE))
+    assert args.llguidance_grammar is not None and args.regex is None
+    args = validated("--json-schema", "true")
+    assert args.llguidance_grammar is None and args.regex is not None
+    assert capsys.readouterr().err.startswith("note: llguidance refused the schema (")
+    assert validated("--json-schema", "true", "--json-schema-engine", "regex").regex == args.regex
+    assert capsys.readouterr().err == ""
 
 
 @pytest.mark.slow

@@ -48,6 +48,7 @@ SCHEMAS = {
                                                   "hostname"]], "minItems": 8},
     "map": {"type": "object", "additionalProperties": {"type": "integer", "minimum": -5, "maximum": 5}},
     "any": {},
+    "true": True,  # any JSON value, as {} (llguidance refuses it: the server and main.py fall back to this compiler)
     "types": {"type": ["string", "integer", "null"], "maxLength": 3, "minimum": 10},
     "all_of": {"allOf": [{"properties": {"a": {"type": "integer", "minimum": 0}}},
                          {"properties": {"a": {"maximum": 9}}, "required": ["a"]}]},
@@ -141,6 +142,7 @@ def test_discriminated_one_of_matches(value):
     ("tuple", ['["2024-02-28"]', '["2024-12-31",7,true,false]']),
     ("map", ['{}', '{"x":5}', '{"x":-5,"y":0}']),
     ("types", ['"abc"', '10', '999', 'null']),
+    ("true", ['null', 'false', '-1.5e3', '"x"', '[]', '{}', '[1,"a",null]', '{"k":1}']),
     ("const", ['{"k":[1,"two",null]}']),
     ("unique", ['[]', '[7]']),
     ("half_steps", ['-3', '0', '3']),
@@ -159,6 +161,7 @@ def test_examples_match(name, texts):
     ("tuple", ['[]', '["2023-02-29"]', '["2024-13-01"]', '["2024-01-01",1,true,true,true]']),
     ("map", ['{"x":6}', '{"x":1,}']),
     ("types", ['"abcd"', '9', '-10', 'true']),
+    ("true", ['', 'nul', '[1,]', '01', '"a', ' 1', '{"k":1,}']),
     ("unique", ['[1,2]']),
     ("half_steps", ['3.5', '4']),
     ("dependencies", ['{"c":null}', '{"b":1,"c":null,"d":true}']),

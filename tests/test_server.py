@@ -4,6 +4,7 @@ Fast tests check request parsing and stop strings without a model. The slow ones
 (``python -m server --port 0``) with the embedded model and talk to it over HTTP.
 """
 
+import asyncio
 import importlib.util
 import json
 import re
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from constrained import schema_to_regex
 from server.engine import StopText
 from server.protocol import ApiError, parse_body, parse_chat, parse_completion
 
@@ -25,12 +27,12 @@ MODEL = "SmolLM2-135M-Instruct"
 QUESTION = "What is the capital of France? Answer in one sentence."
 USER_SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
                                                 "age": {"type": "integer", "minimum": 0, "maximum": 120}},
-               "required": ["name", "age"]}
+               "required": ["name", "age"], "additionalProperties": False}  # closed, as OpenAI's strict mode asks
 WEATHER_TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
                                                     "unit": {"enum": ["celsius", "fahrenheit"]}},
-                   "required": ["city", "unit"]}}}
+                   "required": ["city", "unit"], "additionalProperties": False}}}
 
 
 # ---- without a model -------------------------------------------------------------------------------
@@ -61,8 +63,6 @@ def chat(**body):
     ({"messages": []}, "non-empty list"),
     ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
     ({"response_format": {"type": "xml"}}, "response_format.type"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "object", "minProperties": 2}}}},
-     "the JSON schema is not supported"),
     ({"tool_choice": "required"}, "'tool_choice' needs 'tools'"),
     ({"tools": [WEATHER_TOOL], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
     ({"logprobs": True, "top_logprobs": 30}, "'top_logprobs' must be between 0 and 20"),
@@ -90,10 +90,11 @@ def test_requests_become_generation_options():
     request = chat(temperature=0, max_completion_tokens=7, stop="\n", seed=3,
                    response_format={"type": "json_schema", "json_schema": {"name": "u", "schema": USER_SCHEMA}})
     assert (request.temp, request.max_tokens, request.stop, request.seed) == (0.0, 7, ["\n"], 3)
-    assert re.fullmatch(request.regex, '{"name":"Ann","age":3}') and not re.fullmatch(request.regex, '{"age":3}')
+    assert json.loads(request.schema) == USER_SCHEMA and request.regex is None  # compiled by the engine
     forced = chat(tools=[WEATHER_TOOL], tool_choice="required")
     assert forced.tool_names == ["get_weather"] and forced.tool_wrapped
-    assert re.fullmatch(forced.regex, '{"name":"get_weather","arguments":{"city":"Oslo","unit":"celsius"}}')
+    regex = schema_to_regex(json.loads(forced.schema))
+    assert re.fullmatch(regex, '{"name":"get_weather","arguments":{"city":"Oslo","unit":"celsius"}}')
     completion = parse_completion({"prompt": "ab", "max_tokens": 3}, FakeTokenizer(), MODEL, 64)
     assert completion.prompt == [97, 98] and completion.max_tokens == 3
 
@@ -159,6 +160,68 @@ def test_stop_text_holds_back_possible_stop_prefixes(pieces, stop, expected_sent
         if found:
             break
     assert sent == expected_sent and found == stopped
+
+
+# ---- the engine with a tiny random model: how JSON schemas compile ------------------------------------
+
+ONLY_LLGUIDANCE = {"type": "integer", "multipleOf": 7, "minimum": 0, "maximum": 99}  # regex: "multipleOf 7"
+NEITHER = {"type": "string", "not": {"const": "a"}}  # llguidance: "Unimplemented keys"; regex: "not"
+FALLBACK_NOTE = "note: llguidance refused the schema (Expecting object schema to apply options); using the built-in compiler\n"
+
+
+@pytest.fixture(scope="module")
+def tiny_engine():
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+    from server.engine import Engine
+    from tests.helpers import tiny_byte_tokenizer, tiny_llama
+
+    tokenizer = tiny_byte_tokenizer()
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    vocab_size = len(tokenizer) + 5
+    return Engine(tiny_llama(vocab_size=vocab_size, seed=7, sharp=3.0), TokenizerWrapper(tokenizer), vocab_size)
+
+
+def schema_outcome(engine, schema, max_tokens=8):
+    """A chat request with ``schema`` as its response_format, through the engine's queue: its Outcome."""
+    body = {"messages": [{"role": "user", "content": "a number"}], "temperature": 0, "max_tokens": max_tokens,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}}
+    request = parse_chat(body, engine.tokenizer, MODEL, 64)
+
+    async def run():
+        job = engine.submit(request, asyncio.get_running_loop())
+        while True:
+            kind, payload = await job.events.get()
+            if kind == "error":
+                raise payload
+            if kind == "done":
+                return payload
+
+    return asyncio.run(run())
+
+
+def test_the_server_compiles_json_schemas_with_llguidance(tiny_engine):
+    import jsonschema
+
+    outcome = schema_outcome(tiny_engine, ONLY_LLGUIDANCE)
+    assert outcome.finish_reason == "stop"
+    jsonschema.validate(json.loads(outcome.text), ONLY_LLGUIDANCE)
+    assert tiny_engine.constraints[("schema", json.dumps(ONLY_LLGUIDANCE))][0] == "grammar"
+
+
+def test_the_server_falls_back_to_the_built_in_compiler_once_per_schema(tiny_engine, capsys):
+    for _ in range(2):
+        schema_outcome(tiny_engine, True, max_tokens=3)
+    assert capsys.readouterr().err == FALLBACK_NOTE  # in the log, once: the compiled schema is cached
+    assert tiny_engine.constraints[("schema", "true")][0] == "regex"
+
+
+def test_a_schema_both_compilers_refuse_is_a_400(tiny_engine):
+    with pytest.raises(ApiError) as caught:
+        schema_outcome(tiny_engine, NEITHER)
+    assert caught.value.status == 400 and caught.value.param == "response_format"
+    assert caught.value.message == ('the JSON schema is not supported: llguidance refused the schema: Unimplemented '
+                                    'keys: ["not"]; the built-in compiler refused it too: not is not supported at #')
 
 
 # ---- one server for the slow tests ------------------------------------------------------------------
@@ -242,6 +305,24 @@ def test_json_schema_output_validates(client):
                                                                 "strict": True}})
     jsonschema.validate(json.loads(answer.choices[0].message.content), USER_SCHEMA)
     assert answer.usage.model_extra["decoding"]["draft_accepted"] > 0  # the forced '{"name":"' and '","age":'
+
+
+@pytest.mark.slow
+def test_json_schemas_llguidance_serves_or_the_built_in_compiler_or_neither(client):
+    import jsonschema
+    import openai
+
+    messages = [{"role": "user", "content": "Three prime numbers as a JSON array."}]
+    for schema in (True, ONLY_LLGUIDANCE):  # the built-in compiler (a note in the log), llguidance
+        answer = client.chat.completions.create(
+            model=MODEL, messages=messages, temperature=0, max_tokens=40,
+            response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}})
+        assert answer.choices[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(answer.choices[0].message.content), schema)
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=MODEL, messages=messages, response_format={
+            "type": "json_schema", "json_schema": {"name": "answer", "schema": NEITHER}})
+    assert "the built-in compiler refused it too" in caught.value.body["message"]
 
 
 @pytest.mark.slow
