@@ -142,10 +142,6 @@ class _Compiler:
             regex = self.compile_node(schema, path, refs)
         finally:
             self.depth -= 1
-        return self.within_budget(regex, path)
-
-    @staticmethod
-    def within_budget(regex, path):
         if regex is not None and len(regex) > MAX_REGEX_LENGTH:
             raise _too_large(path)
         return regex

@@ -276,8 +276,6 @@ class TokenIndex:
         return bool(self.dfa.accepting[state])
 
 
-
-
 def _cache_key(pattern: str, token_bytes: list, eos_token_ids, max_states: int) -> str:
     vocab_hash = hashlib.sha256()
     for token in token_bytes:

@@ -1,6 +1,11 @@
 """Adaptive draft length and pausing, shared by the model-based draft sources."""
 
+from typing import Optional
+
 from mlx.utils import tree_flatten
+
+from cost import PassCost
+from decoder import DraftSource
 
 
 def weight_bytes(model) -> int:
@@ -74,3 +79,28 @@ class AdaptiveLength:
         plain step's time, (1 + accepted per draft) / (1 + token_cost * tokens drafted per draft)."""
         accepted, proposed = self.accepted / self.drafts, self.proposed / self.drafts
         return (1 + accepted) / (1 + token_cost * proposed)
+
+
+class AdaptiveSource(DraftSource):
+    """A draft source that runs a model: an ``AdaptiveLength`` sets its draft length, and a
+    drafted token costs its drafting time plus its verification, as the loop measures them."""
+
+    def __init__(self, num_draft: int, max_draft: int, adaptive: bool, draft_cost_prior: float):
+        self.length = AdaptiveLength(num_draft, max_draft, enabled=adaptive)
+        self.draft_cost_prior = draft_cost_prior  # drafting one token / a target step, until timed
+
+    def reset(self, cost: Optional[PassCost] = None, temp: float = 0.0, top_p: float = 1.0):
+        super().reset(cost, temp, top_p)
+        self.length.reset()
+
+    def token_cost(self) -> float:
+        """Drafting and verifying one token, as a fraction of a target step (measured by the loop)."""
+        return self.cost.draft_cost(self.name, self.draft_cost_prior) + self.cost.token_cost()
+
+    def forecast_speedup(self) -> Optional[float]:
+        """The speed-up its next draft is expected to give, from its recent drafts; the loop lets it
+        draft instead of an earlier, cheaper source only when this is larger (``choose_draft``)."""
+        return self.length.expected_speedup(self.token_cost()) if self.length.enabled else None
+
+    def update(self, tokens: list, num_proposed: int, num_accepted: int):
+        self.length.record(num_proposed, num_accepted)

@@ -15,8 +15,8 @@ import mlx.core as mx
 from mlx_lm.models.cache import trim_prompt_cache
 
 from cost import PassCost
-from decoder import Draft, DraftSource, sampling_probs
-from speculative.adaptive import AdaptiveLength, weight_bytes
+from decoder import Draft, sampling_probs
+from speculative.adaptive import AdaptiveSource, weight_bytes
 from speculative.head import FINAL, body_with_features, logits_from_hidden
 from speculative.head_loading import load_head
 
@@ -66,7 +66,7 @@ class HiddenStateTap:
                        if first + rows.shape[0] > position]
 
 
-class DraftHeadSource(DraftSource):
+class DraftHeadSource(AdaptiveSource):
     """Drafts tokens with a draft head that reads the target's hidden states.
 
     Args:
@@ -91,14 +91,13 @@ class DraftHeadSource(DraftSource):
     def __init__(self, tap: HiddenStateTap, head, vocab_ids: mx.array, num_draft: int = 4, adaptive: bool = True,
                  max_draft: int = 8, min_confidence: float = 0.0, draft_cost_prior: float = 0.06,
                  min_path_confidence: Optional[float] = None):
+        super().__init__(num_draft, max_draft, adaptive, draft_cost_prior)
         self.tap, self.head = tap, head
         self.vocab_ids = vocab_ids
         self.vocab_list = vocab_ids.tolist()
         self.vocab_size = tap.target.args.vocab_size
         self.embed = tap.target.model.embed_tokens
-        self.length = AdaptiveLength(num_draft, max_draft, enabled=adaptive)
         self.min_confidence = min_confidence
-        self.draft_cost_prior = draft_cost_prior
         self.path_confidence_option = min_path_confidence
         self.reset()
 
@@ -108,7 +107,6 @@ class DraftHeadSource(DraftSource):
         self.tap.chunks = []
         self.cache = self.head.make_cache()
         self.committed = 0  # head cache positions read from true features and accepted tokens
-        self.length.reset()
 
     @classmethod
     def create(cls, target, head_dir=None, **kwargs):
@@ -121,19 +119,6 @@ class DraftHeadSource(DraftSource):
         # far less than its parameter count says.
         kwargs.setdefault("draft_cost_prior", (weight_bytes(head) + head.output_bytes) / weight_bytes(target))
         return tap, cls(tap, head, vocab_ids, **kwargs)
-
-    @property
-    def num_draft(self) -> int:
-        return self.length.num_draft
-
-    def forecast_speedup(self) -> Optional[float]:
-        """The speed-up its next draft is expected to give, from its recent drafts; the loop
-        lets it draft instead of an earlier, cheaper source only when this is larger."""
-        return self.length.expected_speedup(self.token_cost()) if self.length.enabled else None
-
-    def token_cost(self) -> float:
-        """Drafting and verifying one token, as a fraction of a target step (measured by the loop)."""
-        return self.cost.draft_cost(self.name, self.draft_cost_prior) + self.cost.token_cost()
 
     @property
     def min_path_confidence(self) -> float:
@@ -212,4 +197,4 @@ class DraftHeadSource(DraftSource):
 
     def update(self, tokens: list, num_proposed: int, num_accepted: int):
         self._rewind()
-        self.length.record(num_proposed, num_accepted)
+        super().update(tokens, num_proposed, num_accepted)
