@@ -221,10 +221,9 @@ def _length_range(node) -> tuple:
         most = None if high is None or node.max_count is None else high * node.max_count
         return low * node.min_count, (0 if node.max_count == 0 else most)
     ranges = [_length_range(child) for child in (node.items if isinstance(node, Concat) else node.options)]
-    if isinstance(node, Concat):
-        highs = [high for _, high in ranges]
-        return sum(low for low, _ in ranges), None if None in highs else sum(highs)
     highs = [high for _, high in ranges]
+    if isinstance(node, Concat):
+        return sum(low for low, _ in ranges), None if None in highs else sum(highs)
     return min((low for low, _ in ranges), default=0), None if None in highs else max(highs, default=0)
 
 

@@ -7,15 +7,8 @@ The regex matches only JSON text that validates against the schema: where the ex
 out of reach, it matches a subset (properties in schema order, no undeclared properties, compact
 whitespace, fractions only where the whole integer part is in range) or the schema is refused with a
 `SchemaError` naming the keyword and its JSON pointer. Leaves (strings, formats, number ranges) are
-in `json_regex.py`. Limits, all documented in constrained/README.md:
-
-- a recursive `$ref` is expanded `max_ref_depth` times along one path; deeper, the branch is left out
-  (an optional property, an empty array, another `anyOf` branch) or the schema is refused;
-- `{}` (any value) nests arrays and objects `any_depth` levels deep;
-- `maxLength` and `maxItems` above `max_repeat` are lowered to it (each allowed length is DFA states);
-- budgets checked while building, so any input is refused in one line within about 2 s:
-  `MAX_DEPTH` nested subschemas, `MAX_SUBSCHEMAS` subschemas compiled (a recursive `$ref` multiplies
-  them), `MAX_REGEX_LENGTH` characters for any part of the regex, and numeric bounds within ±1e308.
+in `json_regex.py`. The limits (constrained/README.md) are `schema_to_regex`'s arguments and the
+`MAX_*` budgets below, checked while building, so any input is refused in one line within about 2 s.
 """
 
 import json
@@ -44,9 +37,11 @@ def schema_to_regex(schema, whitespace: str = "", max_ref_depth: int = 3, any_de
     Args:
         schema: A JSON Schema as a dict (or True/False).
         whitespace: Regex for the whitespace allowed around `{ } [ ] , :`; "" is compact JSON.
-        max_ref_depth: How often one `$ref` may be expanded along a path (recursion cut).
+        max_ref_depth: How often one `$ref` may be expanded along a path; deeper, the branch is left
+            out (an optional property, an empty array, another `anyOf` branch) or the schema refused.
         any_depth: Nesting depth of arrays and objects where the schema allows any value.
-        max_repeat: Largest `maxLength`/`maxItems` kept as is; larger ones are lowered to it.
+        max_repeat: Largest `maxLength`/`maxItems` kept as is (each allowed length is DFA states);
+            larger ones are lowered to it.
     """
     check_finite(schema)
     compiler = _Compiler(schema, whitespace, max_ref_depth, any_depth, max_repeat)

@@ -130,12 +130,6 @@ class TokenTable:
     def vocab_size(self) -> int:
         return len(self.lengths)
 
-    def single_bytes(self) -> np.ndarray:
-        """(256,) bool: the bytes that some one-byte token spells."""
-        covered = np.zeros(256, dtype=bool)
-        covered[self.token_bytes[self.lengths == 1, 0]] = True
-        return covered
-
     def starting_with(self, first_bytes: np.ndarray) -> np.ndarray:
         """The spellable token ids whose first byte is in `first_bytes`."""
         starts, ends = self.first_byte_starts[first_bytes], self.first_byte_starts[first_bytes + 1]
@@ -190,7 +184,7 @@ def finishable_states(dfa: DFA, table: TokenTable) -> np.ndarray:
     front, in chunks of bounded memory, and find the finishable states on the token graph.
     """
     class_covered = np.zeros(dfa.transitions.shape[1], dtype=bool)
-    class_covered[dfa.byte_class[table.single_bytes()]] = True
+    class_covered[dfa.byte_class[table.token_bytes[table.lengths == 1, 0]]] = True  # a one-byte token spells it
     sources, classes = np.nonzero((dfa.transitions >= 0) & class_covered)
     by_single_bytes = states_reaching(sources, dfa.transitions[sources, classes], dfa.accepting)
     if by_single_bytes.all():
@@ -338,17 +332,16 @@ def load_or_build_index(pattern: str, tokenizer, vocab_size: int, eos_token_ids,
     """
     token_bytes = token_byte_strings(tokenizer, vocab_size)
     table = TokenTable.build(token_bytes)
-    key = _cache_key(pattern, token_bytes, eos_token_ids, max_states)
     if cache_dir is None:
         return TokenIndex.build(compile_regex(pattern, max_states), table, eos_token_ids)
+    key = _cache_key(pattern, token_bytes, eos_token_ids, max_states)
     path = Path(cache_dir) / f"{hashlib.sha256(key.encode()).hexdigest()}.npz"
     index = load_index(path, key, table, eos_token_ids)
-    if index is not None:
-        return index
-    index = TokenIndex.build(compile_regex(pattern, max_states), table, eos_token_ids)
-    try:
-        save_index(index, path, key)
-    except OSError as error:
-        sys.stderr.write(f"warning: cannot write the regex index cache ({error.strerror}: {path.parent}); "
-                         "using the index in memory\n")
+    if index is None:
+        index = TokenIndex.build(compile_regex(pattern, max_states), table, eos_token_ids)
+        try:
+            save_index(index, path, key)
+        except OSError as error:
+            sys.stderr.write(f"warning: cannot write the regex index cache ({error.strerror}: {path.parent}); "
+                             "using the index in memory\n")
     return index

@@ -50,9 +50,7 @@ class AdaptiveLength:
 
     def next_length(self, token_cost: float) -> int:
         """How many tokens to draft this step, when a drafted token costs ``token_cost`` of a
-        step: 0 (pause) while the recent drafts are expected to give less than a plain step
-        (for one-token drafts: the first token is accepted less often than it costs), with a
-        one-token probe after 1, 2, 4 ... skipped steps; else ``num_draft``."""
+        step: ``num_draft``, or 0 (pause) or 1 (probe) while drafts do not pay."""
         if not self.enabled or self.expected_speedup(token_cost) > 1:
             self.probe_gap = 1
             return self.num_draft
@@ -82,16 +80,26 @@ class AdaptiveLength:
 
 
 class AdaptiveSource(DraftSource):
-    """A draft source that runs a model: an ``AdaptiveLength`` sets its draft length, and a
-    drafted token costs its drafting time plus its verification, as the loop measures them."""
+    """A draft source that runs a model. It draws its tokens as the target samples (the loop's
+    ``temp``/``top_p``, given to ``reset``), so q is the distribution each was drawn from.
+
+    Args:
+        num_draft, max_draft, adaptive: its ``AdaptiveLength``.
+        draft_cost_prior: drafting one token as a fraction of a target step, until the loop has
+            timed it (``PassCost.draft_cost``); the sources' ``create`` sets it from the weight bytes.
+    """
 
     def __init__(self, num_draft: int, max_draft: int, adaptive: bool, draft_cost_prior: float):
         self.length = AdaptiveLength(num_draft, max_draft, enabled=adaptive)
-        self.draft_cost_prior = draft_cost_prior  # drafting one token / a target step, until timed
+        self.draft_cost_prior = draft_cost_prior
 
     def reset(self, cost: Optional[PassCost] = None, temp: float = 0.0, top_p: float = 1.0):
         super().reset(cost, temp, top_p)
         self.length.reset()
+
+    @property
+    def num_draft(self) -> int:
+        return self.length.num_draft
 
     def token_cost(self) -> float:
         """Drafting and verifying one token, as a fraction of a target step (measured by the loop)."""

@@ -48,21 +48,13 @@ def output_size(model, tokenizer) -> int:
 
 
 class DraftModelSource(AdaptiveSource):
-    """Drafts tokens autoregressively with a small model, drawing them as the target samples
-    (the loop's ``temp``/``top_p``, given to ``reset``), so q is the distribution each draft
-    token was actually drawn from.
+    """Drafts tokens autoregressively with a small model.
 
     Args:
         model: the draft (mlx-lm model, or ``T5Decoder``).
         vocab_size: the target's output size; the draft distribution is padded or cut to it.
-        num_draft: draft length to start with (and the fixed length when not adaptive).
-        adaptive: +2 after a fully accepted draft, -1 otherwise, within [1, max_draft];
-            and pause drafting while the first draft token is accepted less often than a
-            drafted token costs (see ``AdaptiveLength``).
-        min_confidence: stop drafting once the draft's top probability falls below this
-            (0.5 measured slightly better than no stop, see the README).
-        draft_cost_prior: drafting one token as a fraction of a target step, until the loop
-            has timed it (``PassCost.draft_cost``); ``create`` sets it from the weight bytes.
+        num_draft, adaptive, max_draft, draft_cost_prior: see ``AdaptiveSource``.
+        min_confidence: stop drafting once the draft's top probability falls below this.
     """
 
     name = "draft_model"

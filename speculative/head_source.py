@@ -73,17 +73,12 @@ class DraftHeadSource(AdaptiveSource):
         tap: the ``HiddenStateTap`` the loop runs as its model.
         head, vocab_ids: from ``load_head``; the head scores with ``head.logits``, over the tokens
             ``vocab_ids`` names.
-        num_draft, adaptive, max_draft: draft length (see ``AdaptiveLength``).
+        num_draft, adaptive, max_draft, draft_cost_prior: see ``AdaptiveSource``.
         min_confidence: stop a draft once the head's top probability falls below this.
         min_path_confidence: stop a draft once the product of the head's top probabilities at
             the positions drafted so far (the chance that all are accepted, if the head is
             calibrated) falls below this. Default: what a drafted token costs (``token_cost``) when
             adaptive (a further token is then worth less than it costs), else 0 (off).
-        draft_cost_prior: drafting one token as a fraction of a target step, until the loop has
-            timed it (``PassCost.draft_cost``); ``create`` sets it from the weight bytes.
-
-    The head draws its tokens as the target samples (the loop's ``temp``/``top_p``, given to
-    ``reset``), so q is the distribution each draft token was drawn from.
     """
 
     name = "draft_head"
@@ -114,9 +109,8 @@ class DraftHeadSource(AdaptiveSource):
         returns ``(tap, source)``: run the loop on ``tap``."""
         head, vocab_ids = load_head(head_dir, target)
         tap = HiddenStateTap(target, head.feature_layers)
-        # A draft step reads the head and the target's output rows it scores with (``output_bytes``;
-        # none for EAGLE-3, whose output layer is its own). Counted in bytes: a 4-bit target reads
-        # far less than its parameter count says.
+        # A draft step reads the head and the target's output rows it scores with (``output_bytes``; none
+        # for EAGLE-3). Counted in bytes: a 4-bit target reads far less than its parameter count says.
         kwargs.setdefault("draft_cost_prior", (weight_bytes(head) + head.output_bytes) / weight_bytes(target))
         return tap, cls(tap, head, vocab_ids, **kwargs)
 
