@@ -1,10 +1,9 @@
 """One verify-and-accept loop that every draft source plugs into.
 
-A *draft source* proposes up to k tokens (optionally with the distribution it
-drew them from); the target model scores ``[last token] + draft`` in a single
-forward pass, keeps the longest prefix it agrees with, adds one token of its
-own and trims the rejected tail off its KV cache. Plain decoding is the same
-loop with no draft source.
+A *draft source* proposes up to k tokens (optionally with the distribution it drew them from);
+the target scores ``[last token] + draft`` in one forward pass, keeps the longest prefix it agrees
+with, adds one token of its own and trims the rejected tail off its KV cache. Plain decoding is
+the same loop with no draft source.
 
 Layers, as in mlx-lm:
     generate_step   -> yields (token, source) as tokens are accepted
@@ -36,12 +35,10 @@ class ConstraintError(RuntimeError):
 class Draft:
     """Tokens a source proposes for the next positions.
 
-    ``probs`` is the (len(tokens), vocab) distribution each token was drawn
-    from; ``None`` means a point mass (n-gram copies, forced text).
-
-    ``expected_speedup`` is what the source expects this step to give: tokens
-    emitted (accepted + the target's own) per plain step's time, so 1.0 is a
-    plain step. ``None`` (no estimate) means the draft is taken as it is.
+    ``probs`` is the (len(tokens), vocab) distribution each token was drawn from; ``None`` means
+    a point mass (n-gram copies, forced text). ``expected_speedup`` is what the source expects
+    this step to give: tokens emitted (accepted + the target's own) per plain step's time, so 1.0
+    is a plain step; ``None`` (no estimate) means the draft is taken as it is.
     """
 
     tokens: list

@@ -1,9 +1,8 @@
 """Regex-constrained decoding for the shared loop: a logits mask and a free draft source.
 
-``RegexConstraint`` masks every position the target scores, including each
-position of a draft, and follows the accepted tokens through the token index
-(one table lookup per token). ``ForcedTextSource`` proposes the text the regex
-forces next (``", "age": `` in a JSON shape) as a draft that costs no model call.
+``RegexConstraint`` masks every position the target scores, including each position of a draft,
+and follows the accepted tokens through the token index (one table lookup per token).
+``ForcedTextSource`` drafts the text the regex forces next (``", "age": `` in a JSON shape) for free.
 """
 
 from typing import Optional
@@ -22,13 +21,11 @@ class RegexConstraint(Constraint):
         self.reset()
 
     def reset(self):
-        """Back to the start state, for a new generation."""
         self.state = self.index.start
 
     @classmethod
     def from_regex(cls, pattern: str, tokenizer, vocab_size: int, cache_dir=None) -> "RegexConstraint":
-        index = load_or_build_index(pattern, tokenizer, vocab_size, eos_ids_of(tokenizer), cache_dir=cache_dir)
-        return cls(index)
+        return cls(load_or_build_index(pattern, tokenizer, vocab_size, eos_ids_of(tokenizer), cache_dir=cache_dir))
 
     @classmethod
     def from_json_schema(cls, schema, tokenizer, vocab_size: int, cache_dir=None, **options) -> "RegexConstraint":

@@ -2,14 +2,13 @@
 
 The regex path (regex_dfa.py -> token_index.py -> constraint.py) is written by hand because it is
 the point of the example; a grammar engine is not, so here the best-kept one does the work:
-llguidance (``pip install llguidance``, MIT), an Earley parser over a lazy regex lexer. This file
-adapts it to the loop's ``Constraint`` protocol and adds a draft source for the text it forces.
+llguidance (``pip install llguidance``, MIT; imported where it is used), an Earley parser over a
+lazy regex lexer. This file adapts it to the loop's ``Constraint`` protocol and adds a draft source
+for the text it forces.
 
     constraint = GrammarConstraint.from_grammar('start: "yes" | "no"', tokenizer, vocab_size)
     result = generate(model, tokenizer, prompt, constraint=constraint,
                       draft_sources=[GrammarForcedSource(constraint, tokenizer)])
-
-llguidance is imported where it is used, so the rest of ``constrained/`` works without it.
 """
 
 import re

@@ -271,9 +271,9 @@ class _Compiler:
     def some_of(self, members):
         """One or more of `members`, in order, comma-separated: each member written once.
 
-        Some of the first k is some of the first k-1 (then maybe the k-th) or the k-th alone. Naming
-        each possible first member instead writes n^2/2 members (84,000 optional properties took
-        24 GB). The groups nest n deep, which our parser handles (Python's `re` stops near 300).
+        Some of the first k is some of the first k-1 (then maybe the k-th) or the k-th alone (naming
+        each possible first member would write n^2/2). The groups nest n deep, which our parser
+        handles (Python's `re` stops near 300).
         """
         sep = self._sep(",")
         # (?:(?:m1(?:,m2)?|m2)(?:,m3)?|m3): the opening groups first, so no prefix is copied again.

@@ -207,8 +207,7 @@ class _Parser:
         negate = self.peek() == "^"
         if negate:
             self.pos += 1
-        ranges = []
-        first = True
+        ranges, first = [], True
         while True:
             if self.pos >= len(self.pattern):
                 raise self.error("unterminated character set", start)

@@ -212,10 +212,8 @@ class TokenIndex:
 
     @classmethod
     def build(cls, dfa: DFA, token_bytes, eos_token_ids, **options) -> "TokenIndex":
-        """An index of `dfa` over `token_bytes` (from `token_byte_strings`, or a `TokenTable`).
-
-        Raises RegexError when no sequence of tokens spells a match at all.
-        """
+        """An index of `dfa` over `token_bytes` (from `token_byte_strings`, or a `TokenTable`); a
+        RegexError when no sequence of tokens spells a match at all."""
         table = token_bytes if isinstance(token_bytes, TokenTable) else TokenTable.build(token_bytes)
         finishable = finishable_states(dfa, table)
         if not finishable[dfa.start]:
@@ -322,9 +320,7 @@ def load_or_build_index(pattern: str, tokenizer, vocab_size: int, eos_token_ids,
     file is small (the DFA, at most `max_states` x byte classes int32), as rows are built lazily.
 
     Args:
-        pattern: The regex (see `compile_regex`).
-        tokenizer: Anything `token_byte_strings` accepts.
-        vocab_size: The model's vocabulary size.
+        pattern, tokenizer, vocab_size: The regex (`compile_regex`), and what `token_byte_strings` reads.
         eos_token_ids: Tokens that end generation; allowed exactly when the text so far matches.
         cache_dir: Where to keep indexes (main.py: `~/.cache/mlx-decoding/regex-index`); None keeps
             the index in memory only.

@@ -41,7 +41,6 @@ def find_draft(tokens: Sequence[int], *, extra_context: Sequence[int] = (), ngra
     Args:
         tokens: prompt + generated tokens (non-negative ids).
         extra_context: more tokens to copy from; they count as older than ``tokens``.
-        num_draft: return at most this many tokens.
 
     Returns:
         Up to ``num_draft`` token ids; empty when nothing matches.
@@ -207,11 +206,10 @@ class PromptLookupSource(DraftSource):
         if num_proposed == 0:  # another source drafted this step
             if offered is None:
                 return
-            # Score the copy against what the step emitted, as if it had been verified: greedy, it
-            # would have been accepted exactly as far as it agrees; sampling, a copied token x is
-            # accepted with p(x), the chance the emitted token is x. So the estimates learn on
-            # every step, not only on the steps the copy drafts. A copy longer than what was
-            # emitted and agreeing with all of it is censored: its tokens count, its end is unknown.
+            # Score the copy against what the step emitted, as if it had been verified: greedy, it would
+            # have been accepted exactly as far as it agrees; sampling, a copied token x is accepted with
+            # p(x), the chance the emitted token is x. So the estimates learn on every step. A copy longer
+            # than what was emitted and agreeing with all of it is censored: its tokens count, not its end.
             start, draft = offered
             emitted = tokens[start:]
             num_accepted = next((i for i, (a, b) in enumerate(zip(draft, emitted)) if a != b),

@@ -27,8 +27,7 @@ class AdaptiveLength:
     token after 1, 2, 4 ... skipped steps.
 
     Args:
-        num_draft: the length to start with (and the fixed length when not ``enabled``).
-        max_draft: the longest draft.
+        num_draft, max_draft: the length to start with (the fixed one when not ``enabled``), the longest.
         enabled: False keeps ``num_draft`` fixed and never pauses.
     """
 

@@ -1,9 +1,8 @@
 """A draft source backed by a trained draft head (speculative/head.py).
 
-The head needs the target's hidden states at the accepted positions. ``HiddenStateTap``
-wraps the target so the loop runs it like any mlx-lm model, and keeps the hidden states
-of each call, keyed by position. The loop stays untouched: it only sees a model and a
-draft source.
+The head needs the target's hidden states at the accepted positions. ``HiddenStateTap`` wraps the
+target so the loop runs it like any mlx-lm model, and keeps the hidden states of each call, keyed
+by position. The loop stays untouched: it only sees a model and a draft source.
 
     tap, source = DraftHeadSource.create(target)
     generate(tap, tokenizer, prompt, draft_sources=[source])
@@ -55,15 +54,12 @@ class HiddenStateTap:
         if not self.chunks or self.chunks[0][0] > start or self.chunks[-1][0] + self.chunks[-1][1].shape[0] < stop:
             raise ValueError("the draft head has no hidden states for these positions: run the loop on the "
                              "HiddenStateTap from DraftHeadSource.create (not the bare model), with a fresh kv_cache")
-        rows = [rows[max(start - first, 0) : stop - first] for first, rows in self.chunks
-                if first < stop and first + rows.shape[0] > start]
-        self.forget(stop - 1)
-        return mx.concatenate(rows) if len(rows) > 1 else rows[0]
-
-    def forget(self, position: int):
-        """Free the features before ``position``."""
-        self.chunks = [(max(first, position), rows[max(position - first, 0):]) for first, rows in self.chunks
-                       if first + rows.shape[0] > position]
+        taken = [rows[max(start - first, 0) : stop - first] for first, rows in self.chunks
+                 if first < stop and first + rows.shape[0] > start]
+        keep = stop - 1  # free the features before it
+        self.chunks = [(max(first, keep), rows[max(keep - first, 0):]) for first, rows in self.chunks
+                       if first + rows.shape[0] > keep]
+        return mx.concatenate(taken) if len(taken) > 1 else taken[0]
 
 
 class DraftHeadSource(AdaptiveSource):
