@@ -148,7 +148,8 @@ class Engine:
 
     def _new_generator(self) -> BatchGenerator:
         return BatchGenerator(self.model, eos_token_ids=self.eos, prefill_step_size=self.prefill_step_size,
-                              prefill_batch_size=self.max_batch, interleave_prefill=True, keep_caches=True)
+                              prefill_batch_size=self.max_batch, interleave_prefill=True, keep_caches=True,
+                              pass_cost=self.pass_cost)  # what it measured outlives a failed step
 
     def submit(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop) -> Job:
         job = Job(request, loop)

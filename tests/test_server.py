@@ -286,7 +286,17 @@ def test_the_readme_server_example_prints_what_it_says(server):
     expected = re.search(r"# (\{.*\})$", code, flags=re.M).group(1)
     code = code.replace("http://127.0.0.1:8080/v1", server[1]).replace('api_key="none"', f'api_key="{API_KEY}"')
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert result.stdout.strip() == expected, result.stderr[-2000:]
+    assert result.stdout.strip() == expected, result.stdout + result.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_the_readme_batches_server_example_prints_what_it_says(server):
+    readme = (ROOT / "README.md").read_text()
+    code = re.search(r"^## Batches\n.*?^```py\n(.*?)^```", readme, flags=re.S | re.M).group(1)
+    expected = re.search(r"# (\[.*\])$", code, flags=re.M).group(1)
+    code = code.replace("http://127.0.0.1:8080/v1", server[1]).replace('api_key="none"', f'api_key="{API_KEY}"')
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.stdout.strip() == expected, result.stdout + result.stderr[-2000:]
 
 
 @pytest.mark.slow
@@ -388,6 +398,50 @@ def test_load_16_clients_64_requests_none_lost(server, client):
     assert len(answered) >= 5  # the running request and a full queue, at least
     assert rss_kib(server[0].pid) - rss_before < 300_000
     assert client.models.list().data  # still serving
+
+
+@pytest.mark.slow
+def test_requests_decoded_together_each_get_the_text_they_get_alone(client):
+    """Continuous batching: four requests of different lengths, one with a schema, sent at once
+    (they join one batch as they arrive) give exactly what each gives alone."""
+    requests = [dict(messages=[{"role": "user", "content": QUESTION}], max_tokens=24),
+                dict(messages=[{"role": "user", "content": "Name three colours."}], max_tokens=9),
+                dict(messages=[{"role": "user", "content": "Anna, 34. Give her as JSON."}], max_tokens=30,
+                     response_format={"type": "json_schema", "json_schema": {"name": "u", "schema": USER_SCHEMA}}),
+                dict(messages=[{"role": "user", "content": "Repeat: red, green, blue, red, green, blue."}],
+                     max_tokens=16)]
+
+    def ask(request):
+        answer = client.chat.completions.create(model=MODEL, temperature=0, **request)
+        return answer.choices[0].message.content, answer.usage.completion_tokens
+
+    alone = [ask(request) for request in requests]
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        together = list(pool.map(ask, requests))
+    assert together == alone
+    assert [tokens for _, tokens in alone] != [alone[0][1]] * 4  # rows of different lengths
+    json.loads(alone[2][0])
+
+
+@pytest.mark.slow
+def test_interleaved_conversations_each_reuse_their_own_cached_prefix(client):
+    """The prompt cache keeps several conversations: turns of two conversations in turn each
+    prefill only their new message."""
+    document = (ROOT / "demo" / "museum.txt").read_text()
+    conversations = [[{"role": "system", "content": f"Conversation {c}: answer briefly."},
+                      {"role": "user", "content": document}] for c in range(2)]
+    cached = {}
+    for turn, question in enumerate(["When did the museum open?", "Who founded it?"]):
+        for c, messages in enumerate(conversations):
+            if turn:
+                messages.append({"role": "user", "content": question})
+            answer = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=8)
+            messages.append({"role": "assistant", "content": answer.choices[0].message.content})
+            cached[turn, c] = (answer.usage.prompt_tokens, answer.usage.prompt_tokens_details.cached_tokens)
+    for c in range(2):
+        first_prompt, _ = cached[0, c]
+        prompt, hit = cached[1, c]
+        assert hit >= first_prompt and prompt - hit < 40  # only the last answer and the new question
 
 
 @pytest.mark.slow

@@ -1,0 +1,173 @@
+"""Many clients at once: our batching server against mlx_lm.server (batching on), side by side.
+
+    flock /tmp/cpu.lock python -m benchmarks.server_load [--clients 1 2 4 8 16] [--max-tokens 40]
+
+Starts the servers on free local ports, each loading the fast BLAS: mlx_lm.server, ours one request
+at a time (``--max-batch 1``, what the server did before it batched), ours batching and ours
+batching with ``--prompt-lookup`` (the one-at-a-time server on chat only). At each client count N, N clients send one streamed greedy
+request each at the same moment, and the servers take turns on the same prompts. Reported per
+server: aggregate tok/s (every completion token over the round's wall time, prefill included),
+p50/p95 time per output token per request (after its first token), and time to first token.
+
+Workloads: chat (benchmarks/heldout/chat.txt); grounded (document questions, code edits, quote
+summaries); json (benchmarks/json_schemas/suite through ``response_format``: ours only, since
+mlx_lm.server has no ``response_format``). Every prompt carries a system line unique to its round,
+so no server's prompt cache can skip the prefill.
+
+Then ``--conversations`` conversations over documents run interleaved, a turn of each in turn, on
+mlx_lm.server and ours: time to first token per turn, against the prompt's length and what the
+prompt cache held.
+"""
+
+import argparse
+import json
+import signal
+import statistics
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from benchmarks.server import FOLLOW_UPS, MLX_LM_SERVER, ROOT, free_port, start, timed_chat
+
+BENCH = ROOT / "benchmarks"
+RESULTS = BENCH / "results" / "server_load.md"
+
+
+def workloads():
+    chat = [line for line in (BENCH / "heldout" / "chat.txt").read_text().splitlines() if line.strip()]
+    grounded = [file.read_text() for folder in ("extractive_qa", "code_edit", "summarize_quotes")
+                for file in sorted((BENCH / "prompts" / folder).glob("*.txt"))]
+    schemas = [json.loads(p.read_text()) for p in sorted((BENCH / "json_schemas" / "suite").glob("*.json"))]
+    json_requests = [(s["_prompt"] + " Answer with the JSON only.",
+                      {"response_format": {"type": "json_schema", "json_schema": {
+                          "name": "out", "schema": {k: v for k, v in s.items() if k != "_prompt"}}}})
+                     for s in schemas]
+    return {"chat": [(text, {}) for text in chat], "grounded": [(text, {}) for text in grounded],
+            "json": json_requests}
+
+
+def round_of(server, requests, nonce, max_tokens) -> dict:
+    """Send ``requests`` at once; aggregate tok/s and each request's timings."""
+    def one(index):
+        text, extra = requests[index]
+        messages = [{"role": "system", "content": f"You are a helpful assistant (round {nonce}.{index})."},
+                    {"role": "user", "content": text}]
+        return timed_chat(server, messages, max_tokens, **extra)
+
+    start_time = time.perf_counter()
+    with ThreadPoolExecutor(len(requests)) as pool:
+        results = list(pool.map(one, range(len(requests))))
+    seconds = time.perf_counter() - start_time
+    per_token = [1 / r["tps"] for r in results if r["tps"] > 0]
+    return {"tps": sum(r["tokens"] for r in results) / seconds, "per_token": per_token,
+            "ttft": [r["ttft"] for r in results], "tokens": sum(r["tokens"] for r in results)}
+
+
+def percentile(values, share):
+    values = sorted(values)
+    return values[min(int(share * len(values)), len(values) - 1)] if values else float("nan")
+
+
+def load_table(servers, work, clients, repeats, max_tokens) -> list:
+    lines = ["| workload | clients | server | tok/s in all | vs mlx_lm.server | vs ours one at a time | "
+             "p50 ms/token | p95 ms/token | p50 TTFT (s) | tokens |", "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for workload, prompts in work.items():
+        for count in clients:
+            requests = [prompts[i % len(prompts)] for i in range(count)]
+            best = {}
+            for repeat in range(repeats):  # servers interleaved; the best round of each counts
+                for server in servers:
+                    if workload == "json" and server["name"] == "mlx_lm.server":
+                        continue  # no response_format there
+                    if workload != "chat" and server["name"] == "ours, one at a time":
+                        continue  # the old server's baseline, on chat only (it is slow to run)
+                    result = round_of(server, requests, f"{workload}.{count}.{repeat}", max_tokens)
+                    if server["name"] not in best or result["tps"] > best[server["name"]]["tps"]:
+                        best[server["name"]] = result
+            theirs = best.get("mlx_lm.server", {}).get("tps")
+            single = best.get("ours, one at a time", {}).get("tps")
+            for name, result in best.items():
+                ratio = f"{result['tps'] / theirs:.2f}x" if theirs else ""
+                versus = f"{result['tps'] / single:.2f}x" if single else ""
+                lines.append(f"| {workload} | {count} | {name} | {result['tps']:.1f} | {ratio} | {versus} | "
+                             f"{1e3 * percentile(result['per_token'], 0.5):.0f} | "
+                             f"{1e3 * percentile(result['per_token'], 0.95):.0f} | "
+                             f"{percentile(result['ttft'], 0.5):.2f} | {result['tokens']} |")
+                print(lines[-1], flush=True)
+    return lines
+
+
+def conversations(servers, count, turns) -> list:
+    """``count`` conversations over documents, one turn of each in turn: TTFT per turn."""
+    documents = [(ROOT / "demo" / "museum.txt").read_text()] + \
+        [f.read_text() for f in sorted((BENCH / "prompts" / "extractive_qa").glob("*.txt"))]
+    lines = ["| server | turn | prompt tokens (mean) | cached tokens (mean) | TTFT (s, mean) |",
+             "|---|---:|---:|---:|---:|"]
+    for server in servers:
+        histories = [[{"role": "system", "content": f"Answer briefly from the document (conversation {c})."},
+                      {"role": "user", "content": documents[c % len(documents)]}] for c in range(count)]
+        for turn in range(turns):
+            results = []
+            for history in histories:
+                if turn:
+                    history.append({"role": "user", "content": FOLLOW_UPS[turn % len(FOLLOW_UPS)]})
+                result = timed_chat(server, history, 16)
+                history.append({"role": "assistant", "content": result["text"]})
+                results.append(result)
+            lines.append(f"| {server['name']} | {turn + 1} | {statistics.mean(r['prompt_tokens'] for r in results):.0f} "
+                         f"| {statistics.mean(r['cached'] or 0 for r in results):.0f} | "
+                         f"{statistics.mean(r['ttft'] for r in results):.2f} |")
+            print(lines[-1], flush=True)
+    return lines
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--clients", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    parser.add_argument("--workloads", nargs="+", default=["chat", "grounded", "json"],
+                        choices=["chat", "grounded", "json"])
+    parser.add_argument("--max-tokens", type=int, default=40)
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--conversations", type=int, default=4, help="Interleaved conversations (0: skip)")
+    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--out", default=str(RESULTS), help="Markdown file for the tables ('' to skip)")
+    args = parser.parse_args()
+    from loading import default_model_path
+
+    model_dir = str(default_model_path())
+    most = max(args.clients)
+    ours = [sys.executable, "-m", "server", "--model", model_dir, "--max-queue", str(2 * most)]
+    specs = [("mlx_lm.server", [sys.executable, "-c", MLX_LM_SERVER, "--model", model_dir, "--log-level", "ERROR",
+                                "--decode-concurrency", str(most), "--prompt-concurrency", str(most)]),
+             ("ours, one at a time", ours + ["--max-batch", "1"]),
+             ("ours", ours + ["--max-batch", str(most)]),
+             ("ours --prompt-lookup", ours + ["--max-batch", str(most), "--prompt-lookup"])]
+    servers = []
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # run the finally below under `timeout`
+    try:
+        for name, command in specs:
+            port = free_port()
+            servers.append(start(name, command + ["--port", str(port)], port,
+                                 "default_model" if name == "mlx_lm.server" else model_dir))
+            timed_chat(servers[-1], [{"role": "user", "content": "Hi"}], 4)  # the first MLX call is slow
+        work = {name: prompts for name, prompts in workloads().items() if name in args.workloads}
+        command = (f"python -m benchmarks.server_load --clients {' '.join(map(str, args.clients))} --workloads "
+                   f"{' '.join(args.workloads)} --max-tokens {args.max_tokens} --repeats {args.repeats} "
+                   f"--conversations {args.conversations} --turns {args.turns}")
+        lines = ["# Many clients at once", "", f"    {command}", "",
+                 f"Greedy, at most {args.max_tokens} tokens per request, the embedded SmolLM2-135M (float32), "
+                 "every server with the fast BLAS; best of the repeats.", ""]
+        lines += load_table(servers, work, args.clients, args.repeats, args.max_tokens)
+        if args.conversations:
+            lines += ["", f"{args.conversations} conversations interleaved (a turn of each in turn):", ""]
+            lines += conversations([servers[0], servers[2]], args.conversations, args.turns)
+        if args.out:
+            Path(args.out).write_text("\n".join(lines) + "\n")
+    finally:
+        for server in servers:
+            server["process"].terminate()
+
+
+if __name__ == "__main__":
+    main()
