@@ -1,19 +1,17 @@
 """One verify-and-accept loop that every draft source plugs into.
 
-A *draft source* proposes up to k tokens (optionally with the distribution it
-drew them from); the target model scores ``[last token] + draft`` in a single
-forward pass, keeps the longest prefix it agrees with, adds one token of its
-own and trims the rejected tail off its KV cache. Plain decoding is the same
-loop with no draft source.
+A *draft source* proposes up to k tokens (optionally with the distribution it drew them from);
+the target scores ``[last token] + draft`` in one forward pass, keeps the longest prefix it agrees
+with, adds one token of its own and trims the rejected tail off its KV cache. Plain decoding is
+the same loop with no draft source.
 
 Layers, as in mlx-lm:
     generate_step   -> yields (token, source) as tokens are accepted
     stream_generate -> yields Response (text segment, token, source)
     generate        -> GenerationResult (text, tokens and every statistic)
 
-Sources and constraints are reusable: the loop calls their ``reset`` at the start of
-every generation. What a pass costs is measured here, where it runs (``cost.PassCost``):
-the loop times every pass by width and every draft, and the sources read that one model.
+Sources and constraints are reusable: the loop calls their ``reset`` before every generation.
+The loop times every pass by width and every draft (``cost.PassCost``); the sources read that.
 """
 
 import time
@@ -21,11 +19,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator, Optional, Sequence, Union
 
 import mlx.core as mx
-from mlx_lm.models.cache import (
-    can_trim_prompt_cache,
-    make_prompt_cache,
-    trim_prompt_cache,
-)
+from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
+from mlx_lm.utils import common_prefix_len
 
 from cost import PassCost
 
@@ -40,12 +35,10 @@ class ConstraintError(RuntimeError):
 class Draft:
     """Tokens a source proposes for the next positions.
 
-    ``probs`` is the (len(tokens), vocab) distribution each token was drawn
-    from; ``None`` means a point mass (n-gram copies, forced text).
-
-    ``expected_speedup`` is what the source expects this step to give: tokens
-    emitted (accepted + the target's own) per plain step's time, so 1.0 is a
-    plain step. ``None`` (no estimate) means the draft is taken as it is.
+    ``probs`` is the (len(tokens), vocab) distribution each token was drawn from; ``None`` means
+    a point mass (n-gram copies, forced text). ``expected_speedup`` is what the source expects
+    this step to give: tokens emitted (accepted + the target's own) per plain step's time, so 1.0
+    is a plain step; ``None`` (no estimate) means the draft is taken as it is.
     """
 
     tokens: list
@@ -62,10 +55,9 @@ class DraftSource:
     def reset(self, cost: Optional[PassCost] = None, temp: float = 0.0, top_p: float = 1.0) -> None:
         """Forget the last generation; the loop calls this before each one.
 
-        ``cost`` is the loop's measured verification cost, which adaptive sources read to
-        choose their draft lengths (None: a fresh ``PassCost``, its prior until measured).
-        ``temp`` and ``top_p`` are the target's sampling settings: a source that draws its
-        tokens draws them the same way, so that q is close to p.
+        ``cost``: the loop's measured verification cost, which adaptive sources read (None: a
+        fresh ``PassCost``). ``temp``, ``top_p``: the target's sampling, for sources that draw
+        their tokens the same way, so that q is close to p.
         """
         self.cost = cost if cost is not None else PassCost()
         self.temp, self.top_p = temp, top_p
@@ -169,9 +161,7 @@ def sampling_probs(logits: mx.array, temp: float, top_p: float = 1.0) -> mx.arra
     return probs
 
 
-def accept_draft(
-    logits: mx.array, draft: Draft, temp: float, top_p: float = 1.0
-) -> tuple:
+def accept_draft(logits: mx.array, draft: Draft, temp: float, top_p: float = 1.0) -> tuple:
     """Verify a draft against target ``logits`` of shape (len(draft) + 1, vocab).
 
     Returns ``(num_accepted, next_token)``: the target's own token follows the
@@ -187,27 +177,19 @@ def accept_draft(
     if temp == 0:
         # One sync per step: the accept decision needs the values on the host.
         target = mx.argmax(logits, axis=-1).tolist()
-        num_accepted = 0
-        while num_accepted < num_draft and draft.tokens[num_accepted] == target[num_accepted]:
-            num_accepted += 1
+        num_accepted = common_prefix_len(draft.tokens, target)
         return num_accepted, target[num_accepted]
 
     p = sampling_probs(logits, temp, top_p)
+    q = None if draft.probs is None else draft.probs.astype(mx.float32)
     num_accepted = 0
     if num_draft:
-        positions = mx.arange(num_draft)
-        tokens = mx.array(draft.tokens)
+        positions, tokens = mx.arange(num_draft), mx.array(draft.tokens)
         p_draft = p[positions, tokens]
-        if draft.probs is None:
-            q = None
-            q_draft = mx.ones_like(p_draft)
-        else:
-            q = draft.probs.astype(mx.float32)
-            q_draft = q[positions, tokens]
+        q_draft = mx.ones_like(p_draft) if q is None else q[positions, tokens]
         # min(1, p/q) without dividing: accept when u * q < p.
         accepted = (mx.random.uniform(shape=(num_draft,)) * q_draft < p_draft).tolist()
-        while num_accepted < num_draft and accepted[num_accepted]:
-            num_accepted += 1
+        num_accepted = (accepted + [False]).index(False)
     if num_accepted == num_draft:
         next_probs = p[num_draft]
     else:
@@ -234,9 +216,7 @@ def accept_sampled(logits: mx.array, draft: Draft, sampler: Callable) -> tuple:
     logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     # One sync per step, as in the greedy branch of accept_draft.
     target = sampler(logprobs).tolist()
-    num_accepted = 0
-    while num_accepted < len(draft.tokens) and draft.tokens[num_accepted] == target[num_accepted]:
-        num_accepted += 1
+    num_accepted = common_prefix_len(draft.tokens, target)
     return num_accepted, target[num_accepted]
 
 
@@ -259,15 +239,11 @@ def choose_draft(draft_sources: Sequence[DraftSource], tokens: list, max_draft: 
     """Pick this step's draft; returns ``(draft, drafter)``. Sources are in priority order,
     cheap ones first.
 
-    The first non-empty draft wins, unless it comes with an ``expected_speedup``: then a
-    later source that forecasts its own (``forecast_speedup``, known before it drafts) is
-    asked to draft when it expects more, and its draft replaces the first. This is
-    SuffixDecoding's per-step choice between a cheap copy and a model: the model is
-    only run on the steps where it is expected to pay more than the copy.
-
-    The choice depends on the context and on past steps only, never on tokens drawn
-    this step, so every draft is still drawn from the ``probs`` it reports. Each
-    ``propose`` is timed into ``cost`` (a source's drafting time is part of what it costs).
+    The first non-empty draft wins, unless it comes with an ``expected_speedup``: then a later
+    source that forecasts more (``forecast_speedup``, known before it drafts) drafts instead,
+    as SuffixDecoding chooses per step between a cheap copy and a model. The choice never
+    depends on tokens drawn this step, so every draft is still drawn from the ``probs`` it
+    reports. Each ``propose`` is timed into ``cost``.
     """
     chosen, drafter = Draft([]), None
     if max_draft <= 0:
@@ -461,7 +437,6 @@ class TextStream:
     (a leading space, the rest of a character). A window whose text ends in a partial
     UTF-8 character ("\\ufffd") grows until the character is complete. Any tokenizer
     with ``decode(ids) -> str`` works: mlx-lm's, T5's sentencepiece, plain Hugging Face.
-    Its cost per token stays flat with length (benchmarks/results/README.md, "Streaming detokenization").
     """
 
     def __init__(self, tokenizer):
@@ -493,13 +468,12 @@ def encode(tokenizer, prompt: Union[str, Sequence[int], Sequence[dict]], system:
         system: a system message put first (ignored for raw text and token ids).
         template_options: for the template, e.g. ``tools=[...]``.
     """
-    is_messages = isinstance(prompt, (list, tuple)) and len(prompt) > 0 and isinstance(prompt[0], dict)
-    if not isinstance(prompt, str) and not is_messages:
-        return list(prompt)
     if isinstance(prompt, str):
         if not getattr(tokenizer, "chat_template", None):
             return tokenizer.encode(prompt)
         prompt = [{"role": "user", "content": prompt}]
+    elif not (isinstance(prompt, (list, tuple)) and len(prompt) > 0 and isinstance(prompt[0], dict)):
+        return list(prompt)  # token ids
     messages = ([{"role": "system", "content": system}] if system else []) + list(prompt)
     return tokenizer.apply_chat_template(messages, add_generation_prompt=True, **template_options)
 

@@ -1,9 +1,8 @@
 """Regex-constrained decoding for the shared loop: a logits mask and a free draft source.
 
-``RegexConstraint`` masks every position the target scores, including each
-position of a draft, and follows the accepted tokens through the token index
-(one table lookup per token). ``ForcedTextSource`` proposes the text the regex
-forces next (``", "age": `` in a JSON shape) as a draft that costs no model call.
+``RegexConstraint`` masks every position the target scores, including each position of a draft,
+and follows the accepted tokens through the token index (one table lookup per token).
+``ForcedTextSource`` drafts the text the regex forces next (``", "age": `` in a JSON shape) for free.
 """
 
 from typing import Optional
@@ -22,13 +21,11 @@ class RegexConstraint(Constraint):
         self.reset()
 
     def reset(self):
-        """Back to the start state, for a new generation."""
         self.state = self.index.start
 
     @classmethod
     def from_regex(cls, pattern: str, tokenizer, vocab_size: int, cache_dir=None) -> "RegexConstraint":
-        index = load_or_build_index(pattern, tokenizer, vocab_size, eos_ids_of(tokenizer), cache_dir=cache_dir)
-        return cls(index)
+        return cls(load_or_build_index(pattern, tokenizer, vocab_size, eos_ids_of(tokenizer), cache_dir=cache_dir))
 
     @classmethod
     def from_json_schema(cls, schema, tokenizer, vocab_size: int, cache_dir=None, **options) -> "RegexConstraint":
@@ -56,6 +53,12 @@ class RegexConstraint(Constraint):
             self.state = self.index.next_state(self.state, token)
 
 
+def tokenize_forced(tokenizer, forced: bytes) -> list:
+    """The tokens of the whole characters in ``forced`` (forced bytes can stop inside one)."""
+    text = forced.decode("utf-8", errors="ignore") if forced else ""
+    return tokenizer.encode(text, add_special_tokens=False) if text else []
+
+
 class ForcedTextSource(DraftSource):
     """Drafts the bytes the regex forces from the current state, tokenized by the model's tokenizer.
 
@@ -72,14 +75,9 @@ class ForcedTextSource(DraftSource):
         self.tokenizer = tokenizer
         self._drafts = {}  # DFA state -> tokenized forced text (states repeat in loops)
 
-    def _forced_tokens(self, state: int) -> list:
-        if state not in self._drafts:
-            forced = self.constraint.index.dfa.forced_bytes(state)
-            # Forced bytes can stop inside a multi-byte character; draft only whole characters.
-            text = forced.decode("utf-8", errors="ignore") if forced else ""
-            self._drafts[state] = self.tokenizer.encode(text, add_special_tokens=False) if text else []
-        return self._drafts[state]
-
     def propose(self, tokens: list, max_draft: int) -> Optional[Draft]:
-        forced = self._forced_tokens(self.constraint.state)
+        state = self.constraint.state
+        if state not in self._drafts:
+            self._drafts[state] = tokenize_forced(self.tokenizer, self.constraint.index.dfa.forced_bytes(state))
+        forced = self._drafts[state]
         return Draft(forced[:max_draft]) if forced else None

@@ -2,14 +2,13 @@
 
 The regex path (regex_dfa.py -> token_index.py -> constraint.py) is written by hand because it is
 the point of the example; a grammar engine is not, so here the best-kept one does the work:
-llguidance (``pip install llguidance``, MIT), an Earley parser over a lazy regex lexer. This file
-adapts it to the loop's ``Constraint`` protocol and adds a draft source for the text it forces.
+llguidance (``pip install llguidance``, MIT; imported where it is used), an Earley parser over a
+lazy regex lexer. This file adapts it to the loop's ``Constraint`` protocol and adds a draft source
+for the text it forces.
 
     constraint = GrammarConstraint.from_grammar('start: "yes" | "no"', tokenizer, vocab_size)
     result = generate(model, tokenizer, prompt, constraint=constraint,
                       draft_sources=[GrammarForcedSource(constraint, tokenizer)])
-
-llguidance is imported where it is used, so the rest of ``constrained/`` works without it.
 """
 
 import re
@@ -19,6 +18,7 @@ from typing import Optional
 import mlx.core as mx
 import numpy as np
 
+from constrained.constraint import tokenize_forced
 from decoder import Constraint, ConstraintError, Draft, DraftSource, eos_ids_of
 
 INSTALL = "pip install llguidance"
@@ -43,15 +43,10 @@ def _one_line(message: str, limit: int = 300) -> str:
     return message if len(message) <= limit else message[: limit - 3] + "..."
 
 
-def is_gbnf(text: str) -> bool:
-    """GBNF (llama.cpp) writes rules as ``name ::= ...``; Lark writes ``name: ...``."""
-    return re.search(r"(?m)^\s*[A-Za-z][\w-]*\s*::=", text) is not None
-
-
 def grammar_to_lark(text: str, grammar_format: str = "auto") -> str:
     """The grammar in llguidance's Lark dialect; GBNF goes through llguidance's own converter."""
-    if grammar_format == "auto":
-        grammar_format = "gbnf" if is_gbnf(text) else "lark"
+    if grammar_format == "auto":  # GBNF (llama.cpp) writes rules as ``name ::= ...``; Lark ``name: ...``
+        grammar_format = "gbnf" if re.search(r"(?m)^\s*[A-Za-z][\w-]*\s*::=", text) else "lark"
     if grammar_format == "lark":
         return text
     _llguidance()
@@ -210,9 +205,5 @@ class GrammarForcedSource(DraftSource):
         self.tokenizer = tokenizer
 
     def propose(self, tokens: list, max_draft: int) -> Optional[Draft]:
-        forced = self.constraint.matcher.compute_ff_bytes()
-        # Forced bytes can stop inside a multi-byte character; draft only whole characters.
-        text = forced.decode("utf-8", errors="ignore") if forced else ""
-        if not text:
-            return None
-        return Draft(self.tokenizer.encode(text, add_special_tokens=False)[:max_draft])
+        forced = tokenize_forced(self.tokenizer, self.constraint.matcher.compute_ff_bytes())
+        return Draft(forced[:max_draft]) if forced else None

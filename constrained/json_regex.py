@@ -69,31 +69,20 @@ def _any_digits(count: int) -> str:
     return "" if count == 0 else "[0-9]" if count == 1 else f"[0-9]{{{count}}}"
 
 
-def _at_least(digits: str) -> str:
-    """Digit strings of len(digits) that are >= digits, built from the last digit: linear size."""
+def _one_sided(digits: str, above: bool) -> str:
+    """Digit strings of len(digits) that are >= digits (above) or <= digits (leading zeros allowed),
+    built from the last digit: linear size."""
+    edge = 9 if above else 0  # the digit with no larger (smaller) one
     regex = ""
     for index in range(len(digits) - 1, -1, -1):
         digit, tail = int(digits[index]), len(digits) - 1 - index
-        if not digits[index + 1:].strip("0"):  # the tail is all zeros: any tail will do
-            regex = _digit_class(digit, 9) + _any_digits(tail)
-        elif digit < 9:
-            regex = f"(?:{digit}{regex}|{_digit_class(digit + 1, 9)}{_any_digits(tail)})"
+        if not digits[index + 1:].strip(str(9 - edge)):  # the tail is all zeros (nines): any tail will do
+            regex = _digit_class(min(digit, edge), max(digit, edge)) + _any_digits(tail)
+        elif digit != edge:
+            beyond = _digit_class(digit + 1, 9) if above else _digit_class(0, digit - 1)
+            regex = f"(?:{digit}{regex}|{beyond}{_any_digits(tail)})"
         else:
-            regex = f"9{regex}"
-    return regex
-
-
-def _at_most(digits: str) -> str:
-    """Digit strings of len(digits) that are <= digits (leading zeros allowed): linear size."""
-    regex = ""
-    for index in range(len(digits) - 1, -1, -1):
-        digit, tail = int(digits[index]), len(digits) - 1 - index
-        if not digits[index + 1:].strip("9"):  # the tail is all nines: any tail will do
-            regex = _digit_class(0, digit) + _any_digits(tail)
-        elif digit > 0:
-            regex = f"(?:{digit}{regex}|{_digit_class(0, digit - 1)}{_any_digits(tail)})"
-        else:
-            regex = f"0{regex}"
+            regex = f"{digit}{regex}"
     return regex
 
 
@@ -107,11 +96,11 @@ def _digits_range(lo: str, hi: str) -> str:
     # A tail of all zeros (or nines) takes any tail, so that digit joins the middle.
     first = low if not lo[split + 1:].strip("0") else low + 1
     last = high if not hi[split + 1:].strip("9") else high - 1
-    options = [f"{low}{_at_least(lo[split + 1:])}"] if first > low else []
+    options = [f"{low}{_one_sided(lo[split + 1:], above=True)}"] if first > low else []
     if first <= last:
         options.append(_digit_class(first, last) + _any_digits(tail))
     if last < high:
-        options.append(f"{high}{_at_most(hi[split + 1:])}")
+        options.append(f"{high}{_one_sided(hi[split + 1:], above=False)}")
     return prefix + (options[0] if len(options) == 1 else "(?:" + "|".join(options) + ")")
 
 
@@ -221,10 +210,9 @@ def _length_range(node) -> tuple:
         most = None if high is None or node.max_count is None else high * node.max_count
         return low * node.min_count, (0 if node.max_count == 0 else most)
     ranges = [_length_range(child) for child in (node.items if isinstance(node, Concat) else node.options)]
-    if isinstance(node, Concat):
-        highs = [high for _, high in ranges]
-        return sum(low for low, _ in ranges), None if None in highs else sum(highs)
     highs = [high for _, high in ranges]
+    if isinstance(node, Concat):
+        return sum(low for low, _ in ranges), None if None in highs else sum(highs)
     return min((low for low, _ in ranges), default=0), None if None in highs else max(highs, default=0)
 
 
@@ -260,10 +248,11 @@ def pattern_string(pattern: str, min_length: int = 0, max_length=None) -> str:
     """A JSON string regex for `pattern` (JSON Schema: `re.search` on the decoded string).
 
     Unanchored ends get `.*`. With minLength/maxLength: served when every match of the pattern is long
-    enough, and unbounded repeats are capped so that every match is short enough; else RegexError. The characters JSON must escape are removed from the pattern's sets, so
-    the text between the quotes is the value itself. Our dialect reads \\D \\W \\S as ASCII (re.ASCII)
-    while a validator reads them as Unicode; patterns using them keep to ASCII so they stay a subset.
-    Raises RegexError for what our parser does not support.
+    enough, and unbounded repeats are capped so that every match is short enough; else RegexError.
+    The characters JSON must escape are removed from the pattern's sets, so the text between the
+    quotes is the value itself. Our dialect reads \\D \\W \\S as ASCII (re.ASCII) while a validator
+    reads them as Unicode; patterns using them keep to ASCII so they stay a subset. Raises RegexError
+    for what our parser does not support.
     """
     anchored_start = pattern.startswith("^")
     body = pattern[1:] if anchored_start else pattern

@@ -7,15 +7,8 @@ The regex matches only JSON text that validates against the schema: where the ex
 out of reach, it matches a subset (properties in schema order, no undeclared properties, compact
 whitespace, fractions only where the whole integer part is in range) or the schema is refused with a
 `SchemaError` naming the keyword and its JSON pointer. Leaves (strings, formats, number ranges) are
-in `json_regex.py`. Limits, all documented in constrained/README.md:
-
-- a recursive `$ref` is expanded `max_ref_depth` times along one path; deeper, the branch is left out
-  (an optional property, an empty array, another `anyOf` branch) or the schema is refused;
-- `{}` (any value) nests arrays and objects `any_depth` levels deep;
-- `maxLength` and `maxItems` above `max_repeat` are lowered to it (each allowed length is DFA states);
-- budgets checked while building, so any input is refused in one line within about 2 s:
-  `MAX_DEPTH` nested subschemas, `MAX_SUBSCHEMAS` subschemas compiled (a recursive `$ref` multiplies
-  them), `MAX_REGEX_LENGTH` characters for any part of the regex, and numeric bounds within ±1e308.
+in `json_regex.py`. The limits (constrained/README.md) are `schema_to_regex`'s arguments and the
+`MAX_*` budgets below, checked while building, so any input is refused in one line within about 2 s.
 """
 
 import json
@@ -44,9 +37,11 @@ def schema_to_regex(schema, whitespace: str = "", max_ref_depth: int = 3, any_de
     Args:
         schema: A JSON Schema as a dict (or True/False).
         whitespace: Regex for the whitespace allowed around `{ } [ ] , :`; "" is compact JSON.
-        max_ref_depth: How often one `$ref` may be expanded along a path (recursion cut).
+        max_ref_depth: How often one `$ref` may be expanded along a path; deeper, the branch is left
+            out (an optional property, an empty array, another `anyOf` branch) or the schema refused.
         any_depth: Nesting depth of arrays and objects where the schema allows any value.
-        max_repeat: Largest `maxLength`/`maxItems` kept as is; larger ones are lowered to it.
+        max_repeat: Largest `maxLength`/`maxItems` kept as is (each allowed length is DFA states);
+            larger ones are lowered to it.
     """
     check_finite(schema)
     compiler = _Compiler(schema, whitespace, max_ref_depth, any_depth, max_repeat)
@@ -142,10 +137,6 @@ class _Compiler:
             regex = self.compile_node(schema, path, refs)
         finally:
             self.depth -= 1
-        return self.within_budget(regex, path)
-
-    @staticmethod
-    def within_budget(regex, path):
         if regex is not None and len(regex) > MAX_REGEX_LENGTH:
             raise _too_large(path)
         return regex
@@ -280,9 +271,9 @@ class _Compiler:
     def some_of(self, members):
         """One or more of `members`, in order, comma-separated: each member written once.
 
-        Some of the first k is some of the first k-1 (then maybe the k-th) or the k-th alone. Naming
-        each possible first member instead writes n^2/2 members (84,000 optional properties took
-        24 GB). The groups nest n deep, which our parser handles (Python's `re` stops near 300).
+        Some of the first k is some of the first k-1 (then maybe the k-th) or the k-th alone (naming
+        each possible first member would write n^2/2). The groups nest n deep, which our parser
+        handles (Python's `re` stops near 300).
         """
         sep = self._sep(",")
         # (?:(?:m1(?:,m2)?|m2)(?:,m3)?|m3): the opening groups first, so no prefix is copied again.

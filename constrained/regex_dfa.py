@@ -166,17 +166,13 @@ class DFA:
         state = self.step(self.start, data)
         return state >= 0 and bool(self.accepting[state])
 
-    def sample(self, rng, max_bytes: int = 2000, stop_probability: float = 0.25):
-        """A random member of the language (None if the walk passes max_bytes), for tests and benchmarks.
-
-        Args:
-            rng: A `random.Random`.
-            stop_probability: Chance of stopping at each accepting state that can go on.
-        """
+    def sample(self, rng, max_bytes: int = 2000):
+        """A random member of the language, drawn with a `random.Random` (None if the walk passes
+        max_bytes), for tests and benchmarks; an accepting state that can go on stops it 1 in 4 times."""
         state, data = self.start, bytearray()
         while len(data) < max_bytes:
             (live_bytes,) = np.nonzero(self.transitions[state, self.byte_class] >= 0)
-            if self.accepting[state] and (not len(live_bytes) or rng.random() < stop_probability):
+            if self.accepting[state] and (not len(live_bytes) or rng.random() < 0.25):
                 return bytes(data)
             data.append(int(rng.choice(live_bytes)))
             state = int(self.transitions[state, self.byte_class[data[-1]]])

@@ -14,27 +14,30 @@ class RegexError(ValueError):
     """A regex that is malformed, unsupported, matches nothing, or is too large."""
 
 
-# Syntax tree. Character sets are sorted, disjoint, inclusive code point intervals.
+# Syntax tree: a set of characters, a repeat of one node, a sequence or a choice of nodes.
 @dataclass(frozen=True)
 class Chars:
-    ranges: tuple
-
-
-@dataclass(frozen=True)
-class Concat:
-    items: tuple
-
-
-@dataclass(frozen=True)
-class Alt:
-    options: tuple
+    ranges: tuple[tuple[int, int], ...]  # sorted, disjoint, inclusive code point intervals
 
 
 @dataclass(frozen=True)
 class Repeat:
-    item: object
+    item: "Node"
     min_count: int
     max_count: int | None  # None: unbounded
+
+
+@dataclass(frozen=True)
+class Concat:
+    items: tuple["Node", ...]
+
+
+@dataclass(frozen=True)
+class Alt:
+    options: tuple["Node", ...]
+
+
+Node = Chars | Repeat | Concat | Alt
 
 
 def _normalize(ranges):
@@ -204,8 +207,7 @@ class _Parser:
         negate = self.peek() == "^"
         if negate:
             self.pos += 1
-        ranges = []
-        first = True
+        ranges, first = [], True
         while True:
             if self.pos >= len(self.pattern):
                 raise self.error("unterminated character set", start)

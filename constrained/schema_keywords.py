@@ -73,13 +73,10 @@ def check_finite(schema):
         node, path = stack.pop()
         if isinstance(node, float) and not math.isfinite(node):
             raise SchemaError(f"a number that is not finite (NaN, Infinity or beyond ±1.8e308) at {path}")
+        children = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
         # Only containers and floats can hold a non-finite number: skip the rest without a pointer.
-        if isinstance(node, dict):
-            stack += [(value, f"{path}/{escape(str(key))}") for key, value in node.items()
-                      if isinstance(value, (dict, list, float))]
-        elif isinstance(node, list):
-            stack += [(value, f"{path}/{index}") for index, value in enumerate(node)
-                      if isinstance(value, (dict, list, float))]
+        stack += [(value, f"{path}/{escape(str(key))}") for key, value in children
+                  if isinstance(value, (dict, list, float))]
 
 
 def escape(key: str) -> str:
@@ -109,8 +106,7 @@ def valid_value(key, value) -> bool:
     expected = expected if isinstance(expected, tuple) else (expected,)
     if isinstance(value, bool) and bool not in expected:  # True is an int to isinstance
         return False
-    is_count = expected == (int,)
-    return isinstance(value, expected) and not (is_count and value < 0)
+    return isinstance(value, expected) and not (expected == (int,) and value < 0)  # counts are >= 0
 
 
 def json_type(value) -> str:

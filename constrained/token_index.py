@@ -130,12 +130,6 @@ class TokenTable:
     def vocab_size(self) -> int:
         return len(self.lengths)
 
-    def single_bytes(self) -> np.ndarray:
-        """(256,) bool: the bytes that some one-byte token spells."""
-        covered = np.zeros(256, dtype=bool)
-        covered[self.token_bytes[self.lengths == 1, 0]] = True
-        return covered
-
     def starting_with(self, first_bytes: np.ndarray) -> np.ndarray:
         """The spellable token ids whose first byte is in `first_bytes`."""
         starts, ends = self.first_byte_starts[first_bytes], self.first_byte_starts[first_bytes + 1]
@@ -190,7 +184,7 @@ def finishable_states(dfa: DFA, table: TokenTable) -> np.ndarray:
     front, in chunks of bounded memory, and find the finishable states on the token graph.
     """
     class_covered = np.zeros(dfa.transitions.shape[1], dtype=bool)
-    class_covered[dfa.byte_class[table.single_bytes()]] = True
+    class_covered[dfa.byte_class[table.token_bytes[table.lengths == 1, 0]]] = True  # a one-byte token spells it
     sources, classes = np.nonzero((dfa.transitions >= 0) & class_covered)
     by_single_bytes = states_reaching(sources, dfa.transitions[sources, classes], dfa.accepting)
     if by_single_bytes.all():
@@ -218,10 +212,8 @@ class TokenIndex:
 
     @classmethod
     def build(cls, dfa: DFA, token_bytes, eos_token_ids, **options) -> "TokenIndex":
-        """An index of `dfa` over `token_bytes` (from `token_byte_strings`, or a `TokenTable`).
-
-        Raises RegexError when no sequence of tokens spells a match at all.
-        """
+        """An index of `dfa` over `token_bytes` (from `token_byte_strings`, or a `TokenTable`); a
+        RegexError when no sequence of tokens spells a match at all."""
         table = token_bytes if isinstance(token_bytes, TokenTable) else TokenTable.build(token_bytes)
         finishable = finishable_states(dfa, table)
         if not finishable[dfa.start]:
@@ -276,8 +268,6 @@ class TokenIndex:
         return bool(self.dfa.accepting[state])
 
 
-
-
 def _cache_key(pattern: str, token_bytes: list, eos_token_ids, max_states: int) -> str:
     vocab_hash = hashlib.sha256()
     for token in token_bytes:
@@ -330,9 +320,7 @@ def load_or_build_index(pattern: str, tokenizer, vocab_size: int, eos_token_ids,
     file is small (the DFA, at most `max_states` x byte classes int32), as rows are built lazily.
 
     Args:
-        pattern: The regex (see `compile_regex`).
-        tokenizer: Anything `token_byte_strings` accepts.
-        vocab_size: The model's vocabulary size.
+        pattern, tokenizer, vocab_size: The regex (`compile_regex`), and what `token_byte_strings` reads.
         eos_token_ids: Tokens that end generation; allowed exactly when the text so far matches.
         cache_dir: Where to keep indexes (main.py: `~/.cache/mlx-decoding/regex-index`); None keeps
             the index in memory only.
@@ -340,17 +328,16 @@ def load_or_build_index(pattern: str, tokenizer, vocab_size: int, eos_token_ids,
     """
     token_bytes = token_byte_strings(tokenizer, vocab_size)
     table = TokenTable.build(token_bytes)
-    key = _cache_key(pattern, token_bytes, eos_token_ids, max_states)
     if cache_dir is None:
         return TokenIndex.build(compile_regex(pattern, max_states), table, eos_token_ids)
+    key = _cache_key(pattern, token_bytes, eos_token_ids, max_states)
     path = Path(cache_dir) / f"{hashlib.sha256(key.encode()).hexdigest()}.npz"
     index = load_index(path, key, table, eos_token_ids)
-    if index is not None:
-        return index
-    index = TokenIndex.build(compile_regex(pattern, max_states), table, eos_token_ids)
-    try:
-        save_index(index, path, key)
-    except OSError as error:
-        sys.stderr.write(f"warning: cannot write the regex index cache ({error.strerror}: {path.parent}); "
-                         "using the index in memory\n")
+    if index is None:
+        index = TokenIndex.build(compile_regex(pattern, max_states), table, eos_token_ids)
+        try:
+            save_index(index, path, key)
+        except OSError as error:
+            sys.stderr.write(f"warning: cannot write the regex index cache ({error.strerror}: {path.parent}); "
+                             "using the index in memory\n")
     return index

@@ -1,14 +1,12 @@
 """History lookup: prompt lookup that also copies from the model's own earlier outputs.
 
-A small model answers alike from one request to the next, and a workload that sends the
-same kind of request over many inputs repeats itself even more. SuffixDecoding (Oliaro et
-al., 2024) drafts from a suffix tree of past outputs, and llama.cpp keeps a "dynamic" n-gram
-cache of past generations; here the past outputs are simply older context for the same
-vectorized search as prompt lookup (``ngram.search``), one pass over a bounded array.
+A model answers alike from one request to the next, the more so in a workload that sends the same
+kind of request over many inputs. SuffixDecoding (Oliaro et al., 2024) drafts from a suffix tree of
+past outputs, llama.cpp from an n-gram cache of them; here they are older context for prompt
+lookup's vectorized search (``ngram.search``), one pass over a bounded array.
 
-The store on disk is one ``.npz`` file: the outputs' token ids, each followed by
-``SEPARATOR``. ``append_history`` keeps it bounded (the oldest outputs go first) and
-replaces it atomically, so concurrent runs never read or leave a half-written store.
+The store on disk is one ``.npz`` file: the outputs' token ids, each followed by ``SEPARATOR``.
+``append_history`` keeps it bounded (the oldest outputs go first) and replaces it atomically.
 """
 
 import fcntl

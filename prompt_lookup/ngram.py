@@ -28,29 +28,19 @@ def check_search_args(ngram_max: int, ngram_min: int, num_draft: int):
         raise ValueError(f"num_draft must be at least 1, got {num_draft}.")
 
 
-def find_draft(
-    tokens: Sequence[int],
-    *,
-    extra_context: Sequence[int] = (),
-    ngram_max: int = 3,
-    ngram_min: int = 1,
-    num_draft: int = 8,
-) -> list:
+def find_draft(tokens: Sequence[int], *, extra_context: Sequence[int] = (), ngram_max: int = 3, ngram_min: int = 1,
+               num_draft: int = 8) -> list:
     """Tokens that followed an earlier occurrence of the end of ``tokens``.
 
-    Tries n-grams of ``ngram_max`` down to ``ngram_min`` tokens; the largest
-    size that occurs earlier in ``tokens`` or anywhere in ``extra_context``
-    (e.g. an encoder input) wins. Among its occurrences, the one that agrees
-    with the context furthest back (up to ``LONGEST_LOOKBACK`` tokens) is
-    copied, the most recent on a tie: the same as the most recent match with a
-    larger ``ngram_max``. (The most recent and the earliest occurrence were
-    measured and lost: benchmarks/results/prompt_lookup.md.) Occurrences with nothing after them
-    are skipped, so the suffix never matches itself.
+    Tries n-grams of ``ngram_max`` down to ``ngram_min`` tokens; the largest size that occurs
+    earlier in ``tokens`` or anywhere in ``extra_context`` (e.g. an encoder input) wins. Among its
+    occurrences, the one that agrees with the context furthest back (up to ``LONGEST_LOOKBACK``
+    tokens) is copied, the most recent on a tie: the same as the most recent match with a larger
+    ``ngram_max``. Occurrences with nothing after them are skipped, so the suffix never matches itself.
 
     Args:
         tokens: prompt + generated tokens (non-negative ids).
         extra_context: more tokens to copy from; they count as older than ``tokens``.
-        num_draft: return at most this many tokens.
 
     Returns:
         Up to ``num_draft`` token ids; empty when nothing matches.
@@ -62,13 +52,7 @@ def find_draft(
     return draft
 
 
-def search(
-    context: mx.array,
-    num_tokens: int,
-    ngram_max: int,
-    ngram_min: int,
-    num_draft: int,
-) -> tuple:
+def search(context: mx.array, num_tokens: int, ngram_max: int, ngram_min: int, num_draft: int) -> tuple:
     """``find_draft`` on a ready context: an int32 array whose last ``num_tokens``
     entries are the tokens, preceded by ``extra_context + [SEPARATOR]`` if any.
 
@@ -104,43 +88,32 @@ def search(
 class PromptLookupSource(DraftSource):
     """A draft source that copies from the prompt and the text generated so far.
 
-    Adaptive drafting (``adaptive=True``) follows from what verification costs.
-    Scoring one more draft token adds ``c`` of a decoding step, the token cost the
-    loop measures (``cost.PassCost.token_cost``: about 0.09 on a 2-core CPU, far
-    less on a GPU), while each accepted token saves a whole step. If a copied
-    token is accepted with probability ``a`` once the token before it was, the
-    i-th draft token pays off while ``a**i > c``, so the best draft length is
-    ``log(c) / log(a)``, capped at ``2 * num_draft``.
+    Adaptive drafting (``adaptive=True``) follows from what verification costs. Scoring one more
+    draft token adds ``c`` of a decoding step, the token cost the loop measures
+    (``cost.PassCost.token_cost``: about 0.09 on a 2-core CPU, far less on a GPU), while each
+    accepted token saves a whole step. If a copied token is accepted with probability ``a`` once the
+    token before it was, the i-th draft token pays off while ``a**i > c``, so the best draft length
+    is ``log(c) / log(a)``, capped at ``2 * num_draft``.
 
-    ``a`` is estimated for each kind of match apart (``match_kind``: a 3-gram
-    match is a safer copy than a 1-gram one) from its recent drafts, forgetting old ones by
-    ``FORGET`` per draft. It starts where the best length is ``num_draft``. A
-    size whose copies do not pay (best length 0) is skipped, but probed with a
-    one-token draft after 1, 2, 4, ... ``MAX_PROBE_GAP`` skipped matches, so
-    text that turns repetitive is picked up again at a probing cost of a few
-    percent of a step at most.
+    ``a`` is estimated for each kind of match apart (``match_kind``: a 3-gram match is a safer copy
+    than a 1-gram one) from its recent drafts, forgetting old ones by ``FORGET`` per draft. It
+    starts where the best length is ``num_draft``. A size whose copies do not pay (best length 0) is
+    skipped, but probed with a one-token draft after 1, 2, 4, ... ``MAX_PROBE_GAP`` skipped matches,
+    so text that turns repetitive is picked up again for at most a few percent of a step.
 
-    With ``adaptive=False`` it always drafts ``num_draft`` tokens when it finds
-    a match.
+    With ``adaptive=False`` it always drafts ``num_draft`` tokens when it finds a match.
 
-    The context (``extra_context`` and ``tokens``) is kept as one MLX array
-    that grows by the newly accepted tokens, so each step costs one
-    vectorized search and no list conversion. The source follows one
-    generation: a different ``tokens`` list starts it over.
+    The context (``extra_context`` and ``tokens``) is kept as one MLX array that grows by the
+    newly accepted tokens, so each step costs one vectorized search and no list conversion.
+    The source follows one generation: a different ``tokens`` list starts it over.
     """
 
     name = "prompt_lookup"
     FORGET = 0.8  # weight of the past in the acceptance estimate: about the last 5 drafts count
     MAX_PROBE_GAP = 64
 
-    def __init__(
-        self,
-        ngram_max: int = 3,
-        ngram_min: int = 1,
-        num_draft: int = 8,
-        extra_context: Sequence[int] = (),
-        adaptive: bool = True,
-    ):
+    def __init__(self, ngram_max: int = 3, ngram_min: int = 1, num_draft: int = 8, extra_context: Sequence[int] = (),
+                 adaptive: bool = True):
         check_search_args(ngram_max, ngram_min, num_draft)
         if any(token < 0 for token in extra_context):
             raise ValueError("extra_context must hold token ids (non-negative integers).")
@@ -233,11 +206,10 @@ class PromptLookupSource(DraftSource):
         if num_proposed == 0:  # another source drafted this step
             if offered is None:
                 return
-            # Score the copy against what the step emitted, as if it had been verified: greedy, it
-            # would have been accepted exactly as far as it agrees; sampling, a copied token x is
-            # accepted with p(x), the chance the emitted token is x. So the estimates learn on
-            # every step, not only on the steps the copy drafts. A copy longer than what was
-            # emitted and agreeing with all of it is censored: its tokens count, its end is unknown.
+            # Score the copy against what the step emitted, as if it had been verified: greedy, it would
+            # have been accepted exactly as far as it agrees; sampling, a copied token x is accepted with
+            # p(x), the chance the emitted token is x. So the estimates learn on every step. A copy longer
+            # than what was emitted and agreeing with all of it is censored: its tokens count, not its end.
             start, draft = offered
             emitted = tokens[start:]
             num_accepted = next((i for i, (a, b) in enumerate(zip(draft, emitted)) if a != b),

@@ -1,6 +1,11 @@
 """Adaptive draft length and pausing, shared by the model-based draft sources."""
 
+from typing import Optional
+
 from mlx.utils import tree_flatten
+
+from cost import PassCost
+from decoder import DraftSource
 
 
 def weight_bytes(model) -> int:
@@ -22,8 +27,7 @@ class AdaptiveLength:
     token after 1, 2, 4 ... skipped steps.
 
     Args:
-        num_draft: the length to start with (and the fixed length when not ``enabled``).
-        max_draft: the longest draft.
+        num_draft, max_draft: the length to start with (the fixed one when not ``enabled``), the longest.
         enabled: False keeps ``num_draft`` fixed and never pauses.
     """
 
@@ -45,9 +49,7 @@ class AdaptiveLength:
 
     def next_length(self, token_cost: float) -> int:
         """How many tokens to draft this step, when a drafted token costs ``token_cost`` of a
-        step: 0 (pause) while the recent drafts are expected to give less than a plain step
-        (for one-token drafts: the first token is accepted less often than it costs), with a
-        one-token probe after 1, 2, 4 ... skipped steps; else ``num_draft``."""
+        step: ``num_draft``, or 0 (pause) or 1 (probe) while drafts do not pay."""
         if not self.enabled or self.expected_speedup(token_cost) > 1:
             self.probe_gap = 1
             return self.num_draft
@@ -74,3 +76,38 @@ class AdaptiveLength:
         plain step's time, (1 + accepted per draft) / (1 + token_cost * tokens drafted per draft)."""
         accepted, proposed = self.accepted / self.drafts, self.proposed / self.drafts
         return (1 + accepted) / (1 + token_cost * proposed)
+
+
+class AdaptiveSource(DraftSource):
+    """A draft source that runs a model. It draws its tokens as the target samples (the loop's
+    ``temp``/``top_p``, given to ``reset``), so q is the distribution each was drawn from.
+
+    Args:
+        num_draft, max_draft, adaptive: its ``AdaptiveLength``.
+        draft_cost_prior: drafting one token as a fraction of a target step, until the loop has
+            timed it (``PassCost.draft_cost``); the sources' ``create`` sets it from the weight bytes.
+    """
+
+    def __init__(self, num_draft: int, max_draft: int, adaptive: bool, draft_cost_prior: float):
+        self.length = AdaptiveLength(num_draft, max_draft, enabled=adaptive)
+        self.draft_cost_prior = draft_cost_prior
+
+    def reset(self, cost: Optional[PassCost] = None, temp: float = 0.0, top_p: float = 1.0):
+        super().reset(cost, temp, top_p)
+        self.length.reset()
+
+    @property
+    def num_draft(self) -> int:
+        return self.length.num_draft
+
+    def token_cost(self) -> float:
+        """Drafting and verifying one token, as a fraction of a target step (measured by the loop)."""
+        return self.cost.draft_cost(self.name, self.draft_cost_prior) + self.cost.token_cost()
+
+    def forecast_speedup(self) -> Optional[float]:
+        """The speed-up its next draft is expected to give, from its recent drafts; the loop lets it
+        draft instead of an earlier, cheaper source only when this is larger (``choose_draft``)."""
+        return self.length.expected_speedup(self.token_cost()) if self.length.enabled else None
+
+    def update(self, tokens: list, num_proposed: int, num_accepted: int):
+        self.length.record(num_proposed, num_accepted)

@@ -12,8 +12,8 @@ from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 from mlx_lm.utils import common_prefix_len
 
 from cost import PassCost
-from decoder import Draft, DraftSource, prefill, sampling_probs
-from speculative.adaptive import AdaptiveLength, weight_bytes
+from decoder import Draft, prefill, sampling_probs
+from speculative.adaptive import AdaptiveSource, weight_bytes
 from t5 import T5Decoder, is_encoder_decoder
 
 
@@ -21,14 +21,10 @@ class VocabularyMismatch(ValueError):
     """The draft and target tokenizers disagree (the message is shown to the user)."""
 
 
-def vocabulary(tokenizer) -> dict:
-    """token string -> id (Hugging Face tokenizers and our T5Tokenizer both offer it)."""
-    return tokenizer.get_vocab()
-
-
 def check_same_vocabulary(draft_tokenizer, target_tokenizer, draft_size: int, target_size: int):
     """Refuse a pair whose tokenizers differ: the draft's token ids would mean other text."""
-    draft_vocab, target_vocab = vocabulary(draft_tokenizer), vocabulary(target_tokenizer)
+    # token string -> id: Hugging Face tokenizers and our T5Tokenizer both offer it.
+    draft_vocab, target_vocab = draft_tokenizer.get_vocab(), target_tokenizer.get_vocab()
     if len(draft_vocab) != len(target_vocab):
         raise VocabularyMismatch(
             f"the draft tokenizer has {len(draft_vocab)} tokens, the target's {len(target_vocab)}; "
@@ -48,36 +44,27 @@ def check_same_vocabulary(draft_tokenizer, target_tokenizer, draft_size: int, ta
 def output_size(model, tokenizer) -> int:
     """The width of the model's logits (its config's vocab_size, else the tokenizer's size)."""
     args = getattr(model, "args", None)
-    return getattr(args, "vocab_size", None) or len(vocabulary(tokenizer))
+    return getattr(args, "vocab_size", None) or len(tokenizer.get_vocab())
 
 
-class DraftModelSource(DraftSource):
-    """Drafts tokens autoregressively with a small model, drawing them as the target samples
-    (the loop's ``temp``/``top_p``, given to ``reset``), so q is the distribution each draft
-    token was actually drawn from.
+class DraftModelSource(AdaptiveSource):
+    """Drafts tokens autoregressively with a small model.
 
     Args:
         model: the draft (mlx-lm model, or ``T5Decoder``).
         vocab_size: the target's output size; the draft distribution is padded or cut to it.
-        num_draft: draft length to start with (and the fixed length when not adaptive).
-        adaptive: +2 after a fully accepted draft, -1 otherwise, within [1, max_draft];
-            and pause drafting while the first draft token is accepted less often than a
-            drafted token costs (see ``AdaptiveLength``).
-        min_confidence: stop drafting once the draft's top probability falls below this
-            (0.5 measured slightly better than no stop, see the README).
-        draft_cost_prior: drafting one token as a fraction of a target step, until the loop
-            has timed it (``PassCost.draft_cost``); ``create`` sets it from the weight bytes.
+        num_draft, adaptive, max_draft, draft_cost_prior: see ``AdaptiveSource``.
+        min_confidence: stop drafting once the draft's top probability falls below this.
     """
 
     name = "draft_model"
 
     def __init__(self, model, vocab_size: int, num_draft: int = 4, adaptive: bool = True,
                  max_draft: int = 12, min_confidence: float = 0.5, draft_cost_prior: float = 0.1):
+        super().__init__(num_draft, max_draft, adaptive, draft_cost_prior)
         self.model = model
         self.vocab_size = vocab_size
-        self.length = AdaptiveLength(num_draft, max_draft, enabled=adaptive)
         self.min_confidence = min_confidence
-        self.draft_cost_prior = draft_cost_prior
         self.cache = make_prompt_cache(model)
         self.cache_tokens = []  # the tokens whose keys and values are in self.cache
         self.reset()
@@ -100,11 +87,6 @@ class DraftModelSource(DraftSource):
         """A new generation: the cache is kept, and reused up to what it shares with the new prompt."""
         super().reset(cost, temp, top_p)
         self.synced = 0  # cache_tokens[:synced] is known to equal the accepted tokens
-        self.length.reset()
-
-    def token_cost(self) -> float:
-        """Drafting and verifying one token, as a fraction of a target step (measured by the loop)."""
-        return self.cost.draft_cost(self.name, self.draft_cost_prior) + self.cost.token_cost()
 
     def _rewind(self, tokens: list):
         """Trim the cache back to the longest prefix it shares with ``tokens``."""
@@ -125,14 +107,6 @@ class DraftModelSource(DraftSource):
         if self.temp == 0:  # greedy: the plain softmax, only for the confidence stop
             return mx.softmax(logits.astype(mx.float32))
         return sampling_probs(logits[None], self.temp, self.top_p)[0]
-
-    @property
-    def num_draft(self) -> int:
-        return self.length.num_draft
-
-    def forecast_speedup(self) -> Optional[float]:
-        """The speed-up its next draft is expected to give, from its recent drafts (see decoder.choose_draft)."""
-        return self.length.expected_speedup(self.token_cost()) if self.length.enabled else None
 
     def propose(self, tokens: list, max_draft: int) -> Optional[Draft]:
         num_draft = min(self.length.next_length(self.token_cost()), max_draft)
@@ -169,4 +143,4 @@ class DraftModelSource(DraftSource):
 
     def update(self, tokens: list, num_proposed: int, num_accepted: int):
         self._rewind(tokens)
-        self.length.record(num_proposed, num_accepted)
+        super().update(tokens, num_proposed, num_accepted)

@@ -76,8 +76,7 @@ class Eagle3Layer(nn.Module):
     def __init__(self, args: llama.ModelArgs):
         super().__init__()
         size = args.hidden_size
-        self.self_attn = llama.Attention(args)
-        attention = self.self_attn
+        self.self_attn = attention = llama.Attention(args)
         for name, heads in (("q_proj", attention.n_heads), ("k_proj", attention.n_kv_heads),
                             ("v_proj", attention.n_kv_heads)):
             setattr(attention, name, nn.Linear(2 * size, heads * attention.head_dim, bias=False))

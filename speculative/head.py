@@ -59,9 +59,7 @@ class DraftHead(nn.Module):
 
     def __call__(self, features: mx.array, next_embeddings: mx.array, cache=None, mask=None) -> mx.array:
         """(B, L, d) target features at t (or the head's predictions) and embeddings of x_{t+1}
-        -> predicted h_{t+1}.
-
-        ``cache`` is the list from ``make_cache``, as for mlx-lm models; ``mask`` overrides the
+        -> predicted h_{t+1}. ``cache`` is the list from ``make_cache``, as for mlx-lm models; ``mask`` overrides the
         causal mask (training unrolls drafting with its own, see head_training/train.py)."""
         layer_cache = cache[0] if cache else None
         x = self.fuse(mx.concatenate([features, next_embeddings], axis=-1))

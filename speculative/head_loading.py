@@ -51,10 +51,7 @@ def load_draft_head(head_dir: Path, config: dict, target, dtype):
         raise HeadMismatch(f"{config_path}: feature_layers {config.get('feature_layers')} with num_layers "
                            f"{config.get('num_layers')} is not a head this version reads (only [-1] with 1)")
     check_fingerprint(config["fingerprint"], target, config_path)
-    try:
-        weights = mx.load(str(weights_path))
-    except (RuntimeError, ValueError, OSError) as error:  # a truncated or foreign file
-        raise HeadMismatch(f"{weights_path} cannot be read ({str(error).splitlines()[0]})") from None
+    weights = load_safetensors(weights_path)
     vocab_ids = weights.pop("vocab_ids", None)
     vocab_size = target.args.vocab_size
     if vocab_ids is None or vocab_ids.ndim != 1 or vocab_ids.size == 0 or vocab_ids.min().item() < 0 \
@@ -62,13 +59,19 @@ def load_draft_head(head_dir: Path, config: dict, target, dtype):
         raise HeadMismatch(f"{weights_path} has no valid 'vocab_ids' (token ids below {vocab_size})")
     vocab_ids = vocab_ids.astype(mx.int32)
     head = DraftHead(head_args(target.args), output_rows(target, vocab_ids))
+    weights = [(k.removeprefix("head."), v) for k, v in weights.items()]
+    return with_weights(head, weights, weights_path, config_path, dtype), vocab_ids
+
+
+def with_weights(head, weights: list, weights_path, config_path, dtype):
+    """``head`` holding ``weights`` (missing, extra or misshapen ones are refused), in ``dtype``."""
     try:
-        head.load_weights([(k.removeprefix("head."), v) for k, v in weights.items()], strict=True)
-    except ValueError as error:  # missing, extra or misshapen weights
+        head.load_weights(weights, strict=True)
+    except ValueError as error:
         raise HeadMismatch(f"{weights_path} does not match {config_path} ({str(error).splitlines()[0]})") from None
     head.set_dtype(dtype)  # float32 on a CPU, float16 on Apple GPUs
     mx.eval(head.parameters())
-    return head, vocab_ids
+    return head
 
 
 def read_config(config_path) -> dict:
@@ -142,15 +145,19 @@ def _check_embeddings(weights: dict, target, weights_path):
                            "differs from the target's)")
 
 
+def load_safetensors(path: Path) -> dict:
+    try:
+        return mx.load(str(path))
+    except (RuntimeError, ValueError, OSError) as error:  # a truncated or foreign file
+        raise HeadMismatch(f"{path} cannot be read ({str(error).splitlines()[0]})") from None
+
+
 def read_weights(head_dir: Path) -> tuple:
     """``(weights, path)``: ``model.safetensors``, else ``pytorch_model.bin`` (as most EAGLE heads
     are published) read with torch's weights-only unpickler, which runs no code from the file."""
     safetensors, pickle = head_dir / "model.safetensors", head_dir / "pytorch_model.bin"
     if safetensors.is_file():
-        try:
-            return mx.load(str(safetensors)), safetensors
-        except (RuntimeError, ValueError, OSError) as error:  # a truncated or foreign file
-            raise HeadMismatch(f"{safetensors} cannot be read ({str(error).splitlines()[0]})") from None
+        return load_safetensors(safetensors), safetensors
     if not pickle.is_file():
         raise HeadMismatch(f"{head_dir} has neither model.safetensors nor pytorch_model.bin")
     try:
@@ -161,7 +168,8 @@ def read_weights(head_dir: Path) -> tuple:
     try:
         state = torch.load(pickle, map_location="cpu", weights_only=True)
         # numpy has no bfloat16: floats pass as float32 and take the target's dtype on loading.
-        return {name: mx.array((t.float() if t.is_floating_point() else t).numpy()) for name, t in state.items()}, pickle
+        weights = {name: mx.array((t.float() if t.is_floating_point() else t).numpy()) for name, t in state.items()}
+        return weights, pickle
     except Exception as error:  # anything the unpickler refuses, or not a dict of tensors
         reason = str(error).splitlines()[0] if str(error) else type(error).__name__
         raise HeadMismatch(f"{pickle} cannot be read ({reason})") from None
@@ -210,11 +218,5 @@ def load_eagle_head(head_dir: Path, config: dict, target, dtype):
         head = Eagle1Head(args, bias="fc.bias" in weights, target_logits=partial(logits_from_hidden, target),
                           output_bytes=output_bytes)
         vocab_ids = mx.arange(vocab_size, dtype=mx.int32)
-    try:
-        head.load_weights(list(weights.items()), strict=True)
-    except ValueError as error:
-        raise HeadMismatch(f"{weights_path} does not match {config_path} ({str(error).splitlines()[0]})") from None
-    head.set_dtype(dtype)
-    mx.eval(head.parameters())
-    return head, vocab_ids
+    return with_weights(head, list(weights.items()), weights_path, config_path, dtype), vocab_ids
 

@@ -1,9 +1,8 @@
 """A draft source backed by a trained draft head (speculative/head.py).
 
-The head needs the target's hidden states at the accepted positions. ``HiddenStateTap``
-wraps the target so the loop runs it like any mlx-lm model, and keeps the hidden states
-of each call, keyed by position. The loop stays untouched: it only sees a model and a
-draft source.
+The head needs the target's hidden states at the accepted positions. ``HiddenStateTap`` wraps the
+target so the loop runs it like any mlx-lm model, and keeps the hidden states of each call, keyed
+by position. The loop stays untouched: it only sees a model and a draft source.
 
     tap, source = DraftHeadSource.create(target)
     generate(tap, tokenizer, prompt, draft_sources=[source])
@@ -15,8 +14,8 @@ import mlx.core as mx
 from mlx_lm.models.cache import trim_prompt_cache
 
 from cost import PassCost
-from decoder import Draft, DraftSource, sampling_probs
-from speculative.adaptive import AdaptiveLength, weight_bytes
+from decoder import Draft, sampling_probs
+from speculative.adaptive import AdaptiveSource, weight_bytes
 from speculative.head import FINAL, body_with_features, logits_from_hidden
 from speculative.head_loading import load_head
 
@@ -55,35 +54,27 @@ class HiddenStateTap:
         if not self.chunks or self.chunks[0][0] > start or self.chunks[-1][0] + self.chunks[-1][1].shape[0] < stop:
             raise ValueError("the draft head has no hidden states for these positions: run the loop on the "
                              "HiddenStateTap from DraftHeadSource.create (not the bare model), with a fresh kv_cache")
-        rows = [rows[max(start - first, 0) : stop - first] for first, rows in self.chunks
-                if first < stop and first + rows.shape[0] > start]
-        self.forget(stop - 1)
-        return mx.concatenate(rows) if len(rows) > 1 else rows[0]
-
-    def forget(self, position: int):
-        """Free the features before ``position``."""
-        self.chunks = [(max(first, position), rows[max(position - first, 0):]) for first, rows in self.chunks
-                       if first + rows.shape[0] > position]
+        taken = [rows[max(start - first, 0) : stop - first] for first, rows in self.chunks
+                 if first < stop and first + rows.shape[0] > start]
+        keep = stop - 1  # free the features before it
+        self.chunks = [(max(first, keep), rows[max(keep - first, 0):]) for first, rows in self.chunks
+                       if first + rows.shape[0] > keep]
+        return mx.concatenate(taken) if len(taken) > 1 else taken[0]
 
 
-class DraftHeadSource(DraftSource):
+class DraftHeadSource(AdaptiveSource):
     """Drafts tokens with a draft head that reads the target's hidden states.
 
     Args:
         tap: the ``HiddenStateTap`` the loop runs as its model.
         head, vocab_ids: from ``load_head``; the head scores with ``head.logits``, over the tokens
             ``vocab_ids`` names.
-        num_draft, adaptive, max_draft: draft length (see ``AdaptiveLength``).
+        num_draft, adaptive, max_draft, draft_cost_prior: see ``AdaptiveSource``.
         min_confidence: stop a draft once the head's top probability falls below this.
         min_path_confidence: stop a draft once the product of the head's top probabilities at
             the positions drafted so far (the chance that all are accepted, if the head is
             calibrated) falls below this. Default: what a drafted token costs (``token_cost``) when
             adaptive (a further token is then worth less than it costs), else 0 (off).
-        draft_cost_prior: drafting one token as a fraction of a target step, until the loop has
-            timed it (``PassCost.draft_cost``); ``create`` sets it from the weight bytes.
-
-    The head draws its tokens as the target samples (the loop's ``temp``/``top_p``, given to
-    ``reset``), so q is the distribution each draft token was drawn from.
     """
 
     name = "draft_head"
@@ -91,14 +82,13 @@ class DraftHeadSource(DraftSource):
     def __init__(self, tap: HiddenStateTap, head, vocab_ids: mx.array, num_draft: int = 4, adaptive: bool = True,
                  max_draft: int = 8, min_confidence: float = 0.0, draft_cost_prior: float = 0.06,
                  min_path_confidence: Optional[float] = None):
+        super().__init__(num_draft, max_draft, adaptive, draft_cost_prior)
         self.tap, self.head = tap, head
         self.vocab_ids = vocab_ids
         self.vocab_list = vocab_ids.tolist()
         self.vocab_size = tap.target.args.vocab_size
         self.embed = tap.target.model.embed_tokens
-        self.length = AdaptiveLength(num_draft, max_draft, enabled=adaptive)
         self.min_confidence = min_confidence
-        self.draft_cost_prior = draft_cost_prior
         self.path_confidence_option = min_path_confidence
         self.reset()
 
@@ -108,7 +98,6 @@ class DraftHeadSource(DraftSource):
         self.tap.chunks = []
         self.cache = self.head.make_cache()
         self.committed = 0  # head cache positions read from true features and accepted tokens
-        self.length.reset()
 
     @classmethod
     def create(cls, target, head_dir=None, **kwargs):
@@ -116,24 +105,10 @@ class DraftHeadSource(DraftSource):
         returns ``(tap, source)``: run the loop on ``tap``."""
         head, vocab_ids = load_head(head_dir, target)
         tap = HiddenStateTap(target, head.feature_layers)
-        # A draft step reads the head and the target's output rows it scores with (``output_bytes``;
-        # none for EAGLE-3, whose output layer is its own). Counted in bytes: a 4-bit target reads
-        # far less than its parameter count says.
+        # A draft step reads the head and the target's output rows it scores with (``output_bytes``; none
+        # for EAGLE-3). Counted in bytes: a 4-bit target reads far less than its parameter count says.
         kwargs.setdefault("draft_cost_prior", (weight_bytes(head) + head.output_bytes) / weight_bytes(target))
         return tap, cls(tap, head, vocab_ids, **kwargs)
-
-    @property
-    def num_draft(self) -> int:
-        return self.length.num_draft
-
-    def forecast_speedup(self) -> Optional[float]:
-        """The speed-up its next draft is expected to give, from its recent drafts; the loop
-        lets it draft instead of an earlier, cheaper source only when this is larger."""
-        return self.length.expected_speedup(self.token_cost()) if self.length.enabled else None
-
-    def token_cost(self) -> float:
-        """Drafting and verifying one token, as a fraction of a target step (measured by the loop)."""
-        return self.cost.draft_cost(self.name, self.draft_cost_prior) + self.cost.token_cost()
 
     @property
     def min_path_confidence(self) -> float:
@@ -212,4 +187,4 @@ class DraftHeadSource(DraftSource):
 
     def update(self, tokens: list, num_proposed: int, num_accepted: int):
         self._rewind()
-        self.length.record(num_proposed, num_accepted)
+        super().update(tokens, num_proposed, num_accepted)

@@ -158,16 +158,13 @@ class EncoderLayer(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(EncoderLayer):
+    """An encoder layer that also attends to the encoder output, between its two blocks."""
+
     def __init__(self, args: ModelArgs):
-        super().__init__()
-        eps = args.layer_norm_epsilon
-        self.self_attention = Attention(args)
-        self.self_attention_norm = nn.RMSNorm(args.d_model, eps=eps)
+        super().__init__(args)
         self.cross_attention = Attention(args)
-        self.cross_attention_norm = nn.RMSNorm(args.d_model, eps=eps)
-        self.mlp = DenseReluDense(args)
-        self.mlp_norm = nn.RMSNorm(args.d_model, eps=eps)
+        self.cross_attention_norm = nn.RMSNorm(args.d_model, eps=args.layer_norm_epsilon)
 
     def __call__(self, x, bias, memory, cache):
         h = self.self_attention_norm(x)
@@ -178,10 +175,10 @@ class DecoderLayer(nn.Module):
 
 
 class Encoder(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, layers: list = None, bidirectional: bool = True):
         super().__init__()
-        self.position_bias = RelativePositionBias(args, bidirectional=True)
-        self.layers = [EncoderLayer(args) for _ in range(args.num_layers)]
+        self.position_bias = RelativePositionBias(args, bidirectional=bidirectional)
+        self.layers = [EncoderLayer(args) for _ in range(args.num_layers)] if layers is None else layers
         self.final_norm = nn.RMSNorm(args.d_model, eps=args.layer_norm_epsilon)
 
     def __call__(self, x):
@@ -192,12 +189,11 @@ class Encoder(nn.Module):
         return self.final_norm(x)
 
 
-class Decoder(nn.Module):
+class Decoder(Encoder):
+    """The encoder's stack with decoder layers, whose position biases look only back."""
+
     def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.position_bias = RelativePositionBias(args, bidirectional=False)
-        self.layers = [DecoderLayer(args) for _ in range(args.num_decoder_layers)]
-        self.final_norm = nn.RMSNorm(args.d_model, eps=args.layer_norm_epsilon)
+        super().__init__(args, [DecoderLayer(args) for _ in range(args.num_decoder_layers)], bidirectional=False)
 
     def __call__(self, x, memory, cache):
         # New tokens sit at offset..offset+T-1 and see keys 0..offset+T-1, so a
