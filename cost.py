@@ -12,9 +12,10 @@ passes and every choice reads this one model instead of a constant.
 
 A pass of ``rows`` sequences, each ``width`` tokens wide, is modelled as a line,
 ``seconds = base + slope * (width - 1)``, fitted per ``rows`` to recent timings.
-Until both ends of the line are measured, a prior fills in: the token cost measured at the
-nearest batch size timed at two widths, else ``default_token_cost``. (A batch engine meets
-many batch sizes, and on a CPU one more token of width costs far more at 8 rows than at 1.)
+Until both ends of the line are measured, a prior fills in: what one row's extra token cost at
+the other batch sizes, times the rows (every row's extra token costs alike), else
+``default_token_cost``. A batch engine meets many batch sizes, and on a CPU one more token of
+width costs far more at 8 rows than at 1; on a GPU nearly nothing at either.
 """
 
 import time
@@ -60,18 +61,26 @@ class PassCost:
         entry[0] = self.forget * entry[0] + 1
         entry[1] += (seconds / num_drafted - entry[1]) / entry[0]
 
-    def _prior_token_cost(self, rows: int) -> float:
-        """The token cost measured at the nearest other batch size timed at two widths, else the default."""
-        known = [r for r, widths in self.passes.items() if r != rows and len(widths) >= 2]
-        if not known:
-            return self.default_token_cost
-        fit = self._fit(min(known, key=lambda r: abs(r - rows)), borrow=False)
-        return self.default_token_cost if fit is None else max(fit[1] / fit[0], 1e-3)
+    def _prior_slope(self, rows: int, narrowest: int, seconds: float) -> float:
+        """Seconds per token of width at ``rows``, whose narrowest timed pass (``narrowest`` wide)
+        took ``seconds``: what a row's extra token cost at the other batch sizes (each wider pass
+        against the one-token pass there, pooled), times the rows; else the default token cost."""
+        total = weight = 0.0
+        for other, widths in self.passes.items():
+            if other == rows or 1 not in widths:
+                continue
+            for width, (count, mean) in widths.items():
+                if width > 1:
+                    total += count * (mean - widths[1][1]) / (other * (width - 1))
+                    weight += count
+        if not weight:
+            return seconds * self.default_token_cost / (1 + self.default_token_cost * (narrowest - 1))
+        return min(max(total / weight, 0.0) * rows, seconds / narrowest)  # a positive one-token base
 
-    def _fit(self, rows: int, borrow: bool = True) -> Optional[tuple]:
+    def _fit(self, rows: int) -> Optional[tuple]:
         """``(base, slope)`` of the line through the timings at ``rows`` (weighted least squares
         with the prior's two pseudo-passes), or None before any pass of that many rows."""
-        if borrow and rows in self._fits:
+        if rows in self._fits:
             return self._fits[rows]
         widths = self.passes.get(rows)
         if not widths:
@@ -85,10 +94,11 @@ class PassCost:
         narrowest = min(widths)
         if widths[narrowest][1] <= 0:  # a clock that did not move (a test's): nothing measured
             return None
-        prior = self._prior_token_cost(rows) if borrow else self.default_token_cost
-        anchor = widths[narrowest][1] / (1 + prior * (narrowest - 1))
+        seconds = widths[narrowest][1]
+        prior_slope = self._prior_slope(rows, narrowest, seconds)
+        anchor = seconds - prior_slope * (narrowest - 1)
         points = [(w, weight, mean) for w, (weight, mean) in widths.items()]
-        points += [(1, self.PRIOR_WEIGHT, anchor), (2, self.PRIOR_WEIGHT, anchor * (1 + prior))]
+        points += [(1, self.PRIOR_WEIGHT, anchor), (2, self.PRIOR_WEIGHT, anchor + prior_slope)]
         total = sum(weight for _, weight, _ in points)
         mean_x = sum(weight * (w - 1) for w, weight, _ in points) / total
         mean_y = sum(weight * t for _, weight, t in points) / total
@@ -97,9 +107,7 @@ class PassCost:
         base = mean_y - slope * mean_x
         if base <= 0:  # noise on a nearly flat line: keep the measured narrowest pass as the base
             base = widths[narrowest][1]
-        fit = (base, max(slope, 0.0))
-        if borrow:
-            self._fits[rows] = fit
+        fit = self._fits[rows] = (base, max(slope, 0.0))
         return fit
 
     def seconds(self, width: int = 1, rows: int = 1) -> Optional[float]:

@@ -364,20 +364,11 @@ def test_guided_grammar_output_is_in_the_language_and_a_bad_one_is_400(client):
 
 
 @pytest.mark.slow
-def test_the_readme_server_example_prints_what_it_says(server):
+@pytest.mark.parametrize("section", ["Server", "Batches"])
+def test_the_readme_server_examples_print_what_they_say(server, section):
     readme = (ROOT / "README.md").read_text()
-    code = re.search(r"^## Server\n.*?^```py\n(.*?)^```", readme, flags=re.S | re.M).group(1)
-    expected = re.search(r"# (\{.*\})$", code, flags=re.M).group(1)
-    code = code.replace("http://127.0.0.1:8080/v1", server[1]).replace('api_key="none"', f'api_key="{API_KEY}"')
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert result.stdout.strip() == expected, result.stdout + result.stderr[-2000:]
-
-
-@pytest.mark.slow
-def test_the_readme_batches_server_example_prints_what_it_says(server):
-    readme = (ROOT / "README.md").read_text()
-    code = re.search(r"^## Batches\n.*?^```py\n(.*?)^```", readme, flags=re.S | re.M).group(1)
-    expected = re.search(r"# (\[.*\])$", code, flags=re.M).group(1)
+    code = re.search(rf"^## {section}\n.*?^```py\n(.*?)^```", readme, flags=re.S | re.M).group(1)
+    expected = re.search(r"# ([{\[].*[}\]])$", code, flags=re.M).group(1)
     code = code.replace("http://127.0.0.1:8080/v1", server[1]).replace('api_key="none"', f'api_key="{API_KEY}"')
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.stdout.strip() == expected, result.stdout + result.stderr[-2000:]
