@@ -12,10 +12,7 @@ passes and every choice reads this one model instead of a constant.
 
 A pass of ``rows`` sequences, each ``width`` tokens wide, is modelled as a line,
 ``seconds = base + slope * (width - 1)``, fitted per ``rows`` to recent timings.
-Until both ends of the line are measured, a prior fills in: what one row's extra token cost at
-the other batch sizes, times the rows (every row's extra token costs alike), else
-``default_token_cost``. A batch engine meets many batch sizes, and on a CPU one more token of
-width costs far more at 8 rows than at 1; on a GPU nearly nothing at either.
+Until both ends of the line are measured, a prior (``default_token_cost``) fills in.
 """
 
 import time
@@ -51,7 +48,7 @@ class PassCost:
         entry = self.passes.setdefault(rows, {}).setdefault(width, [0.0, 0.0])
         entry[0] = self.forget * entry[0] + 1
         entry[1] += (seconds - entry[1]) / entry[0]
-        self._fits.clear()  # a line at one batch size is the prior of the others
+        self._fits.pop(rows, None)
 
     def record_draft(self, name: str, seconds: float, num_drafted: int):
         """Source ``name`` took ``seconds`` to draft ``num_drafted`` tokens."""
@@ -60,22 +57,6 @@ class PassCost:
         entry = self.drafting.setdefault(name, [0.0, 0.0])
         entry[0] = self.forget * entry[0] + 1
         entry[1] += (seconds / num_drafted - entry[1]) / entry[0]
-
-    def _prior_slope(self, rows: int, narrowest: int, seconds: float) -> float:
-        """Seconds per token of width at ``rows``, whose narrowest timed pass (``narrowest`` wide)
-        took ``seconds``: what a row's extra token cost at the other batch sizes (each wider pass
-        against the one-token pass there, pooled), times the rows; else the default token cost."""
-        total = weight = 0.0
-        for other, widths in self.passes.items():
-            if other == rows or 1 not in widths:
-                continue
-            for width, (count, mean) in widths.items():
-                if width > 1:
-                    total += count * (mean - widths[1][1]) / (other * (width - 1))
-                    weight += count
-        if not weight:
-            return seconds * self.default_token_cost / (1 + self.default_token_cost * (narrowest - 1))
-        return min(max(total / weight, 0.0) * rows, seconds / narrowest)  # a positive one-token base
 
     def _fit(self, rows: int) -> Optional[tuple]:
         """``(base, slope)`` of the line through the timings at ``rows`` (weighted least squares
@@ -94,11 +75,10 @@ class PassCost:
         narrowest = min(widths)
         if widths[narrowest][1] <= 0:  # a clock that did not move (a test's): nothing measured
             return None
-        seconds = widths[narrowest][1]
-        prior_slope = self._prior_slope(rows, narrowest, seconds)
-        anchor = seconds - prior_slope * (narrowest - 1)
+        anchor = widths[narrowest][1] / (1 + self.default_token_cost * (narrowest - 1))
         points = [(w, weight, mean) for w, (weight, mean) in widths.items()]
-        points += [(1, self.PRIOR_WEIGHT, anchor), (2, self.PRIOR_WEIGHT, anchor + prior_slope)]
+        points += [(1, self.PRIOR_WEIGHT, anchor),
+                   (2, self.PRIOR_WEIGHT, anchor * (1 + self.default_token_cost))]
         total = sum(weight for _, weight, _ in points)
         mean_x = sum(weight * (w - 1) for w, weight, _ in points) / total
         mean_y = sum(weight * t for _, weight, t in points) / total

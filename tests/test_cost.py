@@ -56,28 +56,10 @@ def test_the_fit_recovers_a_measured_line_and_starts_from_the_prior():
             cost.record(0.05 * (1 + 0.3 * (width - 1)), width)
     assert cost.token_cost() == pytest.approx(0.3, abs=0.01)
     assert cost.seconds(9) == pytest.approx(0.05 * (1 + 0.3 * 8), rel=0.02)
-    # Only one width measured at 8 rows: the slope measured at 1 row times 8 (each row's extra
-    # token costs alike), on the measured base: 8 * 0.015 / 0.2 per token.
+    # Only one width measured at 8 rows: the prior's slope, on the measured base.
     cost.record(0.2, 1, rows=8)
-    assert cost.relative(5, rows=8) == pytest.approx(1 + 4 * 0.6, abs=0.05)
+    assert cost.relative(5, rows=8) == pytest.approx(1 + 4 * 0.09)
     assert cost.summary()["token_cost"][1] == pytest.approx(0.3, abs=0.01)
-
-
-def test_a_batch_size_timed_at_one_width_borrows_the_nearest_measured_slope():
-    """A batch engine meets many batch sizes; a new one starts from what width costs at the
-    nearest size timed at two widths, not from the one-row default."""
-    cost = PassCost(default_token_cost=0.09)
-    for _ in range(20):
-        cost.record(1.0, width=1, rows=8)
-        cost.record(1.7, width=2, rows=8)
-        cost.record(1.1, width=1, rows=10)
-    assert cost.relative(2, rows=8) == pytest.approx(1.7, abs=0.05)
-    # 0.7 s per token of width at 8 rows is 0.875 s at 10, on a 1.1 s pass (not the default 1.09)
-    assert cost.relative(2, rows=10) == pytest.approx(1 + 0.875 / 1.1, abs=0.05)
-    assert cost.relative(3, rows=10) == pytest.approx(1 + 2 * 0.875 / 1.1, abs=0.1)
-    alone = PassCost(default_token_cost=0.09)
-    alone.record(1.1, width=1, rows=10)
-    assert alone.relative(2, rows=10) == pytest.approx(1.09)
 
 
 def test_drafting_cost_is_measured_against_a_step():
