@@ -28,6 +28,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from benchmarks.batch import percentile
 from benchmarks.server import FOLLOW_UPS, MLX_LM_SERVER, ROOT, free_port, start, timed_chat
 
 BENCH = ROOT / "benchmarks"
@@ -62,11 +63,6 @@ def round_of(server, requests, nonce, max_tokens) -> dict:
     per_token = [1 / r["tps"] for r in results if r["tps"] > 0]
     return {"tps": sum(r["tokens"] for r in results) / seconds, "per_token": per_token,
             "ttft": [r["ttft"] for r in results], "tokens": sum(r["tokens"] for r in results)}
-
-
-def percentile(values, share):
-    values = sorted(values)
-    return values[min(int(share * len(values)), len(values) - 1)] if values else float("nan")
 
 
 def load_table(servers, work, clients, repeats, max_tokens) -> list:

@@ -360,22 +360,21 @@ class Engine:
         sources = ([forced] if forced is not None else []) + self.solo_sources
         if request.seed is not None:
             mx.random.seed(request.seed)
-        outcome = Outcome("", "length", len(request.prompt), 0, 0)
+        row = Row(job, self.tokenizer, 0)  # the batched rows' text state; no logprobs here (refused)
+        outcome = row.outcome
         job.send("start")
-        text, stopper, generated, pieces = TextStream(self.tokenizer), StopText(request.stop), [], []
         steps = generate_step(request.prompt, self.model, eos_token_ids=self.eos, draft_sources=sources,
                               constraint=constraint, temp=request.temp, top_p=request.top_p,
                               max_tokens=request.max_tokens, stats=outcome.stats, pass_cost=self.pass_cost)
         try:
             for token, _source in steps:
-                generated.append(token)
+                row.generated.append(token)
                 if token in self.eos:
                     outcome.finish_reason = "stop"
                     break
-                piece, stopped = stopper.add(text.add(token))
+                piece, stopped = row.stopper.add(row.text.add(token))
                 if piece:
-                    pieces.append(piece)
-                    job.send("text", (piece, None))
+                    row.send(piece)
                 if stopped:
                     outcome.finish_reason = "stop"
                     break
@@ -384,8 +383,7 @@ class Engine:
                     break
         finally:
             steps.close()
-        if outcome.finish_reason != "cancelled" and (rest := stopper.flush()):
-            pieces.append(rest)
-            job.send("text", (rest, None))
-        outcome.text, outcome.completion_tokens = "".join(pieces), len(generated)
+        if outcome.finish_reason != "cancelled" and (rest := row.stopper.flush()):
+            row.send(rest)
+        outcome.text, outcome.completion_tokens = "".join(row.pieces), len(row.generated)
         return outcome
