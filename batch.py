@@ -274,17 +274,23 @@ class BatchGenerator:
         if not done:
             return
         self.prefilling = None
+        self.stats.prompt_tokens += sum(len(row.tokens) for row in joining)
+        removed, self.removed = self.removed, set()
+        keep = [i for i, row in enumerate(joining) if row.uid not in removed]  # not removed while prefilling
+        if not keep:
+            return
+        if len(keep) < len(joining):
+            joining = [joining[i] for i in keep]
+            for layer in prefill.cache:
+                layer.filter(keep)
         if self.cache is None:
             self.cache = prefill.cache
         else:
             for layer, new_layer in zip(self.cache, prefill.cache):
                 layer.extend(new_layer)
-            mx.eval([layer.state for layer in self.cache])  # copied now, not inside the next timed pass
+        mx.eval([layer.state for layer in self.cache])  # copied now, not inside the next timed pass
         self.rows += joining
         self.gate.reset()  # new rows' sources are asked at once
-        self.stats.prompt_tokens += sum(len(row.tokens) for row in joining)
-        removed, self.removed = self.removed, set()
-        self._drop([i for i, row in enumerate(self.rows) if row.uid in removed])
 
     def _failed(self, row: _Row, error: Exception) -> RowResponse:
         message = " ".join(str(error).split()) or type(error).__name__

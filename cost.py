@@ -12,7 +12,10 @@ passes and every choice reads this one model instead of a constant.
 
 A pass of ``rows`` sequences, each ``width`` tokens wide, is modelled as a line,
 ``seconds = base + slope * (width - 1)``, fitted per ``rows`` to recent timings.
-Until both ends of the line are measured, a prior (``default_token_cost``) fills in.
+Until both ends of the line are measured, a prior fills in: the relative slope measured at the
+nearest other batch size, or ``default_token_cost`` before any has one. (A batch whose rows join
+one by one meets a new size at almost every step; the constant would price its width as if it
+had one row, where on a CPU a token of width costs several times more at 8 rows.)
 """
 
 import time
@@ -48,7 +51,7 @@ class PassCost:
         entry = self.passes.setdefault(rows, {}).setdefault(width, [0.0, 0.0])
         entry[0] = self.forget * entry[0] + 1
         entry[1] += (seconds - entry[1]) / entry[0]
-        self._fits.pop(rows, None)
+        self._fits.clear()  # a size's prior reads the other sizes' timings
 
     def record_draft(self, name: str, seconds: float, num_drafted: int):
         """Source ``name`` took ``seconds`` to draft ``num_drafted`` tokens."""
@@ -75,20 +78,28 @@ class PassCost:
         narrowest = min(widths)
         if widths[narrowest][1] <= 0:  # a clock that did not move (a test's): nothing measured
             return None
-        anchor = widths[narrowest][1] / (1 + self.default_token_cost * (narrowest - 1))
+        prior = self._prior_token_cost(rows)
+        anchor = widths[narrowest][1] / (1 + prior * (narrowest - 1))
         points = [(w, weight, mean) for w, (weight, mean) in widths.items()]
-        points += [(1, self.PRIOR_WEIGHT, anchor),
-                   (2, self.PRIOR_WEIGHT, anchor * (1 + self.default_token_cost))]
-        total = sum(weight for _, weight, _ in points)
-        mean_x = sum(weight * (w - 1) for w, weight, _ in points) / total
-        mean_y = sum(weight * t for _, weight, t in points) / total
-        spread = sum(weight * (w - 1 - mean_x) ** 2 for w, weight, _ in points)
-        slope = sum(weight * (w - 1 - mean_x) * (t - mean_y) for w, weight, t in points) / spread
-        base = mean_y - slope * mean_x
+        points += [(1, self.PRIOR_WEIGHT, anchor), (2, self.PRIOR_WEIGHT, anchor * (1 + prior))]
+        base, slope = _line(points)
         if base <= 0:  # noise on a nearly flat line: keep the measured narrowest pass as the base
             base = widths[narrowest][1]
         fit = self._fits[rows] = (base, max(slope, 0.0))
         return fit
+
+    def _prior_token_cost(self, rows: int) -> float:
+        """The relative slope measured (two widths or more, no prior) at the batch size nearest
+        ``rows``, the larger on a tie; ``default_token_cost`` while no other size has one."""
+        slopes = {}
+        for other, widths in self.passes.items():
+            if other != rows and len(widths) >= 2 and all(mean > 0 for _, mean in widths.values()):
+                base, slope = _line([(w, weight, mean) for w, (weight, mean) in widths.items()])
+                if base > 0:
+                    slopes[other] = max(slope, 0.0) / base
+        if not slopes:
+            return self.default_token_cost
+        return slopes[min(slopes, key=lambda other: (abs(other - rows), -other))]
 
     def seconds(self, width: int = 1, rows: int = 1) -> Optional[float]:
         """The expected seconds of a ``rows`` x ``width`` pass; None before any pass was timed."""
@@ -122,3 +133,14 @@ class PassCost:
             "token_cost": {rows: round(self.token_cost(rows), 4) for rows in sorted(self.passes)},
             "draft_seconds_per_token": {name: round(mean, 6) for name, (_, mean) in self.drafting.items()},
         }
+
+
+def _line(points: list) -> tuple:
+    """``(base, slope)`` of the weighted least-squares line through ``(width, weight, seconds)``
+    points, in ``width - 1``; at least two distinct widths."""
+    total = sum(weight for _, weight, _ in points)
+    mean_x = sum(weight * (w - 1) for w, weight, _ in points) / total
+    mean_y = sum(weight * t for _, weight, t in points) / total
+    spread = sum(weight * (w - 1 - mean_x) ** 2 for w, weight, _ in points)
+    slope = sum(weight * (w - 1 - mean_x) * (t - mean_y) for w, weight, t in points) / spread
+    return mean_y - slope * mean_x, slope

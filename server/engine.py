@@ -109,16 +109,21 @@ class PromptCache:
 
     def __init__(self, max_bytes: int):
         self.max_bytes, self.entries = max_bytes, OrderedDict()  # tuple(tokens) -> (layers, nbytes)
+        self.nbytes = 0  # of all entries
 
     def add(self, tokens: list, layers: list):
         tokens = tuple(tokens[: layers[0][0].shape[2]])
         layers = [(keys[:, :, : len(tokens)], values[:, :, : len(tokens)]) for keys, values in layers]
         mx.eval(layers)
         for key in [k for k in self.entries if tokens[: len(k)] == k]:  # prefixes of this one say nothing more
-            del self.entries[key]
+            self._drop(key)
         self.entries[tokens] = (layers, sum(k.nbytes + v.nbytes for k, v in layers))
-        while self.entries and sum(size for _, size in self.entries.values()) > self.max_bytes:
-            self.entries.popitem(last=False)
+        self.nbytes += self.entries[tokens][1]
+        while self.entries and self.nbytes > self.max_bytes:
+            self._drop(next(iter(self.entries)))
+
+    def _drop(self, key: tuple):
+        self.nbytes -= self.entries.pop(key)[1]
 
     def lookup(self, prompt: list):
         """``(layers cut to the longest cached prefix of prompt[:-1], its length)``, or (None, 0)."""

@@ -1,9 +1,15 @@
+import os
+from pathlib import Path
+
 import pytest
 
 import fast_blas
 
 fast_blas.load()  # before any test module imports mlx.core
 
+# The processes the tests start (main.py, the server, ranks) run without torch, as a user's do.
+_WITHOUT_TORCH = str(Path(__file__).parent / "without_torch")
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [_WITHOUT_TORCH, os.environ.get("PYTHONPATH")]))
 
 
 @pytest.fixture(scope="session")

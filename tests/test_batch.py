@@ -251,6 +251,33 @@ def test_one_rows_error_or_removal_never_touches_another():
     assert got[3] == alone(MODEL, prompts[3], 25, eos=())[: len(got[3])]
 
 
+@pytest.mark.parametrize("removed", [[1], [0, 1, 2]])
+def test_rows_removed_while_their_prompts_are_prefilled_never_join(removed):
+    """With interleaved prefill, long prompts join a chunk per step; removing some (or all) of them
+    before they are in leaves the running row and the others' output as alone."""
+    rng = random.Random(3)
+    running = [5, 6, 7]
+    joining = [[rng.randrange(VOCAB) for _ in range(n)] for n in (30, 41, 25)]
+    generator = BatchGenerator(MODEL, eos_token_ids=[], prefill_step_size=8, interleave_prefill=True)
+    first = generator.insert([running], max_tokens=30, draft_sources=[[PromptLookupSource()]])[0]
+    out = {first: []}
+    for response in generator.next():
+        out[response.uid] += response.tokens
+    uids = generator.insert(joining, max_tokens=12)
+    out.update({uid: [] for uid in uids})
+    for response in generator.next():  # the joining prompts' first chunk
+        out[response.uid] += response.tokens
+    assert generator.prefilling is not None
+    generator.remove([uids[i] for i in removed])
+    while responses := generator.next():
+        for response in responses:
+            out[response.uid] += response.tokens
+    assert out[first] == alone(MODEL, running, 30, eos=())
+    for i, (uid, prompt) in enumerate(zip(uids, joining)):
+        assert out[uid] == ([] if i in removed else alone(MODEL, prompt, 12, eos=()))
+    assert len(generator) == 0
+
+
 def test_max_batch_keeps_the_other_rows_waiting_their_turn():
     prompts = [[i + 1, i + 2, i + 3] for i in range(5)]
     lengths = [3, 6, 2, 5, 4]

@@ -56,10 +56,29 @@ def test_the_fit_recovers_a_measured_line_and_starts_from_the_prior():
             cost.record(0.05 * (1 + 0.3 * (width - 1)), width)
     assert cost.token_cost() == pytest.approx(0.3, abs=0.01)
     assert cost.seconds(9) == pytest.approx(0.05 * (1 + 0.3 * 8), rel=0.02)
-    # Only one width measured at 8 rows: the prior's slope, on the measured base.
+    # Only one width measured at 8 rows: the slope measured at the nearest size (1 row), on the
+    # measured base.
     cost.record(0.2, 1, rows=8)
-    assert cost.relative(5, rows=8) == pytest.approx(1 + 4 * 0.09)
+    assert cost.relative(5, rows=8) == pytest.approx(1 + 4 * 0.3, rel=0.02)
     assert cost.summary()["token_cost"][1] == pytest.approx(0.3, abs=0.01)
+    # The nearest size with a measured slope lends it: 8 rows' timings alone (1.5 a width) to 9 rows.
+    for _ in range(30):
+        cost.record(0.2 * (1 + 1.5 * 4), 5, rows=8)
+    cost.record(0.25, 1, rows=9)
+    assert cost.relative(2, rows=9) == pytest.approx(2.5, rel=0.02)
+    assert cost.relative(2, rows=8) > 2
+
+
+def test_a_size_with_one_width_takes_the_prior_until_another_size_has_a_slope():
+    cost = PassCost(default_token_cost=0.09)
+    cost.record(0.1, 1, rows=1)
+    cost.record(0.3, 1, rows=8)
+    assert cost.relative(3, rows=8) == pytest.approx(1 + 2 * 0.09)
+    # A batch whose rows join one by one: sizes 2..5 have one width each, size 4 has a slope.
+    cost.record(0.2, 1, rows=4)
+    cost.record(0.2 * 1.8, 3, rows=4)
+    assert cost.relative(3, rows=8) > 1 + 2 * 0.3
+    assert cost.relative(3, rows=1) == pytest.approx(cost.relative(3, rows=8))
 
 
 def test_drafting_cost_is_measured_against_a_step():
