@@ -45,14 +45,9 @@ class PassCost:
         self.passes = {}  # rows -> {width: [weight, mean seconds]}
         self.drafting = {}  # source name -> [weight, mean seconds per drafted token]
         self._fits = {}  # rows -> (base, slope), cleared by each record
-        self.misses = [0.0, 0.0]  # [weight, mean |measured - predicted| / predicted] of recent passes
 
     def record(self, seconds: float, width: int, rows: int = 1):
         """One pass of ``rows`` x ``width`` tokens took ``seconds``."""
-        predicted = self.seconds(width, rows)
-        if predicted:
-            self.misses[0] = self.forget * self.misses[0] + 1
-            self.misses[1] += (abs(seconds - predicted) / predicted - self.misses[1]) / self.misses[0]
         entry = self.passes.setdefault(rows, {}).setdefault(width, [0.0, 0.0])
         entry[0] = self.forget * entry[0] + 1
         entry[1] += (seconds - entry[1]) / entry[0]
@@ -118,11 +113,6 @@ class PassCost:
             return 1 + self.default_token_cost * (width - 1)
         return 1 + fit[1] / fit[0] * (width - 1)
 
-    def prediction_error(self) -> float:
-        """How far recent passes took from what this model predicted for them, as a fraction (the
-        machine's jitter and the model's bias together); 0 before any prediction."""
-        return self.misses[1]
-
     def token_cost(self, rows: int = 1) -> float:
         """What one more token of width adds to a pass, as a fraction of a one-token pass."""
         return max(self.relative(2, rows) - 1, 1e-3)
@@ -141,7 +131,6 @@ class PassCost:
             "passes": {rows: {width: round(mean, 6) for width, (_, mean) in sorted(widths.items())}
                        for rows, widths in sorted(self.passes.items())},
             "token_cost": {rows: round(self.token_cost(rows), 4) for rows in sorted(self.passes)},
-            "prediction_error": round(self.prediction_error(), 4),
             "draft_seconds_per_token": {name: round(mean, 6) for name, (_, mean) in self.drafting.items()},
         }
 
