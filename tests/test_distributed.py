@@ -97,7 +97,9 @@ def expected_blas_threads(ranks: int):
 
 
 @pytest.mark.parametrize("ranks, mode, cases", [
-    (3, "tensor", [GREEDY, LOOKUP, HEAD]),  # 60 all-reduces per pass: the slow one on 2 cores
+    # 60 all-reduces per pass: the slow one on 2 cores. Plain one-token passes run in LOOKUP's steps
+    # without a match, and HEAD decodes GREEDY's prompt.
+    (3, "tensor", [LOOKUP, HEAD]),
     (2, "pipeline", [SAMPLED, REGEX, HEAD, SAMPLED_HEAD, DRAFT]),
 ])
 def test_sharded_tokens_equal_one_process(embedded, self_draft, ranks, mode, cases):
