@@ -74,7 +74,7 @@ def test_a_size_with_one_width_takes_the_prior_until_another_size_has_a_slope():
     cost.record(0.1, 1, rows=1)
     cost.record(0.3, 1, rows=8)
     assert cost.relative(3, rows=8) == pytest.approx(1 + 2 * 0.09)
-    # A batch whose rows join one by one: sizes 2..5 have one width each, size 4 has a slope.
+    # As rows join, sizes are met with one width timed; once 4 rows have a slope, 8 and 1 take it.
     cost.record(0.2, 1, rows=4)
     cost.record(0.2 * 1.8, 3, rows=4)
     assert cost.relative(3, rows=8) > 1 + 2 * 0.3
