@@ -316,11 +316,12 @@ class BatchGenerator:
     def _plan(self, row: _Row, asked: bool) -> _Plan:
         """This step's draft for ``row``, and its constraint's masks."""
         draft, drafter = Draft([]), None
-        if asked:
+        sources = row.sources if asked else [source for source in row.sources if source.free]
+        if sources:
             max_draft = row.max_tokens - row.num_generated - 1  # the target adds one token after the draft
             # Drafting is not timed here: a batched draft model drafted for all its rows already
             # (``_draft_with_models`` times that), and a lookup's propose is not a model call.
-            draft, drafter = choose_draft(row.sources, row.tokens, max_draft)
+            draft, drafter = choose_draft(sources, row.tokens, max_draft)
         masks = None
         if row.constraint is not None:
             draft, masks = constrain_draft(row.constraint, draft)

@@ -47,7 +47,8 @@ class DraftGate:
     So the gate asks while the last step it asked for drafted (``choose_width`` chose W > 1); after
     a step that drafted nothing it skips 1, 2, 4, then ``MAX_PROBE_GAP`` steps between probes, so a
     row whose text turns repetitive is drafted for again within a few steps. New rows reset it.
-    Like the width, this depends on past steps only, so sampling stays exact.
+    Sources that are free to ask (``DraftSource.free``: text a constraint forces) are asked on every
+    step all the same. Like the width, this depends on past steps only, so sampling stays exact.
     """
 
     MAX_PROBE_GAP = 8

@@ -51,6 +51,7 @@ class DraftSource:
     methods have defaults, so a source overrides only what it uses."""
 
     name = "draft"
+    free = False  # True where proposing costs next to nothing (forced text): a batch asks it every step
 
     def reset(self, cost: Optional[PassCost] = None, temp: float = 0.0, top_p: float = 1.0) -> None:
         """Forget the last generation; the loop calls this before each one.

@@ -69,10 +69,10 @@ class ForcedTextSource(DraftSource):
     """
 
     name = "regex"
+    free = True  # read off the DFA state
 
     def __init__(self, constraint: RegexConstraint, tokenizer):
-        self.constraint = constraint
-        self.tokenizer = tokenizer
+        self.constraint, self.tokenizer = constraint, tokenizer
         self._drafts = {}  # DFA state -> tokenized forced text (states repeat in loops)
 
     def propose(self, tokens: list, max_draft: int) -> Optional[Draft]:

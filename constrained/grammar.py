@@ -199,10 +199,10 @@ class GrammarForcedSource(DraftSource):
     """
 
     name = "grammar"
+    free = True  # read off the matcher's state
 
     def __init__(self, constraint: GrammarConstraint, tokenizer):
-        self.constraint = constraint
-        self.tokenizer = tokenizer
+        self.constraint, self.tokenizer = constraint, tokenizer
 
     def propose(self, tokens: list, max_draft: int) -> Optional[Draft]:
         forced = tokenize_forced(self.tokenizer, self.constraint.matcher.compute_ff_bytes())

@@ -397,6 +397,23 @@ def test_the_gate_asks_while_drafting_pays_and_probes_now_and_then():
     assert gate.ask()
 
 
+
+def test_free_sources_draft_on_the_steps_the_gate_skips():
+    """Forced text costs nothing to ask for, so a constrained row drafts it also on a step on which
+    the gate spares the sources that cost something (here one that counts its calls)."""
+    calls = []
+    costly = ScriptedSource(lambda tokens, k: calls.append(len(tokens)) or [], name="costly")
+    constraint = RegexConstraint.from_regex("x{30}", TOKENIZER, BYTE_VOCAB)
+    generator = BatchGenerator(BYTE_MODEL, pass_cost=PassCost(default_token_cost=1e-3, clock=lambda: 0.0))
+    generator.insert([[10, 20]], constraint=[constraint], max_tokens=30,
+                     draft_sources=[[costly, ForcedTextSource(constraint, TOKENIZER)]])
+    generator.next()  # admits the row and asks both sources
+    assert len(calls) == 1
+    generator.gate.record(1)  # as after a step that drafted nothing: the gate skips the next one
+    response, = generator.next()
+    assert len(calls) == 1
+    assert response.sources[0] == "regex" and len(response.tokens) > 1
+
 class ClockedModel:
     """A model whose every pass takes ``base + per_token * (width - 1)`` simulated seconds."""
 
