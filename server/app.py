@@ -58,14 +58,14 @@ def build_app(engine: Engine, model_id: str, context_length=None, api_key=None,
         authorize(request)
         body = parse_body(await read_body(request))
 
-        def parse_and_check():  # tokenizing and compiling a schema can take a while: not on the event loop
-            generation = parse(body, engine.tokenizer, model_id, default_max_tokens)
+        def parse_and_prepare():  # tokenizing and compiling a schema take a while: not on the event loop,
+            generation = parse(body, engine.tokenizer, model_id, default_max_tokens)  # nor on the worker
             check_prompt(generation, context_length, engine.vocab_size)
-            return generation
+            return generation, engine.constraint_for(generation)
 
-        generation = await run_in_threadpool(parse_and_check)
+        generation, prepared = await run_in_threadpool(parse_and_prepare)
         fmt.tools, fmt.tool_wrapped = generation.tool_names, generation.tool_wrapped
-        job = engine.submit(generation, asyncio.get_running_loop())
+        job = engine.submit(generation, asyncio.get_running_loop(), prepared)
         try:
             await next_event(request, job)  # "start", or the error that came first
             if generation.stream:

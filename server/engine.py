@@ -1,7 +1,9 @@
 """Continuous batching on one worker thread, fed by a bounded first-in-first-out queue.
 
 MLX is not thread-safe for concurrent generation on one model, so every MLX call happens on the
-worker; the HTTP side only tokenizes and waits for events. Up to ``max_batch`` requests decode
+worker; the HTTP side tokenizes, builds each request's constraint (``constraint_for``: compiling a
+new schema takes about a second, which would stall every running stream on the worker) and waits
+for events. Up to ``max_batch`` requests decode
 together in one ``batch.BatchGenerator``; beyond that they wait in the queue, and a request that
 arrives with the queue full is refused at once (HTTP 503). Each step the worker admits waiting
 requests (those that wait together are prefilled as one batch, a chunk per step while others
@@ -28,6 +30,7 @@ import sys
 import threading
 import traceback
 from collections import OrderedDict
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -71,9 +74,10 @@ class Job:
     then ("done", Outcome) or ("error", ApiError). A text event's logprobs are None when the request
     did not ask, else the TokenLogprobs of the tokens since the last text event."""
 
-    def __init__(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop):
+    def __init__(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop, constraint=None, forced=None):
         self.request = request
         self.loop = loop
+        self.constraint, self.forced = constraint, forced  # the request's own, or None
         self.events = asyncio.Queue()
         self.cancelled = threading.Event()
 
@@ -176,6 +180,8 @@ class Engine:
         self.eos = eos_ids_of(tokenizer)
         self.jobs = queue.Queue(maxsize=max_queue)
         self.constraints = OrderedDict()  # (kind, pattern) -> (kind, token index or compiled grammar)
+        self.building = {}  # (kind, pattern) -> Future, while the first request that needs it builds it
+        self.constraints_lock = threading.Lock()  # HTTP threads build constraints side by side
         self.prompt_cache = PromptCache(prompt_cache_bytes)
         self.pass_cost = PassCost()
         self.prefill_step_size = prefill_step_size
@@ -190,11 +196,13 @@ class Engine:
                               prefill_batch_size=self.max_batch, interleave_prefill=True, keep_caches=True,
                               pass_cost=self.pass_cost)  # what it measured outlives a failed step
 
-    def submit(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop) -> Job:
+    def submit(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop, prepared=None) -> Job:
+        """Queue ``request`` (HTTP 503 when the queue is full). ``prepared`` is ``constraint_for(request)``,
+        built beforehand in a thread of the caller's; None builds it here."""
         if request.logprobs is not None and self.solo_sources is not None:
             raise invalid("logprobs are not supported with --draft-head (its one-at-a-time loop does not report "
                           "them)", param="logprobs")
-        job = Job(request, loop)
+        job = Job(request, loop, *(prepared if prepared is not None else self.constraint_for(request)))
         try:
             self.jobs.put_nowait(job)
         except queue.Full:
@@ -245,13 +253,12 @@ class Engine:
             job.send("error", ApiError(500, f"generation failed: {type(error).__name__}: {error}"))
 
     def _admit(self, job: Job):
-        request = job.request
-        constraint, forced = self._constraint(request)
+        request, forced = job.request, job.forced
         if request.seed is not None:
             mx.random.seed(request.seed)  # repeatable when the request decodes alone
         layers, cached = self.prompt_cache.lookup(request.prompt)
         uid, = self.generator.insert([request.prompt], draft_sources=[([forced] if forced else []) + self.make_sources()],
-                                     constraint=[constraint], temp=request.temp, top_p=request.top_p,
+                                     constraint=[job.constraint], temp=request.temp, top_p=request.top_p,
                                      max_tokens=request.max_tokens, prompt_cache=[layers],
                                      logprobs=[request.logprobs])
         self.rows[uid] = Row(job, self.tokenizer, cached)
@@ -318,25 +325,50 @@ class Engine:
         logprob = found.logprob if math.isfinite(found.logprob) else -9999.0
         return TokenLogprob(*describe(token), logprob, top)
 
-    def _constraint(self, request: GenerationRequest):
-        """A fresh (constraint, forced-text source) for the request's regex, schema or grammar (rows
-        never share one); the costly part, the token index or compiled grammar, is built once each."""
+    def constraint_for(self, request: GenerationRequest) -> tuple:
+        """A fresh (constraint, forced-text source) for the request's regex, schema or grammar, or
+        (None, None); rows never share one. The costly part, the token index or compiled grammar, is
+        built once per distinct pattern, by the first request that needs it while later ones wait for
+        it. Safe from any thread, and no MLX call: the HTTP side calls it off the worker."""
         key = ("regex", request.regex) if request.regex is not None else \
             ("schema", request.schema) if request.schema is not None else ("grammar", request.grammar)
         if key[1] is None:
             return None, None
-        if key not in self.constraints:
-            self.constraints[key] = self._build_constraint(*key)
-            if len(self.constraints) > MAX_CACHED_CONSTRAINTS:
-                self.constraints.popitem(last=False)
-        self.constraints.move_to_end(key)
-        kind, built = self.constraints[key]
+        kind, built = self._built(key)
         if kind == "regex":
             from constrained import ForcedTextSource, RegexConstraint
 
             constraint = RegexConstraint(built[0].index)
             return constraint, ForcedTextSource(constraint, self.tokenizer)
         return grammar_constraint(built, self.tokenizer, self.vocab_size)
+
+    def _built(self, key: tuple) -> tuple:
+        """``self.constraints[key]``, building it (or waiting for the thread that builds it) if missing.
+        A refusal is not kept: the requests waiting for that build get it, a later one tries again."""
+        with self.constraints_lock:
+            if key in self.constraints:
+                self.constraints.move_to_end(key)
+                return self.constraints[key]
+            future = self.building.get(key)
+            building = future is None
+            if building:
+                future = self.building[key] = Future()
+        if not building:
+            return future.result()
+        try:
+            built = self._build_constraint(*key)
+        except BaseException as error:
+            with self.constraints_lock:
+                del self.building[key]
+            future.set_exception(error)
+            raise
+        with self.constraints_lock:
+            del self.building[key]
+            self.constraints[key] = built
+            if len(self.constraints) > MAX_CACHED_CONSTRAINTS:
+                self.constraints.popitem(last=False)
+        future.set_result(built)
+        return built
 
     def _build_constraint(self, kind: str, pattern: str) -> tuple:
         """``("regex", (constraint, forced))`` or ``("grammar", compiled grammar)``, built as main.py
@@ -360,8 +392,7 @@ class Engine:
 
     def _generate_alone(self, job: Job) -> Outcome:
         """One request through decoder.generate_step (the draft head reads one sequence's hidden states)."""
-        request = job.request
-        constraint, forced = self._constraint(request)
+        request, constraint, forced = job.request, job.constraint, job.forced
         sources = ([forced] if forced is not None else []) + self.solo_sources
         if request.seed is not None:
             mx.random.seed(request.seed)

@@ -224,6 +224,67 @@ def test_a_schema_both_compilers_refuse_is_a_400(tiny_engine):
                                     'keys: ["not"]; the built-in compiler refused it too: not is not supported at #')
 
 
+
+def chat_request(engine, schema=None, max_tokens=4):
+    body = {"messages": [{"role": "user", "content": "a number"}], "temperature": 0, "max_tokens": max_tokens}
+    if schema is not None:
+        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
+    return parse_chat(body, engine.tokenizer, MODEL, 64)
+
+
+def test_a_new_schema_is_compiled_off_the_worker_while_other_rows_decode(tiny_engine, monkeypatch):
+    release, building = threading.Event(), threading.Event()
+    build = tiny_engine._build_constraint
+
+    def slow_build(kind, pattern):  # stands for a large schema's second or more of compiling
+        building.set()
+        assert release.wait(60), "the test never released the build"
+        return build(kind, pattern)
+
+    monkeypatch.setattr(tiny_engine, "_build_constraint", slow_build)
+    schema = {"type": "integer", "maximum": 12345}  # in no other test: not cached yet
+
+    async def run():
+        loop = asyncio.get_running_loop()
+        pending = loop.run_in_executor(None, tiny_engine.constraint_for, chat_request(tiny_engine, schema))
+        await loop.run_in_executor(None, building.wait, 60)
+        job = tiny_engine.submit(chat_request(tiny_engine), loop)  # unconstrained: nothing to build
+        while (event := await asyncio.wait_for(job.events.get(), 60))[0] != "done":
+            assert event[0] != "error", event
+        assert not pending.done()  # the plain request finished while the schema was still compiling
+        release.set()
+        prepared = await pending
+        job = tiny_engine.submit(chat_request(tiny_engine, schema, max_tokens=8), loop, prepared)
+        while (event := await asyncio.wait_for(job.events.get(), 60))[0] != "done":
+            assert event[0] != "error", event
+        assert event[1].finish_reason == "stop" and int(event[1].text) <= 12345
+
+    try:
+        asyncio.run(run())
+    finally:
+        release.set()
+
+
+def test_requests_that_need_the_same_new_schema_build_it_once(tiny_engine, monkeypatch):
+    calls, first_in = [], threading.Event()
+    build = tiny_engine._build_constraint
+
+    def counted_build(kind, pattern):
+        calls.append(pattern)
+        first_in.set()
+        time.sleep(0.3)  # the other requests arrive while it builds
+        return build(kind, pattern)
+
+    monkeypatch.setattr(tiny_engine, "_build_constraint", counted_build)
+    request = chat_request(tiny_engine, {"type": "integer", "minimum": 7})
+    with ThreadPoolExecutor(4) as pool:
+        first = pool.submit(tiny_engine.constraint_for, request)
+        first_in.wait(30)
+        others = [pool.submit(tiny_engine.constraint_for, request) for _ in range(3)]
+        built = [future.result(timeout=60) for future in [first] + others]
+    assert len(calls) == 1
+    assert len({id(constraint) for constraint, _ in built}) == 4  # each request its own, from one build
+
 # ---- one server for the slow tests ------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
