@@ -171,13 +171,14 @@ def regex_constraint(regex: str, tokenizer, vocab_size: int, cache_dir=None) -> 
     return constraint, ForcedTextSource(constraint, tokenizer)
 
 
-def grammar_constraint(grammar: str, tokenizer, vocab_size: int) -> tuple:
+def grammar_constraint(grammar: str, tokenizer, vocab_size: int, splits=None) -> tuple:
     """``(constraint, forced-text source)`` for output in the language of ``grammar``, llguidance's
-    compiled form (``compile_grammar``, ``compile_json_schema``; GrammarError if refused)."""
+    compiled form (``compile_grammar``, ``compile_json_schema``; GrammarError if refused).
+    ``splits``: a ``TokenSplits`` to share with other requests' forced-text sources."""
     from constrained.grammar import GrammarConstraint, GrammarForcedSource
 
     constraint = GrammarConstraint.from_llguidance(grammar, tokenizer, vocab_size=vocab_size)
-    return constraint, GrammarForcedSource(constraint, tokenizer)
+    return constraint, GrammarForcedSource(constraint, tokenizer, splits)
 
 
 def compile_schema(schema, engine=None) -> tuple:

@@ -31,7 +31,7 @@ import mlx.core as mx
 from batch import BatchGenerator
 from cost import PassCost
 from benchmarks.harness import PROMPTS, chat_tokens
-from constrained import ForcedTextSource, RegexConstraint, schema_to_regex
+from constrained import ForcedTextSource, RegexConstraint, TokenSplits, schema_to_regex
 from constrained.token_index import load_or_build_index
 from decoder import eos_ids_of
 from loading import cache_dir, describe_backend, load_model
@@ -168,10 +168,13 @@ def methods_for(workload, indexes, tokenizer):
     def lookup(rows):
         return lambda: {"draft_sources": [[PromptLookupSource()] for _ in range(rows)]}
 
+    splits = TokenSplits(tokenizer)  # the model's way with forced text, learned across batches as a server would
+
     def constrained(rows, drafts):
         def make():
             constraints = [RegexConstraint(indexes[i % len(indexes)]) for i in range(rows)]
-            sources = [[ForcedTextSource(c, tokenizer), PromptLookupSource()] if drafts else [] for c in constraints]
+            sources = [[ForcedTextSource(c, tokenizer, splits), PromptLookupSource()] if drafts else []
+                       for c in constraints]
             return {"constraint": constraints, "draft_sources": sources}
         return make
 
@@ -180,7 +183,7 @@ def methods_for(workload, indexes, tokenizer):
             def make():
                 constraints = [RegexConstraint(indexes[(i % (3 * len(indexes))) // 3]) if i % 3 == 2 else None
                                for i in range(rows)]
-                sources = [([ForcedTextSource(c, tokenizer)] if c is not None else []) + [PromptLookupSource()]
+                sources = [([ForcedTextSource(c, tokenizer, splits)] if c is not None else []) + [PromptLookupSource()]
                            if drafts else [] for c in constraints]
                 return {"constraint": constraints, "draft_sources": sources}
             return make

@@ -59,25 +59,67 @@ def tokenize_forced(tokenizer, forced: bytes) -> list:
     return tokenizer.encode(text, add_special_tokens=False) if text else []
 
 
-class ForcedTextSource(DraftSource):
-    """Drafts the bytes the regex forces from the current state, tokenized by the model's tokenizer.
+class TokenSplits:
+    """The tokens a model writes in pieces: ``":"`` is one token, but SmolLM2 writes ``":`` then ``"``.
+    Where the target writes a prefix of a drafted token instead, ``learn`` keeps the split (until it
+    writes the whole token again) and ``apply`` drafts it so. A model's habit: share it across rows."""
 
-    The tokenization of the forced text on its own may differ from the one the
-    model prefers in context; the target verifies it like any draft, so the
-    output is unchanged either way (and a token that is the only one allowed is
-    always accepted).
-    """
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.pieces = {}  # token -> (the piece the target writes first, the rest's tokens)
 
-    name = "regex"
-    free = True  # read off the DFA state
+    def apply(self, tokens: list) -> list:
+        out = []
+        for token in tokens:  # the rest's text is shorter than the token's, so this ends
+            split = self.pieces.get(token)
+            out += [token] if split is None else [split[0]] + self.apply(split[1])
+        return out
 
-    def __init__(self, constraint: RegexConstraint, tokenizer):
+    def learn(self, drafted: int, written: int):
+        """The target wrote ``written`` where the draft had ``drafted``."""
+        if self.pieces.get(written, (None,))[0] == drafted:  # a split piece drafted, the whole token written
+            del self.pieces[written]
+            return
+        whole, piece = self.tokenizer.decode([drafted]), self.tokenizer.decode([written])
+        if piece and len(piece) < len(whole) and whole.startswith(piece) and "\ufffd" not in whole:
+            self.pieces[drafted] = (written, self.tokenizer.encode(whole[len(piece):], add_special_tokens=False))
+
+
+class ForcedSource(DraftSource):
+    """Drafts forced text (a subclass's ``forced_tokens``) the way the target writes it (``TokenSplits``).
+    The target verifies it like any draft, so the output is unchanged either way."""
+
+    free = True  # read off the constraint's state
+
+    def __init__(self, constraint, tokenizer, splits: Optional[TokenSplits] = None):
         self.constraint, self.tokenizer = constraint, tokenizer
-        self._drafts = {}  # DFA state -> tokenized forced text (states repeat in loops)
+        self.splits = splits if splits is not None else TokenSplits(tokenizer)
+        self._proposed = []
+
+    def forced_tokens(self) -> list:
+        raise NotImplementedError
 
     def propose(self, tokens: list, max_draft: int) -> Optional[Draft]:
+        self._proposed = self.splits.apply(self.forced_tokens())[:max_draft]
+        return Draft(self._proposed) if self._proposed else None
+
+    def update(self, tokens: list, num_proposed: int, num_accepted: int) -> None:
+        if num_accepted < num_proposed:  # tokens[-1] is the target's token in place of the rejected one
+            self.splits.learn(self._proposed[num_accepted], tokens[-1])
+
+
+class ForcedTextSource(ForcedSource):
+    """Drafts the bytes the regex forces from the current state, tokenized by the model's tokenizer
+    (a token that is the only one allowed is always accepted)."""
+
+    name = "regex"
+
+    def __init__(self, constraint: RegexConstraint, tokenizer, splits: Optional[TokenSplits] = None):
+        super().__init__(constraint, tokenizer, splits)
+        self._drafts = {}  # DFA state -> tokenized forced text (states repeat in loops)
+
+    def forced_tokens(self) -> list:
         state = self.constraint.state
         if state not in self._drafts:
             self._drafts[state] = tokenize_forced(self.tokenizer, self.constraint.index.dfa.forced_bytes(state))
-        forced = self._drafts[state]
-        return Draft(forced[:max_draft]) if forced else None
+        return self._drafts[state]

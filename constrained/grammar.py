@@ -13,13 +13,12 @@ for the text it forces.
 
 import re
 from copy import copy
-from typing import Optional
 
 import mlx.core as mx
 import numpy as np
 
-from constrained.constraint import tokenize_forced
-from decoder import Constraint, ConstraintError, Draft, DraftSource, eos_ids_of
+from constrained.constraint import ForcedSource, tokenize_forced
+from decoder import Constraint, ConstraintError, eos_ids_of
 
 INSTALL = "pip install llguidance"
 # Compact JSON, like the built-in schema compiler: separators are forced text, so they cost no model step.
@@ -189,21 +188,16 @@ class GrammarConstraint(Constraint):
                                   f"{_one_line(self.matcher.get_error())}")
 
 
-class GrammarForcedSource(DraftSource):
+class GrammarForcedSource(ForcedSource):
     """Drafts the text the grammar forces next (``{"name":"`` in a JSON shape) at no model cost.
 
     llguidance's ``compute_ff_bytes`` gives the forced bytes; they are tokenized by the model's
     tokenizer, as ``ForcedTextSource`` does for regexes. (``compute_ff_tokens`` stops before any
     token a longer one could still replace, e.g. before ``":"`` when ``":""`` exists, so it drafts
-    less.) The target verifies the draft like any other, so the output is unchanged.
+    less.)
     """
 
     name = "grammar"
-    free = True  # read off the matcher's state
 
-    def __init__(self, constraint: GrammarConstraint, tokenizer):
-        self.constraint, self.tokenizer = constraint, tokenizer
-
-    def propose(self, tokens: list, max_draft: int) -> Optional[Draft]:
-        forced = tokenize_forced(self.tokenizer, self.constraint.matcher.compute_ff_bytes())
-        return Draft(forced[:max_draft]) if forced else None
+    def forced_tokens(self) -> list:
+        return tokenize_forced(self.tokenizer, self.constraint.matcher.compute_ff_bytes())

@@ -182,6 +182,7 @@ class Engine:
         self.constraints = OrderedDict()  # (kind, pattern) -> (kind, token index or compiled grammar)
         self.building = {}  # (kind, pattern) -> Future, while the first request that needs it builds it
         self.constraints_lock = threading.Lock()  # HTTP threads build constraints side by side
+        self.splits = None  # a constrained.TokenSplits: how the model writes forced text, learned by every request
         self.prompt_cache = PromptCache(prompt_cache_bytes)
         self.pass_cost = PassCost()
         self.prefill_step_size = prefill_step_size
@@ -335,12 +336,14 @@ class Engine:
         if key[1] is None:
             return None, None
         kind, built = self._built(key)
-        if kind == "regex":
-            from constrained import ForcedTextSource, RegexConstraint
+        from constrained import ForcedTextSource, RegexConstraint, TokenSplits
 
+        with self.constraints_lock:
+            self.splits = self.splits if self.splits is not None else TokenSplits(self.tokenizer)
+        if kind == "regex":
             constraint = RegexConstraint(built[0].index)
-            return constraint, ForcedTextSource(constraint, self.tokenizer)
-        return grammar_constraint(built, self.tokenizer, self.vocab_size)
+            return constraint, ForcedTextSource(constraint, self.tokenizer, self.splits)
+        return grammar_constraint(built, self.tokenizer, self.vocab_size, self.splits)
 
     def _built(self, key: tuple) -> tuple:
         """``self.constraints[key]``, building it (or waiting for the thread that builds it) if missing.

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from constrained import ForcedTextSource, RegexConstraint
+from constrained import ForcedTextSource, RegexConstraint, TokenSplits
 from decoder import DecodingStats, generate
 from tests.helpers import ScriptedSource, tiny_byte_tokenizer, tiny_llama
 
@@ -34,6 +34,13 @@ def forced(constraint, tokenizer=TOKENIZER):
     return ForcedTextSource(constraint, tokenizer)
 
 
+SHARED_SPLITS = TokenSplits(TOKENIZER)  # learned across the examples, as a server's across requests
+
+
+def forced_shared(constraint):
+    return ForcedTextSource(constraint, TOKENIZER, SHARED_SPLITS)
+
+
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(pattern=st.sampled_from(REGEXES), prompt=st.lists(st.integers(0, 255), min_size=1, max_size=8),
        seed=st.integers(0, 1000))
@@ -45,7 +52,7 @@ def test_forced_drafts_and_random_drafts_give_plain_constrained_output(pattern, 
         assert re.fullmatch(pattern, reference.text, re.ASCII), reference.text
     rng = random.Random(seed)
     noise = ScriptedSource(lambda tokens, k: [rng.randrange(VOCAB) for _ in range(k)], name="noise")
-    for sources in ([forced], [forced, noise], [noise]):
+    for sources in ([forced], [forced, noise], [noise], [forced_shared]):
         assert constrained(pattern, prompt, sources).tokens == reference.tokens
 
 
@@ -57,6 +64,33 @@ def test_forced_text_costs_fewer_passes_than_tokens():
     assert fast.stats.target_forward_passes < fast.generation_tokens
     assert plain.stats.target_forward_passes == plain.generation_tokens
     assert "regex" in fast.sources
+
+
+def test_token_splits_learn_the_pieces_the_target_writes_and_forget_them():
+    quote_colon, quote, colon = TOKENIZER.encode('":'), TOKENIZER.encode('"'), TOKENIZER.encode(":")
+    assert len(quote_colon) == 1  # one merged token
+    splits = TokenSplits(TOKENIZER)
+    splits.learn(quote_colon[0], TOKENIZER.encode("ab")[0])  # not a piece of it: nothing learned
+    splits.learn(quote[0], quote_colon[0])  # longer than the drafted token: nothing learned
+    assert splits.apply(quote_colon + quote) == quote_colon + quote
+    splits.learn(quote_colon[0], quote[0])  # the target wrote '"' where '":' was drafted
+    assert splits.apply(quote + quote_colon) == quote + quote + colon
+    splits.learn(quote[0], quote_colon[0])  # then it wrote the whole token where the piece was drafted
+    assert splits.apply(quote_colon) == quote_colon
+
+
+def test_forced_text_is_drafted_the_way_the_target_wrote_it_before():
+    pattern = '"name": "ab"'
+    splits, prompt = TokenSplits(TOKENIZER), [5, 6]
+    first = ForcedTextSource(RegexConstraint.from_regex(pattern, TOKENIZER, VOCAB), TOKENIZER, splits)
+    draft = first.propose(prompt, 32).tokens
+    assert TOKENIZER.decode(draft) == pattern
+    at = draft.index(TOKENIZER.encode('":')[0])
+    first.update(prompt + draft[:at] + TOKENIZER.encode('"'), len(draft), at)  # the target wrote '"' there
+    second = ForcedTextSource(RegexConstraint.from_regex(pattern, TOKENIZER, VOCAB), TOKENIZER, splits)
+    again = second.propose(prompt, 32).tokens
+    assert TOKENIZER.decode(again) == pattern
+    assert again[: at + 2] == draft[:at] + TOKENIZER.encode('"') + TOKENIZER.encode(":")
 
 
 def test_eos_only_in_accepting_states_and_generation_ends_there():
