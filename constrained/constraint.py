@@ -70,7 +70,7 @@ class TokenSplits:
 
     def apply(self, tokens: list) -> list:
         out = []
-        for token in tokens:  # the rest's text is shorter than the token's, so this ends
+        for token in tokens:
             split = self.pieces.get(token)
             out += [token] if split is None else [split[0]] + self.apply(split[1])
         return out
@@ -82,7 +82,9 @@ class TokenSplits:
             return
         whole, piece = self.tokenizer.decode([drafted]), self.tokenizer.decode([written])
         if piece and len(piece) < len(whole) and whole.startswith(piece) and "\ufffd" not in whole:
-            self.pieces[drafted] = (written, self.tokenizer.encode(whole[len(piece):], add_special_tokens=False))
+            rest = self.tokenizer.encode(whole[len(piece):], add_special_tokens=False)
+            if all(len(self.tokenizer.decode([token])) < len(whole) for token in rest):  # so apply ends
+                self.pieces[drafted] = (written, rest)
 
 
 class ForcedSource(DraftSource):
