@@ -58,8 +58,9 @@ def build_app(engine: Engine, model_id: str, context_length=None, api_key=None,
         authorize(request)
         body = parse_body(await read_body(request))
 
-        def parse_and_prepare():  # tokenizing and compiling a schema take a while: not on the event loop,
-            generation = parse(body, engine.tokenizer, model_id, default_max_tokens)  # nor on the worker
+        # Tokenizing and compiling a schema take a while: neither on the event loop nor on the worker.
+        def parse_and_prepare():
+            generation = parse(body, engine.tokenizer, model_id, default_max_tokens)
             check_prompt(generation, context_length, engine.vocab_size)
             return generation, engine.constraint_for(generation)
 

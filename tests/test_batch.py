@@ -397,7 +397,6 @@ def test_the_gate_asks_while_drafting_pays_and_probes_now_and_then():
     assert gate.ask()
 
 
-
 def test_free_sources_draft_on_the_steps_the_gate_skips():
     """Forced text costs nothing to ask for, so a constrained row drafts it also on a step on which
     the gate spares the sources that cost something (here one that counts its calls)."""
@@ -413,6 +412,7 @@ def test_free_sources_draft_on_the_steps_the_gate_skips():
     response, = generator.next()
     assert len(calls) == 1
     assert response.sources[0] == "regex" and len(response.tokens) > 1
+
 
 class ClockedModel:
     """A model whose every pass takes ``base + per_token * (width - 1)`` simulated seconds."""

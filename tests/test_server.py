@@ -182,20 +182,30 @@ def tiny_engine():
     return Engine(tiny_llama(vocab_size=vocab_size, seed=7, sharp=3.0), TokenizerWrapper(tokenizer), vocab_size)
 
 
+def chat_request(engine, schema=None, max_tokens=8):
+    """A greedy chat request, with ``schema`` as its response_format when one is given."""
+    body = {"messages": [{"role": "user", "content": "a number"}], "temperature": 0, "max_tokens": max_tokens}
+    if schema is not None:
+        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
+    return parse_chat(body, engine.tokenizer, MODEL, 64)
+
+
+async def outcome_of(job):
+    """The job's Outcome once it is done; an error event is raised."""
+    while True:
+        kind, payload = await asyncio.wait_for(job.events.get(), 60)
+        if kind == "error":
+            raise payload
+        if kind == "done":
+            return payload
+
+
 def schema_outcome(engine, schema, max_tokens=8):
     """A chat request with ``schema`` as its response_format, through the engine's queue: its Outcome."""
-    body = {"messages": [{"role": "user", "content": "a number"}], "temperature": 0, "max_tokens": max_tokens,
-            "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}}
-    request = parse_chat(body, engine.tokenizer, MODEL, 64)
+    request = chat_request(engine, schema, max_tokens)
 
     async def run():
-        job = engine.submit(request, asyncio.get_running_loop())
-        while True:
-            kind, payload = await job.events.get()
-            if kind == "error":
-                raise payload
-            if kind == "done":
-                return payload
+        return await outcome_of(engine.submit(request, asyncio.get_running_loop()))
 
     return asyncio.run(run())
 
@@ -224,14 +234,6 @@ def test_a_schema_both_compilers_refuse_is_a_400(tiny_engine):
                                     'keys: ["not"]; the built-in compiler refused it too: not is not supported at #')
 
 
-
-def chat_request(engine, schema=None, max_tokens=4):
-    body = {"messages": [{"role": "user", "content": "a number"}], "temperature": 0, "max_tokens": max_tokens}
-    if schema is not None:
-        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
-    return parse_chat(body, engine.tokenizer, MODEL, 64)
-
-
 def test_a_new_schema_is_compiled_off_the_worker_while_other_rows_decode(tiny_engine, monkeypatch):
     release, building = threading.Event(), threading.Event()
     build = tiny_engine._build_constraint
@@ -248,16 +250,12 @@ def test_a_new_schema_is_compiled_off_the_worker_while_other_rows_decode(tiny_en
         loop = asyncio.get_running_loop()
         pending = loop.run_in_executor(None, tiny_engine.constraint_for, chat_request(tiny_engine, schema))
         await loop.run_in_executor(None, building.wait, 60)
-        job = tiny_engine.submit(chat_request(tiny_engine), loop)  # unconstrained: nothing to build
-        while (event := await asyncio.wait_for(job.events.get(), 60))[0] != "done":
-            assert event[0] != "error", event
+        await outcome_of(tiny_engine.submit(chat_request(tiny_engine, max_tokens=4), loop))  # nothing to build
         assert not pending.done()  # the plain request finished while the schema was still compiling
         release.set()
         prepared = await pending
-        job = tiny_engine.submit(chat_request(tiny_engine, schema, max_tokens=8), loop, prepared)
-        while (event := await asyncio.wait_for(job.events.get(), 60))[0] != "done":
-            assert event[0] != "error", event
-        assert event[1].finish_reason == "stop" and int(event[1].text) <= 12345
+        outcome = await outcome_of(tiny_engine.submit(chat_request(tiny_engine, schema), loop, prepared))
+        assert outcome.finish_reason == "stop" and int(outcome.text) <= 12345
 
     try:
         asyncio.run(run())
@@ -284,6 +282,7 @@ def test_requests_that_need_the_same_new_schema_build_it_once(tiny_engine, monke
         built = [future.result(timeout=60) for future in [first] + others]
     assert len(calls) == 1
     assert len({id(constraint) for constraint, _ in built}) == 4  # each request its own, from one build
+
 
 # ---- one server for the slow tests ------------------------------------------------------------------
 
