@@ -2,10 +2,9 @@
 
 Each row has its own prompt, draft sources, constraint, sampling settings, ``max_tokens`` and stop
 tokens. A step asks every row's sources for a draft (``decoder.choose_draft``) and cuts it to what
-the row's constraint allows (``decoder.constrain_draft``), chooses how much of each row's draft to
-verify (``choose_drafts``), scores the rows' tokens padded to ``[B, W]`` in one forward pass (a
-ragged one, ``batch_pass``, where only the attention sees the padding) and accepts each row's prefix
-by ``decoder.accept_draft``'s rules. Each row then drops its own rejected tokens from the one batch
+the row's constraint allows (``decoder.constrain_draft``), chooses one width ``W`` for the batch
+(``choose_width``), scores ``[B, W]`` tokens in one forward pass and accepts each row's prefix by
+``decoder.accept_draft``'s rules. Each row then drops its own rejected tokens from the one batch
 cache (``batch_cache.RaggedKVCache``: every row keeps its own end, no copy).
 
     gen = BatchGenerator(model, eos_token_ids=eos_ids_of(tokenizer))
@@ -31,8 +30,7 @@ import mlx.core as mx
 
 from batch_cache import Prefill, trim_rows
 from batch_draft import BatchDraftModel, DraftModelRow
-from batch_pass import can_pack, computed_tokens, ragged_logits
-from batch_policy import Acceptance, DraftGate, choose_drafts
+from batch_policy import Acceptance, DraftGate, choose_width
 from cost import PassCost
 from decoder import (TARGET, ConstraintError, DecodingStats, Draft, accept_draft, accept_sampled, choose_draft,
                      constrain_draft, encode, eos_ids_of)
@@ -145,22 +143,19 @@ class BatchGenerator:
             and the rows' sources read it (keep one across batches to keep what it measured).
         interleave_prefill: while rows are decoding, prefill joining prompts one chunk per
             ``next()`` (a long prompt does not stall the running rows); else all at once.
-        ragged_passes: run ragged passes (``batch_pass``: rows draft different lengths, the padding costs
-            little) where the model allows it; False pads every row to the pass's width.
         keep_caches: give each finished row's KV entries in its last response (``cache``).
     """
 
     def __init__(self, model, *, eos_token_ids: Sequence[int] = (), prefill_step_size: int = 512,
                  prefill_batch_size: int = 8, max_batch: Optional[int] = None, max_width: Optional[int] = None,
                  pass_cost: Optional[PassCost] = None, interleave_prefill: bool = False,
-                 keep_caches: bool = False, ragged_passes: bool = True):
+                 keep_caches: bool = False):
         self.model = model
         self.eos_token_ids = set(eos_token_ids)
         self.prefill_step_size, self.prefill_batch_size = prefill_step_size, prefill_batch_size
         self.max_batch = max_batch
         self.max_width = max_width
         self.interleave_prefill, self.keep_caches = interleave_prefill, keep_caches
-        self.ragged = ragged_passes and can_pack(model)
         self.prefilling = None  # (rows, Prefill) while joining prompts are prefilled chunk by chunk
         self.removed = set()  # uids removed while prefilling
         self.cost = pass_cost if pass_cost is not None else PassCost()
@@ -355,30 +350,24 @@ class BatchGenerator:
         self._drop(failed)
         if not self.rows:
             return responses
-        lengths = choose_drafts([len(plan.draft.tokens) for plan in plans],
-                                [row.acceptance.rate(plan.drafter.name) if plan.drafter else 0.0
-                                 for row, plan in zip(self.rows, plans)], self.cost, self.max_width, self.ragged)
+        width = choose_width([len(plan.draft.tokens) for plan in plans],
+                             [row.acceptance.rate(plan.drafter.name) if plan.drafter else 0.0
+                              for row, plan in zip(self.rows, plans)], self.cost, self.max_width)
         if asked:
-            self.gate.record(1 + max(lengths))
-        emitted = self._verify(lengths, plans, responses)
+            self.gate.record(width)
+        emitted = self._verify(width, plans, responses)
         self.stats.decode_time += time.perf_counter() - tic
         self.stats.generation_tokens += emitted
         return responses
 
-    def _verify(self, lengths: list, plans: list, responses: list) -> int:
-        rows, width = self.rows, 1 + max(lengths)
-        drafts = [_cut(plan.draft, length) for plan, length in zip(plans, lengths)]
+    def _verify(self, width: int, plans: list, responses: list) -> int:
+        rows = self.rows
+        drafts = [_cut(plan.draft, width - 1) for plan in plans]
         inputs = mx.array([[row.tokens[-1]] + d.tokens + [0] * (width - 1 - len(d.tokens))
                            for row, d in zip(rows, drafts)])
-        # The tokens the pass computes: a ragged pass the real ones (rounded up), a padded pass every slot.
-        real = len(rows) + sum(len(d.tokens) for d in drafts)
-        tokens = computed_tokens(len(rows), width, real) if self.ragged else len(rows) * width
         clock = self.cost.clock
         started = clock()
-        if tokens < len(rows) * width:
-            logits = ragged_logits(self.model, inputs, [1 + len(d.tokens) for d in drafts], self.cache)
-        else:
-            logits = self.model(inputs, cache=self.cache)
+        logits = self.model(inputs, cache=self.cache)
         vocab = logits.shape[-1]
         results = [None] * len(rows)  # per row: (num_accepted, next_token) or an exception
         for index, plan in enumerate(plans):
@@ -400,7 +389,7 @@ class BatchGenerator:
         argmax_allowed = None if allowed is None else mx.take_along_axis(allowed, argmax[..., None], -1)[..., 0]
         mx.eval(argmax, argmax_allowed)
         targets = argmax.tolist()
-        self.cost.record(clock() - started, width=width, rows=len(rows), tokens=tokens)
+        self.cost.record(clock() - started, width=width, rows=len(rows))
         self.stats.passes += 1
         self.stats.widths[width] += 1
         self.stats.row_passes += len(rows)

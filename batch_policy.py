@@ -9,7 +9,6 @@ with each row's expected acceptance from ``Acceptance``.
 
 from typing import Optional, Sequence
 
-from batch_pass import computed_tokens
 from cost import PassCost
 
 
@@ -78,46 +77,21 @@ class DraftGate:
 
 def choose_width(draft_lengths: Sequence[int], acceptance: Sequence[float], cost: PassCost,
                  max_width: Optional[int] = None) -> int:
-    """The pass width ``W`` (1 + draft tokens per row) that maximises expected tokens per second,
-    every row drafting ``min(d_b, W - 1)``: ``choose_drafts`` for a pass that pads every row."""
-    return 1 + max(choose_drafts(draft_lengths, acceptance, cost, max_width, ragged=False), default=0)
+    """The pass width ``W`` (1 + draft tokens per row) that maximises expected tokens per second.
 
-
-def choose_drafts(draft_lengths: Sequence[int], acceptance: Sequence[float], cost: PassCost,
-                  max_width: Optional[int] = None, ragged: bool = True) -> list:
-    """How many draft tokens each row verifies in this step's pass, to maximise expected tokens per second.
-
-    If each of row b's ``d_b`` draft tokens is accepted with chance ``a_b`` once the one before it
-    was, the row's i-th draft token adds ``a_b^i`` expected tokens. A padded pass (``ragged=False``)
-    verifies ``min(d_b, W - 1)`` tokens of every row at the cost of ``cost.relative(W, B)`` plain
-    passes. A ragged pass (``batch_pass``) pays per real token, so for each width it takes the
-    draft tokens worth most first, wherever they are, while that raises the expected rate. All
-    drafting nothing (every length 0) wins whenever no pass is expected to pay for itself.
+    Row b drafts ``min(d_b, W - 1)`` tokens; if each is accepted with chance ``a_b`` once the one
+    before it was, the row is expected to emit ``1 + a_b + a_b^2 + ...`` tokens. A ``[B, W]`` pass
+    costs ``cost.relative(W, B)`` plain passes, measured by the engine on this machine. W = 1
+    (no drafts) wins whenever no wider pass is expected to pay for itself.
     """
     rows = len(draft_lengths)
     widest = 1 + max(draft_lengths, default=0)
     if max_width is not None:
         widest = min(widest, max_width)
-    best, best_rate = [0] * rows, float(rows)
+    best_width, best_rate, expected = 1, float(rows), float(rows)
     for width in range(2, widest + 1):
-        caps = [min(d, width - 1) for d in draft_lengths]
-        if not ragged:
-            expected = rows + sum(sum(a ** i for i in range(1, cap + 1)) for cap, a in zip(caps, acceptance))
-            rate = expected / cost.relative(width, rows)
-            if rate > best_rate:
-                best, best_rate = caps, rate
-            continue
-        worth = sorted(((a ** i, row) for row, (cap, a) in enumerate(zip(caps, acceptance))
-                        for i in range(1, cap + 1)), reverse=True)
-        lengths, expected, drafted, last_rate = [0] * rows, float(rows), 0, 0.0
-        for gain, row in worth:
-            lengths[row] += 1
-            expected, drafted = expected + gain, drafted + 1
-            pass_width = 1 + max(lengths)
-            rate = expected / cost.relative(pass_width, rows, computed_tokens(rows, pass_width, rows + drafted))
-            if rate < last_rate:  # gains only fall from here and each token costs more: past the peak
-                break
-            if rate > best_rate:
-                best, best_rate = list(lengths), rate
-            last_rate = rate
-    return best
+        expected += sum(a ** (width - 1) for d, a in zip(draft_lengths, acceptance) if d >= width - 1)
+        rate = expected / cost.relative(width, rows)
+        if rate > best_rate:
+            best_width, best_rate = width, rate
+    return best_width

@@ -11,11 +11,7 @@ passes and every choice reads this one model instead of a constant.
     cost.token_cost()                                    # a source, choosing its length
 
 A pass of ``rows`` sequences, each ``width`` tokens wide, is modelled as a line,
-``seconds = base + slope * (width - 1)``, fitted per ``rows`` to recent timings. A batch's ragged
-pass (``batch_pass``: ``tokens`` real tokens laid out ``width`` wide, the rest padding) adds a
-second term: a padded slot costs ``width_slope`` per row, the part of a token's cost (attention)
-that the padded layout still pays, so
-``seconds = base + slope * (tokens / rows - 1) + width_slope * (width - tokens / rows)``.
+``seconds = base + slope * (width - 1)``, fitted per ``rows`` to recent timings.
 Until both ends of the line are measured, a prior fills in: the relative slope measured at the
 nearest other batch size, or ``default_token_cost`` before any has one. (A batch whose rows join
 one by one meets a new size at almost every step; the constant would price its width as if it
@@ -38,7 +34,6 @@ class PassCost:
 
     PRIOR_WEIGHT = 0.5  # the prior counts as half a pass at widths 1 and 2: it sets the slope
     # until a second width is timed, and soon gives way once one is
-    PADDING_SHARE = 0.5  # the prior for width_slope / slope, until ragged passes are timed
 
     def __init__(self, default_token_cost: float = 0.09, forget: float = 0.9,
                  clock: Callable[[], float] = time.perf_counter):
@@ -48,16 +43,12 @@ class PassCost:
         self.forget = forget
         self.clock = clock
         self.passes = {}  # rows -> {width: [weight, mean seconds]}
-        self.ragged = {}  # rows -> {(width, tokens): [weight, mean seconds]}, tokens < rows * width
         self.drafting = {}  # source name -> [weight, mean seconds per drafted token]
         self._fits = {}  # rows -> (base, slope), cleared by each record
 
-    def record(self, seconds: float, width: int, rows: int = 1, tokens: Optional[int] = None):
-        """One pass of ``rows`` x ``width`` slots, ``tokens`` of them real (all by default), took ``seconds``."""
-        if tokens is None or tokens >= rows * width:
-            entry = self.passes.setdefault(rows, {}).setdefault(width, [0.0, 0.0])
-        else:
-            entry = self.ragged.setdefault(rows, {}).setdefault((width, tokens), [0.0, 0.0])
+    def record(self, seconds: float, width: int, rows: int = 1):
+        """One pass of ``rows`` x ``width`` tokens took ``seconds``."""
+        entry = self.passes.setdefault(rows, {}).setdefault(width, [0.0, 0.0])
         entry[0] = self.forget * entry[0] + 1
         entry[1] += (seconds - entry[1]) / entry[0]
         self._fits.clear()  # a size's prior reads the other sizes' timings
@@ -71,8 +62,8 @@ class PassCost:
         entry[1] += (seconds / num_drafted - entry[1]) / entry[0]
 
     def _fit(self, rows: int) -> Optional[tuple]:
-        """``(base, slope, width_slope)`` through the timings at ``rows`` (weighted least squares
-        with the prior's pseudo-passes), or None before any pass of that many rows."""
+        """``(base, slope)`` of the line through the timings at ``rows`` (weighted least squares
+        with the prior's two pseudo-passes), or None before any pass of that many rows."""
         if rows in self._fits:
             return self._fits[rows]
         widths = self.passes.get(rows)
@@ -80,10 +71,10 @@ class PassCost:
             measured = [r for r in self.passes if self.passes[r]]
             if not measured:
                 return None
-            # The nearest batch size's fit, scaled as if each row cost alike, until measured.
+            # The nearest batch size's line, scaled as if each row cost alike, until measured.
             nearest = min(measured, key=lambda r: abs(r - rows))
             fit = self._fit(nearest)
-            return None if fit is None else tuple(term * rows / nearest for term in fit)
+            return None if fit is None else (fit[0] * rows / nearest, fit[1] * rows / nearest)
         narrowest = min(widths)
         if widths[narrowest][1] <= 0:  # a clock that did not move (a test's): nothing measured
             return None
@@ -94,18 +85,7 @@ class PassCost:
         base, slope = _line(points)
         if base <= 0:  # noise on a nearly flat line: keep the measured narrowest pass as the base
             base = widths[narrowest][1]
-        slope = max(slope, 0.0)
-        fit = (base, slope, self.PADDING_SHARE * slope)
-        ragged = self.ragged.get(rows)
-        if ragged:  # refit all three on every timing, with a pseudo-pass of one padded slot at the prior share
-            features = [((1.0, w - 1, 0.0), weight, mean) for w, weight, mean in points]
-            features += [((1.0, tokens / rows - 1, w - tokens / rows), weight, mean)
-                         for (w, tokens), (weight, mean) in ragged.items()]
-            features.append(((1.0, 0.0, 1.0), self.PRIOR_WEIGHT, base + self.PADDING_SHARE * slope))
-            refit = _least_squares(features)
-            if refit[0] > 0:
-                fit = (refit[0], max(refit[1], 0.0), max(refit[2], 0.0))
-        self._fits[rows] = fit
+        fit = self._fits[rows] = (base, max(slope, 0.0))
         return fit
 
     def _prior_token_cost(self, rows: int) -> float:
@@ -121,18 +101,17 @@ class PassCost:
             return self.default_token_cost
         return slopes[min(slopes, key=lambda other: (abs(other - rows), -other))]
 
-    def seconds(self, width: int = 1, rows: int = 1, tokens: Optional[int] = None) -> Optional[float]:
-        """The expected seconds of a ``rows`` x ``width`` pass with ``tokens`` real tokens (all by
-        default); None before any pass was timed."""
+    def seconds(self, width: int = 1, rows: int = 1) -> Optional[float]:
+        """The expected seconds of a ``rows`` x ``width`` pass; None before any pass was timed."""
         fit = self._fit(rows)
-        return None if fit is None else _predict(fit, width, rows, tokens)
+        return None if fit is None else fit[0] + fit[1] * (width - 1)
 
-    def relative(self, width: int, rows: int = 1, tokens: Optional[int] = None) -> float:
-        """A ``rows`` x ``width`` pass (``tokens`` of its slots real) as a multiple of a ``rows`` x 1 pass."""
+    def relative(self, width: int, rows: int = 1) -> float:
+        """A ``rows`` x ``width`` pass as a multiple of a ``rows`` x 1 pass."""
         fit = self._fit(rows)
         if fit is None:
-            fit = (1.0, self.default_token_cost, self.PADDING_SHARE * self.default_token_cost)
-        return _predict(fit, width, rows, tokens) / fit[0]
+            return 1 + self.default_token_cost * (width - 1)
+        return 1 + fit[1] / fit[0] * (width - 1)
 
     def token_cost(self, rows: int = 1) -> float:
         """What one more token of width adds to a pass, as a fraction of a one-token pass."""
@@ -151,37 +130,17 @@ class PassCost:
         return {
             "passes": {rows: {width: round(mean, 6) for width, (_, mean) in sorted(widths.items())}
                        for rows, widths in sorted(self.passes.items())},
-            "ragged_passes": {rows: {f"{width} wide, {tokens} real": round(mean, 6)
-                                     for (width, tokens), (_, mean) in sorted(shapes.items())}
-                              for rows, shapes in sorted(self.ragged.items())},
             "token_cost": {rows: round(self.token_cost(rows), 4) for rows in sorted(self.passes)},
             "draft_seconds_per_token": {name: round(mean, 6) for name, (_, mean) in self.drafting.items()},
         }
 
 
-def _predict(fit: tuple, width: int, rows: int, tokens: Optional[int]) -> float:
-    base, slope, width_slope = fit
-    per_row = width if tokens is None else tokens / rows
-    return base + slope * (per_row - 1) + width_slope * (width - per_row)
-
-
 def _line(points: list) -> tuple:
     """``(base, slope)`` of the weighted least-squares line through ``(width, weight, seconds)``
     points, in ``width - 1``; at least two distinct widths."""
-    return _least_squares([((1.0, w - 1), weight, t) for w, weight, t in points])
-
-
-def _least_squares(points: list) -> tuple:
-    """The coefficients c minimising sum(weight * (c . features - y)^2) over ``(features, weight, y)``
-    points (the normal equations, by Gaussian elimination); the points must determine them."""
-    size = len(points[0][0])
-    normal = [[sum(w * f[i] * f[j] for f, w, _ in points) for j in range(size)]
-              + [sum(w * f[i] * y for f, w, y in points)] for i in range(size)]
-    for col in range(size):
-        pivot = max(range(col, size), key=lambda r: abs(normal[r][col]))
-        normal[col], normal[pivot] = normal[pivot], normal[col]
-        for r in range(size):
-            if r != col:
-                factor = normal[r][col] / normal[col][col]
-                normal[r] = [a - factor * b for a, b in zip(normal[r], normal[col])]
-    return tuple(normal[i][size] / normal[i][i] for i in range(size))
+    total = sum(weight for _, weight, _ in points)
+    mean_x = sum(weight * (w - 1) for w, weight, _ in points) / total
+    mean_y = sum(weight * t for _, weight, t in points) / total
+    spread = sum(weight * (w - 1 - mean_x) ** 2 for w, weight, _ in points)
+    slope = sum(weight * (w - 1 - mean_x) * (t - mean_y) for w, weight, t in points) / spread
+    return mean_y - slope * mean_x, slope

@@ -84,17 +84,17 @@ SOURCE_KINDS = ["none", "prompt_lookup", "history", "oracle", "noise", "draft_mo
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(rows=st.lists(st.tuples(st.lists(st.integers(0, 15), min_size=1, max_size=40), st.integers(1, 30),
                                st.integers(0, 4), st.sampled_from(SOURCE_KINDS)), min_size=1, max_size=6),
-       seed=st.integers(0, 1000), ragged=st.sampled_from([batch.MAX_RAGGEDNESS, 2]), ragged_passes=st.booleans())
-def test_every_row_gives_its_own_greedy_output_while_rows_join_and_leave(rows, seed, ragged, ragged_passes):
+       seed=st.integers(0, 1000), ragged=st.sampled_from([batch.MAX_RAGGEDNESS, 2]))
+def test_every_row_gives_its_own_greedy_output_while_rows_join_and_leave(rows, seed, ragged):
     """Prompts draw from few ids so copies find matches; a small MAX_RAGGEDNESS exercises realign."""
     saved, batch.MAX_RAGGEDNESS = batch.MAX_RAGGEDNESS, ragged
     try:
-        check_rows_against_alone(rows, seed, ragged_passes)
+        check_rows_against_alone(rows, seed)
     finally:
         batch.MAX_RAGGEDNESS = saved
 
 
-def check_rows_against_alone(rows, seed, ragged_passes=True):
+def check_rows_against_alone(rows, seed):
     rng = random.Random(seed)
     drafters = {"draft_model": BatchDraftModel(DRAFT, VOCAB, num_draft=3),
                 "self_draft": BatchDraftModel(MODEL, VOCAB, num_draft=5)}
@@ -109,7 +109,7 @@ def check_rows_against_alone(rows, seed, ragged_passes=True):
                    "self_draft": [drafters["self_draft"].source()]}[kind]
         specs.append(dict(prompt=prompt, max_tokens=max_tokens, join=join, draft_sources=sources))
         wants.append(want)
-    got, finish, errors, _ = run(BatchGenerator(MODEL, eos_token_ids=[EOS], ragged_passes=ragged_passes), specs)
+    got, finish, errors, _ = run(BatchGenerator(MODEL, eos_token_ids=[EOS]), specs)
     for spec, tokens, want, reason, error in zip(specs, got, wants, finish, errors):
         assert error is None
         assert_same_or_near_tie(MODEL, spec["prompt"], tokens, want)
