@@ -161,7 +161,8 @@ class BatchGenerator:
         self.cost = pass_cost if pass_cost is not None else PassCost()
         self.gate = DraftGate()
         self.stats = BatchStats()
-        self.rows: List[_Row] = []  # in cache order
+        self.rows: List[_Row] = []
+        self.slots: List[int] = []  # each row's row in the cache; the others hold rows that have left
         self.waiting: List[_Row] = []
         self.cache = None
         self._next_uid = 0
@@ -221,6 +222,11 @@ class BatchGenerator:
         self._drop([i for i, row in enumerate(self.rows) if row.uid in uids])
 
     def _drop(self, indices: Sequence[int]):
+        """Rows leave at once, but their cache rows stay, unused, until half the cache is unused or
+        rows join: a leaving row costs no copy of the cache. An unused row still costs its share of
+        each pass, little while the batch keeps its size (a [6, 1] pass costs what an [8, 1] does on
+        a 2-core CPU: OpenBLAS works in tiles of 8 rows); the copy does not (40-200 ms at 8 rows of
+        500 tokens, the most on its first use of fresh memory)."""
         if not indices:
             return
         for index in indices:
@@ -228,13 +234,19 @@ class BatchGenerator:
                 if isinstance(source, DraftModelRow):
                     source.drafter.remove(source)
         keep = [i for i in range(len(self.rows)) if i not in set(indices)]
-        self.rows = [self.rows[i] for i in keep]
+        self.rows, self.slots = [self.rows[i] for i in keep], [self.slots[i] for i in keep]
         if not keep:
-            self.cache = None
-        else:
+            self.cache, self.slots = None, []
+        elif 2 * len(self.slots) <= len(self.cache[0].ends):
+            self._compact()
+
+    def _compact(self):
+        """Drop the cache rows no running row uses (one copy)."""
+        if self.slots != list(range(len(self.cache[0].ends))):
             for layer in self.cache:
-                layer.filter(keep)
+                layer.filter(self.slots)
             mx.eval([layer.state for layer in self.cache])  # copied now, not inside the next timed pass
+            self.slots = list(range(len(self.rows)))
 
     def __len__(self) -> int:
         return len(self.rows) + len(self.waiting) + (len(self.prefilling[0]) if self.prefilling else 0)
@@ -286,9 +298,11 @@ class BatchGenerator:
         if self.cache is None:
             self.cache = prefill.cache
         else:
+            self._compact()  # the join copies the cache anyway
             for layer, new_layer in zip(self.cache, prefill.cache):
                 layer.extend(new_layer)
         mx.eval([layer.state for layer in self.cache])  # copied now, not inside the next timed pass
+        self.slots += range(len(self.rows), len(self.rows) + len(joining))
         self.rows += joining
         self.gate.reset()  # new rows' sources are asked at once
 
@@ -352,7 +366,8 @@ class BatchGenerator:
             return responses
         width = choose_width([len(plan.draft.tokens) for plan in plans],
                              [row.acceptance.rate(plan.drafter.name) if plan.drafter else 0.0
-                              for row, plan in zip(self.rows, plans)], self.cost, self.max_width)
+                              for row, plan in zip(self.rows, plans)], self.cost, self.max_width,
+                             len(self.cache[0].ends))
         if asked:
             self.gate.record(width)
         emitted = self._verify(width, plans, responses)
@@ -363,11 +378,15 @@ class BatchGenerator:
     def _verify(self, width: int, plans: list, responses: list) -> int:
         rows = self.rows
         drafts = [_cut(plan.draft, width - 1) for plan in plans]
-        inputs = mx.array([[row.tokens[-1]] + d.tokens + [0] * (width - 1 - len(d.tokens))
-                           for row, d in zip(rows, drafts)])
+        cache_rows = len(self.cache[0].ends)
+        inputs = [[0] * width for _ in range(cache_rows)]  # the rows no running row uses: scored, never read
+        for row, draft, slot in zip(rows, drafts, self.slots):
+            inputs[slot] = [row.tokens[-1]] + draft.tokens + [0] * (width - 1 - len(draft.tokens))
         clock = self.cost.clock
         started = clock()
-        logits = self.model(inputs, cache=self.cache)
+        logits = self.model(mx.array(inputs), cache=self.cache)
+        if cache_rows > len(rows):
+            logits = logits[mx.array(self.slots)]
         vocab = logits.shape[-1]
         results = [None] * len(rows)  # per row: (num_accepted, next_token) or an exception
         for index, plan in enumerate(plans):
@@ -389,7 +408,7 @@ class BatchGenerator:
         argmax_allowed = None if allowed is None else mx.take_along_axis(allowed, argmax[..., None], -1)[..., 0]
         mx.eval(argmax, argmax_allowed)
         targets = argmax.tolist()
-        self.cost.record(clock() - started, width=width, rows=len(rows))
+        self.cost.record(clock() - started, width=width, rows=cache_rows)
         self.stats.passes += 1
         self.stats.widths[width] += 1
         self.stats.row_passes += len(rows)
@@ -402,7 +421,11 @@ class BatchGenerator:
                     results[index] = error
         if allowed is not None:
             self._check_allowed(results, constrained, targets, argmax_allowed.tolist(), allowed)
-        trim_rows(self.cache, [width - 1 - r[0] if not isinstance(r, Exception) else 0 for r in results])
+        trims = [width - 1] * cache_rows  # a failed or unused row keeps one token, as if it accepted nothing
+        for slot, result in zip(self.slots, results):
+            if not isinstance(result, Exception):
+                trims[slot] -= result[0]
+        trim_rows(self.cache, trims)
         logprobs = self._logprobs(drafts, results, logits)
 
         finished, emitted_total = [], 0
@@ -460,9 +483,10 @@ class BatchGenerator:
 
     def _row_cache(self, index: int) -> list:
         """Row ``index``'s KV entries, copied out of the batch cache."""
-        start, end = self.cache[0].starts[index], self.cache[0].ends[index]
-        return [(mx.contiguous(layer.keys[index : index + 1, :, start:end]),
-                 mx.contiguous(layer.values[index : index + 1, :, start:end])) for layer in self.cache]
+        slot = self.slots[index]
+        start, end = self.cache[0].starts[slot], self.cache[0].ends[slot]
+        return [(mx.contiguous(layer.keys[slot : slot + 1, :, start:end]),
+                 mx.contiguous(layer.values[slot : slot + 1, :, start:end])) for layer in self.cache]
 
     def _check_allowed(self, results: list, constrained: list, targets: list, argmax_allowed: list, allowed):
         """The target's own token is forbidden only when no allowed token had a usable score (the

@@ -76,22 +76,24 @@ class DraftGate:
 
 
 def choose_width(draft_lengths: Sequence[int], acceptance: Sequence[float], cost: PassCost,
-                 max_width: Optional[int] = None) -> int:
+                 max_width: Optional[int] = None, batch_rows: Optional[int] = None) -> int:
     """The pass width ``W`` (1 + draft tokens per row) that maximises expected tokens per second.
 
     Row b drafts ``min(d_b, W - 1)`` tokens; if each is accepted with chance ``a_b`` once the one
     before it was, the row is expected to emit ``1 + a_b + a_b^2 + ...`` tokens. A ``[B, W]`` pass
     costs ``cost.relative(W, B)`` plain passes, measured by the engine on this machine. W = 1
-    (no drafts) wins whenever no wider pass is expected to pay for itself.
+    (no drafts) wins whenever no wider pass is expected to pay for itself. ``batch_rows`` is B
+    where the pass also scores cache rows no running row uses (default: one per draft length).
     """
     rows = len(draft_lengths)
+    batch_rows = rows if batch_rows is None else batch_rows
     widest = 1 + max(draft_lengths, default=0)
     if max_width is not None:
         widest = min(widest, max_width)
     best_width, best_rate, expected = 1, float(rows), float(rows)
     for width in range(2, widest + 1):
         expected += sum(a ** (width - 1) for d, a in zip(draft_lengths, acceptance) if d >= width - 1)
-        rate = expected / cost.relative(width, rows)
+        rate = expected / cost.relative(width, batch_rows)
         if rate > best_rate:
             best_width, best_rate = width, rate
     return best_width

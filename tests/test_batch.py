@@ -292,6 +292,35 @@ def test_max_batch_keeps_the_other_rows_waiting_their_turn():
     assert [out[uid] for uid in uids] == [alone(MODEL, p, n, eos=()) for p, n in zip(prompts, lengths)]
 
 
+def test_a_leaving_row_costs_no_copy_until_half_the_cache_is_unused():
+    """A finished row's cache row stays, unused, until half the cache is unused (then one copy drops
+    them); the other rows' output and every finished row's own KV entries are as if it ran alone."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    prompts = [[i + 1, i + 2, i + 3, 4] for i in range(4)]
+    lengths = [3, 6, 20, 20]
+    generator = BatchGenerator(MODEL, eos_token_ids=[], keep_caches=True)
+    uids = generator.insert(prompts, max_tokens=lengths, draft_sources=[[PromptLookupSource()] for _ in prompts])
+    out, caches, shapes = {uid: [] for uid in uids}, {}, []
+    while responses := generator.next():
+        for response in responses:
+            out[response.uid] += response.tokens
+            if response.cache is not None:
+                caches[response.uid] = response.cache
+        if generator.cache is not None:
+            shapes.append((len(generator.cache[0].ends), len(generator.rows)))
+    assert [out[uid] for uid in uids] == [alone(MODEL, p, n, eos=()) for p, n in zip(prompts, lengths)]
+    assert (4, 3) in shapes and (2, 2) in shapes and (4, 2) not in shapes  # one left: kept; two: compacted
+    for uid, prompt in zip(uids, prompts):
+        entries = caches[uid]
+        length = entries[0][0].shape[2]
+        single = make_prompt_cache(MODEL)
+        MODEL(mx.array([(prompt + out[uid])[:length]]), cache=single)
+        for (keys, values), layer in zip(entries, single):
+            assert mx.allclose(keys, layer.keys[..., :length, :], atol=1e-4)
+            assert mx.allclose(values, layer.values[..., :length, :], atol=1e-4)
+
+
 def test_bad_rows_are_refused_in_one_line():
     from speculative.head_source import DraftHeadSource
 
