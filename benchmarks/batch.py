@@ -10,6 +10,10 @@ Workloads (greedy, the embedded SmolLM2-135M, chat template):
 - mix: the three in turn (row i is chat, grounded or json as i % 3), each row with its own sources
   and constraint in one batch.
 
+``--oracle`` adds to json a bound, not a method: forced text drafted in exactly the tokens the
+target then writes (read off the first method's output), with prompt lookup. What it gains is the
+most any forced-text source can gain here under this width policy and this machine's pass costs.
+
 At each batch size the methods run one after another on the same prompts, ``--repeat`` times in
 turn (A B C A B C), and each method's best run counts: on a shared machine other work only ever
 slows a run down. Each engine keeps one cost model across sizes, as a server would.
@@ -32,8 +36,8 @@ from batch import BatchGenerator
 from cost import PassCost
 from benchmarks.harness import PROMPTS, chat_tokens
 from constrained import ForcedTextSource, RegexConstraint, TokenSplits, schema_to_regex
-from constrained.token_index import load_or_build_index
-from decoder import eos_ids_of
+from constrained.token_index import load_or_build_index, token_byte_strings
+from decoder import Draft, DraftSource, eos_ids_of
 from loading import cache_dir, describe_backend, load_model
 from prompt_lookup.ngram import PromptLookupSource
 
@@ -163,8 +167,32 @@ def load_workloads(tokenizer, vocab_size, names):
     return {name: work[name] for name in names}
 
 
-def methods_for(workload, indexes, tokenizer):
-    """(name, options factory or None for mlx-lm) per method; factories build fresh per-row objects."""
+class ForcedTextOracle(DraftSource):
+    """Drafts the text the regex forces in the very tokens the target will write (``truth``, the
+    row's output from a run without drafts): every draft is accepted. A bound for the benchmark."""
+
+    name = "regex"
+    free = True
+
+    def __init__(self, constraint, token_bytes, prompt_length: int, truth: list):
+        self.constraint, self.token_bytes = constraint, token_bytes
+        self.prompt_length, self.truth = prompt_length, truth
+
+    def propose(self, tokens: list, max_draft: int):
+        forced = self.constraint.index.dfa.forced_bytes(self.constraint.state)
+        draft, written = [], b""
+        for token in self.truth[len(tokens) - self.prompt_length :][:max_draft]:
+            spelled = self.token_bytes[token]
+            if not spelled or not forced.startswith(written + spelled):
+                break
+            draft.append(token)
+            written += spelled
+        return Draft(draft) if draft else None
+
+
+def methods_for(workload, indexes, tokenizer, oracle=None):
+    """(name, options factory or None for mlx-lm) per method; factories build fresh per-row objects.
+    ``oracle``: (token byte strings, {rows: (prompts, the first method's output)}) adds json's bound."""
     def lookup(rows):
         return lambda: {"draft_sources": [[PromptLookupSource()] for _ in range(rows)]}
 
@@ -190,8 +218,21 @@ def methods_for(workload, indexes, tokenizer):
         return [("ours, no drafts", lambda rows: mixed(rows, False)),
                 ("ours + forced + lookup", lambda rows: mixed(rows, True))]
     if workload == "json":
-        return [("ours constrained", lambda rows: constrained(rows, False)),
-                ("ours constrained + forced + lookup", lambda rows: constrained(rows, True))]
+        methods = [("ours constrained", lambda rows: constrained(rows, False)),
+                   ("ours constrained + forced + lookup", lambda rows: constrained(rows, True))]
+        if oracle is not None:
+            token_bytes, truths = oracle
+
+            def bound(rows):
+                def make():
+                    prompts, truth = truths[rows]
+                    constraints = [RegexConstraint(indexes[i % len(indexes)]) for i in range(rows)]
+                    return {"constraint": constraints, "draft_sources": [
+                        [ForcedTextOracle(c, token_bytes, len(prompts[i]), truth[i]), PromptLookupSource()]
+                        for i, c in enumerate(constraints)]}
+                return make
+            methods.append(("bound: oracle forced text + lookup", bound))
+        return methods
     return [("mlx-lm BatchGenerator", None), ("ours plain", lambda rows: lambda: {}),
             ("ours + prompt lookup", lookup)]
 
@@ -217,6 +258,8 @@ def main():
                              "(a shared machine's noise only ever slows a run down)")
     parser.add_argument("--simulate-rows", type=int, default=8,
                         help="Also run grounded and json at this many rows on a simulated GPU-like cost curve (0: skip)")
+    parser.add_argument("--oracle", action="store_true",
+                        help="Add to json a bound: forced text drafted in the very tokens the target writes")
     parser.add_argument("--out", default=str(RESULTS), help="Markdown file for the table ('' to skip)")
     args = parser.parse_args()
 
@@ -234,7 +277,9 @@ def main():
                  "| tok/s, insert to end | passes/token | p50 ms/token | p95 ms/token | peak GB | widths (passes) |",
                  "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
         mismatches = []
-        methods = methods_for(workload, indexes, tokenizer)
+        truths = {}  # rows -> (prompts, the first method's output), for --oracle
+        oracle = (token_byte_strings(tokenizer, model.args.vocab_size), truths) if args.oracle else None
+        methods = methods_for(workload, indexes, tokenizer, oracle)
         for rows in args.sizes:
             batch_prompts = pick(prompts, rows)
             results = {}
@@ -247,6 +292,7 @@ def main():
                         run = run_ours(model, eos, batch_prompts, args.max_tokens, factory(rows), cost)
                     if name not in results or run.full_tps > results[name].full_tps:
                         results[name] = run
+                    truths.setdefault(rows, (batch_prompts, run.tokens))
             first = next(iter(results.values())).full_tps
             plain = next(run for name, run in results.items() if name.startswith("ours")).full_tps
             for name, run in results.items():
@@ -272,7 +318,7 @@ def main():
                       "|---|---:|---:|---:|---|"]
             first = None
             for name, factory in methods:
-                if factory is None:
+                if factory is None or name.startswith("bound"):
                     continue
                 rate, passes, widths = simulated(model, eos, pick(prompts, args.simulate_rows), args.max_tokens,
                                                  factory(args.simulate_rows))
@@ -280,7 +326,8 @@ def main():
                 lines.append(f"| {name} | {rate:.2f} | {rate / first:.2f}x | {passes:.3f} | {widths} |")
                 print(workload, lines[-1], flush=True)
         command = (f"python -m benchmarks.batch --workloads {workload} --sizes {' '.join(map(str, args.sizes))} "
-                   f"--max-tokens {args.max_tokens} --repeat {args.repeat} --simulate-rows {args.simulate_rows}")
+                   f"--max-tokens {args.max_tokens} --repeat {args.repeat} --simulate-rows {args.simulate_rows}"
+                   + (" --oracle" if args.oracle and workload == "json" else ""))
         lines[1:1] = ["", f"    {command}"]
         sections[f"## {workload}"] = "\n".join(lines)
     if args.out:
