@@ -62,29 +62,43 @@ def tokenize_forced(tokenizer, forced: bytes) -> list:
 class TokenSplits:
     """The tokens a model writes in pieces: ``":"`` is one token, but SmolLM2 writes ``":`` then ``"``.
     Where the target writes a prefix of a drafted token instead, ``learn`` keeps the split (until it
-    writes the whole token again) and ``apply`` drafts it so. A model's habit: share it across rows."""
+    writes the whole token again) and ``apply`` drafts it so. A model's habit: share it across rows.
+
+    The habit depends on the token before: SmolLM2 writes an object's first ``{"`` as ``{`` then
+    ``"``, but ``{"`` whole after ``[``. So each split is kept for the token it followed, and
+    also, for tokens it has not followed yet, as the latest seen anywhere."""
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
-        self.pieces = {}  # token -> (the piece the target writes first, the rest's tokens)
+        self.pieces = {}  # token -> (the piece the target writes first, the rest's tokens), the latest seen
+        self.after = {}  # (token before, token) -> that split, or None where the target wrote it whole
 
-    def apply(self, tokens: list) -> list:
+    def split(self, token: int, previous: Optional[int] = None) -> Optional[tuple]:
+        """How the target is expected to write ``token`` after ``previous``: None if whole."""
+        key = (previous, token)
+        return self.after[key] if key in self.after else self.pieces.get(token)
+
+    def apply(self, tokens: list, previous: Optional[int] = None) -> list:
+        """``tokens`` (forced text following ``previous``) as the target is expected to write them."""
         out = []
         for token in tokens:
-            split = self.pieces.get(token)
-            out += [token] if split is None else [split[0]] + self.apply(split[1])
+            split = self.split(token, previous)
+            out += [token] if split is None else [split[0]] + self.apply(split[1], split[0])
+            previous = out[-1]
         return out
 
-    def learn(self, drafted: int, written: int):
-        """The target wrote ``written`` where the draft had ``drafted``."""
-        if self.pieces.get(written, (None,))[0] == drafted:  # a split piece drafted, the whole token written
-            del self.pieces[written]
+    def learn(self, drafted: int, written: int, previous: Optional[int] = None):
+        """The target wrote ``written`` after ``previous`` where the draft had ``drafted``."""
+        split = self.split(written, previous)
+        if split is not None and split[0] == drafted:  # a split piece drafted, the whole token written
+            self.after[(previous, written)] = None
+            self.pieces.pop(written, None)
             return
         whole, piece = self.tokenizer.decode([drafted]), self.tokenizer.decode([written])
         if piece and len(piece) < len(whole) and whole.startswith(piece) and "\ufffd" not in whole:
             rest = self.tokenizer.encode(whole[len(piece):], add_special_tokens=False)
             if all(len(self.tokenizer.decode([token])) < len(whole) for token in rest):  # so apply ends
-                self.pieces[drafted] = (written, rest)
+                self.pieces[drafted] = self.after[(previous, drafted)] = (written, rest)
 
 
 class ForcedSource(DraftSource):
@@ -102,12 +116,12 @@ class ForcedSource(DraftSource):
         raise NotImplementedError
 
     def propose(self, tokens: list, max_draft: int) -> Optional[Draft]:
-        self._proposed = self.splits.apply(self.forced_tokens())[:max_draft]
+        self._proposed = self.splits.apply(self.forced_tokens(), tokens[-1] if tokens else None)[:max_draft]
         return Draft(self._proposed) if self._proposed else None
 
     def update(self, tokens: list, num_proposed: int, num_accepted: int) -> None:
         if num_accepted < num_proposed:  # tokens[-1] is the target's token in place of the rejected one
-            self.splits.learn(self._proposed[num_accepted], tokens[-1])
+            self.splits.learn(self._proposed[num_accepted], tokens[-1], tokens[-2] if len(tokens) > 1 else None)
 
 
 class ForcedTextSource(ForcedSource):

@@ -79,6 +79,22 @@ def test_token_splits_learn_the_pieces_the_target_writes_and_forget_them():
     assert splits.apply(quote_colon) == quote_colon
 
 
+def test_token_splits_follow_the_token_before():
+    """A model may split a token after one token and write it whole after another (SmolLM2 writes an
+    object's first ``{"`` as ``{`` then ``"``, a nested one whole): each context keeps its own habit,
+    and a context not seen yet gets the latest seen anywhere."""
+    quote_colon, quote, colon = TOKENIZER.encode('":'), TOKENIZER.encode('"'), TOKENIZER.encode(":")
+    assert len(quote_colon) == 1
+    after_a, after_b, unseen = TOKENIZER.encode("a")[0], TOKENIZER.encode("b")[0], 6
+    splits = TokenSplits(TOKENIZER)
+    splits.learn(quote_colon[0], quote[0], after_a)  # '"' then ':' after 'a'
+    assert splits.apply(quote_colon, after_b) == quote + colon  # not seen after 'b': the latest habit
+    splits.learn(quote[0], quote_colon[0], after_b)  # but after 'b' it wrote '":' whole
+    assert splits.apply(quote_colon, after_a) == quote + colon
+    assert splits.apply(quote_colon, after_b) == quote_colon
+    assert splits.apply(quote_colon, unseen) == quote_colon  # the latest seen anywhere: whole
+
+
 def test_forced_text_is_drafted_the_way_the_target_wrote_it_before():
     pattern = '"name": "ab"'
     splits, prompt = TokenSplits(TOKENIZER), [5, 6]
