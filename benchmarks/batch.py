@@ -1,18 +1,21 @@
 """Batched decoding side by side: mlx-lm's BatchGenerator and ours, plain and with drafts, at 1-16 rows.
 
-    python -m benchmarks.batch [--sizes 1 2 4 8 16] [--max-tokens 64] [--workloads chat grounded json mix]
+    python -m benchmarks.batch [--sizes 1 2 4 8 16] [--max-tokens 64] [--workloads chat grounded json extract mix]
 
 Workloads (greedy, the embedded SmolLM2-135M, chat template):
 - chat: open questions (benchmarks/heldout/chat.txt);
 - grounded: document questions, code edits and quote summaries (benchmarks/prompts), with prompt lookup;
-- json: JSON Schema extraction (benchmarks/json_schemas/suite, the built-in regex compiler), with the
-  forced text of the schema and prompt lookup;
+- json: JSON written to a schema from a short request (benchmarks/json_schemas/suite, the built-in
+  regex compiler), with the forced text of the schema and prompt lookup;
+- extract: JSON Schema extraction, fields copied out of a document (benchmarks/json_schemas/extraction:
+  emails, a posting, a report, a listing, an invoice, a biography), with the same sources;
 - mix: the three in turn (row i is chat, grounded or json as i % 3), each row with its own sources
   and constraint in one batch.
 
-``--oracle`` adds to json a bound, not a method: forced text drafted in exactly the tokens the
-target then writes (read off the first method's output), with prompt lookup. What it gains is the
-most any forced-text source can gain here under this width policy and this machine's pass costs.
+``--oracle`` adds to json and extract a bound, not a method: forced text drafted in exactly the
+tokens the target then writes (read off the first method's output), with prompt lookup. What it
+gains is the most any forced-text source can gain here under this width policy and this machine's
+pass costs.
 
 At each batch size the methods run one after another on the same prompts, ``--repeat`` times in
 turn (A B C A B C), and each method's best run counts: on a shared machine other work only ever
@@ -143,6 +146,15 @@ def simulated(model, eos, prompts, max_tokens, options):
     return full_rate, stats.row_passes / stats.generation_tokens, dict(sorted(stats.widths.items()))
 
 
+def schema_tasks(tokenizer, vocab_size, folder: Path) -> tuple:
+    """(prompts, token indexes) of the schemas in ``folder``, each with its ``_prompt``."""
+    schemas = [json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))]
+    indexes = [load_or_build_index(schema_to_regex({k: v for k, v in s.items() if k != "_prompt"}), tokenizer,
+                                   vocab_size, eos_ids_of(tokenizer), cache_dir=cache_dir() / "regex-index")
+               for s in schemas]
+    return [chat_tokens(tokenizer, s["_prompt"] + " Answer with the JSON only.") for s in schemas], indexes
+
+
 def load_workloads(tokenizer, vocab_size, names):
     grounded = [(f"{folder}/{file.stem}", file.read_text()) for folder in ("extractive_qa", "code_edit", "summarize_quotes")
                 for file in sorted((PROMPTS / folder).glob("*.txt"))]
@@ -152,13 +164,9 @@ def load_workloads(tokenizer, vocab_size, names):
         work["chat"] = ([chat_tokens(tokenizer, text) for text in chat], None)
     if "grounded" in names:
         work["grounded"] = ([chat_tokens(tokenizer, text) for _, text in grounded], None)
-    if "json" in names or "mix" in names:
-        schemas = [json.loads(p.read_text()) for p in sorted((ROOT / "json_schemas" / "suite").glob("*.json"))]
-        index_dir = cache_dir() / "regex-index"
-        indexes = [load_or_build_index(schema_to_regex({k: v for k, v in s.items() if k != "_prompt"}), tokenizer,
-                                       vocab_size, eos_ids_of(tokenizer), cache_dir=index_dir) for s in schemas]
-        prompts = [chat_tokens(tokenizer, s["_prompt"] + " Answer with the JSON only.") for s in schemas]
-        work["json"] = (prompts, indexes)
+    for name, folder in (("json", "suite"), ("extract", "extraction")):
+        if name in names or (name == "json" and "mix" in names):
+            work[name] = schema_tasks(tokenizer, vocab_size, ROOT / "json_schemas" / folder)
     if "mix" in names:  # chat, grounded, json in turn, so row i's kind is i % 3 (see methods_for)
         count = min(len(chat), len(grounded), len(work["json"][0]))
         mixed = [chat_tokens(tokenizer, chat[i]) if kind == 0 else chat_tokens(tokenizer, grounded[i][1]) if kind == 1
@@ -192,7 +200,7 @@ class ForcedTextOracle(DraftSource):
 
 def methods_for(workload, indexes, tokenizer, oracle=None):
     """(name, options factory or None for mlx-lm) per method; factories build fresh per-row objects.
-    ``oracle``: (token byte strings, {rows: (prompts, the first method's output)}) adds json's bound."""
+    ``oracle``: (token byte strings, {rows: (prompts, the first method's output)}) adds the schema workloads' bound."""
     def lookup(rows):
         return lambda: {"draft_sources": [[PromptLookupSource()] for _ in range(rows)]}
 
@@ -217,7 +225,7 @@ def methods_for(workload, indexes, tokenizer, oracle=None):
             return make
         return [("ours, no drafts", lambda rows: mixed(rows, False)),
                 ("ours + forced + lookup", lambda rows: mixed(rows, True))]
-    if workload == "json":
+    if workload in ("json", "extract"):
         methods = [("ours constrained", lambda rows: constrained(rows, False)),
                    ("ours constrained + forced + lookup", lambda rows: constrained(rows, True))]
         if oracle is not None:
@@ -251,15 +259,15 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--workloads", nargs="+", default=["chat", "grounded", "json"],
-                        choices=["chat", "grounded", "json", "mix"])
+    parser.add_argument("--workloads", nargs="+", default=["chat", "grounded", "json", "extract"],
+                        choices=["chat", "grounded", "json", "extract", "mix"])
     parser.add_argument("--repeat", type=int, default=2,
                         help="Run the methods this many times in turn at each size and keep each one's best "
                              "(a shared machine's noise only ever slows a run down)")
     parser.add_argument("--simulate-rows", type=int, default=8,
                         help="Also run grounded and json at this many rows on a simulated GPU-like cost curve (0: skip)")
     parser.add_argument("--oracle", action="store_true",
-                        help="Add to json a bound: forced text drafted in the very tokens the target writes")
+                        help="Add to json and extract a bound: forced text drafted in the very tokens the target writes")
     parser.add_argument("--out", default=str(RESULTS), help="Markdown file for the table ('' to skip)")
     args = parser.parse_args()
 
@@ -327,7 +335,7 @@ def main():
                 print(workload, lines[-1], flush=True)
         command = (f"python -m benchmarks.batch --workloads {workload} --sizes {' '.join(map(str, args.sizes))} "
                    f"--max-tokens {args.max_tokens} --repeat {args.repeat} --simulate-rows {args.simulate_rows}"
-                   + (" --oracle" if args.oracle and workload == "json" else ""))
+                   + (" --oracle" if args.oracle and workload in ("json", "extract") else ""))
         lines[1:1] = ["", f"    {command}"]
         sections[f"## {workload}"] = "\n".join(lines)
     if args.out:
@@ -344,7 +352,7 @@ def write_sections(out: Path, sections: dict, max_tokens: int):
     header = (f"# Batched decoding\n\n{platform.machine()}, {describe_backend()}; SmolLM2-135M float32 (the "
               f"embedded model), greedy, {max_tokens} tokens per request at most. At each batch size the methods "
               "run one after another on the same prompts; each engine keeps one cost model across sizes.\n")
-    order = [f"## {w}" for w in ("chat", "grounded", "json")]
+    order = [f"## {w}" for w in ("chat", "grounded", "json", "extract")]
     body = [kept[k] for k in order if k in kept] + [v for k, v in kept.items() if k not in order]
     out.write_text(header + "\n" + "\n\n".join(body) + "\n")
 
