@@ -10,9 +10,11 @@ server: aggregate tok/s (every completion token over the round's wall time, pref
 p50/p95 time per output token per request (after its first token), and time to first token.
 
 Workloads: chat (benchmarks/heldout/chat.txt); grounded (document questions, code edits, quote
-summaries); json (benchmarks/json_schemas/suite through ``response_format``: ours only, since
-mlx_lm.server has no ``response_format``). Every prompt carries a system line unique to its round,
-so no server's prompt cache can skip the prefill.
+summaries); json (JSON from a short request, benchmarks/json_schemas/suite) and extract (fields out
+of a document, benchmarks/json_schemas/extraction) through ``response_format``; mix (chat, grounded
+and extract in turn). The last three run on ours only, since mlx_lm.server has no
+``response_format``. Every prompt carries a system line unique to its round, so no server's prompt
+cache can skip the prefill.
 
 Then ``--conversations`` conversations over documents run interleaved, a turn of each in turn, on
 mlx_lm.server and ours: time to first token per turn, against the prompt's length and what the
@@ -39,13 +41,20 @@ def workloads():
     chat = [line for line in (BENCH / "heldout" / "chat.txt").read_text().splitlines() if line.strip()]
     grounded = [file.read_text() for folder in ("extractive_qa", "code_edit", "summarize_quotes")
                 for file in sorted((BENCH / "prompts" / folder).glob("*.txt"))]
-    schemas = [json.loads(p.read_text()) for p in sorted((BENCH / "json_schemas" / "suite").glob("*.json"))]
-    json_requests = [(s["_prompt"] + " Answer with the JSON only.",
-                      {"response_format": {"type": "json_schema", "json_schema": {
-                          "name": "out", "schema": {k: v for k, v in s.items() if k != "_prompt"}}}})
-                     for s in schemas]
-    return {"chat": [(text, {}) for text in chat], "grounded": [(text, {}) for text in grounded],
-            "json": json_requests}
+    work = {"chat": [(text, {}) for text in chat], "grounded": [(text, {}) for text in grounded],
+            "json": schema_requests("suite"), "extract": schema_requests("extraction")}
+    count = min(len(work[name]) for name in ("chat", "grounded", "extract"))
+    work["mix"] = [work[("chat", "grounded", "extract")[i % 3]][i // 3] for i in range(3 * count)]
+    return work
+
+
+def schema_requests(folder: str) -> list:
+    """(prompt, extra request fields) for each schema in benchmarks/json_schemas/``folder``."""
+    schemas = [json.loads(p.read_text()) for p in sorted((BENCH / "json_schemas" / folder).glob("*.json"))]
+    return [(s["_prompt"] + " Answer with the JSON only.",
+             {"response_format": {"type": "json_schema", "json_schema": {
+                 "name": "out", "schema": {k: v for k, v in s.items() if k != "_prompt"}}}})
+            for s in schemas]
 
 
 def round_of(server, requests, nonce, max_tokens) -> dict:
@@ -74,7 +83,7 @@ def load_table(servers, work, clients, repeats, max_tokens) -> list:
             best = {}
             for repeat in range(repeats):  # servers interleaved; the best round of each counts
                 for server in servers:
-                    if workload == "json" and server["name"] == "mlx_lm.server":
+                    if workload in ("json", "extract", "mix") and server["name"] == "mlx_lm.server":
                         continue  # no response_format there
                     if workload != "chat" and server["name"] == "ours, one at a time":
                         continue  # the old server's baseline, on chat only (it is slow to run)
@@ -121,8 +130,8 @@ def conversations(servers, count, turns) -> list:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 2, 4, 8, 16])
-    parser.add_argument("--workloads", nargs="+", default=["chat", "grounded", "json"],
-                        choices=["chat", "grounded", "json"])
+    parser.add_argument("--workloads", nargs="+", default=["chat", "grounded", "json", "extract", "mix"],
+                        choices=["chat", "grounded", "json", "extract", "mix"])
     parser.add_argument("--max-tokens", type=int, default=40)
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--conversations", type=int, default=4, help="Interleaved conversations (0: skip)")
