@@ -39,6 +39,8 @@ from speculative.head_source import DraftHeadSource
 # Rows whose ends drift further apart than this are rolled back into line (one copy of the cache),
 # so that no row attends over many slots that hold nothing of its own.
 MAX_RAGGEDNESS = 64
+# Waiting prompts are prefilled together while the left padding stays within this share of their tokens.
+MAX_PREFILL_PADDING = 0.15
 
 __all__ = ["BatchDraftModel", "BatchGenerator", "BatchResult", "BatchStats", "RowResponse", "TokenLogprobs",
            "batch_generate"]
@@ -252,13 +254,17 @@ class BatchGenerator:
         return len(self.rows) + len(self.waiting) + (len(self.prefilling[0]) if self.prefilling else 0)
 
     def _admit(self, responses: list):
-        """Prefill up to ``prefill_batch_size`` waiting prompts as one left-padded batch and merge them in
-        (one chunk per call with ``interleave_prefill`` while other rows decode)."""
+        """Prefill up to ``prefill_batch_size`` waiting prompts of similar lengths (``prefill_group``) as
+        one left-padded batch and merge them in (one chunk per call with ``interleave_prefill`` while
+        other rows decode)."""
         if self.prefilling is None:
             joining, count = [], self.prefill_batch_size
             if self.max_batch is not None:
                 count = max(0, min(count, self.max_batch - len(self.rows)))
-            for row in self.waiting[:count]:
+            group = prefill_group([len(row.tokens) for row in self.waiting[:count]])
+            admitted = [self.waiting[i] for i in group]
+            self.waiting = [row for i, row in enumerate(self.waiting) if i not in set(group)]
+            for row in admitted:
                 try:
                     sampled = row.sampler is None
                     for source in row.sources:
@@ -269,7 +275,6 @@ class BatchGenerator:
                     joining.append(row)
                 except Exception as error:  # noqa: BLE001 - a row's own objects failed; the batch goes on
                     responses.append(self._failed(row, error))
-            del self.waiting[:count]
             if not joining:
                 return
             prefill = Prefill(self.model, [row.tokens[:-1] for row in joining], self.prefill_step_size,
@@ -547,6 +552,24 @@ class BatchGenerator:
             proposed = num_proposed if source is drafter else 0
             source.update(row.tokens, proposed, num_accepted if proposed else 0)
         return RowResponse(row.uid, emitted, sources)
+
+
+def prefill_group(lengths: Sequence[int]) -> list:
+    """Which of the waiting prompts (their ``lengths``, oldest first) to prefill together: the oldest
+    and the others whose left padding keeps the batch within ``MAX_PREFILL_PADDING`` of its real
+    tokens, nearest lengths first. Padding is run like real tokens, so a batch of a 40- and a
+    240-token prompt costs more than the two one after the other. Measured (8 server prompts,
+    SmolLM2-135M, 2-core CPU): grounded prompts of 178-238 tokens 4.92 s as one batch, 4.36 s one by
+    one, 4.17 s in groups of similar lengths; a chat/grounded/extraction mix of 40-238 tokens 4.92,
+    3.27 and 3.01 s."""
+    if not lengths:
+        return []
+    group = [0]
+    for index in sorted(range(1, len(lengths)), key=lambda i: abs(lengths[i] - lengths[0])):
+        members = [lengths[i] for i in group + [index]]
+        if max(members) * len(members) <= (1 + MAX_PREFILL_PADDING) * sum(members):
+            group.append(index)
+    return sorted(group)
 
 
 def _pad_rows(masks: mx.array, width: int) -> mx.array:

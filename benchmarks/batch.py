@@ -9,7 +9,7 @@ Workloads (greedy, the embedded SmolLM2-135M, chat template):
   regex compiler), with the forced text of the schema and prompt lookup;
 - extract: JSON Schema extraction, fields copied out of a document (benchmarks/json_schemas/extraction:
   emails, a posting, a report, a listing, an invoice, a biography), with the same sources;
-- mix: the three in turn (row i is chat, grounded or json as i % 3), each row with its own sources
+- mix: chat, grounded and extract in turn (row i's kind is i % 3), each row with its own sources
   and constraint in one batch.
 
 ``--oracle`` adds to json and extract a bound, not a method: forced text drafted in exactly the
@@ -165,13 +165,13 @@ def load_workloads(tokenizer, vocab_size, names):
     if "grounded" in names:
         work["grounded"] = ([chat_tokens(tokenizer, text) for _, text in grounded], None)
     for name, folder in (("json", "suite"), ("extract", "extraction")):
-        if name in names or (name == "json" and "mix" in names):
+        if name in names or (name == "extract" and "mix" in names):
             work[name] = schema_tasks(tokenizer, vocab_size, ROOT / "json_schemas" / folder)
-    if "mix" in names:  # chat, grounded, json in turn, so row i's kind is i % 3 (see methods_for)
-        count = min(len(chat), len(grounded), len(work["json"][0]))
+    if "mix" in names:  # chat, grounded, extract in turn, so row i's kind is i % 3 (see methods_for)
+        count = min(len(chat), len(grounded), len(work["extract"][0]))
         mixed = [chat_tokens(tokenizer, chat[i]) if kind == 0 else chat_tokens(tokenizer, grounded[i][1]) if kind == 1
-                 else work["json"][0][i] for i in range(count) for kind in range(3)]
-        work["mix"] = (mixed, work["json"][1][:count])
+                 else work["extract"][0][i] for i in range(count) for kind in range(3)]
+        work["mix"] = (mixed, work["extract"][1][:count])
     return {name: work[name] for name in names}
 
 

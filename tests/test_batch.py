@@ -215,7 +215,7 @@ def test_a_rows_constraint_holds_under_nan_scores_and_an_all_nan_row_fails_alone
     # Every token with an odd digit in it scores NaN.
     digits = [i for i in range(BYTE_VOCAB) if set(TOKENIZER.decode([i])) & set("13579")]
     pattern = r"\d{4}-\d{2}-\d{2}"
-    prompts = [[1, 2], [5, 6, 7], [9]]
+    prompts = [[1, 2], [5, 6], [9, 8]]  # of one length: prefilled in one call
     wants = [alone(PoisonedModel(BYTE_MODEL, digits), p, 20, *regex_row(pattern)[::-1], eos=(BYTE_EOS,))
              for p in prompts]
     for want in wants:
@@ -319,6 +319,24 @@ def test_a_leaving_row_costs_no_copy_until_half_the_cache_is_unused():
         for (keys, values), layer in zip(entries, single):
             assert mx.allclose(keys, layer.keys[..., :length, :], atol=1e-4)
             assert mx.allclose(values, layer.values[..., :length, :], atol=1e-4)
+
+
+def test_waiting_prompts_are_prefilled_in_groups_of_similar_length():
+    """The oldest waiting prompt joins with those whose padding stays small; the rest follow, and
+    every row still gives its own output."""
+    assert batch.prefill_group([100, 40, 98, 240, 105]) == [0, 2, 4]
+    assert batch.prefill_group([40, 240, 44]) == [0, 2] and batch.prefill_group([7]) == [0]
+    prompts = [[5, 6, 7, 8], [(i * 7) % VOCAB for i in range(40)], [9, 10, 11, 12]]
+    generator = BatchGenerator(MODEL, eos_token_ids=[])
+    uids = generator.insert(prompts, max_tokens=6)
+    out = {uid: [] for uid in uids}
+    for response in generator.next():
+        out[response.uid] += response.tokens
+    assert [row.uid for row in generator.rows] == [uids[0], uids[2]] and generator.waiting[0].uid == uids[1]
+    while responses := generator.next():
+        for response in responses:
+            out[response.uid] += response.tokens
+    assert [out[uid] for uid in uids] == [alone(MODEL, p, 6, eos=()) for p in prompts]
 
 
 def test_bad_rows_are_refused_in_one_line():
