@@ -59,12 +59,13 @@ class Run:
     widths: dict
 
 
-def timed(step, uids, start, clock=time.perf_counter):
+def timed(step, uids, start, clock=time.perf_counter, prefilled=None):
     """Drive ``step() -> [(uid, tokens)]`` to the end, stamping each row's first and last token.
 
     Rows finish at different times, and speculation spreads them further apart, so a fixed batch
     ends with a tail of a few rows; a server refills it. The steady rate counts only the steps
-    with every row in flight, after the first (which holds the prefill).
+    with every row in flight and no prefill in them: not the first, nor one after which
+    ``prefilled()`` is true (ours prefills prompts of different lengths in several groups).
     """
     tokens, first, last = {uid: [] for uid in uids}, {}, {}
     previous, full_tokens, full_time = None, 0, 0.0
@@ -76,13 +77,23 @@ def timed(step, uids, start, clock=time.perf_counter):
                 first.setdefault(uid, now)
                 last[uid] = now
         moment = clock()
-        if previous is not None and len(responses) == len(uids):
+        if previous is not None and len(responses) == len(uids) and not (prefilled and prefilled()):
             full_tokens += sum(len(new) for _, new in responses)
             full_time += moment - previous
         previous = moment
     seconds = time.perf_counter() - start
     latencies = [(last[u] - first[u]) / (len(tokens[u]) - 1) for u in uids if len(tokens[u]) > 1]
     return [tokens[u] for u in uids], seconds, full_tokens / max(full_time, 1e-9), latencies
+
+
+def prefill_watch(generator):
+    """A function that says whether ``generator`` prefilled since it was last asked."""
+    seen = [generator.stats.prompt_time]
+
+    def prefilled() -> bool:
+        changed, seen[0] = generator.stats.prompt_time != seen[0], generator.stats.prompt_time
+        return changed
+    return prefilled
 
 
 def run_mlx_lm(model, eos, prompts, max_tokens, _options):
@@ -109,7 +120,7 @@ def run_ours(model, eos, prompts, max_tokens, options, cost):
 
     def step():
         return [(r.uid, r.tokens) for r in generator.next()]
-    tokens, seconds, full_tps, latencies = timed(step, uids, start)
+    tokens, seconds, full_tps, latencies = timed(step, uids, start, prefilled=prefill_watch(generator))
     stats = generator.stats
     return Run(tokens, seconds, full_tps, latencies, stats.row_passes / max(stats.generation_tokens, 1),
                mx.get_peak_memory() / 1e9, dict(sorted(stats.widths.items())))
@@ -141,7 +152,8 @@ def simulated(model, eos, prompts, max_tokens, options):
     generator = BatchGenerator(clocked, eos_token_ids=eos, prefill_batch_size=len(prompts),
                                pass_cost=PassCost(clock=clocked.time))
     uids = generator.insert(prompts, max_tokens=max_tokens, **options())
-    _, _, full_rate, _ = timed(lambda: [(r.uid, r.tokens) for r in generator.next()], uids, 0.0, clocked.time)
+    _, _, full_rate, _ = timed(lambda: [(r.uid, r.tokens) for r in generator.next()], uids, 0.0, clocked.time,
+                               prefill_watch(generator))
     stats = generator.stats
     return full_rate, stats.row_passes / stats.generation_tokens, dict(sorted(stats.widths.items()))
 
