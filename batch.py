@@ -261,9 +261,9 @@ class BatchGenerator:
             joining, count = [], self.prefill_batch_size
             if self.max_batch is not None:
                 count = max(0, min(count, self.max_batch - len(self.rows)))
-            group = prefill_group([len(row.tokens) for row in self.waiting[:count]])
-            admitted = [self.waiting[i] for i in group]
-            self.waiting = [row for i, row in enumerate(self.waiting) if i not in set(group)]
+            group = set(prefill_group([len(row.tokens) for row in self.waiting[:count]]))
+            admitted = [row for i, row in enumerate(self.waiting) if i in group]
+            self.waiting = [row for i, row in enumerate(self.waiting) if i not in group]
             for row in admitted:
                 try:
                     sampled = row.sampler is None

@@ -27,7 +27,6 @@ request, from its first token to its last. Each workload writes its section of t
 """
 
 import argparse
-import json
 import platform
 import time
 from dataclasses import dataclass
@@ -38,6 +37,7 @@ import mlx.core as mx
 from batch import BatchGenerator
 from cost import PassCost
 from benchmarks.harness import PROMPTS, chat_tokens
+from benchmarks.json_schema import schema_requests
 from constrained import ForcedTextSource, RegexConstraint, TokenSplits, schema_to_regex
 from constrained.token_index import load_or_build_index, token_byte_strings
 from decoder import Draft, DraftSource, eos_ids_of
@@ -158,13 +158,12 @@ def simulated(model, eos, prompts, max_tokens, options):
     return full_rate, stats.row_passes / stats.generation_tokens, dict(sorted(stats.widths.items()))
 
 
-def schema_tasks(tokenizer, vocab_size, folder: Path) -> tuple:
-    """(prompts, token indexes) of the schemas in ``folder``, each with its ``_prompt``."""
-    schemas = [json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))]
-    indexes = [load_or_build_index(schema_to_regex({k: v for k, v in s.items() if k != "_prompt"}), tokenizer,
-                                   vocab_size, eos_ids_of(tokenizer), cache_dir=cache_dir() / "regex-index")
-               for s in schemas]
-    return [chat_tokens(tokenizer, s["_prompt"] + " Answer with the JSON only.") for s in schemas], indexes
+def schema_tasks(tokenizer, vocab_size, folder: str) -> tuple:
+    """(prompts, token indexes) of the schemas in benchmarks/json_schemas/``folder``."""
+    requests = schema_requests(folder)
+    indexes = [load_or_build_index(schema_to_regex(schema), tokenizer, vocab_size, eos_ids_of(tokenizer),
+                                   cache_dir=cache_dir() / "regex-index") for _, schema in requests]
+    return [chat_tokens(tokenizer, text) for text, _ in requests], indexes
 
 
 def load_workloads(tokenizer, vocab_size, names):
@@ -178,7 +177,7 @@ def load_workloads(tokenizer, vocab_size, names):
         work["grounded"] = ([chat_tokens(tokenizer, text) for _, text in grounded], None)
     for name, folder in (("json", "suite"), ("extract", "extraction")):
         if name in names or (name == "extract" and "mix" in names):
-            work[name] = schema_tasks(tokenizer, vocab_size, ROOT / "json_schemas" / folder)
+            work[name] = schema_tasks(tokenizer, vocab_size, folder)
     if "mix" in names:  # chat, grounded, extract in turn, so row i's kind is i % 3 (see methods_for)
         count = min(len(chat), len(grounded), len(work["extract"][0]))
         mixed = [chat_tokens(tokenizer, chat[i]) if kind == 0 else chat_tokens(tokenizer, grounded[i][1]) if kind == 1
@@ -277,7 +276,8 @@ def main():
                         help="Run the methods this many times in turn at each size and keep each one's best "
                              "(a shared machine's noise only ever slows a run down)")
     parser.add_argument("--simulate-rows", type=int, default=8,
-                        help="Also run grounded and json at this many rows on a simulated GPU-like cost curve (0: skip)")
+                        help="Also run the workloads with drafts (all but chat) at this many rows on a simulated "
+                             "GPU-like cost curve (0: skip)")
     parser.add_argument("--oracle", action="store_true",
                         help="Add to json and extract a bound: forced text drafted in the very tokens the target writes")
     parser.add_argument("--out", default=str(RESULTS), help="Markdown file for the table ('' to skip)")
@@ -287,6 +287,7 @@ def main():
     eos = eos_ids_of(tokenizer)
     work = load_workloads(tokenizer, model.args.vocab_size, args.workloads)
     costs = {}  # one cost model per method, kept across batch sizes
+    token_bytes = token_byte_strings(tokenizer, model.args.vocab_size) if args.oracle else None
     warm = pick(work[args.workloads[0]][0], 2)
     run_mlx_lm(model, eos, warm, 8, None)
     run_ours(model, eos, warm, 8, lambda: {}, PassCost())
@@ -298,7 +299,7 @@ def main():
                  "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
         mismatches = []
         truths = {}  # rows -> (prompts, the first method's output), for --oracle
-        oracle = (token_byte_strings(tokenizer, model.args.vocab_size), truths) if args.oracle else None
+        oracle = (token_bytes, truths) if args.oracle else None
         methods = methods_for(workload, indexes, tokenizer, oracle)
         for rows in args.sizes:
             batch_prompts = pick(prompts, rows)

@@ -32,6 +32,13 @@ def load_schemas(folder: str) -> dict:
     return {path.stem: json.loads(path.read_text()) for path in sorted((SCHEMAS / folder).glob("*.json"))}
 
 
+def schema_requests(folder: str) -> list:
+    """(request text, schema) for each schema in ``folder`` that carries its ``_prompt``, as the batch
+    and server-load benchmarks send them."""
+    return [(schema["_prompt"] + " Answer with the JSON only.", {k: v for k, v in schema.items() if k != "_prompt"})
+            for schema in load_schemas(folder).values()]
+
+
 def validator_for(schema):
     """A jsonschema validator for the schema's draft (2020-12 when it names none), formats checked."""
     import jsonschema

@@ -22,7 +22,6 @@ prompt cache held.
 """
 
 import argparse
-import json
 import signal
 import statistics
 import sys
@@ -31,6 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from benchmarks.batch import percentile
+from benchmarks.json_schema import schema_requests
 from benchmarks.server import FOLLOW_UPS, MLX_LM_SERVER, ROOT, free_port, start, timed_chat
 
 BENCH = ROOT / "benchmarks"
@@ -42,19 +42,16 @@ def workloads():
     grounded = [file.read_text() for folder in ("extractive_qa", "code_edit", "summarize_quotes")
                 for file in sorted((BENCH / "prompts" / folder).glob("*.txt"))]
     work = {"chat": [(text, {}) for text in chat], "grounded": [(text, {}) for text in grounded],
-            "json": schema_requests("suite"), "extract": schema_requests("extraction")}
+            "json": schema_work("suite"), "extract": schema_work("extraction")}
     count = min(len(work[name]) for name in ("chat", "grounded", "extract"))
     work["mix"] = [work[("chat", "grounded", "extract")[i % 3]][i // 3] for i in range(3 * count)]
     return work
 
 
-def schema_requests(folder: str) -> list:
+def schema_work(folder: str) -> list:
     """(prompt, extra request fields) for each schema in benchmarks/json_schemas/``folder``."""
-    schemas = [json.loads(p.read_text()) for p in sorted((BENCH / "json_schemas" / folder).glob("*.json"))]
-    return [(s["_prompt"] + " Answer with the JSON only.",
-             {"response_format": {"type": "json_schema", "json_schema": {
-                 "name": "out", "schema": {k: v for k, v in s.items() if k != "_prompt"}}}})
-            for s in schemas]
+    return [(text, {"response_format": {"type": "json_schema", "json_schema": {"name": "out", "schema": schema}}})
+            for text, schema in schema_requests(folder)]
 
 
 def round_of(server, requests, nonce, max_tokens) -> dict:
