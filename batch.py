@@ -24,17 +24,15 @@ one thread that owns the model.
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Callable, List, NamedTuple, Optional, Sequence
+from typing import List, NamedTuple, Optional, Sequence
 
 import mlx.core as mx
 
 from batch_cache import Prefill, trim_rows
-from batch_draft import BatchDraftModel, DraftModelRow
+from batch_draft import BatchDraftModel
 from batch_policy import Acceptance, DraftGate, choose_width
 from cost import PassCost
-from decoder import (TARGET, ConstraintError, DecodingStats, Draft, accept_draft, accept_sampled, choose_draft,
-                     constrain_draft, encode, eos_ids_of)
-from speculative.head_source import DraftHeadSource
+from decoder import DecodingStats, Row, check_masks, encode, eos_ids_of, mask_logits
 
 # Rows whose ends drift further apart than this are rolled back into line (one copy of the cache),
 # so that no row attends over many slots that hold nothing of its own.
@@ -46,13 +44,6 @@ __all__ = ["BatchDraftModel", "BatchGenerator", "BatchResult", "BatchStats", "Ro
            "batch_generate"]
 
 
-def _cut(draft: Draft, length: int) -> Draft:
-    if len(draft.tokens) <= length:
-        return draft
-    probs = None if draft.probs is None else draft.probs[:length]
-    return Draft(draft.tokens[:length], probs, draft.expected_speedup)
-
-
 class TokenLogprobs(NamedTuple):
     """The target's log-softmax at one emitted token's position (temperature 1, before top_p, as
     mlx_lm.server reports; under a constraint, of the masked distribution: forbidden tokens are -inf)."""
@@ -60,12 +51,6 @@ class TokenLogprobs(NamedTuple):
     logprob: float  # of the emitted token
     top_ids: list  # the k most likely tokens, most likely first
     top_logprobs: list
-
-
-class _Plan(NamedTuple):
-    draft: Draft  # what the row's sources offered, cut to what its constraint allows
-    drafter: Optional[object]  # the source that offered it
-    masks: Optional[mx.array]  # the constraint's (len(draft) + 1, vocab) masks, or None
 
 
 @dataclass
@@ -105,22 +90,16 @@ class BatchStats:
         }
 
 
-@dataclass
-class _Row:
-    uid: int
-    tokens: list
-    sources: list
-    constraint: object
-    temp: float
-    top_p: float
-    sampler: Optional[Callable]
-    max_tokens: int
-    eos_token_ids: set
-    prompt_cache: Optional[list] = None  # KV entries of a prefix of tokens, until prefilled
-    logprobs: Optional[int] = None  # report logprobs and this many top tokens per emitted token
-    num_generated: int = 0
-    acceptance: Acceptance = field(default_factory=Acceptance)
-    stats: DecodingStats = field(default_factory=DecodingStats)
+class BatchRow(Row):
+    """A ``decoder.Row`` in the batch: its uid, what it asked for, and its drafts' acceptance."""
+
+    def __init__(self, uid: int, prompt: list, prompt_cache: Optional[list] = None, logprobs: Optional[int] = None,
+                 **options):
+        super().__init__(prompt, **options)
+        self.uid = uid
+        self.prompt_cache = prompt_cache  # KV entries of a prefix of the prompt, until prefilled
+        self.logprobs = logprobs  # report logprobs and this many top tokens per emitted token
+        self.acceptance = Acceptance()  # what the width policy expects of its drafts
 
 
 def _per_row(name: str, value, count: int) -> list:
@@ -163,9 +142,9 @@ class BatchGenerator:
         self.cost = pass_cost if pass_cost is not None else PassCost()
         self.gate = DraftGate()
         self.stats = BatchStats()
-        self.rows: List[_Row] = []
+        self.rows: List[BatchRow] = []
         self.slots: List[int] = []  # each row's row in the cache; the others hold rows that have left
-        self.waiting: List[_Row] = []
+        self.waiting: List[BatchRow] = []
         self.cache = None
         self._next_uid = 0
 
@@ -202,15 +181,15 @@ class BatchGenerator:
             if row_logprobs is not None and row_logprobs < 0:
                 raise ValueError(f"logprobs must be None or >= 0 (top tokens per position), got {row_logprobs}")
             for source in sources:
-                if isinstance(source, DraftHeadSource):
-                    raise ValueError("the draft head cannot draft for a batch (it reads one sequence's hidden "
-                                     "states); use prompt lookup or BatchDraftModel, or decode it alone")
+                if source.batch_refusal is not None:
+                    raise ValueError(source.batch_refusal)
             for stateful in list(sources) + [row_constraint]:
                 if stateful is not None and id(stateful) in owned:
                     raise ValueError(f"{type(stateful).__name__} object is given to two rows: each row needs its own")
                 owned.append(id(stateful))
-            rows.append(_Row(self._next_uid, list(prompt), list(sources), row_constraint, row_temp, row_top_p,
-                             row_sampler, row_max, eos, prompt_caches[len(rows)], row_logprobs))
+            rows.append(BatchRow(self._next_uid, prompt, prompt_caches[len(rows)], row_logprobs, eos_token_ids=eos,
+                                 draft_sources=sources, constraint=row_constraint, temp=row_temp, top_p=row_top_p,
+                                 sampler=row_sampler, max_tokens=row_max))
             self._next_uid += 1
         self.waiting += rows
         return [row.uid for row in rows]
@@ -233,8 +212,7 @@ class BatchGenerator:
             return
         for index in indices:
             for source in self.rows[index].sources:
-                if isinstance(source, DraftModelRow):
-                    source.drafter.remove(source)
+                source.leave()
         keep = [i for i in range(len(self.rows)) if i not in set(indices)]
         self.rows, self.slots = [self.rows[i] for i in keep], [self.slots[i] for i in keep]
         if not keep:
@@ -266,12 +244,7 @@ class BatchGenerator:
             self.waiting = [row for i, row in enumerate(self.waiting) if i not in group]
             for row in admitted:
                 try:
-                    sampled = row.sampler is None
-                    for source in row.sources:
-                        source.reset(self.cost, row.temp if sampled else 0.0, row.top_p if sampled else 1.0)
-                    if row.constraint is not None:
-                        row.constraint.reset()
-                    row.stats.pass_cost = self.cost
+                    row.reset(self.cost)
                     joining.append(row)
                 except Exception as error:  # noqa: BLE001 - a row's own objects failed; the batch goes on
                     responses.append(self._failed(row, error))
@@ -311,18 +284,19 @@ class BatchGenerator:
         self.rows += joining
         self.gate.reset()  # new rows' sources are asked at once
 
-    def _failed(self, row: _Row, error: Exception) -> RowResponse:
+    def _failed(self, row: BatchRow, error: Exception) -> RowResponse:
         message = " ".join(str(error).split()) or type(error).__name__
         return RowResponse(row.uid, [], [], "error", f"{type(error).__name__}: {message}", row.stats)
 
     def _draft_with_models(self, responses: list):
-        """Each batched draft model drafts for all its rows at once, before the rows choose."""
+        """Each shared drafter (``DraftSource.batch_drafter``) drafts for all its rows at once, before
+        the rows choose."""
         requests = {}
         for row in self.rows:
             for source in row.sources:
-                if isinstance(source, DraftModelRow):
-                    budget = row.max_tokens - row.num_generated - 1
-                    requests.setdefault(id(source.drafter), (source.drafter, []))[1].append((source, row.tokens, budget))
+                if source.batch_drafter is not None:
+                    entry = requests.setdefault(id(source.batch_drafter), (source.batch_drafter, []))
+                    entry[1].append((source, row.tokens, row.max_draft))
         for drafter, rows in requests.values():
             try:
                 drafter.draft_all(rows, self.cost, len(self.rows))
@@ -331,22 +305,6 @@ class BatchGenerator:
                 indices = [i for i, row in enumerate(self.rows) if any(id(s) in failing for s in row.sources)]
                 responses += [self._failed(self.rows[i], error) for i in indices]
                 self._drop(indices)
-
-    def _plan(self, row: _Row, asked: bool) -> _Plan:
-        """This step's draft for ``row``, and its constraint's masks."""
-        draft, drafter = Draft([]), None
-        sources = row.sources if asked else [source for source in row.sources if source.free]
-        if sources:
-            max_draft = row.max_tokens - row.num_generated - 1  # the target adds one token after the draft
-            # Drafting is not timed here: a batched draft model drafted for all its rows already
-            # (``_draft_with_models`` times that), and a lookup's propose is not a model call.
-            draft, drafter = choose_draft(sources, row.tokens, max_draft)
-        masks = None
-        if row.constraint is not None:
-            draft, masks = constrain_draft(row.constraint, draft)
-            if not draft.tokens:
-                drafter = None
-        return _Plan(draft, drafter, masks)
 
     def next(self) -> List[RowResponse]:
         """One step: admit waiting prompts, then one ``[B, W]`` pass for every running row. Returns a
@@ -362,7 +320,9 @@ class BatchGenerator:
         plans, failed = [], []
         for index, row in enumerate(self.rows):
             try:
-                plans.append(self._plan(row, asked))
+                # Drafting is not timed here: a shared drafter drafted for all its rows already
+                # (``_draft_with_models``), and a lookup's propose is not a model call.
+                plans.append(row.plan(ask=asked))
             except Exception as error:  # noqa: BLE001
                 responses.append(self._failed(row, error))
                 failed.append(index)
@@ -382,7 +342,7 @@ class BatchGenerator:
 
     def _verify(self, width: int, plans: list, responses: list) -> int:
         rows = self.rows
-        drafts = [_cut(plan.draft, width - 1) for plan in plans]
+        drafts = [plan.draft.truncate(width - 1) for plan in plans]
         cache_rows = len(self.cache[0].ends)
         inputs = [[0] * width for _ in range(cache_rows)]  # the rows no running row uses: scored, never read
         for row, draft, slot in zip(rows, drafts, self.slots):
@@ -392,21 +352,19 @@ class BatchGenerator:
         logits = self.model(mx.array(inputs), cache=self.cache)
         if cache_rows > len(rows):
             logits = logits[mx.array(self.slots)]
-        vocab = logits.shape[-1]
         results = [None] * len(rows)  # per row: (num_accepted, next_token) or an exception
         for index, plan in enumerate(plans):
-            if plan.masks is not None and plan.masks.shape[-1] != vocab:
-                results[index] = ValueError(f"the constraint masks {plan.masks.shape[-1]} tokens but the model "
-                                            f"scores {vocab}: build it with this model's tokenizer and vocab_size")
-                plans[index] = plan._replace(masks=None)
+            if plan.masks is not None:
+                try:
+                    check_masks(plan.masks, logits.shape[-1])
+                except ValueError as error:
+                    results[index], plans[index] = error, plan._replace(masks=None)
         constrained = [plan.masks is not None for plan in plans]
         allowed = None
         if any(constrained):
-            allowed = mx.stack([mx.ones((width, vocab), mx.bool_) if plan.masks is None
+            allowed = mx.stack([mx.ones((width, logits.shape[-1]), mx.bool_) if plan.masks is None
                                 else _pad_rows(plan.masks, width) for plan in plans])
-            # A NaN score is no score: it must not win an argmax or poison a softmax.
-            keep = (allowed & ~mx.isnan(logits)) | ~mx.array(constrained)[:, None, None]
-            logits = mx.where(keep, logits, -mx.inf)
+            logits = mx.where(mx.array(constrained)[:, None, None], mask_logits(logits, allowed), logits)
         # The step's one host sync: the greedy rows' decisions (and whether the constraints allow
         # them), and every row's logits with them.
         argmax = mx.argmax(logits, axis=-1)
@@ -421,7 +379,7 @@ class BatchGenerator:
         for index, (row, draft) in enumerate(zip(rows, drafts)):
             if results[index] is None:
                 try:
-                    results[index] = self._accept(row, draft, logits, index, targets[index])
+                    results[index] = row.accept(logits[index, : len(draft.tokens) + 1], draft, targets[index])
                 except Exception as error:  # noqa: BLE001
                     results[index] = error
         if allowed is not None:
@@ -438,8 +396,12 @@ class BatchGenerator:
             try:
                 if isinstance(result, Exception):
                     raise result
-                response = self._emit(row, draft, plan, *result)
-                if logprobs[index] is not None:  # _emit may have cut the tokens at EOS or max_tokens
+                if plan.drafter is not None:  # the width policy learns from every offered draft
+                    row.acceptance.record(plan.drafter.name, plan.draft.tokens, draft.tokens[: result[0]] + [result[1]])
+                tokens, sources = row.emit(plan, draft, *result)
+                response = RowResponse(row.uid, tokens, sources, row.finish_reason,
+                                       stats=row.stats if row.finish_reason else None)
+                if logprobs[index] is not None:  # emit may have cut the tokens at EOS or max_tokens
                     response.logprobs = logprobs[index][: len(response.tokens)]
                 emitted_total += len(response.tokens)
             except Exception as error:  # noqa: BLE001
@@ -510,48 +472,7 @@ class BatchGenerator:
             verdicts.update(zip(sampled, found))
         for index, fine in verdicts.items():
             if not fine:
-                results[index] = ConstraintError(
-                    f"the model gave no allowed token a usable score (NaN or -inf) "
-                    f"at generated token {self.rows[index].num_generated + results[index][0] + 1}")
-
-    def _accept(self, row: _Row, draft: Draft, logits: mx.array, index: int, targets: list) -> tuple:
-        if row.sampler is None and row.temp == 0:  # accept_draft's greedy rule, on the argmax already on the host
-            num_accepted = 0
-            while num_accepted < len(draft.tokens) and draft.tokens[num_accepted] == targets[num_accepted]:
-                num_accepted += 1
-            return num_accepted, targets[num_accepted]
-        row_logits = logits[index, : len(draft.tokens) + 1]
-        if row.sampler is not None:
-            return accept_sampled(row_logits, draft, row.sampler)
-        return accept_draft(row_logits, draft, row.temp, row.top_p)
-
-    def _emit(self, row: _Row, draft: Draft, plan: _Plan, num_accepted: int, next_token: int) -> RowResponse:
-        offerer, offered = plan.drafter, plan.draft.tokens  # the source that offered a draft, and all it offered
-        drafter = offerer if draft.tokens else None  # the policy may have cut the draft to nothing
-        row.stats.target_forward_passes += 1
-        emitted = draft.tokens[:num_accepted] + [next_token]
-        # Emit up to EOS or max_tokens; accepted draft tokens past that are neither emitted nor counted.
-        stop = next((i + 1 for i, token in enumerate(emitted) if token in row.eos_token_ids), len(emitted))
-        emitted = emitted[: min(stop, row.max_tokens - row.num_generated)]
-        num_accepted = min(num_accepted, len(emitted))
-        num_proposed = len(draft.tokens)
-        if drafter is not None:
-            row.stats.source(drafter.name).record(num_proposed, num_accepted)
-        if offerer is not None:
-            row.acceptance.record(offerer.name, offered, emitted)
-        sources = [drafter.name if i < num_accepted else TARGET for i in range(len(emitted))]
-        row.tokens += emitted
-        row.num_generated += len(emitted)
-        if emitted[-1] in row.eos_token_ids:
-            return RowResponse(row.uid, emitted, sources, "stop", stats=row.stats)
-        if row.num_generated >= row.max_tokens:
-            return RowResponse(row.uid, emitted, sources, "length", stats=row.stats)
-        if row.constraint is not None:
-            row.constraint.advance(emitted)
-        for source in row.sources:
-            proposed = num_proposed if source is drafter else 0
-            source.update(row.tokens, proposed, num_accepted if proposed else 0)
-        return RowResponse(row.uid, emitted, sources)
+                results[index] = self.rows[index].forbidden(results[index][0])
 
 
 def prefill_group(lengths: Sequence[int]) -> list:

@@ -2,13 +2,13 @@
 
 ``speculative.draft_model.DraftModelSource`` drafts one sequence with its own cache. Here one
 ``BatchDraftModel`` holds one ragged cache (``batch_cache.RaggedKVCache``) for all the rows that
-draft with it, and each row gets a ``DraftModelRow`` for its list of sources:
+draft with it, and each row gets a ``SharedDraftSource`` for its list of sources:
 
     drafter = BatchDraftModel(small_model, vocab_size=target.args.vocab_size)
     gen.insert(prompts, draft_sources=[[PromptLookupSource(), drafter.source()] for _ in prompts])
 
 A row joins when it first drafts. Before the rows choose their drafts, the engine calls
-``draft_all`` once a step: a catch-up pass feeds
+``draft_all`` once a step (it is each handle's ``batch_drafter``): a catch-up pass feeds
 each row the tokens accepted since its last draft (right-padded to the longest; each row then
 drops its own padding), and then one pass per draft position drafts all rows together. After
 drafting, every row's draft cache holds exactly its accepted tokens, so verification needs no
@@ -27,14 +27,14 @@ from speculative.adaptive import AdaptiveLength, weight_bytes
 from speculative.draft_model import check_same_vocabulary, output_size
 
 
-class DraftModelRow(DraftSource):
+class SharedDraftSource(DraftSource):
     """One row's handle on a ``BatchDraftModel``: ``DraftModelSource``'s adaptive length and
     pausing, with ``propose`` returning what ``draft_all`` drafted for this row."""
 
     name = "draft_model"
 
     def __init__(self, drafter: "BatchDraftModel", num_draft: int, max_draft: int, adaptive: bool):
-        self.drafter = drafter
+        self.drafter = self.batch_drafter = drafter
         self.length = AdaptiveLength(num_draft, max_draft, enabled=adaptive)
         self.draft = None  # from the last draft_all, until proposed
         self.reset()
@@ -55,12 +55,13 @@ class DraftModelRow(DraftSource):
         draft, self.draft = self.draft, None
         if draft is None or max_draft <= 0:
             return None
-        if len(draft.tokens) > max_draft:
-            draft = Draft(draft.tokens[:max_draft], None if draft.probs is None else draft.probs[:max_draft])
-        return draft
+        return draft.truncate(max_draft)
 
     def update(self, tokens: list, num_proposed: int, num_accepted: int):
         self.length.record(num_proposed, num_accepted)
+
+    def leave(self):
+        self.drafter.remove(self)
 
 
 class BatchDraftModel:
@@ -112,11 +113,11 @@ class BatchDraftModel:
         weight = self.FORGET * weight + 1
         self.position_time = (weight, mean + (seconds / positions - mean) / weight)
 
-    def source(self) -> DraftModelRow:
+    def source(self) -> SharedDraftSource:
         """A handle for one row's ``draft_sources``."""
-        return DraftModelRow(self, **self.options)
+        return SharedDraftSource(self, **self.options)
 
-    def remove(self, handle: DraftModelRow):
+    def remove(self, handle: SharedDraftSource):
         """The row left the batch."""
         if handle in self.rows:
             index = self.rows.index(handle)

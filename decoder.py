@@ -16,7 +16,7 @@ The loop times every pass by width and every draft (``cost.PassCost``); the sour
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Optional, Sequence, Union
+from typing import Callable, Iterator, NamedTuple, Optional, Sequence, Union
 
 import mlx.core as mx
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
@@ -45,13 +45,29 @@ class Draft:
     probs: Optional[mx.array] = None
     expected_speedup: Optional[float] = None
 
+    def truncate(self, length: int) -> "Draft":
+        """The first ``length`` tokens, with their distributions."""
+        if len(self.tokens) <= length:
+            return self
+        probs = None if self.probs is None else self.probs[:length]
+        return Draft(self.tokens[:length], probs, self.expected_speedup)
+
 
 class DraftSource:
     """Proposes tokens for the loop to verify. Subclasses implement ``propose``; the other
-    methods have defaults, so a source overrides only what it uses."""
+    methods have defaults, so a source overrides only what it uses.
+
+    What a batch (``batch.BatchGenerator``) asks of a source is here too, with defaults that suit
+    a source that follows one row on its own: ``batch_refusal``, ``batch_drafter``, ``leave``.
+    """
 
     name = "draft"
     free = False  # True where proposing costs next to nothing (forced text): a batch asks it every step
+    # Why a batch cannot ask this source, in one sentence (it reads one sequence's hidden states); None: it can.
+    batch_refusal: Optional[str] = None
+    # An object that drafts for every row sharing it in one call per step, before the rows choose:
+    # ``batch_drafter.draft_all([(source, tokens, max_draft), ...], cost, batch_rows)``. None: none.
+    batch_drafter = None
 
     def reset(self, cost: Optional[PassCost] = None, temp: float = 0.0, top_p: float = 1.0) -> None:
         """Forget the last generation; the loop calls this before each one.
@@ -75,6 +91,9 @@ class DraftSource:
     def update(self, tokens: list, num_proposed: int, num_accepted: int) -> None:
         """Follow along: ``tokens`` is the whole accepted sequence so far;
         ``num_proposed`` is 0 when another source drafted this step."""
+
+    def leave(self) -> None:
+        """Its row left the batch: let go of what is kept for it (a shared drafter's cache row)."""
 
 
 class Constraint:
@@ -135,6 +154,7 @@ class DecodingStats:
     prompt_time: float = 0.0
     sources: dict = field(default_factory=dict)
     pass_cost: Optional[PassCost] = None  # the loop's timings of its passes (set by generate_step)
+    finish_reason: Optional[str] = None  # "stop" (EOS) or "length" (max_tokens) once finished
 
     def source(self, name: str) -> SourceStats:
         return self.sources.setdefault(name, SourceStats())
@@ -228,13 +248,6 @@ def prefill(model, cache, tokens: list, step_size: int = 512):
         mx.eval([c.state for c in cache])
 
 
-def _truncate(draft: Draft, length: int) -> Draft:
-    if len(draft.tokens) <= length:
-        return draft
-    return Draft(draft.tokens[:length], None if draft.probs is None else draft.probs[:length],
-                 draft.expected_speedup)
-
-
 def choose_draft(draft_sources: Sequence[DraftSource], tokens: list, max_draft: int,
                  cost: Optional[PassCost] = None) -> tuple:
     """Pick this step's draft; returns ``(draft, drafter)``. Sources are in priority order,
@@ -259,7 +272,7 @@ def choose_draft(draft_sources: Sequence[DraftSource], tokens: list, max_draft: 
         if draft is not None and draft.tokens:
             if cost is not None:
                 cost.record_draft(source.name, cost.clock() - tic, len(draft.tokens))
-            chosen, drafter = _truncate(draft, max_draft), source
+            chosen, drafter = draft.truncate(max_draft), source
             if draft.expected_speedup is None:
                 break
     return chosen, drafter
@@ -281,11 +294,134 @@ def constrain_draft(constraint: Constraint, draft: Draft) -> tuple:
     allowed = constraint.masks(states)
     if num_allowed < len(draft.tokens):
         if draft.probs is None:
-            draft = _truncate(draft, num_allowed)
+            draft = draft.truncate(num_allowed)
         else:
-            draft = _truncate(draft, num_allowed + 1)
+            draft = draft.truncate(num_allowed + 1)
             allowed = mx.concatenate([allowed, allowed[-1:]])
     return draft, allowed
+
+
+def check_masks(allowed: mx.array, vocab_size: int):
+    """Refuse a constraint built for another vocabulary than the model scores."""
+    if allowed.shape[-1] != vocab_size:
+        raise ValueError(f"the constraint masks {allowed.shape[-1]} tokens but the model scores "
+                         f"{vocab_size}: build it with this model's tokenizer and vocab_size")
+
+
+def mask_logits(logits: mx.array, allowed: mx.array) -> mx.array:
+    """``logits`` with every token the constraint forbids, or that scored NaN, at -inf.
+    A NaN score is no score: it must not win an argmax or poison a softmax."""
+    check_masks(allowed, logits.shape[-1])
+    return mx.where(allowed & ~mx.isnan(logits), logits, -mx.inf)
+
+
+class Plan(NamedTuple):
+    """A row's step before the pass: its draft, the source that offered it, the constraint's masks."""
+
+    draft: Draft  # cut to what the constraint allows (a batch may cut it further to the pass's width)
+    drafter: Optional[DraftSource]
+    masks: Optional[mx.array]  # (len(draft) + 1, vocab), or None without a constraint
+
+
+class Row:
+    """One sequence being decoded: its tokens, draft sources, constraint and sampling, and the
+    step they share, ``plan`` -> (the loop's pass) -> ``accept`` -> ``emit``.
+
+    ``generate_step`` drives one row; ``batch.BatchGenerator`` drives many through one pass.
+    What differs between them, the cache and the pass, stays with each loop.
+    """
+
+    def __init__(self, prompt: Sequence[int], *, eos_token_ids: Sequence[int] = (),
+                 draft_sources: Sequence[DraftSource] = (), constraint: Optional[Constraint] = None,
+                 temp: float = 0.0, top_p: float = 1.0, sampler: Optional[Callable] = None, max_tokens: int = 256,
+                 stats: Optional[DecodingStats] = None):
+        self.tokens = list(prompt)  # prompt and accepted tokens; grown in place (sources follow this list)
+        self.sources, self.constraint = list(draft_sources), constraint
+        self.temp, self.top_p, self.sampler = temp, top_p, sampler
+        self.max_tokens, self.eos_token_ids = max_tokens, set(eos_token_ids)
+        self.stats = stats if stats is not None else DecodingStats()
+        self.num_generated = 0
+        # "stop" or "length" once finished
+        self.finish_reason = self.stats.finish_reason = None if max_tokens > 0 else "length"
+
+    def reset(self, cost: PassCost):
+        """Start the sources and the constraint over, before the first step."""
+        # With an mlx-lm sampler, q plays no part in acceptance: model sources draft greedily.
+        sampled = self.sampler is None
+        for source in self.sources:
+            source.reset(cost, self.temp if sampled else 0.0, self.top_p if sampled else 1.0)
+        if self.constraint is not None:
+            self.constraint.reset()
+        self.stats.pass_cost = cost
+
+    @property
+    def max_draft(self) -> int:
+        """The most draft tokens a step can use: the target adds one of its own, within max_tokens."""
+        return self.max_tokens - self.num_generated - 1
+
+    def plan(self, cost: Optional[PassCost] = None, ask: bool = True) -> Plan:
+        """This step's draft, cut to what the constraint allows, and the constraint's masks.
+        ``ask=False`` asks only the sources that are free to ask (forced text); ``cost``
+        times each ``propose`` (None: not timed)."""
+        sources = self.sources if ask else [source for source in self.sources if source.free]
+        draft, drafter = choose_draft(sources, self.tokens, self.max_draft, cost)
+        masks = None
+        if self.constraint is not None:
+            draft, masks = constrain_draft(self.constraint, draft)
+            if not draft.tokens:
+                drafter = None
+        return Plan(draft, drafter, masks)
+
+    def accept(self, logits: mx.array, draft: Draft, argmax: Optional[list] = None) -> tuple:
+        """``(num_accepted, next_token)`` from the (len(draft) + 1, vocab) logits of the draft's
+        positions (masked); ``argmax``: their argmax, where the loop has it on the host already."""
+        if self.sampler is not None:
+            return accept_sampled(logits, draft, self.sampler)
+        if self.temp == 0 and argmax is not None:  # accept_draft's greedy rule
+            num_accepted = common_prefix_len(draft.tokens, argmax)
+            return num_accepted, argmax[num_accepted]
+        return accept_draft(logits, draft, self.temp, self.top_p)
+
+    def forbidden(self, num_accepted: int) -> ConstraintError:
+        """The error for a step whose own token the constraint forbids: no allowed token had a
+        usable score (the argmax or sample of an all -inf row)."""
+        return ConstraintError(f"the model gave no allowed token a usable score (NaN or -inf) "
+                               f"at generated token {self.num_generated + num_accepted + 1}")
+
+    def emit(self, plan: Plan, draft: Draft, num_accepted: int, next_token: int) -> tuple:
+        """Commit a verified step; returns ``(tokens, sources)`` emitted. ``draft`` is what was
+        verified (``plan.draft``, or less where the batch's width cut it)."""
+        drafter = plan.drafter if draft.tokens else None
+        self.stats.target_forward_passes += 1
+        emitted = draft.tokens[:num_accepted] + [next_token]
+        # Emit up to EOS or max_tokens; accepted draft tokens past that are neither emitted nor counted.
+        stop = next((i + 1 for i, token in enumerate(emitted) if token in self.eos_token_ids), len(emitted))
+        emitted = emitted[: min(stop, self.max_tokens - self.num_generated)]
+        num_accepted, num_proposed = min(num_accepted, len(emitted)), len(draft.tokens)
+        if drafter is not None:
+            self.stats.source(drafter.name).record(num_proposed, num_accepted)
+        sources = [drafter.name if i < num_accepted else TARGET for i in range(len(emitted))]
+        self.tokens += emitted
+        self.num_generated += len(emitted)
+        if emitted[-1] in self.eos_token_ids:
+            self.finish_reason = "stop"
+        elif self.num_generated >= self.max_tokens:
+            self.finish_reason = "length"
+        else:
+            if self.constraint is not None:
+                self.constraint.advance(emitted)
+            for source in self.sources:
+                proposed = num_proposed if source is drafter else 0
+                source.update(self.tokens, proposed, num_accepted if proposed else 0)
+        self.stats.finish_reason = self.finish_reason
+        return emitted, sources
+
+
+def rewind(cache: list, num_tokens: int):
+    """Drop the last ``num_tokens`` from every layer's cache, or raise: a rollback that does less
+    would leave rejected tokens in the cache and change every token after them."""
+    if num_tokens and trim_prompt_cache(cache, num_tokens) != num_tokens:
+        raise RuntimeError(f"the KV cache could not drop the last {num_tokens} tokens")
 
 
 def generate_step(
@@ -318,7 +454,7 @@ def generate_step(
         sampler: an mlx-lm sampler (``make_sampler(...)``) to use instead of ``temp``/``top_p``;
             drafts are then accepted when they equal its draws (``accept_sampled``).
         max_tokens: stop after this many generated tokens.
-        stats: filled in as decoding proceeds (forward passes, per-source counts).
+        stats: filled in as decoding proceeds (forward passes, per-source counts, finish_reason).
         prompt_cache: a cache from ``make_prompt_cache(model)`` that already holds the first
             ``prompt_cache[0].offset`` tokens of ``prompt`` (kept by the caller across turns);
             only the rest is prefilled. Without it every call starts empty. (``kv_cache`` is
@@ -330,9 +466,9 @@ def generate_step(
         ``(token, source_name)`` for each accepted token; ``source_name`` is
         ``TARGET`` for tokens the target chose itself.
     """
-    stats = stats if stats is not None else DecodingStats()
-    eos_token_ids = set(eos_token_ids)
-    cost = stats.pass_cost = pass_cost if pass_cost is not None else PassCost()
+    row = Row(prompt, eos_token_ids=eos_token_ids, draft_sources=draft_sources, constraint=constraint, temp=temp,
+              top_p=top_p, sampler=sampler, max_tokens=max_tokens, stats=stats)
+    cost = pass_cost if pass_cost is not None else PassCost()
     prompt_cache = prompt_cache if prompt_cache is not None else kv_cache
     cache = prompt_cache if prompt_cache is not None else make_prompt_cache(model)
     if not can_trim_prompt_cache(cache):
@@ -342,71 +478,29 @@ def generate_step(
     cached = cache[0].offset if cache else 0
     if cached >= len(prompt):
         raise ValueError(f"prompt_cache holds {cached} tokens; it must hold fewer than the prompt's {len(prompt)}")
-    # With an mlx-lm sampler, q plays no part in acceptance: model sources draft greedily.
-    for source in draft_sources:
-        source.reset(cost, temp if sampler is None else 0.0, top_p if sampler is None else 1.0)
-    if constraint is not None:
-        constraint.reset()
+    row.reset(cost)
 
-    tokens = list(prompt)
     tic = time.perf_counter()
     # The last prompt token is the first input of the loop, like every accepted token after it.
-    prefill(model, cache, tokens[cached:-1], prefill_step_size)
-    stats.prompt_time = time.perf_counter() - tic
+    prefill(model, cache, row.tokens[cached:-1], prefill_step_size)
+    row.stats.prompt_time = time.perf_counter() - tic
 
-    num_generated = 0
-    while num_generated < max_tokens:
-        # The target adds one token after the draft, so never draft past max_tokens. The first
-        # step's drafting includes the sources' own prefill, so it is not timed.
-        draft, drafter = choose_draft(draft_sources, tokens, max_tokens - num_generated - 1,
-                                      cost if num_generated else None)
-        if constraint is not None:
-            draft, allowed = constrain_draft(constraint, draft)
-            if not draft.tokens:
-                drafter = None
-
+    while row.finish_reason is None:
+        # The first step's drafting includes the sources' own prefill, so it is not timed.
+        plan = row.plan(cost if row.num_generated else None)
+        draft = plan.draft
         tic = cost.clock()
-        logits = model(mx.array([tokens[-1]] + draft.tokens)[None], cache=cache)[0]
-        stats.target_forward_passes += 1
-        if constraint is not None:
-            if allowed.shape[-1] != logits.shape[-1]:
-                raise ValueError(f"the constraint masks {allowed.shape[-1]} tokens but the model scores "
-                                 f"{logits.shape[-1]}: build it with this model's tokenizer and vocab_size")
-            # A NaN score is no score: it must not win an argmax or poison a softmax.
-            logits = mx.where(allowed & ~mx.isnan(logits), logits, -mx.inf)
-        if sampler is not None:
-            num_accepted, next_token = accept_sampled(logits, draft, sampler)
-        else:
-            num_accepted, next_token = accept_draft(logits, draft, temp, top_p)
+        logits = model(mx.array([row.tokens[-1]] + draft.tokens)[None], cache=cache)[0]
+        if plan.masks is not None:
+            logits = mask_logits(logits, plan.masks)
+        num_accepted, next_token = row.accept(logits, draft)
         # The accept decision synced the pass: its time is the pass's cost at this width.
         cost.record(cost.clock() - tic, width=1 + len(draft.tokens))
-        if constraint is not None:
-            # The target's own token is forbidden only when no allowed token had a usable score
-            # (the argmax or sample of an all -inf row).
-            if not allowed[num_accepted, next_token].item():  # the masks were evaluated with the logits
-                raise ConstraintError(f"the model gave no allowed token a usable score (NaN or -inf) "
-                                      f"at generated token {num_generated + num_accepted + 1}")
-        trim_prompt_cache(cache, len(draft.tokens) - num_accepted)
-
-        emitted = draft.tokens[:num_accepted] + [next_token]
-        # Emit up to EOS or max_tokens; accepted draft tokens past that are neither emitted nor counted.
-        stop = next((i + 1 for i, token in enumerate(emitted) if token in eos_token_ids), len(emitted))
-        emitted = emitted[: min(stop, max_tokens - num_generated)]
-        num_accepted = min(num_accepted, len(emitted))
-        num_proposed = len(draft.tokens)
-        if drafter is not None:
-            stats.source(drafter.name).record(num_proposed, num_accepted)
-        for position, token in enumerate(emitted):
-            tokens.append(token)
-            num_generated += 1
-            yield token, drafter.name if position < num_accepted else TARGET
-        if emitted[-1] in eos_token_ids or num_generated == max_tokens:
-            return
-        if constraint is not None:
-            constraint.advance(emitted)
-        for source in draft_sources:
-            proposed = num_proposed if source is drafter else 0
-            source.update(tokens, proposed, num_accepted if proposed else 0)
+        if plan.masks is not None and not plan.masks[num_accepted, next_token].item():  # evaluated with the logits
+            raise row.forbidden(num_accepted)
+        rewind(cache, len(draft.tokens) - num_accepted)
+        emitted, sources = row.emit(plan, draft, num_accepted, next_token)
+        yield from zip(emitted, sources)
 
 
 def eos_ids_of(tokenizer) -> set:
@@ -545,18 +639,15 @@ def generate(model, tokenizer, prompt: Union[str, Sequence[int]], verbose: bool 
         on_token: called with each ``Response``.
         kwargs: ``generate_step``'s (draft_sources, constraint, temp, sampler, max_tokens, ...).
     """
-    prompt = encode(tokenizer, prompt)
+    prompt = encode(tokenizer, prompt)  # token ids from here on, which stream_generate passes through
     stats = kwargs.pop("stats", None) or DecodingStats()
-    eos = kwargs.pop("eos_token_ids", None)
-    eos = eos_ids_of(tokenizer) if eos is None else set(eos)
-    max_tokens = kwargs.get("max_tokens", 256)
     mx.reset_peak_memory()
     tokens, sources, segments = [], [], []
     if verbose:
         print("=" * 10)
     tic = time.perf_counter()
     first_token_time = None
-    for response in stream_generate(model, tokenizer, prompt, stats=stats, eos_token_ids=eos, **kwargs):
+    for response in stream_generate(model, tokenizer, prompt, stats=stats, **kwargs):
         if first_token_time is None:
             first_token_time = time.perf_counter()
         tokens.append(response.token)
@@ -570,14 +661,13 @@ def generate(model, tokenizer, prompt: Union[str, Sequence[int]], verbose: bool 
     first_token_time = first_token_time or end
     # As in mlx-lm: prompt speed is prefill time; generation speed counts tokens after the first.
     decode_time = end - first_token_time
-    finished = bool(tokens) and tokens[-1] in eos
     result = GenerationResult(
         text="".join(segments),
         tokens=tokens,
         sources=sources,
         prompt_tokens=len(prompt),
         generation_tokens=len(tokens),
-        finish_reason="stop" if finished or len(tokens) < max_tokens else "length",
+        finish_reason=stats.finish_reason,
         prompt_tps=len(prompt) / max(first_token_time - tic, 1e-9),
         generation_tps=(len(tokens) - 1) / decode_time if len(tokens) > 1 and decode_time > 0 else 0.0,
         peak_memory_gb=mx.get_peak_memory() / 1e9,

@@ -37,7 +37,7 @@ from typing import Optional
 import mlx.core as mx
 from mlx_lm.utils import common_prefix_len
 
-from batch import BatchGenerator
+from batch import BatchGenerator, RowResponse
 from cost import PassCost
 from decoder import ConstraintError, DecodingStats, TextStream, eos_ids_of, generate_step
 from server.protocol import ApiError, GenerationRequest, invalid
@@ -142,8 +142,8 @@ class PromptCache:
         return [(k[:, :, :length], v[:, :, :length]) for k, v in self.entries[best][0]], length
 
 
-class Row:
-    """A running job's text state."""
+class Reply:
+    """What a running job has been sent: its text, held-back stop-string prefixes, its tokens."""
 
     def __init__(self, job: Job, tokenizer, cached: int):
         self.job, self.text, self.stopper = job, TextStream(tokenizer), StopText(job.request.stop)
@@ -187,7 +187,7 @@ class Engine:
         self.pass_cost = PassCost()
         self.prefill_step_size = prefill_step_size
         self.generator = self._new_generator()
-        self.rows = {}  # uid -> Row
+        self.replies = {}  # uid -> Reply, for every running job
         self.token_bytes = None  # per token id, its bytes (for logprobs; read from the vocabulary once)
         self.worker = threading.Thread(target=self._work, name="generation", daemon=True)
         self.worker.start()
@@ -216,10 +216,10 @@ class Engine:
             if self.solo_sources is not None:
                 job = self.jobs.get()
                 if not job.cancelled.is_set():
-                    self._guarded(job, lambda: job.send("done", self._generate_alone(job)))
+                    self._guarded(job, lambda: self._decode_alone(job))
                 continue
-            waiting = [] if self.rows or len(self.generator) else [self.jobs.get()]  # idle: block, not spin
-            while len(self.rows) + len(waiting) < self.max_batch and not self.jobs.empty():
+            waiting = [] if self.replies or len(self.generator) else [self.jobs.get()]  # idle: block, not spin
+            while len(self.replies) + len(waiting) < self.max_batch and not self.jobs.empty():
                 waiting.append(self.jobs.get_nowait())
             for job in waiting:
                 if not job.cancelled.is_set():
@@ -230,17 +230,17 @@ class Engine:
                 responses = self.generator.next()
             except Exception as error:  # a fault in the step: its rows fail, the worker goes on
                 traceback.print_exc(file=sys.stderr)
-                for row in self.rows.values():
-                    row.job.send("error", ApiError(500, f"generation failed: {type(error).__name__}: {error}"))
-                self.rows, self.generator = {}, self._new_generator()
+                for reply in self.replies.values():
+                    reply.job.send("error", ApiError(500, f"generation failed: {type(error).__name__}: {error}"))
+                self.replies, self.generator = {}, self._new_generator()
                 continue
             for response in responses:
                 self._respond(response)
-            gone = [uid for uid, row in self.rows.items() if row.job.cancelled.is_set()]
+            gone = [uid for uid, reply in self.replies.items() if reply.job.cancelled.is_set()]
             if gone:
                 self.generator.remove(gone)
                 for uid in gone:
-                    del self.rows[uid]
+                    del self.replies[uid]
 
     def _guarded(self, job: Job, run):
         try:
@@ -262,11 +262,12 @@ class Engine:
                                      constraint=[job.constraint], temp=request.temp, top_p=request.top_p,
                                      max_tokens=request.max_tokens, prompt_cache=[layers],
                                      logprobs=[request.logprobs])
-        self.rows[uid] = Row(job, self.tokenizer, cached)
+        self.replies[uid] = Reply(job, self.tokenizer, cached)
         job.send("start")
 
-    def _respond(self, response):
-        row = self.rows.get(response.uid)
+    def _respond(self, response: RowResponse):
+        """Send a step's text to its job, and the outcome once the row finishes (or hits a stop string)."""
+        row = self.replies.get(response.uid)
         if row is None:
             return
         outcome, job = row.outcome, row.job
@@ -283,7 +284,7 @@ class Engine:
             if stopped:
                 break
         if response.finish_reason == "error":
-            del self.rows[response.uid]
+            del self.replies[response.uid]
             kind = "constrained decoding" if response.error.startswith("ConstraintError") else "generation"
             job.send("error", ApiError(500, f"{kind} failed: {response.error}"))
             return
@@ -302,7 +303,7 @@ class Engine:
             row.send("")
         if response.cache is not None:
             self.prompt_cache.add(job.request.prompt + row.generated, response.cache)
-        del self.rows[response.uid]
+        del self.replies[response.uid]
         outcome.text, outcome.completion_tokens = "".join(row.pieces), len(row.generated)
         job.send("done", outcome)
 
@@ -393,36 +394,25 @@ class Engine:
         except (GrammarError, RegexError) as error:
             raise invalid(f"the {what} is not supported: {error}", param) from None
 
-    def _generate_alone(self, job: Job) -> Outcome:
-        """One request through decoder.generate_step (the draft head reads one sequence's hidden states)."""
-        request, constraint, forced = job.request, job.constraint, job.forced
-        sources = ([forced] if forced is not None else []) + self.solo_sources
+    def _decode_alone(self, job: Job):
+        """One request through decoder.generate_step (the draft head reads one sequence's hidden
+        states), answered by ``_respond`` as a batch row is, a response per token."""
+        request, uid = job.request, -1  # batch rows have uids >= 0
         if request.seed is not None:
             mx.random.seed(request.seed)
-        row = Row(job, self.tokenizer, 0)  # the batched rows' text state; no logprobs here (refused)
-        outcome = row.outcome
+        stats = DecodingStats()
+        steps = generate_step(request.prompt, self.model, eos_token_ids=self.eos,
+                              draft_sources=([job.forced] if job.forced is not None else []) + self.solo_sources,
+                              constraint=job.constraint, temp=request.temp, top_p=request.top_p,
+                              max_tokens=request.max_tokens, stats=stats, pass_cost=self.pass_cost)
+        self.replies[uid] = Reply(job, self.tokenizer, 0)  # no logprobs here (refused) and no prompt cache
         job.send("start")
-        steps = generate_step(request.prompt, self.model, eos_token_ids=self.eos, draft_sources=sources,
-                              constraint=constraint, temp=request.temp, top_p=request.top_p,
-                              max_tokens=request.max_tokens, stats=outcome.stats, pass_cost=self.pass_cost)
         try:
-            for token, _source in steps:
-                row.generated.append(token)
-                if token in self.eos:
-                    outcome.finish_reason = "stop"
-                    break
-                piece, stopped = row.stopper.add(row.text.add(token))
-                if piece:
-                    row.send(piece)
-                if stopped:
-                    outcome.finish_reason = "stop"
-                    break
-                if job.cancelled.is_set():  # checked between tokens: stops within one step
-                    outcome.finish_reason = "cancelled"
-                    break
+            for token, source in steps:
+                self._respond(RowResponse(uid, [token], [source]))
+                if uid not in self.replies or job.cancelled.is_set():  # a stop string, or the client left
+                    return
+            self._respond(RowResponse(uid, [], [], stats.finish_reason, stats=stats))
         finally:
             steps.close()
-        if outcome.finish_reason != "cancelled" and (rest := row.stopper.flush()):
-            row.send(rest)
-        outcome.text, outcome.completion_tokens = "".join(row.pieces), len(row.generated)
-        return outcome
+            self.replies.pop(uid, None)
