@@ -322,7 +322,7 @@ class BatchGenerator:
             try:
                 # Drafting is not timed here: a shared drafter drafted for all its rows already
                 # (``_draft_with_models``), and a lookup's propose is not a model call.
-                plans.append(row.plan(ask=asked))
+                plans.append(row.plan(sources=row.sources if asked else [s for s in row.sources if s.free]))
             except Exception as error:  # noqa: BLE001
                 responses.append(self._failed(row, error))
                 failed.append(index)
