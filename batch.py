@@ -28,11 +28,11 @@ from typing import List, NamedTuple, Optional, Sequence
 
 import mlx.core as mx
 
-from batch_cache import Prefill, trim_rows
+from batch_cache import Prefill, probe
 from batch_draft import BatchDraftModel
 from batch_policy import Acceptance, DraftGate, choose_width
 from cost import PassCost
-from decoder import DecodingStats, Row, check_masks, encode, eos_ids_of, mask_logits
+from decoder import MAX_PENDING, DecodingStats, Row, check_masks, encode, eos_ids_of, mask_logits
 
 # Rows whose ends drift further apart than this are rolled back into line (one copy of the cache),
 # so that no row attends over many slots that hold nothing of its own.
@@ -97,6 +97,7 @@ class BatchRow(Row):
                  **options):
         super().__init__(prompt, **options)
         self.uid = uid
+        self.cached = 0  # how many of its tokens the cache holds, once prefilled
         self.prompt_cache = prompt_cache  # KV entries of a prefix of the prompt, until prefilled
         self.logprobs = logprobs  # report logprobs and this many top tokens per emitted token
         self.acceptance = Acceptance()  # what the width policy expects of its drafts
@@ -145,7 +146,8 @@ class BatchGenerator:
         self.rows: List[BatchRow] = []
         self.slots: List[int] = []  # each row's row in the cache; the others hold rows that have left
         self.waiting: List[BatchRow] = []
-        self.cache = None
+        self.cache = None  # a batch_cache.BatchCache while rows run
+        self.mask_dims = None  # what the model needs of the cache (batch_cache.probe), asked at the first join
         self._next_uid = 0
 
     def insert(self, prompts: Sequence[Sequence[int]], *, draft_sources=None, constraint=None,
@@ -217,15 +219,14 @@ class BatchGenerator:
         self.rows, self.slots = [self.rows[i] for i in keep], [self.slots[i] for i in keep]
         if not keep:
             self.cache, self.slots = None, []
-        elif 2 * len(self.slots) <= len(self.cache[0].ends):
+        elif 2 * len(self.slots) <= self.cache.rows:
             self._compact()
 
     def _compact(self):
         """Drop the cache rows no running row uses (one copy)."""
-        if self.slots != list(range(len(self.cache[0].ends))):
-            for layer in self.cache:
-                layer.filter(self.slots)
-            mx.eval([layer.state for layer in self.cache])  # copied now, not inside the next timed pass
+        if self.slots != list(range(self.cache.rows)):
+            self.cache.filter(self.slots)
+            mx.eval(self.cache.arrays())  # copied now, not inside the next timed pass
             self.slots = list(range(len(self.rows)))
 
     def __len__(self) -> int:
@@ -233,9 +234,13 @@ class BatchGenerator:
 
     def _admit(self, responses: list):
         """Prefill up to ``prefill_batch_size`` waiting prompts of similar lengths (``prefill_group``) as
-        one left-padded batch and merge them in (one chunk per call with ``interleave_prefill`` while
-        other rows decode)."""
+        one batch and merge them in (one chunk per call with ``interleave_prefill`` while other rows
+        decode)."""
         if self.prefilling is None:
+            if self.waiting and self.mask_dims is None:
+                self.mask_dims, masks_padding = probe(self.model)
+                if not masks_padding:  # rows of one pass would differ in length: one row at a time
+                    self.max_batch = self.prefill_batch_size = 1
             joining, count = [], self.prefill_batch_size
             if self.max_batch is not None:
                 count = max(0, min(count, self.max_batch - len(self.rows)))
@@ -251,9 +256,9 @@ class BatchGenerator:
             if not joining:
                 return
             prefill = Prefill(self.model, [row.tokens[:-1] for row in joining], self.prefill_step_size,
-                              [row.prompt_cache for row in joining])
+                              [row.prompt_cache for row in joining], self.mask_dims)
             for row in joining:
-                row.prompt_cache = None
+                row.prompt_cache, row.cached = None, len(row.tokens) - 1
             self.prefilling = (joining, prefill)
         joining, prefill = self.prefilling
         tic = time.perf_counter()
@@ -271,15 +276,13 @@ class BatchGenerator:
             return
         if len(keep) < len(joining):
             joining = [joining[i] for i in keep]
-            for layer in prefill.cache:
-                layer.filter(keep)
+            prefill.cache.filter(keep)
         if self.cache is None:
             self.cache = prefill.cache
         else:
             self._compact()  # the join copies the cache anyway
-            for layer, new_layer in zip(self.cache, prefill.cache):
-                layer.extend(new_layer)
-        mx.eval([layer.state for layer in self.cache])  # copied now, not inside the next timed pass
+            self.cache.extend(prefill.cache)
+        mx.eval(self.cache.arrays())  # copied now, not inside the next timed pass
         self.slots += range(len(self.rows), len(self.rows) + len(joining))
         self.rows += joining
         self.gate.reset()  # new rows' sources are asked at once
@@ -322,7 +325,10 @@ class BatchGenerator:
             try:
                 # Drafting is not timed here: a shared drafter drafted for all its rows already
                 # (``_draft_with_models``), and a lookup's propose is not a model call.
-                plans.append(row.plan(sources=row.sources if asked else [s for s in row.sources if s.free]))
+                sources = row.sources if asked else [source for source in row.sources if source.free]
+                if len(row.tokens) - row.cached > MAX_PENDING:  # see decoder.MAX_PENDING
+                    sources = []
+                plans.append(row.plan(sources=sources))
             except Exception as error:  # noqa: BLE001
                 responses.append(self._failed(row, error))
                 failed.append(index)
@@ -332,7 +338,7 @@ class BatchGenerator:
         width = choose_width([len(plan.draft.tokens) for plan in plans],
                              [row.acceptance.rate(plan.drafter.name) if plan.drafter else 0.0
                               for row, plan in zip(self.rows, plans)], self.cost, self.max_width,
-                             len(self.cache[0].ends))
+                             self.cache.rows)
         if asked:
             self.gate.record(width)
         emitted = self._verify(width, plans, responses)
@@ -341,17 +347,30 @@ class BatchGenerator:
         return responses
 
     def _verify(self, width: int, plans: list, responses: list) -> int:
-        rows = self.rows
+        """One pass: row b feeds its pending tokens (the last one, or more after a recurrent layer went
+        back to its checkpoint) and its draft cut to ``width - 1``; each keeps what it accepts."""
+        rows, cache = self.rows, self.cache
         drafts = [plan.draft.truncate(width - 1) for plan in plans]
-        cache_rows = len(self.cache[0].ends)
-        inputs = [[0] * width for _ in range(cache_rows)]  # the rows no running row uses: scored, never read
-        for row, draft, slot in zip(rows, drafts, self.slots):
-            inputs[slot] = [row.tokens[-1]] + draft.tokens + [0] * (width - 1 - len(draft.tokens))
+        pending = [row.tokens[row.cached :] for row in rows]
+        fed = [len(p) + len(draft.tokens) for p, draft in zip(pending, drafts)]
+        pass_width = max(fed)
+        inputs = [[0] * pass_width for _ in range(cache.rows)]  # the rows no running row uses: scored, never read
+        lengths = [1] * cache.rows
+        for slot, tokens, draft, count in zip(self.slots, pending, drafts, fed):
+            inputs[slot] = tokens + draft.tokens + [0] * (pass_width - count)
+            lengths[slot] = count
+        if any(draft.tokens for draft in drafts):
+            cache.checkpoint()
         clock = self.cost.clock
         started = clock()
-        logits = self.model(mx.array(inputs), cache=self.cache)
-        if cache_rows > len(rows):
+        cache.prepare(lengths, pass_width)
+        logits = self.model(mx.array(inputs), cache=cache.layers)
+        cache.finalize()
+        if cache.rows > len(rows):
             logits = logits[mx.array(self.slots)]
+        if any(len(tokens) > 1 for tokens in pending):  # each row's draft positions start after its pending tokens
+            positions = mx.minimum(mx.array([len(p) - 1 for p in pending])[:, None] + mx.arange(width), pass_width - 1)
+            logits = mx.take_along_axis(logits, positions[..., None], axis=1)
         results = [None] * len(rows)  # per row: (num_accepted, next_token) or an exception
         for index, plan in enumerate(plans):
             if plan.masks is not None:
@@ -371,9 +390,9 @@ class BatchGenerator:
         argmax_allowed = None if allowed is None else mx.take_along_axis(allowed, argmax[..., None], -1)[..., 0]
         mx.eval(argmax, argmax_allowed)
         targets = argmax.tolist()
-        self.cost.record(clock() - started, width=width, rows=cache_rows)
+        self.cost.record(clock() - started, width=pass_width, rows=cache.rows)
         self.stats.passes += 1
-        self.stats.widths[width] += 1
+        self.stats.widths[pass_width] += 1
         self.stats.row_passes += len(rows)
 
         for index, (row, draft) in enumerate(zip(rows, drafts)):
@@ -384,11 +403,7 @@ class BatchGenerator:
                     results[index] = error
         if allowed is not None:
             self._check_allowed(results, constrained, targets, argmax_allowed.tolist(), allowed)
-        trims = [width - 1] * cache_rows  # a failed or unused row keeps one token, as if it accepted nothing
-        for slot, result in zip(self.slots, results):
-            if not isinstance(result, Exception):
-                trims[slot] -= result[0]
-        trim_rows(self.cache, trims)
+        self._rewind(pending, drafts, results, pass_width)
         logprobs = self._logprobs(drafts, results, logits)
 
         finished, emitted_total = [], 0
@@ -410,13 +425,34 @@ class BatchGenerator:
             if response.finish_reason is not None:
                 finished.append(index)
                 if self.keep_caches and response.finish_reason != "error":
-                    response.cache = self._row_cache(index)
+                    response.cache = cache.row_entries(self.slots[index])
         self._drop(finished)
-        if self.rows and max(self.cache[0].ends) - min(self.cache[0].ends) > MAX_RAGGEDNESS:
-            for layer in self.cache:
-                layer.realign()
-            mx.eval([layer.state for layer in self.cache])
+        ends = cache.ends if self.cache is not None else []
+        if self.rows and max(ends) - min(ends) > MAX_RAGGEDNESS:
+            cache.realign()
+            mx.eval(cache.arrays())
         return emitted_total
+
+    def _rewind(self, pending: list, drafts: list, results: list, pass_width: int):
+        """Each row keeps the tokens it accepted: its attention layers drop the rest, and where a
+        recurrent layer cannot (a draft token was rejected) the row goes back to its checkpoint and
+        feeds the accepted tokens again next pass."""
+        cache = self.cache
+        trims = [pass_width - 1] * cache.rows  # a failed or unused row keeps one token, as if it accepted nothing
+        restored = []
+        for row, tokens, draft, slot, result in zip(self.rows, pending, drafts, self.slots, results):
+            if isinstance(result, Exception):
+                continue
+            num_accepted = result[0]
+            if cache.recurrent and num_accepted < len(draft.tokens):
+                trims[slot] = pass_width
+                restored.append(slot)
+            else:
+                trims[slot] = pass_width - len(tokens) - num_accepted
+                row.cached += len(tokens) + num_accepted
+        cache.trim_rows(trims)
+        if restored:
+            cache.restore(restored)
 
     def _logprobs(self, drafts: list, results: list, logits: mx.array) -> list:
         """Per row: None, or for the rows that asked, a ``TokenLogprobs`` for each token it accepted
@@ -447,13 +483,6 @@ class BatchGenerator:
             found[index] = [TokenLogprobs(row_picked[p], row_ids[p][:k], row_values[p][:k])
                             for p in range(len(tokens))]
         return found
-
-    def _row_cache(self, index: int) -> list:
-        """Row ``index``'s KV entries, copied out of the batch cache."""
-        slot = self.slots[index]
-        start, end = self.cache[0].starts[slot], self.cache[0].ends[slot]
-        return [(mx.contiguous(layer.keys[slot : slot + 1, :, start:end]),
-                 mx.contiguous(layer.values[slot : slot + 1, :, start:end])) for layer in self.cache]
 
     def _check_allowed(self, results: list, constrained: list, targets: list, argmax_allowed: list, allowed):
         """The target's own token is forbidden only when no allowed token had a usable score (the
