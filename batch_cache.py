@@ -29,7 +29,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache, _BaseCache, dynamic_roll, \
     make_prompt_cache
 
-from rollback import CacheKindError, layers_of
+from rollback import CacheKindError, architecture, layers_of
 
 
 class RaggedKVCache(_BaseCache):
@@ -231,7 +231,10 @@ class BatchCache:
     called with), and the operations on rows that the engine applies to all of them at once."""
 
     def __init__(self, model, rows: int, mask_dims: int = 4):
-        self.layers = [_batched(layer, rows, mask_dims) for layer in make_prompt_cache(model)]
+        try:
+            self.layers = [_batched(layer, rows, mask_dims) for layer in make_prompt_cache(model)]
+        except CacheKindError as error:
+            raise CacheKindError(f"{architecture(model)}: {error}") from None
         leaves = layers_of(self.layers)
         self.attention = [layer for layer in leaves if isinstance(layer, RaggedKVCache)]
         self.recurrent = [layer for layer in leaves if isinstance(layer, RecurrentRows)]

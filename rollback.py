@@ -131,10 +131,19 @@ def convert(layer):
     return layer
 
 
+def architecture(model) -> str:
+    """The model's ``model_type`` (mlx-lm's name for its architecture), to name it in a refusal."""
+    return getattr(getattr(model, "args", None), "model_type", None) or type(model).__name__
+
+
 def make_cache(model) -> list:
-    """The model's cache (``make_prompt_cache``), every layer in a kind ``Rollback`` can roll back."""
-    cache = [convert(layer) for layer in make_prompt_cache(model)]
-    Rollback(cache)  # refuse now, before any work, a kind that cannot be rolled back
+    """The model's cache (``make_prompt_cache``), every layer in a kind ``Rollback`` can roll back;
+    ``CacheKindError`` naming the architecture and the layer kind otherwise."""
+    try:
+        cache = [convert(layer) for layer in make_prompt_cache(model)]
+        Rollback(cache)  # refuse now, before any work, a kind that cannot be rolled back
+    except CacheKindError as error:
+        raise CacheKindError(f"{architecture(model)}: {error}") from None
     return cache
 
 

@@ -49,7 +49,9 @@ def validate(args):
 
 def build_engine(args):
     """Load the model and draft sources; returns (engine, model id, context length)."""
+    from batch_cache import BatchCache
     from loading import cache_dir, context_length, load_model
+    from rollback import CacheKindError, make_cache
     from server.engine import Engine
     from speculative.draft_model import output_size
     from t5 import is_encoder_decoder
@@ -58,11 +60,19 @@ def build_engine(args):
     if is_encoder_decoder(model):
         raise CliError("the server serves decoder-only models; T5 is not supported")
     vocab_size = output_size(model, tokenizer)
-    if args.draft_head is not None:  # no batched form: one request at a time
+    solo = None
+    if args.draft_head is None:
+        try:
+            BatchCache(model, 1)  # CacheKindError: a layer kind the batch cannot hold
+        except CacheKindError as error:
+            make_cache(model)  # one at a time needs it to be rolled back, at least (CacheKindError: exit 2)
+            sys.stderr.write(f"note: {error}, so requests are decoded one at a time\n")
+            solo = True
+    if args.draft_head is not None or solo:  # no batched form: one request at a time
         model, solo = sources.draft_sources(args, model, tokenizer)
         make = list
     else:
-        solo, make = None, sources.row_sources(args, model, tokenizer)
+        make = sources.row_sources(args, model, tokenizer)
     engine = Engine(model, tokenizer, vocab_size, make, solo, max_batch=args.max_batch, max_queue=args.max_queue,
                     cache_dir=cache_dir() / "regex-index", prompt_cache_bytes=args.prompt_cache_bytes)
     model_id = "SmolLM2-135M-Instruct" if args.model is None else args.model.rstrip("/")
@@ -84,6 +94,7 @@ def main():
     import uvicorn
 
     from loading import ModelError
+    from rollback import CacheKindError
     from server.app import build_app
     from speculative import VocabularyMismatch
 
@@ -91,6 +102,9 @@ def main():
         validate(args)
         sock = listen(args.host, args.port)
         engine, model_id, limit = build_engine(args)
+    except CacheKindError as error:  # a model whose cache drafts cannot be rolled back in: not supported yet
+        sys.stderr.write(f"error: not supported: {error}\n")
+        sys.exit(2)
     except (CliError, ModelError, VocabularyMismatch) as error:
         sys.stderr.write(f"error: {error}\n")
         sys.exit(1)
