@@ -135,7 +135,7 @@ def main():
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--out", default=str(RESULTS), help="Markdown file for the tables ('' to skip)")
     args = parser.parse_args()
-    from loading import default_model_path
+    from loading.load import default_model_path
 
     model_dir = str(default_model_path())
     most = max(args.clients)

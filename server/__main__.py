@@ -13,8 +13,7 @@ import socket
 import sys
 
 import fast_blas
-import sources
-from cli import CliError, Parser
+from cli import CliError, Parser, flags
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -33,7 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prompt-cache-bytes", type=int, default=2**30,
                         help="KV entries kept of earlier conversations, least recently used out (default: 1 GiB).")
     # main.py's flags, built by the same code; requests set the sampling, and no history is kept.
-    sources.add_arguments(parser, history=False)
+    flags.add_arguments(parser, history=False)
     return parser
 
 
@@ -44,13 +43,15 @@ def validate(args):
         raise CliError("--max-tokens and --max-batch must be >= 1, --max-queue and --prompt-cache-bytes >= 0")
     if args.api_key is not None and not args.api_key.strip():
         raise CliError("--api-key must not be empty")
-    sources.check(args)
+    flags.check(args)
 
 
 def build_engine(args):
     """Load the model and draft sources; returns (engine, model id, context length)."""
-    from batch_cache import BatchCache
-    from loading import cache_dir, context_length, load_model
+    from batch.cache import BatchCache
+    from cli import sources
+    from loading.load import context_length, load_model
+    from loading.store import cache_dir
     from rollback import CacheKindError, make_cache
     from server.engine import Engine
     from speculative.draft_model import output_size
@@ -93,7 +94,7 @@ def main():
     fast_blas.load()  # before anything imports mlx.core (Linux: MLX's own BLAS is ~20x slower)
     import uvicorn
 
-    from loading import ModelError
+    from loading.load import ModelError
     from rollback import CacheKindError
     from server.app import build_app
     from speculative import VocabularyMismatch

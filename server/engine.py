@@ -41,7 +41,7 @@ from batch import BatchGenerator, RowResponse
 from cost import PassCost
 from decoder import ConstraintError, DecodingStats, TextStream, eos_ids_of, generate_step
 from server.protocol import ApiError, GenerationRequest, invalid
-from sources import compile_schema, grammar_constraint, regex_constraint
+from constrained.build import compile_schema, grammar_constraint, regex_constraint
 
 MAX_CACHED_CONSTRAINTS = 32  # token indexes are ~1 MB each; a client reuses few schemas
 
@@ -166,7 +166,7 @@ class Engine:
     """The model, a factory of per-row draft sources and the prompt cache, driven by one worker thread.
 
     Args:
-        make_sources: returns fresh draft sources for one request (``sources.row_sources``).
+        make_sources: returns fresh draft sources for one request (``cli.sources.row_sources``).
         solo_sources: with a draft head, the sources for one-at-a-time decoding (no batching, no cache).
         max_batch: requests decoded together; max_queue: requests waiting beyond them before HTTP 503.
     """
@@ -376,7 +376,7 @@ class Engine:
 
     def _build_constraint(self, kind: str, pattern: str) -> tuple:
         """``("regex", (constraint, forced))`` or ``("grammar", compiled grammar)``, built as main.py
-        builds --regex, --grammar and --json-schema (sources.py); a refusal is a 400 naming the field."""
+        builds --regex, --grammar and --json-schema (constrained/build.py); a refusal is a 400 naming the field."""
         from constrained import GrammarError, RegexError
         from constrained.grammar import compile_grammar
 

@@ -11,10 +11,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import batch
+import batch.generator as batch
 from batch import BatchGenerator, batch_generate
-from batch_policy import DraftGate, choose_width
-from batch_draft import BatchDraftModel
+from batch.policy import DraftGate, choose_width
+from batch.draft_model import BatchDraftModel
 from constrained import ForcedTextSource, RegexConstraint
 from cost import PassCost
 from decoder import TARGET, generate_step, sampling_probs
@@ -196,7 +196,7 @@ def test_grammar_rows_with_forced_text():
 class PoisonedModel:
     """Wraps a model: NaN scores for the tokens in ``columns`` on every call, and for a whole row
     (index ``row`` of the batch) on call number ``at`` of the calls with more than three rows (the
-    batch's probe of the model, batch_cache.probe, runs up to three)."""
+    batch's probe of the model, batch.cache.probe, runs up to three)."""
 
     def __init__(self, model, columns, row=None, at=None):
         self.model, self.layers, self.args = model, model.layers, model.args

@@ -1,11 +1,11 @@
-"""Many sequences at once: decoder.py's draft-and-verify step for a batch, rows joining and leaving.
+"""Many sequences at once: decoder.py's per-row step for a batch, rows joining and leaving.
 
 Each row has its own prompt, draft sources, constraint, sampling settings, ``max_tokens`` and stop
 tokens. A step asks every row's sources for a draft (``decoder.choose_draft``) and cuts it to what
 the row's constraint allows (``decoder.constrain_draft``), chooses one width ``W`` for the batch
 (``choose_width``), scores ``[B, W]`` tokens in one forward pass and accepts each row's prefix by
 ``decoder.accept_draft``'s rules. Each row then drops its own rejected tokens from the one batch
-cache (``batch_cache.RaggedKVCache``: every row keeps its own end, no copy).
+cache (``batch.cache.BatchCache``: every row keeps its own end, no copy).
 
     gen = BatchGenerator(model, eos_token_ids=eos_ids_of(tokenizer))
     uids = gen.insert(prompts, draft_sources=[[PromptLookupSource()] for _ in prompts])
@@ -28,9 +28,8 @@ from typing import List, NamedTuple, Optional, Sequence
 
 import mlx.core as mx
 
-from batch_cache import Prefill, probe
-from batch_draft import BatchDraftModel
-from batch_policy import Acceptance, DraftGate, choose_width
+from batch.cache import Prefill, probe
+from batch.policy import Acceptance, DraftGate, choose_width
 from cost import PassCost
 from decoder import MAX_PENDING, DecodingStats, Row, check_masks, encode, eos_ids_of, mask_logits
 
@@ -39,10 +38,6 @@ from decoder import MAX_PENDING, DecodingStats, Row, check_masks, encode, eos_id
 MAX_RAGGEDNESS = 64
 # Waiting prompts are prefilled together while the left padding stays within this share of their tokens.
 MAX_PREFILL_PADDING = 0.15
-
-__all__ = ["BatchDraftModel", "BatchGenerator", "BatchResult", "BatchStats", "RowResponse", "TokenLogprobs",
-           "batch_generate"]
-
 
 class TokenLogprobs(NamedTuple):
     """The target's log-softmax at one emitted token's position (temperature 1, before top_p, as
@@ -146,8 +141,8 @@ class BatchGenerator:
         self.rows: List[BatchRow] = []
         self.slots: List[int] = []  # each row's row in the cache; the others hold rows that have left
         self.waiting: List[BatchRow] = []
-        self.cache = None  # a batch_cache.BatchCache while rows run
-        self.mask_dims = None  # what the model needs of the cache (batch_cache.probe), asked at the first join
+        self.cache = None  # a batch.cache.BatchCache while rows run
+        self.mask_dims = None  # what the model needs of the cache (batch.cache.probe), asked at the first join
         self._next_uid = 0
 
     def insert(self, prompts: Sequence[Sequence[int]], *, draft_sources=None, constraint=None,

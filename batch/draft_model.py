@@ -1,7 +1,7 @@
 """A draft model for a batch: every row's draft in one ``[R, 1]`` call per draft position.
 
 ``speculative.draft_model.DraftModelSource`` drafts one sequence with its own cache. Here one
-``BatchDraftModel`` holds one ragged cache (``batch_cache.RaggedKVCache``) for all the rows that
+``BatchDraftModel`` holds one batch cache (``batch.cache.BatchCache``) for all the rows that
 draft with it, and each row gets a ``SharedDraftSource`` for its list of sources:
 
     drafter = BatchDraftModel(small_model, vocab_size=target.args.vocab_size)
@@ -20,7 +20,7 @@ from typing import Optional
 
 import mlx.core as mx
 
-from batch_cache import BatchCache, prefill_rows
+from batch.cache import BatchCache, prefill_rows
 from cost import PassCost
 from rollback import CacheKindError
 from decoder import Draft, DraftSource, sampling_probs
