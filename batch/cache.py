@@ -228,7 +228,7 @@ def _batched(layer, rows: int, mask_dims: int):
 
 class BatchCache:
     """A batch's cache: per model layer, the batched form of its kind (``layers``, what the model is
-    called with), and the operations on rows that the engine applies to all of them at once."""
+    called with), and the operations on rows that the generator applies to all of them at once."""
 
     def __init__(self, model, rows: int, mask_dims: int = 4):
         try:

@@ -7,7 +7,7 @@ draft with it, and each row gets a ``SharedDraftSource`` for its list of sources
     drafter = BatchDraftModel(small_model, vocab_size=target.args.vocab_size)
     gen.insert(prompts, draft_sources=[[PromptLookupSource(), drafter.source()] for _ in prompts])
 
-A row joins when it first drafts. Before the rows choose their drafts, the engine calls
+A row joins when it first drafts. Before the rows choose their drafts, the generator calls
 ``draft_all`` once a step (it is each handle's ``batch_drafter``): a catch-up pass feeds
 each row the tokens accepted since its last draft (right-padded to the longest; each row then
 drops its own padding), and then one pass per draft position drafts all rows together. After
@@ -131,7 +131,7 @@ class BatchDraftModel:
             else:
                 self.cache = None
 
-    def _admit(self, requests: list):
+    def _add_rows(self, requests: list):
         """Prefill the rows drafting for the first time (as one left-padded batch) and merge them in."""
         joining = [(handle, tokens) for handle, tokens, _ in requests if handle not in self.rows]
         if not joining:
@@ -172,7 +172,7 @@ class BatchDraftModel:
         self.batch_rows = batch_rows
         for handle in self.rows:
             handle.draft = None  # a draft the rows did not take last step is stale now
-        self._admit(requests)
+        self._add_rows(requests)
         tokens_of = {id(handle): tokens for handle, tokens, _ in requests}
         limits = {id(handle): max_draft for handle, _, max_draft in requests}
         # next_length counts a paused step, so it is asked once per step.

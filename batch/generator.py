@@ -36,7 +36,7 @@ from decoder import MAX_PENDING, DecodingStats, Row, check_masks, encode, eos_id
 # Rows whose ends drift further apart than this are rolled back into line (one copy of the cache),
 # so that no row attends over many slots that hold nothing of its own.
 MAX_RAGGEDNESS = 64
-# Waiting prompts are prefilled together while the left padding stays within this share of their tokens.
+# Waiting prompts are prefilled together while the padding stays within this share of their tokens.
 MAX_PREFILL_PADDING = 0.15
 
 class TokenLogprobs(NamedTuple):
@@ -116,7 +116,7 @@ class BatchGenerator:
         prefill_batch_size: at most this many waiting prompts join the batch per ``next()``.
         max_batch: at most this many rows run at once; the others wait their turn (None: no limit).
         max_width: the widest pass (1 + draft tokens); None leaves it to the policy.
-        pass_cost: the verification-cost model; the engine times every ``[B, W]`` pass into it
+        pass_cost: the verification-cost model; the generator times every ``[B, W]`` pass into it
             and the rows' sources read it (keep one across batches to keep what it measured).
         interleave_prefill: while rows are decoding, prefill joining prompts one chunk per
             ``next()`` (a long prompt does not stall the running rows); else all at once.
@@ -202,9 +202,8 @@ class BatchGenerator:
     def _drop(self, indices: Sequence[int]):
         """Rows leave at once, but their cache rows stay, unused, until half the cache is unused or
         rows join: a leaving row costs no copy of the cache. An unused row still costs its share of
-        each pass, little while the batch keeps its size (a [6, 1] pass costs what an [8, 1] does on
-        a 2-core CPU: OpenBLAS works in tiles of 8 rows), and the copy is saved (measured: 20-230 ms at
-        8 rows of 500 tokens, the most for the first, into fresh memory)."""
+        each pass, little while the batch keeps its size, and the copy is saved (measured in
+        benchmarks/results/batch.md, "Design measurements")."""
         if not indices:
             return
         for index in indices:
@@ -227,7 +226,7 @@ class BatchGenerator:
     def __len__(self) -> int:
         return len(self.rows) + len(self.waiting) + (len(self.prefilling[0]) if self.prefilling else 0)
 
-    def _admit(self, responses: list):
+    def _join(self, responses: list):
         """Prefill up to ``prefill_batch_size`` waiting prompts of similar lengths (``prefill_group``) as
         one batch and merge them in (one chunk per call with ``interleave_prefill`` while other rows
         decode)."""
@@ -308,7 +307,7 @@ class BatchGenerator:
         """One step: admit waiting prompts, then one ``[B, W]`` pass for every running row. Returns a
         response for each row that emitted tokens or finished; an empty list once nothing is left."""
         responses = []
-        self._admit(responses)
+        self._join(responses)
         if not self.rows:
             return responses
         tic = time.perf_counter()
@@ -501,12 +500,9 @@ class BatchGenerator:
 
 def prefill_group(lengths: Sequence[int]) -> list:
     """Which of the waiting prompts (their ``lengths``, oldest first) to prefill together: the oldest
-    and the others whose left padding keeps the batch within ``MAX_PREFILL_PADDING`` of its real
-    tokens, nearest lengths first. Padding is run like real tokens, so a batch of a 40- and a
-    240-token prompt costs more than the two one after the other. Measured (8 server prompts,
-    SmolLM2-135M, 2-core CPU): grounded prompts of 178-238 tokens 4.92 s as one batch, 4.36 s one by
-    one, 4.17 s in groups of similar lengths; a chat/grounded/extraction mix of 40-238 tokens 4.92,
-    3.27 and 3.01 s."""
+    and the others whose padding keeps the batch within ``MAX_PREFILL_PADDING`` of its real tokens,
+    nearest lengths first. Padding is run like real tokens, so a batch of a 40- and a 240-token prompt
+    costs more than the two one after the other (benchmarks/results/batch.md, "Design measurements")."""
     if not lengths:
         return []
     group = [0]

@@ -223,7 +223,7 @@ class Engine:
                 waiting.append(self.jobs.get_nowait())
             for job in waiting:
                 if not job.cancelled.is_set():
-                    self._guarded(job, lambda: self._admit(job))
+                    self._guarded(job, lambda: self._start(job))
             if not len(self.generator):
                 continue
             try:
@@ -253,7 +253,7 @@ class Engine:
             traceback.print_exc(file=sys.stderr)
             job.send("error", ApiError(500, f"generation failed: {type(error).__name__}: {error}"))
 
-    def _admit(self, job: Job):
+    def _start(self, job: Job):
         request, forced = job.request, job.forced
         if request.seed is not None:
             mx.random.seed(request.seed)  # repeatable when the request decodes alone
