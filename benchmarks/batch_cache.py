@@ -6,7 +6,7 @@ Each step scores ``[rows, width]`` tokens and every row keeps a random ``1 + acc
 
 - roll: mlx-lm's ``BatchKVCache``; trim the tail every row rejects, then roll each row right by the
   rest (``prepare(right_padding=...)`` / ``finalize()``, as mlx-lm pads prompts): a copy per step.
-- ragged: ``batch_cache.RaggedKVCache``; each row keeps its own end, the next pass writes over the
+- ragged: ``batch.cache.RaggedKVCache``; each row keeps its own end, the next pass writes over the
   rejected slots (one scatter), the mask hides them.
 
 Both start from the same cached keys and values (random: a step's cost does not depend on them,
@@ -21,7 +21,7 @@ import time
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache
 
-from batch.cache import RaggedKVCache, trim_rows
+from batch.cache import RaggedKVCache
 from loading.load import load_model
 
 
@@ -51,6 +51,11 @@ def rollback_roll(caches, dead):
         cache.trim(common)
         cache.prepare(right_padding=[d - common for d in dead])
         cache.finalize()
+
+
+def rollback_ragged(caches, dead):
+    for cache in caches:  # each row moves its own end back
+        cache.trim_rows(dead)
 
 
 def timed_steps(model, caches, rows, width, steps, rollback, rng):
@@ -89,7 +94,7 @@ def main():
         roll = timed_steps(model, filled(model, args.rows, context, lambda: BatchKVCache([0] * args.rows)),
                            args.rows, args.width, args.steps, rollback_roll, rng)
         ragged = timed_steps(model, filled(model, args.rows, context, lambda: RaggedKVCache([0] * args.rows)),
-                             args.rows, args.width, args.steps, trim_rows, rng)
+                             args.rows, args.width, args.steps, rollback_ragged, rng)
         print(f"| {context} | {plain * 1e3:.1f} | {shared * 1e3:.1f} | {roll * 1e3:.1f} | {ragged * 1e3:.1f} |", flush=True)
 
 

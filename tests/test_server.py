@@ -424,10 +424,9 @@ def test_guided_grammar_output_is_in_the_language_and_a_bad_one_is_400(client):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("section", ["Server", "Batches"])
-def test_the_readme_server_examples_print_what_they_say(server, section):
-    readme = (ROOT / "README.md").read_text()
-    code = re.search(rf"^## {section}\n.*?^```py\n(.*?)^```", readme, flags=re.S | re.M).group(1)
+@pytest.mark.parametrize("page", ["README.md", "docs/server.md", "docs/batching.md"])
+def test_the_docs_server_examples_print_what_they_say(server, page):
+    code = re.search(r"^```py\n(.*?)^```", (ROOT / page).read_text(), flags=re.S | re.M).group(1)
     expected = re.search(r"# ([{\[].*[}\]])$", code, flags=re.M).group(1)
     code = code.replace("http://127.0.0.1:8080/v1", server[1]).replace('api_key="none"', f'api_key="{API_KEY}"')
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

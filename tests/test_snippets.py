@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 FOLDERS = ["prompt_lookup", "constrained", "speculative", "distributed"]
 CORE = ["decoder.py", "cost.py", "rollback.py"]  # what every copied folder needs beside it
 NEEDS = {"speculative": ["t5"]}  # T5 drafts (t5/README.md); its README has no mlx-lm snippet to run here
+EXTRAS = {"constrained": ["llguidance"]}  # packages a folder's README lists beyond mlx, mlx-lm and numpy
 MODEL_ID = "mlx-community/SmolLM2-135M-Instruct"
 # Modules of the application (main.py's side) that no copied folder may need.
 APPLICATION_MODULES = {"loading", "cli", "fast_blas", "main", "convert", "head_training", "batch"}
@@ -61,20 +62,77 @@ def test_library_code_never_imports_the_application(folder):
     assert not imported, f"{folder} imports {imported}"
 
 
-def run_snippet(code: str, cwd: Path, model_path: Path) -> subprocess.CompletedProcess:
-    """Run ``code`` in ``cwd`` with only the venv's packages importable. The runner loads a fast
-    BLAS first, as a user's entry point would, from the repository's fast_blas.py under another
-    module name, so an ``import fast_blas`` in the copied code still fails; the snippet is
-    unchanged apart from the model id."""
+def installed_closure(names, extras=("cpu",)) -> list:
+    """The installed distributions ``names`` need, with what they require in turn (markers evaluated
+    here, extras followed): what ``pip install mlx[cpu] mlx-lm numpy`` would bring."""
+    import importlib.metadata
+
+    from packaging.requirements import Requirement
+
+    found, todo = {}, [(name, set(extras)) for name in names]
+    while todo:
+        name, wanted = todo.pop()
+        key = re.sub(r"[-_.]+", "-", name).lower()
+        if key in found:
+            continue
+        try:
+            found[key] = dist = importlib.metadata.distribution(name)
+        except importlib.metadata.PackageNotFoundError:  # a platform's own (mlx-metal on Linux)
+            continue
+        for spec in dist.requires or []:
+            requirement = Requirement(spec)
+            if requirement.marker is None or any(requirement.marker.evaluate({"extra": extra})
+                                                 for extra in wanted | {""}):
+                todo.append((requirement.name, set(requirement.extras)))
+    return list(found.values())
+
+
+def restricted_site(folder: Path, extras=()) -> Path:
+    """A folder of links to the installed files of ``mlx``, ``mlx-lm`` and numpy (and ``extras``) and
+    what they require, and nothing else (no torch, scipy, ...): a user's environment for copied code."""
+    folder.mkdir()
+    for dist in installed_closure(["mlx", "mlx-lm", "numpy", *extras]):
+        for top in {Path(str(file)).parts[0] for file in dist.files or [] if not str(file).startswith("..")}:
+            target = Path(dist.locate_file(top))
+            if target.exists() and not (folder / top).exists():
+                (folder / top).symlink_to(target)
+    return folder
+
+
+def run_snippet(code: str, cwd: Path, model_path: Path, extras=()) -> subprocess.CompletedProcess:
+    """Run ``code`` in ``cwd`` with only mlx, mlx-lm, numpy and what they require importable. The
+    runner loads a fast BLAS first, as a user's entry point would, from the repository's
+    fast_blas.py under another module name, so an ``import fast_blas`` in the copied code still
+    fails; then it leaves on the path only the copy, those packages (and ``extras``, what a folder's
+    README lists) and the standard library. The snippet is unchanged apart from the model id."""
     script = cwd / "snippet.py"
     script.write_text(code.replace(MODEL_ID, str(model_path)))
-    runner = ("import importlib.util, runpy, sys\n"
+    site = cwd.parent / f"{cwd.name}-site"
+    if not site.exists():
+        restricted_site(site, extras)
+    runner = ("import importlib, importlib.util, runpy, sys\n"
               "spec = importlib.util.spec_from_file_location('blas_for_the_test', sys.argv[1])\n"
               "blas = importlib.util.module_from_spec(spec); spec.loader.exec_module(blas); blas.load()\n"
+              "sys.path[:] = [sys.argv[2], sys.argv[3]] + [p for p in sys.path if p and 'site-packages' not in p]\n"
+              "sys.path_importer_cache.clear(); importlib.invalidate_caches()\n"
               "runpy.run_path('snippet.py', run_name='__main__')\n")
-    # -E: no PYTHONPATH; -c puts only the working directory (the copy) first on the path.
-    return subprocess.run([sys.executable, "-E", "-c", runner, str(ROOT / "fast_blas.py")], cwd=cwd,
-                          capture_output=True, text=True, timeout=600)
+    # -E: no PYTHONPATH.
+    return subprocess.run([sys.executable, "-E", "-c", runner, str(ROOT / "fast_blas.py"), str(cwd), str(site)],
+                          cwd=cwd, capture_output=True, text=True, timeout=600)
+
+
+def test_only_mlx_mlx_lm_and_numpy_are_importable_where_copied_code_runs(tmp_path):
+    (tmp_path / "copy").mkdir()
+    code = ("import importlib.util\n"
+            "print([name for name in ('mlx', 'mlx_lm', 'numpy', 'transformers', 'torch', 'llguidance', "
+            "'scipy', 'hypothesis', 'starlette') if importlib.util.find_spec(name)])")
+    result = run_snippet(code, tmp_path / "copy", Path("unused"))
+    assert result.stdout.strip() == "['mlx', 'mlx_lm', 'numpy', 'transformers']", result.stderr[-2000:]
+
+
+def test_the_readme_says_to_copy_what_the_copy_tests_copy():
+    readme = (ROOT / "README.md").read_text()
+    assert "Copy " + ", ".join(f"`{name}`" for name in CORE[:-1]) + f" and `{CORE[-1]}`" in readme
 
 
 @pytest.mark.slow
@@ -86,7 +144,7 @@ def test_a_copied_folder_runs_its_readme_snippets(folder, embedded, tmp_path):
     for name in [folder] + NEEDS.get(folder, []):
         shutil.copytree(ROOT / name, tmp_path / name, ignore=shutil.ignore_patterns("__pycache__"))
     for code in python_blocks(ROOT / folder / "README.md"):
-        result = run_snippet(code, tmp_path, model_path)
+        result = run_snippet(code, tmp_path, model_path, EXTRAS.get(folder, ()))
         assert result.returncode == 0, result.stderr[-3000:]
         assert result.stdout.strip(), "the snippet printed nothing"
 
@@ -94,11 +152,12 @@ def test_a_copied_folder_runs_its_readme_snippets(folder, embedded, tmp_path):
 @pytest.mark.slow
 def test_the_top_readme_snippets_run(embedded, tmp_path):
     _, _, model_path = embedded
-    for folder in FOLDERS + ["t5"]:
+    for folder in FOLDERS + ["t5", "batch"]:  # batch/: the batching page's example
         shutil.copytree(ROOT / folder, tmp_path / folder, ignore=shutil.ignore_patterns("__pycache__"))
-    for module in CORE + [path.name for path in ROOT.glob("batch*.py")]:  # the Batches section
+    for module in CORE:
         shutil.copy(ROOT / module, tmp_path)
-    for code in python_blocks(ROOT / "README.md"):
+    for code in [block for page in ("README.md", "docs/library.md", "docs/batching.md")
+                 for block in python_blocks(ROOT / page)]:
         result = run_snippet(code, tmp_path, model_path)
         assert result.returncode == 0, result.stderr[-3000:]
         assert result.stdout.strip()
