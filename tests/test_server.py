@@ -92,7 +92,7 @@ def test_requests_become_generation_options():
     assert (request.temp, request.max_tokens, request.stop, request.seed) == (0.0, 7, ["\n"], 3)
     assert json.loads(request.schema) == USER_SCHEMA and request.regex is None  # compiled by the engine
     forced = chat(tools=[WEATHER_TOOL], tool_choice="required")
-    assert forced.tool_names == ["get_weather"] and forced.tool_wrapped
+    assert forced.tools.choice == "required" and forced.tools.syntax is None  # no template syntax: bare JSON
     regex = schema_to_regex(json.loads(forced.schema))
     assert re.fullmatch(regex, '{"name":"get_weather","arguments":{"city":"Oslo","unit":"celsius"}}')
     completion = parse_completion({"prompt": "ab", "max_tokens": 3}, FakeTokenizer(), MODEL, 64)
