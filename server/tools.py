@@ -218,12 +218,9 @@ class CallReader(TextReader):
             if not self.pending:
                 return out
             start = self.syntax.start
-            if self.syntax.at_start and self.opened:
-                index = -1  # text came first: no call now
-            else:
-                index = self.pending.find(start)
-                if self.syntax.at_start and index > 0:
-                    index = -1
+            index = self.pending.find(start)
+            if self.syntax.at_start and (self.opened or index > 0):
+                index = -1  # text came first: no call in this output
             if index < 0:
                 if self.syntax.at_start and not self.opened and start.startswith(self.pending):
                     return out  # still may open as a call

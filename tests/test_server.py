@@ -616,3 +616,21 @@ def test_a_taken_port_or_bad_flag_is_one_line_before_the_model_loads():
                                     text=True, timeout=120)
             assert result.returncode == 1 and result.stderr.startswith("error: ") and message in result.stderr
             assert len(result.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_the_server_docs_examples_run(server):
+    """docs/server.md's Python examples (Responses with text.format, a Messages tool round trip)."""
+    docs = (ROOT / "docs" / "server.md").read_text()
+    blocks = re.findall(r"^```py\n(.*?)^```", docs, flags=re.S | re.M)
+    outputs = []
+    for code in blocks:
+        code = code.replace("http://127.0.0.1:8080/v1", server[1]).replace(
+            "http://127.0.0.1:8080", server[1].removesuffix("/v1")).replace('api_key="none"', f'api_key="{API_KEY}"')
+        result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stderr[-2000:]
+        outputs.append(result.stdout.strip())
+    assert len(outputs) == 2
+    person, cached = outputs[0].rsplit(" ", 1)
+    assert set(json.loads(person)) == {"name", "age"} and int(cached) >= 0
+    assert int(outputs[1].rsplit(" ", 1)[1]) > 0  # the tool result's turn read the first turn from the cache
