@@ -124,7 +124,8 @@ def _chat_messages(messages: list) -> list:
                 raise invalid(f"{place}: '{kind}' blocks are not supported here (text, tool_use from the "
                               "assistant and tool_result from the user are)", param=place)
         if role == "assistant":
-            chat.append({"role": "assistant", "content": "\n\n".join(texts), **({"tool_calls": calls} if calls else {})})
+            answer = {"role": "assistant", "content": "\n\n".join(texts)}
+            chat.append({**answer, "tool_calls": calls} if calls else answer)
         else:
             chat += results
             if texts or not results:

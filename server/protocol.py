@@ -239,7 +239,8 @@ def _chat_tools(tools: list) -> list:
     for i, tool in enumerate(tools):
         function = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
         if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-            raise invalid(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ...}}}}", param=f"tools[{i}]")
+            raise invalid(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ...}}}}",
+                          param=f"tools[{i}]")
         functions.append(function_of(function.get("name"), function.get("parameters"), function.get("description"),
                                      f"tools[{i}]"))
     return functions

@@ -104,7 +104,7 @@ def _call_schema(functions: list, arguments: str = "arguments", extra: Optional[
 
 
 def _hermes_body(functions, parallel, literal) -> str:
-    # Qwen 2.5/3 and Hermes templates: '<tool_call>\n{"name": "' + name + '", "arguments": ' + tojson + '}\n</tool_call>'
+    # Qwen 2.5/3 and Hermes: '<tool_call>\n{"name": "' + name + '", "arguments": ' + tojson + '}\n</tool_call>'
     return f'"\\n" {_json(_call_schema(functions))} "\\n"'
 
 

@@ -45,7 +45,8 @@ def test_a_messages_body_becomes_the_chat_a_template_renders():
                              {"type": "text", "text": "Let me look."},
                              {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Oslo"}}]},
                          {"role": "user", "content": [
-                             {"type": "tool_result", "tool_use_id": "toolu_1", "content": [{"type": "text", "text": "3 C"}]},
+                             {"type": "tool_result", "tool_use_id": "toolu_1",
+                              "content": [{"type": "text", "text": "3 C"}]},
                              {"type": "text", "text": "And tomorrow?", "cache_control": {"type": "ephemeral"}}]}]}
     request = parse_messages(body, HERMES, "tiny", 64)
     assert request.messages == [
@@ -65,7 +66,8 @@ def test_a_messages_body_becomes_the_chat_a_template_renders():
 @pytest.mark.parametrize("change, fragment", [
     ({"max_tokens": None}, "max_tokens"),
     ({"temperature": 1.5}, "'temperature' must be between 0.0 and 1.0"),
-    ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "'image' blocks are not supported"),
+    ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
+     "'image' blocks are not supported"),
     ({"tool_choice": {"type": "any"}, "tools": []}, "'any' needs tools"),
     ({"tool_choice": {"type": "tool", "name": "nope"}}, "'name' must be one of the tools"),
     ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "only custom tools"),
@@ -90,7 +92,8 @@ def test_responses_input_items_become_chat_messages():
             "reasoning": {"effort": "low"}, "include": [], "parallel_tool_calls": False,
             "input": [{"role": "developer", "content": "Use metric units."},
                       {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Oslo?"}]},
-                      {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": '{"city": "Oslo"}'},
+                      {"type": "function_call", "call_id": "c1", "name": "get_weather",
+                       "arguments": '{"city": "Oslo"}'},
                       {"type": "function_call_output", "call_id": "c1", "output": "3 C"}]}
     request = parse_responses(body, HERMES, "tiny", 64, ResponseStore(4))
     assert request.messages == [  # what a follow-up builds on: no instructions
@@ -100,7 +103,8 @@ def test_responses_input_items_become_chat_messages():
         {"role": "tool", "tool_call_id": "c1", "name": "get_weather", "content": "3 C"}]
     assert HERMES.decode(request.prompt).startswith("tools: get_weather\nsystem: Be brief.\nsystem: Use metric")
     assert not request.tools.parallel and request.max_tokens == 64
-    for change, fragment in (({"input": []}, "'input' must be"), ({"tools": [{"type": "web_search"}]}, "function tools"),
+    for change, fragment in (({"input": []}, "'input' must be"),
+                             ({"tools": [{"type": "web_search"}]}, "function tools"),
                              ({"text": {"format": {"type": "xml"}}}, "text.format.type"),
                              ({"conversation": "c"}, "unrecognized request argument: conversation")):
         with pytest.raises(ApiError, match=re.escape(fragment)):
@@ -165,7 +169,8 @@ def clients(server) -> tuple:
 ANTHROPIC_ORDER = re.compile(r"message_start (ping )*(content_block_start (content_block_delta |ping )*"
                              r"content_block_stop (ping )*)*message_delta message_stop ")
 RESPONSES_ORDER = re.compile(r"response\.created response\.in_progress (response\.output_item\.added "
-                             r"(response\.content_part\.added (response\.output_text\.delta )*response\.output_text\.done "
+                             r"(response\.content_part\.added (response\.output_text\.delta )*"
+                             r"response\.output_text\.done "
                              r"response\.content_part\.done |response\.function_call_arguments\.delta "
                              r"response\.function_call_arguments\.done )response\.output_item\.done )*"
                              r"response\.completed ")
@@ -273,6 +278,9 @@ def test_errors_come_in_each_apis_shape_and_the_server_keeps_serving(hermes):
         anthropic_client.messages.create(model="tiny", max_tokens=4, messages=[{"role": "user", "content": [
             {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA=="}}]}])
     assert caught.value.body["error"]["type"] == "invalid_request_error"
+    raw = post(hermes[1], "/messages?beta=true", {"model": "tiny", "max_tokens": 2,
+                                                  "messages": [{"role": "user", "content": "hi"}]})
+    assert raw.status == 200 and json.loads(raw.read())["type"] == "message"  # Claude Code's query
     raw = post(hermes[1], "/messages", b"{bad")
     assert raw.status == 400 and json.loads(raw.read())["type"] == "error"
     raw = post(hermes[1], "/messages", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]})
