@@ -4,7 +4,7 @@
     python convert.py --hf-path HuggingFaceTB/SmolLM2-135M-Instruct --mlx-path mlx_model -q
     python convert.py --gguf model.gguf --mlx-path draft --num-layers 8   # early-exit self-draft
 
-The command line only; the reader and the conversion are in conversion.py.
+The command line only; the reader and the conversion are in loading/conversion.py.
 """
 
 import sys
@@ -15,7 +15,7 @@ import fast_blas
 fast_blas.load()  # before mlx.core, so `python convert.py` gets a fast BLAS too (no-op when loaded)
 
 from cli import Parser  # noqa: E402
-from conversion import DTYPES, ConversionError, convert  # noqa: E402
+from loading.conversion import DTYPES, ConversionError, convert  # noqa: E402
 
 
 def main():

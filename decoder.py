@@ -19,10 +19,10 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator, NamedTuple, Optional, Sequence, Union
 
 import mlx.core as mx
-from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 from mlx_lm.utils import common_prefix_len
 
 from cost import PassCost
+from rollback import Rollback, make_cache
 
 TARGET = "target"  # the source name of tokens the target model chose itself
 
@@ -359,11 +359,11 @@ class Row:
         """The most draft tokens a step can use: the target adds one of its own, within max_tokens."""
         return self.max_tokens - self.num_generated - 1
 
-    def plan(self, cost: Optional[PassCost] = None, ask: bool = True) -> Plan:
+    def plan(self, cost: Optional[PassCost] = None, sources: Optional[Sequence[DraftSource]] = None) -> Plan:
         """This step's draft, cut to what the constraint allows, and the constraint's masks.
-        ``ask=False`` asks only the sources that are free to ask (forced text); ``cost``
-        times each ``propose`` (None: not timed)."""
-        sources = self.sources if ask else [source for source in self.sources if source.free]
+        ``sources``: the ones to ask (default: all the row's); ``cost`` times each ``propose``
+        (None: not timed)."""
+        sources = self.sources if sources is None else sources
         draft, drafter = choose_draft(sources, self.tokens, self.max_draft, cost)
         masks = None
         if self.constraint is not None:
@@ -417,11 +417,9 @@ class Row:
         return emitted, sources
 
 
-def rewind(cache: list, num_tokens: int):
-    """Drop the last ``num_tokens`` from every layer's cache, or raise: a rollback that does less
-    would leave rejected tokens in the cache and change every token after them."""
-    if num_tokens and trim_prompt_cache(cache, num_tokens) != num_tokens:
-        raise RuntimeError(f"the KV cache could not drop the last {num_tokens} tokens")
+# Tokens waiting to be fed again after a recurrent layer went back to its checkpoint (rollback.py). Past
+# this many the step drafts nothing: a plain pass keeps all it feeds, where a rejected draft would add more.
+MAX_PENDING = 16
 
 
 def generate_step(
@@ -455,10 +453,10 @@ def generate_step(
             drafts are then accepted when they equal its draws (``accept_sampled``).
         max_tokens: stop after this many generated tokens.
         stats: filled in as decoding proceeds (forward passes, per-source counts, finish_reason).
-        prompt_cache: a cache from ``make_prompt_cache(model)`` that already holds the first
-            ``prompt_cache[0].offset`` tokens of ``prompt`` (kept by the caller across turns);
-            only the rest is prefilled. Without it every call starts empty. (``kv_cache`` is
-            the same argument under its old name.)
+        prompt_cache: a cache from ``rollback.make_cache(model)`` (or mlx-lm's ``make_prompt_cache``
+            for a model without sliding-window layers) that already holds the first tokens of
+            ``prompt`` (kept by the caller across turns); only the rest is prefilled. Without it
+            every call starts empty. (``kv_cache`` is the same argument under its old name.)
         pass_cost: the verification-cost model the loop times its passes into and the sources
             read (``cost.PassCost``); pass one to keep its measurements across generations.
 
@@ -470,12 +468,14 @@ def generate_step(
               top_p=top_p, sampler=sampler, max_tokens=max_tokens, stats=stats)
     cost = pass_cost if pass_cost is not None else PassCost()
     prompt_cache = prompt_cache if prompt_cache is not None else kv_cache
-    cache = prompt_cache if prompt_cache is not None else make_prompt_cache(model)
-    if not can_trim_prompt_cache(cache):
-        raise ValueError("The model's KV cache cannot be trimmed, so drafts cannot be rolled back.")
+    cache = prompt_cache if prompt_cache is not None else make_cache(model)
+    rollback = Rollback(cache)  # CacheKindError for a layer drafts cannot be rolled back in
     if not prompt:
         raise ValueError("the prompt is empty: give at least one token")
-    cached = cache[0].offset if cache else 0
+    cached = rollback.offset() if prompt_cache is not None else 0  # tokens of the prompt the cache holds
+    if cached is None:
+        raise ValueError("a prompt_cache of recurrent layers only cannot tell how many tokens it holds; "
+                         "pass none")
     if cached >= len(prompt):
         raise ValueError(f"prompt_cache holds {cached} tokens; it must hold fewer than the prompt's {len(prompt)}")
     row.reset(cost)
@@ -483,22 +483,28 @@ def generate_step(
     tic = time.perf_counter()
     # The last prompt token is the first input of the loop, like every accepted token after it.
     prefill(model, cache, row.tokens[cached:-1], prefill_step_size)
+    cached = len(row.tokens) - 1
     row.stats.prompt_time = time.perf_counter() - tic
 
     while row.finish_reason is None:
+        pending = row.tokens[cached:]  # accepted tokens not in the cache: the last one, or more (rollback.py)
         # The first step's drafting includes the sources' own prefill, so it is not timed.
-        plan = row.plan(cost if row.num_generated else None)
+        plan = row.plan(cost if row.num_generated else None, row.sources if len(pending) <= MAX_PENDING else [])
         draft = plan.draft
+        if draft.tokens:
+            rollback.checkpoint()
         tic = cost.clock()
-        logits = model(mx.array([row.tokens[-1]] + draft.tokens)[None], cache=cache)[0]
+        inputs = pending + draft.tokens
+        logits = model(mx.array(inputs)[None], cache=cache)[0, len(pending) - 1 :]
         if plan.masks is not None:
             logits = mask_logits(logits, plan.masks)
         num_accepted, next_token = row.accept(logits, draft)
         # The accept decision synced the pass: its time is the pass's cost at this width.
-        cost.record(cost.clock() - tic, width=1 + len(draft.tokens))
+        cost.record(cost.clock() - tic, width=len(inputs))
         if plan.masks is not None and not plan.masks[num_accepted, next_token].item():  # evaluated with the logits
             raise row.forbidden(num_accepted)
-        rewind(cache, len(draft.tokens) - num_accepted)
+        if rollback.rewind(len(draft.tokens) - num_accepted, len(inputs)):
+            cached += len(pending) + num_accepted
         emitted, sources = row.emit(plan, draft, num_accepted, next_token)
         yield from zip(emitted, sources)
 

@@ -18,8 +18,8 @@ import sys
 import fast_blas
 from cli import CLOSED_PIPE_STATUS, CliError, Parser, check_finite, check_text_argument, discard_stdout
 from cli import read_text_file, read_text_stream, reopen_closed_std_streams, writing_output
-from sources import add_arguments as add_source_arguments
-from sources import check as check_source_arguments
+from cli.flags import add_arguments as add_source_arguments
+from cli.flags import check as check_source_arguments
 
 DEFAULT_PROMPT = "What is the capital of France? Answer in one sentence."
 
@@ -108,7 +108,7 @@ def validate(args):
         args.llguidance_grammar = compile_grammar(text, args.grammar_format)  # GrammarError
     if args.json_schema is not None:
         from constrained import load_schema
-        from sources import compile_schema
+        from constrained.build import compile_schema
 
         schema = load_schema(args.json_schema)  # SchemaError
         kind, compiled = compile_schema(schema, args.json_schema_engine)  # a RegexError, GrammarError
@@ -143,8 +143,10 @@ def build_run(args, session=None):
     ``session`` (from ``distributed.start``) shards the target over the launched ranks.
     """
     from decoder import DecodingStats, encode
-    from loading import cache_dir, context_length, load_model
-    from sources import draft_sources, grammar_constraint, regex_constraint
+    from loading.load import context_length, load_model
+    from loading.store import cache_dir
+    from cli.sources import draft_sources
+    from constrained.build import grammar_constraint, regex_constraint
     from speculative.draft_model import output_size
     from t5 import T5Decoder, is_encoder_decoder
 
@@ -232,7 +234,7 @@ def run(args):
             print_stats(result, args.verbose, use_color)
     if args.lookup_history is not None and result.tokens and (session is None or session.rank == 0):
         from prompt_lookup.history import append_history
-        from sources import history_path
+        from cli.flags import history_path
 
         append_history(history_path(args), [result.tokens])  # after the output: a slow disk never delays it
     return result
@@ -250,10 +252,11 @@ def main():
     reopen_closed_std_streams()
     args = build_parser().parse_args()
     fast_blas.load()  # before anything imports mlx.core (Linux: MLX's own BLAS is ~20x slower)
-    from conversion import ConversionError
+    from loading.conversion import ConversionError
     from decoder import ConstraintError
     from distributed import DistributedError
-    from loading import ModelError
+    from loading.load import ModelError
+    from rollback import CacheKindError
     from speculative import VocabularyMismatch
 
     errors = (CliError, ModelError, ConversionError, VocabularyMismatch, ConstraintError, DistributedError)
@@ -268,6 +271,9 @@ def main():
         signal.signal(signal.SIGTERM, terminate)
     try:
         run(args)
+    except CacheKindError as error:  # a model whose cache drafts cannot be rolled back in: not supported yet
+        sys.stderr.write(f"error: not supported: {error}\n")
+        sys.exit(2)
     except errors as error:
         sys.stderr.write(f"error: {error}\n")
         sys.exit(1)

@@ -21,8 +21,8 @@ import time
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache
 
-from batch_cache import RaggedKVCache, trim_rows
-from loading import load_model
+from batch.cache import RaggedKVCache, trim_rows
+from loading.load import load_model
 
 
 def filled(model, rows: int, context: int, make):

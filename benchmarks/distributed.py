@@ -133,7 +133,7 @@ def logit_difference():
     import mlx.core as mx
 
     import distributed
-    from loading import load_model
+    from loading.load import load_model
 
     session = distributed.start(set_blas_threads=fast_blas.set_num_threads)
     whole, tokenizer, _ = load_model()

@@ -36,7 +36,7 @@ from benchmarks.json_schema import load_schemas, validator_for
 from constrained import compile_regex, schema_to_regex
 from constrained.grammar import GrammarConstraint, GrammarForcedSource, compile_json_schema, ll_tokenizer_of
 from decoder import ConstraintError, eos_ids_of
-from loading import default_dtype, describe_backend, load_model
+from loading.load import default_dtype, describe_backend, load_model
 
 RESULTS = Path(__file__).parent / "results"
 GBNF = Path(__file__).parent.parent / "tests" / "data" / "gbnf"

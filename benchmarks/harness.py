@@ -173,8 +173,9 @@ def first_prompts(prompts: dict, count: int) -> dict:
 
 def self_draft_path(num_layers: int) -> str:
     """The embedded model cut to its first layers (convert.py --num-layers), cached."""
-    from conversion import convert
-    from loading import cache_dir, default_dtype, embedded_gguf
+    from loading.conversion import convert
+    from loading.load import default_dtype, embedded_gguf
+    from loading.store import cache_dir
 
     path = cache_dir() / "models" / f"SmolLM2-135M-Instruct-{default_dtype()}-layers{num_layers}"
     if not path.exists():

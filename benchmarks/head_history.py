@@ -75,7 +75,7 @@ def main():
     parser.add_argument("--requests", type=int, default=20, help="Requests per repeated workload.")
     parser.add_argument("--warmup-requests", type=int, default=3, help="First requests, reported apart.")
     args = parser.parse_args()
-    from loading import load_model
+    from loading.load import load_model
 
     model, tokenizer, _ = load_model()
     eos = eos_ids_of(tokenizer)

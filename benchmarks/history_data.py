@@ -25,7 +25,7 @@ from pathlib import Path
 from benchmarks.harness import HELDOUT, chat_tokens
 from benchmarks.history_tasks import requests
 from decoder import eos_ids_of, generate_step
-from loading import cache_dir
+from loading.store import cache_dir
 
 ROOT = Path(__file__).parent.parent
 INSTRUCTIONS = ROOT / "speculative" / "heads" / "smollm2-135m" / "instructions.json"
@@ -87,7 +87,7 @@ def main():
     parser.add_argument("--store-prompts", type=int, default=208, help="Instructions answered for the store.")
     parser.add_argument("--write-seed", metavar="PATH", help="Write the store answers as a history store file.")
     args = parser.parse_args()
-    from loading import load_model
+    from loading.load import load_model
     from prompt_lookup.history import join_outputs, save_history
 
     model, tokenizer, _ = load_model()

@@ -123,7 +123,7 @@ def main():
     parser.add_argument("--sizes", type=int, nargs="+", default=[10_000, 20_000, 30_000],
                         help="Store sizes in tokens (the full store is always added).")
     args = parser.parse_args()
-    from loading import load_model
+    from loading.load import load_model
 
     model, tokenizer, _ = load_model()
     store = store_answers(model, tokenizer, args.store_prompts)

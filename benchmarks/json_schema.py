@@ -22,7 +22,7 @@ from benchmarks.harness import Method, Totals, chat_tokens, decode_step_ms, mark
 from constrained import ForcedTextSource, RegexConstraint, RegexError, compile_regex, schema_to_regex
 from constrained.token_index import TokenIndex, TokenTable, token_byte_strings
 from decoder import DecodingStats, eos_ids_of, generate_step
-from loading import default_dtype, describe_backend, load_model
+from loading.load import default_dtype, describe_backend, load_model
 
 SCHEMAS = Path(__file__).parent / "json_schemas"
 RESULTS = Path(__file__).parent / "results"

@@ -34,7 +34,7 @@ def main():
     parser.add_argument("--max-tokens", type=int, default=96)
     args = parser.parse_args()
 
-    from loading import load_model
+    from loading.load import load_model
 
     model, tokenizer, _ = load_model()
     eos = eos_ids_of(tokenizer)

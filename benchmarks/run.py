@@ -16,7 +16,7 @@ import mlx.core as mx
 from benchmarks.draft_head import draft_head_cost_suite, draft_head_misses_suite, draft_head_suite
 from benchmarks.harness import (Method, Run, Totals, first_prompts, load_prompts, markdown_table,
                                 mlx_lm_speculative_runner, self_draft_path, side_by_side)
-from loading import default_dtype, describe_backend, load_model
+from loading.load import default_dtype, describe_backend, load_model
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -61,7 +61,7 @@ def transformers_suite(model, tokenizer, args):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from loading import default_model_path
+    from loading.load import default_model_path
     from prompt_lookup import PromptLookupSource
 
     torch.set_num_threads(2)

@@ -175,7 +175,7 @@ def main():
     parser.add_argument("--max-tokens", type=int, default=128, help="Tokens per single-turn answer (default: 128).")
     parser.add_argument("--turns", type=int, default=len(FOLLOW_UPS), help="Turns of the conversation (default: 5).")
     args = parser.parse_args()
-    from loading import default_model_path
+    from loading.load import default_model_path
 
     model_dir = str(default_model_path())
     ports = [free_port() for _ in range(3)]

@@ -209,7 +209,7 @@ def main():
     parser.add_argument("--out", default=None, help="Markdown file for the tables ('' to skip; default: "
                                                     "benchmarks/results/server_load.md, with --apis server_apis.md)")
     args = parser.parse_args()
-    from loading import default_model_path
+    from loading.load import default_model_path
 
     model_dir = str(default_model_path())
     most = max(args.clients)

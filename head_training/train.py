@@ -273,7 +273,8 @@ def check_arguments(args):
 
 
 def run(args):
-    from loading import cache_dir, load_model
+    from loading.load import load_model
+    from loading.store import cache_dir
     target, tokenizer, _ = load_model(args.model)
     init = None
     if args.init:  # before generating, so a wrong head directory costs seconds, not an hour

@@ -14,8 +14,7 @@ import socket
 import sys
 
 import fast_blas
-import sources
-from cli import CliError, Parser
+from cli import CliError, Parser, flags
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--stored-responses", type=int, default=256,
                         help="Responses API answers kept for previous_response_id, oldest out (default: 256).")
     # main.py's flags, built by the same code; requests set the sampling, and no history is kept.
-    sources.add_arguments(parser, history=False)
+    flags.add_arguments(parser, history=False)
     return parser
 
 
@@ -49,12 +48,16 @@ def validate(args):
                        "--stored-responses >= 0")
     if args.api_key is not None and not args.api_key.strip():
         raise CliError("--api-key must not be empty")
-    sources.check(args)
+    flags.check(args)
 
 
 def build_engine(args):
     """Load the model and draft sources; returns (engine, model id, context length)."""
-    from loading import cache_dir, context_length, load_model
+    from batch.cache import BatchCache
+    from cli import sources
+    from loading.load import context_length, load_model
+    from loading.store import cache_dir
+    from rollback import CacheKindError, make_cache
     from server.engine import Engine
     from speculative.draft_model import output_size
     from t5 import is_encoder_decoder
@@ -63,11 +66,19 @@ def build_engine(args):
     if is_encoder_decoder(model):
         raise CliError("the server serves decoder-only models; T5 is not supported")
     vocab_size = output_size(model, tokenizer)
-    if args.draft_head is not None:  # no batched form: one request at a time
+    solo = None
+    if args.draft_head is None:
+        try:
+            BatchCache(model, 1)  # CacheKindError: a layer kind the batch cannot hold
+        except CacheKindError as error:
+            make_cache(model)  # one at a time needs it to be rolled back, at least (CacheKindError: exit 2)
+            sys.stderr.write(f"note: {error}, so requests are decoded one at a time\n")
+            solo = True
+    if args.draft_head is not None or solo:  # no batched form: one request at a time
         model, solo = sources.draft_sources(args, model, tokenizer)
         make = list
     else:
-        solo, make = None, sources.row_sources(args, model, tokenizer)
+        make = sources.row_sources(args, model, tokenizer)
     engine = Engine(model, tokenizer, vocab_size, make, solo, max_batch=args.max_batch, max_queue=args.max_queue,
                     cache_dir=cache_dir() / "regex-index", prompt_cache_bytes=args.prompt_cache_bytes)
     model_id = "SmolLM2-135M-Instruct" if args.model is None else args.model.rstrip("/")
@@ -88,7 +99,8 @@ def main():
     fast_blas.load()  # before anything imports mlx.core (Linux: MLX's own BLAS is ~20x slower)
     import uvicorn
 
-    from loading import ModelError
+    from loading.load import ModelError
+    from rollback import CacheKindError
     from server.app import build_app
     from server.tools import tool_syntax
     from speculative import VocabularyMismatch
@@ -97,6 +109,9 @@ def main():
         validate(args)
         sock = listen(args.host, args.port)
         engine, model_id, limit = build_engine(args)
+    except CacheKindError as error:  # a model whose cache drafts cannot be rolled back in: not supported yet
+        sys.stderr.write(f"error: not supported: {error}\n")
+        sys.exit(2)
     except (CliError, ModelError, VocabularyMismatch) as error:
         sys.stderr.write(f"error: {error}\n")
         sys.exit(1)

@@ -41,7 +41,7 @@ from batch import BatchGenerator, RowResponse
 from cost import PassCost
 from decoder import ConstraintError, DecodingStats, TextStream, eos_ids_of, generate_step
 from server.protocol import ApiError, GenerationRequest, invalid
-from sources import compile_schema, grammar_constraint, regex_constraint
+from constrained.build import compile_schema, grammar_constraint, regex_constraint
 
 MAX_CACHED_CONSTRAINTS = 32  # token indexes are ~1 MB each; a client reuses few schemas
 
@@ -169,7 +169,7 @@ class Engine:
     """The model, a factory of per-row draft sources and the prompt cache, driven by one worker thread.
 
     Args:
-        make_sources: returns fresh draft sources for one request (``sources.row_sources``).
+        make_sources: returns fresh draft sources for one request (``cli.sources.row_sources``).
         solo_sources: with a draft head, the sources for one-at-a-time decoding (no batching, no cache).
         max_batch: requests decoded together; max_queue: requests waiting beyond them before HTTP 503.
     """
@@ -226,7 +226,7 @@ class Engine:
                 waiting.append(self.jobs.get_nowait())
             for job in waiting:
                 if not job.cancelled.is_set():
-                    self._guarded(job, lambda: self._admit(job))
+                    self._guarded(job, lambda: self._start(job))
             if not len(self.generator):
                 continue
             try:
@@ -256,7 +256,7 @@ class Engine:
             traceback.print_exc(file=sys.stderr)
             job.send("error", ApiError(500, f"generation failed: {type(error).__name__}: {error}"))
 
-    def _admit(self, job: Job):
+    def _start(self, job: Job):
         request, forced = job.request, job.forced
         if request.seed is not None:
             mx.random.seed(request.seed)  # repeatable when the request decodes alone
@@ -379,7 +379,7 @@ class Engine:
 
     def _build_constraint(self, kind: str, pattern: str) -> tuple:
         """``("regex", (constraint, forced))`` or ``("grammar", compiled grammar)``, built as main.py
-        builds --regex, --grammar and --json-schema (sources.py); a refusal is a 400 naming the field."""
+        builds --regex, --grammar and --json-schema (constrained/build.py); a refusal is a 400 naming the field."""
         from constrained import GrammarError, RegexError
         from constrained.grammar import compile_grammar
 

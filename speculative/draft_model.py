@@ -8,11 +8,11 @@ always describe the same text.
 from typing import Optional
 
 import mlx.core as mx
-from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 from mlx_lm.utils import common_prefix_len
 
 from cost import PassCost
 from decoder import Draft, prefill, sampling_probs
+from rollback import CacheKindError, Rollback, make_cache
 from speculative.adaptive import AdaptiveSource, weight_bytes
 from t5 import T5Decoder, is_encoder_decoder
 
@@ -65,7 +65,9 @@ class DraftModelSource(AdaptiveSource):
         self.model = model
         self.vocab_size = vocab_size
         self.min_confidence = min_confidence
-        self.cache = make_prompt_cache(model)
+        self.cache = make_cache(model)
+        if Rollback(self.cache).recurrent:  # its drafts roll back by trimming, which a recurrent state cannot
+            raise CacheKindError("a draft model with recurrent layers is not supported")
         self.cache_tokens = []  # the tokens whose keys and values are in self.cache
         self.reset()
 
@@ -92,9 +94,16 @@ class DraftModelSource(AdaptiveSource):
         """Trim the cache back to the longest prefix it shares with ``tokens``."""
         # The first ``synced`` tokens are known to match: compare only what follows them.
         common = self.synced + common_prefix_len(self.cache_tokens[self.synced:], tokens[self.synced:])
-        trim_prompt_cache(self.cache, len(self.cache_tokens) - common)
-        del self.cache_tokens[common:]
-        self.synced = common
+        self._trim(len(self.cache_tokens) - common)
+        self.synced = len(self.cache_tokens)
+
+    def _trim(self, count: int):
+        """Drop the cache's last ``count`` tokens; a sliding-window layer that cannot go back that far
+        (a new prompt) starts over empty."""
+        if count and any(layer.trim(count) != count for layer in self.cache):
+            self.cache, self.cache_tokens = make_cache(self.model), []
+        else:
+            del self.cache_tokens[len(self.cache_tokens) - count :]
 
     def _next_distribution(self, new_tokens: list) -> mx.array:
         logits = self.model(mx.array(new_tokens)[None], cache=self.cache)[0, -1]
@@ -114,8 +123,7 @@ class DraftModelSource(AdaptiveSource):
             return None  # the cache catches up in one batched call when drafting resumes
         self._rewind(tokens)
         if len(self.cache_tokens) == len(tokens):  # re-feed the last token to get its logits
-            trim_prompt_cache(self.cache, 1)
-            self.cache_tokens.pop()
+            self._trim(1)
         pending = tokens[len(self.cache_tokens):]
         if len(pending) > 1:  # the prompt, or catching up after a pause: chunked like the target's
             prefill(self.model, self.cache, pending[:-1])

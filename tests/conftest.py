@@ -15,7 +15,7 @@ os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [_WITHOUT_TORCH, os.envi
 @pytest.fixture(scope="session")
 def embedded():
     """The embedded SmolLM2-135M-Instruct (converted into the cache on first use)."""
-    from loading import load_model
+    from loading.load import load_model
 
     return load_model()
 

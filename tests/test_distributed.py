@@ -85,8 +85,8 @@ def sharded(ranks, cases):
 
 @pytest.fixture(scope="module")
 def self_draft(embedded, tmp_path_factory):
-    from conversion import convert
-    from loading import embedded_gguf
+    from loading.conversion import convert
+    from loading.load import embedded_gguf
 
     return convert(str(tmp_path_factory.mktemp("draft") / "draft"), gguf=str(embedded_gguf()), num_layers=24)
 

@@ -46,8 +46,8 @@ def test_num_layers_makes_an_early_exit_draft(tmp_path):
     import mlx.core as mx
     from mlx_lm import load
 
-    from conversion import convert
-    from loading import embedded_gguf
+    from loading.conversion import convert
+    from loading.load import embedded_gguf
 
     out = convert(str(tmp_path / "draft"), gguf=str(embedded_gguf()), num_layers=4)
     model, tokenizer = load(str(out))
@@ -61,7 +61,7 @@ def test_hf_path_conversion_with_quantization(embedded, tmp_path):
     import mlx.core as mx
     from mlx_lm import load
 
-    from conversion import convert
+    from loading.conversion import convert
 
     model, tokenizer, path = embedded
     out = convert(str(tmp_path / "q8"), hf_path=str(path), dtype="float16", quantize=True, q_bits=8)

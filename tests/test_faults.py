@@ -67,7 +67,7 @@ def tiny_gguf(tmp_path_factory):
 @pytest.fixture(scope="module")
 def tiny_model(tiny_gguf, tmp_path_factory):
     """The tiny GGUF converted by the conversion code path (so it has checksums.json)."""
-    from conversion import convert
+    from loading.conversion import convert
 
     return convert(str(tmp_path_factory.mktemp("model") / "tiny"), gguf=str(tiny_gguf))
 
@@ -93,7 +93,8 @@ def assert_one_line_error(result, fragment):
 CACHE_RUN = """
 import os, sys, time
 from pathlib import Path
-import conversion, loading
+import loading.conversion as conversion
+import loading.load as loading
 
 loading.embedded_gguf = lambda: Path(os.environ["TINY_GGUF"])
 if os.environ.get("HOLD"):
@@ -139,7 +140,7 @@ def leftovers(*directories):
 
 
 def test_concurrent_first_use_shares_one_copy(cache_env):
-    from model_cache import verify_checksums
+    from loading.store import verify_checksums
 
     env, models, tmp, hold = cache_env
     processes = [start_cache_run(env, hold) for _ in range(2)]
@@ -195,7 +196,7 @@ def dead_pid() -> int:
 
 
 def test_damaged_cache_is_converted_again(tmp_path, tiny_gguf, monkeypatch, capsys):
-    import loading
+    import loading.load as loading
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setattr(loading, "embedded_gguf", lambda: tiny_gguf)
@@ -217,7 +218,7 @@ def test_damaged_cache_is_converted_again(tmp_path, tiny_gguf, monkeypatch, caps
 def test_full_disk_during_conversion_is_one_error_and_no_leftover(tmp_path, tiny_gguf, monkeypatch):
     import errno
 
-    import loading
+    import loading.load as loading
 
     def disk_full(directory):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
@@ -231,7 +232,7 @@ def test_full_disk_during_conversion_is_one_error_and_no_leftover(tmp_path, tiny
 
 
 def test_unknown_home_is_model_not_found():
-    from loading import ModelError, resolve_model_path
+    from loading.load import ModelError, resolve_model_path
 
     with pytest.raises(ModelError, match="model not found"):
         resolve_model_path("~no-such-user-xyz/model")
@@ -249,7 +250,7 @@ def flip_bytes(file: Path, offset: int):
 def test_damaged_user_model_is_refused(tiny_model, tmp_path):
     import shutil
 
-    from loading import ModelError, load_model
+    from loading.load import ModelError, load_model
 
     copy = Path(shutil.copytree(tiny_model, tmp_path / "copy"))
     load_model(str(copy))  # copied with new times: rehashed, and fine
@@ -262,7 +263,7 @@ def test_damaged_user_model_is_refused(tiny_model, tmp_path):
 
 
 def test_stale_staging_of_a_dead_process_is_swept(tmp_path):
-    from model_cache import sweep
+    from loading.store import sweep
 
     dead = dead_pid()
     (tmp_path / f"model.converting-{dead}").mkdir()
@@ -331,7 +332,7 @@ def run_main(monkeypatch, capsys, args, stdin_bytes=None):
     (["--lookup-history", "{latin1}/store.npz"], None, "latin1.txt is not a directory"),
 ])
 def test_bad_input_is_one_line_before_loading(args, stdin, fragment, tmp_path, monkeypatch, capsys):
-    import loading
+    import loading.load as loading
 
     (tmp_path / "latin1.txt").write_bytes("café\n".encode("latin-1"))
     args = [arg.replace("{latin1}", str(tmp_path / "latin1.txt")).replace("{tmp}", str(tmp_path)) for arg in args]
@@ -344,7 +345,7 @@ def test_bad_input_is_one_line_before_loading(args, stdin, fragment, tmp_path, m
 # they were. Only a file the tool made in its own cache may be called deletable.
 
 def test_a_folder_for_lookup_history_is_one_line_and_left_alone(tmp_path, monkeypatch, capsys):
-    import loading
+    import loading.load as loading
 
     folder = tmp_path / "some" / "folder"
     folder.mkdir(parents=True)

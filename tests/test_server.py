@@ -104,7 +104,7 @@ def test_draft_source_flags_mean_the_same_in_main_py_and_the_server(embedded, mo
     in `python main.py` and `python -m server` alike."""
     import huggingface_hub
 
-    import loading
+    import loading.load as loading
     import main
     from server import __main__ as server_main
     from speculative.head import SHIPPED_HEAD
@@ -131,7 +131,7 @@ def test_draft_source_flags_mean_the_same_in_main_py_and_the_server(embedded, mo
 
 
 def test_main_py_and_the_server_template_a_system_message_alike(embedded, monkeypatch):
-    import loading
+    import loading.load as loading
     import main
 
     _, tokenizer, _ = embedded

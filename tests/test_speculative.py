@@ -131,8 +131,8 @@ def test_a_draft_that_never_pays_is_paused_and_probed():
 @pytest.mark.slow
 def test_self_draft_pair_from_the_command_line(embedded, tmp_path):
     """The README's offline pair: the embedded model and its first layers (convert.py --num-layers)."""
-    from conversion import convert
-    from loading import embedded_gguf
+    from loading.conversion import convert
+    from loading.load import embedded_gguf
 
     _, _, target = embedded
     draft = convert(str(tmp_path / "draft"), gguf=str(embedded_gguf()), num_layers=6)

@@ -33,8 +33,8 @@ def tokenizer():
     """SmolLM2's tokenizer as `conversion.gguf_tokenizer` builds it for the embedded model (a HF fast tokenizer)."""
     import mlx.core as mx
 
-    from conversion import gguf_tokenizer
-    from loading import embedded_gguf
+    from loading.conversion import gguf_tokenizer
+    from loading.load import embedded_gguf
 
     _, metadata = mx.load(str(embedded_gguf()), return_metadata=True)
     return gguf_tokenizer(metadata)
@@ -193,7 +193,7 @@ def test_cache_round_trip(tokenizer, tmp_path):
 
 
 def test_cache_dir_respects_xdg(monkeypatch, tmp_path):
-    from loading import cache_dir
+    from loading.store import cache_dir
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     assert cache_dir() == tmp_path / "mlx-decoding"

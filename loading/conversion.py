@@ -12,7 +12,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from model_cache import make_staging_dir, publish, removed_on_exit, sweep, write_checksums
+from loading.store import make_staging_dir, publish, removed_on_exit, sweep, write_checksums
 from t5 import convert_t5, is_t5_dir
 
 DTYPES = ("float32", "float16", "bfloat16")

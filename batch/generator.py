@@ -1,11 +1,11 @@
-"""Many sequences at once: decoder.py's draft-and-verify step for a batch, rows joining and leaving.
+"""Many sequences at once: decoder.py's per-row step for a batch, rows joining and leaving.
 
 Each row has its own prompt, draft sources, constraint, sampling settings, ``max_tokens`` and stop
 tokens. A step asks every row's sources for a draft (``decoder.choose_draft``) and cuts it to what
 the row's constraint allows (``decoder.constrain_draft``), chooses one width ``W`` for the batch
 (``choose_width``), scores ``[B, W]`` tokens in one forward pass and accepts each row's prefix by
 ``decoder.accept_draft``'s rules. Each row then drops its own rejected tokens from the one batch
-cache (``batch_cache.RaggedKVCache``: every row keeps its own end, no copy).
+cache (``batch.cache.BatchCache``: every row keeps its own end, no copy).
 
     gen = BatchGenerator(model, eos_token_ids=eos_ids_of(tokenizer))
     uids = gen.insert(prompts, draft_sources=[[PromptLookupSource()] for _ in prompts])
@@ -28,21 +28,16 @@ from typing import List, NamedTuple, Optional, Sequence
 
 import mlx.core as mx
 
-from batch_cache import Prefill, trim_rows
-from batch_draft import BatchDraftModel
-from batch_policy import Acceptance, DraftGate, choose_width
+from batch.cache import Prefill, probe
+from batch.policy import Acceptance, DraftGate, choose_width
 from cost import PassCost
-from decoder import DecodingStats, Row, check_masks, encode, eos_ids_of, mask_logits
+from decoder import MAX_PENDING, DecodingStats, Row, check_masks, encode, eos_ids_of, mask_logits
 
 # Rows whose ends drift further apart than this are rolled back into line (one copy of the cache),
 # so that no row attends over many slots that hold nothing of its own.
 MAX_RAGGEDNESS = 64
-# Waiting prompts are prefilled together while the left padding stays within this share of their tokens.
+# Waiting prompts are prefilled together while the padding stays within this share of their tokens.
 MAX_PREFILL_PADDING = 0.15
-
-__all__ = ["BatchDraftModel", "BatchGenerator", "BatchResult", "BatchStats", "RowResponse", "TokenLogprobs",
-           "batch_generate"]
-
 
 class TokenLogprobs(NamedTuple):
     """The target's log-softmax at one emitted token's position (temperature 1, before top_p, as
@@ -97,6 +92,7 @@ class BatchRow(Row):
                  **options):
         super().__init__(prompt, **options)
         self.uid = uid
+        self.cached = 0  # how many of its tokens the cache holds, once prefilled
         self.prompt_cache = prompt_cache  # KV entries of a prefix of the prompt, until prefilled
         self.logprobs = logprobs  # report logprobs and this many top tokens per emitted token
         self.acceptance = Acceptance()  # what the width policy expects of its drafts
@@ -120,7 +116,7 @@ class BatchGenerator:
         prefill_batch_size: at most this many waiting prompts join the batch per ``next()``.
         max_batch: at most this many rows run at once; the others wait their turn (None: no limit).
         max_width: the widest pass (1 + draft tokens); None leaves it to the policy.
-        pass_cost: the verification-cost model; the engine times every ``[B, W]`` pass into it
+        pass_cost: the verification-cost model; the generator times every ``[B, W]`` pass into it
             and the rows' sources read it (keep one across batches to keep what it measured).
         interleave_prefill: while rows are decoding, prefill joining prompts one chunk per
             ``next()`` (a long prompt does not stall the running rows); else all at once.
@@ -145,7 +141,8 @@ class BatchGenerator:
         self.rows: List[BatchRow] = []
         self.slots: List[int] = []  # each row's row in the cache; the others hold rows that have left
         self.waiting: List[BatchRow] = []
-        self.cache = None
+        self.cache = None  # a batch.cache.BatchCache while rows run
+        self.mask_dims = None  # what the model needs of the cache (batch.cache.probe), asked at the first join
         self._next_uid = 0
 
     def insert(self, prompts: Sequence[Sequence[int]], *, draft_sources=None, constraint=None,
@@ -205,9 +202,8 @@ class BatchGenerator:
     def _drop(self, indices: Sequence[int]):
         """Rows leave at once, but their cache rows stay, unused, until half the cache is unused or
         rows join: a leaving row costs no copy of the cache. An unused row still costs its share of
-        each pass, little while the batch keeps its size (a [6, 1] pass costs what an [8, 1] does on
-        a 2-core CPU: OpenBLAS works in tiles of 8 rows), and the copy is saved (measured: 20-230 ms at
-        8 rows of 500 tokens, the most for the first, into fresh memory)."""
+        each pass, little while the batch keeps its size, and the copy is saved (measured in
+        benchmarks/results/batch.md, "Design measurements")."""
         if not indices:
             return
         for index in indices:
@@ -217,25 +213,28 @@ class BatchGenerator:
         self.rows, self.slots = [self.rows[i] for i in keep], [self.slots[i] for i in keep]
         if not keep:
             self.cache, self.slots = None, []
-        elif 2 * len(self.slots) <= len(self.cache[0].ends):
+        elif 2 * len(self.slots) <= self.cache.rows:
             self._compact()
 
     def _compact(self):
         """Drop the cache rows no running row uses (one copy)."""
-        if self.slots != list(range(len(self.cache[0].ends))):
-            for layer in self.cache:
-                layer.filter(self.slots)
-            mx.eval([layer.state for layer in self.cache])  # copied now, not inside the next timed pass
+        if self.slots != list(range(self.cache.rows)):
+            self.cache.filter(self.slots)
+            mx.eval(self.cache.arrays())  # copied now, not inside the next timed pass
             self.slots = list(range(len(self.rows)))
 
     def __len__(self) -> int:
         return len(self.rows) + len(self.waiting) + (len(self.prefilling[0]) if self.prefilling else 0)
 
-    def _admit(self, responses: list):
+    def _join(self, responses: list):
         """Prefill up to ``prefill_batch_size`` waiting prompts of similar lengths (``prefill_group``) as
-        one left-padded batch and merge them in (one chunk per call with ``interleave_prefill`` while
-        other rows decode)."""
+        one batch and merge them in (one chunk per call with ``interleave_prefill`` while other rows
+        decode)."""
         if self.prefilling is None:
+            if self.waiting and self.mask_dims is None:
+                self.mask_dims, masks_padding = probe(self.model)
+                if not masks_padding:  # rows of one pass would differ in length: one row at a time
+                    self.max_batch = self.prefill_batch_size = 1
             joining, count = [], self.prefill_batch_size
             if self.max_batch is not None:
                 count = max(0, min(count, self.max_batch - len(self.rows)))
@@ -251,9 +250,9 @@ class BatchGenerator:
             if not joining:
                 return
             prefill = Prefill(self.model, [row.tokens[:-1] for row in joining], self.prefill_step_size,
-                              [row.prompt_cache for row in joining])
+                              [row.prompt_cache for row in joining], self.mask_dims)
             for row in joining:
-                row.prompt_cache = None
+                row.prompt_cache, row.cached = None, len(row.tokens) - 1
             self.prefilling = (joining, prefill)
         joining, prefill = self.prefilling
         tic = time.perf_counter()
@@ -271,15 +270,13 @@ class BatchGenerator:
             return
         if len(keep) < len(joining):
             joining = [joining[i] for i in keep]
-            for layer in prefill.cache:
-                layer.filter(keep)
+            prefill.cache.filter(keep)
         if self.cache is None:
             self.cache = prefill.cache
         else:
             self._compact()  # the join copies the cache anyway
-            for layer, new_layer in zip(self.cache, prefill.cache):
-                layer.extend(new_layer)
-        mx.eval([layer.state for layer in self.cache])  # copied now, not inside the next timed pass
+            self.cache.extend(prefill.cache)
+        mx.eval(self.cache.arrays())  # copied now, not inside the next timed pass
         self.slots += range(len(self.rows), len(self.rows) + len(joining))
         self.rows += joining
         self.gate.reset()  # new rows' sources are asked at once
@@ -310,7 +307,7 @@ class BatchGenerator:
         """One step: admit waiting prompts, then one ``[B, W]`` pass for every running row. Returns a
         response for each row that emitted tokens or finished; an empty list once nothing is left."""
         responses = []
-        self._admit(responses)
+        self._join(responses)
         if not self.rows:
             return responses
         tic = time.perf_counter()
@@ -322,7 +319,10 @@ class BatchGenerator:
             try:
                 # Drafting is not timed here: a shared drafter drafted for all its rows already
                 # (``_draft_with_models``), and a lookup's propose is not a model call.
-                plans.append(row.plan(ask=asked))
+                sources = row.sources if asked else [source for source in row.sources if source.free]
+                if len(row.tokens) - row.cached > MAX_PENDING:  # see decoder.MAX_PENDING
+                    sources = []
+                plans.append(row.plan(sources=sources))
             except Exception as error:  # noqa: BLE001
                 responses.append(self._failed(row, error))
                 failed.append(index)
@@ -332,7 +332,7 @@ class BatchGenerator:
         width = choose_width([len(plan.draft.tokens) for plan in plans],
                              [row.acceptance.rate(plan.drafter.name) if plan.drafter else 0.0
                               for row, plan in zip(self.rows, plans)], self.cost, self.max_width,
-                             len(self.cache[0].ends))
+                             self.cache.rows)
         if asked:
             self.gate.record(width)
         emitted = self._verify(width, plans, responses)
@@ -341,17 +341,30 @@ class BatchGenerator:
         return responses
 
     def _verify(self, width: int, plans: list, responses: list) -> int:
-        rows = self.rows
+        """One pass: row b feeds its pending tokens (the last one, or more after a recurrent layer went
+        back to its checkpoint) and its draft cut to ``width - 1``; each keeps what it accepts."""
+        rows, cache = self.rows, self.cache
         drafts = [plan.draft.truncate(width - 1) for plan in plans]
-        cache_rows = len(self.cache[0].ends)
-        inputs = [[0] * width for _ in range(cache_rows)]  # the rows no running row uses: scored, never read
-        for row, draft, slot in zip(rows, drafts, self.slots):
-            inputs[slot] = [row.tokens[-1]] + draft.tokens + [0] * (width - 1 - len(draft.tokens))
+        pending = [row.tokens[row.cached :] for row in rows]
+        fed = [len(p) + len(draft.tokens) for p, draft in zip(pending, drafts)]
+        pass_width = max(fed)
+        inputs = [[0] * pass_width for _ in range(cache.rows)]  # the rows no running row uses: scored, never read
+        lengths = [1] * cache.rows
+        for slot, tokens, draft, count in zip(self.slots, pending, drafts, fed):
+            inputs[slot] = tokens + draft.tokens + [0] * (pass_width - count)
+            lengths[slot] = count
+        if any(draft.tokens for draft in drafts):
+            cache.checkpoint()
         clock = self.cost.clock
         started = clock()
-        logits = self.model(mx.array(inputs), cache=self.cache)
-        if cache_rows > len(rows):
+        cache.prepare(lengths, pass_width)
+        logits = self.model(mx.array(inputs), cache=cache.layers)
+        cache.finalize()
+        if cache.rows > len(rows):
             logits = logits[mx.array(self.slots)]
+        if any(len(tokens) > 1 for tokens in pending):  # each row's draft positions start after its pending tokens
+            positions = mx.minimum(mx.array([len(p) - 1 for p in pending])[:, None] + mx.arange(width), pass_width - 1)
+            logits = mx.take_along_axis(logits, positions[..., None], axis=1)
         results = [None] * len(rows)  # per row: (num_accepted, next_token) or an exception
         for index, plan in enumerate(plans):
             if plan.masks is not None:
@@ -371,9 +384,9 @@ class BatchGenerator:
         argmax_allowed = None if allowed is None else mx.take_along_axis(allowed, argmax[..., None], -1)[..., 0]
         mx.eval(argmax, argmax_allowed)
         targets = argmax.tolist()
-        self.cost.record(clock() - started, width=width, rows=cache_rows)
+        self.cost.record(clock() - started, width=pass_width, rows=cache.rows)
         self.stats.passes += 1
-        self.stats.widths[width] += 1
+        self.stats.widths[pass_width] += 1
         self.stats.row_passes += len(rows)
 
         for index, (row, draft) in enumerate(zip(rows, drafts)):
@@ -384,11 +397,7 @@ class BatchGenerator:
                     results[index] = error
         if allowed is not None:
             self._check_allowed(results, constrained, targets, argmax_allowed.tolist(), allowed)
-        trims = [width - 1] * cache_rows  # a failed or unused row keeps one token, as if it accepted nothing
-        for slot, result in zip(self.slots, results):
-            if not isinstance(result, Exception):
-                trims[slot] -= result[0]
-        trim_rows(self.cache, trims)
+        self._rewind(pending, drafts, results, pass_width)
         logprobs = self._logprobs(drafts, results, logits)
 
         finished, emitted_total = [], 0
@@ -410,13 +419,34 @@ class BatchGenerator:
             if response.finish_reason is not None:
                 finished.append(index)
                 if self.keep_caches and response.finish_reason != "error":
-                    response.cache = self._row_cache(index)
+                    response.cache = cache.row_entries(self.slots[index])
         self._drop(finished)
-        if self.rows and max(self.cache[0].ends) - min(self.cache[0].ends) > MAX_RAGGEDNESS:
-            for layer in self.cache:
-                layer.realign()
-            mx.eval([layer.state for layer in self.cache])
+        ends = cache.ends if self.cache is not None else []
+        if self.rows and max(ends) - min(ends) > MAX_RAGGEDNESS:
+            cache.realign()
+            mx.eval(cache.arrays())
         return emitted_total
+
+    def _rewind(self, pending: list, drafts: list, results: list, pass_width: int):
+        """Each row keeps the tokens it accepted: its attention layers drop the rest, and where a
+        recurrent layer cannot (a draft token was rejected) the row goes back to its checkpoint and
+        feeds the accepted tokens again next pass."""
+        cache = self.cache
+        trims = [pass_width - 1] * cache.rows  # a failed or unused row keeps one token, as if it accepted nothing
+        restored = []
+        for row, tokens, draft, slot, result in zip(self.rows, pending, drafts, self.slots, results):
+            if isinstance(result, Exception):
+                continue
+            num_accepted = result[0]
+            if cache.recurrent and num_accepted < len(draft.tokens):
+                trims[slot] = pass_width
+                restored.append(slot)
+            else:
+                trims[slot] = pass_width - len(tokens) - num_accepted
+                row.cached += len(tokens) + num_accepted
+        cache.trim_rows(trims)
+        if restored:
+            cache.restore(restored)
 
     def _logprobs(self, drafts: list, results: list, logits: mx.array) -> list:
         """Per row: None, or for the rows that asked, a ``TokenLogprobs`` for each token it accepted
@@ -448,13 +478,6 @@ class BatchGenerator:
                             for p in range(len(tokens))]
         return found
 
-    def _row_cache(self, index: int) -> list:
-        """Row ``index``'s KV entries, copied out of the batch cache."""
-        slot = self.slots[index]
-        start, end = self.cache[0].starts[slot], self.cache[0].ends[slot]
-        return [(mx.contiguous(layer.keys[slot : slot + 1, :, start:end]),
-                 mx.contiguous(layer.values[slot : slot + 1, :, start:end])) for layer in self.cache]
-
     def _check_allowed(self, results: list, constrained: list, targets: list, argmax_allowed: list, allowed):
         """The target's own token is forbidden only when no allowed token had a usable score (the
         argmax or sample of an all -inf row): that row fails with a ConstraintError."""
@@ -477,12 +500,9 @@ class BatchGenerator:
 
 def prefill_group(lengths: Sequence[int]) -> list:
     """Which of the waiting prompts (their ``lengths``, oldest first) to prefill together: the oldest
-    and the others whose left padding keeps the batch within ``MAX_PREFILL_PADDING`` of its real
-    tokens, nearest lengths first. Padding is run like real tokens, so a batch of a 40- and a
-    240-token prompt costs more than the two one after the other. Measured (8 server prompts,
-    SmolLM2-135M, 2-core CPU): grounded prompts of 178-238 tokens 4.92 s as one batch, 4.36 s one by
-    one, 4.17 s in groups of similar lengths; a chat/grounded/extraction mix of 40-238 tokens 4.92,
-    3.27 and 3.01 s."""
+    and the others whose padding keeps the batch within ``MAX_PREFILL_PADDING`` of its real tokens,
+    nearest lengths first. Padding is run like real tokens, so a batch of a 40- and a 240-token prompt
+    costs more than the two one after the other (benchmarks/results/batch.md, "Design measurements")."""
     if not lengths:
         return []
     group = [0]

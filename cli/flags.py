@@ -1,0 +1,62 @@
+"""The draft-source flags main.py and the server share, and their checks: a flag read here means the
+same in ``python main.py`` and ``python -m server``. Nothing here imports MLX (building the sources
+from the flags is ``cli/sources.py``'s job).
+
+    flags.add_arguments(parser)   # --prompt-lookup, --draft-model, --draft-head, ...
+    flags.check(args)             # before the model loads
+"""
+
+import os
+from pathlib import Path
+
+from cli import CliError
+from loading.store import cache_dir
+
+
+def add_arguments(parser, history: bool = True):
+    """The draft-source flags. ``history=False`` leaves out --lookup-history (the server keeps
+    no store); ``args.lookup_history`` is then None."""
+    lookup = parser.add_argument_group("prompt lookup")
+    lookup.add_argument("--prompt-lookup", action="store_true", help="Draft by copying n-grams from the context.")
+    if history:
+        lookup.add_argument("--lookup-history", nargs="?", const="", default=None, metavar="PATH",
+                            help="Prompt lookup that also copies from earlier outputs kept in a store file, and "
+                                 "adds this output to it (opt-in: it writes generated text to disk); bare: "
+                                 "~/.cache/mlx-decoding/history/store.npz.")
+    else:
+        parser.set_defaults(lookup_history=None)
+    lookup.add_argument("--ngram-max", type=int, default=3, help="Longest suffix n-gram to match (default: 3).")
+    lookup.add_argument("--ngram-min", type=int, default=1, help="Shortest suffix n-gram to match (default: 1).")
+    speculative = parser.add_argument_group("speculative decoding")
+    speculative.add_argument("--draft-model", default=None, help="Draft model directory or repo (same vocabulary).")
+    head = parser.add_argument_group("draft head")
+    head.add_argument("--draft-head", nargs="?", const="", default=None, metavar="DIR",
+                      help="Draft with a trained head (a directory or a Hugging Face repo id); bare: the one "
+                           "shipped for the embedded model. The server then turns its prompt cache off (the "
+                           "head reads the whole prompt's hidden states).")
+    parser.add_argument("--num-draft", type=int, default=None,
+                        help="Tokens to draft per step (default: each source's measured best).")
+    parser.add_argument("--no-adaptive", action="store_true", help="Keep the draft length fixed at --num-draft.")
+
+
+def check(args):
+    """Refuse bad draft-source flags in one line, before the model loads."""
+    if args.num_draft is not None and not 1 <= args.num_draft <= 256:
+        raise CliError("--num-draft must be between 1 and 256")
+    if not 1 <= args.ngram_min <= args.ngram_max <= 256:
+        raise CliError("--ngram-min and --ngram-max must satisfy 1 <= ngram-min <= ngram-max <= 256")
+    if args.lookup_history is not None:
+        path = history_path(args)
+        if path.is_dir():
+            raise CliError(f"--lookup-history {path} is a directory; give a file path (a new name starts a new store)")
+        parent = next((p for p in path.parents if p.exists()), None)  # the store's folder is made if missing
+        if parent is not None and not parent.is_dir():
+            raise CliError(f"--lookup-history {path}: {parent} is not a directory")
+
+
+def history_path(args) -> Path:
+    return Path(os.path.expanduser(args.lookup_history)) if args.lookup_history else default_history_path()
+
+
+def default_history_path() -> Path:
+    return cache_dir() / "history" / "store.npz"
