@@ -19,6 +19,13 @@ cache can skip the prefill.
 Then ``--conversations`` conversations over documents run interleaved, a turn of each in turn, on
 mlx_lm.server and ours: time to first token per turn, against the prompt's length and what the
 prompt cache held.
+
+``--apis`` instead runs ours alone on the chat workload, each client count twice at once: every
+client through chat completions, then the clients in turn through chat completions, Anthropic's
+Messages and OpenAI's Responses (streamed, greedy, the same prompts), to show that the three APIs
+share one batch at no cost:
+
+    flock /tmp/cpu.lock python -m benchmarks.server_load --apis --clients 8 --repeats 3   # -> results/server_apis.md
 """
 
 import argparse
@@ -35,6 +42,7 @@ from benchmarks.server import FOLLOW_UPS, MLX_LM_SERVER, ROOT, free_port, start,
 
 BENCH = ROOT / "benchmarks"
 RESULTS = BENCH / "results" / "server_load.md"
+APIS_RESULTS = BENCH / "results" / "server_apis.md"  # --apis
 
 
 def workloads():
@@ -54,13 +62,54 @@ def schema_work(folder: str) -> list:
             for text, schema in schema_requests(folder)]
 
 
-def round_of(server, requests, nonce, max_tokens) -> dict:
-    """Send ``requests`` at once; aggregate tok/s and each request's timings."""
+def timed_stream(events, text_of, tokens_of) -> dict:
+    """timed_chat's measures for another API's stream: ``text_of(event)`` is its new text or None,
+    ``tokens_of(event)`` its completion token count or None."""
+    start_time = time.perf_counter()
+    first = last = None
+    pieces, tokens = [], None
+    for event in events:
+        if text := text_of(event):
+            last = time.perf_counter()
+            first = first or last
+            pieces.append(text)
+        tokens = tokens_of(event) or tokens
+    tokens = tokens or len(pieces)
+    decode_time = (last or start_time) - (first or start_time)
+    return {"ttft": (first or time.perf_counter()) - start_time, "tokens": tokens, "text": "".join(pieces),
+            "tps": (tokens - 1) / decode_time if tokens > 1 and decode_time > 0 else 0.0}
+
+
+def timed_api(server, api: str, messages: list, max_tokens: int) -> dict:
+    """One streamed greedy request through ``api``: "chat", "messages" (Anthropic) or "responses"."""
+    if api == "chat":
+        return timed_chat(server, messages, max_tokens)
+    system, user = messages[0]["content"], messages[1:]
+    if api == "messages":
+        import anthropic
+
+        client = anthropic.Anthropic(base_url=str(server["client"].base_url).rstrip("/").removesuffix("/v1"),
+                                     api_key="none", max_retries=0, timeout=600)
+        events = client.messages.create(model=server["model"], system=system, messages=user, max_tokens=max_tokens,
+                                        stream=True, extra_body={"temperature": 0})
+        return timed_stream(events, lambda e: e.delta.text if e.type == "content_block_delta" else None,
+                            lambda e: e.usage.output_tokens if e.type == "message_delta" else None)
+    events = server["client"].responses.create(model=server["model"], instructions=system, input=user,
+                                               max_output_tokens=max_tokens, temperature=0, stream=True)
+    return timed_stream(events, lambda e: e.delta if e.type == "response.output_text.delta" else None,
+                        lambda e: e.response.usage.output_tokens if e.type == "response.completed" else None)
+
+
+def round_of(server, requests, nonce, max_tokens, apis=("chat",)) -> dict:
+    """Send ``requests`` at once (request i through ``apis[i % len(apis)]``); aggregate tok/s and
+    each request's timings."""
     def one(index):
         text, extra = requests[index]
         messages = [{"role": "system", "content": f"You are a helpful assistant (round {nonce}.{index})."},
                     {"role": "user", "content": text}]
-        return timed_chat(server, messages, max_tokens, **extra)
+        if extra:
+            return timed_chat(server, messages, max_tokens, **extra)
+        return timed_api(server, apis[index % len(apis)], messages, max_tokens)
 
     start_time = time.perf_counter()
     with ThreadPoolExecutor(len(requests)) as pool:
@@ -100,6 +149,28 @@ def load_table(servers, work, clients, repeats, max_tokens) -> list:
     return lines
 
 
+def api_table(server, prompts, clients, repeats, max_tokens) -> list:
+    """Chat completions alone against chat, Messages and Responses mixed, on one server, in turn."""
+    lines = ["| clients | requests through | tok/s in all | vs chat alone | p50 ms/token | p50 TTFT (s) | tokens |",
+             "|---:|---|---:|---:|---:|---:|---:|"]
+    mixes = {"chat completions": ("chat",), "chat, Messages, Responses in turn": ("chat", "messages", "responses")}
+    for count in clients:
+        requests = [prompts[i % len(prompts)] for i in range(count)]
+        best = {}
+        for repeat in range(repeats):  # interleaved; the best round of each counts
+            for name, apis in mixes.items():
+                result = round_of(server, requests, f"apis.{count}.{repeat}", max_tokens, apis)
+                if name not in best or result["tps"] > best[name]["tps"]:
+                    best[name] = result
+        alone = best["chat completions"]["tps"]
+        for name, result in best.items():
+            lines.append(f"| {count} | {name} | {result['tps']:.1f} | {result['tps'] / alone:.2f}x | "
+                         f"{1e3 * percentile(result['per_token'], 0.5):.0f} | "
+                         f"{percentile(result['ttft'], 0.5):.2f} | {result['tokens']} |")
+            print(lines[-1], flush=True)
+    return lines
+
+
 def conversations(servers, count, turns) -> list:
     """``count`` conversations over documents, one turn of each in turn: TTFT per turn."""
     documents = [(ROOT / "demo" / "museum.txt").read_text()] + \
@@ -133,7 +204,10 @@ def main():
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--conversations", type=int, default=4, help="Interleaved conversations (0: skip)")
     parser.add_argument("--turns", type=int, default=4)
-    parser.add_argument("--out", default=str(RESULTS), help="Markdown file for the tables ('' to skip)")
+    parser.add_argument("--apis", action="store_true",
+                        help="Ours alone, chat: chat completions against chat, Messages and Responses mixed")
+    parser.add_argument("--out", default=None, help="Markdown file for the tables ('' to skip; default: "
+                                                    "benchmarks/results/server_load.md, with --apis server_apis.md)")
     args = parser.parse_args()
     from loading.load import default_model_path
 
@@ -145,6 +219,8 @@ def main():
              ("ours, one at a time", ours + ["--max-batch", "1"]),
              ("ours", ours + ["--max-batch", str(most)]),
              ("ours --prompt-lookup", ours + ["--max-batch", str(most), "--prompt-lookup"])]
+    if args.apis:
+        specs = [spec for spec in specs if spec[0] == "ours"]
     servers = []
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # run the finally below under `timeout`
     try:
@@ -160,12 +236,18 @@ def main():
         lines = ["# Many clients at once", "", f"    {command}", "",
                  f"Greedy, at most {args.max_tokens} tokens per request, the embedded SmolLM2-135M (float32), "
                  "every server with the fast BLAS; best of the repeats.", ""]
-        lines += load_table(servers, work, args.clients, args.repeats, args.max_tokens)
-        if args.conversations:
+        if args.apis:
+            lines[2] = f"    {command.split(' --workloads')[0]} --apis --max-tokens {args.max_tokens} " \
+                       f"--repeats {args.repeats}"
+            lines += api_table(servers[0], workloads()["chat"], args.clients, args.repeats, args.max_tokens)
+        else:
+            lines += load_table(servers, work, args.clients, args.repeats, args.max_tokens)
+        if args.conversations and not args.apis:
             lines += ["", f"{args.conversations} conversations interleaved (a turn of each in turn):", ""]
             lines += conversations([servers[0], servers[2]], args.conversations, args.turns)
-        if args.out:
-            Path(args.out).write_text("\n".join(lines) + "\n")
+        out = args.out if args.out is not None else str(APIS_RESULTS if args.apis else RESULTS)
+        if out:
+            Path(out).write_text("\n".join(lines) + "\n")
     finally:
         for server in servers:
             server["process"].terminate()

@@ -1,11 +1,16 @@
-"""An OpenAI-compatible server: structured outputs and lossless speculation behind the usual API.
+"""An OpenAI- and Anthropic-compatible server: structured outputs, tool calls, lossless speculation.
 
     python -m server [--prompt-lookup] [--draft-model DIR] [--draft-head [DIR_OR_REPO]] [--api-key KEY]
 
-- ``protocol.py``: request bodies -> a checked ``GenerationRequest``; OpenAI-shaped ``ApiError``.
-- ``engine.py``: one worker thread runs the shared decoding loop (decoder.generate_step) for one
-  request at a time from a bounded queue, and keeps the KV cache across turns.
-- ``app.py``: the routes, JSON answers and server-sent events.
+- ``protocol.py``: request bodies -> a checked ``GenerationRequest`` (``prepare_chat``: messages and
+  tools -> prompt and constraint, for every API); OpenAI-shaped ``ApiError``.
+- ``anthropic.py``, ``responses.py``: Anthropic's Messages and OpenAI's Responses, each a parser and
+  a format; ``formats.py``: chat completions' and completions' formats.
+- ``tools.py``: tool calls in the model's own syntax: the grammar that constrains them, the reader
+  that takes them out of the text.
+- ``engine.py``: one worker thread decodes every request in one batch (``batch.BatchGenerator``)
+  from a bounded queue, and keeps the KV cache across turns.
+- ``app.py``: the routes, JSON answers and server-sent events. docs/server.md says what each API takes.
 
 ``logprobs`` (chat: ``logprobs``/``top_logprobs`` up to 20; completions: legacy ``logprobs: N``)
 are the target's log-softmax at temperature 1 before top_p, as ``mlx_lm.server`` reports them,

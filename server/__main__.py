@@ -4,7 +4,8 @@
     python -m server --prompt-lookup --port 8000 --api-key secret
     python -m server --model DIR --draft-model DRAFT_DIR
 
-Endpoints: GET /v1/models, POST /v1/chat/completions, POST /v1/completions (see server/__init__.py).
+Endpoints: GET /v1/models, POST /v1/chat/completions, /v1/completions, /v1/responses (OpenAI),
+POST /v1/messages, /v1/messages/count_tokens (Anthropic); see docs/server.md.
 """
 
 import argparse
@@ -31,6 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="Requests waiting beyond the running ones; more get HTTP 503 (default: 8).")
     parser.add_argument("--prompt-cache-bytes", type=int, default=2**30,
                         help="KV entries kept of earlier conversations, least recently used out (default: 1 GiB).")
+    parser.add_argument("--stored-responses", type=int, default=256,
+                        help="Responses API answers kept for previous_response_id, oldest out (default: 256).")
     # main.py's flags, built by the same code; requests set the sampling, and no history is kept.
     flags.add_arguments(parser, history=False)
     return parser
@@ -39,8 +42,10 @@ def build_parser() -> argparse.ArgumentParser:
 def validate(args):
     if not 0 <= args.port < 65536:
         raise CliError("--port must be in [0, 65536)")
-    if args.max_tokens < 1 or args.max_queue < 0 or args.max_batch < 1 or args.prompt_cache_bytes < 0:
-        raise CliError("--max-tokens and --max-batch must be >= 1, --max-queue and --prompt-cache-bytes >= 0")
+    if args.max_tokens < 1 or args.max_queue < 0 or args.max_batch < 1 or args.prompt_cache_bytes < 0 \
+            or args.stored_responses < 0:
+        raise CliError("--max-tokens and --max-batch must be >= 1, --max-queue, --prompt-cache-bytes and "
+                       "--stored-responses >= 0")
     if args.api_key is not None and not args.api_key.strip():
         raise CliError("--api-key must not be empty")
     flags.check(args)
@@ -97,6 +102,7 @@ def main():
     from loading.load import ModelError
     from rollback import CacheKindError
     from server.app import build_app
+    from server.tools import tool_syntax
     from speculative import VocabularyMismatch
 
     try:
@@ -109,7 +115,10 @@ def main():
     except (CliError, ModelError, VocabularyMismatch) as error:
         sys.stderr.write(f"error: {error}\n")
         sys.exit(1)
-    app = build_app(engine, model_id, limit, args.api_key, args.max_tokens)
+    app = build_app(engine, model_id, limit, args.api_key, args.max_tokens, args.stored_responses)
+    if tool_syntax(engine.tokenizer) is None:
+        sys.stderr.write("note: the chat template writes no tool calls this server knows, so tool_choice auto gets "
+                         "text answers (forced calls are JSON; see docs/server.md)\n")
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
     # Connections wait in the socket's backlog until uvicorn accepts them; tests read this line for --port 0.
     print(f"serving {model_id} on http://{args.host}:{sock.getsockname()[1]}/v1", flush=True)

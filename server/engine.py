@@ -55,6 +55,7 @@ class Outcome:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int  # prompt tokens whose KV entries came from the prompt cache
+    stop_sequence: Optional[str] = None  # the stop string that ended it, if one did
     stats: DecodingStats = field(default_factory=DecodingStats)
     logprobs: Optional[list] = None  # with request.logprobs: a TokenLogprob per generated token
 
@@ -91,13 +92,15 @@ class StopText:
     def __init__(self, stop: list):
         self.stop = stop
         self.held = ""
+        self.found = None  # the stop string found
 
     def add(self, piece: str) -> tuple:
         """``(text safe to send, whether a stop string was found)``."""
         self.held += piece
-        found = [i for i in (self.held.find(s) for s in self.stop) if i >= 0]
+        found = [(i, s) for i, s in ((self.held.find(s), s) for s in self.stop) if i >= 0]
         if found:
-            text, self.held = self.held[: min(found)], ""
+            index, self.found = min(found)
+            text, self.held = self.held[:index], ""
             return text, True
         keep = max((k for s in self.stop for k in range(1, len(s)) if self.held.endswith(s[:k])), default=0)
         text, self.held = self.held[: len(self.held) - keep], self.held[len(self.held) - keep:]
@@ -263,7 +266,7 @@ class Engine:
                                      max_tokens=request.max_tokens, prompt_cache=[layers],
                                      logprobs=[request.logprobs])
         self.replies[uid] = Reply(job, self.tokenizer, cached)
-        job.send("start")
+        job.send("start", cached)
 
     def _respond(self, response: RowResponse):
         """Send a step's text to its job, and the outcome once the row finishes (or hits a stop string)."""
@@ -291,7 +294,7 @@ class Engine:
         if not stopped and response.finish_reason is None:
             return
         if stopped:
-            outcome.finish_reason = "stop"
+            outcome.finish_reason, outcome.stop_sequence = "stop", row.stopper.found
             if response.finish_reason is None:
                 self.generator.remove([response.uid])
         else:
@@ -332,8 +335,8 @@ class Engine:
         (None, None); rows never share one. The costly part, the token index or compiled grammar, is
         built once per distinct pattern, by the first request that needs it while later ones wait for
         it. Safe from any thread, and no MLX call: the HTTP side calls it off the worker."""
-        key = ("regex", request.regex) if request.regex is not None else \
-            ("schema", request.schema) if request.schema is not None else ("grammar", request.grammar)
+        key = next(((kind, pattern) for kind, pattern in (("regex", request.regex), ("schema", request.schema),
+                   ("tools", request.tool_grammar)) if pattern is not None), ("grammar", request.grammar))
         if key[1] is None:
             return None, None
         kind, built = self._built(key)
@@ -381,12 +384,12 @@ class Engine:
         from constrained.grammar import compile_grammar
 
         what, param = {"regex": ("regex", "guided_regex"), "grammar": ("grammar", "guided_grammar"),
-                       "schema": ("JSON schema", "response_format")}[kind]
+                       "schema": ("JSON schema", "response_format"), "tools": ("tools' schemas", "tools")}[kind]
         try:
             if kind == "schema":  # llguidance, else the built-in compiler (a note in the log says so)
                 kind, pattern = compile_schema(json.loads(pattern))
-            elif kind == "grammar":
-                pattern = compile_grammar(pattern)
+            elif kind in ("grammar", "tools"):  # tools: text and calls in the template's syntax (tools.py)
+                kind, pattern = "grammar", compile_grammar(pattern)
             if kind == "grammar":
                 grammar_constraint(pattern, self.tokenizer, self.vocab_size)  # refused now, not at the first step
                 return kind, pattern

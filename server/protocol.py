@@ -1,4 +1,9 @@
-"""OpenAI request bodies -> a validated ``GenerationRequest``, or an ``ApiError`` that says what is wrong.
+"""Request bodies -> a validated ``GenerationRequest``, or an ``ApiError`` that says what is wrong.
+
+OpenAI's chat and completions bodies are read here, with what every API shares: sampling options
+(``typed``, ``number``), and ``prepare_chat``, which turns chat messages and tools into a prompt
+and a constraint the same way for chat completions, Anthropic Messages (anthropic.py) and OpenAI
+Responses (responses.py).
 
 Validation is written out by hand: the rules are few, and each error message names the field, as
 OpenAI's do. Unknown top-level fields are refused (OpenAI refuses them too), so a typo is an error
@@ -10,17 +15,18 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from decoder import encode
+from server.tools import Function, ToolUse, tool_syntax
 
 MAX_STOP_STRINGS = 4  # as OpenAI
 MAX_TOP_LOGPROBS = 20  # as OpenAI's chat API (its legacy completions allow 5; 20 here too, as vLLM)
 
 # Accepted and ignored: they change nothing here (or only bookkeeping on OpenAI's side).
-IGNORED = {"user", "store", "metadata", "service_tier", "parallel_tool_calls", "stream_options",
+IGNORED = {"user", "store", "metadata", "service_tier", "stream_options",
            "frequency_penalty", "presence_penalty", "logit_bias", "modalities"}
 COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "stream", "stream_options",
           "guided_regex", "guided_grammar"}
 CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "response_format", "tools", "tool_choice", "logprobs",
-                        "top_logprobs"}
+                        "top_logprobs", "parallel_tool_calls"}
 COMPLETION_FIELDS = COMMON | {"prompt", "echo", "suffix", "best_of", "logprobs"}
 
 
@@ -53,10 +59,11 @@ class GenerationRequest:
     seed: Optional[int] = None
     stop: list = field(default_factory=list)
     regex: Optional[str] = None  # the output must fully match it (guided_regex)
-    schema: Optional[str] = None  # JSON text of the schema the output must follow (response_format, tools)
+    schema: Optional[str] = None  # JSON text of the schema the output must follow (response_format, forced tools)
     grammar: Optional[str] = None  # guided_grammar, when constrained/grammar.py is present
-    tool_names: Optional[list] = None  # forced tool call: the function names the output may call
-    tool_wrapped: bool = False  # the output is {"name": ..., "arguments": ...}, not the arguments alone
+    tool_grammar: Optional[str] = None  # Lark for text and tool calls in the template's syntax (tools.py)
+    tools: Optional[ToolUse] = None  # how tool calls are read out of the output; None: it is all text
+    messages: Optional[list] = None  # the chat messages the prompt came from (Responses keeps them)
     stream: bool = False
     include_usage: bool = False
     logprobs: Optional[int] = None  # None: none; k: each token's logprob and the k most likely tokens
@@ -74,7 +81,7 @@ def parse_body(raw: bytes) -> dict:
     return body
 
 
-def _typed(body: dict, name: str, kinds, default=None, what: str = ""):
+def typed(body: dict, name: str, kinds, default=None, what: str = ""):
     value = body.get(name, default)
     if value is None:
         return default
@@ -84,8 +91,8 @@ def _typed(body: dict, name: str, kinds, default=None, what: str = ""):
     return value
 
 
-def _number(body: dict, name: str, default: float, low: float, high: float) -> float:
-    value = _typed(body, name, (int, float), default, "a number")
+def number(body: dict, name: str, default: float, low: float, high: float) -> float:
+    value = typed(body, name, (int, float), default, "a number")
     if not low <= value <= high:  # also False for NaN and infinities (Python's json reads them)
         raise invalid(f"'{name}' must be between {low} and {high}", param=name)
     return value
@@ -95,31 +102,31 @@ def _common(body: dict, allowed: set, model_id: str, max_tokens_field: Optional[
     unknown = sorted(set(body) - allowed - IGNORED)
     if unknown:
         raise invalid(f"unrecognized request argument: {unknown[0]}", param=unknown[0])
-    model = _typed(body, "model", (str,), model_id, "a string")
+    model = typed(body, "model", (str,), model_id, "a string")
     if model != model_id:
         raise ApiError(404, f"the model '{model}' does not exist; this server serves '{model_id}'",
                        param="model", code="model_not_found")
-    if _typed(body, "n", (int,), 1, "an integer") != 1:
+    if typed(body, "n", (int,), 1, "an integer") != 1:
         raise invalid("only n=1 is supported", param="n")
     max_tokens = default_max_tokens if max_tokens_field is None else max_tokens_field
     if max_tokens < 1:
         raise invalid("'max_tokens' must be at least 1", param="max_tokens")
-    temp = float(_number(body, "temperature", 1.0, 0.0, 2.0))  # 1 is OpenAI's default
+    temp = float(number(body, "temperature", 1.0, 0.0, 2.0))  # 1 is OpenAI's default
     if 0 < temp < 1e-6:
         temp = 0.0  # float32 logits / temp overflow below this
-    stop = _typed(body, "stop", (str, list), [], "a string or a list of strings")
+    stop = typed(body, "stop", (str, list), [], "a string or a list of strings")
     stop = [stop] if isinstance(stop, str) else stop
     if len(stop) > MAX_STOP_STRINGS or not all(isinstance(s, str) and s for s in stop):
         raise invalid(f"'stop' must be up to {MAX_STOP_STRINGS} non-empty strings", param="stop")
-    stream = _typed(body, "stream", (bool,), False, "a boolean")
-    options = _typed(body, "stream_options", (dict,), {}, "an object")
+    stream = typed(body, "stream", (bool,), False, "a boolean")
+    options = typed(body, "stream_options", (dict,), {}, "an object")
     request = GenerationRequest(
         prompt=[], max_tokens=max_tokens, temp=temp,
-        top_p=max(float(_number(body, "top_p", 1.0, 0.0, 1.0)), 1e-9),  # 0 keeps the top token, as in OpenAI's API
-        seed=_typed(body, "seed", (int,), None, "an integer"), stop=stop, stream=stream,
+        top_p=max(float(number(body, "top_p", 1.0, 0.0, 1.0)), 1e-9),  # 0 keeps the top token, as in OpenAI's API
+        seed=typed(body, "seed", (int,), None, "an integer"), stop=stop, stream=stream,
         include_usage=stream and bool(options.get("include_usage")))
-    request.regex = _typed(body, "guided_regex", (str,), None, "a string")
-    request.grammar = _typed(body, "guided_grammar", (str,), None, "a string")
+    request.regex = typed(body, "guided_regex", (str,), None, "a string")
+    request.grammar = typed(body, "guided_grammar", (str,), None, "a string")
     if request.seed is not None and not 0 <= request.seed < 2**64:
         raise invalid("'seed' must be in [0, 2**64)", param="seed")
     if request.regex is not None and request.grammar is not None:
@@ -130,30 +137,78 @@ def _common(body: dict, allowed: set, model_id: str, max_tokens_field: Optional[
 def parse_chat(body: dict, tokenizer, model_id: str, default_max_tokens: int) -> GenerationRequest:
     """A /v1/chat/completions body; ``tokenizer`` applies the chat template."""
     limit = body.get("max_completion_tokens", body.get("max_tokens"))
-    max_tokens = _typed({"max_tokens": limit}, "max_tokens", (int,), None, "an integer")
+    max_tokens = typed({"max_tokens": limit}, "max_tokens", (int,), None, "an integer")
     request = _common(body, CHAT_FIELDS, model_id, max_tokens, default_max_tokens)
     top = _top_logprobs(body, "top_logprobs")
-    if _typed(body, "logprobs", (bool,), False, "a boolean"):
+    if typed(body, "logprobs", (bool,), False, "a boolean"):
         request.logprobs = top or 0
     elif top:
         raise invalid("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
-    messages = _typed(body, "messages", (list,), None, "a list of messages")
+    messages = typed(body, "messages", (list,), None, "a list of messages")
     if not messages:
         raise invalid("'messages' must be a non-empty list", param="messages")
     messages = [_message(m, i) for i, m in enumerate(messages)]
-    tools = _typed(body, "tools", (list,), None, "a list of tools")
-    schema, request.tool_names = _response_schema(body, tools)
-    request.tool_wrapped = body.get("tool_choice") == "required"
-    if schema is not None:
-        if request.regex is not None or request.grammar is not None:
-            raise invalid("give one of response_format, a forced tool call, guided_regex and guided_grammar")
-        request.schema = json.dumps(schema)  # the engine compiles each distinct schema once
-    options = {"tools": tools} if tools else {}
+    functions = _chat_tools(typed(body, "tools", (list,), [], "a list of tools"))
+    choice = _chat_tool_choice(body.get("tool_choice"), functions)
+    request.schema = response_schema(typed(body, "response_format", (dict,), {"type": "text"}, "an object"),
+                                      "response_format")
+    parallel = typed(body, "parallel_tool_calls", (bool,), True, "a boolean")
+    return prepare_chat(request, messages, functions, choice, parallel, tokenizer)
+
+
+def prepare_chat(request: GenerationRequest, messages: list, functions: list, choice: str, parallel: bool,
+                 tokenizer) -> GenerationRequest:
+    """The prompt and the tool constraint of a chat request, whichever API it came in.
+
+    Args:
+        messages: OpenAI chat messages; an assistant's ``tool_calls`` have their arguments as JSON
+            text or an object, a ``tool`` message answers one.
+        functions: the ``tools.Function``s offered; choice: "none", "auto", "required" or a name.
+    """
+    if functions and choice != "none":
+        tools = ToolUse(functions, choice, parallel, tool_syntax(tokenizer))
+        request.tool_grammar, schema = tools.grammar(), tools.json_schema()
+        request.tools = None if tools.syntax is None and choice == "auto" else tools  # no syntax: text only
+        if request.schema is not None and (schema is not None or request.tool_grammar is not None):
+            raise invalid("give a response format or tools the model may call, not both", param="tools")
+        if schema is not None:
+            request.schema = json.dumps(schema)
+    given = [request.regex, request.grammar, request.schema, request.tool_grammar]
+    if sum(constraint is not None for constraint in given) > 1:
+        raise invalid("give one of a response format, a forced tool call, guided_regex and guided_grammar")
+    options = {"tools": [f.for_template() for f in functions]} if functions and choice != "none" else {}
+    request.messages = messages
     try:
-        request.prompt = encode(tokenizer, messages, **options)
+        request.prompt = encode(tokenizer, _for_template(messages, tokenizer), **options)
     except Exception as error:  # the template's own checks (jinja raise_exception, a missing key)
         raise invalid(f"the chat template rejected the messages: {error}", param="messages") from None
     return request
+
+
+def _for_template(messages: list, tokenizer) -> list:
+    """Messages as a template takes them: a call's arguments as an object (templates write them with
+    ``tojson``); a template that writes no calls sees each as its JSON in the content."""
+    template = getattr(tokenizer, "chat_template", None)  # as decoder.encode: not every tokenizer has one
+    template = template if isinstance(template, str) else ""
+    shown = []
+    for message in messages:
+        calls = [{**call, "function": {**call["function"], "arguments": _arguments(call["function"]["arguments"])}}
+                 for call in message.get("tool_calls") or []]
+        if calls and "tool_calls" not in template:
+            written = "\n".join(json.dumps({"name": c["function"]["name"], "arguments": c["function"]["arguments"]},
+                                           separators=(",", ":"), ensure_ascii=False) for c in calls)
+            message = {**message, "content": "\n".join(filter(None, [message.get("content"), written]))}
+        shown.append({**message, "tool_calls": calls} if calls else message)
+    return shown
+
+
+def _arguments(arguments):
+    if not isinstance(arguments, str):
+        return arguments
+    try:
+        return json.loads(arguments)
+    except json.JSONDecodeError:  # shown as the text it is
+        return arguments
 
 
 def _message(message, index: int) -> dict:
@@ -166,51 +221,75 @@ def _message(message, index: int) -> dict:
                    for p in content):
             raise invalid(f"{param}.content: only text parts are supported", param=param)
         content = "".join(p["text"] for p in content)
-    if content is None and message.get("tool_calls"):  # an earlier forced call, shown as its JSON
-        content = json.dumps([call.get("function") for call in message["tool_calls"]])
+    calls = message.get("tool_calls")
+    if calls is not None and not (isinstance(calls, list) and all(
+            isinstance(c, dict) and isinstance(c.get("function"), dict) and isinstance(c["function"].get("name"), str)
+            for c in calls)):
+        raise invalid(f"{param}.tool_calls must be a list of {{'function': {{'name': ..., 'arguments': ...}}}}",
+                      param=param)
+    if content is None and calls:
+        content = ""
     if not isinstance(content, str):
         raise invalid(f"{param}.content must be a string or a list of text parts", param=param)
     return {**message, "content": content}
 
 
-def _response_schema(body: dict, tools):
-    """The JSON schema the output must follow (or None), and the forced tool names (or None)."""
-    choice = body.get("tool_choice")
-    if choice not in (None, "none", "auto"):
-        if not tools:
+def _chat_tools(tools: list) -> list:
+    functions = []
+    for i, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise invalid(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ...}}}}",
+                          param=f"tools[{i}]")
+        functions.append(function_of(function.get("name"), function.get("parameters"), function.get("description"),
+                                     f"tools[{i}]"))
+    return functions
+
+
+def function_of(name, parameters, description, param: str) -> Function:
+    """A ``tools.Function``, its fields checked (``param`` names the tool in an error)."""
+    if not isinstance(name, str) or not name:
+        raise invalid(f"{param} needs a 'name'", param=param)
+    if parameters is not None and not isinstance(parameters, dict):
+        raise invalid(f"{param}: the parameters must be a JSON Schema object", param=param)
+    return Function(name, parameters or {"type": "object"}, description if isinstance(description, str) else "")
+
+
+def _chat_tool_choice(choice, functions: list) -> str:
+    if choice is None:
+        return "auto"
+    if choice in ("none", "auto", "required"):
+        if choice == "required" and not functions:
             raise invalid("'tool_choice' needs 'tools'", param="tool_choice")
-        functions = {}
-        for i, tool in enumerate(tools):
-            function = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
-            if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-                raise invalid(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ...}}}}",
-                              param=f"tools[{i}]")
-            functions[function["name"]] = function.get("parameters") or {"type": "object"}
-        if choice == "required":
-            # One object naming the function and holding its arguments; unpacked into tool_calls.
-            return {"anyOf": [{"type": "object", "properties": {"name": {"const": name}, "arguments": params},
-                               "required": ["name", "arguments"], "additionalProperties": False}
-                              for name, params in functions.items()]}, list(functions)
-        name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
-        if name not in functions:
-            raise invalid("'tool_choice' must be 'none', 'auto', 'required' or "
-                          "{'type': 'function', 'function': {'name': <one of tools>}}", param="tool_choice")
-        return functions[name], [name]
-    response_format = _typed(body, "response_format", (dict,), {"type": "text"}, "an object")
-    _known_keys(response_format, {"type", "json_schema"}, "response_format")
+        return choice
+    name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+    return named_choice(name, functions, "'tool_choice' must be 'none', 'auto', 'required' or "
+                                         "{'type': 'function', 'function': {'name': <one of tools>}}")
+
+
+def named_choice(name, functions: list, message: str) -> str:
+    if not functions:
+        raise invalid("'tool_choice' needs 'tools'", param="tool_choice")
+    if name not in {f.name for f in functions}:
+        raise invalid(message, param="tool_choice")
+    return name
+
+
+def response_schema(response_format: dict, param: str) -> Optional[str]:
+    """JSON text of the schema a response format asks for, or None (plain text)."""
+    _known_keys(response_format, {"type", "json_schema"}, param)
     kind = response_format.get("type")
     if kind == "text":
-        return None, None
+        return None
     if kind == "json_object":
-        return {"type": "object"}, None
+        return json.dumps({"type": "object"})
     if kind == "json_schema":
         spec = response_format.get("json_schema")
         if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), (dict, bool)):
-            raise invalid("response_format.json_schema must be {'name': ..., 'schema': {...}}",
-                          param="response_format")
-        _known_keys(spec, {"name", "schema", "strict", "description"}, "response_format.json_schema")
-        return spec.get("schema", {}), None
-    raise invalid("response_format.type must be 'text', 'json_object' or 'json_schema'", param="response_format")
+            raise invalid(f"{param}.json_schema must be {{'name': ..., 'schema': {{...}}}}", param=param)
+        _known_keys(spec, {"name", "schema", "strict", "description"}, f"{param}.json_schema")
+        return json.dumps(spec.get("schema", {}))  # the engine compiles each distinct schema once
+    raise invalid(f"{param}.type must be 'text', 'json_object' or 'json_schema'", param=param)
 
 
 def _known_keys(value: dict, known: set, where: str):
@@ -220,7 +299,7 @@ def _known_keys(value: dict, known: set, where: str):
 
 
 def _top_logprobs(body: dict, name: str) -> Optional[int]:
-    top = _typed(body, name, (int,), None, "an integer")
+    top = typed(body, name, (int,), None, "an integer")
     if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
         raise invalid(f"'{name}' must be between 0 and {MAX_TOP_LOGPROBS}", param=name)
     return top
@@ -228,7 +307,7 @@ def _top_logprobs(body: dict, name: str) -> Optional[int]:
 
 def parse_completion(body: dict, tokenizer, model_id: str, default_max_tokens: int) -> GenerationRequest:
     """A /v1/completions body: the prompt is raw text (no chat template) or token ids."""
-    max_tokens = _typed(body, "max_tokens", (int,), None, "an integer")
+    max_tokens = typed(body, "max_tokens", (int,), None, "an integer")
     request = _common(body, COMPLETION_FIELDS, model_id, max_tokens, default_max_tokens)
     request.logprobs = _top_logprobs(body, "logprobs")  # the legacy form: the number of top tokens
     for name, default in (("echo", False), ("suffix", None), ("best_of", 1)):

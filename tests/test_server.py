@@ -92,7 +92,7 @@ def test_requests_become_generation_options():
     assert (request.temp, request.max_tokens, request.stop, request.seed) == (0.0, 7, ["\n"], 3)
     assert json.loads(request.schema) == USER_SCHEMA and request.regex is None  # compiled by the engine
     forced = chat(tools=[WEATHER_TOOL], tool_choice="required")
-    assert forced.tool_names == ["get_weather"] and forced.tool_wrapped
+    assert forced.tools.choice == "required" and forced.tools.syntax is None  # no template syntax: bare JSON
     regex = schema_to_regex(json.loads(forced.schema))
     assert re.fullmatch(regex, '{"name":"get_weather","arguments":{"city":"Oslo","unit":"celsius"}}')
     completion = parse_completion({"prompt": "ab", "max_tokens": 3}, FakeTokenizer(), MODEL, 64)
@@ -424,7 +424,7 @@ def test_guided_grammar_output_is_in_the_language_and_a_bad_one_is_400(client):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("page", ["README.md", "docs/server.md", "docs/batching.md"])
+@pytest.mark.parametrize("page", ["README.md", "docs/batching.md"])
 def test_the_docs_server_examples_print_what_they_say(server, page):
     code = re.search(r"^```py\n(.*?)^```", (ROOT / page).read_text(), flags=re.S | re.M).group(1)
     expected = re.search(r"# ([{\[].*[}\]])$", code, flags=re.M).group(1)
@@ -615,3 +615,23 @@ def test_a_taken_port_or_bad_flag_is_one_line_before_the_model_loads():
                                     text=True, timeout=120)
             assert result.returncode == 1 and result.stderr.startswith("error: ") and message in result.stderr
             assert len(result.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_the_server_docs_examples_run(server):
+    """docs/server.md's Python examples: chat completions with response_format (it prints what its comment
+    says), Responses with text.format, a Messages tool round trip."""
+    docs = (ROOT / "docs" / "server.md").read_text()
+    blocks = re.findall(r"^```py\n(.*?)^```", docs, flags=re.S | re.M)
+    outputs = []
+    for code in blocks:
+        code = code.replace("http://127.0.0.1:8080/v1", server[1]).replace(
+            "http://127.0.0.1:8080", server[1].removesuffix("/v1")).replace('api_key="none"', f'api_key="{API_KEY}"')
+        result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stderr[-2000:]
+        outputs.append(result.stdout.strip())
+    assert len(outputs) == 3
+    assert outputs[0] == re.search(r"# ([{\[].*[}\]])$", blocks[0], flags=re.M).group(1)
+    person, cached = outputs[1].rsplit(" ", 1)
+    assert set(json.loads(person)) == {"name", "age"} and int(cached) >= 0
+    assert int(outputs[2].rsplit(" ", 1)[1]) > 0  # the tool result's turn read the first turn from the cache

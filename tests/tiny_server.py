@@ -1,6 +1,6 @@
 """The server on a tiny random model, for tests that need many requests fast (no model to load).
 
-    python -m tests.tiny_server [--prompt-lookup] [--max-batch N] [--max-queue N] [--prompt-cache-bytes N]
+    python -m tests.tiny_server [--prompt-lookup] [--max-batch N] [--max-queue N] [--prompt-cache-bytes N] [--hermes]
 
 Prints "serving tiny on http://127.0.0.1:PORT/v1" once it listens, as ``python -m server`` does.
 The model is ``model()``, so a test builds the same one to compute what the server should answer.
@@ -12,18 +12,30 @@ import asyncio
 import fast_blas
 
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
+# Tool calls as Hermes and Qwen templates write them (mlx-lm reads "<tool_call>" and "tool_call.name" as json_tools).
+HERMES_TEMPLATE = (
+    "{% if tools %}tools: {{ tools | map(attribute='function') | map(attribute='name') | join(', ') }}{{ '\\n' }}{% endif %}"
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}"
+    "{% for call in m.get('tool_calls') or [] %}{% set tool_call = call['function'] %}"
+    "<tool_call>\n{\"name\": \"{{ tool_call.name }}\", \"arguments\": {{ tool_call.arguments | tojson }}}\n</tool_call>"
+    "{% endfor %}{{ '\\n' }}{% endfor %}assistant:")  # HF templates trim a newline after a tag
 
 
-def tokenizer():
+def tokenizer(hermes: bool = False):
     """tests.helpers' byte-level tokenizer with a chat template, wrapped as mlx-lm loads one (its
-    apply_chat_template gives token ids)."""
+    apply_chat_template gives token ids); ``hermes``: a template that writes tool calls, and the
+    json_tools parser mlx-lm picks for one."""
     from mlx_lm.tokenizer_utils import TokenizerWrapper
+    from mlx_lm.tool_parsers import json_tools
 
     from tests.helpers import tiny_byte_tokenizer
 
     byte_tokenizer = tiny_byte_tokenizer()
-    byte_tokenizer.chat_template = CHAT_TEMPLATE
-    return TokenizerWrapper(byte_tokenizer)
+    byte_tokenizer.chat_template = HERMES_TEMPLATE if hermes else CHAT_TEMPLATE
+    if not hermes:
+        return TokenizerWrapper(byte_tokenizer)
+    return TokenizerWrapper(byte_tokenizer, tool_parser=json_tools.parse_tool_call,
+                            tool_call_start=json_tools.tool_call_start, tool_call_end=json_tools.tool_call_end)
 
 
 def vocab_size() -> int:
@@ -44,6 +56,7 @@ def main():
     parser.add_argument("--max-batch", type=int, default=8)
     parser.add_argument("--max-queue", type=int, default=8)
     parser.add_argument("--prompt-cache-bytes", type=int, default=2**20)
+    parser.add_argument("--hermes", action="store_true", help="A chat template that writes Hermes tool calls.")
     args = parser.parse_args()
     fast_blas.load()
     import uvicorn
@@ -54,7 +67,7 @@ def main():
     from server.engine import Engine
 
     sources = (lambda: [PromptLookupSource()]) if args.prompt_lookup else list
-    engine = Engine(model(), tokenizer(), vocab_size(), sources, max_batch=args.max_batch,
+    engine = Engine(model(), tokenizer(args.hermes), vocab_size(), sources, max_batch=args.max_batch,
                     max_queue=args.max_queue, prompt_cache_bytes=args.prompt_cache_bytes)
     sock = listen("127.0.0.1", 0)
     server = uvicorn.Server(uvicorn.Config(build_app(engine, "tiny", context_length=4096), log_level="warning"))

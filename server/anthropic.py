@@ -1,0 +1,247 @@
+"""Anthropic's Messages API: POST /v1/messages and /v1/messages/count_tokens, on the same engine.
+
+A Messages body becomes OpenAI-style chat messages (``tool_use`` blocks an assistant's
+``tool_calls``, ``tool_result`` blocks ``tool`` messages) and goes through ``prepare_chat`` as a
+chat completion does, so the prompt, the tool constraint and the prompt cache are the same.
+``output_config.format`` (a JSON schema) constrains the text as ``response_format`` does. Unknown
+top-level fields (``metadata``, ``thinking``, ...) are ignored; ``top_k`` 1 is greedy, other values
+are accepted and not applied (the engine samples with temperature and top_p only).
+
+Usage follows Anthropic: ``input_tokens`` are the prompt tokens decoded now, and
+``cache_read_input_tokens`` those whose KV entries came from the prompt cache (together, the
+prompt). Errors are ``{"type": "error", "error": {"type", "message"}}`` with Anthropic's statuses
+(a full queue is 529 "overloaded_error").
+"""
+
+import json
+import uuid
+
+from server.engine import Outcome
+from server.formats import Format, sse
+from server.protocol import (ApiError, GenerationRequest, function_of, invalid, named_choice, number, prepare_chat,
+                             response_schema, typed)
+from server.tools import Call
+
+PING_S = 5.0  # a stream with nothing to say for this long sends a ping (a long prompt's prefill)
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+               404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
+               529: "overloaded_error"}
+ANTHROPIC_STATUS = {503: 529}  # our status -> Anthropic's, where they differ
+
+
+def anthropic_error(error: ApiError) -> dict:
+    status = ANTHROPIC_STATUS.get(error.status, error.status)
+    kind = ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": error.message}}
+
+
+def parse_messages(body: dict, tokenizer, model_id: str, default_max_tokens: int,
+                   counting: bool = False) -> GenerationRequest:
+    """A /v1/messages body (``counting``: a count_tokens body, which has no max_tokens)."""
+    model = typed(body, "model", (str,), model_id, "a string")
+    if model != model_id:
+        raise ApiError(404, f"model: '{model}' does not exist; this server serves '{model_id}'", param="model")
+    max_tokens = 1 if counting else typed(body, "max_tokens", (int,), None, "an integer")
+    if max_tokens is None or max_tokens < 1:
+        raise invalid("max_tokens: a positive integer is required", param="max_tokens")
+    temp = float(number(body, "temperature", 1.0, 0.0, 1.0))  # 1 is Anthropic's default
+    top_k = typed(body, "top_k", (int,), None, "an integer")
+    if top_k is not None and top_k < 0:
+        raise invalid("top_k: must be at least 0", param="top_k")
+    stop = typed(body, "stop_sequences", (list,), [], "a list of strings")
+    if not all(isinstance(s, str) and s for s in stop):
+        raise invalid("stop_sequences: each must be a non-empty string", param="stop_sequences")
+    request = GenerationRequest(
+        prompt=[], max_tokens=max_tokens, temp=0.0 if top_k == 1 or temp < 1e-6 else temp, stop=stop,
+        top_p=max(float(number(body, "top_p", 1.0, 0.0, 1.0)), 1e-9),
+        stream=typed(body, "stream", (bool,), False, "a boolean"))
+    messages = typed(body, "messages", (list,), None, "a list of messages")
+    if not messages:
+        raise invalid("messages: at least one message is required", param="messages")
+    functions = [_function(tool, i) for i, tool in enumerate(typed(body, "tools", (list,), [], "a list of tools"))]
+    choice, parallel = _tool_choice(typed(body, "tool_choice", (dict,), {"type": "auto"}, "an object"), functions)
+    output = typed(typed(body, "output_config", (dict,), {}, "an object"), "format", (dict,), None, "an object")
+    if output is not None:  # structured output: {"type": "json_schema", "schema": {...}}
+        if output.get("type") != "json_schema" or not isinstance(output.get("schema"), dict):
+            raise invalid("output_config.format: must be {'type': 'json_schema', 'schema': {...}}",
+                          param="output_config")
+        request.schema = response_schema({"type": "json_schema", "json_schema": {"schema": output["schema"]}},
+                                         "output_config.format")
+    chat = _system(body.get("system")) + _chat_messages(messages)
+    return prepare_chat(request, chat, functions, choice, parallel, tokenizer)
+
+
+def _text(blocks, where: str) -> str:
+    """A string, or text blocks joined; anything else is refused."""
+    if isinstance(blocks, str):
+        return blocks
+    if isinstance(blocks, list) and all(isinstance(b, dict) and b.get("type") == "text" and
+                                        isinstance(b.get("text"), str) for b in blocks):
+        return "\n\n".join(b["text"] for b in blocks)
+    raise invalid(f"{where}: only a string or text blocks are supported here", param=where)
+
+
+def _system(system) -> list:
+    if system is None:
+        return []
+    return [{"role": "system", "content": _text(system, "system")}]
+
+
+def _chat_messages(messages: list) -> list:
+    """Messages in chat form: text, ``tool_use`` (an assistant's calls) and ``tool_result`` (each a
+    ``tool`` message, before the rest of its user turn); thinking blocks are left out."""
+    chat, names = [], {}  # tool_use id -> tool name, for the results that answer it
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        role = message.get("role") if isinstance(message, dict) else None
+        if role not in ("user", "assistant"):
+            raise invalid(f"{where}.role: must be 'user' or 'assistant'", param=where)
+        content = message.get("content")
+        blocks = [{"type": "text", "text": content}] if isinstance(content, str) else content
+        if not isinstance(blocks, list):
+            raise invalid(f"{where}.content: must be a string or a list of content blocks", param=where)
+        texts, calls, results = [], [], []
+        for j, block in enumerate(blocks):
+            kind = block.get("type") if isinstance(block, dict) else None
+            place = f"{where}.content[{j}]"
+            if kind == "text" and isinstance(block.get("text"), str):
+                texts.append(block["text"])
+            elif kind == "tool_use" and role == "assistant":
+                name, call_id, arguments = block.get("name"), block.get("id"), block.get("input", {})
+                if not isinstance(name, str) or not isinstance(call_id, str) or not isinstance(arguments, dict):
+                    raise invalid(f"{place}: a tool_use block needs an 'id', a 'name' and an 'input' object",
+                                  param=place)
+                names[call_id] = name
+                calls.append({"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}})
+            elif kind == "tool_result" and role == "user":
+                result = _text(block.get("content", ""), f"{place}.content")
+                if block.get("is_error"):
+                    result = f"Error: {result}"
+                call_id = block.get("tool_use_id")
+                results.append({"role": "tool", "tool_call_id": call_id, "name": names.get(call_id, ""),
+                                "content": result})
+            elif kind not in ("thinking", "redacted_thinking"):
+                raise invalid(f"{place}: '{kind}' blocks are not supported here (text, tool_use from the "
+                              "assistant and tool_result from the user are)", param=place)
+        if role == "assistant":
+            answer = {"role": "assistant", "content": "\n\n".join(texts)}
+            chat.append({**answer, "tool_calls": calls} if calls else answer)
+        else:
+            chat += results
+            if texts or not results:
+                chat.append({"role": "user", "content": "\n\n".join(texts)})
+    return chat
+
+
+def _function(tool, index: int):
+    where = f"tools[{index}]"
+    if not isinstance(tool, dict) or tool.get("type", "custom") != "custom":
+        raise invalid(f"{where}: only custom tools ({{'name', 'description', 'input_schema'}}) are supported",
+                      param=where)
+    return function_of(tool.get("name"), tool.get("input_schema"), tool.get("description"), where)
+
+
+def _tool_choice(choice: dict, functions: list) -> tuple:
+    """(choice as prepare_chat takes it, whether several calls may be made)."""
+    parallel = not choice.get("disable_parallel_tool_use", False)
+    kind = choice.get("type")
+    if kind in ("auto", "none"):
+        return kind, parallel
+    if kind == "any":
+        if not functions:
+            raise invalid("tool_choice: 'any' needs tools", param="tool_choice")
+        return "required", parallel
+    if kind == "tool":
+        return named_choice(choice.get("name"), functions, "tool_choice: 'name' must be one of the tools"), parallel
+    raise invalid("tool_choice.type: must be 'auto', 'any', 'tool' or 'none'", param="tool_choice")
+
+
+class MessagesFormat(Format):
+    """Message objects, and their stream: message_start, then per content block
+    content_block_start / content_block_delta (text_delta, input_json_delta) / content_block_stop,
+    message_delta (stop_reason, usage), message_stop; a ping after ``PING_S`` of silence."""
+
+    ping_s = PING_S
+
+    def __init__(self, model_id: str, request: GenerationRequest):
+        super().__init__(model_id, request)
+        self.id = f"msg_{uuid.uuid4().hex[:24]}"
+        self.cached = 0  # prompt tokens found in the prompt cache
+        self.blocks, self.text_open, self.called = 0, False, False  # content blocks started; the last open
+
+    def _message(self, content: list, outcome: Outcome = None) -> dict:
+        stop_reason = None if outcome is None else self._stop_reason(outcome)
+        return {"id": self.id, "type": "message", "role": "assistant", "model": self.model_id, "content": content,
+                "stop_reason": stop_reason, "stop_sequence": None if outcome is None else outcome.stop_sequence,
+                "usage": self._usage(outcome)}
+
+    def _usage(self, outcome: Outcome = None) -> dict:
+        cached = self.cached if outcome is None else outcome.cached_tokens
+        return {"input_tokens": len(self.request.prompt) - cached, "cache_creation_input_tokens": 0,
+                "cache_read_input_tokens": cached, "output_tokens": 0 if outcome is None else outcome.completion_tokens}
+
+    def _stop_reason(self, outcome: Outcome) -> str:
+        if outcome.finish_reason == "length":
+            return "max_tokens"
+        if outcome.stop_sequence is not None:
+            return "stop_sequence"
+        return "tool_use" if self.called else "end_turn"
+
+    @staticmethod
+    def _tool_use(call: Call) -> dict:
+        return {"type": "tool_use", "id": call.id or f"toolu_{uuid.uuid4().hex[:24]}", "name": call.name,
+                "input": json.loads(call.arguments)}
+
+    def full(self, outcome: Outcome) -> dict:
+        text, calls = self.split(outcome)
+        self.called = bool(calls)
+        return self._message(([{"type": "text", "text": text}] if text else []) + [self._tool_use(c) for c in calls],
+                             outcome)
+
+    def _event(self, kind: str, **fields) -> str:
+        return sse({"type": kind, **fields}, kind)
+
+    def _close_text(self) -> list:
+        if not self.text_open:
+            return []
+        self.text_open, self.blocks = False, self.blocks + 1
+        return [self._event("content_block_stop", index=self.blocks - 1)]
+
+    def _items(self, items: list) -> list:
+        events = []
+        for item in items:
+            if isinstance(item, str):
+                if not self.text_open:
+                    events.append(self._event("content_block_start", index=self.blocks,
+                                              content_block={"type": "text", "text": ""}))
+                    self.text_open = True
+                events.append(self._event("content_block_delta", index=self.blocks,
+                                          delta={"type": "text_delta", "text": item}))
+                continue
+            events += self._close_text()
+            block = self._tool_use(item)
+            events += [self._event("content_block_start", index=self.blocks, content_block={**block, "input": {}}),
+                       self._event("content_block_delta", index=self.blocks,
+                                   delta={"type": "input_json_delta", "partial_json": item.arguments}),
+                       self._event("content_block_stop", index=self.blocks)]
+            self.blocks, self.called = self.blocks + 1, True
+        return events
+
+    def start(self, cached: int) -> list:
+        self.cached = cached
+        return [self._event("message_start", message=self._message([]))]
+
+    def text(self, piece: str, logprobs) -> list:
+        return self._items(self.reader.add(piece))
+
+    def done(self, outcome: Outcome) -> list:
+        events = self._items(self.reader.finish()) + self._close_text()
+        delta = {"stop_reason": self._stop_reason(outcome), "stop_sequence": outcome.stop_sequence}
+        return events + [self._event("message_delta", delta=delta, usage=self._usage(outcome)),
+                         self._event("message_stop")]
+
+    def failed(self, error: ApiError) -> list:
+        return [sse(anthropic_error(error), "error")]
+
+    def ping(self) -> list:
+        return [self._event("ping")]

@@ -1,0 +1,278 @@
+"""OpenAI's Responses API: POST /v1/responses, on the same engine.
+
+``input`` (a string, or message, function_call and function_call_output items) becomes chat
+messages and goes through ``prepare_chat`` as a chat completion does; ``instructions`` is a system
+message first, ``text.format`` a response format, function ``tools`` and ``tool_choice`` the
+chat ones. Output is ``message`` items (``output_text``) and ``function_call`` items.
+
+``previous_response_id``: the server keeps the conversations of its last ``stored_responses``
+answers (``build_app``; 256 by default, in memory, least recent out) unless a request says
+``store: false``. A follow-up names one and sends only the new items; an id no longer kept is a
+404 that says so. Agents that resend the whole history need none of it. As in OpenAI's API, the
+earlier ``instructions`` are not carried over.
+
+A stream ends with ``response.completed`` also when ``max_output_tokens`` cut the answer short
+(status "incomplete", ``incomplete_details.reason`` "max_output_tokens").
+"""
+
+import threading
+import time
+import uuid
+from collections import OrderedDict
+
+from server.engine import Outcome
+from server.formats import Format, sse
+from server.protocol import (ApiError, GenerationRequest, function_of, invalid, named_choice, number, prepare_chat,
+                             response_schema, typed)
+from server.tools import Call
+
+FIELDS = {"model", "input", "instructions", "tools", "tool_choice", "text", "max_output_tokens", "temperature",
+          "top_p", "stream", "previous_response_id", "parallel_tool_calls", "store"}
+# Accepted and ignored: bookkeeping on OpenAI's side, or options that change nothing here.
+IGNORED = {"metadata", "user", "service_tier", "truncation", "include", "reasoning", "prompt_cache_key",
+           "safety_identifier", "prompt_cache_retention", "stream_options", "background"}
+
+
+class ResponseStore:
+    """The conversations (chat messages, the answer last) of the last ``size`` responses stored;
+    the least recently stored go first. Handlers read and write it from several threads."""
+
+    def __init__(self, size: int):
+        self.size, self.entries, self.lock = size, OrderedDict(), threading.Lock()
+
+    def add(self, response_id: str, messages: list):
+        with self.lock:
+            self.entries[response_id] = messages
+            while len(self.entries) > self.size:
+                self.entries.popitem(last=False)
+
+    def get(self, response_id: str) -> list:
+        with self.lock:
+            if response_id not in self.entries:
+                raise ApiError(404, f"previous_response_id: no response '{response_id}' is kept (this server keeps "
+                               f"the last {self.size} stored responses); send the whole conversation in 'input'",
+                               param="previous_response_id", code="previous_response_not_found")
+            return self.entries[response_id]
+
+
+def parse_responses(body: dict, tokenizer, model_id: str, default_max_tokens: int,
+                    store: ResponseStore) -> GenerationRequest:
+    """A /v1/responses body."""
+    unknown = sorted(set(body) - FIELDS - IGNORED)
+    if unknown:
+        raise invalid(f"unrecognized request argument: {unknown[0]}", param=unknown[0])
+    model = typed(body, "model", (str,), model_id, "a string")
+    if model != model_id:
+        raise ApiError(404, f"the model '{model}' does not exist; this server serves '{model_id}'",
+                       param="model", code="model_not_found")
+    max_tokens = typed(body, "max_output_tokens", (int,), default_max_tokens, "an integer")
+    if max_tokens < 1:
+        raise invalid("'max_output_tokens' must be at least 1", param="max_output_tokens")
+    temp = float(number(body, "temperature", 1.0, 0.0, 2.0))
+    request = GenerationRequest(prompt=[], max_tokens=max_tokens, temp=0.0 if temp < 1e-6 else temp,
+                                top_p=max(float(number(body, "top_p", 1.0, 0.0, 1.0)), 1e-9),
+                                stream=typed(body, "stream", (bool,), False, "a boolean"))
+    previous = typed(body, "previous_response_id", (str,), None, "a string")
+    conversation = (store.get(previous) if previous else []) + _input_messages(body.get("input"))
+    instructions = typed(body, "instructions", (str,), None, "a string")
+    functions = [_function(tool, i) for i, tool in enumerate(typed(body, "tools", (list,), [], "a list of tools"))]
+    choice = _tool_choice(body.get("tool_choice"), functions)
+    text = typed(body, "text", (dict,), {}, "an object")
+    request.schema = response_schema(_as_response_format(typed(text, "format", (dict,), {"type": "text"},
+                                                               "an object")), "text.format")
+    parallel = typed(body, "parallel_tool_calls", (bool,), True, "a boolean")
+    prepare_chat(request, ([{"role": "system", "content": instructions}] if instructions else []) + conversation,
+                 functions, choice, parallel, tokenizer)
+    stored = typed(body, "store", (bool,), True, "a boolean")
+    request.messages = conversation if stored and store.size else None  # what a follow-up builds on
+    return request
+
+
+def _as_response_format(spec: dict) -> dict:
+    """``text.format`` (the schema's fields flat) in chat's ``response_format`` shape."""
+    if spec.get("type") != "json_schema":
+        return spec
+    return {"type": "json_schema", "json_schema": {k: v for k, v in spec.items() if k != "type"}}
+
+
+def _content(content, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") in ("input_text", "output_text", "text")
+                                         and isinstance(p.get("text"), str) for p in content):
+        return "".join(p["text"] for p in content)
+    raise invalid(f"{where}: only text content is supported (a string or input_text/output_text parts)", param=where)
+
+
+def _input_messages(items) -> list:
+    """Chat messages for ``input``: a function_call joins the assistant message before it (or
+    starts one), a function_call_output is a ``tool`` message; reasoning items are left out."""
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}]
+    if not isinstance(items, list) or not items:
+        raise invalid("'input' must be a string or a non-empty list of items", param="input")
+    chat, names = [], {}  # call_id -> tool name
+    for i, item in enumerate(items):
+        where = f"input[{i}]"
+        kind = item.get("type", "message") if isinstance(item, dict) else None
+        if kind == "message":
+            role = {"developer": "system"}.get(item.get("role"), item.get("role"))
+            if role not in ("user", "assistant", "system"):
+                raise invalid(f"{where}.role must be 'user', 'assistant', 'system' or 'developer'", param=where)
+            chat.append({"role": role, "content": _content(item.get("content"), f"{where}.content")})
+        elif kind == "function_call":
+            call_id, name, arguments = item.get("call_id"), item.get("name"), item.get("arguments")
+            if not all(isinstance(value, str) for value in (call_id, name, arguments)):
+                raise invalid(f"{where}: a function_call needs 'call_id', 'name' and 'arguments' strings", param=where)
+            names[call_id] = name
+            call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+            if chat and chat[-1]["role"] == "assistant":
+                chat[-1] = {**chat[-1], "tool_calls": chat[-1].get("tool_calls", []) + [call]}
+            else:
+                chat.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind == "function_call_output":
+            call_id = item.get("call_id")
+            chat.append({"role": "tool", "tool_call_id": call_id, "name": names.get(call_id, ""),
+                         "content": _content(item.get("output"), f"{where}.output")})
+        elif kind != "reasoning":
+            raise invalid(f"{where}: '{kind}' items are not supported (message, function_call and "
+                          "function_call_output are)", param=where)
+    return chat
+
+
+def _function(tool, index: int):
+    where = f"tools[{index}]"
+    if not isinstance(tool, dict) or tool.get("type") != "function":
+        raise invalid(f"{where}: only function tools ({{'type': 'function', 'name', 'parameters'}}) are supported",
+                      param=where)
+    return function_of(tool.get("name"), tool.get("parameters"), tool.get("description"), where)
+
+
+def _tool_choice(choice, functions: list) -> str:
+    if choice is None:
+        return "auto"
+    if choice in ("none", "auto", "required"):
+        if choice == "required" and not functions:
+            raise invalid("'tool_choice' needs 'tools'", param="tool_choice")
+        return choice
+    name = choice.get("name") if isinstance(choice, dict) and choice.get("type") == "function" else None
+    return named_choice(name, functions, "'tool_choice' must be 'none', 'auto', 'required' or "
+                                         "{'type': 'function', 'name': <one of tools>}")
+
+
+class ResponsesFormat(Format):
+    """Response objects, and their stream: response.created, response.in_progress, then per output
+    item output_item.added, its content (content_part.added, output_text.delta ...,
+    output_text.done, content_part.done; or function_call_arguments.delta and .done),
+    output_item.done; last response.completed with the whole output and usage."""
+
+    def __init__(self, model_id: str, request: GenerationRequest, store: ResponseStore):
+        super().__init__(model_id, request)
+        self.store = store
+        self.id, self.created = f"resp_{uuid.uuid4().hex}", int(time.time())
+        self.sequence = 0  # every event's sequence_number
+        self.output = []  # finished output items
+        self.message = None  # the open message item, while text streams into it
+
+    def _response(self, status: str, outcome: Outcome = None) -> dict:
+        tools = [] if self.request.tools is None else self.request.tools.functions
+        response = {"id": self.id, "object": "response", "created_at": self.created, "status": status,
+                    "model": self.model_id, "output": self.output if outcome is not None else [], "error": None,
+                    "incomplete_details": None, "instructions": None, "metadata": {},
+                    "parallel_tool_calls": self.request.tools is None or self.request.tools.parallel,
+                    "temperature": self.request.temp, "top_p": self.request.top_p, "tool_choice": "auto",
+                    "tools": [{"type": "function", "name": f.name, "description": f.description,
+                               "parameters": f.parameters, "strict": False} for f in tools],
+                    "usage": None}
+        if outcome is not None:
+            response["usage"] = {"input_tokens": outcome.prompt_tokens,
+                                 "input_tokens_details": {"cached_tokens": outcome.cached_tokens},
+                                 "output_tokens": outcome.completion_tokens,
+                                 "output_tokens_details": {"reasoning_tokens": 0},
+                                 "total_tokens": outcome.prompt_tokens + outcome.completion_tokens}
+            if outcome.finish_reason == "length":
+                response["incomplete_details"] = {"reason": "max_output_tokens"}
+        return response
+
+    def _event(self, kind: str, **fields) -> str:
+        self.sequence += 1
+        return sse({"type": kind, "sequence_number": self.sequence - 1, **fields}, kind)
+
+    def _close_message(self) -> list:
+        if self.message is None:
+            return []
+        item, self.message = self.message, None
+        part = item["content"][0]
+        where = {"item_id": item["id"], "output_index": len(self.output)}
+        item["status"] = "completed"
+        events = [self._event("response.output_text.done", **where, content_index=0, text=part["text"], logprobs=[]),
+                  self._event("response.content_part.done", **where, content_index=0, part=part),
+                  self._event("response.output_item.done", output_index=len(self.output), item=item)]
+        self.output.append(item)
+        return events
+
+    def _items(self, items: list) -> list:
+        events = []
+        for item in items:
+            if isinstance(item, str):
+                if self.message is None:
+                    self.message = {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant",
+                                    "status": "in_progress", "content": []}
+                    events.append(self._event("response.output_item.added", output_index=len(self.output),
+                                              item={**self.message, "content": []}))
+                    self.message["content"].append({"type": "output_text", "text": "", "annotations": []})
+                    events.append(self._event("response.content_part.added", item_id=self.message["id"],
+                                              output_index=len(self.output), content_index=0,
+                                              part={"type": "output_text", "text": "", "annotations": []}))
+                self.message["content"][0]["text"] += item
+                events.append(self._event("response.output_text.delta", item_id=self.message["id"],
+                                          output_index=len(self.output), content_index=0, delta=item, logprobs=[]))
+                continue
+            events += self._close_message()
+            events += self._call(item)
+        return events
+
+    def _call(self, call: Call) -> list:
+        item = {"id": f"fc_{uuid.uuid4().hex}", "type": "function_call", "status": "in_progress",
+                "call_id": call.id or f"call_{uuid.uuid4().hex[:24]}", "name": call.name, "arguments": ""}
+        where = {"item_id": item["id"], "output_index": len(self.output)}
+        events = [self._event("response.output_item.added", output_index=len(self.output), item=dict(item)),
+                  self._event("response.function_call_arguments.delta", **where, delta=call.arguments),
+                  self._event("response.function_call_arguments.done", **where, name=call.name,
+                              arguments=call.arguments)]
+        item.update(arguments=call.arguments, status="completed")
+        events.append(self._event("response.output_item.done", output_index=len(self.output), item=item))
+        self.output.append(item)
+        return events
+
+    def _finish(self, outcome: Outcome) -> dict:
+        """The finished response; its conversation is stored for a follow-up."""
+        if self.request.messages is not None:
+            text = "".join(part["text"] for item in self.output if item["type"] == "message"
+                           for part in item["content"])
+            calls = [{"id": item["call_id"], "type": "function",
+                      "function": {"name": item["name"], "arguments": item["arguments"]}}
+                     for item in self.output if item["type"] == "function_call"]
+            answer = {"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})}
+            self.store.add(self.id, self.request.messages + [answer])
+        return self._response("incomplete" if outcome.finish_reason == "length" else "completed", outcome)
+
+    def full(self, outcome: Outcome) -> dict:
+        self._items(self.reader.add(outcome.text) + self.reader.finish())  # the stream's items, events unsent
+        self._close_message()
+        return self._finish(outcome)
+
+    def start(self, cached: int) -> list:
+        return [self._event("response.created", response=self._response("in_progress")),
+                self._event("response.in_progress", response=self._response("in_progress"))]
+
+    def text(self, piece: str, logprobs) -> list:
+        return self._items(self.reader.add(piece))
+
+    def done(self, outcome: Outcome) -> list:
+        events = self._items(self.reader.finish()) + self._close_message()
+        return events + [self._event("response.completed", response=self._finish(outcome))]
+
+    def failed(self, error: ApiError) -> list:
+        response = {**self._response("failed"), "error": {"code": error.code or error.type, "message": error.message}}
+        return [self._event("response.failed", response=response)]
