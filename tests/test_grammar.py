@@ -309,7 +309,7 @@ NEITHER = {"type": "string", "not": {"const": "a"}}  # llguidance: "Unimplemente
 
 def test_compile_schema_prefers_llguidance_and_falls_back_in_one_line(monkeypatch, capsys):
     from constrained import SchemaError, schema_to_regex
-    from cli.sources import compile_schema
+    from constrained.build import compile_schema
 
     assert compile_schema(ONLY_LLGUIDANCE)[0] == "grammar" and capsys.readouterr().err == ""
     assert compile_schema(True) == ("regex", schema_to_regex(True))  # any JSON value
