@@ -27,6 +27,9 @@ from tests import architecture_checks as checks
 from tests.architectures import ARCHITECTURES, build, cache_family, describe_caches, save, tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
+# What each kind of cache holds, for the section headings.
+KINDS = {"KVCache": "full attention", "RotatingKVCache": "sliding-window attention",
+         "ChunkedKVCache": "attention in chunks", "ArraysCache": "recurrent state (SSM, linear attention, convolution)"}
 COLUMNS = ["plain", "prompt lookup", "regex", "batch", "batch + lookup", "4-bit", "8-bit", "main.py"]
 
 
@@ -120,7 +123,9 @@ def write_table(rows: dict, command: str) -> str:
              f"{passed} of {len(rows)} architectures pass everything.", ""]
     header = "| architecture | " + " | ".join(COLUMNS) + " |"
     for family, members in families.items():
-        lines += [f"## {family}", "", header, "|" + " --- |" * (len(COLUMNS) + 1)]
+        meaning = "; ".join(KINDS[kind] for kind in family.split(",")[0].split(" + ") if kind in KINDS)
+        lines += [f"## {family}", "", f"{meaning[:1].upper()}{meaning[1:]}.", "", header,
+                  "|" + " --- |" * (len(COLUMNS) + 1)]
         lines += [f"| {name} | " + " | ".join(cell(c) for c in cells) + " |" for name, _, cells in members]
         lines.append("")
     lines += ["## Caches", "",

@@ -177,15 +177,15 @@ class MainError(AssertionError):
 def check_main(model, directory, tokenizer):
     """``main.py --model DIR --json --prompt-lookup`` on ``model`` saved in ``directory`` prints
     mlx-lm's greedy tokens (up to EOS)."""
-    from decoder import encode, eos_ids_of
+    from decoder import eos_ids_of
 
     _, _, max_tokens = lengths(model)
     command = [sys.executable, "main.py", "--model", str(directory), "--json", "--prompt-lookup",
                "--max-tokens", str(max_tokens), "--prompt", MAIN_PROMPT]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
     if done.returncode != 0:
-        raise MainError(done.returncode, done.stderr)
-    prompt = encode(tokenizer, MAIN_PROMPT)
+        raise MainError(done.returncode, done.stderr.replace(str(directory), "DIR"))
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": MAIN_PROMPT}], add_generation_prompt=True)
     want = mlx_lm_greedy(model, prompt, max_tokens)
     eos = eos_ids_of(tokenizer)
     want = want[: next((i + 1 for i, token in enumerate(want) if token in eos), len(want))]

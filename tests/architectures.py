@@ -103,7 +103,7 @@ ARCHITECTURES = {
                         hidden_size_per_layer_input=16, vocab_size_per_layer_input=VOCAB),
     "gpt_oss": {**MOE, "sliding_window": WINDOW},
     "cohere2": dict(sliding_window=WINDOW, sliding_window_pattern=2),
-    "exaone4": dict(sliding_window=WINDOW, sliding_window_pattern="LG"),
+    "exaone4": dict(sliding_window=WINDOW, sliding_window_pattern="LG", layer_types=SLIDING_THEN_FULL),
     "olmo3": dict(sliding_window=WINDOW, layer_types=SLIDING_THEN_FULL),
     "plamo3": dict(sliding_window=WINDOW, sliding_window_pattern=2),
     "muse_glimmer": dict(sliding_window=WINDOW, layer_types=SLIDING_THEN_FULL),
@@ -128,7 +128,7 @@ ARCHITECTURES = {
                  "num_dense_layers": 1},
     "falcon_h1": {**MAMBA, "mamba_d_ssm": 64},  # every layer: CacheList(ArraysCache, KVCache)
     "nemotron_h": {**MAMBA, "hybrid_override_pattern": ["M", "*", "M", "-"]},
-    "granitemoehybrid": {**GRANITE, **MAMBA, **MOE, "shared_intermediate_size": 128,
+    "granitemoehybrid": {**GRANITE, **MAMBA, **MOE, "shared_intermediate_size": 128, "mamba_n_heads": 8,
                          "layer_types": ["mamba", "attention", "mamba", "attention"]},
     "jamba": {**MAMBA, **MOE, "attn_layer_offset": 1, "attn_layer_period": 2, "expert_layer_offset": 1,
               "expert_layer_period": 2},
@@ -251,7 +251,9 @@ def describe_cache(cache) -> str:
 
 def cache_family(model) -> str:
     """The kinds of cache the model keeps, e.g. "ArraysCache + KVCache": what the engine must handle."""
-    return " + ".join(sorted({type(cache).__name__ for cache in layer_caches(model)}))
+    kinds = " + ".join(sorted({type(cache).__name__ for cache in layer_caches(model)}))
+    in_lists = any(isinstance(cache, CacheList) for cache in make_prompt_cache(model))
+    return f"{kinds}, in CacheLists" if in_lists else kinds
 
 
 def describe_caches(model) -> dict:

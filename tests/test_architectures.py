@@ -15,8 +15,9 @@ from tests import architecture_checks as checks
 from tests.architectures import build, save, tokenizer
 
 TESTED = [
-    # full attention, with experts, with latent attention; mistral3 scales attention by position
-    "llama", "qwen3", "qwen3_moe", "deepseek_v3", "gemma2", "mistral3",
+    # full attention, with experts, with latent attention (deepseek_v32 in CacheLists); mistral3
+    # scales attention by position
+    "llama", "qwen3", "qwen3_moe", "deepseek_v3", "deepseek_v32", "gemma2", "mistral3",
     # sliding windows, gemma4_text with layers sharing their KV caches
     "gemma3_text", "gemma4_text", "gpt_oss", "cohere2", "exaone4",
     # attention chunks
@@ -24,7 +25,7 @@ TESTED = [
     # recurrent layers beside attention, beside sliding windows, in CacheLists, alone
     "qwen3_next", "qwen3_5", "lfm2", "nemotron_h", "falcon_h1", "recurrent_gemma", "baichuan_m1", "mamba2",
 ]
-THROUGH_MAIN = ["llama", "gemma3_text", "qwen3_next", "falcon_h1"]
+THROUGH_MAIN = ["llama", "mistral3", "gemma3_text", "qwen3_next"]
 
 
 @pytest.fixture(scope="module", params=TESTED)
