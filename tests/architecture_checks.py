@@ -26,7 +26,7 @@ def lengths(model) -> tuple:
     window or chunk, batch rows on both sides of it (two close enough to be prefilled together,
     with left padding), and enough new tokens to pass it twice."""
     span = window(model)
-    return span // 2 + 6, [span + 5, span + 6, 3, 2 * span + 7], 2 * span + 16
+    return max(span // 2, 6), [span + 5, span + 6, 3, 2 * span + 7], 2 * span + 16
 
 
 def prompt_tokens(length: int, seed: int = 0) -> list:
@@ -37,7 +37,11 @@ def mlx_lm_greedy(model, prompt: list, max_tokens: int) -> list:
     """mlx-lm's own greedy tokens for ``prompt``: the oracle of every check."""
     from mlx_lm.generate import generate_step
 
-    return [token for token, _ in generate_step(mx.array(prompt), model, max_tokens=max_tokens)]
+    tokens = [token for token, _ in generate_step(mx.array(prompt), model, max_tokens=max_tokens)]
+    # One token over and over (NaN logits, or a tied embedding predicting its input) would make
+    # any rollback look right.
+    assert len(set(tokens)) > 1 or max_tokens < 2, f"the model repeats token {tokens[0]}: nothing to check"
+    return tokens
 
 
 def near_copy(tokens: list, every: int = 6) -> list:
