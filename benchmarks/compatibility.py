@@ -11,7 +11,8 @@ row per architecture, grouped by the kinds of cache its ``make_cache()`` gives. 
 - refused: the engine declined with an error of its own (its one line).
 
 A second table lists each model's caches, layer by layer, and the masks its forward pass asks them
-for. It takes about ten minutes on a 2-core CPU, main.py's start for each model the most.
+for. All 63 models took 13 minutes on this 2-core CPU (shared with other jobs), main.py's start for
+each model the most; ``--no-main`` leaves that out.
 """
 
 import argparse
@@ -49,12 +50,17 @@ def outcome(check) -> str:
         return f"FAIL: {short(error)}"
     except Exception as error:  # noqa: BLE001 - one cell's failure must not stop the table
         where = Path(traceback.extract_tb(error.__traceback__)[-1].filename).resolve()
-        ours = where.is_relative_to(ROOT) and "site-packages" not in where.parts
-        if ours and isinstance(error, ValueError):  # how this toolkit says it cannot do something
-            return f"refused: {short(error)}"
-        origin = "/".join(where.parts[where.parts.index("site-packages") + 1:]) if "site-packages" in where.parts \
-            else where.relative_to(ROOT) if ours else where.name
-        return f"FAIL: {type(error).__name__} in {origin}: {short(error, 70)}"
+        installed = "site-packages" in where.parts
+        if where.is_relative_to(ROOT) and not installed and isinstance(error, ValueError):
+            return f"refused: {short(error)}"  # how this toolkit says it cannot do something
+        return f"FAIL: {type(error).__name__} in {origin(where)}: {short(error, 70)}"
+
+
+def origin(path: Path) -> str:
+    """Where an exception came from, short: mlx_lm/models/gemma2.py, decoder.py."""
+    if "site-packages" in path.parts:
+        return "/".join(path.parts[path.parts.index("site-packages") + 1:])
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else path.name
 
 
 def run_row(name: str, smollm2_tokenizer, with_main: bool) -> tuple:
@@ -86,9 +92,10 @@ def cell(text: str) -> str:
 
 
 def masks_text(masks: list) -> str:
-    """"0 (window 8), 1": the caches asked for a mask, with the window passed."""
-    seen = dict.fromkeys(f"{index}" + (f" (window {size})" if size else "") for index, size in masks)
-    return ", ".join(seen) or "none"
+    """"#1 KVCache; #0 RotatingKVCache(8), window 8": the caches asked for a mask (their index in
+    the model's list), with the window the model passed."""
+    seen = dict.fromkeys(f"#{index} {cache}" + (f", window {size}" if size else "") for index, cache, size in masks)
+    return "; ".join(seen) or "none"
 
 
 def caches_text(caches: list) -> str:
@@ -130,9 +137,10 @@ def write_table(rows: dict, command: str) -> str:
         lines.append("")
     lines += ["## Caches", "",
               "What each model's `make_cache()` gives, in layer order (fewer caches than layers: some layers share "
-              "another's cache or keep none), and which caches its forward pass asks for a mask, with the window "
-              "it passes.", "",
-              "| architecture | caches | masks from |", "| --- | --- | --- |"]
+              "another's cache or keep none), and which of them its forward pass asks for a mask (`make_mask`; "
+              "#index in that list), with the window it passes. No model keeps tokens at the front of a window "
+              "(`keep`): that would show as `RotatingKVCache(size, keep=n)`.", "",
+              "| architecture | caches | masks asked of |", "| --- | --- | --- |"]
     for name, (_, caches, _) in rows.items():
         if caches is not None:
             layers = "" if len(caches["caches"]) == caches["layers"] else f" ({caches['layers']} layers)"

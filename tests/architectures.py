@@ -261,21 +261,23 @@ def describe_caches(model) -> dict:
 
     Returns ``{"caches": one description per cache, "layers": len(model.layers), "masks": ...}``:
     fewer caches than layers means some layers read another's cache (gemma4's shared KV) or keep
-    none (nemotron_h's MLP layers). ``masks`` lists, per call of a cache's ``make_mask`` during one
-    two-token pass, the cache's index and the window the model passed.
+    none (nemotron_h's MLP layers). ``masks`` lists the ``make_mask`` calls of one two-token pass:
+    ``(index of the cache in the list, the cache asked, the window the model passed)``.
     """
     caches = make_prompt_cache(model)
     masks = []
     for index, cache in enumerate(caches):
         for inner in cache.caches if isinstance(cache, CacheList) else [cache]:
             if hasattr(inner, "make_mask"):  # what mlx-lm's create_attention_mask asks too
-                inner.make_mask = _recording(inner.make_mask, index, masks)
+                inner.make_mask = _recording(inner, index, masks)
     model(mx.array([[1, 2]]), cache=caches)
     return {"caches": [describe_cache(c) for c in caches], "layers": len(model.layers), "masks": masks}
 
 
-def _recording(make_mask, index: int, calls: list):
+def _recording(cache, index: int, calls: list):
+    make_mask = cache.make_mask
+
     def recorded(*args, **kwargs):
-        calls.append((index, kwargs.get("window_size")))
+        calls.append((index, describe_cache(cache), kwargs.get("window_size")))
         return make_mask(*args, **kwargs)
     return recorded
