@@ -1,0 +1,71 @@
+"""Every feature on tiny random models of mlx-lm's architectures, past their sliding windows.
+
+One model per kind of cache the engine must handle (issue #36): full attention (KVCache), with
+experts and latent attention; sliding windows (RotatingKVCache beside KVCache); attention chunks
+(ChunkedKVCache); recurrent layers (ArraysCache) beside attention, in CacheLists and alone. Each
+is checked against mlx-lm's own greedy tokens (tests/architecture_checks.py). Many of these fail
+on an engine that cannot roll back a full window or a recurrent state: they are meant to.
+``python -m benchmarks.compatibility`` runs the same checks on every model of
+tests/architectures.py and writes docs/compatibility.md.
+"""
+
+import pytest
+
+from tests import architecture_checks as checks
+from tests.architectures import build, save, tokenizer
+
+TESTED = [
+    # full attention, with experts, with latent attention (deepseek_v32 in CacheLists); mistral3
+    # scales attention by position
+    "llama", "qwen3", "qwen3_moe", "deepseek_v3", "deepseek_v32", "gemma2", "mistral3",
+    # sliding windows, gemma4_text with layers sharing their KV caches
+    "gemma3_text", "gemma4_text", "gpt_oss", "cohere2", "exaone4",
+    # attention chunks
+    "llama4",
+    # recurrent layers beside attention, beside sliding windows, in CacheLists, alone
+    "qwen3_next", "qwen3_5", "lfm2", "nemotron_h", "falcon_h1", "recurrent_gemma", "baichuan_m1", "mamba2",
+]
+THROUGH_MAIN = ["llama", "mistral3", "gemma3_text", "qwen3_next"]
+
+
+@pytest.fixture(scope="module", params=TESTED)
+def tiny(request):
+    """``(model, config)`` of one architecture, built once for all its tests."""
+    return build(request.param)
+
+
+@pytest.fixture(scope="module")
+def smollm2_tokenizer():
+    return tokenizer()
+
+
+def test_plain_greedy_equals_mlx_lm(tiny):
+    checks.check_plain(tiny[0])
+
+
+def test_prompt_lookup_is_lossless_past_the_window(tiny):
+    checks.check_prompt_lookup(tiny[0])
+
+
+def test_regex_with_forced_text_and_lookup_equals_the_constraint_alone(tiny, smollm2_tokenizer):
+    checks.check_regex(tiny[0], smollm2_tokenizer)
+
+
+def test_batch_rows_of_different_lengths_equal_each_alone(tiny):
+    checks.check_batch(tiny[0])
+
+
+def test_batch_rows_with_prompt_lookup_equal_each_alone(tiny):
+    checks.check_batch(tiny[0], lookup=True)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_quantized_is_lossless(tiny, bits):
+    checks.check_quantized(*tiny, bits=bits)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", THROUGH_MAIN)
+def test_main_runs_a_saved_model_directory(name, tmp_path, smollm2_tokenizer):
+    model, config = build(name)
+    checks.check_main(model, save(tmp_path / name, model, config), smollm2_tokenizer)
