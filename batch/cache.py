@@ -360,6 +360,8 @@ def probe(model) -> tuple:
                 model(mx.array([[1]] * len(prompts)), cache=batch.layers)  # rows apart: an array mask
                 mx.eval(batch.arrays())
             break
+        except CacheKindError:
+            raise
         except ValueError:  # the mask does not broadcast against the scores: try the other shape
             if mask_dims == 5:
                 raise

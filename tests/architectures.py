@@ -204,7 +204,7 @@ def quantize(model, config: dict, bits: int = 4, group_size: int = 64):
 
 def smollm2_path() -> Path:
     """The embedded SmolLM2-135M-Instruct's directory, whose tokenizer every tiny model uses."""
-    from loading import default_model_path
+    from loading.load import default_model_path
 
     return default_model_path()
 
