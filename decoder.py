@@ -323,6 +323,11 @@ class Plan(NamedTuple):
     masks: Optional[mx.array]  # (len(draft) + 1, vocab), or None without a constraint
 
 
+# Tokens waiting to be fed again after a recurrent layer went back to its checkpoint (rollback.py):
+# past this many a row drafts nothing until they are in the cache.
+MAX_PENDING = 16
+
+
 class Row:
     """One sequence being decoded: its tokens, draft sources, constraint and sampling, and the
     step they share, ``plan`` -> (the loop's pass) -> ``accept`` -> ``emit``.
@@ -341,6 +346,7 @@ class Row:
         self.max_tokens, self.eos_token_ids = max_tokens, set(eos_token_ids)
         self.stats = stats if stats is not None else DecodingStats()
         self.num_generated = 0
+        self.cached = 0  # how many of the tokens the loop's cache holds (the loop keeps this)
         # "stop" or "length" once finished
         self.finish_reason = self.stats.finish_reason = None if max_tokens > 0 else "length"
 
@@ -355,6 +361,12 @@ class Row:
         self.stats.pass_cost = cost
 
     @property
+    def pending(self) -> list:
+        """Accepted tokens the cache does not hold, the next pass's first inputs: the last one, or
+        more after a recurrent layer went back to its checkpoint (rollback.py)."""
+        return self.tokens[self.cached :]
+
+    @property
     def max_draft(self) -> int:
         """The most draft tokens a step can use: the target adds one of its own, within max_tokens."""
         return self.max_tokens - self.num_generated - 1
@@ -364,6 +376,8 @@ class Row:
         ``sources``: the ones to ask (default: all the row's); ``cost`` times each ``propose``
         (None: not timed)."""
         sources = self.sources if sources is None else sources
+        if len(self.tokens) - self.cached > MAX_PENDING:
+            sources = []  # a plain pass keeps all it feeds, where a rejected draft would add more
         draft, drafter = choose_draft(sources, self.tokens, self.max_draft, cost)
         masks = None
         if self.constraint is not None:
@@ -415,11 +429,6 @@ class Row:
                 source.update(self.tokens, proposed, num_accepted if proposed else 0)
         self.stats.finish_reason = self.finish_reason
         return emitted, sources
-
-
-# Tokens waiting to be fed again after a recurrent layer went back to its checkpoint (rollback.py). Past
-# this many the step drafts nothing: a plain pass keeps all it feeds, where a rejected draft would add more.
-MAX_PENDING = 16
 
 
 def generate_step(
@@ -483,14 +492,13 @@ def generate_step(
     tic = time.perf_counter()
     # The last prompt token is the first input of the loop, like every accepted token after it.
     prefill(model, cache, row.tokens[cached:-1], prefill_step_size)
-    cached = len(row.tokens) - 1
+    row.cached = len(row.tokens) - 1
     row.stats.prompt_time = time.perf_counter() - tic
 
     while row.finish_reason is None:
-        pending = row.tokens[cached:]  # accepted tokens not in the cache: the last one, or more (rollback.py)
         # The first step's drafting includes the sources' own prefill, so it is not timed.
-        plan = row.plan(cost if row.num_generated else None, row.sources if len(pending) <= MAX_PENDING else [])
-        draft = plan.draft
+        plan = row.plan(cost if row.num_generated else None)
+        draft, pending = plan.draft, row.pending
         if draft.tokens:
             rollback.checkpoint()
         tic = cost.clock()
@@ -504,7 +512,7 @@ def generate_step(
         if plan.masks is not None and not plan.masks[num_accepted, next_token].item():  # evaluated with the logits
             raise row.forbidden(num_accepted)
         if rollback.rewind(len(draft.tokens) - num_accepted, len(inputs)):
-            cached += len(pending) + num_accepted
+            row.cached += len(pending) + num_accepted
         emitted, sources = row.emit(plan, draft, num_accepted, next_token)
         yield from zip(emitted, sources)
 

@@ -31,7 +31,7 @@ import mlx.core as mx
 from batch.cache import Prefill, probe
 from batch.policy import Acceptance, DraftGate, choose_width
 from cost import PassCost
-from decoder import MAX_PENDING, DecodingStats, Row, check_masks, encode, eos_ids_of, mask_logits
+from decoder import DecodingStats, Row, check_masks, encode, eos_ids_of, mask_logits
 
 # Rows whose ends drift further apart than this are rolled back into line (one copy of the cache),
 # so that no row attends over many slots that hold nothing of its own.
@@ -92,7 +92,6 @@ class BatchRow(Row):
                  **options):
         super().__init__(prompt, **options)
         self.uid = uid
-        self.cached = 0  # how many of its tokens the cache holds, once prefilled
         self.prompt_cache = prompt_cache  # KV entries of a prefix of the prompt, until prefilled
         self.logprobs = logprobs  # report logprobs and this many top tokens per emitted token
         self.acceptance = Acceptance()  # what the width policy expects of its drafts
@@ -319,10 +318,7 @@ class BatchGenerator:
             try:
                 # Drafting is not timed here: a shared drafter drafted for all its rows already
                 # (``_draft_with_models``), and a lookup's propose is not a model call.
-                sources = row.sources if asked else [source for source in row.sources if source.free]
-                if len(row.tokens) - row.cached > MAX_PENDING:  # see decoder.MAX_PENDING
-                    sources = []
-                plans.append(row.plan(sources=sources))
+                plans.append(row.plan(sources=row.sources if asked else [s for s in row.sources if s.free]))
             except Exception as error:  # noqa: BLE001
                 responses.append(self._failed(row, error))
                 failed.append(index)
@@ -345,7 +341,7 @@ class BatchGenerator:
         back to its checkpoint) and its draft cut to ``width - 1``; each keeps what it accepts."""
         rows, cache = self.rows, self.cache
         drafts = [plan.draft.truncate(width - 1) for plan in plans]
-        pending = [row.tokens[row.cached :] for row in rows]
+        pending = [row.pending for row in rows]
         fed = [len(p) + len(draft.tokens) for p, draft in zip(pending, drafts)]
         pass_width = max(fed)
         inputs = [[0] * pass_width for _ in range(cache.rows)]  # the rows no running row uses: scored, never read
