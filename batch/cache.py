@@ -23,6 +23,7 @@ Rows drift apart as they accept different numbers of tokens, so every row attend
 longest one's slots; ``realign`` (a roll, run rarely) packs them right again.
 """
 
+from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
 import mlx.core as mx
@@ -182,6 +183,29 @@ class RaggedKVCache(_BaseCache):
         return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
 
 
+@dataclass(frozen=True)
+class CachedPrefix:
+    """A finished row's cache for the first ``length`` tokens of its text, for a later prompt that
+    extends them (a conversation's next turn): each attention layer's keys and values, and each
+    recurrent layer's states after exactly those tokens. A state holds no shorter prefix, so only a
+    prompt that extends all ``length`` tokens can use a prefix with states."""
+
+    length: int
+    attention: list  # per attention layer (keys, values), each [1, heads, length, dim]
+    states: list  # per recurrent layer, its state arrays, each [1, ...]; empty without recurrent layers
+
+    def cut(self, length: int) -> Optional["CachedPrefix"]:
+        """The entries of the first ``length`` tokens; None where a state cannot be cut that short."""
+        if length == self.length:
+            return self
+        if self.states:
+            return None
+        return CachedPrefix(length, [(keys[:, :, :length], values[:, :, :length]) for keys, values in self.attention], [])
+
+    def arrays(self) -> list:
+        return [array for pair in self.attention for array in pair] + [array for layer in self.states for array in layer]
+
+
 class RecurrentRows(ArraysCache):
     """A recurrent layer's states for a batch of ``rows`` (mlx-lm's ``ArraysCache``: rows shorter than a
     pass are masked out of it through ``prepare(lengths=...)``), that can put rows back to a checkpoint."""
@@ -289,12 +313,11 @@ class BatchCache:
         for layer in self.attention:
             layer.realign()
 
-    def row_entries(self, row: int) -> Optional[list]:
-        """Row ``row``'s keys and values per layer, for a later prompt that extends its tokens; None
-        where a layer keeps a state rather than entries (it cannot be cut to a shorter prefix)."""
-        if self.recurrent or len(self.attention) != len(self.layers):
-            return None
-        return [layer.row_entries(row) for layer in self.attention]
+    def row_entries(self, row: int, length: int) -> CachedPrefix:
+        """Row ``row``'s cache, which holds the first ``length`` tokens of its text (a copy)."""
+        states = [[mx.contiguous(state[row : row + 1]) for state in layer.cache if state is not None]
+                  for layer in self.recurrent]
+        return CachedPrefix(length, [layer.row_entries(row) for layer in self.attention], states)
 
 
 class Prefill:
@@ -302,8 +325,7 @@ class Prefill:
     interleave decoding steps with a long prompt's prefill.
 
     Args:
-        cached: per prompt, None or the KV entries of its first L tokens (per layer a
-            ``(keys, values)`` pair of shape ``[1, heads, L, dim]``); only the rest is run.
+        cached: per prompt, None or a ``CachedPrefix`` of its first tokens; only the rest is run.
 
     Each row writes its chunk at its own end, right-padded to the longest, and drops its padding;
     once all are in, the rows are aligned (``realign``) so that decoding starts on the slice path.
@@ -314,20 +336,29 @@ class Prefill:
         cached = [None] * len(prompts) if cached is None else list(cached)
         self.model, self.step_size = model, step_size
         self.cache = BatchCache(model, len(prompts), mask_dims)
-        lengths = [0 if c is None else c[0][0].shape[2] for c in cached]
+        lengths = [0 if c is None else c.length for c in cached]
         self.pending = [list(prompt[length:]) for prompt, length in zip(prompts, lengths)]
         if any(lengths):
-            size = (max(len(p) for p in prompts) + RaggedKVCache.step - 1) // RaggedKVCache.step * RaggedKVCache.step
-            filled = next(c for c in cached if c is not None)
-            for layer, (layer_keys, layer_values) in zip(self.cache.attention, filled):
-                _, heads, _, key_dim = layer_keys.shape
-                layer.keys = mx.zeros((len(prompts), heads, size, key_dim), layer_keys.dtype)
-                layer.values = mx.zeros((len(prompts), heads, size, layer_values.shape[3]), layer_values.dtype)
-                layer._set([0] * len(prompts), lengths)
-            for row, entries in enumerate(cached):
-                for layer, (keys, values) in zip(self.cache.attention, entries or []):
-                    layer.keys[row : row + 1, :, : lengths[row]] = keys
-                    layer.values[row : row + 1, :, : lengths[row]] = values
+            self._fill([c for c in cached], lengths, max(len(p) for p in prompts))
+
+    def _fill(self, cached: list, lengths: list, longest: int):
+        """Write the cached prefixes into the new cache, every other row's part empty (zero states)."""
+        rows, filled = len(cached), next(c for c in cached if c is not None)
+        size = (longest + RaggedKVCache.step - 1) // RaggedKVCache.step * RaggedKVCache.step
+        for index, (layer, (layer_keys, layer_values)) in enumerate(zip(self.cache.attention, filled.attention)):
+            _, heads, _, key_dim = layer_keys.shape
+            layer.keys = mx.zeros((rows, heads, size, key_dim), layer_keys.dtype)
+            layer.values = mx.zeros((rows, heads, size, layer_values.shape[3]), layer_values.dtype)
+            layer._set([0] * rows, lengths)
+            for row, prefix in enumerate(cached):
+                if prefix is not None:
+                    layer.keys[row : row + 1, :, : lengths[row]] = prefix.attention[index][0]
+                    layer.values[row : row + 1, :, : lengths[row]] = prefix.attention[index][1]
+        for index, (layer, states) in enumerate(zip(self.cache.recurrent, filled.states)):
+            layer.cache = [mx.zeros((rows, *state.shape[1:]), state.dtype) for state in states]
+            for row, prefix in enumerate(cached):
+                for state, row_state in zip(layer.cache, prefix.states[index] if prefix is not None else []):
+                    state[row : row + 1] = row_state
 
     def step(self) -> bool:
         """Run the next chunk; True once every prompt is in the cache."""

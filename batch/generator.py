@@ -28,7 +28,7 @@ from typing import List, NamedTuple, Optional, Sequence
 
 import mlx.core as mx
 
-from batch.cache import Prefill, probe
+from batch.cache import CachedPrefix, Prefill, probe
 from batch.policy import Acceptance, DraftGate, choose_width
 from cost import PassCost
 from decoder import DecodingStats, Row, check_masks, encode, eos_ids_of, mask_logits
@@ -56,9 +56,9 @@ class RowResponse:
     finish_reason: Optional[str] = None  # "stop", "length" or "error"; None while the row runs
     error: Optional[str] = None  # one line, when finish_reason is "error"
     stats: Optional[DecodingStats] = None  # the row's own counts, on its last response
-    # With keep_caches, on the last response: per layer (keys, values) [1, heads, n, dim] of the
+    # With keep_caches, on the last response: a batch.cache.CachedPrefix of the
     # row's first n tokens (prompt and output), for a later prompt that extends them.
-    cache: Optional[list] = None
+    cache: Optional[CachedPrefix] = None
     logprobs: Optional[list] = None  # with insert(logprobs=k): a TokenLogprobs per token in tokens
 
 
@@ -88,11 +88,12 @@ class BatchStats:
 class BatchRow(Row):
     """A ``decoder.Row`` in the batch: its uid, what it asked for, and its drafts' acceptance."""
 
-    def __init__(self, uid: int, prompt: list, prompt_cache: Optional[list] = None, logprobs: Optional[int] = None,
+    def __init__(self, uid: int, prompt: list, prompt_cache: Optional[CachedPrefix] = None,
+                 logprobs: Optional[int] = None,
                  **options):
         super().__init__(prompt, **options)
         self.uid = uid
-        self.prompt_cache = prompt_cache  # KV entries of a prefix of the prompt, until prefilled
+        self.prompt_cache = prompt_cache  # the cache of a prefix of the prompt, until prefilled
         self.logprobs = logprobs  # report logprobs and this many top tokens per emitted token
         self.acceptance = Acceptance()  # what the width policy expects of its drafts
 
@@ -150,7 +151,7 @@ class BatchGenerator:
         """Queue prompts (token id lists); returns their uids. Each option is one value for every
         prompt or a list with one per prompt; ``draft_sources`` is a list of fresh sources per prompt
         and ``constraint`` one object per prompt: rows never share a stateful object.
-        ``prompt_cache`` is per prompt None or the KV entries of its first n < len(prompt) tokens
+        ``prompt_cache`` is per prompt None or a ``CachedPrefix`` of its first n < len(prompt) tokens
         (a finished row's ``RowResponse.cache``, cut to n), so only the rest is prefilled.
         ``logprobs`` is None (the default: nothing extra is computed) or k >= 0: each response then
         has a ``TokenLogprobs`` per token, with the k most likely tokens at its position."""
@@ -415,7 +416,7 @@ class BatchGenerator:
             if response.finish_reason is not None:
                 finished.append(index)
                 if self.keep_caches and response.finish_reason != "error":
-                    response.cache = cache.row_entries(self.slots[index])
+                    response.cache = cache.row_entries(self.slots[index], row.cached)
         self._drop(finished)
         ends = cache.ends if self.cache is not None else []
         if self.rows and max(ends) - min(ends) > MAX_RAGGEDNESS:

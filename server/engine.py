@@ -10,8 +10,9 @@ requests (those that wait together are prefilled as one batch, a chunk per step 
 decode), runs one step, and streams each row's new text. Finished, cancelled and disconnected
 rows leave at once.
 
-Finished rows' KV entries are kept in a least-recently-used prompt cache bounded in bytes; a
-request that extends an earlier conversation prefills only what follows the longest cached prefix.
+Finished rows' caches are kept in a least-recently-used prompt cache bounded in bytes; a request
+that extends an earlier conversation prefills only what follows the longest cached prefix (for a
+model with recurrent layers, a prefix the request extends whole).
 A draft head has no batched form: with one, requests run one at a time through ``decoder.generate_step``
 (and ``logprobs`` are refused: that loop does not report them).
 
@@ -38,6 +39,7 @@ import mlx.core as mx
 from mlx_lm.utils import common_prefix_len
 
 from batch import BatchGenerator, RowResponse
+from batch.cache import CachedPrefix
 from cost import PassCost
 from decoder import ConstraintError, DecodingStats, TextStream, eos_ids_of, generate_step
 from server.protocol import ApiError, GenerationRequest, invalid
@@ -54,7 +56,7 @@ class Outcome:
     finish_reason: str  # "stop", "length" or "cancelled"
     prompt_tokens: int
     completion_tokens: int
-    cached_tokens: int  # prompt tokens whose KV entries came from the prompt cache
+    cached_tokens: int  # prompt tokens whose cache entries came from the prompt cache
     stop_sequence: Optional[str] = None  # the stop string that ended it, if one did
     stats: DecodingStats = field(default_factory=DecodingStats)
     logprobs: Optional[list] = None  # with request.logprobs: a TokenLogprob per generated token
@@ -112,19 +114,21 @@ class StopText:
 
 
 class PromptCache:
-    """KV entries of finished sequences, least recently used first out, at most ``max_bytes``."""
+    """The caches of finished sequences (``batch.cache.CachedPrefix``), least recently used first out,
+    at most ``max_bytes``. Attention entries serve any prefix of their tokens; an entry with recurrent
+    states only a prompt that extends all of its tokens."""
 
     def __init__(self, max_bytes: int):
-        self.max_bytes, self.entries = max_bytes, OrderedDict()  # tuple(tokens) -> (layers, nbytes)
+        self.max_bytes, self.entries = max_bytes, OrderedDict()  # tuple(tokens) -> (CachedPrefix, nbytes)
         self.nbytes = 0  # of all entries
 
-    def add(self, tokens: list, layers: list):
-        tokens = tuple(tokens[: layers[0][0].shape[2]])
-        layers = [(keys[:, :, : len(tokens)], values[:, :, : len(tokens)]) for keys, values in layers]
-        mx.eval(layers)
-        for key in [k for k in self.entries if tokens[: len(k)] == k]:  # prefixes of this one say nothing more
-            self._drop(key)
-        self.entries[tokens] = (layers, sum(k.nbytes + v.nbytes for k, v in layers))
+    def add(self, tokens: list, prefix: CachedPrefix):
+        tokens = tuple(tokens[: prefix.length])
+        mx.eval(prefix.arrays())
+        if not prefix.states:  # prefixes of this one say nothing more (with states, they still might)
+            for key in [k for k in self.entries if tokens[: len(k)] == k]:
+                self._drop(key)
+        self.entries[tokens] = (prefix, sum(array.nbytes for array in prefix.arrays()))
         self.nbytes += self.entries[tokens][1]
         while self.entries and self.nbytes > self.max_bytes:
             self._drop(next(iter(self.entries)))
@@ -133,16 +137,17 @@ class PromptCache:
         self.nbytes -= self.entries.pop(key)[1]
 
     def lookup(self, prompt: list):
-        """``(layers cut to the longest cached prefix of prompt[:-1], its length)``, or (None, 0)."""
+        """``(the cache of the longest cached prefix of prompt[:-1], its length)``, or (None, 0)."""
         best, length = None, 0
-        for key in self.entries:
+        for key, (prefix, _) in self.entries.items():
             common = common_prefix_len(list(key), prompt[:-1])
-            if common > length:
-                best, length = key, common
+            usable = common if not prefix.states else len(key) * (common == len(key))
+            if usable > length:
+                best, length = key, usable
         if best is None:
             return None, 0
         self.entries.move_to_end(best)
-        return [(k[:, :, :length], v[:, :, :length]) for k, v in self.entries[best][0]], length
+        return self.entries[best][0].cut(length), length
 
 
 class Reply:

@@ -313,11 +313,12 @@ def test_a_leaving_row_costs_no_copy_until_half_the_cache_is_unused():
     assert [out[uid] for uid in uids] == [alone(MODEL, p, n, eos=()) for p, n in zip(prompts, lengths)]
     assert (4, 3) in shapes and (2, 2) in shapes and (4, 2) not in shapes  # one left: kept; two: compacted
     for uid, prompt in zip(uids, prompts):
-        entries = caches[uid]
-        length = entries[0][0].shape[2]
+        prefix = caches[uid]
+        length = prefix.length
+        assert length == len(prompt) + len(out[uid]) - 1 and not prefix.states  # all but the last token
         single = make_prompt_cache(MODEL)
         MODEL(mx.array([(prompt + out[uid])[:length]]), cache=single)
-        for (keys, values), layer in zip(entries, single):
+        for (keys, values), layer in zip(prefix.attention, single):
             assert mx.allclose(keys, layer.keys[..., :length, :], atol=1e-4)
             assert mx.allclose(values, layer.values[..., :length, :], atol=1e-4)
 
@@ -601,3 +602,45 @@ def test_logprobs_under_a_constraint_are_of_the_masked_distribution():
         finite = [value for value in entry.top_logprobs if value > -np.inf]
         assert np.allclose(finite, want[position][entry.top_ids[: len(finite)]], atol=1e-5)
     assert abs(entries[-1].logprob) < 1e-6  # only EOS is allowed after the '}': probability 1
+
+
+@pytest.mark.parametrize("name", ["qwen3_next", "gemma3_text"])
+def test_a_finished_rows_cache_serves_the_next_turn_of_a_hybrid_or_sliding_model(name):
+    """A row's CachedPrefix (attention entries and, for recurrent layers, their states after exactly
+    its tokens) makes the next turn prefill only what is new, and give what a fresh start gives; a
+    prefix with states cannot be cut shorter."""
+    from tests.architectures import build
+
+    model, _ = build(name)
+    first = [3, 14, 15, 92, 65, 35, 89, 79]
+    generator = BatchGenerator(model, keep_caches=True)
+    uid, = generator.insert([first], max_tokens=12)
+    out, prefix = [], None
+    while responses := generator.next():
+        for response in responses:
+            out += response.tokens
+            prefix = response.cache if response.cache is not None else prefix
+    assert prefix.length == len(first) + len(out) - 1
+    assert (prefix.cut(prefix.length - 2) is None) == (name == "qwen3_next")
+    second = first + out + [26, 53, 58]
+    want = alone(model, second, 12, eos=())
+    shapes = []
+
+    class Recorded:  # the model, noting the shape of every call
+        layers, args, make_cache = model.layers, model.args, model.make_cache
+
+        def __call__(self, inputs, cache=None):
+            shapes.append(inputs.shape)
+            return model(inputs, cache=cache)
+
+    for cached in ([prefix], [prefix, None]):
+        generator, shapes[:] = BatchGenerator(Recorded()), []
+        uids = generator.insert([second] * len(cached), max_tokens=12, prompt_cache=cached)
+        got = {uid: [] for uid in uids}
+        while responses := generator.next():
+            for response in responses:
+                got[response.uid] += response.tokens
+        assert [got[uid] for uid in uids] == [want] * len(cached)
+        prefill = max(width for rows, width in shapes if rows == len(cached))  # the widest call: the prefill
+        assert prefill == len(second) - 1 - (prefix.length if len(cached) == 1 else 0)
+
