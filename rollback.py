@@ -78,8 +78,11 @@ class SlidingKVCache(_BaseCache):
         return self.keys[..., first - self.start : end, :], self.values[..., first - self.start : end, :]
 
     def make_mask(self, N: int, window_size: Optional[int] = None, return_array: bool = False, **kwargs):
-        window = window_size or self.window
-        if N == 1 and window >= self.window and not return_array:
+        # A query never sees more than the cache's window, however wide a window the model asks for
+        # (plamo3 asks for one more): a one-token step sees only that many, and a verify pass must see
+        # what one-token steps would.
+        window = min(window_size or self.window, self.window)
+        if N == 1 and window == self.window and not return_array:
             return None  # one query sees every key it is given
         first = self._first_seen()
         return create_causal_mask(N, self.offset - first, window_size=window)

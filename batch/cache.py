@@ -91,7 +91,8 @@ class RaggedKVCache(_BaseCache):
 
     def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None, **kwargs):
         """Query q of row b sees slots [start_b, end_b + q] (and its own), within its window."""
-        window = window_size or self.window
+        # A sliding layer's query never sees more than its window, as rollback.SlidingKVCache's.
+        window = min(window_size or self.window, self.window) if self.window else window_size
         if window is None and self.aligned() and not any(self.starts) and not return_array:
             return None if N == 1 else "causal"  # plain causal attention
         slots = mx.arange(max(self.ends) + N)
