@@ -43,8 +43,7 @@ class AdaptiveLength:
     def reset(self):
         """Start over, as for a new generation."""
         self.num_draft = self.initial_num_draft
-        self.first_accepted, self.drafts = 1.0, 2.0  # prior: the first token is accepted half the time
-        self.accepted, self.proposed = 1.0, 2.0  # tokens per draft (same weights): one drafted, half accepted
+        self.drafts, self.accepted, self.proposed = 2.0, 1.0, 2.0  # prior: two one-token drafts, one accepted
         self.skipped, self.probe_gap = 0, 1
 
     def next_length(self, token_cost: float) -> int:
@@ -62,7 +61,6 @@ class AdaptiveLength:
     def record(self, num_proposed: int, num_accepted: int):
         if not num_proposed or not self.enabled:
             return
-        self.first_accepted = self.FORGET * self.first_accepted + (num_accepted > 0)
         self.drafts = self.FORGET * self.drafts + 1
         self.accepted = self.FORGET * self.accepted + num_accepted
         self.proposed = self.FORGET * self.proposed + num_proposed

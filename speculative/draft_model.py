@@ -108,11 +108,9 @@ class DraftModelSource(AdaptiveSource):
     def _next_distribution(self, new_tokens: list) -> mx.array:
         logits = self.model(mx.array(new_tokens)[None], cache=self.cache)[0, -1]
         self.cache_tokens.extend(new_tokens)
-        size = logits.shape[-1]
-        if size > self.vocab_size:
-            logits = logits[: self.vocab_size]
-        elif size < self.vocab_size:  # padding rows of the target are never proposed
-            logits = mx.concatenate([logits, mx.full((self.vocab_size - size,), -mx.inf, logits.dtype)])
+        # Cut or padded to the target's width: its padding rows are never proposed.
+        logits = logits[: self.vocab_size]
+        logits = mx.pad(logits, (0, self.vocab_size - logits.shape[-1]), constant_values=-mx.inf)
         if self.temp == 0:  # greedy: the plain softmax, only for the confidence stop
             return mx.softmax(logits.astype(mx.float32))
         return sampling_probs(logits[None], self.temp, self.top_p)[0]
@@ -132,21 +130,14 @@ class DraftModelSource(AdaptiveSource):
         draft, rows = [], []
         for _ in range(num_draft):
             probs = self._next_distribution(pending)
-            if self.temp == 0:
-                token = mx.argmax(probs)
-                confidence = probs[token]
-            else:
-                token = mx.random.categorical(mx.log(probs))
-                confidence = probs.max()
+            token = mx.argmax(probs) if self.temp == 0 else mx.random.categorical(mx.log(probs))
             # One sync per draft token: the next draft step and the early stop need its value.
-            token, confidence = token.item(), confidence.item()
+            token, confidence = token.item(), probs.max().item()
             if draft and confidence < self.min_confidence:
                 break
             draft.append(token)
             rows.append(probs)
             pending = [token]
-        if not draft:
-            return None
         return Draft(draft, mx.stack(rows) if self.temp > 0 else None)
 
     def update(self, tokens: list, num_proposed: int, num_accepted: int):

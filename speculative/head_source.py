@@ -41,11 +41,7 @@ class HiddenStateTap:
         start = cache[0].offset if cache else 0
         hidden, features = body_with_features(self.target, inputs, self.feature_layers, cache)
         # A call at ``start`` overwrites what rejected drafts left at ``start`` and after.
-        while self.chunks and self.chunks[-1][0] >= start:
-            self.chunks.pop()
-        if self.chunks:
-            first, rows = self.chunks[-1]
-            self.chunks[-1] = (first, rows[: start - first])
+        self.chunks = [(first, rows[: start - first]) for first, rows in self.chunks if first < start]
         self.chunks.append((start, features[0]))
         return logits_from_hidden(self.target, hidden)
 
