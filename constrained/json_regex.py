@@ -7,7 +7,6 @@ the exact set is not a regular language of reasonable size (leap days, long host
 import json
 import math
 import re
-from fractions import Fraction
 
 from constrained.regex_parse import Alt, Chars, Concat, RegexError, Repeat, parse_regex
 
@@ -116,9 +115,6 @@ def _natural_range(lo: int, hi) -> list:
             break
         if first <= last:
             options.append(_digits_range(str(first), str(last)))
-        if hi is None and length == 1:
-            options.append("[1-9][0-9]+")
-            break
         length += 1
     return options
 
@@ -139,8 +135,6 @@ def integer_range(lo, hi) -> str:
 
 def whole_bounds(lo, lo_exclusive: bool, hi, hi_exclusive: bool) -> tuple:
     """The smallest and largest integers in the range (None for an unbounded side)."""
-    lo = None if lo is None else Fraction(lo)
-    hi = None if hi is None else Fraction(hi)
     whole_lo = None if lo is None else (math.floor(lo) + 1 if lo_exclusive else math.ceil(lo))
     whole_hi = None if hi is None else (math.ceil(hi) - 1 if hi_exclusive else math.floor(hi))
     return whole_lo, whole_hi
@@ -150,22 +144,17 @@ def number_range(lo, lo_exclusive: bool, hi, hi_exclusive: bool) -> str:
     """A regex for JSON numbers in the range, bounded on the integer part; None if none fits.
 
     A fraction is allowed only after an integer part I whose whole interval of values fits: [I, I+1)
-    for "I.ddd" and (-I-1, -I] for "-I.ddd". Exponents are left out. Bounds are exact (Fraction).
+    for "I.ddd" and (-I-1, -I] for "-I.ddd". Exponents are left out; floor and ceil keep the bounds exact.
     """
-    lo = None if lo is None else Fraction(lo)
-    hi = None if hi is None else Fraction(hi)
     whole_lo, whole_hi = whole_bounds(lo, lo_exclusive, hi, hi_exclusive)
     options = [integer_range(whole_lo, whole_hi)]
-    # I.ddd with I >= 0: needs I >= lo (I > lo if exclusive) and I + 1 <= hi.
-    positive_lo = max(whole_lo if lo is not None else 0, 0)
-    positive_hi = None if hi is None else math.floor(hi) - 1
-    if positive_hi is None or positive_lo <= positive_hi:
-        options.append(f"(?:{'|'.join(_natural_range(positive_lo, positive_hi))})\\.[0-9]+")
-    # -I.ddd with I >= 0: needs -I - 1 >= lo and -I <= hi (-I < hi if exclusive).
-    negative_hi = None if lo is None else math.floor(-lo) - 1
-    negative_lo = 0 if hi is None else max(0, (math.floor(-hi) + 1) if hi_exclusive else math.ceil(-hi))
-    if negative_hi is None or negative_lo <= negative_hi:
-        options.append(f"-(?:{'|'.join(_natural_range(negative_lo, negative_hi))})\\.[0-9]+")
+    # I.ddd (I >= 0) needs lo <= I (lo < I if exclusive) and I + 1 <= hi; -I.ddd needs lo <= -I - 1
+    # and -I <= hi (-I < hi if exclusive).
+    positive = (0 if lo is None else max(whole_lo, 0), None if hi is None else math.floor(hi) - 1)
+    negative = (0 if hi is None else max(-whole_hi, 0), None if lo is None else math.floor(-lo) - 1)
+    for sign, (low, high) in (("", positive), ("-", negative)):
+        if high is None or low <= high:
+            options.append(f"{sign}(?:{'|'.join(_natural_range(low, high))})\\.[0-9]+")
     options = [option for option in options if option is not None]
     return "(?:" + "|".join(options) + ")" if options else None
 

@@ -258,9 +258,8 @@ def _remove_dead_states(transitions, accepting, start):
     live = states_reaching(sources, transitions[sources, classes], accepting)
     if not live[start]:
         raise RegexError("the regex matches no string")
-    new_ids = np.where(live, np.cumsum(live) - 1, -1).astype(np.int32)
-    # Appending -1 lets new_ids[-1] map the "no match" marker to itself.
-    new_ids = np.append(new_ids, -1)
+    # The appended -1 lets new_ids[-1] map the "no match" marker to itself.
+    new_ids = np.append(np.where(live, np.cumsum(live) - 1, -1), -1).astype(np.int32)
     return new_ids[transitions][live], accepting[live], int(new_ids[start])
 
 
@@ -275,13 +274,11 @@ def _minimize(transitions, accepting, start):
     order = np.argsort(complete.ravel(), kind="stable")
     bounds = np.searchsorted(complete.ravel()[order], np.arange(num_states + 2)).tolist()
     edge_class, edge_source = classes[order].tolist(), sources[order].tolist()
+    # Start from two blocks, accepting (0) and not (1, with the sink): neither is empty.
     is_final = np.append(accepting, False)
-    blocks = [set(np.flatnonzero(group).tolist()) for group in (is_final, ~is_final) if group.any()]
-    block_of = [0] * (num_states + 1)
-    for block_id, members in enumerate(blocks):
-        for state in members:
-            block_of[state] = block_id
-    pending = set(range(len(blocks)))
+    blocks = [set(np.flatnonzero(group).tolist()) for group in (is_final, ~is_final)]
+    block_of = (~is_final).astype(int).tolist()
+    pending = {0, 1}
     while pending:
         # The states entering the splitter, per class; only edges into the splitter are visited.
         entering_by_class = {}
@@ -331,8 +328,5 @@ def compile_regex(pattern: str, max_states: int = DEFAULT_MAX_STATES) -> DFA:
     transitions, accepting, start = _remove_dead_states(transitions, accepting, 0)
     transitions, accepting, start = _minimize(transitions, accepting, start)
     # Classes whose columns became identical are now one class.
-    _, columns = np.unique(transitions, axis=1, return_inverse=True)
-    columns = columns.reshape(-1)
-    merged = np.zeros((len(transitions), columns.max() + 1), dtype=np.int32)
-    merged[:, columns] = transitions
-    return DFA(columns[byte_class].astype(np.int32), merged, accepting, start)
+    merged, columns = np.unique(transitions, axis=1, return_inverse=True)
+    return DFA(columns.reshape(-1)[byte_class].astype(np.int32), merged, accepting, start)

@@ -107,32 +107,32 @@ class _Parser:
         # Under fullmatch a leading ^ (and a trailing $) changes nothing.
         if self.pattern.startswith("^"):
             self.pos = 1
-        open_groups = []  # (position of "(", the enclosing group's options and items)
-        options, items = [], []  # of the innermost open group: finished alternatives, current sequence
+        open_groups = []  # (position of "(", the enclosing group's alternatives)
+        alternatives = [[]]  # of the innermost open group: the items of each, the last one still open
         while True:
             char = self.peek()
             if char == "|":
                 self.pos += 1
-                options, items = options + [_sequence(items)], []
+                alternatives.append([])
             elif char == ")":
                 if not open_groups:
                     raise self.error("unbalanced parenthesis", self.pos)
                 self.pos += 1
-                group = _alternation(options + [_sequence(items)])
-                _, options, items = open_groups.pop()
-                items.append(self.parse_quantifier(group))
+                group = _choice(alternatives)
+                _, alternatives = open_groups.pop()
+                alternatives[-1].append(self.parse_quantifier(group))
             elif char == "(":
                 if self.max_depth is not None and len(open_groups) >= self.max_depth:
                     raise self.error(f"groups nested more than {self.max_depth} deep", self.pos)
-                open_groups.append((self.pos, options, items))
+                open_groups.append((self.pos, alternatives))
                 self.parse_group_start()
-                options, items = [], []
+                alternatives = [[]]
             elif char == "" or (char == "$" and self.pos == len(self.pattern) - 1 and not open_groups):
                 if open_groups:
                     raise self.error("unbalanced parenthesis", open_groups[-1][0])
-                return _alternation(options + [_sequence(items)])
+                return _choice(alternatives)
             else:
-                items.append(self.parse_quantifier(self.parse_atom()))
+                alternatives[-1].append(self.parse_quantifier(self.parse_atom()))
 
     def parse_quantifier(self, atom):
         bounds = self.read_repeat_bounds()
@@ -266,11 +266,9 @@ class _Parser:
         return ((code, code),)
 
 
-def _sequence(items):
-    return items[0] if len(items) == 1 else Concat(tuple(items))
-
-
-def _alternation(options):
+def _choice(alternatives):
+    """The node for alternatives given as lists of items; a lone item or option stands as it is."""
+    options = [items[0] if len(items) == 1 else Concat(tuple(items)) for items in alternatives]
     return options[0] if len(options) == 1 else Alt(tuple(options))
 
 
