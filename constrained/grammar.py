@@ -20,7 +20,6 @@ import numpy as np
 from constrained.constraint import ForcedSource, tokenize_forced
 from decoder import Constraint, ConstraintError, eos_ids_of
 
-INSTALL = "pip install llguidance"
 # Compact JSON, like the built-in schema compiler: separators are forced text, so they cost no model step.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
 
@@ -33,7 +32,7 @@ def _llguidance():
     try:
         import llguidance
     except ImportError:
-        raise GrammarError(f"grammars need the llguidance package: {INSTALL}") from None
+        raise GrammarError(f"grammars need the llguidance package: pip install llguidance") from None
     return llguidance
 
 
@@ -62,8 +61,7 @@ def compile_grammar(text: str, grammar_format: str = "auto", ll_tokenizer=None) 
 
     Without ``ll_tokenizer`` this checks the grammar alone (fast: before a model loads).
     """
-    llguidance = _llguidance()
-    grammar = llguidance.LLMatcher.grammar_from_lark(grammar_to_lark(text, grammar_format))
+    grammar = _llguidance().LLMatcher.grammar_from_lark(grammar_to_lark(text, grammar_format))
     return _checked(grammar, ll_tokenizer, "the grammar")
 
 

@@ -61,13 +61,13 @@ def _too_large(path):
 class _Compiler:
     def __init__(self, root, whitespace, max_ref_depth, any_depth, max_repeat):
         self.root = root
-        self.ws = f"(?:{whitespace})" if whitespace else ""
+        ws = f"(?:{whitespace})" if whitespace else ""
+        self.ws, self.comma, self.colon = ws, f"{ws},{ws}", f"{ws}:{ws}"
         self.max_ref_depth = max_ref_depth
         self.any_depth = any_depth
         self.max_repeat = max_repeat
-        self._any = {}
-        self.depth = 0
-        self.subschemas = 0
+        self._any = {}  # depth -> any_value(depth)
+        self.depth, self.subschemas = 0, 0  # subschemas open now, and compiled so far: the budgets
 
     # --- schema plumbing -----------------------------------------------------------------------
 
@@ -116,8 +116,7 @@ class _Compiler:
                 merged[key] = {"allOf": [merged[key], value]}
             else:
                 raise SchemaError(f"allOf: cannot combine two different {key!r} at {path}")
-        extra = set(merged.get("properties", {})) - set(first.get("properties", {}))
-        extra |= set(merged.get("properties", {})) - set(second.get("properties", {}))
+        extra = set(first.get("properties", {})) ^ set(second.get("properties", {}))  # in one part only
         if extra and any("additionalProperties" in part for part in (first, second)):
             raise SchemaError(f"allOf: additionalProperties with properties from another part at {path}")
         return merged
@@ -220,9 +219,6 @@ class _Compiler:
                      if dfa.matches(json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode())]
         return "(?:" + "|".join(texts) + ")" if texts else None
 
-    def _sep(self, char):
-        return char if not self.ws else f"{self.ws}{char}{self.ws}"
-
     def object(self, schema, path, refs):
         properties = dict(schema.get("properties", {}))
         required = list(schema.get("required", []))
@@ -245,7 +241,7 @@ class _Compiler:
             if value is None and name in required:
                 return None
             if value is not None:
-                entries.append((f"{literal(name)}{self._sep(':')}{value}", name in required))
+                entries.append((f"{literal(name)}{self.colon}{value}", name in required))
                 length += len(entries[-1][0])
                 if length > MAX_REGEX_LENGTH:  # every member is written at least once: stop now
                     raise _too_large(path)
@@ -259,13 +255,13 @@ class _Compiler:
         `some_of`, every later one is `(?:,member)?`."""
         if not entries:
             return ""
-        sep = self._sep(",")
         first_required = next((i for i, (_, req) in enumerate(entries) if req), len(entries))
         leading = [member for member, _ in entries[:first_required]]
         if first_required == len(entries):
             return f"(?:{self.some_of(leading)})?"
-        head = f"(?:{self.some_of(leading)}{sep})?" if leading else ""
-        rest = "".join(f"{sep}{member}" if req else f"(?:{sep}{member})?" for member, req in entries[first_required + 1:])
+        head = f"(?:{self.some_of(leading)}{self.comma})?" if leading else ""
+        rest = "".join(f"{self.comma}{member}" if req else f"(?:{self.comma}{member})?"
+                       for member, req in entries[first_required + 1:])
         return head + entries[first_required][0] + rest
 
     def some_of(self, members):
@@ -275,9 +271,8 @@ class _Compiler:
         each possible first member would write n^2/2). The groups nest n deep, which our parser
         handles (Python's `re` stops near 300).
         """
-        sep = self._sep(",")
         # (?:(?:m1(?:,m2)?|m2)(?:,m3)?|m3): the opening groups first, so no prefix is copied again.
-        return "(?:" * (len(members) - 1) + members[0] + "".join(f"(?:{sep}{member})?|{member})"
+        return "(?:" * (len(members) - 1) + members[0] + "".join(f"(?:{self.comma}{member})?|{member})"
                                                                 for member in members[1:])
 
     @staticmethod
@@ -325,12 +320,10 @@ class _Compiler:
             value = self.compile(additional, f"{path}/additionalProperties", refs)
         most = schema.get("maxProperties")
         if value is None or most == 0:
-            if schema.get("minProperties", 0):
-                return None
-            return ""
-        member = f"{key}{self._sep(':')}{value}"
+            return None if schema.get("minProperties", 0) else ""
+        member = f"{key}{self.colon}{value}"
         repeat = "*" if most is None else f"{{0,{most - 1}}}"
-        body = f"{member}(?:{self._sep(',')}{member}){repeat}"
+        body = f"{member}(?:{self.comma}{member}){repeat}"
         return body if schema.get("minProperties", 0) == 1 else f"(?:{body})?"
 
     def array(self, schema, path, refs):
@@ -357,12 +350,11 @@ class _Compiler:
             most = len(prefix_regexes) if most is None else min(most, len(prefix_regexes))
         if most is not None:
             most = min(most, max(least, self.max_repeat))
-        if most is not None and least > most:
-            return None
+            if least > most:
+                return None
         if most == 0:
             return rf"\[{self.ws}{self.ws}\]"
-        sep = self._sep(",")
-        positions = prefix_regexes[:] if most is None else prefix_regexes[:most]
+        positions = prefix_regexes[:most]
         tail = ""
         if most is None or most > len(positions):
             low = max(least - len(positions), 0)
@@ -370,10 +362,10 @@ class _Compiler:
             if not positions:  # the first item has no comma before it
                 positions, low, high = [rest_regex], max(low - 1, 0), "" if most is None else high - 1
             if high != 0:
-                tail = f"(?:{sep}{rest_regex}){{{low},{high}}}"
+                tail = f"(?:{self.comma}{rest_regex}){{{low},{high}}}"
         # Items from index `least` on are optional, each with everything after it: nested groups,
         # written opening parts first (one join, not a copy of the tail per item).
-        opening = "".join(("" if index < least else "(?:") + (sep if index else "") + regex
+        opening = "".join(("" if index < least else "(?:") + (self.comma if index else "") + regex
                           for index, regex in enumerate(positions))
         content = opening + tail + ")?" * max(len(positions) - least, 0)
         return rf"\[{self.ws}{content}{self.ws}\]"
@@ -405,15 +397,12 @@ class _Compiler:
                 raise SchemaError(f"multipleOf {step} is not supported at {path}/multipleOf")
             name = "integer"
         lo, hi = schema.get("minimum"), schema.get("maximum")
-        lo_exclusive = hi_exclusive = False
-        for key, bound in (("exclusiveMinimum", "lo"), ("exclusiveMaximum", "hi")):
-            value = schema.get(key)
-            if isinstance(value, bool):  # draft 4: a flag on minimum/maximum
-                lo_exclusive, hi_exclusive = (value, hi_exclusive) if bound == "lo" else (lo_exclusive, value)
-            elif value is not None and bound == "lo":
-                lo, lo_exclusive = (value, True) if lo is None or value >= lo else (lo, lo_exclusive)
-            elif value is not None:
-                hi, hi_exclusive = (value, True) if hi is None or value <= hi else (hi, hi_exclusive)
+        low, high = schema.get("exclusiveMinimum"), schema.get("exclusiveMaximum")
+        lo_exclusive, hi_exclusive = low is True, high is True  # draft 4: flags on minimum/maximum
+        if not isinstance(low, bool) and low is not None and (lo is None or low >= lo):
+            lo, lo_exclusive = low, True
+        if not isinstance(high, bool) and high is not None and (hi is None or high <= hi):
+            hi, hi_exclusive = high, True
         if lo is None and hi is None:
             return INTEGER if name == "integer" else NUMBER
         for key in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):
@@ -429,10 +418,10 @@ class _Compiler:
         if depth not in self._any:
             options = [NULL, BOOLEAN, NUMBER, STRING]
             if depth > 0:
-                inner, sep, colon = self.any_value(depth - 1), self._sep(","), self._sep(":")
-                options.append(rf"\[{self.ws}(?:{inner}(?:{sep}{inner})*)?{self.ws}\]")
-                member = f"{STRING}{colon}{inner}"
-                options.append(rf"\{{{self.ws}(?:{member}(?:{sep}{member})*)?{self.ws}\}}")
+                inner = self.any_value(depth - 1)
+                options.append(rf"\[{self.ws}(?:{inner}(?:{self.comma}{inner})*)?{self.ws}\]")
+                member = f"{STRING}{self.colon}{inner}"
+                options.append(rf"\{{{self.ws}(?:{member}(?:{self.comma}{member})*)?{self.ws}\}}")
             self._any[depth] = "(?:" + "|".join(options) + ")"
         return self._any[depth]
 
