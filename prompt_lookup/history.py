@@ -97,14 +97,13 @@ def append_history(path, outputs: Sequence[Sequence[int]], max_tokens: int = DEF
 class HistoryLookupSource(PromptLookupSource):
     """``PromptLookupSource`` whose context starts with earlier outputs (older than the prompt).
 
-    The search and the adaptive draft length are prompt lookup's; the store only adds
-    places to copy from. ``remember(tokens)`` adds a finished output, so a source reused
-    across ``generate`` calls drafts from its own earlier answers too. The store is kept
-    to the newest ``max_history_tokens`` tokens, which bounds the cost of a search.
+    The search and the adaptive draft length are prompt lookup's; the store only adds places to copy
+    from. ``remember(tokens)`` adds a finished output, so a source reused across ``generate`` calls
+    drafts from its own earlier answers too.
 
     Args:
         history: a store array (``load_history``) or token ids of one output.
-        max_history_tokens: drop the oldest outputs beyond this many tokens.
+        max_history_tokens: drop the oldest outputs beyond this many tokens (it bounds a search's cost).
         options: ``PromptLookupSource``'s (``ngram_max``, ``num_draft``, ``extra_context``, ...).
     """
 
