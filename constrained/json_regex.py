@@ -68,23 +68,6 @@ def _any_digits(count: int) -> str:
     return "" if count == 0 else "[0-9]" if count == 1 else f"[0-9]{{{count}}}"
 
 
-def _one_sided(digits: str, above: bool) -> str:
-    """Digit strings of len(digits) that are >= digits (above) or <= digits (leading zeros allowed),
-    built from the last digit: linear size."""
-    edge = 9 if above else 0  # the digit with no larger (smaller) one
-    regex = ""
-    for index in range(len(digits) - 1, -1, -1):
-        digit, tail = int(digits[index]), len(digits) - 1 - index
-        if not digits[index + 1:].strip(str(9 - edge)):  # the tail is all zeros (nines): any tail will do
-            regex = _digit_class(min(digit, edge), max(digit, edge)) + _any_digits(tail)
-        elif digit != edge:
-            beyond = _digit_class(digit + 1, 9) if above else _digit_class(0, digit - 1)
-            regex = f"(?:{digit}{regex}|{beyond}{_any_digits(tail)})"
-        else:
-            regex = f"{digit}{regex}"
-    return regex
-
-
 def _digits_range(lo: str, hi: str) -> str:
     """Digit strings of equal length from lo to hi (inclusive), e.g. ("120", "349"); size linear in digits."""
     if lo == hi:
@@ -95,11 +78,11 @@ def _digits_range(lo: str, hi: str) -> str:
     # A tail of all zeros (or nines) takes any tail, so that digit joins the middle.
     first = low if not lo[split + 1:].strip("0") else low + 1
     last = high if not hi[split + 1:].strip("9") else high - 1
-    options = [f"{low}{_one_sided(lo[split + 1:], above=True)}"] if first > low else []
+    options = [f"{low}{_digits_range(lo[split + 1:], '9' * tail)}"] if first > low else []
     if first <= last:
         options.append(_digit_class(first, last) + _any_digits(tail))
     if last < high:
-        options.append(f"{high}{_one_sided(hi[split + 1:], above=False)}")
+        options.append(f"{high}{_digits_range('0' * tail, hi[split + 1:])}")
     return prefix + (options[0] if len(options) == 1 else "(?:" + "|".join(options) + ")")
 
 
