@@ -41,28 +41,20 @@ def _one_line(message: str, limit: int = 300) -> str:
     return message if len(message) <= limit else message[: limit - 3] + "..."
 
 
-def grammar_to_lark(text: str, grammar_format: str = "auto") -> str:
-    """The grammar in llguidance's Lark dialect; GBNF goes through llguidance's own converter."""
+def compile_grammar(text: str, grammar_format: str = "auto", ll_tokenizer=None) -> str:
+    """A Lark (llguidance's dialect) or GBNF grammar -> llguidance's grammar string; GrammarError quotes the
+    engine's refusal. Without ``ll_tokenizer`` this checks the grammar alone (fast: before a model loads)."""
+    llguidance = _llguidance()
     if grammar_format == "auto":  # GBNF (llama.cpp) writes rules as ``name ::= ...``; Lark ``name: ...``
         grammar_format = "gbnf" if re.search(r"(?m)^\s*[A-Za-z][\w-]*\s*::=", text) else "lark"
-    if grammar_format == "lark":
-        return text
-    _llguidance()
-    from llguidance.gbnf_to_lark import gbnf_to_lark
+    if grammar_format != "lark":  # GBNF goes through llguidance's own converter
+        from llguidance.gbnf_to_lark import gbnf_to_lark
 
-    try:
-        return gbnf_to_lark(text)
-    except Exception as error:  # noqa: BLE001 - the converter raises plain exceptions for bad input
-        raise GrammarError(f"cannot convert the GBNF grammar: {_one_line(str(error))}") from None
-
-
-def compile_grammar(text: str, grammar_format: str = "auto", ll_tokenizer=None) -> str:
-    """A Lark or GBNF grammar -> llguidance's grammar string; GrammarError quotes the engine's refusal.
-
-    Without ``ll_tokenizer`` this checks the grammar alone (fast: before a model loads).
-    """
-    grammar = _llguidance().LLMatcher.grammar_from_lark(grammar_to_lark(text, grammar_format))
-    return _checked(grammar, ll_tokenizer, "the grammar")
+        try:
+            text = gbnf_to_lark(text)
+        except Exception as error:  # noqa: BLE001 - the converter raises plain exceptions for bad input
+            raise GrammarError(f"cannot convert the GBNF grammar: {_one_line(str(error))}") from None
+    return _checked(llguidance.LLMatcher.grammar_from_lark(text), ll_tokenizer, "the grammar")
 
 
 def compile_json_schema(schema, ll_tokenizer=None, **options) -> str:

@@ -72,6 +72,7 @@ class _NFA:
     def add_byte_edge(self, source, byte_range, target):
         range_id = self.byte_ranges.setdefault(byte_range, len(self.byte_ranges))
         self.byte_edges[source].append((range_id, target))
+        return target
 
     def build(self, node):
         """Add the fragment for `node`; returns its (entry, exit) states.
@@ -100,9 +101,7 @@ class _NFA:
                 for sequence in utf8_sequences(lo, hi):
                     source = entry
                     for byte_range in sequence[:-1]:
-                        target = self.add_state()
-                        self.add_byte_edge(source, byte_range, target)
-                        source = target
+                        source = self.add_byte_edge(source, byte_range, self.add_state())
                     self.add_byte_edge(source, sequence[-1], exit_)
         elif isinstance(node, Concat):
             for item in node.items:

@@ -66,10 +66,8 @@ def _complement(ranges):
 DIGIT = ((ord("0"), ord("9")),)
 WORD = _normalize([(ord("0"), ord("9")), (ord("A"), ord("Z")), (ord("_"), ord("_")), (ord("a"), ord("z"))])
 SPACE = ((ord("\t"), ord("\r")), (ord(" "), ord(" ")))
-CLASS_ESCAPES = {
-    "d": DIGIT, "w": WORD, "s": SPACE,
-    "D": _complement(DIGIT), "W": _complement(WORD), "S": _complement(SPACE),
-}
+CLASS_ESCAPES = {"d": DIGIT, "w": WORD, "s": SPACE}
+CLASS_ESCAPES |= {name.upper(): _complement(ranges) for name, ranges in CLASS_ESCAPES.items()}  # \D \W \S
 CHAR_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "f": "\f", "v": "\v", "a": "\a"}
 HEX_ESCAPE_DIGITS = {"x": 2, "u": 4, "U": 8}
 ANY_BUT_NEWLINE = _complement(((ord("\n"), ord("\n")),))
@@ -217,8 +215,7 @@ class _Parser:
             first = False
             item_start = self.pos
             item = self.parse_class_item()
-            is_range = self.peek() == "-" and self.pattern[self.pos + 1:self.pos + 2] not in ("", "]")
-            if not is_range:
+            if self.peek() != "-" or self.pattern[self.pos + 1:self.pos + 2] in ("", "]"):  # not a range
                 ranges.extend(item)
                 continue
             self.pos += 1
@@ -226,8 +223,7 @@ class _Parser:
             if lo is None or hi is None or lo > hi:
                 raise self.error(f"bad character range {self.pattern[item_start:self.pos]}", item_start)
             ranges.append((lo, hi))
-        ranges = _normalize(ranges)
-        return _complement(ranges) if negate else ranges
+        return _complement(_normalize(ranges)) if negate else _normalize(ranges)
 
     def parse_class_item(self):
         start = self.pos

@@ -14,7 +14,6 @@ EAGLE-3 reads the outputs of three target layers, which ``body_with_features`` c
 """
 
 import json
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional
 
@@ -88,20 +87,6 @@ class _LayerRecorder:
         return self.outputs[-1]
 
 
-@contextmanager
-def recording(layers: list, indices: list):
-    """Within the block, ``layers[i]`` for i in ``indices`` (ascending) append their outputs to the
-    list this yields; the layers are put back afterwards."""
-    outputs, originals = [], {i: layers[i] for i in indices}
-    try:
-        for i in indices:
-            layers[i] = _LayerRecorder(layers[i], outputs)
-        yield outputs
-    finally:
-        for i, layer in originals.items():
-            layers[i] = layer
-
-
 def check_layers_exposed(target, feature_layers) -> None:
     """Refuse a head that fuses inner layers of a target that does not expose them. A sharded body
     (distributed/sharding.py) makes only its last hidden states equal on every rank, and says so
@@ -117,13 +102,18 @@ def check_layers_exposed(target, feature_layers) -> None:
 def body_with_features(target, inputs: mx.array, feature_layers, cache=None) -> tuple:
     """Run the target's body (``target.model``) once; returns its last hidden states (B, L, d)
     and the features a head reads, (B, L, k * d) for ``feature_layers`` (ascending, FINAL last)."""
-    body, inner = target.model, [i for i in feature_layers if i != FINAL]
+    body, inner, outputs = target.model, [i for i in feature_layers if i != FINAL], []
     if inner:
         check_layers_exposed(target, feature_layers)
-        with recording(body.layers, inner) as outputs:
+        originals = list(body.layers)
+        try:
+            for i in inner:
+                body.layers[i] = _LayerRecorder(body.layers[i], outputs)
             hidden = body(inputs, cache=cache)
+        finally:
+            body.layers[:] = originals  # the target is the caller's: put its layers back
     else:
-        hidden, outputs = body(inputs, cache=cache), []
+        hidden = body(inputs, cache=cache)
     parts = outputs + ([hidden] if FINAL in feature_layers else [])
     return hidden, (parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1))
 
