@@ -79,8 +79,8 @@ def token_byte_strings(tokenizer, vocab_size: int) -> list:
     if "ByteLevel" in decoders:
         unicode_to_byte = gpt2_unicode_to_byte()
 
-        def to_bytes(text):
-            return bytes(unicode_to_byte[char] for char in text)
+        def to_bytes(text):  # None for text not written in the byte alphabet: no token the model spells with
+            return bytes(unicode_to_byte[char] for char in text) if set(text) <= unicode_to_byte.keys() else None
     elif decoders & {"Metaspace", "Replace", "ByteFallback"}:
         byte_token = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
@@ -93,10 +93,7 @@ def token_byte_strings(tokenizer, vocab_size: int) -> list:
     token_bytes = [None] * vocab_size
     for text, token_id in backend.get_vocab(with_added_tokens=False).items():
         if token_id < vocab_size:
-            try:
-                token_bytes[token_id] = to_bytes(text)
-            except KeyError:  # not written in the byte alphabet: not a token the model can spell with
-                pass
+            token_bytes[token_id] = to_bytes(text)
     # Added tokens are matched as literal text; special ones (EOS, chat markers) never spell regex text.
     for token_id, added in backend.get_added_tokens_decoder().items():
         if token_id < vocab_size:

@@ -64,10 +64,8 @@ class AdaptiveLength:
         self.drafts = self.FORGET * self.drafts + 1
         self.accepted = self.FORGET * self.accepted + num_accepted
         self.proposed = self.FORGET * self.proposed + num_proposed
-        if num_accepted == num_proposed:
-            self.num_draft = min(self.num_draft + 2, self.max_draft)
-        else:
-            self.num_draft = max(self.num_draft - 1, 1)
+        full = num_accepted == num_proposed
+        self.num_draft = min(self.num_draft + 2, self.max_draft) if full else max(self.num_draft - 1, 1)
 
     def expected_speedup(self, token_cost: float) -> float:
         """What the next draft is expected to give, from the recent ones: tokens emitted per

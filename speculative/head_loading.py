@@ -103,9 +103,7 @@ def published_layout(config: dict):
     """``"eagle3"``, ``"eagle1"`` (EAGLE-1/2) or None for a head config."""
     if "draft_vocab_size" in config:
         return "eagle3"
-    if "hidden_size" in config and "fingerprint" not in config:
-        return "eagle1"
-    return None
+    return "eagle1" if "hidden_size" in config and "fingerprint" not in config else None
 
 
 def _eagle_args(config: dict, config_path) -> llama.ModelArgs:
@@ -126,12 +124,11 @@ def _check_embeddings(weights: dict, target, weights_path):
     table = weights.pop("embed_tokens.weight", None)
     if table is None:
         return
-    ours = target.model.embed_tokens
     if table.shape[0] != target.args.vocab_size:
         raise HeadMismatch(f"{weights_path}: embed_tokens has {table.shape[0]} rows, the target's vocabulary "
                            f"{target.args.vocab_size}")
     rows = mx.array(np.linspace(0, table.shape[0] - 1, 16).astype(np.int64))
-    theirs, mine = table[rows].astype(mx.float32), ours(rows).astype(mx.float32)
+    theirs, mine = table[rows].astype(mx.float32), target.model.embed_tokens(rows).astype(mx.float32)
     cosine = (theirs * mine).sum(-1) / mx.maximum(mx.linalg.norm(theirs, axis=-1) * mx.linalg.norm(mine, axis=-1),
                                                   1e-6)
     if mx.mean(cosine).item() < EMBEDDING_MIN_COSINE:
@@ -173,7 +170,6 @@ def load_eagle_head(head_dir: Path, config: dict, target, dtype):
     """Returns ``(head, vocab_ids)`` for a head in a published EAGLE layout; refuses in one line
     (``HeadMismatch``, naming the file) a head that does not fit ``target``."""
     config_path = head_dir / "config.json"
-    layout = published_layout(config)
     args = _eagle_args(config, config_path)
     size, vocab_size = target.args.hidden_size, target.args.vocab_size
     if config.get("target_hidden_size", args.hidden_size) != size or args.hidden_size != size:
@@ -183,7 +179,7 @@ def load_eagle_head(head_dir: Path, config: dict, target, dtype):
                            f"the target {vocab_size}")
     weights, weights_path = read_weights(head_dir)
     _check_embeddings(weights, target, weights_path)
-    if layout == "eagle3":
+    if published_layout(config) == "eagle3":
         # Variants of other trainers that the reference lacks: refused rather than guessed.
         if config.get("norm_before_residual") or (config.get("eagle_config") or {}).get(
                 "eagle_aux_hidden_state_layer_ids"):
