@@ -211,10 +211,9 @@ class _Compiler:
             if length > MAX_REGEX_LENGTH:
                 raise _too_large(path)
         if rest:
-            # Keep the values the rest of the schema accepts (its regex is a subset of the schema).
-            rest_regex = self.compile(rest, path, refs) or "(?!)"
-            # Our DFA, not Python's re: a `pattern` such as (a*)*b would make re backtrack for ages.
-            dfa = compile_regex(rest_regex)
+            # Keep the values the rest of the schema accepts (its regex is a subset of the schema), matched
+            # by our DFA, not Python's re: a `pattern` such as (a*)*b would make re backtrack for ages.
+            dfa = compile_regex(self.compile(rest, path, refs) or "(?!)")
             texts = [text for value, text in zip(values, texts)
                      if dfa.matches(json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode())]
         return "(?:" + "|".join(texts) + ")" if texts else None
@@ -236,8 +235,7 @@ class _Compiler:
         self.apply_dependencies(dependencies, properties, required, path)
         entries, length = [], 0
         for name in list(properties) + [name for name in required if name not in properties]:
-            sub = properties.get(name, additional)
-            value = self.compile(sub, f"{path}/properties/{escape(name)}", refs)
+            value = self.compile(properties.get(name, additional), f"{path}/properties/{escape(name)}", refs)
             if value is None and name in required:
                 return None
             if value is not None:

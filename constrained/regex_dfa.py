@@ -247,8 +247,7 @@ def _subset_construction(nfa, nfa_start, nfa_accept, max_states):
             row[cls] = state_ids[next_set]
         rows.append(row)
     transitions = np.array(rows, dtype=np.int32).reshape(len(rows), num_classes)
-    accepting = np.array([nfa_accept in state_set for state_set in state_sets])
-    return byte_class, transitions, accepting
+    return byte_class, transitions, np.array([nfa_accept in state_set for state_set in state_sets])
 
 
 def _remove_dead_states(transitions, accepting, start):
@@ -305,8 +304,7 @@ def _minimize(transitions, accepting, start):
     representatives.sort()
     new_id = np.full(len(blocks), -1, dtype=np.int32)  # the sink's block stays -1
     new_id[block_ids[representatives]] = np.arange(len(representatives))
-    minimal = new_id[block_ids[complete[representatives]]]
-    return minimal, accepting[representatives], int(new_id[block_ids[start]])
+    return new_id[block_ids[complete[representatives]]], accepting[representatives], int(new_id[block_ids[start]])
 
 
 # main.py compiles the regex to check it before the model loads, then the index needs the same DFA:

@@ -120,8 +120,7 @@ class TokenTable:
         matrix[token_of_byte, column_of_byte] = flat
         spellable = np.flatnonzero(lengths > 0)
         order = spellable[np.argsort(matrix[spellable, 0], kind="stable")]
-        starts = np.searchsorted(matrix[order, 0], np.arange(257))
-        return cls(lengths, matrix, order, starts)
+        return cls(lengths, matrix, order, np.searchsorted(matrix[order, 0], np.arange(257)))
 
     @property
     def vocab_size(self) -> int:
@@ -138,8 +137,7 @@ def walk_tokens(dfa: DFA, table: TokenTable, origins) -> np.ndarray:
     next_states = np.full((len(origins), table.vocab_size), -1, dtype=np.int32)
     for row, origin_state in enumerate(origins):
         # Only tokens whose first byte the state accepts can survive: often a handful, at most V.
-        first_bytes = np.flatnonzero(dfa.transitions[origin_state, dfa.byte_class] >= 0)
-        token = table.starting_with(first_bytes)
+        token = table.starting_with(np.flatnonzero(dfa.transitions[origin_state, dfa.byte_class] >= 0))
         state = np.full(len(token), origin_state, dtype=np.int32)
         # The tokens advance one byte column at a time. A token leaves when it ends (record where it
         # got to) or the DFA rejects it, so the work is the number of live token prefixes.
@@ -266,13 +264,10 @@ class TokenIndex:
 
 
 def _cache_key(pattern: str, token_bytes: list, eos_token_ids, max_states: int) -> str:
-    vocab_hash = hashlib.sha256()
-    for token in token_bytes:
-        # Length-prefix each token so different vocabularies never hash the same; None is length -1.
-        length = -1 if token is None else len(token)
-        vocab_hash.update(length.to_bytes(4, "little", signed=True) + (token or b""))
+    # repr writes each token unambiguously (b'...' or None), so different vocabularies never hash the same.
+    vocab_hash = hashlib.sha256(repr(token_bytes).encode()).hexdigest()
     eos = sorted(int(t) for t in eos_token_ids)
-    return json.dumps([CACHE_FORMAT_VERSION, pattern, vocab_hash.hexdigest(), eos, max_states])
+    return json.dumps([CACHE_FORMAT_VERSION, pattern, vocab_hash, eos, max_states])
 
 
 def save_index(index: TokenIndex, path, key: str) -> None:

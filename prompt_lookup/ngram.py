@@ -152,8 +152,7 @@ class PromptLookupSource(DraftSource):
         """Tokens a ``length``-token copy after a match of ``kind`` is expected to give, per
         plain step's time: (1 + a + a^2 + ... + a^length) / (a pass of 1 + length tokens)."""
         accept = self._accept(kind)
-        accepted = sum(accept**i for i in range(1, length + 1))
-        return (1 + accepted) / self.cost.relative(1 + length)
+        return (1 + sum(accept**i for i in range(1, length + 1))) / self.cost.relative(1 + length)
 
     def draft_length(self, kind) -> int:
         """The draft length that pays best for a match of ``kind`` (``match_kind``)."""
