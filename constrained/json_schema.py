@@ -63,9 +63,7 @@ class _Compiler:
         self.root = root
         ws = f"(?:{whitespace})" if whitespace else ""
         self.ws, self.comma, self.colon = ws, f"{ws},{ws}", f"{ws}:{ws}"
-        self.max_ref_depth = max_ref_depth
-        self.any_depth = any_depth
-        self.max_repeat = max_repeat
+        self.max_ref_depth, self.any_depth, self.max_repeat = max_ref_depth, any_depth, max_repeat
         self._any = {}  # depth -> any_value(depth)
         self.depth, self.subschemas = 0, 0  # subschemas open now, and compiled so far: the budgets
 
@@ -299,10 +297,8 @@ class _Compiler:
                 del properties[name]
 
     def map_members(self, additional, patterns, schema, path, refs):
-        """Any keys (or keys matching the one patternProperties pattern), each with a valid value.
-
-        A repeated key is harmless: whichever value a parser keeps is valid.
-        """
+        """Any keys (or keys matching the one patternProperties pattern), each with a valid value. A
+        repeated key is harmless: whichever value a parser keeps is valid."""
         if schema.get("minProperties", 0) > 1:
             raise SchemaError(f"minProperties above 1 without declared properties is not supported at {path}")
         if len(patterns) > 1:

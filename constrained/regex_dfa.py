@@ -29,10 +29,8 @@ MAX_SUBSET_WORK = 4_000_000
 
 
 def utf8_sequences(lo: int, hi: int) -> list:
-    """Split code points lo..hi into byte-range sequences, e.g. [(0xC2, 0xDF), (0x80, 0xBF)].
-
-    Surrogates (U+D800..U+DFFF) are left out: they are not valid UTF-8.
-    """
+    """Split code points lo..hi into byte-range sequences, e.g. [(0xC2, 0xDF), (0x80, 0xBF)]; surrogates
+    (U+D800..U+DFFF) are left out: they are not valid UTF-8."""
     if lo > hi:
         return []
     if lo <= 0xDFFF and hi >= 0xD800:
@@ -75,11 +73,9 @@ class _NFA:
         return target
 
     def build(self, node):
-        """Add the fragment for `node`; returns its (entry, exit) states.
-
-        Each node's `fragment` is a generator that yields a child and receives that child's
-        (entry, exit); this loop runs them with its own stack, so deep trees need no recursion.
-        """
+        """Add the fragment for `node`; returns its (entry, exit) states. Each node's `fragment` is a
+        generator that yields a child and receives that child's (entry, exit); this loop runs them with
+        its own stack, so deep trees need no recursion."""
         stack, built = [self.fragment(node)], None
         while stack:
             try:
@@ -178,11 +174,9 @@ class DFA:
         return None
 
     def forced_bytes(self, state: int) -> bytes:
-        """The bytes the regex forces from `state`: stops at an accepting state or a choice.
-
-        May end inside a multi-byte character. Terminates: a cycle of forced, non-accepting
-        states could never reach acceptance, and such states were removed.
-        """
+        """The bytes the regex forces from `state`: stops at an accepting state or a choice. May end
+        inside a multi-byte character. Terminates: a cycle of forced, non-accepting states could never
+        reach acceptance, and such states were removed."""
         class_sizes = np.bincount(self.byte_class, minlength=self.transitions.shape[1])
         forced = bytearray()
         while not self.accepting[state]:

@@ -82,11 +82,8 @@ def save_history(path, history: np.ndarray):
 
 
 def append_history(path, outputs: Sequence[Sequence[int]], max_tokens: int = DEFAULT_MAX_HISTORY_TOKENS):
-    """Add ``outputs`` (token id lists) to the store at ``path``, keeping at most ``max_tokens``.
-
-    Writers take turns on a lock file, so no run's outputs are lost to another's write;
-    ``save_history`` replaces the file atomically.
-    """
+    """Add ``outputs`` (token id lists) to the store at ``path``, keeping at most ``max_tokens``. Writers
+    take turns on a lock file, so no run's outputs are lost to another's write."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.with_name(path.name + ".lock"), "w") as lock:

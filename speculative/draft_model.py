@@ -1,8 +1,7 @@
 """A draft source backed by a small model that shares the target's vocabulary.
 
-The draft model keeps its own trimmable KV cache. After each verification the
-cache is trimmed back to the tokens the target accepted, so the two caches
-always describe the same text.
+The draft model keeps its own trimmable KV cache. After each verification the cache is trimmed back
+to the tokens the target accepted, so the two caches always describe the same text.
 """
 
 from typing import Optional

@@ -119,10 +119,8 @@ class DraftHeadSource(AdaptiveSource):
         trim_prompt_cache(self.cache, self.cache[0].offset - self.committed)
 
     def _catch_up(self, tokens: list) -> mx.array:
-        """Feed the head every accepted position it has not read; returns its last prediction.
-
-        Position p reads (h_p, x_{p+1}); the target has run positions up to len(tokens) - 2.
-        """
+        """Feed the head every accepted position it has not read; returns its last prediction. Position
+        p reads (h_p, x_{p+1}); the target has run positions up to len(tokens) - 2."""
         stop = len(tokens) - 1
         if self.committed == stop:  # nothing new since the last draft: re-read the last position
             self.committed -= 1
