@@ -1,10 +1,9 @@
 """Context-free constraints for the shared loop: Lark, GBNF and full JSON Schema through llguidance.
 
-The regex path (regex_dfa.py -> token_index.py -> constraint.py) is written by hand because it is
-the point of the example; a grammar engine is not, so here the best-kept one does the work:
-llguidance (``pip install llguidance``, MIT; imported where it is used), an Earley parser over a
-lazy regex lexer. This file adapts it to the loop's ``Constraint`` protocol and adds a draft source
-for the text it forces.
+The regex path (regex_dfa.py -> token_index.py -> constraint.py) is written by hand because it is the point of
+the example; a grammar engine is not, so here the best-kept one does the work: llguidance (``pip install
+llguidance``, MIT; imported where it is used), an Earley parser over a lazy regex lexer. This file adapts it
+to the loop's ``Constraint`` protocol and adds a draft source for the text it forces.
 
     constraint = GrammarConstraint.from_grammar('start: "yes" | "no"', tokenizer, vocab_size)
     result = generate(model, tokenizer, prompt, constraint=constraint,
@@ -181,10 +180,9 @@ class GrammarConstraint(Constraint):
 class GrammarForcedSource(ForcedSource):
     """Drafts the text the grammar forces next (``{"name":"`` in a JSON shape) at no model cost.
 
-    llguidance's ``compute_ff_bytes`` gives the forced bytes; they are tokenized by the model's
-    tokenizer, as ``ForcedTextSource`` does for regexes. (``compute_ff_tokens`` stops before any
-    token a longer one could still replace, e.g. before ``":"`` when ``":""`` exists, so it drafts
-    less.)
+    llguidance's ``compute_ff_bytes`` gives the forced bytes; they are tokenized by the model's tokenizer, as
+    ``ForcedTextSource`` does for regexes. (``compute_ff_tokens`` stops before any token a longer one could
+    still replace, e.g. before ``":"`` when ``":""`` exists, so it drafts less.)
     """
 
     name = "grammar"

@@ -1,11 +1,10 @@
 """Per-state token masks for regex-constrained decoding.
 
-For a DFA state, `TokenIndex` gives which tokens may come next and the state each one leads to, so a
-decoding step is one row lookup: `mx.where(index.allowed_mask(state), logits, -mx.inf)`. Rows are
-built the first time generation reaches a state (one vectorized walk of the vocabulary) and kept in
-a bounded LRU cache, so memory and time to first token do not grow with the states never visited.
-Tokens are handled as raw bytes, so a token that ends halfway through a UTF-8 character is allowed
-exactly when the regex allows that character.
+For a DFA state, `TokenIndex` gives which tokens may come next and the state each one leads to, so a decoding
+step is one row lookup: `mx.where(index.allowed_mask(state), logits, -mx.inf)`. Rows are built the first time
+generation reaches a state (one vectorized walk of the vocabulary) and kept in a bounded LRU cache, so memory
+and time to first token do not grow with the states never visited. Tokens are handled as raw bytes, so a token
+that ends halfway through a UTF-8 character is allowed exactly when the regex allows that character.
 """
 
 import hashlib

@@ -21,10 +21,9 @@ def weight_bytes(model) -> int:
 class AdaptiveLength:
     """How many tokens to draft next, learned from how the last drafts fared.
 
-    +2 after a fully accepted draft, -1 otherwise, within [1, max_draft]. Drafting pauses
-    while the recent drafts gave fewer tokens than they cost (``token_cost`` per drafted
-    token, as a fraction of a target step, from the loop's measurements), probing with one
-    token after 1, 2, 4 ... skipped steps.
+    +2 after a fully accepted draft, -1 otherwise, within [1, max_draft]. Drafting pauses while the recent
+    drafts gave fewer tokens than they cost (``token_cost`` per drafted token, as a fraction of a target step,
+    from the loop's measurements), probing with one token after 1, 2, 4 ... skipped steps.
 
     Args:
         num_draft, max_draft: the length to start with (the fixed one when not ``enabled``), the longest.

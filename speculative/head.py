@@ -1,11 +1,10 @@
 """A feature-level draft head (EAGLE style) for a Llama-family target.
 
-The head reads the target's last hidden state h_t (after the final norm) and the embedding
-of the token x_{t+1} that follows it, fuses them with one linear layer, runs one Llama
-decoder layer and predicts h_{t+1}. From its second draft step on, it reads its own
-prediction in place of h_t. Tokens are scored with the target's own output matrix
-restricted to a frequency-ranked sub-vocabulary (FR-Spec), so a draft step reads ~4M head
-weights plus 8k output rows instead of the whole 135M-parameter target.
+The head reads the target's last hidden state h_t (after the final norm) and the embedding of the token
+x_{t+1} that follows it, fuses them with one linear layer, runs one Llama decoder layer and predicts h_{t+1}.
+From its second draft step on, it reads its own prediction in place of h_t. Tokens are scored with the
+target's own output matrix restricted to a frequency-ranked sub-vocabulary (FR-Spec), so a draft step reads
+~4M head weights plus 8k output rows instead of the whole 135M-parameter target.
 
 A head directory holds ``model.safetensors`` (float16 head weights and the sub-vocabulary
 ids) and ``config.json`` (the target's args and fingerprint), written by ``save_head``;
