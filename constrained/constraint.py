@@ -9,6 +9,7 @@ from typing import Optional
 
 import mlx.core as mx
 
+from constrained.json_schema import schema_to_regex
 from constrained.token_index import TokenIndex, load_or_build_index
 from decoder import Constraint, Draft, DraftSource, eos_ids_of
 
@@ -30,8 +31,6 @@ class RegexConstraint(Constraint):
     @classmethod
     def from_json_schema(cls, schema, tokenizer, vocab_size: int, cache_dir=None, **options) -> "RegexConstraint":
         """Output that validates against `schema` (a dict); `options` go to `schema_to_regex`."""
-        from constrained.json_schema import schema_to_regex
-
         return cls.from_regex(schema_to_regex(schema, **options), tokenizer, vocab_size, cache_dir=cache_dir)
 
     def walk(self, draft: list) -> list:

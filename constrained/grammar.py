@@ -153,11 +153,10 @@ class GrammarConstraint(Constraint):
         stop = next((i + 1 for i, token in enumerate(draft) if token in self.eos_token_ids), len(states))
         consumed = 0
         try:
-            for position in range(stop):
+            for position, row in enumerate(bitmask[:stop]):
                 if position:
                     self.matcher.consume_token(draft[position - 1])
                     consumed += 1
-                row = bitmask[position]
                 self.matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
         finally:
             self.matcher.rollback(consumed)  # exact: back to the accepted text

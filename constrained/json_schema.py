@@ -285,13 +285,13 @@ class _Compiler:
         for name, needed in dependencies.items():
             if not isinstance(needed, list):
                 raise SchemaError(f"dependencies with a schema are not supported at {path}/dependencies/{name}")
-        changed = True
-        while changed:  # required names first, to a fixed point: they decide which optional ones can stay
-            changed = False
+        while True:  # required names first, to a fixed point: they decide which optional ones can stay
+            before = len(required)
             for name, needed in dependencies.items():
-                if name in required and not set(needed) <= set(required):
+                if name in required:
                     required += [item for item in needed if item not in required]
-                    changed = True
+            if len(required) == before:
+                break
         for name, needed in dependencies.items():
             if name in properties and name not in required and not set(needed) <= set(required):
                 del properties[name]

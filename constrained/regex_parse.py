@@ -14,7 +14,6 @@ class RegexError(ValueError):
     """A regex that is malformed, unsupported, matches nothing, or is too large."""
 
 
-# Syntax tree: a set of characters, a repeat of one node, a sequence or a choice of nodes.
 @dataclass(frozen=True)
 class Chars:
     ranges: tuple[tuple[int, int], ...]  # sorted, disjoint, inclusive code point intervals

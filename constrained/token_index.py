@@ -197,8 +197,8 @@ class TokenIndex:
 
     def __init__(self, dfa: DFA, table: TokenTable, eos_token_ids, finishable: np.ndarray,
                  row_cache_bytes: int = DEFAULT_ROW_CACHE_BYTES):
-        self.dfa = dfa
-        self.table = table
+        self.dfa, self.table = dfa, table
+        self.start, self.num_states = dfa.start, dfa.num_states  # index states are the DFA's
         self.eos_token_ids = tuple(int(token) for token in eos_token_ids)
         self.finishable = finishable
         self.max_cached_rows = max(8, row_cache_bytes // (5 * table.vocab_size))
@@ -214,14 +214,6 @@ class TokenIndex:
             raise RegexError(f"the vocabulary cannot spell the regex from state {dfa.start}: "
                              "no sequence of tokens reaches an accepting state")
         return cls(dfa, table, eos_token_ids, finishable, **options)
-
-    @property
-    def start(self) -> int:
-        return self.dfa.start
-
-    @property
-    def num_states(self) -> int:
-        return self.dfa.num_states
 
     @property
     def cached_bytes(self) -> int:

@@ -115,9 +115,7 @@ class PromptLookupSource(DraftSource):
         check_search_args(ngram_max, ngram_min, num_draft)
         if any(token < 0 for token in extra_context):
             raise ValueError("extra_context must hold token ids (non-negative integers).")
-        self.ngram_max = ngram_max
-        self.ngram_min = ngram_min
-        self.num_draft = num_draft
+        self.ngram_max, self.ngram_min, self.num_draft = ngram_max, ngram_min, num_draft
         self.extra_context = list(extra_context)
         self.adaptive = adaptive
         self.max_draft_length = 2 * num_draft

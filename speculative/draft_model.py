@@ -61,9 +61,7 @@ class DraftModelSource(AdaptiveSource):
     def __init__(self, model, vocab_size: int, num_draft: int = 4, adaptive: bool = True,
                  max_draft: int = 12, min_confidence: float = 0.5, draft_cost_prior: float = 0.1):
         super().__init__(num_draft, max_draft, adaptive, draft_cost_prior)
-        self.model = model
-        self.vocab_size = vocab_size
-        self.min_confidence = min_confidence
+        self.model, self.vocab_size, self.min_confidence = model, vocab_size, min_confidence
         self.cache = make_cache(model)
         if Rollback(self.cache).recurrent:  # its drafts roll back by trimming, which a recurrent state cannot
             raise CacheKindError("a draft model with recurrent layers is not supported")

@@ -82,8 +82,7 @@ class DraftHeadSource(AdaptiveSource):
                  min_path_confidence: Optional[float] = None):
         super().__init__(num_draft, max_draft, adaptive, draft_cost_prior)
         self.tap, self.head = tap, head
-        self.vocab_ids = vocab_ids
-        self.vocab_list = vocab_ids.tolist()
+        self.vocab_ids, self.vocab_list = vocab_ids, vocab_ids.tolist()
         self.vocab_size = tap.target.args.vocab_size
         self.embed = tap.target.model.embed_tokens
         self.min_confidence = min_confidence
