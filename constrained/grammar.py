@@ -93,14 +93,11 @@ def ll_tokenizer_of(tokenizer):
 
 
 class GrammarConstraint(Constraint):
-    """An llguidance matcher behind the loop's ``walk / masks / advance`` protocol.
-
-    The matcher holds the accepted text. A walk asks it how many draft tokens are valid
-    (``validate_tokens``, no state change); ``masks`` consumes them one at a time, writes the
-    bitmask before each, and rolls them back, so the matcher is exactly where it was. States
-    are the draft prefixes themselves (tuples), so ``masks(walk(draft))`` needs nothing else.
-    EOS is allowed exactly when the matcher accepts; after an EOS in a draft only EOS is.
-    """
+    """An llguidance matcher behind the loop's ``walk / masks / advance`` protocol. The matcher holds the
+    accepted text. A walk asks it how many draft tokens are valid (``validate_tokens``, no state change);
+    ``masks`` consumes them one at a time, writes the bitmask before each, and rolls them back, so the matcher
+    is exactly where it was. States are the draft prefixes themselves (tuples), so ``masks(walk(draft))`` needs
+    nothing else. EOS is allowed exactly when the matcher accepts; after an EOS in a draft only EOS is."""
 
     def __init__(self, matcher, ll_tokenizer, vocab_size: int):
         # The lexer is built lazily under resource limits ("too many expressions constructed"): if even
@@ -177,12 +174,10 @@ class GrammarConstraint(Constraint):
 
 
 class GrammarForcedSource(ForcedSource):
-    """Drafts the text the grammar forces next (``{"name":"`` in a JSON shape) at no model cost.
-
-    llguidance's ``compute_ff_bytes`` gives the forced bytes; they are tokenized by the model's tokenizer, as
+    """Drafts the text the grammar forces next (``{"name":"`` in a JSON shape) at no model cost. llguidance's
+    ``compute_ff_bytes`` gives the forced bytes; they are tokenized by the model's tokenizer, as
     ``ForcedTextSource`` does for regexes. (``compute_ff_tokens`` stops before any token a longer one could
-    still replace, e.g. before ``":"`` when ``":""`` exists, so it drafts less.)
-    """
+    still replace, e.g. before ``":"`` when ``":""`` exists, so it drafts less.)"""
 
     name = "grammar"
 

@@ -215,14 +215,12 @@ def _within_length(tree, min_length: int, max_length):
 
 
 def pattern_string(pattern: str, min_length: int = 0, max_length=None) -> str:
-    """A JSON string regex for `pattern` (JSON Schema: `re.search` on the decoded string).
-
-    Unanchored ends get `.*`. With minLength/maxLength: served when every match of the pattern is long enough,
-    and unbounded repeats are capped so that every match is short enough; else RegexError. The characters JSON
-    must escape are removed from the pattern's sets, so the text between the quotes is the value itself. Our
-    dialect reads \\D \\W \\S as ASCII (re.ASCII) while a validator reads them as Unicode; patterns using them
-    keep to ASCII so they stay a subset. Raises RegexError for what our parser does not support.
-    """
+    """A JSON string regex for `pattern` (JSON Schema: `re.search` on the decoded string). Unanchored ends get
+    `.*`. With minLength/maxLength: served when every match of the pattern is long enough, and unbounded
+    repeats are capped so that every match is short enough; else RegexError. The characters JSON must escape
+    are removed from the pattern's sets, so the text between the quotes is the value itself. Our dialect reads
+    \\D \\W \\S as ASCII (re.ASCII) while a validator reads them as Unicode; patterns using them keep to ASCII
+    so they stay a subset. Raises RegexError for what our parser does not support."""
     anchored_start = pattern.startswith("^")
     body = pattern[1:] if anchored_start else pattern
     anchored_end = body.endswith("$") and not body.endswith("\\$")

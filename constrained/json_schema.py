@@ -261,12 +261,9 @@ class _Compiler:
         return head + entries[first_required][0] + rest
 
     def some_of(self, members):
-        """One or more of `members`, in order, comma-separated: each member written once.
-
-        Some of the first k is some of the first k-1 (then maybe the k-th) or the k-th alone (naming
-        each possible first member would write n^2/2). The groups nest n deep, which our parser
-        handles (Python's `re` stops near 300).
-        """
+        """One or more of `members`, in order, comma-separated: each member written once. Some of the first k
+        is some of the first k-1 (then maybe the k-th) or the k-th alone (naming each possible first member
+        would write n^2/2). The groups nest n deep, which our parser handles (Python's `re` stops near 300)."""
         # (?:(?:m1(?:,m2)?|m2)(?:,m3)?|m3): the opening groups first, so no prefix is copied again.
         return "(?:" * (len(members) - 1) + members[0] + "".join(f"(?:{self.comma}{member})?|{member})"
                                                                 for member in members[1:])
@@ -451,8 +448,7 @@ class _Compiler:
 
     def discriminated(self, mine, other, refs):
         """True when `mine` always emits a required property whose const/enum values `other` forbids."""
-        mine, _ = self.resolve(mine, "#", refs)
-        other, _ = self.resolve(other, "#", refs)
+        mine, other = (self.resolve(schema, "#", refs)[0] for schema in (mine, other))
         if not isinstance(mine, dict) or not isinstance(other, dict):
             return False
         for name in set(mine.get("required", [])) & set(other.get("required", [])):

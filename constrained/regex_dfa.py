@@ -312,9 +312,8 @@ def compile_regex(pattern: str, max_states: int = DEFAULT_MAX_STATES) -> DFA:
             possessive quantifiers and atomic groups.
         max_states: Raise RegexError when the DFA needs more states than this.
     """
-    tree = parse_regex(pattern)
     nfa = _NFA(max_states=4 * max_states)
-    nfa_start, nfa_accept = nfa.build(tree)
+    nfa_start, nfa_accept = nfa.build(parse_regex(pattern))
     byte_class, transitions, accepting = _subset_construction(nfa, nfa_start, nfa_accept, max_states)
     transitions, accepting, start = _remove_dead_states(transitions, accepting, 0)
     transitions, accepting, start = _minimize(transitions, accepting, start)

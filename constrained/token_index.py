@@ -170,13 +170,11 @@ def _token_edges(dfa: DFA, table: TokenTable):
 
 
 def finishable_states(dfa: DFA, table: TokenTable) -> np.ndarray:
-    """(num_states,) bool: the states from which some sequence of tokens reaches an accepting state.
-
-    Every DFA state can reach acceptance (dead states were removed), so when the one-byte tokens
-    cover a path to acceptance from every state, every state is finishable: a cheap DFA-level check.
-    Otherwise (a vocabulary that lacks bytes the regex needs) walk every token from every state up
-    front, in chunks of bounded memory, and find the finishable states on the token graph.
-    """
+    """(num_states,) bool: the states from which some sequence of tokens reaches an accepting state. Every DFA
+    state can reach acceptance (dead states were removed), so when the one-byte tokens cover a path to
+    acceptance from every state, every state is finishable: a cheap DFA-level check. Otherwise (a vocabulary
+    that lacks bytes the regex needs) walk every token from every state up front, in chunks of bounded memory,
+    and find the finishable states on the token graph."""
     class_covered = np.zeros(dfa.transitions.shape[1], dtype=bool)
     class_covered[dfa.byte_class[table.token_bytes[table.lengths == 1, 0]]] = True  # a one-byte token spells it
     sources, classes = np.nonzero((dfa.transitions >= 0) & class_covered)
@@ -188,12 +186,10 @@ def finishable_states(dfa: DFA, table: TokenTable) -> np.ndarray:
 
 class TokenIndex:
     """For each DFA state, the allowed tokens and the state each leads to, built on first use.
-
     `row(state)[token]` is -1 when `token` is forbidden in `state`. EOS tokens are allowed exactly in
-    accepting states and map to the same state. Tokens that lead to a state from which the vocabulary
-    cannot finish a match are forbidden, so following the masks always leaves a way to end. Index
-    states are the DFA's states, so `index.dfa.forced_bytes(state)` gives the text the regex forces next.
-    """
+    accepting states and map to the same state. Tokens that lead to a state from which the vocabulary cannot
+    finish a match are forbidden, so following the masks always leaves a way to end. Index states are the
+    DFA's states, so `index.dfa.forced_bytes(state)` gives the text the regex forces next."""
 
     def __init__(self, dfa: DFA, table: TokenTable, eos_token_ids, finishable: np.ndarray,
                  row_cache_bytes: int = DEFAULT_ROW_CACHE_BYTES):

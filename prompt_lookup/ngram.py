@@ -53,12 +53,9 @@ def find_draft(tokens: Sequence[int], *, extra_context: Sequence[int] = (), ngra
 
 
 def search(context: mx.array, num_tokens: int, ngram_max: int, ngram_min: int, num_draft: int) -> tuple:
-    """``find_draft`` on a ready context: an int32 array whose last ``num_tokens`` entries are the
-    tokens, preceded by ``extra_context + [SEPARATOR]`` if any.
-
-    Returns ``(draft, ngram, start)``: the draft, the size of the n-gram it matched and where in
-    ``context`` the copied tokens start.
-    """
+    """``find_draft`` on a ready context: an int32 array whose last ``num_tokens`` entries are the tokens,
+    preceded by ``extra_context + [SEPARATOR]`` if any. Returns ``(draft, ngram, start)``: the draft, the size
+    of the n-gram it matched and where in ``context`` the copied tokens start."""
     length = context.shape[0]
     window = min(max(ngram_max, LONGEST_LOOKBACK), num_tokens)  # the suffix comes from the tokens alone
     if window == 0:
@@ -97,9 +94,8 @@ class PromptLookupSource(DraftSource):
     than a 1-gram one) from its recent drafts, forgetting old ones by ``FORGET`` per draft. It
     starts where the best length is ``num_draft``. A size whose copies do not pay (best length 0) is
     skipped, but probed with a one-token draft after 1, 2, 4, ... ``MAX_PROBE_GAP`` skipped matches,
-    so text that turns repetitive is picked up again for at most a few percent of a step.
-
-    With ``adaptive=False`` it always drafts ``num_draft`` tokens when it finds a match.
+    so text that turns repetitive is picked up again for at most a few percent of a step. With
+    ``adaptive=False`` it always drafts ``num_draft`` tokens when it finds a match.
 
     The context (``extra_context`` and ``tokens``) is kept as one MLX array that grows by the
     newly accepted tokens, so each step costs one vectorized search and no list conversion.

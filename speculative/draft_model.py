@@ -25,9 +25,8 @@ def check_same_vocabulary(draft_tokenizer, target_tokenizer, draft_size: int, ta
     # token string -> id: Hugging Face tokenizers and our T5Tokenizer both offer it.
     draft_vocab, target_vocab = draft_tokenizer.get_vocab(), target_tokenizer.get_vocab()
     if len(draft_vocab) != len(target_vocab):
-        raise VocabularyMismatch(
-            f"the draft tokenizer has {len(draft_vocab)} tokens, the target's {len(target_vocab)}; "
-            "a draft model must share the target's vocabulary")
+        raise VocabularyMismatch(f"the draft tokenizer has {len(draft_vocab)} tokens, the target's "
+                                 f"{len(target_vocab)}; a draft model must share the target's vocabulary")
     differing = [token for token, index in target_vocab.items() if draft_vocab.get(token) != index]
     if differing:
         raise VocabularyMismatch(
@@ -35,9 +34,8 @@ def check_same_vocabulary(draft_tokenizer, target_tokenizer, draft_size: int, ta
             "a draft model must share the target's vocabulary")
     # Embedding tables may be padded past the tokenizer (Qwen2.5-7B vs -0.5B): those rows are never text.
     if min(draft_size, target_size) < len(target_vocab):
-        raise VocabularyMismatch(
-            f"the draft model has {draft_size} output tokens and the target {target_size}, "
-            f"fewer than the {len(target_vocab)} tokens of their tokenizer")
+        raise VocabularyMismatch(f"the draft model has {draft_size} output tokens and the target {target_size}, "
+                                 f"fewer than the {len(target_vocab)} tokens of their tokenizer")
 
 
 def output_size(model, tokenizer) -> int:

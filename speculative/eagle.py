@@ -32,9 +32,8 @@ def eagle3_feature_layers(num_layers: int) -> list:
 
 class Eagle1Head(nn.Module):
     """EAGLE-1/2: fc over [embedding; h] and Llama decoder layers; the target's LM head scores.
-
-    ``target_logits`` is that LM head as a function (hidden states -> logits over the whole
-    vocabulary, quantized or not), and ``output_bytes`` what it reads; ``load_head`` hands both."""
+    ``target_logits`` is that LM head as a function (hidden states -> logits over the whole vocabulary,
+    quantized or not), and ``output_bytes`` what it reads; ``load_head`` hands both."""
 
     feature_layers = [FINAL]
 

@@ -141,16 +141,13 @@ def output_rows(target, vocab_ids: mx.array) -> mx.array:
 
 def logits_from_hidden(target, hidden: mx.array) -> mx.array:
     """The target's logits from its final hidden states (what its ``__call__`` returns)."""
-    if hasattr(target, "lm_head"):
-        return target.lm_head(hidden)
-    return target.model.embed_tokens.as_linear(hidden)
+    return target.lm_head(hidden) if hasattr(target, "lm_head") else target.model.embed_tokens.as_linear(hidden)
 
 
 def fingerprint(target) -> dict:
     """What identifies the target: its shape and a few weights (compared with a tolerance,
     so the float32 and float16 conversions of one model match and other models do not)."""
-    args = target.args
-    shape = {key: getattr(args, key, None) for key in (
+    shape = {key: getattr(target.args, key, None) for key in (
         "hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads",
         "num_key_value_heads", "vocab_size")}
     weight = output_weight(target)

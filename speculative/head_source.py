@@ -23,12 +23,9 @@ CATCH_UP_CHUNK = 512  # positions per head call when reading a prompt (as the ta
 
 
 class HiddenStateTap:
-    """The target, keeping the features a head reads from every call (batch size 1): its
-    final hidden states, or the outputs of the layers in ``feature_layers``.
-
-    Looks like the wrapped mlx-lm model (``layers``, ``args``, ``make_cache`` are the
-    target's), so ``make_prompt_cache`` and ``trim_prompt_cache`` work as before.
-    """
+    """The target, keeping the features a head reads from every call (batch size 1): its final hidden states,
+    or the outputs of the layers in ``feature_layers``. Looks like the wrapped mlx-lm model (``layers``,
+    ``args``, ``make_cache`` are the target's), so ``make_prompt_cache`` and ``trim_prompt_cache`` still work."""
 
     def __init__(self, target, feature_layers=(FINAL,)):
         self.target, self.feature_layers = target, feature_layers
