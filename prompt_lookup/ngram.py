@@ -48,8 +48,7 @@ def find_draft(tokens: Sequence[int], *, extra_context: Sequence[int] = (), ngra
     check_search_args(ngram_max, ngram_min, num_draft)
     tokens = list(tokens)
     context = list(extra_context) + [SEPARATOR] + tokens if extra_context else tokens
-    draft, _, _ = search(mx.array(context, mx.int32), len(tokens), ngram_max, ngram_min, num_draft)
-    return draft
+    return search(mx.array(context, mx.int32), len(tokens), ngram_max, ngram_min, num_draft)[0]
 
 
 def search(context: mx.array, num_tokens: int, ngram_max: int, ngram_min: int, num_draft: int) -> tuple:
