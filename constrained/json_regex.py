@@ -8,7 +8,8 @@ import json
 import math
 import re
 
-from constrained.regex_parse import Alt, Chars, Concat, RegexError, Repeat, parse_regex
+from constrained.regex_parse import (MAX_CODEPOINT, Alt, Chars, Concat, RegexError, Repeat, complement_ranges,
+                                     normalize_ranges, parse_regex)
 
 PATTERN_MAX_DEPTH = 100  # groups nested in a `pattern`: the rewrite below walks the tree recursively
 
@@ -147,13 +148,8 @@ _JSON_UNSAFE = ((0x00, 0x1F), (ord('"'), ord('"')), (ord("\\"), ord("\\")))
 
 def _without_unsafe(ranges, ascii_only: bool) -> tuple:
     """Remove the characters a JSON string must escape (so the text is the value), optionally non-ASCII."""
-    result = []
-    for lo, hi in ranges:
-        pieces = [(lo, min(hi, 0x7F) if ascii_only else hi)]
-        for bad_lo, bad_hi in _JSON_UNSAFE:
-            pieces = [part for a, b in pieces for part in ((a, min(b, bad_lo - 1)), (max(a, bad_hi + 1), b))]
-        result += [(a, b) for a, b in pieces if a <= b]
-    return tuple(result)
+    removed = [*_JSON_UNSAFE, *([(0x80, MAX_CODEPOINT)] if ascii_only else [])]
+    return complement_ranges(normalize_ranges([*complement_ranges(ranges), *removed]))
 
 
 def _to_regex(node, ascii_only: bool) -> str:
@@ -227,7 +223,7 @@ def pattern_string(pattern: str, min_length: int = 0, max_length=None) -> str:
     body = body[:-1] if anchored_end else body
     ascii_only = bool(re.search(r"\\[DWS]", body))
     tree = parse_regex(body, max_depth=PATTERN_MAX_DEPTH) if body else Concat(())
-    anything = Repeat(Chars(((0, 0x10FFFF),)), 0, None)
+    anything = Repeat(Chars(((0, MAX_CODEPOINT),)), 0, None)
     parts = ([] if anchored_start else [anything]) + [tree] + ([] if anchored_end else [anything])
     limited = _within_length(Concat(tuple(parts)), min_length, max_length)
     if limited is None:

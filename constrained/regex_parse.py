@@ -39,7 +39,7 @@ class Alt:
 Node = Chars | Repeat | Concat | Alt
 
 
-def _normalize(ranges):
+def normalize_ranges(ranges):
     """Sort and merge overlapping or adjacent intervals."""
     merged = []
     for lo, hi in sorted(ranges):
@@ -50,7 +50,8 @@ def _normalize(ranges):
     return tuple(merged)
 
 
-def _complement(ranges):
+def complement_ranges(ranges):
+    """The code points outside sorted, disjoint intervals, as intervals."""
     gaps, next_lo = [], 0
     for lo, hi in ranges:
         if lo > next_lo:
@@ -63,13 +64,13 @@ def _complement(ranges):
 
 # `re.ASCII` semantics: \d \w \s are ASCII only, so their negations include every non-ASCII character.
 DIGIT = ((ord("0"), ord("9")),)
-WORD = _normalize([(ord("0"), ord("9")), (ord("A"), ord("Z")), (ord("_"), ord("_")), (ord("a"), ord("z"))])
+WORD = normalize_ranges([(ord("0"), ord("9")), (ord("A"), ord("Z")), (ord("_"), ord("_")), (ord("a"), ord("z"))])
 SPACE = ((ord("\t"), ord("\r")), (ord(" "), ord(" ")))
 CLASS_ESCAPES = {"d": DIGIT, "w": WORD, "s": SPACE}
-CLASS_ESCAPES |= {name.upper(): _complement(ranges) for name, ranges in CLASS_ESCAPES.items()}  # \D \W \S
+CLASS_ESCAPES |= {name.upper(): complement_ranges(ranges) for name, ranges in CLASS_ESCAPES.items()}  # \D \W \S
 CHAR_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "f": "\f", "v": "\v", "a": "\a"}
 HEX_ESCAPE_DIGITS = {"x": 2, "u": 4, "U": 8}
-ANY_BUT_NEWLINE = _complement(((ord("\n"), ord("\n")),))
+ANY_BUT_NEWLINE = complement_ranges(((ord("\n"), ord("\n")),))
 UNSUPPORTED_GROUPS = {
     "?=": "lookahead is", "?!": "lookahead is", "?<=": "lookbehind is", "?<!": "lookbehind is",
     "?P=": "backreferences are", "?>": "atomic groups are", "?(": "conditional groups are", "?#": "comments are",
@@ -222,7 +223,7 @@ class _Parser:
             if lo is None or hi is None or lo > hi:
                 raise self.error(f"bad character range {self.pattern[item_start:self.pos]}", item_start)
             ranges.append((lo, hi))
-        return _complement(_normalize(ranges)) if negate else _normalize(ranges)
+        return complement_ranges(normalize_ranges(ranges)) if negate else normalize_ranges(ranges)
 
     def parse_class_item(self):
         start = self.pos
