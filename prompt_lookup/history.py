@@ -6,7 +6,6 @@ past outputs, llama.cpp from an n-gram cache of them; here they are older contex
 lookup's vectorized search (``ngram.search``), one pass over a bounded array.
 
 The store on disk is one ``.npz`` file: the outputs' token ids, each followed by ``SEPARATOR``.
-``append_history`` keeps it bounded (the oldest outputs go first) and replaces it atomically.
 """
 
 import fcntl

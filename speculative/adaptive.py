@@ -100,8 +100,7 @@ class AdaptiveSource(DraftSource):
         return self.cost.draft_cost(self.name, self.draft_cost_prior) + self.cost.token_cost()
 
     def forecast_speedup(self) -> Optional[float]:
-        """The speed-up its next draft is expected to give, from its recent drafts; the loop lets it
-        draft instead of an earlier, cheaper source only when this is larger (``choose_draft``)."""
+        """What its next draft is expected to give, from its recent drafts (``AdaptiveLength``)."""
         return self.length.expected_speedup(self.token_cost()) if self.length.enabled else None
 
     def update(self, tokens: list, num_proposed: int, num_accepted: int):

@@ -203,7 +203,6 @@ def load_eagle_head(head_dir: Path, config: dict, target, dtype):
                                f"of the target's vocabulary of {vocab_size}")
         head, vocab_ids = Eagle3Head(args, draft_vocab, feature_layers), vocab_ids.astype(mx.int32)
     else:
-        # It scores with the target's whole LM head: handed over as a function, never copied.
         output_bytes = sum(value.nbytes for _, value in tree_flatten(output_layer(target).parameters()))
         head = Eagle1Head(args, bias="fc.bias" in weights, target_logits=partial(logits_from_hidden, target),
                           output_bytes=output_bytes)
