@@ -217,12 +217,11 @@ def pattern_string(pattern: str, min_length: int = 0, max_length=None) -> str:
     are removed from the pattern's sets, so the text between the quotes is the value itself. Our dialect reads
     \\D \\W \\S as ASCII (re.ASCII) while a validator reads them as Unicode; patterns using them keep to ASCII
     so they stay a subset. Raises RegexError for what our parser does not support."""
-    anchored_start = pattern.startswith("^")
-    body = pattern[1:] if anchored_start else pattern
+    anchored_start, body = pattern.startswith("^"), pattern.removeprefix("^")
     anchored_end = body.endswith("$") and not body.endswith("\\$")
     body = body[:-1] if anchored_end else body
     ascii_only = bool(re.search(r"\\[DWS]", body))
-    tree = parse_regex(body, max_depth=PATTERN_MAX_DEPTH) if body else Concat(())
+    tree = parse_regex(body, max_depth=PATTERN_MAX_DEPTH)
     anything = Repeat(Chars(((0, MAX_CODEPOINT),)), 0, None)
     parts = ([] if anchored_start else [anything]) + [tree] + ([] if anchored_end else [anything])
     limited = _within_length(Concat(tuple(parts)), min_length, max_length)

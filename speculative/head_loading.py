@@ -56,7 +56,7 @@ def load_draft_head(head_dir: Path, config: dict, target, dtype):
         raise HeadMismatch(f"{config_path}: feature_layers {config.get('feature_layers')} with num_layers "
                            f"{config.get('num_layers')} is not a head this version reads (only [-1] with 1)")
     check_fingerprint(config["fingerprint"], target, config_path)
-    weights = load_safetensors(weights_path)
+    weights, _ = read_weights(head_dir)
     vocab_ids = weights.pop("vocab_ids", None)
     vocab_size = target.args.vocab_size
     if vocab_ids is None or vocab_ids.ndim != 1 or vocab_ids.size == 0 or vocab_ids.min().item() < 0 \
@@ -136,19 +136,15 @@ def _check_embeddings(weights: dict, target, weights_path):
                            "differs from the target's)")
 
 
-def load_safetensors(path: Path) -> dict:
-    try:
-        return mx.load(str(path))
-    except (RuntimeError, ValueError, OSError) as error:  # a truncated or foreign file
-        raise HeadMismatch(f"{path} cannot be read ({str(error).splitlines()[0]})") from None
-
-
 def read_weights(head_dir: Path) -> tuple:
     """``(weights, path)``: ``model.safetensors``, else ``pytorch_model.bin`` (as most EAGLE heads
     are published) read with torch's weights-only unpickler, which runs no code from the file."""
     safetensors, pickle = head_dir / "model.safetensors", head_dir / "pytorch_model.bin"
     if safetensors.is_file():
-        return load_safetensors(safetensors), safetensors
+        try:
+            return mx.load(str(safetensors)), safetensors
+        except (RuntimeError, ValueError, OSError) as error:  # a truncated or foreign file
+            raise HeadMismatch(f"{safetensors} cannot be read ({str(error).splitlines()[0]})") from None
     if not pickle.is_file():
         raise HeadMismatch(f"{head_dir} has neither model.safetensors nor pytorch_model.bin")
     try:
