@@ -44,9 +44,8 @@ def schema_to_regex(schema, whitespace: str = "", max_ref_depth: int = 3, any_de
             larger ones are lowered to it.
     """
     check_finite(schema)
-    compiler = _Compiler(schema, whitespace, max_ref_depth, any_depth, max_repeat)
     try:
-        regex = compiler.compile(schema, "#", ())
+        regex = _Compiler(schema, whitespace, max_ref_depth, any_depth, max_repeat).compile(schema, "#", ())
     except RecursionError:  # a backstop: chains of $ref and oneOf are walked recursively
         raise SchemaError("the schema nests too deeply") from None
     if regex is None:

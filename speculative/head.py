@@ -126,8 +126,7 @@ def output_weight(target) -> mx.array:
     """The target's (vocab, d) output matrix (dequantized if need be)."""
     layer = output_layer(target)
     if hasattr(layer, "scales"):  # a quantized table: dequantize once
-        return mx.dequantize(layer.weight, layer.scales, getattr(layer, "biases", None),
-                             layer.group_size, layer.bits)
+        return mx.dequantize(layer.weight, layer.scales, getattr(layer, "biases", None), layer.group_size, layer.bits)
     return layer.weight
 
 
@@ -167,7 +166,6 @@ def save_head(head_dir, head: DraftHead, vocab_ids: mx.array, target, training: 
     (head_dir / "model.tmp.safetensors").replace(head_dir / "model.safetensors")
     config = {"target_args": {k: v for k, v in vars(target.args).items() if not k.startswith("_")},
               "fingerprint": fingerprint(target), "sub_vocab_size": int(vocab_ids.size),
-              "feature_layers": head.feature_layers, "num_layers": 1,
-              "training": training or {}}
+              "feature_layers": head.feature_layers, "num_layers": 1, "training": training or {}}
     (head_dir / "config.tmp.json").write_text(json.dumps(config, indent=1, default=str))
     (head_dir / "config.tmp.json").replace(head_dir / "config.json")

@@ -163,8 +163,7 @@ class DraftHeadSource(AdaptiveSource):
             if position + 1 < num_draft:
                 next_embedding = self.embed(self.vocab_ids[index].reshape(1, 1))
                 predicted = self.head(predicted[None, None], next_embedding, cache=self.cache)[0, -1]
-        rows = mx.stack(rows)
-        indices = mx.stack(indices).tolist()
+        rows, indices = mx.stack(rows), mx.stack(indices).tolist()
         length = len(indices)
         if self.min_confidence > 0:  # stop where the head's top probability falls below it (keep one)
             confidence = rows.max(axis=-1).tolist()
