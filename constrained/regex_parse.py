@@ -77,10 +77,6 @@ UNSUPPORTED_GROUPS = {
 }
 
 
-def _is_decimal(text):
-    return all(c in "0123456789" for c in text)
-
-
 def _single_code(char_set):
     """The code point of a one-character set, or None (e.g. for \\d)."""
     (lo, hi), *rest = char_set
@@ -154,7 +150,7 @@ class _Parser:
         elif char == "{":
             close = self.pattern.find("}", start)
             low, comma, high = self.pattern[start + 1:close].partition(",")
-            if close < 0 or close == start + 1 or not (_is_decimal(low) and _is_decimal(high)):
+            if close < 0 or close == start + 1 or not set(low + high) <= set("0123456789"):
                 return None
             min_count = int(low) if low else 0
             max_count = int(high) if high else (None if comma else min_count)

@@ -179,9 +179,7 @@ def finishable_states(dfa: DFA, table: TokenTable) -> np.ndarray:
     class_covered[dfa.byte_class[table.token_bytes[table.lengths == 1, 0]]] = True  # a one-byte token spells it
     sources, classes = np.nonzero((dfa.transitions >= 0) & class_covered)
     by_single_bytes = states_reaching(sources, dfa.transitions[sources, classes], dfa.accepting)
-    if by_single_bytes.all():
-        return by_single_bytes
-    return states_reaching(*_token_edges(dfa, table), dfa.accepting)
+    return by_single_bytes if by_single_bytes.all() else states_reaching(*_token_edges(dfa, table), dfa.accepting)
 
 
 class TokenIndex:
