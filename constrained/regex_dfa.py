@@ -208,8 +208,7 @@ def _byte_classes(byte_ranges):
     membership = np.zeros((256, len(byte_ranges) + 1), dtype=bool)
     for column, (lo, hi) in enumerate(byte_ranges):
         membership[lo:hi + 1, column] = True
-    _, byte_class = np.unique(membership, axis=0, return_inverse=True)
-    byte_class = byte_class.reshape(-1).astype(np.int32)
+    byte_class = np.unique(membership, axis=0, return_inverse=True)[1].reshape(-1).astype(np.int32)
     return byte_class, [np.unique(byte_class[lo:hi + 1]).tolist() for lo, hi in byte_ranges]
 
 

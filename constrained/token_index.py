@@ -35,9 +35,7 @@ def gpt2_unicode_to_byte() -> dict:
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     # The other bytes are shifted to code points 256, 257, ... in byte order (so " " is written "Ġ").
     shifted = [byte for byte in range(256) if byte not in printable]
-    mapping = {chr(byte): byte for byte in printable}
-    mapping.update({chr(256 + offset): byte for offset, byte in enumerate(shifted)})
-    return mapping
+    return {chr(byte): byte for byte in printable} | {chr(256 + index): byte for index, byte in enumerate(shifted)}
 
 
 def _backend_tokenizer(tokenizer) -> Tokenizer:
