@@ -89,8 +89,7 @@ def _digits_range(lo: str, hi: str) -> str:
 
 def _natural_range(lo: int, hi) -> list:
     """Regex options for the naturals lo..hi written without leading zeros (hi None: unbounded)."""
-    options = []
-    length = len(str(lo))
+    options, length = [], len(str(lo))
     while hi is None or length <= len(str(hi)):
         first = max(lo, 10 ** (length - 1) if length > 1 else 0)
         last = 10 ** length - 1 if hi is None else min(hi, 10 ** length - 1)
@@ -107,9 +106,7 @@ def integer_range(lo, hi) -> str:
     """A regex for the integers lo..hi (either may be None for unbounded); None if the range is empty."""
     if lo is not None and hi is not None and lo > hi:
         return None
-    options = []
-    if hi is None or hi >= 0:
-        options += _natural_range(max(lo, 0) if lo is not None else 0, hi)
+    options = _natural_range(max(lo, 0) if lo is not None else 0, hi) if hi is None or hi >= 0 else []
     if lo is None or lo < 0:
         # Negative numbers: "-" and the magnitude -hi..-lo, never "-0".
         magnitudes = _natural_range(max(1, -hi if hi is not None else 1), None if lo is None else -lo)

@@ -64,8 +64,7 @@ def search(context: mx.array, num_tokens: int, ngram_max: int, ngram_min: int, n
     # at j. All positions in one comparison.
     padded = mx.concatenate([mx.full((window,), SEPARATOR, mx.int32), context])
     windows = mx.as_strided(padded, shape=(length, window), strides=(1, 1))[:, ::-1]
-    agree = windows == context[length - window :][::-1]
-    match_length = mx.cumprod(agree, axis=1).sum(axis=1)
+    match_length = mx.cumprod(windows == context[length - window :][::-1], axis=1).sum(axis=1)
     # A match must be followed by at least one token of its own segment.
     match_length = mx.where(context != SEPARATOR, match_length, 0)
 

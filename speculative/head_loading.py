@@ -192,12 +192,11 @@ def load_eagle_head(head_dir: Path, config: dict, target, dtype):
             raise HeadMismatch(f"{config_path}: draft_vocab_size must be a count of tokens up to {vocab_size}")
         d2t = weights.pop("d2t", mx.zeros(draft_vocab, mx.int64))  # absent when nothing is pruned
         weights.pop("t2d", None)  # the inverse map (a mask over target tokens): not needed to draft
-        vocab_ids = mx.arange(draft_vocab) + d2t.astype(mx.int64) if d2t.shape == (draft_vocab,) else None
-        if vocab_ids is None or vocab_ids.min().item() < 0 or vocab_ids.max().item() >= vocab_size \
-                or len(set(vocab_ids.tolist())) != draft_vocab:
+        ids = (mx.arange(draft_vocab) + d2t.astype(mx.int64)).tolist() if d2t.shape == (draft_vocab,) else []
+        if len(set(ids)) != draft_vocab or min(ids) < 0 or max(ids) >= vocab_size:
             raise HeadMismatch(f"{weights_path}: d2t does not map {draft_vocab} draft tokens onto distinct tokens "
                                f"of the target's vocabulary of {vocab_size}")
-        head, vocab_ids = Eagle3Head(args, draft_vocab, feature_layers), vocab_ids.astype(mx.int32)
+        head, vocab_ids = Eagle3Head(args, draft_vocab, feature_layers), mx.array(ids, mx.int32)
     else:
         output_bytes = sum(value.nbytes for _, value in tree_flatten(output_layer(target).parameters()))
         head = Eagle1Head(args, bias="fc.bias" in weights, target_logits=partial(logits_from_hidden, target),
