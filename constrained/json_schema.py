@@ -58,6 +58,9 @@ def _too_large(path):
 
 
 class _Compiler:
+    """One schema's compilation: `resolve` and `merge` follow $ref and allOf, `compile` and the keyword
+    methods below it write the regex, and `check_exclusive` makes sure oneOf's branches exclude each other."""
+
     def __init__(self, root, whitespace, max_ref_depth, any_depth, max_repeat):
         self.root = root
         ws = f"(?:{whitespace})" if whitespace else ""
@@ -65,8 +68,6 @@ class _Compiler:
         self.max_ref_depth, self.any_depth, self.max_repeat = max_ref_depth, any_depth, max_repeat
         self._any = {}  # depth -> any_value(depth)
         self.depth, self.subschemas = 0, 0  # subschemas open now, and compiled so far: the budgets
-
-    # --- schema plumbing -----------------------------------------------------------------------
 
     def resolve(self, schema, path, refs):
         """Follow a `$ref` (siblings are merged, as allOf); returns (schema, refs), schema None when cut."""
@@ -117,8 +118,6 @@ class _Compiler:
         if extra and any("additionalProperties" in part for part in (first, second)):
             raise SchemaError(f"allOf: additionalProperties with properties from another part at {path}")
         return merged
-
-    # --- compile --------------------------------------------------------------------------------
 
     def compile(self, schema, path, refs):
         """The regex for `schema` at JSON pointer `path`, or None when no value can be generated."""
@@ -414,8 +413,6 @@ class _Compiler:
                 options.append(rf"\{{{self.ws}(?:{member}(?:{self.comma}{member})*)?{self.ws}\}}")
             self._any[depth] = "(?:" + "|".join(options) + ")"
         return self._any[depth]
-
-    # --- oneOf ---------------------------------------------------------------------------------
 
     def accepted_types(self, schema, refs, emitted):
         """Types of the values `schema` accepts (emitted=False) or that we emit for it (True)."""

@@ -87,15 +87,11 @@ def token_byte_strings(tokenizer, vocab_size: int) -> list:
     else:
         raise ValueError(f"unsupported tokenizer: expected a byte-level or SentencePiece decoder, got {decoders}")
 
-    token_bytes = [None] * vocab_size
-    for text, token_id in backend.get_vocab(with_added_tokens=False).items():
-        if token_id < vocab_size:
-            token_bytes[token_id] = to_bytes(text)
+    spelled = {token_id: to_bytes(text) for text, token_id in backend.get_vocab(with_added_tokens=False).items()}
     # Added tokens are matched as literal text; special ones (EOS, chat markers) never spell regex text.
-    for token_id, added in backend.get_added_tokens_decoder().items():
-        if token_id < vocab_size:
-            token_bytes[token_id] = None if added.special else added.content.encode()
-    return token_bytes
+    spelled |= {token_id: None if added.special else added.content.encode()
+                for token_id, added in backend.get_added_tokens_decoder().items()}
+    return [spelled.get(token_id) for token_id in range(vocab_size)]
 
 
 @dataclass(frozen=True, eq=False)
