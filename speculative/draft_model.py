@@ -101,10 +101,9 @@ class DraftModelSource(AdaptiveSource):
             del self.cache_tokens[len(self.cache_tokens) - count :]
 
     def _next_distribution(self, new_tokens: list) -> mx.array:
-        logits = self.model(mx.array(new_tokens)[None], cache=self.cache)[0, -1]
+        logits = self.model(mx.array(new_tokens)[None], cache=self.cache)[0, -1, : self.vocab_size]
         self.cache_tokens.extend(new_tokens)
-        # Cut or padded to the target's width: its padding rows are never proposed.
-        logits = logits[: self.vocab_size]
+        # Cut (above) or padded to the target's width: its padding rows are never proposed.
         logits = mx.pad(logits, (0, self.vocab_size - logits.shape[-1]), constant_values=-mx.inf)
         if self.temp == 0:  # greedy: the plain softmax, only for the confidence stop
             return mx.softmax(logits.astype(mx.float32))
