@@ -201,14 +201,13 @@ class _Parser:
         negate = self.peek() == "^"
         if negate:
             self.pos += 1
-        ranges, first = [], True
+        ranges, first_item = [], self.pos
         while True:
             if self.pos >= len(self.pattern):
                 raise self.error("unterminated character set", start)
-            if self.peek() == "]" and not first:  # a "]" right after "[" or "[^" is a literal
+            if self.peek() == "]" and self.pos != first_item:  # a "]" right after "[" or "[^" is a literal
                 self.pos += 1
                 break
-            first = False
             item_start = self.pos
             item = self.parse_class_item()
             if self.peek() != "-" or self.pattern[self.pos + 1:self.pos + 2] in ("", "]"):  # not a range

@@ -163,8 +163,7 @@ def read_weights(head_dir: Path) -> tuple:
 
 
 def load_eagle_head(head_dir: Path, config: dict, target, dtype):
-    """Returns ``(head, vocab_ids)`` for a head in a published EAGLE layout; refuses in one line
-    (``HeadMismatch``, naming the file) a head that does not fit ``target``."""
+    """Returns ``(head, vocab_ids)`` for a head in a published EAGLE layout, checked as ``load_head`` says."""
     config_path = head_dir / "config.json"
     args = _eagle_args(config, config_path)
     size, vocab_size = target.args.hidden_size, target.args.vocab_size
