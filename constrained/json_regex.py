@@ -1,4 +1,4 @@
-"""Regexes for JSON leaves: literals, strings, formats and number ranges (used by `json_schema.py`).
+"""Regexes for JSON leaves: literals, strings, formats, number ranges and `pattern` (used by `json_schema.py`).
 
 Every regex here matches only JSON text whose value satisfies the constraint it was built for; where
 the exact set is not a regular language of reasonable size (leap days, long hostnames) it is a subset.
@@ -58,8 +58,6 @@ def bounded_string(min_length: int, max_length) -> str:
         return f'"{STRING_CHAR}{{{min_length},}}"'
     return f'"{BOUNDED_STRING_CHAR}{{{min_length},{max_length}}}"'
 
-
-# --- integer ranges as digit patterns ----------------------------------------------------------
 
 def _digit_class(low: int, high: int) -> str:
     return str(low) if low == high else f"[{low}-{high}]"
@@ -137,8 +135,6 @@ def number_range(lo, lo_exclusive: bool, hi, hi_exclusive: bool) -> str:
     options = [option for option in options if option is not None]
     return "(?:" + "|".join(options) + ")" if options else None
 
-
-# --- `pattern`: a search regex over the decoded string -> a regex over the JSON text ---------------
 
 _JSON_UNSAFE = ((0x00, 0x1F), (ord('"'), ord('"')), (ord("\\"), ord("\\")))
 

@@ -261,10 +261,9 @@ def _minimize(transitions, accepting, start):
     sink = num_states
     complete = np.vstack([np.where(transitions >= 0, transitions, sink), np.full((1, num_classes), sink)])
     # Incoming edges of each state as (class, source), sorted by target: one flat list, no list per state.
-    sources, classes = (index.ravel() for index in np.indices(complete.shape))
     order = np.argsort(complete.ravel(), kind="stable")
     bounds = np.searchsorted(complete.ravel()[order], np.arange(num_states + 2)).tolist()
-    edge_class, edge_source = classes[order].tolist(), sources[order].tolist()
+    edge_source, edge_class = (index.ravel()[order].tolist() for index in np.indices(complete.shape))
     # Start from two blocks, accepting (0) and not (1, with the sink): neither is empty.
     is_final = np.append(accepting, False)
     blocks = [set(np.flatnonzero(group).tolist()) for group in (is_final, ~is_final)]

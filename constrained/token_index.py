@@ -293,8 +293,7 @@ def load_or_build_index(pattern: str, tokenizer, vocab_size: int, eos_token_ids,
     Args:
         pattern, tokenizer, vocab_size: The regex (`compile_regex`), and what `token_byte_strings` reads.
         eos_token_ids: Tokens that end generation; allowed exactly when the text so far matches.
-        cache_dir: Where to keep indexes (main.py: `~/.cache/mlx-decoding/regex-index`); None keeps
-            the index in memory only.
+        cache_dir: Where to keep indexes (main.py: `~/.cache/mlx-decoding/regex-index`); None: in memory only.
         max_states: Passed to `compile_regex`: larger regexes are refused with a RegexError.
     """
     token_bytes = token_byte_strings(tokenizer, vocab_size)

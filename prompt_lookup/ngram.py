@@ -67,7 +67,6 @@ def search(context: mx.array, num_tokens: int, ngram_max: int, ngram_min: int, n
     match_length = mx.cumprod(windows == context[length - window :][::-1], axis=1).sum(axis=1)
     # A match must be followed by at least one token of its own segment.
     match_length = mx.where(context != SEPARATOR, match_length, 0)
-
     # The longest agreement wins (so the largest n-gram), the most recent on a tie.
     best = match_length.max()
     start = mx.argmax(mx.where(match_length == best, mx.arange(length), -1))
