@@ -31,7 +31,7 @@ def _llguidance():
     try:
         import llguidance
     except ImportError:
-        raise GrammarError(f"grammars need the llguidance package: pip install llguidance") from None
+        raise GrammarError("grammars need the llguidance package: pip install llguidance") from None
     return llguidance
 
 
