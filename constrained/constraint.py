@@ -9,6 +9,7 @@ from typing import Optional
 
 import mlx.core as mx
 
+from constrained.json_schema import schema_to_regex
 from constrained.token_index import TokenIndex, load_or_build_index
 from decoder import Constraint, Draft, DraftSource, eos_ids_of
 
@@ -30,8 +31,6 @@ class RegexConstraint(Constraint):
     @classmethod
     def from_json_schema(cls, schema, tokenizer, vocab_size: int, cache_dir=None, **options) -> "RegexConstraint":
         """Output that validates against `schema` (a dict); `options` go to `schema_to_regex`."""
-        from constrained.json_schema import schema_to_regex
-
         return cls.from_regex(schema_to_regex(schema, **options), tokenizer, vocab_size, cache_dir=cache_dir)
 
     def walk(self, draft: list) -> list:
@@ -60,13 +59,12 @@ def tokenize_forced(tokenizer, forced: bytes) -> list:
 
 
 class TokenSplits:
-    """The tokens a model writes in pieces: ``":"`` is one token, but SmolLM2 writes ``":`` then ``"``.
-    Where the target writes a prefix of a drafted token instead, ``learn`` keeps the split (until it
-    writes the whole token again) and ``apply`` drafts it so. A model's habit: share it across rows.
-
-    The habit depends on the token before: SmolLM2 writes an object's first ``{"`` as ``{`` then
-    ``"``, but ``{"`` whole after ``[``. So each split is kept for the token it followed, and
-    also, for tokens it has not followed yet, as the latest seen anywhere."""
+    """The tokens a model writes in pieces: ``":"`` is one token, but SmolLM2 writes ``":`` then ``"``. Where
+    the target writes a prefix of a drafted token instead, ``learn`` keeps the split (until it writes the
+    whole token again) and ``apply`` drafts it so. A model's habit: share it across rows. The habit depends on
+    the token before: SmolLM2 writes an object's first ``{"`` as ``{`` then ``"``, but ``{"`` whole after
+    ``[``. So each split is kept for the token it followed, and also, for tokens it has not followed yet, as
+    the latest seen anywhere."""
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer

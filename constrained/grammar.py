@@ -1,10 +1,9 @@
 """Context-free constraints for the shared loop: Lark, GBNF and full JSON Schema through llguidance.
 
-The regex path (regex_dfa.py -> token_index.py -> constraint.py) is written by hand because it is
-the point of the example; a grammar engine is not, so here the best-kept one does the work:
-llguidance (``pip install llguidance``, MIT; imported where it is used), an Earley parser over a
-lazy regex lexer. This file adapts it to the loop's ``Constraint`` protocol and adds a draft source
-for the text it forces.
+The regex path (regex_dfa.py -> token_index.py -> constraint.py) is written by hand because it is the point of
+the example; a grammar engine is not, so here the best-kept one does the work: llguidance (``pip install
+llguidance``, MIT; imported where it is used), an Earley parser over a lazy regex lexer. This file adapts it
+to the loop's ``Constraint`` protocol and adds a draft source for the text it forces.
 
     constraint = GrammarConstraint.from_grammar('start: "yes" | "no"', tokenizer, vocab_size)
     result = generate(model, tokenizer, prompt, constraint=constraint,
@@ -20,7 +19,6 @@ import numpy as np
 from constrained.constraint import ForcedSource, tokenize_forced
 from decoder import Constraint, ConstraintError, eos_ids_of
 
-INSTALL = "pip install llguidance"
 # Compact JSON, like the built-in schema compiler: separators are forced text, so they cost no model step.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
 
@@ -33,7 +31,7 @@ def _llguidance():
     try:
         import llguidance
     except ImportError:
-        raise GrammarError(f"grammars need the llguidance package: {INSTALL}") from None
+        raise GrammarError("grammars need the llguidance package: pip install llguidance") from None
     return llguidance
 
 
@@ -42,29 +40,20 @@ def _one_line(message: str, limit: int = 300) -> str:
     return message if len(message) <= limit else message[: limit - 3] + "..."
 
 
-def grammar_to_lark(text: str, grammar_format: str = "auto") -> str:
-    """The grammar in llguidance's Lark dialect; GBNF goes through llguidance's own converter."""
+def compile_grammar(text: str, grammar_format: str = "auto", ll_tokenizer=None) -> str:
+    """A Lark (llguidance's dialect) or GBNF grammar -> llguidance's grammar string; GrammarError quotes the
+    engine's refusal. Without ``ll_tokenizer`` this checks the grammar alone (fast: before a model loads)."""
+    llguidance = _llguidance()
     if grammar_format == "auto":  # GBNF (llama.cpp) writes rules as ``name ::= ...``; Lark ``name: ...``
         grammar_format = "gbnf" if re.search(r"(?m)^\s*[A-Za-z][\w-]*\s*::=", text) else "lark"
-    if grammar_format == "lark":
-        return text
-    _llguidance()
-    from llguidance.gbnf_to_lark import gbnf_to_lark
+    if grammar_format != "lark":  # GBNF goes through llguidance's own converter
+        from llguidance.gbnf_to_lark import gbnf_to_lark
 
-    try:
-        return gbnf_to_lark(text)
-    except Exception as error:  # noqa: BLE001 - the converter raises plain exceptions for bad input
-        raise GrammarError(f"cannot convert the GBNF grammar: {_one_line(str(error))}") from None
-
-
-def compile_grammar(text: str, grammar_format: str = "auto", ll_tokenizer=None) -> str:
-    """A Lark or GBNF grammar -> llguidance's grammar string; GrammarError quotes the engine's refusal.
-
-    Without ``ll_tokenizer`` this checks the grammar alone (fast: before a model loads).
-    """
-    llguidance = _llguidance()
-    grammar = llguidance.LLMatcher.grammar_from_lark(grammar_to_lark(text, grammar_format))
-    return _checked(grammar, ll_tokenizer, "the grammar")
+        try:
+            text = gbnf_to_lark(text)
+        except Exception as error:  # noqa: BLE001 - the converter raises plain exceptions for bad input
+            raise GrammarError(f"cannot convert the GBNF grammar: {_one_line(str(error))}") from None
+    return _checked(llguidance.LLMatcher.grammar_from_lark(text), ll_tokenizer, "the grammar")
 
 
 def compile_json_schema(schema, ll_tokenizer=None, **options) -> str:
@@ -104,14 +93,11 @@ def ll_tokenizer_of(tokenizer):
 
 
 class GrammarConstraint(Constraint):
-    """An llguidance matcher behind the loop's ``walk / masks / advance`` protocol.
-
-    The matcher holds the accepted text. A walk asks it how many draft tokens are valid
-    (``validate_tokens``, no state change); ``masks`` consumes them one at a time, writes the
-    bitmask before each, and rolls them back, so the matcher is exactly where it was. States
-    are the draft prefixes themselves (tuples), so ``masks(walk(draft))`` needs nothing else.
-    EOS is allowed exactly when the matcher accepts; after an EOS in a draft only EOS is.
-    """
+    """An llguidance matcher behind the loop's ``walk / masks / advance`` protocol. The matcher holds the
+    accepted text. A walk asks it how many draft tokens are valid (``validate_tokens``, no state change);
+    ``masks`` consumes them one at a time, writes the bitmask before each, and rolls them back, so the matcher
+    is exactly where it was. States are the draft prefixes themselves (tuples), so ``masks(walk(draft))`` needs
+    nothing else. EOS is allowed exactly when the matcher accepts; after an EOS in a draft only EOS is."""
 
     def __init__(self, matcher, ll_tokenizer, vocab_size: int):
         # The lexer is built lazily under resource limits ("too many expressions constructed"): if even
@@ -164,11 +150,10 @@ class GrammarConstraint(Constraint):
         stop = next((i + 1 for i, token in enumerate(draft) if token in self.eos_token_ids), len(states))
         consumed = 0
         try:
-            for position in range(stop):
+            for position, row in enumerate(bitmask[:stop]):
                 if position:
                     self.matcher.consume_token(draft[position - 1])
                     consumed += 1
-                row = bitmask[position]
                 self.matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
         finally:
             self.matcher.rollback(consumed)  # exact: back to the accepted text
@@ -189,13 +174,10 @@ class GrammarConstraint(Constraint):
 
 
 class GrammarForcedSource(ForcedSource):
-    """Drafts the text the grammar forces next (``{"name":"`` in a JSON shape) at no model cost.
-
-    llguidance's ``compute_ff_bytes`` gives the forced bytes; they are tokenized by the model's
-    tokenizer, as ``ForcedTextSource`` does for regexes. (``compute_ff_tokens`` stops before any
-    token a longer one could still replace, e.g. before ``":"`` when ``":""`` exists, so it drafts
-    less.)
-    """
+    """Drafts the text the grammar forces next (``{"name":"`` in a JSON shape) at no model cost. llguidance's
+    ``compute_ff_bytes`` gives the forced bytes; they are tokenized by the model's tokenizer, as
+    ``ForcedTextSource`` does for regexes. (``compute_ff_tokens`` stops before any token a longer one could
+    still replace, e.g. before ``":"`` when ``":""`` exists, so it drafts less.)"""
 
     name = "grammar"
 

@@ -1,4 +1,4 @@
-"""Regexes for JSON leaves: literals, strings, formats and number ranges (used by `json_schema.py`).
+"""Regexes for JSON leaves: literals, strings, formats, number ranges and `pattern` (used by `json_schema.py`).
 
 Every regex here matches only JSON text whose value satisfies the constraint it was built for; where
 the exact set is not a regular language of reasonable size (leap days, long hostnames) it is a subset.
@@ -7,9 +7,9 @@ the exact set is not a regular language of reasonable size (leap days, long host
 import json
 import math
 import re
-from fractions import Fraction
 
-from constrained.regex_parse import Alt, Chars, Concat, RegexError, Repeat, parse_regex
+from constrained.regex_parse import (MAX_CODEPOINT, Alt, Chars, Concat, RegexError, Repeat, complement_ranges,
+                                     normalize_ranges, parse_regex)
 
 PATTERN_MAX_DEPTH = 100  # groups nested in a `pattern`: the rewrite below walks the tree recursively
 
@@ -59,31 +59,12 @@ def bounded_string(min_length: int, max_length) -> str:
     return f'"{BOUNDED_STRING_CHAR}{{{min_length},{max_length}}}"'
 
 
-# --- integer ranges as digit patterns ----------------------------------------------------------
-
 def _digit_class(low: int, high: int) -> str:
     return str(low) if low == high else f"[{low}-{high}]"
 
 
 def _any_digits(count: int) -> str:
     return "" if count == 0 else "[0-9]" if count == 1 else f"[0-9]{{{count}}}"
-
-
-def _one_sided(digits: str, above: bool) -> str:
-    """Digit strings of len(digits) that are >= digits (above) or <= digits (leading zeros allowed),
-    built from the last digit: linear size."""
-    edge = 9 if above else 0  # the digit with no larger (smaller) one
-    regex = ""
-    for index in range(len(digits) - 1, -1, -1):
-        digit, tail = int(digits[index]), len(digits) - 1 - index
-        if not digits[index + 1:].strip(str(9 - edge)):  # the tail is all zeros (nines): any tail will do
-            regex = _digit_class(min(digit, edge), max(digit, edge)) + _any_digits(tail)
-        elif digit != edge:
-            beyond = _digit_class(digit + 1, 9) if above else _digit_class(0, digit - 1)
-            regex = f"(?:{digit}{regex}|{beyond}{_any_digits(tail)})"
-        else:
-            regex = f"{digit}{regex}"
-    return regex
 
 
 def _digits_range(lo: str, hi: str) -> str:
@@ -96,18 +77,17 @@ def _digits_range(lo: str, hi: str) -> str:
     # A tail of all zeros (or nines) takes any tail, so that digit joins the middle.
     first = low if not lo[split + 1:].strip("0") else low + 1
     last = high if not hi[split + 1:].strip("9") else high - 1
-    options = [f"{low}{_one_sided(lo[split + 1:], above=True)}"] if first > low else []
+    options = [f"{low}{_digits_range(lo[split + 1:], '9' * tail)}"] if first > low else []
     if first <= last:
         options.append(_digit_class(first, last) + _any_digits(tail))
     if last < high:
-        options.append(f"{high}{_one_sided(hi[split + 1:], above=False)}")
+        options.append(f"{high}{_digits_range('0' * tail, hi[split + 1:])}")
     return prefix + (options[0] if len(options) == 1 else "(?:" + "|".join(options) + ")")
 
 
 def _natural_range(lo: int, hi) -> list:
     """Regex options for the naturals lo..hi written without leading zeros (hi None: unbounded)."""
-    options = []
-    length = len(str(lo))
+    options, length = [], len(str(lo))
     while hi is None or length <= len(str(hi)):
         first = max(lo, 10 ** (length - 1) if length > 1 else 0)
         last = 10 ** length - 1 if hi is None else min(hi, 10 ** length - 1)
@@ -116,9 +96,6 @@ def _natural_range(lo: int, hi) -> list:
             break
         if first <= last:
             options.append(_digits_range(str(first), str(last)))
-        if hi is None and length == 1:
-            options.append("[1-9][0-9]+")
-            break
         length += 1
     return options
 
@@ -127,9 +104,7 @@ def integer_range(lo, hi) -> str:
     """A regex for the integers lo..hi (either may be None for unbounded); None if the range is empty."""
     if lo is not None and hi is not None and lo > hi:
         return None
-    options = []
-    if hi is None or hi >= 0:
-        options += _natural_range(max(lo, 0) if lo is not None else 0, hi)
+    options = _natural_range(max(lo, 0) if lo is not None else 0, hi) if hi is None or hi >= 0 else []
     if lo is None or lo < 0:
         # Negative numbers: "-" and the magnitude -hi..-lo, never "-0".
         magnitudes = _natural_range(max(1, -hi if hi is not None else 1), None if lo is None else -lo)
@@ -139,51 +114,35 @@ def integer_range(lo, hi) -> str:
 
 def whole_bounds(lo, lo_exclusive: bool, hi, hi_exclusive: bool) -> tuple:
     """The smallest and largest integers in the range (None for an unbounded side)."""
-    lo = None if lo is None else Fraction(lo)
-    hi = None if hi is None else Fraction(hi)
     whole_lo = None if lo is None else (math.floor(lo) + 1 if lo_exclusive else math.ceil(lo))
     whole_hi = None if hi is None else (math.ceil(hi) - 1 if hi_exclusive else math.floor(hi))
     return whole_lo, whole_hi
 
 
 def number_range(lo, lo_exclusive: bool, hi, hi_exclusive: bool) -> str:
-    """A regex for JSON numbers in the range, bounded on the integer part; None if none fits.
-
-    A fraction is allowed only after an integer part I whose whole interval of values fits: [I, I+1)
-    for "I.ddd" and (-I-1, -I] for "-I.ddd". Exponents are left out. Bounds are exact (Fraction).
-    """
-    lo = None if lo is None else Fraction(lo)
-    hi = None if hi is None else Fraction(hi)
+    """A regex for JSON numbers in the range, bounded on the integer part; None if none fits. A fraction
+    is allowed only after an integer part I whose whole interval of values fits: [I, I+1) for "I.ddd"
+    and (-I-1, -I] for "-I.ddd". Exponents are left out; floor and ceil keep the bounds exact."""
     whole_lo, whole_hi = whole_bounds(lo, lo_exclusive, hi, hi_exclusive)
     options = [integer_range(whole_lo, whole_hi)]
-    # I.ddd with I >= 0: needs I >= lo (I > lo if exclusive) and I + 1 <= hi.
-    positive_lo = max(whole_lo if lo is not None else 0, 0)
-    positive_hi = None if hi is None else math.floor(hi) - 1
-    if positive_hi is None or positive_lo <= positive_hi:
-        options.append(f"(?:{'|'.join(_natural_range(positive_lo, positive_hi))})\\.[0-9]+")
-    # -I.ddd with I >= 0: needs -I - 1 >= lo and -I <= hi (-I < hi if exclusive).
-    negative_hi = None if lo is None else math.floor(-lo) - 1
-    negative_lo = 0 if hi is None else max(0, (math.floor(-hi) + 1) if hi_exclusive else math.ceil(-hi))
-    if negative_hi is None or negative_lo <= negative_hi:
-        options.append(f"-(?:{'|'.join(_natural_range(negative_lo, negative_hi))})\\.[0-9]+")
+    # I.ddd (I >= 0) needs lo <= I (lo < I if exclusive) and I + 1 <= hi; -I.ddd needs lo <= -I - 1
+    # and -I <= hi (-I < hi if exclusive).
+    positive = (0 if lo is None else max(whole_lo, 0), None if hi is None else math.floor(hi) - 1)
+    negative = (0 if hi is None else max(-whole_hi, 0), None if lo is None else math.floor(-lo) - 1)
+    for sign, (low, high) in (("", positive), ("-", negative)):
+        if high is None or low <= high:
+            options.append(f"{sign}(?:{'|'.join(_natural_range(low, high))})\\.[0-9]+")
     options = [option for option in options if option is not None]
     return "(?:" + "|".join(options) + ")" if options else None
 
-
-# --- `pattern`: a search regex over the decoded string -> a regex over the JSON text ---------------
 
 _JSON_UNSAFE = ((0x00, 0x1F), (ord('"'), ord('"')), (ord("\\"), ord("\\")))
 
 
 def _without_unsafe(ranges, ascii_only: bool) -> tuple:
     """Remove the characters a JSON string must escape (so the text is the value), optionally non-ASCII."""
-    result = []
-    for lo, hi in ranges:
-        pieces = [(lo, min(hi, 0x7F) if ascii_only else hi)]
-        for bad_lo, bad_hi in _JSON_UNSAFE:
-            pieces = [part for a, b in pieces for part in ((a, min(b, bad_lo - 1)), (max(a, bad_hi + 1), b))]
-        result += [(a, b) for a, b in pieces if a <= b]
-    return tuple(result)
+    removed = [*_JSON_UNSAFE, *([(0x80, MAX_CODEPOINT)] if ascii_only else [])]
+    return complement_ranges(normalize_ranges([*complement_ranges(ranges), *removed]))
 
 
 def _to_regex(node, ascii_only: bool) -> str:
@@ -245,22 +204,18 @@ def _within_length(tree, min_length: int, max_length):
 
 
 def pattern_string(pattern: str, min_length: int = 0, max_length=None) -> str:
-    """A JSON string regex for `pattern` (JSON Schema: `re.search` on the decoded string).
-
-    Unanchored ends get `.*`. With minLength/maxLength: served when every match of the pattern is long
-    enough, and unbounded repeats are capped so that every match is short enough; else RegexError.
-    The characters JSON must escape are removed from the pattern's sets, so the text between the
-    quotes is the value itself. Our dialect reads \\D \\W \\S as ASCII (re.ASCII) while a validator
-    reads them as Unicode; patterns using them keep to ASCII so they stay a subset. Raises RegexError
-    for what our parser does not support.
-    """
-    anchored_start = pattern.startswith("^")
-    body = pattern[1:] if anchored_start else pattern
+    """A JSON string regex for `pattern` (JSON Schema: `re.search` on the decoded string). Unanchored ends get
+    `.*`. With minLength/maxLength: served when every match of the pattern is long enough, and unbounded
+    repeats are capped so that every match is short enough; else RegexError. The characters JSON must escape
+    are removed from the pattern's sets, so the text between the quotes is the value itself. Our dialect reads
+    \\D \\W \\S as ASCII (re.ASCII) while a validator reads them as Unicode; patterns using them keep to ASCII
+    so they stay a subset. Raises RegexError for what our parser does not support."""
+    anchored_start, body = pattern.startswith("^"), pattern.removeprefix("^")
     anchored_end = body.endswith("$") and not body.endswith("\\$")
     body = body[:-1] if anchored_end else body
     ascii_only = bool(re.search(r"\\[DWS]", body))
-    tree = parse_regex(body, max_depth=PATTERN_MAX_DEPTH) if body else Concat(())
-    anything = Repeat(Chars(((0, 0x10FFFF),)), 0, None)
+    tree = parse_regex(body, max_depth=PATTERN_MAX_DEPTH)
+    anything = Repeat(Chars(((0, MAX_CODEPOINT),)), 0, None)
     parts = ([] if anchored_start else [anything]) + [tree] + ([] if anchored_end else [anything])
     limited = _within_length(Concat(tuple(parts)), min_length, max_length)
     if limited is None:

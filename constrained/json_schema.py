@@ -44,9 +44,8 @@ def schema_to_regex(schema, whitespace: str = "", max_ref_depth: int = 3, any_de
             larger ones are lowered to it.
     """
     check_finite(schema)
-    compiler = _Compiler(schema, whitespace, max_ref_depth, any_depth, max_repeat)
     try:
-        regex = compiler.compile(schema, "#", ())
+        regex = _Compiler(schema, whitespace, max_ref_depth, any_depth, max_repeat).compile(schema, "#", ())
     except RecursionError:  # a backstop: chains of $ref and oneOf are walked recursively
         raise SchemaError("the schema nests too deeply") from None
     if regex is None:
@@ -59,17 +58,16 @@ def _too_large(path):
 
 
 class _Compiler:
+    """One schema's compilation: `resolve` and `merge` follow $ref and allOf, `compile` and the keyword
+    methods below it write the regex, and `check_exclusive` makes sure oneOf's branches exclude each other."""
+
     def __init__(self, root, whitespace, max_ref_depth, any_depth, max_repeat):
         self.root = root
-        self.ws = f"(?:{whitespace})" if whitespace else ""
-        self.max_ref_depth = max_ref_depth
-        self.any_depth = any_depth
-        self.max_repeat = max_repeat
-        self._any = {}
-        self.depth = 0
-        self.subschemas = 0
-
-    # --- schema plumbing -----------------------------------------------------------------------
+        ws = f"(?:{whitespace})" if whitespace else ""
+        self.ws, self.comma, self.colon = ws, f"{ws},{ws}", f"{ws}:{ws}"
+        self.max_ref_depth, self.any_depth, self.max_repeat = max_ref_depth, any_depth, max_repeat
+        self._any = {}  # depth -> any_value(depth)
+        self.depth, self.subschemas = 0, 0  # subschemas open now, and compiled so far: the budgets
 
     def resolve(self, schema, path, refs):
         """Follow a `$ref` (siblings are merged, as allOf); returns (schema, refs), schema None when cut."""
@@ -116,13 +114,10 @@ class _Compiler:
                 merged[key] = {"allOf": [merged[key], value]}
             else:
                 raise SchemaError(f"allOf: cannot combine two different {key!r} at {path}")
-        extra = set(merged.get("properties", {})) - set(first.get("properties", {}))
-        extra |= set(merged.get("properties", {})) - set(second.get("properties", {}))
+        extra = set(first.get("properties", {})) ^ set(second.get("properties", {}))  # in one part only
         if extra and any("additionalProperties" in part for part in (first, second)):
             raise SchemaError(f"allOf: additionalProperties with properties from another part at {path}")
         return merged
-
-    # --- compile --------------------------------------------------------------------------------
 
     def compile(self, schema, path, refs):
         """The regex for `schema` at JSON pointer `path`, or None when no value can be generated."""
@@ -212,16 +207,12 @@ class _Compiler:
             if length > MAX_REGEX_LENGTH:
                 raise _too_large(path)
         if rest:
-            # Keep the values the rest of the schema accepts (its regex is a subset of the schema).
-            rest_regex = self.compile(rest, path, refs) or "(?!)"
-            # Our DFA, not Python's re: a `pattern` such as (a*)*b would make re backtrack for ages.
-            dfa = compile_regex(rest_regex)
+            # Keep the values the rest of the schema accepts (its regex is a subset of the schema), matched
+            # by our DFA, not Python's re: a `pattern` such as (a*)*b would make re backtrack for ages.
+            dfa = compile_regex(self.compile(rest, path, refs) or "(?!)")
             texts = [text for value, text in zip(values, texts)
                      if dfa.matches(json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode())]
         return "(?:" + "|".join(texts) + ")" if texts else None
-
-    def _sep(self, char):
-        return char if not self.ws else f"{self.ws}{char}{self.ws}"
 
     def object(self, schema, path, refs):
         properties = dict(schema.get("properties", {}))
@@ -240,12 +231,11 @@ class _Compiler:
         self.apply_dependencies(dependencies, properties, required, path)
         entries, length = [], 0
         for name in list(properties) + [name for name in required if name not in properties]:
-            sub = properties.get(name, additional)
-            value = self.compile(sub, f"{path}/properties/{escape(name)}", refs)
+            value = self.compile(properties.get(name, additional), f"{path}/properties/{escape(name)}", refs)
             if value is None and name in required:
                 return None
             if value is not None:
-                entries.append((f"{literal(name)}{self._sep(':')}{value}", name in required))
+                entries.append((f"{literal(name)}{self.colon}{value}", name in required))
                 length += len(entries[-1][0])
                 if length > MAX_REGEX_LENGTH:  # every member is written at least once: stop now
                     raise _too_large(path)
@@ -259,25 +249,21 @@ class _Compiler:
         `some_of`, every later one is `(?:,member)?`."""
         if not entries:
             return ""
-        sep = self._sep(",")
         first_required = next((i for i, (_, req) in enumerate(entries) if req), len(entries))
         leading = [member for member, _ in entries[:first_required]]
         if first_required == len(entries):
             return f"(?:{self.some_of(leading)})?"
-        head = f"(?:{self.some_of(leading)}{sep})?" if leading else ""
-        rest = "".join(f"{sep}{member}" if req else f"(?:{sep}{member})?" for member, req in entries[first_required + 1:])
+        head = f"(?:{self.some_of(leading)}{self.comma})?" if leading else ""
+        rest = "".join(f"{self.comma}{member}" if req else f"(?:{self.comma}{member})?"
+                       for member, req in entries[first_required + 1:])
         return head + entries[first_required][0] + rest
 
     def some_of(self, members):
-        """One or more of `members`, in order, comma-separated: each member written once.
-
-        Some of the first k is some of the first k-1 (then maybe the k-th) or the k-th alone (naming
-        each possible first member would write n^2/2). The groups nest n deep, which our parser
-        handles (Python's `re` stops near 300).
-        """
-        sep = self._sep(",")
+        """One or more of `members`, in order, comma-separated: each member written once. Some of the first k
+        is some of the first k-1 (then maybe the k-th) or the k-th alone (naming each possible first member
+        would write n^2/2). The groups nest n deep, which our parser handles (Python's `re` stops near 300)."""
         # (?:(?:m1(?:,m2)?|m2)(?:,m3)?|m3): the opening groups first, so no prefix is copied again.
-        return "(?:" * (len(members) - 1) + members[0] + "".join(f"(?:{sep}{member})?|{member})"
+        return "(?:" * (len(members) - 1) + members[0] + "".join(f"(?:{self.comma}{member})?|{member})"
                                                                 for member in members[1:])
 
     @staticmethod
@@ -294,22 +280,20 @@ class _Compiler:
         for name, needed in dependencies.items():
             if not isinstance(needed, list):
                 raise SchemaError(f"dependencies with a schema are not supported at {path}/dependencies/{name}")
-        changed = True
-        while changed:  # required names first, to a fixed point: they decide which optional ones can stay
-            changed = False
+        while True:  # required names first, to a fixed point: they decide which optional ones can stay
+            before = len(required)
             for name, needed in dependencies.items():
-                if name in required and not set(needed) <= set(required):
+                if name in required:
                     required += [item for item in needed if item not in required]
-                    changed = True
+            if len(required) == before:
+                break
         for name, needed in dependencies.items():
             if name in properties and name not in required and not set(needed) <= set(required):
                 del properties[name]
 
     def map_members(self, additional, patterns, schema, path, refs):
-        """Any keys (or keys matching the one patternProperties pattern), each with a valid value.
-
-        A repeated key is harmless: whichever value a parser keeps is valid.
-        """
+        """Any keys (or keys matching the one patternProperties pattern), each with a valid value. A
+        repeated key is harmless: whichever value a parser keeps is valid."""
         if schema.get("minProperties", 0) > 1:
             raise SchemaError(f"minProperties above 1 without declared properties is not supported at {path}")
         if len(patterns) > 1:
@@ -325,12 +309,10 @@ class _Compiler:
             value = self.compile(additional, f"{path}/additionalProperties", refs)
         most = schema.get("maxProperties")
         if value is None or most == 0:
-            if schema.get("minProperties", 0):
-                return None
-            return ""
-        member = f"{key}{self._sep(':')}{value}"
+            return None if schema.get("minProperties", 0) else ""
+        member = f"{key}{self.colon}{value}"
         repeat = "*" if most is None else f"{{0,{most - 1}}}"
-        body = f"{member}(?:{self._sep(',')}{member}){repeat}"
+        body = f"{member}(?:{self.comma}{member}){repeat}"
         return body if schema.get("minProperties", 0) == 1 else f"(?:{body})?"
 
     def array(self, schema, path, refs):
@@ -357,12 +339,11 @@ class _Compiler:
             most = len(prefix_regexes) if most is None else min(most, len(prefix_regexes))
         if most is not None:
             most = min(most, max(least, self.max_repeat))
-        if most is not None and least > most:
-            return None
+            if least > most:
+                return None
         if most == 0:
             return rf"\[{self.ws}{self.ws}\]"
-        sep = self._sep(",")
-        positions = prefix_regexes[:] if most is None else prefix_regexes[:most]
+        positions = prefix_regexes[:most]
         tail = ""
         if most is None or most > len(positions):
             low = max(least - len(positions), 0)
@@ -370,10 +351,10 @@ class _Compiler:
             if not positions:  # the first item has no comma before it
                 positions, low, high = [rest_regex], max(low - 1, 0), "" if most is None else high - 1
             if high != 0:
-                tail = f"(?:{sep}{rest_regex}){{{low},{high}}}"
+                tail = f"(?:{self.comma}{rest_regex}){{{low},{high}}}"
         # Items from index `least` on are optional, each with everything after it: nested groups,
         # written opening parts first (one join, not a copy of the tail per item).
-        opening = "".join(("" if index < least else "(?:") + (sep if index else "") + regex
+        opening = "".join(("" if index < least else "(?:") + (self.comma if index else "") + regex
                           for index, regex in enumerate(positions))
         content = opening + tail + ")?" * max(len(positions) - least, 0)
         return rf"\[{self.ws}{content}{self.ws}\]"
@@ -405,15 +386,12 @@ class _Compiler:
                 raise SchemaError(f"multipleOf {step} is not supported at {path}/multipleOf")
             name = "integer"
         lo, hi = schema.get("minimum"), schema.get("maximum")
-        lo_exclusive = hi_exclusive = False
-        for key, bound in (("exclusiveMinimum", "lo"), ("exclusiveMaximum", "hi")):
-            value = schema.get(key)
-            if isinstance(value, bool):  # draft 4: a flag on minimum/maximum
-                lo_exclusive, hi_exclusive = (value, hi_exclusive) if bound == "lo" else (lo_exclusive, value)
-            elif value is not None and bound == "lo":
-                lo, lo_exclusive = (value, True) if lo is None or value >= lo else (lo, lo_exclusive)
-            elif value is not None:
-                hi, hi_exclusive = (value, True) if hi is None or value <= hi else (hi, hi_exclusive)
+        low, high = schema.get("exclusiveMinimum"), schema.get("exclusiveMaximum")
+        lo_exclusive, hi_exclusive = low is True, high is True  # draft 4: flags on minimum/maximum
+        if not isinstance(low, bool) and low is not None and (lo is None or low >= lo):
+            lo, lo_exclusive = low, True
+        if not isinstance(high, bool) and high is not None and (hi is None or high <= hi):
+            hi, hi_exclusive = high, True
         if lo is None and hi is None:
             return INTEGER if name == "integer" else NUMBER
         for key in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):
@@ -429,14 +407,12 @@ class _Compiler:
         if depth not in self._any:
             options = [NULL, BOOLEAN, NUMBER, STRING]
             if depth > 0:
-                inner, sep, colon = self.any_value(depth - 1), self._sep(","), self._sep(":")
-                options.append(rf"\[{self.ws}(?:{inner}(?:{sep}{inner})*)?{self.ws}\]")
-                member = f"{STRING}{colon}{inner}"
-                options.append(rf"\{{{self.ws}(?:{member}(?:{sep}{member})*)?{self.ws}\}}")
+                inner = self.any_value(depth - 1)
+                options.append(rf"\[{self.ws}(?:{inner}(?:{self.comma}{inner})*)?{self.ws}\]")
+                member = f"{STRING}{self.colon}{inner}"
+                options.append(rf"\{{{self.ws}(?:{member}(?:{self.comma}{member})*)?{self.ws}\}}")
             self._any[depth] = "(?:" + "|".join(options) + ")"
         return self._any[depth]
-
-    # --- oneOf ---------------------------------------------------------------------------------
 
     def accepted_types(self, schema, refs, emitted):
         """Types of the values `schema` accepts (emitted=False) or that we emit for it (True)."""
@@ -468,8 +444,7 @@ class _Compiler:
 
     def discriminated(self, mine, other, refs):
         """True when `mine` always emits a required property whose const/enum values `other` forbids."""
-        mine, _ = self.resolve(mine, "#", refs)
-        other, _ = self.resolve(other, "#", refs)
+        mine, other = (self.resolve(schema, "#", refs)[0] for schema in (mine, other))
         if not isinstance(mine, dict) or not isinstance(other, dict):
             return False
         for name in set(mine.get("required", [])) & set(other.get("required", [])):

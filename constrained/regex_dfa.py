@@ -29,10 +29,8 @@ MAX_SUBSET_WORK = 4_000_000
 
 
 def utf8_sequences(lo: int, hi: int) -> list:
-    """Split code points lo..hi into byte-range sequences, e.g. [(0xC2, 0xDF), (0x80, 0xBF)].
-
-    Surrogates (U+D800..U+DFFF) are left out: they are not valid UTF-8.
-    """
+    """Split code points lo..hi into byte-range sequences, e.g. [(0xC2, 0xDF), (0x80, 0xBF)]; surrogates
+    (U+D800..U+DFFF) are left out: they are not valid UTF-8."""
     if lo > hi:
         return []
     if lo <= 0xDFFF and hi >= 0xD800:
@@ -72,13 +70,12 @@ class _NFA:
     def add_byte_edge(self, source, byte_range, target):
         range_id = self.byte_ranges.setdefault(byte_range, len(self.byte_ranges))
         self.byte_edges[source].append((range_id, target))
+        return target
 
     def build(self, node):
-        """Add the fragment for `node`; returns its (entry, exit) states.
-
-        Each node's `fragment` is a generator that yields a child and receives that child's
-        (entry, exit); this loop runs them with its own stack, so deep trees need no recursion.
-        """
+        """Add the fragment for `node`; returns its (entry, exit) states. Each node's `fragment` is a
+        generator that yields a child and receives that child's (entry, exit); this loop runs them with
+        its own stack, so deep trees need no recursion."""
         stack, built = [self.fragment(node)], None
         while stack:
             try:
@@ -100,9 +97,7 @@ class _NFA:
                 for sequence in utf8_sequences(lo, hi):
                     source = entry
                     for byte_range in sequence[:-1]:
-                        target = self.add_state()
-                        self.add_byte_edge(source, byte_range, target)
-                        source = target
+                        source = self.add_byte_edge(source, byte_range, self.add_state())
                     self.add_byte_edge(source, sequence[-1], exit_)
         elif isinstance(node, Concat):
             for item in node.items:
@@ -179,11 +174,9 @@ class DFA:
         return None
 
     def forced_bytes(self, state: int) -> bytes:
-        """The bytes the regex forces from `state`: stops at an accepting state or a choice.
-
-        May end inside a multi-byte character. Terminates: a cycle of forced, non-accepting
-        states could never reach acceptance, and such states were removed.
-        """
+        """The bytes the regex forces from `state`: stops at an accepting state or a choice. May end
+        inside a multi-byte character. Terminates: a cycle of forced, non-accepting states could never
+        reach acceptance, and such states were removed."""
         class_sizes = np.bincount(self.byte_class, minlength=self.transitions.shape[1])
         forced = bytearray()
         while not self.accepting[state]:
@@ -215,8 +208,7 @@ def _byte_classes(byte_ranges):
     membership = np.zeros((256, len(byte_ranges) + 1), dtype=bool)
     for column, (lo, hi) in enumerate(byte_ranges):
         membership[lo:hi + 1, column] = True
-    _, byte_class = np.unique(membership, axis=0, return_inverse=True)
-    byte_class = byte_class.reshape(-1).astype(np.int32)
+    byte_class = np.unique(membership, axis=0, return_inverse=True)[1].reshape(-1).astype(np.int32)
     return byte_class, [np.unique(byte_class[lo:hi + 1]).tolist() for lo, hi in byte_ranges]
 
 
@@ -248,8 +240,7 @@ def _subset_construction(nfa, nfa_start, nfa_accept, max_states):
             row[cls] = state_ids[next_set]
         rows.append(row)
     transitions = np.array(rows, dtype=np.int32).reshape(len(rows), num_classes)
-    accepting = np.array([nfa_accept in state_set for state_set in state_sets])
-    return byte_class, transitions, accepting
+    return byte_class, transitions, np.array([nfa_accept in state_set for state_set in state_sets])
 
 
 def _remove_dead_states(transitions, accepting, start):
@@ -258,9 +249,8 @@ def _remove_dead_states(transitions, accepting, start):
     live = states_reaching(sources, transitions[sources, classes], accepting)
     if not live[start]:
         raise RegexError("the regex matches no string")
-    new_ids = np.where(live, np.cumsum(live) - 1, -1).astype(np.int32)
-    # Appending -1 lets new_ids[-1] map the "no match" marker to itself.
-    new_ids = np.append(new_ids, -1)
+    # The appended -1 lets new_ids[-1] map the "no match" marker to itself.
+    new_ids = np.append(np.where(live, np.cumsum(live) - 1, -1), -1).astype(np.int32)
     return new_ids[transitions][live], accepting[live], int(new_ids[start])
 
 
@@ -271,17 +261,14 @@ def _minimize(transitions, accepting, start):
     sink = num_states
     complete = np.vstack([np.where(transitions >= 0, transitions, sink), np.full((1, num_classes), sink)])
     # Incoming edges of each state as (class, source), sorted by target: one flat list, no list per state.
-    sources, classes = (index.ravel() for index in np.indices(complete.shape))
     order = np.argsort(complete.ravel(), kind="stable")
     bounds = np.searchsorted(complete.ravel()[order], np.arange(num_states + 2)).tolist()
-    edge_class, edge_source = classes[order].tolist(), sources[order].tolist()
+    edge_source, edge_class = (index.ravel()[order].tolist() for index in np.indices(complete.shape))
+    # Start from two blocks, accepting (0) and not (1, with the sink): neither is empty.
     is_final = np.append(accepting, False)
-    blocks = [set(np.flatnonzero(group).tolist()) for group in (is_final, ~is_final) if group.any()]
-    block_of = [0] * (num_states + 1)
-    for block_id, members in enumerate(blocks):
-        for state in members:
-            block_of[state] = block_id
-    pending = set(range(len(blocks)))
+    blocks = [set(np.flatnonzero(group).tolist()) for group in (is_final, ~is_final)]
+    block_of = (~is_final).astype(int).tolist()
+    pending = {0, 1}
     while pending:
         # The states entering the splitter, per class; only edges into the splitter are visited.
         entering_by_class = {}
@@ -309,8 +296,7 @@ def _minimize(transitions, accepting, start):
     representatives.sort()
     new_id = np.full(len(blocks), -1, dtype=np.int32)  # the sink's block stays -1
     new_id[block_ids[representatives]] = np.arange(len(representatives))
-    minimal = new_id[block_ids[complete[representatives]]]
-    return minimal, accepting[representatives], int(new_id[block_ids[start]])
+    return new_id[block_ids[complete[representatives]]], accepting[representatives], int(new_id[block_ids[start]])
 
 
 # main.py compiles the regex to check it before the model loads, then the index needs the same DFA:
@@ -324,15 +310,11 @@ def compile_regex(pattern: str, max_states: int = DEFAULT_MAX_STATES) -> DFA:
             possessive quantifiers and atomic groups.
         max_states: Raise RegexError when the DFA needs more states than this.
     """
-    tree = parse_regex(pattern)
     nfa = _NFA(max_states=4 * max_states)
-    nfa_start, nfa_accept = nfa.build(tree)
+    nfa_start, nfa_accept = nfa.build(parse_regex(pattern))
     byte_class, transitions, accepting = _subset_construction(nfa, nfa_start, nfa_accept, max_states)
     transitions, accepting, start = _remove_dead_states(transitions, accepting, 0)
     transitions, accepting, start = _minimize(transitions, accepting, start)
     # Classes whose columns became identical are now one class.
-    _, columns = np.unique(transitions, axis=1, return_inverse=True)
-    columns = columns.reshape(-1)
-    merged = np.zeros((len(transitions), columns.max() + 1), dtype=np.int32)
-    merged[:, columns] = transitions
-    return DFA(columns[byte_class].astype(np.int32), merged, accepting, start)
+    merged, columns = np.unique(transitions, axis=1, return_inverse=True)
+    return DFA(columns.reshape(-1)[byte_class].astype(np.int32), merged, accepting, start)

@@ -14,7 +14,6 @@ class RegexError(ValueError):
     """A regex that is malformed, unsupported, matches nothing, or is too large."""
 
 
-# Syntax tree: a set of characters, a repeat of one node, a sequence or a choice of nodes.
 @dataclass(frozen=True)
 class Chars:
     ranges: tuple[tuple[int, int], ...]  # sorted, disjoint, inclusive code point intervals
@@ -40,7 +39,7 @@ class Alt:
 Node = Chars | Repeat | Concat | Alt
 
 
-def _normalize(ranges):
+def normalize_ranges(ranges):
     """Sort and merge overlapping or adjacent intervals."""
     merged = []
     for lo, hi in sorted(ranges):
@@ -51,7 +50,8 @@ def _normalize(ranges):
     return tuple(merged)
 
 
-def _complement(ranges):
+def complement_ranges(ranges):
+    """The code points outside sorted, disjoint intervals, as intervals."""
     gaps, next_lo = [], 0
     for lo, hi in ranges:
         if lo > next_lo:
@@ -64,23 +64,17 @@ def _complement(ranges):
 
 # `re.ASCII` semantics: \d \w \s are ASCII only, so their negations include every non-ASCII character.
 DIGIT = ((ord("0"), ord("9")),)
-WORD = _normalize([(ord("0"), ord("9")), (ord("A"), ord("Z")), (ord("_"), ord("_")), (ord("a"), ord("z"))])
+WORD = normalize_ranges([(ord("0"), ord("9")), (ord("A"), ord("Z")), (ord("_"), ord("_")), (ord("a"), ord("z"))])
 SPACE = ((ord("\t"), ord("\r")), (ord(" "), ord(" ")))
-CLASS_ESCAPES = {
-    "d": DIGIT, "w": WORD, "s": SPACE,
-    "D": _complement(DIGIT), "W": _complement(WORD), "S": _complement(SPACE),
-}
+CLASS_ESCAPES = {"d": DIGIT, "w": WORD, "s": SPACE}
+CLASS_ESCAPES |= {name.upper(): complement_ranges(ranges) for name, ranges in CLASS_ESCAPES.items()}  # \D \W \S
 CHAR_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "f": "\f", "v": "\v", "a": "\a"}
 HEX_ESCAPE_DIGITS = {"x": 2, "u": 4, "U": 8}
-ANY_BUT_NEWLINE = _complement(((ord("\n"), ord("\n")),))
+ANY_BUT_NEWLINE = complement_ranges(((ord("\n"), ord("\n")),))
 UNSUPPORTED_GROUPS = {
     "?=": "lookahead is", "?!": "lookahead is", "?<=": "lookbehind is", "?<!": "lookbehind is",
     "?P=": "backreferences are", "?>": "atomic groups are", "?(": "conditional groups are", "?#": "comments are",
 }
-
-
-def _is_decimal(text):
-    return all(c in "0123456789" for c in text)
 
 
 def _single_code(char_set):
@@ -107,32 +101,32 @@ class _Parser:
         # Under fullmatch a leading ^ (and a trailing $) changes nothing.
         if self.pattern.startswith("^"):
             self.pos = 1
-        open_groups = []  # (position of "(", the enclosing group's options and items)
-        options, items = [], []  # of the innermost open group: finished alternatives, current sequence
+        open_groups = []  # (position of "(", the enclosing group's alternatives)
+        alternatives = [[]]  # of the innermost open group: the items of each, the last one still open
         while True:
             char = self.peek()
             if char == "|":
                 self.pos += 1
-                options, items = options + [_sequence(items)], []
+                alternatives.append([])
             elif char == ")":
                 if not open_groups:
                     raise self.error("unbalanced parenthesis", self.pos)
                 self.pos += 1
-                group = _alternation(options + [_sequence(items)])
-                _, options, items = open_groups.pop()
-                items.append(self.parse_quantifier(group))
+                group = _choice(alternatives)
+                _, alternatives = open_groups.pop()
+                alternatives[-1].append(self.parse_quantifier(group))
             elif char == "(":
                 if self.max_depth is not None and len(open_groups) >= self.max_depth:
                     raise self.error(f"groups nested more than {self.max_depth} deep", self.pos)
-                open_groups.append((self.pos, options, items))
+                open_groups.append((self.pos, alternatives))
                 self.parse_group_start()
-                options, items = [], []
+                alternatives = [[]]
             elif char == "" or (char == "$" and self.pos == len(self.pattern) - 1 and not open_groups):
                 if open_groups:
                     raise self.error("unbalanced parenthesis", open_groups[-1][0])
-                return _alternation(options + [_sequence(items)])
+                return _choice(alternatives)
             else:
-                items.append(self.parse_quantifier(self.parse_atom()))
+                alternatives[-1].append(self.parse_quantifier(self.parse_atom()))
 
     def parse_quantifier(self, atom):
         bounds = self.read_repeat_bounds()
@@ -156,7 +150,7 @@ class _Parser:
         elif char == "{":
             close = self.pattern.find("}", start)
             low, comma, high = self.pattern[start + 1:close].partition(",")
-            if close < 0 or close == start + 1 or not (_is_decimal(low) and _is_decimal(high)):
+            if close < 0 or close == start + 1 or not set(low + high) <= set("0123456789"):
                 return None
             min_count = int(low) if low else 0
             max_count = int(high) if high else (None if comma else min_count)
@@ -207,18 +201,16 @@ class _Parser:
         negate = self.peek() == "^"
         if negate:
             self.pos += 1
-        ranges, first = [], True
+        ranges, first_item = [], self.pos
         while True:
             if self.pos >= len(self.pattern):
                 raise self.error("unterminated character set", start)
-            if self.peek() == "]" and not first:  # a "]" right after "[" or "[^" is a literal
+            if self.peek() == "]" and self.pos != first_item:  # a "]" right after "[" or "[^" is a literal
                 self.pos += 1
                 break
-            first = False
             item_start = self.pos
             item = self.parse_class_item()
-            is_range = self.peek() == "-" and self.pattern[self.pos + 1:self.pos + 2] not in ("", "]")
-            if not is_range:
+            if self.peek() != "-" or self.pattern[self.pos + 1:self.pos + 2] in ("", "]"):  # not a range
                 ranges.extend(item)
                 continue
             self.pos += 1
@@ -226,8 +218,7 @@ class _Parser:
             if lo is None or hi is None or lo > hi:
                 raise self.error(f"bad character range {self.pattern[item_start:self.pos]}", item_start)
             ranges.append((lo, hi))
-        ranges = _normalize(ranges)
-        return _complement(ranges) if negate else ranges
+        return complement_ranges(normalize_ranges(ranges)) if negate else normalize_ranges(ranges)
 
     def parse_class_item(self):
         start = self.pos
@@ -266,11 +257,9 @@ class _Parser:
         return ((code, code),)
 
 
-def _sequence(items):
-    return items[0] if len(items) == 1 else Concat(tuple(items))
-
-
-def _alternation(options):
+def _choice(alternatives):
+    """The node for alternatives given as lists of items; a lone item or option stands as it is."""
+    options = [items[0] if len(items) == 1 else Concat(tuple(items)) for items in alternatives]
     return options[0] if len(options) == 1 else Alt(tuple(options))
 
 

@@ -1,11 +1,10 @@
 """Per-state token masks for regex-constrained decoding.
 
-For a DFA state, `TokenIndex` gives which tokens may come next and the state each one leads to, so a
-decoding step is one row lookup: `mx.where(index.allowed_mask(state), logits, -mx.inf)`. Rows are
-built the first time generation reaches a state (one vectorized walk of the vocabulary) and kept in
-a bounded LRU cache, so memory and time to first token do not grow with the states never visited.
-Tokens are handled as raw bytes, so a token that ends halfway through a UTF-8 character is allowed
-exactly when the regex allows that character.
+For a DFA state, `TokenIndex` gives which tokens may come next and the state each one leads to, so a decoding
+step is one row lookup: `mx.where(index.allowed_mask(state), logits, -mx.inf)`. Rows are built the first time
+generation reaches a state (one vectorized walk of the vocabulary) and kept in a bounded LRU cache, so memory
+and time to first token do not grow with the states never visited. Tokens are handled as raw bytes, so a token
+that ends halfway through a UTF-8 character is allowed exactly when the regex allows that character.
 """
 
 import hashlib
@@ -36,9 +35,7 @@ def gpt2_unicode_to_byte() -> dict:
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     # The other bytes are shifted to code points 256, 257, ... in byte order (so " " is written "Ġ").
     shifted = [byte for byte in range(256) if byte not in printable]
-    mapping = {chr(byte): byte for byte in printable}
-    mapping.update({chr(256 + offset): byte for offset, byte in enumerate(shifted)})
-    return mapping
+    return {chr(byte): byte for byte in printable} | {chr(256 + index): byte for index, byte in enumerate(shifted)}
 
 
 def _backend_tokenizer(tokenizer) -> Tokenizer:
@@ -79,8 +76,8 @@ def token_byte_strings(tokenizer, vocab_size: int) -> list:
     if "ByteLevel" in decoders:
         unicode_to_byte = gpt2_unicode_to_byte()
 
-        def to_bytes(text):
-            return bytes(unicode_to_byte[char] for char in text)
+        def to_bytes(text):  # None for text not written in the byte alphabet: no token the model spells with
+            return bytes(unicode_to_byte[char] for char in text) if set(text) <= unicode_to_byte.keys() else None
     elif decoders & {"Metaspace", "Replace", "ByteFallback"}:
         byte_token = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
@@ -90,18 +87,11 @@ def token_byte_strings(tokenizer, vocab_size: int) -> list:
     else:
         raise ValueError(f"unsupported tokenizer: expected a byte-level or SentencePiece decoder, got {decoders}")
 
-    token_bytes = [None] * vocab_size
-    for text, token_id in backend.get_vocab(with_added_tokens=False).items():
-        if token_id < vocab_size:
-            try:
-                token_bytes[token_id] = to_bytes(text)
-            except KeyError:  # not written in the byte alphabet: not a token the model can spell with
-                pass
+    spelled = {token_id: to_bytes(text) for text, token_id in backend.get_vocab(with_added_tokens=False).items()}
     # Added tokens are matched as literal text; special ones (EOS, chat markers) never spell regex text.
-    for token_id, added in backend.get_added_tokens_decoder().items():
-        if token_id < vocab_size:
-            token_bytes[token_id] = None if added.special else added.content.encode()
-    return token_bytes
+    spelled |= {token_id: None if added.special else added.content.encode()
+                for token_id, added in backend.get_added_tokens_decoder().items()}
+    return [spelled.get(token_id) for token_id in range(vocab_size)]
 
 
 @dataclass(frozen=True, eq=False)
@@ -123,8 +113,7 @@ class TokenTable:
         matrix[token_of_byte, column_of_byte] = flat
         spellable = np.flatnonzero(lengths > 0)
         order = spellable[np.argsort(matrix[spellable, 0], kind="stable")]
-        starts = np.searchsorted(matrix[order, 0], np.arange(257))
-        return cls(lengths, matrix, order, starts)
+        return cls(lengths, matrix, order, np.searchsorted(matrix[order, 0], np.arange(257)))
 
     @property
     def vocab_size(self) -> int:
@@ -141,8 +130,7 @@ def walk_tokens(dfa: DFA, table: TokenTable, origins) -> np.ndarray:
     next_states = np.full((len(origins), table.vocab_size), -1, dtype=np.int32)
     for row, origin_state in enumerate(origins):
         # Only tokens whose first byte the state accepts can survive: often a handful, at most V.
-        first_bytes = np.flatnonzero(dfa.transitions[origin_state, dfa.byte_class] >= 0)
-        token = table.starting_with(first_bytes)
+        token = table.starting_with(np.flatnonzero(dfa.transitions[origin_state, dfa.byte_class] >= 0))
         state = np.full(len(token), origin_state, dtype=np.int32)
         # The tokens advance one byte column at a time. A token leaves when it ends (record where it
         # got to) or the DFA rejects it, so the work is the number of live token prefixes.
@@ -176,35 +164,29 @@ def _token_edges(dfa: DFA, table: TokenTable):
 
 
 def finishable_states(dfa: DFA, table: TokenTable) -> np.ndarray:
-    """(num_states,) bool: the states from which some sequence of tokens reaches an accepting state.
-
-    Every DFA state can reach acceptance (dead states were removed), so when the one-byte tokens
-    cover a path to acceptance from every state, every state is finishable: a cheap DFA-level check.
-    Otherwise (a vocabulary that lacks bytes the regex needs) walk every token from every state up
-    front, in chunks of bounded memory, and find the finishable states on the token graph.
-    """
+    """(num_states,) bool: the states from which some sequence of tokens reaches an accepting state. Every DFA
+    state can reach acceptance (dead states were removed), so when the one-byte tokens cover a path to
+    acceptance from every state, every state is finishable: a cheap DFA-level check. Otherwise (a vocabulary
+    that lacks bytes the regex needs) walk every token from every state up front, in chunks of bounded memory,
+    and find the finishable states on the token graph."""
     class_covered = np.zeros(dfa.transitions.shape[1], dtype=bool)
     class_covered[dfa.byte_class[table.token_bytes[table.lengths == 1, 0]]] = True  # a one-byte token spells it
     sources, classes = np.nonzero((dfa.transitions >= 0) & class_covered)
     by_single_bytes = states_reaching(sources, dfa.transitions[sources, classes], dfa.accepting)
-    if by_single_bytes.all():
-        return by_single_bytes
-    return states_reaching(*_token_edges(dfa, table), dfa.accepting)
+    return by_single_bytes if by_single_bytes.all() else states_reaching(*_token_edges(dfa, table), dfa.accepting)
 
 
 class TokenIndex:
     """For each DFA state, the allowed tokens and the state each leads to, built on first use.
-
     `row(state)[token]` is -1 when `token` is forbidden in `state`. EOS tokens are allowed exactly in
-    accepting states and map to the same state. Tokens that lead to a state from which the vocabulary
-    cannot finish a match are forbidden, so following the masks always leaves a way to end. Index
-    states are the DFA's states, so `index.dfa.forced_bytes(state)` gives the text the regex forces next.
-    """
+    accepting states and map to the same state. Tokens that lead to a state from which the vocabulary cannot
+    finish a match are forbidden, so following the masks always leaves a way to end. Index states are the
+    DFA's states, so `index.dfa.forced_bytes(state)` gives the text the regex forces next."""
 
     def __init__(self, dfa: DFA, table: TokenTable, eos_token_ids, finishable: np.ndarray,
                  row_cache_bytes: int = DEFAULT_ROW_CACHE_BYTES):
-        self.dfa = dfa
-        self.table = table
+        self.dfa, self.table = dfa, table
+        self.start, self.num_states = dfa.start, dfa.num_states  # index states are the DFA's
         self.eos_token_ids = tuple(int(token) for token in eos_token_ids)
         self.finishable = finishable
         self.max_cached_rows = max(8, row_cache_bytes // (5 * table.vocab_size))
@@ -220,14 +202,6 @@ class TokenIndex:
             raise RegexError(f"the vocabulary cannot spell the regex from state {dfa.start}: "
                              "no sequence of tokens reaches an accepting state")
         return cls(dfa, table, eos_token_ids, finishable, **options)
-
-    @property
-    def start(self) -> int:
-        return self.dfa.start
-
-    @property
-    def num_states(self) -> int:
-        return self.dfa.num_states
 
     @property
     def cached_bytes(self) -> int:
@@ -269,13 +243,10 @@ class TokenIndex:
 
 
 def _cache_key(pattern: str, token_bytes: list, eos_token_ids, max_states: int) -> str:
-    vocab_hash = hashlib.sha256()
-    for token in token_bytes:
-        # Length-prefix each token so different vocabularies never hash the same; None is length -1.
-        length = -1 if token is None else len(token)
-        vocab_hash.update(length.to_bytes(4, "little", signed=True) + (token or b""))
+    # repr writes each token unambiguously (b'...' or None), so different vocabularies never hash the same.
+    vocab_hash = hashlib.sha256(repr(token_bytes).encode()).hexdigest()
     eos = sorted(int(t) for t in eos_token_ids)
-    return json.dumps([CACHE_FORMAT_VERSION, pattern, vocab_hash.hexdigest(), eos, max_states])
+    return json.dumps([CACHE_FORMAT_VERSION, pattern, vocab_hash, eos, max_states])
 
 
 def save_index(index: TokenIndex, path, key: str) -> None:
@@ -322,8 +293,7 @@ def load_or_build_index(pattern: str, tokenizer, vocab_size: int, eos_token_ids,
     Args:
         pattern, tokenizer, vocab_size: The regex (`compile_regex`), and what `token_byte_strings` reads.
         eos_token_ids: Tokens that end generation; allowed exactly when the text so far matches.
-        cache_dir: Where to keep indexes (main.py: `~/.cache/mlx-decoding/regex-index`); None keeps
-            the index in memory only.
+        cache_dir: Where to keep indexes (main.py: `~/.cache/mlx-decoding/regex-index`); None: in memory only.
         max_states: Passed to `compile_regex`: larger regexes are refused with a RegexError.
     """
     token_bytes = token_byte_strings(tokenizer, vocab_size)

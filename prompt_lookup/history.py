@@ -6,7 +6,6 @@ past outputs, llama.cpp from an n-gram cache of them; here they are older contex
 lookup's vectorized search (``ngram.search``), one pass over a bounded array.
 
 The store on disk is one ``.npz`` file: the outputs' token ids, each followed by ``SEPARATOR``.
-``append_history`` keeps it bounded (the oldest outputs go first) and replaces it atomically.
 """
 
 import fcntl
@@ -82,11 +81,8 @@ def save_history(path, history: np.ndarray):
 
 
 def append_history(path, outputs: Sequence[Sequence[int]], max_tokens: int = DEFAULT_MAX_HISTORY_TOKENS):
-    """Add ``outputs`` (token id lists) to the store at ``path``, keeping at most ``max_tokens``.
-
-    Writers take turns on a lock file, so no run's outputs are lost to another's write;
-    ``save_history`` replaces the file atomically.
-    """
+    """Add ``outputs`` (token id lists) to the store at ``path``, keeping at most ``max_tokens``. Writers
+    take turns on a lock file, so no run's outputs are lost to another's write."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.with_name(path.name + ".lock"), "w") as lock:
@@ -97,14 +93,13 @@ def append_history(path, outputs: Sequence[Sequence[int]], max_tokens: int = DEF
 class HistoryLookupSource(PromptLookupSource):
     """``PromptLookupSource`` whose context starts with earlier outputs (older than the prompt).
 
-    The search and the adaptive draft length are prompt lookup's; the store only adds
-    places to copy from. ``remember(tokens)`` adds a finished output, so a source reused
-    across ``generate`` calls drafts from its own earlier answers too. The store is kept
-    to the newest ``max_history_tokens`` tokens, which bounds the cost of a search.
+    The search and the adaptive draft length are prompt lookup's; the store only adds places to copy
+    from. ``remember(tokens)`` adds a finished output, so a source reused across ``generate`` calls
+    drafts from its own earlier answers too.
 
     Args:
         history: a store array (``load_history``) or token ids of one output.
-        max_history_tokens: drop the oldest outputs beyond this many tokens.
+        max_history_tokens: drop the oldest outputs beyond this many tokens (it bounds a search's cost).
         options: ``PromptLookupSource``'s (``ngram_max``, ``num_draft``, ``extra_context``, ...).
     """
 

@@ -1,9 +1,8 @@
-"""Prompt lookup decoding: draft by copying what followed an earlier occurrence
-of the current suffix (Saxena, 2023; ``prompt_lookup_num_tokens`` in transformers).
+"""Prompt lookup decoding: draft by copying what followed an earlier occurrence of the current suffix
+(Saxena, 2023; ``prompt_lookup_num_tokens`` in transformers).
 
-``find_draft`` is the search as a pure function; ``PromptLookupSource`` plugs
-it into ``decoder.generate_step`` and decides how much to draft from how its
-past drafts fared.
+``find_draft`` is the search as a pure function; ``PromptLookupSource`` plugs it into
+``decoder.generate_step`` and decides how much to draft from how its past drafts fared.
 """
 
 import math
@@ -11,6 +10,7 @@ from collections import defaultdict
 from typing import Optional, Sequence
 
 import mlx.core as mx
+from mlx_lm.utils import common_prefix_len
 
 from cost import PassCost
 from decoder import Draft, DraftSource
@@ -48,38 +48,30 @@ def find_draft(tokens: Sequence[int], *, extra_context: Sequence[int] = (), ngra
     check_search_args(ngram_max, ngram_min, num_draft)
     tokens = list(tokens)
     context = list(extra_context) + [SEPARATOR] + tokens if extra_context else tokens
-    draft, _, _ = search(mx.array(context, mx.int32), len(tokens), ngram_max, ngram_min, num_draft)
-    return draft
+    return search(mx.array(context, mx.int32), len(tokens), ngram_max, ngram_min, num_draft)[0]
 
 
 def search(context: mx.array, num_tokens: int, ngram_max: int, ngram_min: int, num_draft: int) -> tuple:
-    """``find_draft`` on a ready context: an int32 array whose last ``num_tokens``
-    entries are the tokens, preceded by ``extra_context + [SEPARATOR]`` if any.
-
-    Returns ``(draft, ngram, start)``: the draft, the size of the n-gram it matched and
-    where in ``context`` the copied tokens start.
-    """
+    """``find_draft`` on a ready context: an int32 array whose last ``num_tokens`` entries are the tokens,
+    preceded by ``extra_context + [SEPARATOR]`` if any. Returns ``(draft, ngram, start)``: the draft, the size
+    of the n-gram it matched and where in ``context`` the copied tokens start."""
     length = context.shape[0]
-    lookback = max(ngram_max, LONGEST_LOOKBACK)
-    window = min(lookback, num_tokens)  # the suffix comes from the tokens alone
+    window = min(max(ngram_max, LONGEST_LOOKBACK), num_tokens)  # the suffix comes from the tokens alone
     if window == 0:
         return [], 0, 0
-    # windows[j]: the `window` tokens right before position j, newest first, so that
-    # match_length[j] counts how many of them equal the end of the context: an
-    # occurrence whose continuation starts at j. All positions in one comparison.
+    # windows[j]: the `window` tokens right before position j, newest first, so that match_length[j]
+    # counts how many of them equal the end of the context: an occurrence whose continuation starts
+    # at j. All positions in one comparison.
     padded = mx.concatenate([mx.full((window,), SEPARATOR, mx.int32), context])
     windows = mx.as_strided(padded, shape=(length, window), strides=(1, 1))[:, ::-1]
-    agree = windows == context[length - window :][::-1]
-    match_length = mx.cumprod(agree, axis=1).sum(axis=1)
+    match_length = mx.cumprod(windows == context[length - window :][::-1], axis=1).sum(axis=1)
     # A match must be followed by at least one token of its own segment.
     match_length = mx.where(context != SEPARATOR, match_length, 0)
-
     # The longest agreement wins (so the largest n-gram), the most recent on a tie.
     best = match_length.max()
     start = mx.argmax(mx.where(match_length == best, mx.arange(length), -1))
     follow = start + mx.arange(num_draft)
-    draft = mx.where(follow < length, context[mx.minimum(follow, length - 1)], SEPARATOR)
-    draft = mx.where(best >= ngram_min, draft, SEPARATOR)
+    draft = mx.where((follow < length) & (best >= ngram_min), context[mx.minimum(follow, length - 1)], SEPARATOR)
     # The one host sync of a search: the loop needs the draft as Python ints.
     *draft, ngram, start = mx.concatenate([draft, mx.stack([best, start]).astype(mx.int32)]).tolist()
     return (draft[: draft.index(SEPARATOR)] if SEPARATOR in draft else draft), ngram, start
@@ -99,9 +91,8 @@ class PromptLookupSource(DraftSource):
     than a 1-gram one) from its recent drafts, forgetting old ones by ``FORGET`` per draft. It
     starts where the best length is ``num_draft``. A size whose copies do not pay (best length 0) is
     skipped, but probed with a one-token draft after 1, 2, 4, ... ``MAX_PROBE_GAP`` skipped matches,
-    so text that turns repetitive is picked up again for at most a few percent of a step.
-
-    With ``adaptive=False`` it always drafts ``num_draft`` tokens when it finds a match.
+    so text that turns repetitive is picked up again for at most a few percent of a step. With
+    ``adaptive=False`` it always drafts ``num_draft`` tokens when it finds a match.
 
     The context (``extra_context`` and ``tokens``) is kept as one MLX array that grows by the
     newly accepted tokens, so each step costs one vectorized search and no list conversion.
@@ -117,9 +108,7 @@ class PromptLookupSource(DraftSource):
         check_search_args(ngram_max, ngram_min, num_draft)
         if any(token < 0 for token in extra_context):
             raise ValueError("extra_context must hold token ids (non-negative integers).")
-        self.ngram_max = ngram_max
-        self.ngram_min = ngram_min
-        self.num_draft = num_draft
+        self.ngram_max, self.ngram_min, self.num_draft = ngram_max, ngram_min, num_draft
         self.extra_context = list(extra_context)
         self.adaptive = adaptive
         self.max_draft_length = 2 * num_draft
@@ -129,8 +118,7 @@ class PromptLookupSource(DraftSource):
         """Forget the followed sequence and the drafting history (the loop calls this per generation)."""
         super().reset(cost, temp, top_p)
         self._tokens = None  # the list being followed
-        prefix = self.extra_context + [SEPARATOR] if self.extra_context else []
-        self._context = mx.array(prefix, mx.int32)
+        self._context = mx.array(self.extra_context + [SEPARATOR] if self.extra_context else [], mx.int32)
         self._num_seen = 0  # how many of the tokens are in self._context
         # Per kind of match: [continued, stopped] pseudo-counts of draft tokens, a prior
         # worth two drafts whose best length is num_draft.
@@ -142,8 +130,8 @@ class PromptLookupSource(DraftSource):
         self._offered = None  # (len(tokens), draft) of the last draft proposed
 
     def match_kind(self, ngram: int, start: int):
-        """Matches of one kind share an acceptance estimate. Here: the n-gram size, where
-        agreements longer than ``ngram_max`` count as one size (they are all long)."""
+        """Matches of one kind share an acceptance estimate. Here: the n-gram size, where agreements
+        longer than ``ngram_max`` count as one size (they are all long)."""
         return min(ngram, self.ngram_max)
 
     def _accept(self, kind) -> float:
@@ -155,8 +143,7 @@ class PromptLookupSource(DraftSource):
         """Tokens a ``length``-token copy after a match of ``kind`` is expected to give, per
         plain step's time: (1 + a + a^2 + ... + a^length) / (a pass of 1 + length tokens)."""
         accept = self._accept(kind)
-        accepted = sum(accept**i for i in range(1, length + 1))
-        return (1 + accepted) / self.cost.relative(1 + length)
+        return (1 + sum(accept**i for i in range(1, length + 1))) / self.cost.relative(1 + length)
 
     def draft_length(self, kind) -> int:
         """The draft length that pays best for a match of ``kind`` (``match_kind``)."""
@@ -173,9 +160,8 @@ class PromptLookupSource(DraftSource):
             self.reset(self.cost, self.temp, self.top_p)
             self._tokens = tokens
         if len(tokens) > self._num_seen:
-            new_tokens = mx.array(tokens[self._num_seen :], mx.int32)
             # Lazy: computed by the search's one sync below, so the graph never grows.
-            self._context = mx.concatenate([self._context, new_tokens])
+            self._context = mx.concatenate([self._context, mx.array(tokens[self._num_seen :], mx.int32)])
             self._num_seen = len(tokens)
         longest = self.max_draft_length if self.adaptive else self.num_draft
         draft, ngram, start = search(self._context, len(tokens), self.ngram_max, self.ngram_min,
@@ -190,8 +176,7 @@ class PromptLookupSource(DraftSource):
             self._skipped[kind] += 1
             if self._skipped[kind] <= self._probe_gap[kind]:
                 return None
-            self._skipped[kind] = 0
-            self._probe_gap[kind] = min(2 * self._probe_gap[kind], self.MAX_PROBE_GAP)
+            self._skipped[kind], self._probe_gap[kind] = 0, min(2 * self._probe_gap[kind], self.MAX_PROBE_GAP)
             length = 1
         draft = draft[:length]
         self._offered = (len(tokens), draft)
@@ -211,12 +196,9 @@ class PromptLookupSource(DraftSource):
             # p(x), the chance the emitted token is x. So the estimates learn on every step. A copy longer
             # than what was emitted and agreeing with all of it is censored: its tokens count, not its end.
             start, draft = offered
-            emitted = tokens[start:]
-            num_accepted = next((i for i, (a, b) in enumerate(zip(draft, emitted)) if a != b),
-                                min(len(draft), len(emitted)))
-            stopped = num_accepted < min(len(draft), len(emitted))
-        counts = self._counts[self._kind]
-        counts[0] = self.FORGET * counts[0] + num_accepted
-        counts[1] = self.FORGET * counts[1] + stopped
+            num_accepted = common_prefix_len(draft, tokens[start:])
+            stopped = num_accepted < min(len(draft), len(tokens) - start)
+        continued, ended = self._counts[self._kind]
+        self._counts[self._kind] = [self.FORGET * continued + num_accepted, self.FORGET * ended + stopped]
         if num_accepted:
             self._probe_gap[self._kind] = 1

@@ -21,10 +21,9 @@ def weight_bytes(model) -> int:
 class AdaptiveLength:
     """How many tokens to draft next, learned from how the last drafts fared.
 
-    +2 after a fully accepted draft, -1 otherwise, within [1, max_draft]. Drafting pauses
-    while the recent drafts gave fewer tokens than they cost (``token_cost`` per drafted
-    token, as a fraction of a target step, from the loop's measurements), probing with one
-    token after 1, 2, 4 ... skipped steps.
+    +2 after a fully accepted draft, -1 otherwise, within [1, max_draft]. Drafting pauses while the recent
+    drafts gave fewer tokens than they cost (``token_cost`` per drafted token, as a fraction of a target step,
+    from the loop's measurements), probing with one token after 1, 2, 4 ... skipped steps.
 
     Args:
         num_draft, max_draft: the length to start with (the fixed one when not ``enabled``), the longest.
@@ -43,8 +42,7 @@ class AdaptiveLength:
     def reset(self):
         """Start over, as for a new generation."""
         self.num_draft = self.initial_num_draft
-        self.first_accepted, self.drafts = 1.0, 2.0  # prior: the first token is accepted half the time
-        self.accepted, self.proposed = 1.0, 2.0  # tokens per draft (same weights): one drafted, half accepted
+        self.drafts, self.accepted, self.proposed = 2.0, 1.0, 2.0  # prior: two one-token drafts, one accepted
         self.skipped, self.probe_gap = 0, 1
 
     def next_length(self, token_cost: float) -> int:
@@ -62,14 +60,11 @@ class AdaptiveLength:
     def record(self, num_proposed: int, num_accepted: int):
         if not num_proposed or not self.enabled:
             return
-        self.first_accepted = self.FORGET * self.first_accepted + (num_accepted > 0)
         self.drafts = self.FORGET * self.drafts + 1
         self.accepted = self.FORGET * self.accepted + num_accepted
         self.proposed = self.FORGET * self.proposed + num_proposed
-        if num_accepted == num_proposed:
-            self.num_draft = min(self.num_draft + 2, self.max_draft)
-        else:
-            self.num_draft = max(self.num_draft - 1, 1)
+        full = num_accepted == num_proposed
+        self.num_draft = min(self.num_draft + 2, self.max_draft) if full else max(self.num_draft - 1, 1)
 
     def expected_speedup(self, token_cost: float) -> float:
         """What the next draft is expected to give, from the recent ones: tokens emitted per
@@ -105,8 +100,7 @@ class AdaptiveSource(DraftSource):
         return self.cost.draft_cost(self.name, self.draft_cost_prior) + self.cost.token_cost()
 
     def forecast_speedup(self) -> Optional[float]:
-        """The speed-up its next draft is expected to give, from its recent drafts; the loop lets it
-        draft instead of an earlier, cheaper source only when this is larger (``choose_draft``)."""
+        """What its next draft is expected to give, from its recent drafts (``AdaptiveLength``)."""
         return self.length.expected_speedup(self.token_cost()) if self.length.enabled else None
 
     def update(self, tokens: list, num_proposed: int, num_accepted: int):

@@ -1,8 +1,7 @@
 """A draft source backed by a small model that shares the target's vocabulary.
 
-The draft model keeps its own trimmable KV cache. After each verification the
-cache is trimmed back to the tokens the target accepted, so the two caches
-always describe the same text.
+The draft model keeps its own trimmable KV cache. After each verification the cache is trimmed back
+to the tokens the target accepted, so the two caches always describe the same text.
 """
 
 from typing import Optional
@@ -26,9 +25,8 @@ def check_same_vocabulary(draft_tokenizer, target_tokenizer, draft_size: int, ta
     # token string -> id: Hugging Face tokenizers and our T5Tokenizer both offer it.
     draft_vocab, target_vocab = draft_tokenizer.get_vocab(), target_tokenizer.get_vocab()
     if len(draft_vocab) != len(target_vocab):
-        raise VocabularyMismatch(
-            f"the draft tokenizer has {len(draft_vocab)} tokens, the target's {len(target_vocab)}; "
-            "a draft model must share the target's vocabulary")
+        raise VocabularyMismatch(f"the draft tokenizer has {len(draft_vocab)} tokens, the target's "
+                                 f"{len(target_vocab)}; a draft model must share the target's vocabulary")
     differing = [token for token, index in target_vocab.items() if draft_vocab.get(token) != index]
     if differing:
         raise VocabularyMismatch(
@@ -36,9 +34,8 @@ def check_same_vocabulary(draft_tokenizer, target_tokenizer, draft_size: int, ta
             "a draft model must share the target's vocabulary")
     # Embedding tables may be padded past the tokenizer (Qwen2.5-7B vs -0.5B): those rows are never text.
     if min(draft_size, target_size) < len(target_vocab):
-        raise VocabularyMismatch(
-            f"the draft model has {draft_size} output tokens and the target {target_size}, "
-            f"fewer than the {len(target_vocab)} tokens of their tokenizer")
+        raise VocabularyMismatch(f"the draft model has {draft_size} output tokens and the target {target_size}, "
+                                 f"fewer than the {len(target_vocab)} tokens of their tokenizer")
 
 
 def output_size(model, tokenizer) -> int:
@@ -62,9 +59,7 @@ class DraftModelSource(AdaptiveSource):
     def __init__(self, model, vocab_size: int, num_draft: int = 4, adaptive: bool = True,
                  max_draft: int = 12, min_confidence: float = 0.5, draft_cost_prior: float = 0.1):
         super().__init__(num_draft, max_draft, adaptive, draft_cost_prior)
-        self.model = model
-        self.vocab_size = vocab_size
-        self.min_confidence = min_confidence
+        self.model, self.vocab_size, self.min_confidence = model, vocab_size, min_confidence
         self.cache = make_cache(model)
         if Rollback(self.cache).recurrent:  # its drafts roll back by trimming, which a recurrent state cannot
             raise CacheKindError("a draft model with recurrent layers is not supported")
@@ -106,13 +101,10 @@ class DraftModelSource(AdaptiveSource):
             del self.cache_tokens[len(self.cache_tokens) - count :]
 
     def _next_distribution(self, new_tokens: list) -> mx.array:
-        logits = self.model(mx.array(new_tokens)[None], cache=self.cache)[0, -1]
+        logits = self.model(mx.array(new_tokens)[None], cache=self.cache)[0, -1, : self.vocab_size]
         self.cache_tokens.extend(new_tokens)
-        size = logits.shape[-1]
-        if size > self.vocab_size:
-            logits = logits[: self.vocab_size]
-        elif size < self.vocab_size:  # padding rows of the target are never proposed
-            logits = mx.concatenate([logits, mx.full((self.vocab_size - size,), -mx.inf, logits.dtype)])
+        # Cut (above) or padded to the target's width: its padding rows are never proposed.
+        logits = mx.pad(logits, (0, self.vocab_size - logits.shape[-1]), constant_values=-mx.inf)
         if self.temp == 0:  # greedy: the plain softmax, only for the confidence stop
             return mx.softmax(logits.astype(mx.float32))
         return sampling_probs(logits[None], self.temp, self.top_p)[0]
@@ -132,21 +124,14 @@ class DraftModelSource(AdaptiveSource):
         draft, rows = [], []
         for _ in range(num_draft):
             probs = self._next_distribution(pending)
-            if self.temp == 0:
-                token = mx.argmax(probs)
-                confidence = probs[token]
-            else:
-                token = mx.random.categorical(mx.log(probs))
-                confidence = probs.max()
+            token = mx.argmax(probs) if self.temp == 0 else mx.random.categorical(mx.log(probs))
             # One sync per draft token: the next draft step and the early stop need its value.
-            token, confidence = token.item(), confidence.item()
+            token, confidence = token.item(), probs.max().item()
             if draft and confidence < self.min_confidence:
                 break
             draft.append(token)
             rows.append(probs)
             pending = [token]
-        if not draft:
-            return None
         return Draft(draft, mx.stack(rows) if self.temp > 0 else None)
 
     def update(self, tokens: list, num_proposed: int, num_accepted: int):

@@ -1,21 +1,16 @@
 """Published EAGLE draft heads (SafeAILab/EAGLE layouts) as MLX modules for mlx-lm targets.
 
-A head directory holds ``config.json`` (a Llama config of the head) and ``model.safetensors``
-or ``pytorch_model.bin``; ``load_head`` (head_loading.py) reads and checks them.
-Two layouts are published, and both plug into ``DraftHeadSource`` like our own head: the
-source feeds the head the target's features and the embedding of the next token, and feeds
-its prediction back in their place while drafting; ``logits`` scores it.
+Both published layouts plug into ``DraftHeadSource`` like our own head (head.py); ``load_head``
+(head_loading.py) reads their directories: ``config.json``, a Llama config of the head, and the weights.
 
-- **EAGLE-1/2** (arXiv 2401.15077, 2406.16858): ``fc`` maps [embedding; h_t] (2d -> d, with
-  bias) where h_t is the target's last hidden state after its final norm; then Llama decoder
-  layers ``layers.N`` (the first has no input norm, its input is already mixed); the
-  prediction goes straight to the target's own LM head.
-- **EAGLE-3** (arXiv 2503.01840; config has ``draft_vocab_size``): the target's features are
-  the inputs of its layers 2, L//2 and L-3 (low, middle, top), concatenated; ``fc`` reduces
-  them (3d -> d, no bias). One decoder layer ``midlayer`` attends over
-  [input_layernorm(embedding); hidden_norm(h)] (q, k and v read 2d), its residual is h. The
-  head scores ``lm_head(norm(h))`` over a pruned draft vocabulary; draft index i is target
-  token ``i + d2t[i]``. Its own predictions (d wide) skip ``fc``.
+- **EAGLE-1/2** (arXiv 2401.15077, 2406.16858): ``fc`` maps [embedding; h_t] (2d -> d, with bias) where
+  h_t is the target's last hidden state after its final norm; then Llama decoder layers ``layers.N`` (the
+  first has no input norm, its input is already mixed); the prediction goes to the target's own LM head.
+- **EAGLE-3** (arXiv 2503.01840; config has ``draft_vocab_size``): the target's features are the inputs of
+  its layers 2, L//2 and L-3 (low, middle, top), concatenated; ``fc`` reduces them (3d -> d, no bias). One
+  decoder layer ``midlayer`` attends over [input_layernorm(embedding); hidden_norm(h)] (q, k and v read 2d),
+  its residual is h. The head scores ``lm_head(norm(h))`` over a pruned draft vocabulary; draft index i is
+  target token ``i + d2t[i]``. Its own predictions (d wide) skip ``fc``.
 """
 
 from typing import Callable
@@ -37,9 +32,8 @@ def eagle3_feature_layers(num_layers: int) -> list:
 
 class Eagle1Head(nn.Module):
     """EAGLE-1/2: fc over [embedding; h] and Llama decoder layers; the target's LM head scores.
-
-    ``target_logits`` is that LM head as a function (hidden states -> logits over the whole
-    vocabulary, quantized or not), and ``output_bytes`` what it reads; ``load_head`` hands both."""
+    ``target_logits`` is that LM head as a function (hidden states -> logits over the whole vocabulary,
+    quantized or not), and ``output_bytes`` what it reads; ``load_head`` hands both."""
 
     feature_layers = [FINAL]
 

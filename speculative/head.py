@@ -1,11 +1,10 @@
 """A feature-level draft head (EAGLE style) for a Llama-family target.
 
-The head reads the target's last hidden state h_t (after the final norm) and the embedding
-of the token x_{t+1} that follows it, fuses them with one linear layer, runs one Llama
-decoder layer and predicts h_{t+1}. From its second draft step on, it reads its own
-prediction in place of h_t. Tokens are scored with the target's own output matrix
-restricted to a frequency-ranked sub-vocabulary (FR-Spec), so a draft step reads ~4M head
-weights plus 8k output rows instead of the whole 135M-parameter target.
+The head reads the target's last hidden state h_t (after the final norm) and the embedding of the token
+x_{t+1} that follows it, fuses them with one linear layer, runs one Llama decoder layer and predicts h_{t+1}.
+From its second draft step on, it reads its own prediction in place of h_t. Tokens are scored with the
+target's own output matrix restricted to a frequency-ranked sub-vocabulary (FR-Spec), so a draft step reads
+~4M head weights plus 8k output rows instead of the whole 135M-parameter target.
 
 A head directory holds ``model.safetensors`` (float16 head weights and the sub-vocabulary
 ids) and ``config.json`` (the target's args and fingerprint), written by ``save_head``;
@@ -14,7 +13,6 @@ EAGLE-3 reads the outputs of three target layers, which ``body_with_features`` c
 """
 
 import json
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional
 
@@ -88,20 +86,6 @@ class _LayerRecorder:
         return self.outputs[-1]
 
 
-@contextmanager
-def recording(layers: list, indices: list):
-    """Within the block, ``layers[i]`` for i in ``indices`` (ascending) append their outputs to the
-    list this yields; the layers are put back afterwards."""
-    outputs, originals = [], {i: layers[i] for i in indices}
-    try:
-        for i in indices:
-            layers[i] = _LayerRecorder(layers[i], outputs)
-        yield outputs
-    finally:
-        for i, layer in originals.items():
-            layers[i] = layer
-
-
 def check_layers_exposed(target, feature_layers) -> None:
     """Refuse a head that fuses inner layers of a target that does not expose them. A sharded body
     (distributed/sharding.py) makes only its last hidden states equal on every rank, and says so
@@ -117,13 +101,18 @@ def check_layers_exposed(target, feature_layers) -> None:
 def body_with_features(target, inputs: mx.array, feature_layers, cache=None) -> tuple:
     """Run the target's body (``target.model``) once; returns its last hidden states (B, L, d)
     and the features a head reads, (B, L, k * d) for ``feature_layers`` (ascending, FINAL last)."""
-    body, inner = target.model, [i for i in feature_layers if i != FINAL]
+    body, inner, outputs = target.model, [i for i in feature_layers if i != FINAL], []
     if inner:
         check_layers_exposed(target, feature_layers)
-        with recording(body.layers, inner) as outputs:
+        originals = list(body.layers)
+        try:
+            for i in inner:
+                body.layers[i] = _LayerRecorder(body.layers[i], outputs)
             hidden = body(inputs, cache=cache)
+        finally:
+            body.layers[:] = originals  # the target is the caller's: put its layers back
     else:
-        hidden, outputs = body(inputs, cache=cache), []
+        hidden = body(inputs, cache=cache)
     parts = outputs + ([hidden] if FINAL in feature_layers else [])
     return hidden, (parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1))
 
@@ -137,8 +126,7 @@ def output_weight(target) -> mx.array:
     """The target's (vocab, d) output matrix (dequantized if need be)."""
     layer = output_layer(target)
     if hasattr(layer, "scales"):  # a quantized table: dequantize once
-        return mx.dequantize(layer.weight, layer.scales, getattr(layer, "biases", None),
-                             layer.group_size, layer.bits)
+        return mx.dequantize(layer.weight, layer.scales, getattr(layer, "biases", None), layer.group_size, layer.bits)
     return layer.weight
 
 
@@ -152,16 +140,13 @@ def output_rows(target, vocab_ids: mx.array) -> mx.array:
 
 def logits_from_hidden(target, hidden: mx.array) -> mx.array:
     """The target's logits from its final hidden states (what its ``__call__`` returns)."""
-    if hasattr(target, "lm_head"):
-        return target.lm_head(hidden)
-    return target.model.embed_tokens.as_linear(hidden)
+    return target.lm_head(hidden) if hasattr(target, "lm_head") else target.model.embed_tokens.as_linear(hidden)
 
 
 def fingerprint(target) -> dict:
     """What identifies the target: its shape and a few weights (compared with a tolerance,
     so the float32 and float16 conversions of one model match and other models do not)."""
-    args = target.args
-    shape = {key: getattr(args, key, None) for key in (
+    shape = {key: getattr(target.args, key, None) for key in (
         "hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads",
         "num_key_value_heads", "vocab_size")}
     weight = output_weight(target)
@@ -181,7 +166,6 @@ def save_head(head_dir, head: DraftHead, vocab_ids: mx.array, target, training: 
     (head_dir / "model.tmp.safetensors").replace(head_dir / "model.safetensors")
     config = {"target_args": {k: v for k, v in vars(target.args).items() if not k.startswith("_")},
               "fingerprint": fingerprint(target), "sub_vocab_size": int(vocab_ids.size),
-              "feature_layers": head.feature_layers, "num_layers": 1,
-              "training": training or {}}
+              "feature_layers": head.feature_layers, "num_layers": 1, "training": training or {}}
     (head_dir / "config.tmp.json").write_text(json.dumps(config, indent=1, default=str))
     (head_dir / "config.tmp.json").replace(head_dir / "config.json")

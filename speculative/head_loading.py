@@ -33,7 +33,12 @@ def load_head(head_dir, target, dtype=None):
         raise HeadMismatch("a draft head needs a decoder-only mlx-lm target model")
     if not config_path.is_file():
         raise HeadMismatch(f"{head_dir} is not a draft head directory (needs config.json and model.safetensors)")
-    config = read_config(config_path)
+    try:
+        config = json.loads(config_path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise HeadMismatch(f"{config_path} is not valid JSON ({error})") from None
+    if not isinstance(config, dict):
+        raise HeadMismatch(f"{config_path} is not a JSON object")
     load = load_eagle_head if published_layout(config) else load_draft_head
     return load(head_dir, config, target, dtype or target.model.norm.weight.dtype)
 
@@ -51,7 +56,7 @@ def load_draft_head(head_dir: Path, config: dict, target, dtype):
         raise HeadMismatch(f"{config_path}: feature_layers {config.get('feature_layers')} with num_layers "
                            f"{config.get('num_layers')} is not a head this version reads (only [-1] with 1)")
     check_fingerprint(config["fingerprint"], target, config_path)
-    weights = load_safetensors(weights_path)
+    weights, _ = read_weights(head_dir)
     vocab_ids = weights.pop("vocab_ids", None)
     vocab_size = target.args.vocab_size
     if vocab_ids is None or vocab_ids.ndim != 1 or vocab_ids.size == 0 or vocab_ids.min().item() < 0 \
@@ -74,17 +79,6 @@ def with_weights(head, weights: list, weights_path, config_path, dtype):
     return head
 
 
-def read_config(config_path) -> dict:
-    """The JSON object in ``config_path``, or one line naming the file (``HeadMismatch``)."""
-    try:
-        config = json.loads(Path(config_path).read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise HeadMismatch(f"{config_path} is not valid JSON ({error})") from None
-    if not isinstance(config, dict):
-        raise HeadMismatch(f"{config_path} is not a JSON object")
-    return config
-
-
 def check_fingerprint(expected, target, config_path) -> None:
     if not isinstance(expected, dict) or not isinstance(expected.get("shape"), dict) \
             or not isinstance(expected.get("probe"), list):
@@ -96,9 +90,9 @@ def check_fingerprint(expected, target, config_path) -> None:
     ours = np.array(actual["probe"])
     try:
         theirs = np.array(expected["probe"], dtype=np.float64)
-    except (TypeError, ValueError):
-        theirs = None
-    if theirs is None or theirs.shape != ours.shape:
+    except (TypeError, ValueError):  # not a list of numbers
+        theirs = np.zeros(0)
+    if theirs.shape != ours.shape:
         raise HeadMismatch(f"{config_path}: 'fingerprint' has a probe of another length (a damaged config)")
     if not np.allclose(ours, theirs, rtol=FINGERPRINT_TOLERANCE, atol=FINGERPRINT_TOLERANCE * 1e-2):
         raise HeadMismatch(f"the draft head {config_path} was trained for another model "
@@ -109,9 +103,7 @@ def published_layout(config: dict):
     """``"eagle3"``, ``"eagle1"`` (EAGLE-1/2) or None for a head config."""
     if "draft_vocab_size" in config:
         return "eagle3"
-    if "hidden_size" in config and "fingerprint" not in config:
-        return "eagle1"
-    return None
+    return "eagle1" if "hidden_size" in config and "fingerprint" not in config else None
 
 
 def _eagle_args(config: dict, config_path) -> llama.ModelArgs:
@@ -132,12 +124,11 @@ def _check_embeddings(weights: dict, target, weights_path):
     table = weights.pop("embed_tokens.weight", None)
     if table is None:
         return
-    ours = target.model.embed_tokens
     if table.shape[0] != target.args.vocab_size:
         raise HeadMismatch(f"{weights_path}: embed_tokens has {table.shape[0]} rows, the target's vocabulary "
                            f"{target.args.vocab_size}")
     rows = mx.array(np.linspace(0, table.shape[0] - 1, 16).astype(np.int64))
-    theirs, mine = table[rows].astype(mx.float32), ours(rows).astype(mx.float32)
+    theirs, mine = table[rows].astype(mx.float32), target.model.embed_tokens(rows).astype(mx.float32)
     cosine = (theirs * mine).sum(-1) / mx.maximum(mx.linalg.norm(theirs, axis=-1) * mx.linalg.norm(mine, axis=-1),
                                                   1e-6)
     if mx.mean(cosine).item() < EMBEDDING_MIN_COSINE:
@@ -145,19 +136,15 @@ def _check_embeddings(weights: dict, target, weights_path):
                            "differs from the target's)")
 
 
-def load_safetensors(path: Path) -> dict:
-    try:
-        return mx.load(str(path))
-    except (RuntimeError, ValueError, OSError) as error:  # a truncated or foreign file
-        raise HeadMismatch(f"{path} cannot be read ({str(error).splitlines()[0]})") from None
-
-
 def read_weights(head_dir: Path) -> tuple:
     """``(weights, path)``: ``model.safetensors``, else ``pytorch_model.bin`` (as most EAGLE heads
     are published) read with torch's weights-only unpickler, which runs no code from the file."""
     safetensors, pickle = head_dir / "model.safetensors", head_dir / "pytorch_model.bin"
     if safetensors.is_file():
-        return load_safetensors(safetensors), safetensors
+        try:
+            return mx.load(str(safetensors)), safetensors
+        except (RuntimeError, ValueError, OSError) as error:  # a truncated or foreign file
+            raise HeadMismatch(f"{safetensors} cannot be read ({str(error).splitlines()[0]})") from None
     if not pickle.is_file():
         raise HeadMismatch(f"{head_dir} has neither model.safetensors nor pytorch_model.bin")
     try:
@@ -176,10 +163,8 @@ def read_weights(head_dir: Path) -> tuple:
 
 
 def load_eagle_head(head_dir: Path, config: dict, target, dtype):
-    """Returns ``(head, vocab_ids)`` for a head in a published EAGLE layout; refuses in one line
-    (``HeadMismatch``, naming the file) a head that does not fit ``target``."""
+    """Returns ``(head, vocab_ids)`` for a head in a published EAGLE layout, checked as ``load_head`` says."""
     config_path = head_dir / "config.json"
-    layout = published_layout(config)
     args = _eagle_args(config, config_path)
     size, vocab_size = target.args.hidden_size, target.args.vocab_size
     if config.get("target_hidden_size", args.hidden_size) != size or args.hidden_size != size:
@@ -189,7 +174,7 @@ def load_eagle_head(head_dir: Path, config: dict, target, dtype):
                            f"the target {vocab_size}")
     weights, weights_path = read_weights(head_dir)
     _check_embeddings(weights, target, weights_path)
-    if layout == "eagle3":
+    if published_layout(config) == "eagle3":
         # Variants of other trainers that the reference lacks: refused rather than guessed.
         if config.get("norm_before_residual") or (config.get("eagle_config") or {}).get(
                 "eagle_aux_hidden_state_layer_ids"):
@@ -206,14 +191,12 @@ def load_eagle_head(head_dir: Path, config: dict, target, dtype):
             raise HeadMismatch(f"{config_path}: draft_vocab_size must be a count of tokens up to {vocab_size}")
         d2t = weights.pop("d2t", mx.zeros(draft_vocab, mx.int64))  # absent when nothing is pruned
         weights.pop("t2d", None)  # the inverse map (a mask over target tokens): not needed to draft
-        vocab_ids = mx.arange(draft_vocab) + d2t.astype(mx.int64) if d2t.shape == (draft_vocab,) else None
-        if vocab_ids is None or vocab_ids.min().item() < 0 or vocab_ids.max().item() >= vocab_size \
-                or len(set(vocab_ids.tolist())) != draft_vocab:
+        ids = (mx.arange(draft_vocab) + d2t.astype(mx.int64)).tolist() if d2t.shape == (draft_vocab,) else []
+        if len(set(ids)) != draft_vocab or min(ids) < 0 or max(ids) >= vocab_size:
             raise HeadMismatch(f"{weights_path}: d2t does not map {draft_vocab} draft tokens onto distinct tokens "
                                f"of the target's vocabulary of {vocab_size}")
-        head, vocab_ids = Eagle3Head(args, draft_vocab, feature_layers), vocab_ids.astype(mx.int32)
+        head, vocab_ids = Eagle3Head(args, draft_vocab, feature_layers), mx.array(ids, mx.int32)
     else:
-        # It scores with the target's whole LM head: handed over as a function, never copied.
         output_bytes = sum(value.nbytes for _, value in tree_flatten(output_layer(target).parameters()))
         head = Eagle1Head(args, bias="fc.bias" in weights, target_logits=partial(logits_from_hidden, target),
                           output_bytes=output_bytes)

@@ -23,12 +23,9 @@ CATCH_UP_CHUNK = 512  # positions per head call when reading a prompt (as the ta
 
 
 class HiddenStateTap:
-    """The target, keeping the features a head reads from every call (batch size 1): its
-    final hidden states, or the outputs of the layers in ``feature_layers``.
-
-    Looks like the wrapped mlx-lm model (``layers``, ``args``, ``make_cache`` are the
-    target's), so ``make_prompt_cache`` and ``trim_prompt_cache`` work as before.
-    """
+    """The target, keeping the features a head reads from every call (batch size 1): its final hidden states,
+    or the outputs of the layers in ``feature_layers``. Looks like the wrapped mlx-lm model (``layers``,
+    ``args``, ``make_cache`` are the target's), so ``make_prompt_cache`` and ``trim_prompt_cache`` still work."""
 
     def __init__(self, target, feature_layers=(FINAL,)):
         self.target, self.feature_layers = target, feature_layers
@@ -41,11 +38,7 @@ class HiddenStateTap:
         start = cache[0].offset if cache else 0
         hidden, features = body_with_features(self.target, inputs, self.feature_layers, cache)
         # A call at ``start`` overwrites what rejected drafts left at ``start`` and after.
-        while self.chunks and self.chunks[-1][0] >= start:
-            self.chunks.pop()
-        if self.chunks:
-            first, rows = self.chunks[-1]
-            self.chunks[-1] = (first, rows[: start - first])
+        self.chunks = [(first, rows[: start - first]) for first, rows in self.chunks if first < start]
         self.chunks.append((start, features[0]))
         return logits_from_hidden(self.target, hidden)
 
@@ -86,8 +79,7 @@ class DraftHeadSource(AdaptiveSource):
                  min_path_confidence: Optional[float] = None):
         super().__init__(num_draft, max_draft, adaptive, draft_cost_prior)
         self.tap, self.head = tap, head
-        self.vocab_ids = vocab_ids
-        self.vocab_list = vocab_ids.tolist()
+        self.vocab_ids, self.vocab_list = vocab_ids, vocab_ids.tolist()
         self.vocab_size = tap.target.args.vocab_size
         self.embed = tap.target.model.embed_tokens
         self.min_confidence = min_confidence
@@ -123,10 +115,8 @@ class DraftHeadSource(AdaptiveSource):
         trim_prompt_cache(self.cache, self.cache[0].offset - self.committed)
 
     def _catch_up(self, tokens: list) -> mx.array:
-        """Feed the head every accepted position it has not read; returns its last prediction.
-
-        Position p reads (h_p, x_{p+1}); the target has run positions up to len(tokens) - 2.
-        """
+        """Feed the head every accepted position it has not read; returns its last prediction. Position
+        p reads (h_p, x_{p+1}); the target has run positions up to len(tokens) - 2."""
         stop = len(tokens) - 1
         if self.committed == stop:  # nothing new since the last draft: re-read the last position
             self.committed -= 1
@@ -173,8 +163,7 @@ class DraftHeadSource(AdaptiveSource):
             if position + 1 < num_draft:
                 next_embedding = self.embed(self.vocab_ids[index].reshape(1, 1))
                 predicted = self.head(predicted[None, None], next_embedding, cache=self.cache)[0, -1]
-        rows = mx.stack(rows)
-        indices = mx.stack(indices).tolist()
+        rows, indices = mx.stack(rows), mx.stack(indices).tolist()
         length = len(indices)
         if self.min_confidence > 0:  # stop where the head's top probability falls below it (keep one)
             confidence = rows.max(axis=-1).tolist()
