@@ -224,7 +224,7 @@ class _Compiler:
             if dependencies:
                 raise SchemaError(f"dependencies without declared properties are not supported at {path}")
             members = self.map_members(additional, patterns, schema, path, refs)
-            return rf"\{{{self.ws}{members}{self.ws}\}}"
+            return None if members is None else rf"\{{{self.ws}{members}{self.ws}\}}"  # None: no object validates
         for pattern in patterns:  # we emit only declared properties: a pattern matters if one matches it
             if any(self.pattern_matches(pattern, name, f"{path}/patternProperties") for name in properties):
                 raise SchemaError(f"patternProperties is not supported at {path}/patternProperties")

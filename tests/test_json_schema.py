@@ -249,6 +249,7 @@ def test_patterns_search_the_decoded_string(pattern, texts):
     ({"allOf": [{"type": "string", "pattern": "a"}, {"pattern": "b"}]}, "allOf: cannot combine two different 'pattern'"),
     ({"enum": []}, "allows no value"),
     ({"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}, "allows no value"),
+    ({"type": "object", "additionalProperties": False, "minProperties": 1}, "allows no value"),
 ])
 def test_refusals_name_the_keyword_and_path(schema, message):
     with pytest.raises(SchemaError, match=re.escape(message)):
