@@ -132,7 +132,7 @@ class BatchDraftModel:
                 self.cache = None
 
     def _add_rows(self, requests: list):
-        """Prefill the rows drafting for the first time (as one left-padded batch) and merge them in."""
+        """Prefill the rows drafting for the first time (as one batch) and merge them in."""
         joining = [(handle, tokens) for handle, tokens, _ in requests if handle not in self.rows]
         if not joining:
             return
