@@ -12,7 +12,7 @@ rather than a silently ignored option.
 
 import json
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 from decoder import encode
 from server.tools import Function, ToolUse, tool_syntax
@@ -98,14 +98,20 @@ def number(body: dict, name: str, default: float, low: float, high: float) -> fl
     return value
 
 
-def _common(body: dict, allowed: set, model_id: str, max_tokens_field: Optional[int], default_max_tokens: int):
-    unknown = sorted(set(body) - allowed - IGNORED)
+def check_fields_and_model(body: dict, allowed: set, model_id: str, ignored: set = IGNORED):
+    """Refuse a field the API does not know (OpenAI refuses them too; ``ignored`` ones are accepted) and a
+    model this server does not serve."""
+    unknown = sorted(set(body) - allowed - ignored)
     if unknown:
         raise invalid(f"unrecognized request argument: {unknown[0]}", param=unknown[0])
     model = typed(body, "model", (str,), model_id, "a string")
     if model != model_id:
         raise ApiError(404, f"the model '{model}' does not exist; this server serves '{model_id}'",
                        param="model", code="model_not_found")
+
+
+def _common(body: dict, allowed: set, model_id: str, max_tokens_field: Optional[int], default_max_tokens: int):
+    check_fields_and_model(body, allowed, model_id)
     if typed(body, "n", (int,), 1, "an integer") != 1:
         raise invalid("only n=1 is supported", param="n")
     max_tokens = default_max_tokens if max_tokens_field is None else max_tokens_field
@@ -149,7 +155,8 @@ def parse_chat(body: dict, tokenizer, model_id: str, default_max_tokens: int) ->
         raise invalid("'messages' must be a non-empty list", param="messages")
     messages = [_message(m, i) for i, m in enumerate(messages)]
     functions = _chat_tools(typed(body, "tools", (list,), [], "a list of tools"))
-    choice = _chat_tool_choice(body.get("tool_choice"), functions)
+    choice = tool_choice(body.get("tool_choice"), functions, lambda choice: choice.get("function", {}).get("name"),
+                         "{'type': 'function', 'function': {'name': <one of tools>}}")
     request.schema = response_schema(typed(body, "response_format", (dict,), {"type": "text"}, "an object"),
                                       "response_format")
     parallel = typed(body, "parallel_tool_calls", (bool,), True, "a boolean")
@@ -255,16 +262,17 @@ def function_of(name, parameters, description, param: str) -> Function:
     return Function(name, parameters or {"type": "object"}, description if isinstance(description, str) else "")
 
 
-def _chat_tool_choice(choice, functions: list) -> str:
+def tool_choice(choice, functions: list, name_of: Callable, shape: str) -> str:
+    """OpenAI's ``tool_choice``: "none", "auto" (also when absent), "required", or a named function,
+    whose name ``name_of`` reads from the API's object (``shape``: that object, for the error)."""
     if choice is None:
         return "auto"
     if choice in ("none", "auto", "required"):
         if choice == "required" and not functions:
             raise invalid("'tool_choice' needs 'tools'", param="tool_choice")
         return choice
-    name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
-    return named_choice(name, functions, "'tool_choice' must be 'none', 'auto', 'required' or "
-                                         "{'type': 'function', 'function': {'name': <one of tools>}}")
+    name = name_of(choice) if isinstance(choice, dict) else None
+    return named_choice(name, functions, f"'tool_choice' must be 'none', 'auto', 'required' or {shape}")
 
 
 def named_choice(name, functions: list, message: str) -> str:

@@ -22,8 +22,8 @@ from collections import OrderedDict
 
 from server.engine import Outcome
 from server.formats import Format, sse
-from server.protocol import (ApiError, GenerationRequest, function_of, invalid, named_choice, number, prepare_chat,
-                             response_schema, typed)
+from server.protocol import (ApiError, GenerationRequest, check_fields_and_model, function_of, invalid, number,
+                             prepare_chat, response_schema, tool_choice, typed)
 from server.tools import Call
 
 FIELDS = {"model", "input", "instructions", "tools", "tool_choice", "text", "max_output_tokens", "temperature",
@@ -58,13 +58,7 @@ class ResponseStore:
 def parse_responses(body: dict, tokenizer, model_id: str, default_max_tokens: int,
                     store: ResponseStore) -> GenerationRequest:
     """A /v1/responses body."""
-    unknown = sorted(set(body) - FIELDS - IGNORED)
-    if unknown:
-        raise invalid(f"unrecognized request argument: {unknown[0]}", param=unknown[0])
-    model = typed(body, "model", (str,), model_id, "a string")
-    if model != model_id:
-        raise ApiError(404, f"the model '{model}' does not exist; this server serves '{model_id}'",
-                       param="model", code="model_not_found")
+    check_fields_and_model(body, FIELDS, model_id, IGNORED)
     max_tokens = typed(body, "max_output_tokens", (int,), default_max_tokens, "an integer")
     if max_tokens < 1:
         raise invalid("'max_output_tokens' must be at least 1", param="max_output_tokens")
@@ -76,7 +70,9 @@ def parse_responses(body: dict, tokenizer, model_id: str, default_max_tokens: in
     conversation = (store.get(previous) if previous else []) + _input_messages(body.get("input"))
     instructions = typed(body, "instructions", (str,), None, "a string")
     functions = [_function(tool, i) for i, tool in enumerate(typed(body, "tools", (list,), [], "a list of tools"))]
-    choice = _tool_choice(body.get("tool_choice"), functions)
+    choice = tool_choice(body.get("tool_choice"), functions,
+                         lambda choice: choice.get("name") if choice.get("type") == "function" else None,
+                         "{'type': 'function', 'name': <one of tools>}")
     text = typed(body, "text", (dict,), {}, "an object")
     request.schema = response_schema(_as_response_format(typed(text, "format", (dict,), {"type": "text"},
                                                                "an object")), "text.format")
@@ -146,18 +142,6 @@ def _function(tool, index: int):
         raise invalid(f"{where}: only function tools ({{'type': 'function', 'name', 'parameters'}}) are supported",
                       param=where)
     return function_of(tool.get("name"), tool.get("parameters"), tool.get("description"), where)
-
-
-def _tool_choice(choice, functions: list) -> str:
-    if choice is None:
-        return "auto"
-    if choice in ("none", "auto", "required"):
-        if choice == "required" and not functions:
-            raise invalid("'tool_choice' needs 'tools'", param="tool_choice")
-        return choice
-    name = choice.get("name") if isinstance(choice, dict) and choice.get("type") == "function" else None
-    return named_choice(name, functions, "'tool_choice' must be 'none', 'auto', 'required' or "
-                                         "{'type': 'function', 'name': <one of tools>}")
 
 
 class ResponsesFormat(Format):
