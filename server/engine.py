@@ -77,15 +77,24 @@ class Job:
     then ("done", Outcome) or ("error", ApiError). A text event's logprobs are None when the request
     did not ask, else the TokenLogprobs of the tokens since the last text event."""
 
-    def __init__(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop, constraint=None, forced=None):
+    def __init__(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop, constraint=None, forced=None,
+                 release=None):
         self.request = request
         self.loop = loop
         self.constraint, self.forced = constraint, forced  # the request's own, or None
         self.events = asyncio.Queue()
         self.cancelled = threading.Event()
+        self._release = release  # called once, when the engine is done with the job
 
     def send(self, kind: str, payload=None):
         self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, payload))
+        if kind in ("done", "error"):
+            self.release()
+
+    def release(self):
+        release, self._release = self._release, None
+        if release is not None:
+            release()
 
 
 class StopText:
@@ -177,22 +186,25 @@ class Engine:
         make_sources: returns fresh draft sources for one request (``cli.sources.row_sources``).
         solo_sources: with a draft head, the sources for one-at-a-time decoding (no batching, no cache).
         max_batch: requests decoded together; max_queue: requests waiting beyond them before HTTP 503.
+        pass_cost: the timings the width policy reads (``cost.PassCost``); tests pass a fixed clock.
     """
 
     def __init__(self, model, tokenizer, vocab_size: int, make_sources=list, solo_sources=None,
                  max_batch: int = 8, max_queue: int = 8, cache_dir=None, prompt_cache_bytes: int = 2**30,
-                 prefill_step_size: int = 256):
+                 prefill_step_size: int = 256, pass_cost: Optional[PassCost] = None):
         self.model, self.tokenizer, self.vocab_size = model, tokenizer, vocab_size
         self.make_sources, self.solo_sources = make_sources, solo_sources
         self.max_batch, self.cache_dir = max_batch, cache_dir
         self.eos = eos_ids_of(tokenizer)
-        self.jobs = queue.Queue(maxsize=max_queue)
+        self.jobs = queue.Queue()
+        # A place for each request decoding or waiting: refused only when rows and queue are all taken.
+        self.places = threading.BoundedSemaphore(max_batch + max_queue)
         self.constraints = OrderedDict()  # (kind, pattern) -> (kind, token index or compiled grammar)
         self.building = {}  # (kind, pattern) -> Future, while the first request that needs it builds it
         self.constraints_lock = threading.Lock()  # HTTP threads build constraints side by side
         self.splits = None  # a constrained.TokenSplits: how the model writes forced text, learned by every request
         self.prompt_cache = PromptCache(prompt_cache_bytes)
-        self.pass_cost = PassCost()
+        self.pass_cost = pass_cost if pass_cost is not None else PassCost()
         self.prefill_step_size = prefill_step_size
         self.generator = self._new_generator()
         self.replies = {}  # uid -> Reply, for every running job
@@ -211,12 +223,12 @@ class Engine:
         if request.logprobs is not None and self.solo_sources is not None:
             raise invalid("logprobs are not supported with --draft-head (its one-at-a-time loop does not report "
                           "them)", param="logprobs")
-        job = Job(request, loop, *(prepared if prepared is not None else self.constraint_for(request)))
-        try:
-            self.jobs.put_nowait(job)
-        except queue.Full:
+        constraint, forced = prepared if prepared is not None else self.constraint_for(request)
+        if not self.places.acquire(blocking=False):
             raise ApiError(503, "the server is busy: too many requests are queued; retry shortly",
-                           code="server_busy", headers={"Retry-After": "1"}) from None
+                           code="server_busy", headers={"Retry-After": "1"})
+        job = Job(request, loop, constraint, forced, release=self.places.release)
+        self.jobs.put(job)
         return job
 
     def _work(self):
@@ -225,12 +237,15 @@ class Engine:
                 job = self.jobs.get()
                 if not job.cancelled.is_set():
                     self._guarded(job, lambda: self._decode_alone(job))
+                job.release()
                 continue
             waiting = [] if self.replies or len(self.generator) else [self.jobs.get()]  # idle: block, not spin
             while len(self.replies) + len(waiting) < self.max_batch and not self.jobs.empty():
                 waiting.append(self.jobs.get_nowait())
             for job in waiting:
-                if not job.cancelled.is_set():
+                if job.cancelled.is_set():
+                    job.release()
+                else:
                     self._guarded(job, lambda: self._start(job))
             if not len(self.generator):
                 continue
@@ -248,7 +263,7 @@ class Engine:
             if gone:
                 self.generator.remove(gone)
                 for uid in gone:
-                    del self.replies[uid]
+                    self.replies.pop(uid).job.release()
 
     def _guarded(self, job: Job, run):
         try:

@@ -61,14 +61,17 @@ def main():
     fast_blas.load()
     import uvicorn
 
+    from cost import PassCost
     from prompt_lookup.ngram import PromptLookupSource
     from server.__main__ import listen
     from server.app import build_app
     from server.engine import Engine
 
     sources = (lambda: [PromptLookupSource()]) if args.prompt_lookup else list
+    # Passes timed at zero seconds: rows draft whenever their sources do, however loaded the machine.
     engine = Engine(model(), tokenizer(args.hermes), vocab_size(), sources, max_batch=args.max_batch,
-                    max_queue=args.max_queue, prompt_cache_bytes=args.prompt_cache_bytes)
+                    max_queue=args.max_queue, prompt_cache_bytes=args.prompt_cache_bytes,
+                    pass_cost=PassCost(clock=lambda: 0.0))
     sock = listen("127.0.0.1", 0)
     server = uvicorn.Server(uvicorn.Config(build_app(engine, "tiny", context_length=4096), log_level="warning"))
     print(f"serving tiny on http://127.0.0.1:{sock.getsockname()[1]}/v1", flush=True)
