@@ -388,7 +388,7 @@ def probe(model) -> tuple:
         try:
             # Two and three rows: a 4-d mask broadcasts (wrongly) where the rows number the key heads.
             for prompts in ([[1, 2, 3], [1]], [[1, 2, 3], [1], [1, 2]]):
-                batch = prefill_rows(model, prompts, mask_dims=mask_dims)
+                batch = _scratch(model, prompts, mask_dims)
                 model(mx.array([[1]] * len(prompts)), cache=batch.layers)  # rows apart: an array mask
                 mx.eval(batch.arrays())
             break
@@ -399,12 +399,22 @@ def probe(model) -> tuple:
                 raise
     if not batch.recurrent:
         return mask_dims, True
-    batch = prefill_rows(model, [[1, 2, 3], [1]], mask_dims=mask_dims)
-    alone = prefill_rows(model, [[1]], mask_dims=mask_dims)
+    batch, alone = _scratch(model, [[1, 2, 3], [1]], mask_dims), _scratch(model, [[1]], mask_dims)
     same = all(mx.allclose(mine[1], its[0], atol=1e-3).item()
                for layer, other in zip(batch.recurrent, alone.recurrent)
                for mine, its in zip(layer.cache, other.cache) if mine is not None)
     return mask_dims, same
+
+
+def _scratch(model, prompts: list, mask_dims: int) -> BatchCache:
+    """``prefill_rows`` on caches that grow a few slots at a time: a page of ``RaggedKVCache.step``
+    slots per row would make the probe, not the rows, a one-row batch's peak memory."""
+    prefill = Prefill(model, prompts, mask_dims=mask_dims)
+    for layer in prefill.cache.attention:
+        layer.step = 8
+    while not prefill.step():
+        pass
+    return prefill.cache
 
 
 def prefill_rows(model, prompts: Sequence[Sequence[int]], step_size: int = 512, mask_dims: int = 4) -> BatchCache:

@@ -284,6 +284,48 @@ def test_requests_that_need_the_same_new_schema_build_it_once(tiny_engine, monke
     assert len({id(constraint) for constraint, _ in built}) == 4  # each request its own, from one build
 
 
+def test_a_request_is_refused_only_when_every_row_and_queue_place_is_taken():
+    """Two rows and one queue place: three requests submitted back to back are all taken, however
+    soon the worker picks the first up, and a fourth is a 503 until a cancelled one leaves."""
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+    from server.engine import Engine
+    from tests.helpers import tiny_byte_tokenizer, tiny_llama
+
+    tokenizer = tiny_byte_tokenizer()
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    engine = Engine(tiny_llama(vocab_size=len(tokenizer), seed=7), TokenizerWrapper(tokenizer), len(tokenizer),
+                    max_batch=2, max_queue=1)
+    body = {"messages": [{"role": "user", "content": "a"}], "max_tokens": 9000, "guided_regex": "a{8000}"}
+    request = parse_chat(body, engine.tokenizer, MODEL, 64)  # cannot end before 8000 tokens
+
+    async def run():
+        loop = asyncio.get_running_loop()
+        jobs = [engine.submit(request, loop) for _ in range(3)]
+        try:
+            with pytest.raises(ApiError) as caught:
+                engine.submit(request, loop)
+            assert caught.value.status == 503
+            jobs[0].cancelled.set()  # the worker drops its row at its next step
+            for _ in range(200):
+                await asyncio.sleep(0.05)
+                try:
+                    jobs.append(engine.submit(request, loop))
+                    return
+                except ApiError:
+                    pass
+            pytest.fail("the cancelled request never gave its place back")
+        finally:
+            for job in jobs:
+                job.cancelled.set()
+            for _ in range(200):  # the worker drops the rows while their event loop still runs
+                if not engine.replies and not len(engine.generator):
+                    break
+                await asyncio.sleep(0.05)
+
+    asyncio.run(run())
+
+
 # ---- one server for the slow tests ------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
