@@ -104,9 +104,11 @@ def check_prompt_lookup(model):
     assert_accepted_and_rejected(stats.draft_proposed, stats.draft_accepted, "prompt lookup")
 
 
-def regex_for(model) -> str:
-    """JSON-like text with forced parts and free ones (digits, words), longer than two windows."""
-    return r'\{"id": \d{3}, "tags": \["[a-z]{2,6}"(, "[a-z]{2,6}"){%d}\]\}' % max(3, window(model) // 2)
+def regex_for(model) -> tuple:
+    """JSON-like text with forced parts and free ones (digits, words), longer than two windows, and
+    a max_tokens it always fits in (a tag is at most 10 tokens: `, "`, six letters, `"`)."""
+    tags = max(3, window(model) // 2)
+    return r'\{"id": \d{3}, "tags": \["[a-z]{2,6}"(, "[a-z]{2,6}"){%d}\]\}' % tags, 10 * (tags + 1) + 32
 
 
 def check_regex(model, tokenizer):
@@ -115,13 +117,13 @@ def check_regex(model, tokenizer):
     from constrained import ForcedTextSource, RegexConstraint
     from decoder import DecodingStats, eos_ids_of, generate_step
 
-    pattern, eos = regex_for(model), eos_ids_of(tokenizer)
+    (pattern, max_tokens), eos = regex_for(model), eos_ids_of(tokenizer)
     constraint = RegexConstraint.from_regex(pattern, tokenizer, vocab_size=VOCAB)
     length, _, _ = lengths(model)
     prompt = prompt_tokens(length, seed=2)
 
     def run(sources, stats=None):
-        return [token for token, _ in generate_step(prompt, model, eos_token_ids=eos, max_tokens=256,
+        return [token for token, _ in generate_step(prompt, model, eos_token_ids=eos, max_tokens=max_tokens,
                                                     constraint=constraint, draft_sources=sources, stats=stats)]
 
     want, stats = run([]), DecodingStats()
