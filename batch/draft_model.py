@@ -22,7 +22,7 @@ import mlx.core as mx
 
 from batch.cache import BatchCache, prefill_rows
 from cost import PassCost
-from rollback import CacheKindError
+from rollback import CacheKindError, architecture
 from decoder import Draft, DraftSource, sampling_probs
 from speculative.adaptive import AdaptiveLength, weight_bytes
 from speculative.draft_model import check_same_vocabulary, output_size
@@ -82,7 +82,7 @@ class BatchDraftModel:
     def __init__(self, model, vocab_size: int, num_draft: int = 4, max_draft: int = 12, adaptive: bool = True,
                  min_confidence: float = 0.5, draft_cost_prior: float = 0.1, prefill_step_size: int = 512):
         if BatchCache(model, 1).recurrent:  # its rows roll back by trimming, which a recurrent state cannot
-            raise CacheKindError("a draft model with recurrent layers cannot draft for a batch")
+            raise CacheKindError(f"{architecture(model)}: a draft model with recurrent layers cannot draft for a batch")
         self.model, self.vocab_size = model, vocab_size
         self.options = dict(num_draft=num_draft, max_draft=max_draft, adaptive=adaptive)
         self.min_confidence = min_confidence

@@ -11,7 +11,7 @@ from mlx_lm.utils import common_prefix_len
 
 from cost import PassCost
 from decoder import Draft, prefill, sampling_probs
-from rollback import CacheKindError, Rollback, make_cache
+from rollback import CacheKindError, Rollback, architecture, make_cache
 from speculative.adaptive import AdaptiveSource, weight_bytes
 from t5 import T5Decoder, is_encoder_decoder
 
@@ -62,7 +62,8 @@ class DraftModelSource(AdaptiveSource):
         self.model, self.vocab_size, self.min_confidence = model, vocab_size, min_confidence
         self.cache = make_cache(model)
         if Rollback(self.cache).recurrent:  # its drafts roll back by trimming, which a recurrent state cannot
-            raise CacheKindError("a draft model with recurrent layers is not supported")
+            raise CacheKindError(f"{architecture(model)}: a draft model with recurrent layers cannot roll back "
+                                 "its drafts")
         self.cache_tokens = []  # the tokens whose keys and values are in self.cache
         self.reset()
 
