@@ -6,20 +6,22 @@
 The regex matches only JSON text that validates against the schema: where the exact set of texts is
 out of reach, it matches a subset (properties in schema order, no undeclared properties, compact
 whitespace, fractions only where the whole integer part is in range) or the schema is refused with a
-`SchemaError` naming the keyword and its JSON pointer. Leaves (strings, formats, number ranges) are
-in `json_regex.py`. The limits (constrained/README.md) are `schema_to_regex`'s arguments and the
-`MAX_*` budgets below, checked while building, so any input is refused in one line within about 2 s.
+`SchemaError` naming the keyword and its JSON pointer. Objects and arrays are written by
+`json_containers.py`, leaves (strings, formats, number ranges) by `json_regex.py`. The limits
+(constrained/README.md) are `schema_to_regex`'s arguments and the `MAX_*` budgets below, checked
+while building, so any input is refused in one line within about 2 s.
 """
 
 import json
 from fractions import Fraction
 
+from constrained.json_containers import array_regex, object_regex
 from constrained.json_regex import (BOOLEAN, FORMATS, INTEGER, NULL, NUMBER, STRING, bounded_string,
                                     integer_range, literal, number_range, pattern_string, whole_bounds)
 from constrained.regex_dfa import compile_regex
 from constrained.regex_parse import RegexError
 from constrained.schema_keywords import (ALL_TYPES, ANNOTATIONS, TYPE_KEYWORDS, SchemaError, check_finite,
-                                         check_supported, common_types, escape, json_type, load_schema,
+                                         check_supported, common_types, json_type, load_schema,
                                          pointer_get)
 
 __all__ = ["SchemaError", "load_schema", "schema_to_regex"]
@@ -53,13 +55,10 @@ def schema_to_regex(schema, whitespace: str = "", max_ref_depth: int = 3, any_de
     return regex
 
 
-def _too_large(path):
-    return SchemaError(f"the schema is too large: its regex passes {MAX_REGEX_LENGTH} characters at {path}")
-
-
 class _Compiler:
     """One schema's compilation: `resolve` and `merge` follow $ref and allOf, `compile` and the keyword
-    methods below it write the regex, and `check_exclusive` makes sure oneOf's branches exclude each other."""
+    methods below it write the regex (objects and arrays in `json_containers.py`, with this compiler
+    handed in), and `check_exclusive` makes sure oneOf's branches exclude each other."""
 
     def __init__(self, root, whitespace, max_ref_depth, any_depth, max_repeat):
         self.root = root
@@ -132,9 +131,15 @@ class _Compiler:
             regex = self.compile_node(schema, path, refs)
         finally:
             self.depth -= 1
-        if regex is not None and len(regex) > MAX_REGEX_LENGTH:
-            raise _too_large(path)
+        if regex is not None:
+            self.check_length(len(regex), path)
         return regex
+
+    @staticmethod
+    def check_length(length, path):
+        """Refuse a part of the regex over the size budget, as soon as it is known to be."""
+        if length > MAX_REGEX_LENGTH:
+            raise SchemaError(f"the schema is too large: its regex passes {MAX_REGEX_LENGTH} characters at {path}")
 
     def compile_node(self, schema, path, refs):
         schema, refs = self.resolve(schema, path, refs)
@@ -176,9 +181,9 @@ class _Compiler:
 
     def typed(self, schema, name, path, refs):
         if name == "object":
-            return self.object(schema, path, refs)
+            return object_regex(self, schema, path, refs)
         if name == "array":
-            return self.array(schema, path, refs)
+            return array_regex(self, schema, path, refs)
         if name == "string":
             return self.string(schema, path)
         if name in ("number", "integer"):
@@ -204,8 +209,7 @@ class _Compiler:
         for value in values:  # the budget as we go: a million-value enum stops after the first 500 kB
             texts.append(literal(value))
             length += len(texts[-1]) + 1
-            if length > MAX_REGEX_LENGTH:
-                raise _too_large(path)
+            self.check_length(length, path)
         if rest:
             # Keep the values the rest of the schema accepts (its regex is a subset of the schema), matched
             # by our DFA, not Python's re: a `pattern` such as (a*)*b would make re backtrack for ages.
@@ -213,151 +217,6 @@ class _Compiler:
             texts = [text for value, text in zip(values, texts)
                      if dfa.matches(json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode())]
         return "(?:" + "|".join(texts) + ")" if texts else None
-
-    def object(self, schema, path, refs):
-        properties = dict(schema.get("properties", {}))
-        required = list(schema.get("required", []))
-        additional = schema.get("additionalProperties", True)
-        patterns = schema.get("patternProperties", {})
-        dependencies = {**schema.get("dependencies", {}), **schema.get("dependentRequired", {})}
-        if not properties and not required:
-            if dependencies:
-                raise SchemaError(f"dependencies without declared properties are not supported at {path}")
-            members = self.map_members(additional, patterns, schema, path, refs)
-            return None if members is None else rf"\{{{self.ws}{members}{self.ws}\}}"  # None: no object validates
-        for pattern in patterns:  # we emit only declared properties: a pattern matters if one matches it
-            if any(self.pattern_matches(pattern, name, f"{path}/patternProperties") for name in properties):
-                raise SchemaError(f"patternProperties is not supported at {path}/patternProperties")
-        self.apply_dependencies(dependencies, properties, required, path)
-        entries, length = [], 0
-        for name in list(properties) + [name for name in required if name not in properties]:
-            value = self.compile(properties.get(name, additional), f"{path}/properties/{escape(name)}", refs)
-            if value is None and name in required:
-                return None
-            if value is not None:
-                entries.append((f"{literal(name)}{self.colon}{value}", name in required))
-                length += len(entries[-1][0])
-                if length > MAX_REGEX_LENGTH:  # every member is written at least once: stop now
-                    raise _too_large(path)
-        count = sum(req for _, req in entries), len(entries)
-        if schema.get("minProperties", 0) > count[0] or schema.get("maxProperties", count[1]) < count[1]:
-            raise SchemaError(f"minProperties/maxProperties beyond the declared properties at {path}")
-        return rf"\{{{self.ws}{self.members(entries)}{self.ws}\}}"
-
-    def members(self, entries):
-        """Members in order with commas right: the optional ones before the first required member are
-        `some_of`, every later one is `(?:,member)?`."""
-        if not entries:
-            return ""
-        first_required = next((i for i, (_, req) in enumerate(entries) if req), len(entries))
-        leading = [member for member, _ in entries[:first_required]]
-        if first_required == len(entries):
-            return f"(?:{self.some_of(leading)})?"
-        head = f"(?:{self.some_of(leading)}{self.comma})?" if leading else ""
-        rest = "".join(f"{self.comma}{member}" if req else f"(?:{self.comma}{member})?"
-                       for member, req in entries[first_required + 1:])
-        return head + entries[first_required][0] + rest
-
-    def some_of(self, members):
-        """One or more of `members`, in order, comma-separated: each member written once. Some of the first k
-        is some of the first k-1 (then maybe the k-th) or the k-th alone (naming each possible first member
-        would write n^2/2). The groups nest n deep, which our parser handles (Python's `re` stops near 300)."""
-        # (?:(?:m1(?:,m2)?|m2)(?:,m3)?|m3): the opening groups first, so no prefix is copied again.
-        return "(?:" * (len(members) - 1) + members[0] + "".join(f"(?:{self.comma}{member})?|{member})"
-                                                                for member in members[1:])
-
-    @staticmethod
-    def pattern_matches(pattern, name, path):
-        """re.search(pattern, name) through our DFA: Python's re can backtrack for ages on (a*)*b."""
-        try:
-            return compile_regex(pattern_string(pattern)).matches(json.dumps(name, ensure_ascii=False).encode())
-        except RegexError as error:
-            raise SchemaError(f"{path}: {error}") from None
-
-    @staticmethod
-    def apply_dependencies(dependencies, properties, required, path):
-        """"a needs b": make b required where a is; leave out an optional a whose needs are not all required."""
-        for name, needed in dependencies.items():
-            if not isinstance(needed, list):
-                raise SchemaError(f"dependencies with a schema are not supported at {path}/dependencies/{name}")
-        while True:  # required names first, to a fixed point: they decide which optional ones can stay
-            before = len(required)
-            for name, needed in dependencies.items():
-                if name in required:
-                    required += [item for item in needed if item not in required]
-            if len(required) == before:
-                break
-        for name, needed in dependencies.items():
-            if name in properties and name not in required and not set(needed) <= set(required):
-                del properties[name]
-
-    def map_members(self, additional, patterns, schema, path, refs):
-        """Any keys (or keys matching the one patternProperties pattern), each with a valid value. A
-        repeated key is harmless: whichever value a parser keeps is valid."""
-        if schema.get("minProperties", 0) > 1:
-            raise SchemaError(f"minProperties above 1 without declared properties is not supported at {path}")
-        if len(patterns) > 1:
-            raise SchemaError(f"patternProperties with more than one pattern is not supported at {path}")
-        key, value = STRING, None
-        for pattern, sub in patterns.items():  # keys of the pattern only: additionalProperties is then moot
-            try:
-                key = pattern_string(pattern)
-            except RegexError as error:
-                raise SchemaError(f"patternProperties at {path}: {error}") from None
-            value = self.compile(sub, f"{path}/patternProperties/{pattern}", refs)
-        if not patterns:
-            value = self.compile(additional, f"{path}/additionalProperties", refs)
-        most = schema.get("maxProperties")
-        if value is None or most == 0:
-            return None if schema.get("minProperties", 0) else ""
-        member = f"{key}{self.colon}{value}"
-        repeat = "*" if most is None else f"{{0,{most - 1}}}"
-        body = f"{member}(?:{self.comma}{member}){repeat}"
-        return body if schema.get("minProperties", 0) == 1 else f"(?:{body})?"
-
-    def array(self, schema, path, refs):
-        items = schema.get("items")
-        if isinstance(items, list):  # draft 4-7 tuples
-            prefix, rest, rest_path = items, schema.get("additionalItems", True), "additionalItems"
-        else:
-            prefix, rest, rest_path = schema.get("prefixItems", []), True if items is None else items, "items"
-        least, most = schema.get("minItems", 0), schema.get("maxItems")
-        if schema.get("uniqueItems") is True:  # at most one item is always unique
-            if least > 1:
-                raise SchemaError(f"uniqueItems with minItems above 1 is not supported at {path}/uniqueItems")
-            most = 1 if most is None else min(most, 1)
-        if prefix and items is None:
-            most = max(len(prefix), least) if most is None else most  # no undeclared items needed
-        prefix_regexes = []
-        for index, sub in enumerate(prefix[:most]):
-            regex = self.compile(sub, f"{path}/prefixItems/{index}", refs)
-            if regex is None:
-                break
-            prefix_regexes.append(regex)
-        rest_regex = self.compile(rest, f"{path}/{rest_path}", refs)
-        if len(prefix_regexes) < len(prefix[:most]) or rest_regex is None:
-            most = len(prefix_regexes) if most is None else min(most, len(prefix_regexes))
-        if most is not None:
-            most = min(most, max(least, self.max_repeat))
-            if least > most:
-                return None
-        if most == 0:
-            return rf"\[{self.ws}{self.ws}\]"
-        positions = prefix_regexes[:most]
-        tail = ""
-        if most is None or most > len(positions):
-            low = max(least - len(positions), 0)
-            high = "" if most is None else most - len(positions)
-            if not positions:  # the first item has no comma before it
-                positions, low, high = [rest_regex], max(low - 1, 0), "" if most is None else high - 1
-            if high != 0:
-                tail = f"(?:{self.comma}{rest_regex}){{{low},{high}}}"
-        # Items from index `least` on are optional, each with everything after it: nested groups,
-        # written opening parts first (one join, not a copy of the tail per item).
-        opening = "".join(("" if index < least else "(?:") + (self.comma if index else "") + regex
-                          for index, regex in enumerate(positions))
-        content = opening + tail + ")?" * max(len(positions) - least, 0)
-        return rf"\[{self.ws}{content}{self.ws}\]"
 
     def string(self, schema, path):
         constraints = {"minLength", "maxLength", "pattern"} & set(schema)
