@@ -267,7 +267,7 @@ def percentile(values, share):
     return values[min(int(share * len(values)), len(values) - 1)] if values else float("nan")
 
 
-def main():
+def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     parser.add_argument("--max-tokens", type=int, default=64)
@@ -282,8 +282,11 @@ def main():
     parser.add_argument("--oracle", action="store_true",
                         help="Add to json and extract a bound: forced text drafted in the very tokens the target writes")
     parser.add_argument("--out", default=str(RESULTS), help="Markdown file for the table ('' to skip)")
-    args = parser.parse_args()
+    return parser.parse_args()
 
+
+def main():
+    args = parse_args()
     model, tokenizer, _ = load_model()
     eos = eos_ids_of(tokenizer)
     work = load_workloads(tokenizer, model.args.vocab_size, args.workloads)
@@ -324,29 +327,10 @@ def main():
                              f"{1e3 * percentile(run.latencies, 0.5):.0f} | {1e3 * percentile(run.latencies, 0.95):.0f} "
                              f"| {run.peak_gb:.3f} | {run.widths} |")
                 print(workload, lines[-1], flush=True)
-            # Greedy: every method must give every row the same tokens (EOS aside, which mlx-lm drops).
-            outputs = [[[t for t in row if t not in eos] for row in run.tokens] for run in results.values()]
-            for name, output in zip(results, outputs):
-                differing = sum(a != b for a, b in zip(output, outputs[0]))
-                if differing:
-                    mismatches.append(f"{rows} rows: {name} differs from {next(iter(results))} on "
-                                      f"{differing} of {rows} rows")
-                    print("  !!", mismatches[-1], flush=True)
+            mismatches += differing_rows(results, eos, rows)
         lines += [""] + ([f"- {m}" for m in mismatches] or ["- every method gave every row the same tokens"])
         if args.simulate_rows and workload != "chat":
-            lines += ["", f"The same policy on a simulated GPU-like cost curve, {args.simulate_rows} rows: a [B, W] "
-                      "pass takes 1 + 0.005 (W - 1) time units at any B.", "",
-                      "| method | tokens per time unit, all rows in flight | vs first | passes/token | widths (passes) |",
-                      "|---|---:|---:|---:|---|"]
-            first = None
-            for name, factory in methods:
-                if factory is None or name.startswith("bound"):
-                    continue
-                rate, passes, widths = simulated(model, eos, pick(prompts, args.simulate_rows), args.max_tokens,
-                                                 factory(args.simulate_rows))
-                first = first or rate
-                lines.append(f"| {name} | {rate:.2f} | {rate / first:.2f}x | {passes:.3f} | {widths} |")
-                print(workload, lines[-1], flush=True)
+            lines += simulated_section(model, eos, prompts, methods, args, workload)
         command = (f"python -m benchmarks.batch --workloads {workload} --sizes {' '.join(map(str, args.sizes))} "
                    f"--max-tokens {args.max_tokens} --repeat {args.repeat} --simulate-rows {args.simulate_rows}"
                    + (" --oracle" if args.oracle and workload in ("json", "extract") else ""))
@@ -354,6 +338,38 @@ def main():
         sections[f"## {workload}"] = "\n".join(lines)
     if args.out:
         write_sections(Path(args.out), sections, args.max_tokens)
+
+
+def differing_rows(results: dict, eos, rows: int) -> list:
+    """Greedy: every method must give every row the same tokens (EOS aside, which mlx-lm drops).
+    One line per method that does not."""
+    mismatches = []
+    outputs = [[[t for t in row if t not in eos] for row in run.tokens] for run in results.values()]
+    for name, output in zip(results, outputs):
+        differing = sum(a != b for a, b in zip(output, outputs[0]))
+        if differing:
+            mismatches.append(f"{rows} rows: {name} differs from {next(iter(results))} on "
+                              f"{differing} of {rows} rows")
+            print("  !!", mismatches[-1], flush=True)
+    return mismatches
+
+
+def simulated_section(model, eos, prompts, methods, args, workload) -> list:
+    """The table of the drafting methods at ``args.simulate_rows`` rows on the simulated cost curve."""
+    lines = ["", f"The same policy on a simulated GPU-like cost curve, {args.simulate_rows} rows: a [B, W] "
+             "pass takes 1 + 0.005 (W - 1) time units at any B.", "",
+             "| method | tokens per time unit, all rows in flight | vs first | passes/token | widths (passes) |",
+             "|---|---:|---:|---:|---|"]
+    first = None
+    for name, factory in methods:
+        if factory is None or name.startswith("bound"):
+            continue
+        rate, passes, widths = simulated(model, eos, pick(prompts, args.simulate_rows), args.max_tokens,
+                                         factory(args.simulate_rows))
+        first = first or rate
+        lines.append(f"| {name} | {rate:.2f} | {rate / first:.2f}x | {passes:.3f} | {widths} |")
+        print(workload, lines[-1], flush=True)
+    return lines
 
 
 def write_sections(out: Path, sections: dict, max_tokens: int):

@@ -31,134 +31,20 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from benchmarks.grammar_engines import WALKS, LLGuidance, XGrammar, compact, load_dev_set, random_outputs
 from benchmarks.harness import Method, Totals, chat_tokens, decode_step_ms, markdown_table, side_by_side, time_loop
 from benchmarks.json_schema import load_schemas, validator_for
 from constrained import compile_regex, schema_to_regex
 from constrained.grammar import GrammarConstraint, GrammarForcedSource, compile_json_schema, ll_tokenizer_of
-from decoder import ConstraintError, eos_ids_of
+from decoder import eos_ids_of
 from loading.load import default_dtype, describe_backend, load_model
 
 RESULTS = Path(__file__).parent / "results"
 GBNF = Path(__file__).parent.parent / "tests" / "data" / "gbnf"
-DEV_SPLITS = re.compile(r"(Github_trivial|Github_ultra|Handwritten|Synthesized|MCPspec)---.*|(BFCL_[a-z_]+|JME)_\d+\.json")
-WALKS, WALK_TOKENS = 2, 200
 # The embedded model's decode step on the 2-core VM when it is not shared (README); the step measured in
 # the run is printed beside it, since other jobs on the machine can slow both masks and steps.
 NOMINAL_STEP_MS = 65.0
 MEMORY_LIMIT = 12 << 30
-
-
-def split_of(name: str) -> str:
-    return name.split("---")[0] if "---" in name else name.rsplit("_", 1)[0]
-
-
-def load_dev_set(folder: Path, per_split: int, seed: int = 0) -> list:
-    """[(split, name, schema, tests)]: at most `per_split` files per split, a fixed random sample."""
-    by_split = {}
-    for path in sorted(folder.iterdir()):
-        if DEV_SPLITS.fullmatch(path.name):
-            by_split.setdefault(split_of(path.name), []).append(path)
-    rng, cases = random.Random(seed), []
-    for split, paths in sorted(by_split.items()):
-        for path in sorted(rng.sample(paths, min(per_split, len(paths)))):
-            data = json.loads(path.read_text())
-            cases.append((split, path.name, data["schema"], data.get("tests", [])))
-    return cases
-
-
-def compact(value) -> str:
-    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
-
-
-class Engine:
-    """One JSON Schema engine: compile, accept a text, and random token walks (outputs) under its masks."""
-
-    name = ""
-
-    def compile(self, schema):
-        raise NotImplementedError
-
-
-class LLGuidance(Engine):
-    name = "llguidance"
-
-    def __init__(self, tokenizer, vocab_size):
-        self.tokenizer, self.vocab_size = tokenizer, vocab_size
-        self.ll_tokenizer = ll_tokenizer_of(tokenizer)
-
-    def compile(self, schema):
-        return GrammarConstraint.from_llguidance(compile_json_schema(schema, self.ll_tokenizer), self.tokenizer,
-                                                 self.vocab_size)
-
-    def accepts(self, constraint, text):
-        constraint.reset()
-        tokens = self.ll_tokenizer.tokenize_str(text) + [self.ll_tokenizer.eos_token]
-        return constraint.matcher.validate_tokens(tokens) == len(tokens)
-
-    def allowed(self, constraint):
-        return np.array(constraint.masks(constraint.walk([])))[0]
-
-    def advance(self, constraint, token):
-        constraint.advance([token])
-
-
-class XGrammar(Engine):
-    name = "xgrammar"
-
-    def __init__(self, tokenizer, vocab_size):
-        import xgrammar
-
-        self.xgr = xgrammar
-        info = xgrammar.TokenizerInfo.from_huggingface(tokenizer._tokenizer, vocab_size=vocab_size)
-        self.compiler = xgrammar.GrammarCompiler(info, max_threads=1)
-        self.vocab_size, self.tokenizer = vocab_size, tokenizer
-        self.bitmask = xgrammar.allocate_token_bitmask(1, vocab_size)
-
-    def compile(self, schema):
-        compiled = self.compiler.compile_json_schema(json.dumps(schema), any_whitespace=False, separators=(",", ":"))
-        return self.xgr.GrammarMatcher(compiled)
-
-    def accepts(self, matcher, text):
-        matcher.reset()
-        tokens = self.tokenizer.encode(text, add_special_tokens=False) + sorted(eos_ids_of(self.tokenizer))[:1]
-        return all(matcher.accept_token(token) for token in tokens)
-
-    def allowed(self, matcher):
-        matcher.fill_next_token_bitmask(self.bitmask)
-        bits = np.unpackbits(self.bitmask.numpy().view(np.uint8), axis=1, bitorder="little")[0, : self.vocab_size]
-        return bits.astype(bool)
-
-    def advance(self, matcher, token):
-        matcher.accept_token(int(token))
-
-
-def random_outputs(engine, handle, eos, closers, rng, walks=WALKS):
-    """(texts of random walks that end with EOS, walks the engine gave up on): EOS half the time it is
-    allowed, closing characters often, any allowed token otherwise (outputs biased to finish)."""
-    texts, failed = [], 0
-    for _ in range(walks):
-        handle.reset()
-        tokens = []
-        for _ in range(WALK_TOKENS):
-            try:
-                allowed = engine.allowed(handle)  # (vocab,) bool
-            except ConstraintError:  # llguidance past its lexer limits (a one-line error in main.py)
-                failed += 1
-                break
-            if any(allowed[token] for token in eos) and rng.random() < 0.5:
-                texts.append(engine.tokenizer.decode(tokens))
-                break
-            closing = closers[allowed[closers]]
-            pool = closing if len(closing) and rng.random() < 0.4 else np.flatnonzero(allowed)
-            if not len(pool):
-                break
-            token = int(rng.choice(pool))
-            if token in eos:
-                texts.append(engine.tokenizer.decode(tokens))
-                break
-            engine.advance(handle, token)
-            tokens.append(token)
-    return texts, failed
 
 
 def coverage(cases, engines, tokenizer, rng, regex_rng) -> tuple:

@@ -28,11 +28,15 @@ def frozen() -> PassCost:
     return PassCost(clock=lambda: 0.0)  # nothing is ever timed: the priors throughout
 
 
-def main():
+def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompts", type=int, default=2, help="prompts per task class")
     parser.add_argument("--max-tokens", type=int, default=96)
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main():
+    args = parse_args()
 
     from loading.load import load_model
 
@@ -75,11 +79,19 @@ def main():
         Method("draft head, measured", run=with_head(PassCost)),
     ], args.max_tokens))
 
-    def median(costs, read):
-        values = [read(cost) for cost in costs if cost.seconds() is not None]
-        return statistics.median(values) if values else float("nan")
+    text = report(args, results, measured["prompt lookup"], measured["draft head"], head)
+    print(text)
+    RESULTS.write_text(text)
 
-    lookup_costs, head_costs = measured["prompt lookup"], measured["draft head"]
+
+def median(costs, read):
+    """The median of ``read(cost)`` over the runs that timed a pass (NaN when none did)."""
+    values = [read(cost) for cost in costs if cost.seconds() is not None]
+    return statistics.median(values) if values else float("nan")
+
+
+def report(args, results, lookup_costs, head_costs, head) -> str:
+    """The results page: the side-by-side table and what the measured runs fitted."""
     lines = [
         "# The measured verification cost (issue #25)", "",
         f"`python -m benchmarks.pass_cost --prompts {args.prompts} --max-tokens {args.max_tokens}`: "
@@ -97,9 +109,7 @@ def main():
         f"| the head drafting one token, fraction of a step | {head.draft_cost_prior:.3f} (weight bytes; 0.15 - 0.09 before) | "
         f"{median(head_costs, lambda c: c.draft_cost('draft_head', float('nan'))):.3f} |",
     ]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    RESULTS.write_text(text)
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

@@ -217,7 +217,7 @@ def convert_into(
         raise ConversionError("give exactly one of --gguf and --hf-path")
     check_options(dtype, quantize, q_bits, q_group_size, num_layers)
     output = Path(output)
-    # About 10 s for the embedded model: show the stage (on a terminal only).
+    # Converting takes a while: show the stage (on a terminal only).
     progress = tqdm(total=4, desc=f"Converting {Path(gguf or hf_path).name}", unit="step", disable=None,
                     leave=False)
 
@@ -230,16 +230,8 @@ def convert_into(
     with progress:
         source = hf_path
         if gguf is not None:
-            # Stage the GGUF as a Hugging Face-style directory so mlx-lm can take over.
             source = output / "gguf-source"
-            source.mkdir()
-            with stage("reading GGUF"):
-                weights, config, tokenizer = read_gguf(gguf)
-                mx.save_safetensors(str(source / "model.safetensors"), weights)
-                del weights  # free them before mlx-lm loads the copy
-            (source / "config.json").write_text(json.dumps(config, indent=2))
-            tokenizer.save_pretrained(source)
-            _inline_chat_template(source)
+            _stage_gguf(gguf, source, stage)
         elif is_t5_dir(hf_path):
             if quantize or num_layers:
                 raise ConversionError("--quantize and --num-layers are not supported for T5 models")
@@ -254,12 +246,7 @@ def convert_into(
 
         with stage("casting"):
             if num_layers is not None:
-                layers = model.model.layers
-                if not 1 <= num_layers <= len(layers):
-                    raise ConversionError(f"--num-layers must be between 1 and {len(layers)}")
-                # Early exit: keep the first layers; the final norm and head stay the same.
-                model.model.layers = layers[:num_layers]
-                config["num_hidden_layers"] = num_layers
+                _keep_first_layers(model, config, num_layers)
             model.update(_cast(model.parameters(), getattr(mx, dtype)))
             config["torch_dtype"] = dtype
             if quantize:
@@ -270,6 +257,27 @@ def convert_into(
             shutil.rmtree(source)
     _inline_chat_template(output)
     return output
+
+
+def _stage_gguf(gguf: str, source: Path, stage):
+    """Write the GGUF into ``source`` as a Hugging Face-style directory, so mlx-lm can take over."""
+    source.mkdir()
+    with stage("reading GGUF"):
+        weights, config, tokenizer = read_gguf(gguf)
+        mx.save_safetensors(str(source / "model.safetensors"), weights)
+        del weights  # free them before mlx-lm loads the copy
+    (source / "config.json").write_text(json.dumps(config, indent=2))
+    tokenizer.save_pretrained(source)
+    _inline_chat_template(source)
+
+
+def _keep_first_layers(model, config: dict, num_layers: int):
+    """Early exit: keep the first ``num_layers`` layers; the final norm and head stay the same."""
+    layers = model.model.layers
+    if not 1 <= num_layers <= len(layers):
+        raise ConversionError(f"--num-layers must be between 1 and {len(layers)}")
+    model.model.layers = layers[:num_layers]
+    config["num_hidden_layers"] = num_layers
 
 
 def _inline_chat_template(path: Path):
