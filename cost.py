@@ -2,8 +2,8 @@
 
 Every adaptive choice (how long a copy, a draft model's or a head's draft should be, and
 which source drafts a step) weighs the tokens a draft may win against what scoring it
-costs. That cost depends on the hardware: on a 2-core CPU one more token in a pass adds
-about a tenth of a step, on a Mac's GPU nearly nothing. So the loops time their own
+costs. That cost depends on the hardware: on a CPU one more token in a pass adds a good
+share of a step, on a Mac's GPU nearly nothing. So the loops time their own
 passes and every choice reads this one model instead of a constant.
 
     cost = PassCost()

@@ -1,7 +1,7 @@
 """Give MLX's Linux CPU backend a fast BLAS, with no root and no environment variable.
 
-MLX's Linux CPU wheel links a reference BLAS (about 3 GFLOP/s on a 2-core
-x86-64 VM, against 50-70 with OpenBLAS). The dynamic linker binds
+MLX's Linux CPU wheel links a reference BLAS, an order of magnitude slower
+than OpenBLAS (benchmarks/results/blas.md). The dynamic linker binds
 ``cblas_sgemm`` to the first definition in the process's global scope, so a
 library loaded with ``RTLD_GLOBAL`` *before* ``import mlx.core`` wins, just as
 ``LD_PRELOAD`` would. Call ``load()`` first thing in an entry point:

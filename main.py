@@ -251,7 +251,7 @@ def terminate(signum, _frame):
 def main():
     reopen_closed_std_streams()
     args = build_parser().parse_args()
-    fast_blas.load()  # before anything imports mlx.core (Linux: MLX's own BLAS is ~20x slower)
+    fast_blas.load()  # before anything imports mlx.core (Linux: MLX's own BLAS is far slower)
     from loading.conversion import ConversionError
     from decoder import ConstraintError
     from distributed import DistributedError

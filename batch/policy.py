@@ -1,8 +1,8 @@
 """The batch's width policy: how many draft tokens each row verifies in this step's pass.
 
 A ``[B, W]`` pass verifies up to ``W - 1`` draft tokens of every row. Its cost grows with both B
-and W, and how fast depends on the machine: on a 2-core CPU at 8 rows a draft token costs about as
-much as another row, on a GPU nearly nothing. So the generator times its own passes into a
+and W, and how fast depends on the machine: on a CPU a draft token can cost about as much as
+another row, on a GPU nearly nothing. So the generator times its own passes into a
 ``PassCost`` and ``choose_width`` weighs each width's expected tokens against that measured cost,
 with each row's expected acceptance from ``Acceptance``.
 """

@@ -11,8 +11,8 @@ row per architecture, grouped by the kinds of cache its ``make_cache()`` gives. 
 - refused: the engine declined with an error of its own (its one line).
 
 A second table lists each model's caches, layer by layer, and the masks its forward pass asks them
-for. All 63 models took 13 minutes on this 2-core CPU (shared with other jobs), main.py's start for
-each model the most; ``--no-main`` leaves that out.
+for. main.py's start for each model takes the longest (benchmarks/results/figures.md); ``--no-main``
+leaves that out.
 """
 
 import argparse

@@ -73,7 +73,7 @@ def _checked(grammar: str, ll_tokenizer, what: str) -> str:
     return grammar
 
 
-_LL_TOKENIZERS = {}  # id(backend tokenizer) -> (backend, LLTokenizer): building one costs ~0.3 s
+_LL_TOKENIZERS = {}  # id(backend tokenizer) -> (backend, LLTokenizer): building one reads the whole vocabulary
 
 
 def ll_tokenizer_of(tokenizer):

@@ -9,7 +9,8 @@ whitespace, fractions only where the whole integer part is in range) or the sche
 `SchemaError` naming the keyword and its JSON pointer. Objects and arrays are written by
 `json_containers.py`, leaves (strings, formats, number ranges) by `json_regex.py`. The limits
 (constrained/README.md) are `schema_to_regex`'s arguments and the `MAX_*` budgets below, checked
-while building, so any input is refused in one line within about 2 s.
+while building, so any input is refused in one line before it can hold a request up for long
+(benchmarks/results/reliability.md).
 """
 
 import json

@@ -21,8 +21,8 @@ import numpy as np
 # RegexError and parse_regex are re-exported: callers import everything regex-related from here.
 from constrained.regex_parse import Alt, Chars, Concat, RegexError, parse_regex  # noqa: F401
 
-DEFAULT_MAX_STATES = 50_000  # compile time (~3 s at the cap) bounds it; the index itself is lazy
-# NFA states visited by the subset construction's closures: its time (about 2 s at the cap). Many
+DEFAULT_MAX_STATES = 50_000  # compile time at the cap bounds it; the index itself is lazy
+# NFA states visited by the subset construction's closures: what bounds its time. Many
 # alternatives open at once (hundreds of optional JSON properties) make each DFA state a large
 # NFA-state set, so this budget can end a build long before the DFA reaches max_states.
 MAX_SUBSET_WORK = 4_000_000

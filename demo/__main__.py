@@ -26,8 +26,8 @@ DEMOS = [
      ["--prompt-file", "demo/order.txt", "--max-tokens", "96", "--regex",
       r'\{"name": "[A-Z][a-z]+ [A-Z][a-z]+", "quantity": \d+, "title": "[A-Za-z ]+", "city": "[A-Z][a-z]+", '
       r'"phone": "[0-9 ]+"\}']),
-    # The trained draft head (--draft-head) is left out: it gains ~10% on average on a CPU
-    # (benchmarks/results/draft_head.md), less than one prompt's run-to-run noise.
+    # The trained draft head (--draft-head) is left out: on a CPU it gains less on average
+    # (benchmarks/results/draft_head.md) than one prompt's run-to-run noise.
 ]
 
 

@@ -63,8 +63,8 @@ def local_ranks(rank: int, environ=os.environ) -> int:
 def share_cores(local: int, set_blas_threads, environ=os.environ) -> Optional[int]:
     """Split this host's cores between its ``local`` ranks' BLAS threads; returns the count set.
 
-    Each BLAS starts one thread per core; ranks sharing a host then fight over cores
-    (2 ranks on 2 cores: 6.7x slower, benchmarks/results/distributed.md). An explicit
+    Each BLAS starts one thread per core; ranks sharing a host then fight over cores, and
+    every rank slows down many times over (benchmarks/results/figures.md). An explicit
     OPENBLAS_NUM_THREADS (or MKL_/OMP_NUM_THREADS) is kept. ``set_blas_threads(count) -> bool``
     comes from the application (main.py: ``fast_blas.set_num_threads``).
     """

@@ -20,8 +20,7 @@ def self_instructions(model, tokenizer, count: int, seed: int = 0, batch_size: i
 
     The target reads its chat template up to the start of a user turn and writes the turn; a
     chat model has seen many, so the turns cover what its users ask far more broadly than
-    templates do. Turns that do not end within ``max_tokens`` are dropped. About 3 per second
-    on 2 CPU cores (float32).
+    templates do. Turns that do not end within ``max_tokens`` are dropped.
     """
     marker = "\x00"
     text = tokenizer.apply_chat_template([{"role": "user", "content": marker}], tokenize=False)

@@ -1,4 +1,4 @@
-"""Train a draft head for a target by self-distillation, on a CPU in about an hour.
+"""Train a draft head for a target by self-distillation, on a CPU (benchmarks/results/draft_head.md).
 
     python -m head_training.train --out speculative/heads/smollm2-135m
 
@@ -181,7 +181,7 @@ def train(target, sequences, features, offsets, vocab_ids, *, steps_limit=None, 
         arrays = batch_arrays(sequences, features, offsets, [train_ids[i] for i in batch], sub_index)
         progress = max(step / total_steps, (time.perf_counter() - tic) / (60 * minutes))
         optimizer.learning_rate = learning_rate(step, progress)
-        # Depth 1 first: it learns ~3x faster per second unrolled alone, and decides most acceptance.
+        # Depth 1 first: it learns faster per second unrolled alone, and decides most acceptance.
         depth = 1 if progress < depth1_fraction else unroll
         (loss, (reg, ce, acc)), grads = value_and_grad(head, depth, *arrays)
         grads, _ = optim.clip_grad_norm(grads, 1.0)

@@ -59,7 +59,7 @@ def embedded_gguf() -> Path:
 
 
 def default_model_path(dtype: str = None) -> Path:
-    """Convert the embedded GGUF once (about 10 s) and return the cached directory.
+    """Convert the embedded GGUF once (the first run's wait) and return the cached directory.
 
     Safe when several processes start on an empty cache at once (the first to finish
     wins, the others use its copy). A damaged copy is converted again, with a warning;

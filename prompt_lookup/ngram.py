@@ -82,7 +82,7 @@ class PromptLookupSource(DraftSource):
 
     Adaptive drafting (``adaptive=True``) follows from what verification costs. Scoring one more
     draft token adds ``c`` of a decoding step, the token cost the loop measures
-    (``cost.PassCost.token_cost``: about 0.09 on a 2-core CPU, far less on a GPU), while each
+    (``cost.PassCost.token_cost``: a good share of a step on a CPU, far less on a GPU), while each
     accepted token saves a whole step. If a copied token is accepted with probability ``a`` once the
     token before it was, the i-th draft token pays off while ``a**i > c``, so the best draft length
     is ``log(c) / log(a)``, capped at ``2 * num_draft``.

@@ -96,7 +96,7 @@ def listen(host: str, port: int) -> socket.socket:
 
 def main():
     args = build_parser().parse_args()
-    fast_blas.load()  # before anything imports mlx.core (Linux: MLX's own BLAS is ~20x slower)
+    fast_blas.load()  # before anything imports mlx.core (Linux: MLX's own BLAS is far slower)
     import uvicorn
 
     from loading.load import ModelError

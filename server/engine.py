@@ -2,8 +2,8 @@
 
 MLX is not thread-safe for concurrent generation on one model, so every MLX call happens on the
 worker. The HTTP side tokenizes, builds each request's constraint (``constraint_for``: compiling
-a new schema takes 0.3-1.2 s for the suite's, which on the worker would stall every running
-stream) and waits for events. Up to ``max_batch`` requests decode
+a new schema takes long enough that, on the worker, it would stall every running stream) and
+waits for events. Up to ``max_batch`` requests decode
 together in one ``batch.BatchGenerator``; beyond that they wait in the queue, and a request that
 arrives with the queue full is refused at once (HTTP 503). Each step the worker admits waiting
 requests (those that wait together are prefilled as one batch, a chunk per step while others
