@@ -8,7 +8,7 @@ out of reach, it matches a subset (properties in schema order, no undeclared pro
 whitespace, fractions only where the whole integer part is in range) or the schema is refused with a
 `SchemaError` naming the keyword and its JSON pointer. Objects and arrays are written by
 `json_containers.py`, leaves (strings, formats, number ranges) by `json_regex.py`. The limits
-(constrained/README.md) are `schema_to_regex`'s arguments and the `MAX_*` budgets below, checked
+(docs/constrained.md, "Limits") are `schema_to_regex`'s arguments and the `MAX_*` budgets below, checked
 while building, so any input is refused in one line before it can hold a request up for long
 (benchmarks/results/reliability.md).
 """

@@ -14,7 +14,7 @@ stages 1-2 are in data.py):
    its own predictions while attending as drafting does (``unrolled_predictions``).
 
 Heads that fused several target layers (EAGLE-3's low/middle/top) or stacked two decoder layers
-trained worse here (speculative/README.md) and were dropped; published EAGLE-3 heads still load
+trained worse here (docs/speculative.md) and were dropped; published EAGLE-3 heads still load
 (speculative/head_loading.py).
 """
 

@@ -19,7 +19,7 @@ import numpy as np
 
 from prompt_lookup.ngram import SEPARATOR, PromptLookupSource
 
-# Bounds the store, and so the cost of a search (prompt_lookup/README.md, "Search cost").
+# Bounds the store, and so the cost of a search (docs/prompt_lookup.md, "Search cost").
 DEFAULT_MAX_HISTORY_TOKENS = 32_768
 
 

@@ -18,6 +18,9 @@ APPLICATION = {"main", "cli", "loading", "fast_blas", "convert", "batch", "serve
 # Sizes a reader can hold (STYLE.md 19): a file in one sitting, a function body on one screen.
 MAX_FILE_LINES = 400
 MAX_BODY_LINES = 60
+# A folder's README is a front page: what it is, how to run it, what it prints, links. Design notes
+# and measurements go to docs/ and benchmarks/results/.
+MAX_README_BYTES = 5_000
 # Still over, each owned by a restructuring under way (issue 43); shrink this list as they land.
 # A name here that is no longer over fails the test too, so the list cannot go stale.
 KNOWN_OVER = {
@@ -155,6 +158,13 @@ def test_files_and_functions_are_a_size_a_reader_can_hold():
     over = oversized(ROOT)
     assert sorted(over - KNOWN_OVER) == [], "over the size limits"
     assert sorted(KNOWN_OVER - over) == [], "now within the limits: remove from KNOWN_OVER"
+
+
+def test_folder_readmes_are_front_pages():
+    readmes = sorted(ROOT.glob("*/README.md"))
+    assert {"constrained", "prompt_lookup", "speculative"} <= {path.parent.name for path in readmes}
+    over = {path.parent.name: path.stat().st_size for path in readmes if path.stat().st_size > MAX_README_BYTES}
+    assert not over, f"folder READMEs over {MAX_README_BYTES} bytes: move design notes to docs/"
 
 
 def test_the_checks_can_fail(tmp_path):

@@ -135,6 +135,16 @@ def test_the_readme_says_to_copy_what_the_copy_tests_copy():
     assert "Copy " + ", ".join(f"`{name}`" for name in CORE[:-1]) + f" and `{CORE[-1]}`" in readme
 
 
+@pytest.mark.parametrize("folder", FOLDERS)
+def test_each_folder_readme_names_what_the_copy_test_copies(folder):
+    # The copy set a folder's README states is the one the test below copies and runs.
+    text = (ROOT / folder / "README.md").read_text()
+    found = re.search(r"(?:What to copy[.:]\*\*|Copy) (.*?)this folder(.*?)[.;(]", text, flags=re.S)
+    assert found, f"{folder}/README.md does not say what to copy"
+    named = set(re.findall(r"`([\w./]+)`", found.group(1) + found.group(2)))
+    assert named == set(CORE) | {f"{need}/" for need in NEEDS.get(folder, [])}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("folder", FOLDERS)
 def test_a_copied_folder_runs_its_readme_snippets(folder, embedded, tmp_path):
