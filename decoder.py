@@ -525,6 +525,12 @@ def eos_ids_of(tokenizer) -> set:
     return {ids} if isinstance(ids, int) else set(ids)
 
 
+def output_size(model, tokenizer) -> int:
+    """The width of the model's logits (its config's vocab_size, else the tokenizer's size)."""
+    args = getattr(model, "args", None)
+    return getattr(args, "vocab_size", None) or len(tokenizer.get_vocab())
+
+
 @dataclass
 class Response:
     text: str  # the text this token completes (may be empty mid-character)

@@ -142,12 +142,11 @@ def build_run(args, session=None):
 
     ``session`` (from ``distributed.start``) shards the target over the launched ranks.
     """
-    from decoder import DecodingStats, encode
+    from decoder import DecodingStats, encode, output_size
     from loading.load import context_length, load_model
     from loading.store import cache_dir
     from cli.sources import draft_sources
     from constrained.build import grammar_constraint, regex_constraint
-    from speculative.draft_model import output_size
     from t5 import T5Decoder, is_encoder_decoder
 
     text = read_prompt(args)  # bad prompt bytes fail before the model loads

@@ -23,9 +23,9 @@ import mlx.core as mx
 from batch.cache import BatchCache, prefill_rows
 from cost import PassCost
 from rollback import CacheKindError, architecture
-from decoder import Draft, DraftSource, sampling_probs
+from decoder import Draft, DraftSource, output_size, sampling_probs
 from speculative.adaptive import AdaptiveLength, weight_bytes
-from speculative.draft_model import check_same_vocabulary, output_size
+from speculative.draft_model import check_same_vocabulary
 
 
 class SharedDraftSource(DraftSource):

@@ -55,11 +55,11 @@ def build_engine(args):
     """Load the model and draft sources; returns (engine, model id, context length)."""
     from batch.cache import BatchCache
     from cli import sources
+    from decoder import output_size
     from loading.load import context_length, load_model
     from loading.store import cache_dir
     from rollback import CacheKindError, make_cache
     from server.engine import Engine
-    from speculative.draft_model import output_size
     from t5 import is_encoder_decoder
 
     model, tokenizer, path = load_model(args.model)

@@ -10,7 +10,7 @@ import mlx.core as mx
 from mlx_lm.utils import common_prefix_len
 
 from cost import PassCost
-from decoder import Draft, prefill, sampling_probs
+from decoder import Draft, output_size, prefill, sampling_probs
 from rollback import CacheKindError, Rollback, architecture, make_cache
 from speculative.adaptive import AdaptiveSource, weight_bytes
 from t5 import T5Decoder, is_encoder_decoder
@@ -36,12 +36,6 @@ def check_same_vocabulary(draft_tokenizer, target_tokenizer, draft_size: int, ta
     if min(draft_size, target_size) < len(target_vocab):
         raise VocabularyMismatch(f"the draft model has {draft_size} output tokens and the target {target_size}, "
                                  f"fewer than the {len(target_vocab)} tokens of their tokenizer")
-
-
-def output_size(model, tokenizer) -> int:
-    """The width of the model's logits (its config's vocab_size, else the tokenizer's size)."""
-    args = getattr(model, "args", None)
-    return getattr(args, "vocab_size", None) or len(tokenizer.get_vocab())
 
 
 class DraftModelSource(AdaptiveSource):
