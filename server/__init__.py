@@ -1,4 +1,5 @@
-"""An OpenAI- and Anthropic-compatible server: structured outputs, tool calls, lossless speculation.
+"""A server of three APIs -- OpenAI chat completions, OpenAI Responses and Anthropic Messages -- on
+one engine: structured outputs, tool calls, lossless speculation.
 
     python -m server [--prompt-lookup] [--draft-model DIR] [--draft-head [DIR_OR_REPO]] [--api-key KEY]
 

@@ -1,4 +1,4 @@
-"""Serve the model over an OpenAI-compatible HTTP API.
+"""Serve the model over three HTTP APIs: OpenAI chat completions, OpenAI Responses and Anthropic Messages.
 
     python -m server                                  # embedded SmolLM2-135M-Instruct on 127.0.0.1:8080
     python -m server --prompt-lookup --port 8000 --api-key secret

@@ -1,4 +1,5 @@
-"""The HTTP side: OpenAI and Anthropic routes on Starlette, answering from the engine's events.
+"""The HTTP side of the three APIs (chat completions, Responses, Messages): routes on Starlette,
+answering from the engine's events.
 
 Handlers parse and tokenize, queue a job and wait for its first event, so that a bad schema or a
 full queue is still an HTTP error status rather than an error in the middle of a stream. Then they

@@ -1,4 +1,5 @@
-"""Continuous batching on one worker thread, fed by a bounded first-in-first-out queue.
+"""Continuous batching on one worker thread, fed by a bounded first-in-first-out queue, for all three
+APIs (chat completions, Responses, Messages): their requests are the same jobs, decoded in one batch.
 
 MLX is not thread-safe for concurrent generation on one model, so every MLX call happens on the
 worker. The HTTP side tokenizes, builds each request's constraint (``constraint_for``: compiling
