@@ -3,7 +3,7 @@ constraint and sampling, verified together in one ``[B, W]`` pass per step.
 
 - ``generator.py``: ``BatchGenerator`` (rows join and leave; ``insert``/``next``/``remove``) and
   ``batch_generate``.
-- ``cache.py``: ``BatchCache``, a cache for every layer kind whose rows each keep their own length.
+- ``cache.py``: ``Prefill`` (prompts into a ``cache.Cache`` of many rows, chunk by chunk) and ``probe``.
 - ``policy.py``: how many draft tokens the pass verifies (``choose_width``), from measured pass costs.
 - ``draft_model.py``: ``BatchDraftModel``, a draft model drafting for all its rows in one call.
 """

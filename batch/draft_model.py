@@ -1,7 +1,7 @@
 """A draft model for a batch: every row's draft in one ``[R, 1]`` call per draft position.
 
 ``speculative.draft_model.DraftModelSource`` drafts one sequence with its own cache. Here one
-``BatchDraftModel`` holds one batch cache (``batch.cache.BatchCache``) for all the rows that
+``BatchDraftModel`` holds one cache of many rows (``cache.Cache``) for all the rows that
 draft with it, and each row gets a ``SharedDraftSource`` for its list of sources:
 
     drafter = BatchDraftModel(small_model, vocab_size=target.args.vocab_size)
@@ -20,9 +20,9 @@ from typing import Optional
 
 import mlx.core as mx
 
-from batch.cache import BatchCache, prefill_rows
+from batch.cache import prefill_rows
 from cost import PassCost
-from rollback import CacheKindError, architecture
+from cache import CacheKindError, architecture, make_cache
 from decoder import Draft, DraftSource, sampling_probs
 from speculative.adaptive import AdaptiveLength, weight_bytes
 from speculative.draft_model import check_same_vocabulary, output_size
@@ -81,7 +81,7 @@ class BatchDraftModel:
 
     def __init__(self, model, vocab_size: int, num_draft: int = 4, max_draft: int = 12, adaptive: bool = True,
                  min_confidence: float = 0.5, draft_cost_prior: float = 0.1, prefill_step_size: int = 512):
-        if BatchCache(model, 1).recurrent:  # its rows roll back by trimming, which a recurrent state cannot
+        if make_cache(model).recurrent:  # its rows roll back by trimming, which a recurrent state cannot
             raise CacheKindError(f"{architecture(model)}: a draft model with recurrent layers cannot draft for a batch")
         self.model, self.vocab_size = model, vocab_size
         self.options = dict(num_draft=num_draft, max_draft=max_draft, adaptive=adaptive)
@@ -182,7 +182,7 @@ class BatchDraftModel:
             return  # the caches catch up at the next draft
         tic = time.perf_counter()
         refeed = [int(cached == len(tokens_of[id(h)])) for h, cached in zip(self.rows, self.cached)]
-        self.cache.trim_rows(refeed)  # a row with nothing new re-feeds its last token for its logits
+        self.cache.rewind(refeed)  # a row with nothing new re-feeds its last token for its logits
         pending = [tokens_of[id(h)][cached - again:] for h, cached, again in zip(self.rows, self.cached, refeed)]
         longest = max(len(p) for p in pending)
         logits = None
@@ -190,7 +190,7 @@ class BatchDraftModel:
             chunk = [p[start : start + self.prefill_step_size] for p in pending]
             width = max(len(c) for c in chunk)
             out = self.model(mx.array([c + [0] * (width - len(c)) for c in chunk]), cache=self.cache.layers)
-            self.cache.trim_rows([width - len(c) for c in chunk])
+            self.cache.rewind([width - len(c) for c in chunk])
             last = mx.array([max(len(c) - 1, 0) for c in chunk])
             step_logits = out[mx.arange(len(chunk)), last]
             has = mx.array([len(c) > 0 for c in chunk])[:, None]
@@ -216,7 +216,7 @@ class BatchDraftModel:
                 break
             logits = self.model(tokens[:, None], cache=self.cache.layers)[:, -1]
             fed += 1
-        self.cache.trim_rows([fed] * len(self.rows))
+        self.cache.rewind([fed] * len(self.rows))
         self._time(time.perf_counter() - tic, fed + 1)  # the last position's values were synced
         for handle, draft, row in zip(self.rows, drafts, rows):
             sampled = bool(row) and row[0] is not None

@@ -5,7 +5,7 @@ tokens. A step asks every row's sources for a draft (``decoder.choose_draft``) a
 the row's constraint allows (``decoder.constrain_draft``), chooses one width ``W`` for the batch
 (``choose_width``), scores ``[B, W]`` tokens in one forward pass and accepts each row's prefix by
 ``decoder.accept_draft``'s rules. Each row then drops its own rejected tokens from the one batch
-cache (``batch.cache.BatchCache``: every row keeps its own end, no copy).
+cache (``cache.Cache``: every row keeps its own end, no copy).
 
     gen = BatchGenerator(model, eos_token_ids=eos_ids_of(tokenizer))
     uids = gen.insert(prompts, draft_sources=[[PromptLookupSource()] for _ in prompts])
@@ -28,7 +28,8 @@ from typing import List, NamedTuple, Optional, Sequence
 
 import mlx.core as mx
 
-from batch.cache import CachedPrefix, Prefill, probe
+from batch.cache import Prefill, probe
+from cache import CachedPrefix
 from batch.policy import Acceptance, DraftGate, choose_width
 from cost import PassCost
 from decoder import DecodingStats, Row, check_masks, encode, eos_ids_of, mask_logits
@@ -56,7 +57,7 @@ class RowResponse:
     finish_reason: Optional[str] = None  # "stop", "length" or "error"; None while the row runs
     error: Optional[str] = None  # one line, when finish_reason is "error"
     stats: Optional[DecodingStats] = None  # the row's own counts, on its last response
-    # With keep_caches, on the last response: a batch.cache.CachedPrefix of the
+    # With keep_caches, on the last response: a cache.CachedPrefix of the
     # row's first n tokens (prompt and output), for a later prompt that extends them.
     cache: Optional[CachedPrefix] = None
     logprobs: Optional[list] = None  # with insert(logprobs=k): a TokenLogprobs per token in tokens
@@ -141,7 +142,7 @@ class BatchGenerator:
         self.rows: List[BatchRow] = []
         self.slots: List[int] = []  # each row's row in the cache; the others hold rows that have left
         self.waiting: List[BatchRow] = []
-        self.cache = None  # a batch.cache.BatchCache while rows run
+        self.cache = None  # a cache.Cache while rows run
         self.mask_dims = None  # what the model needs of the cache (batch.cache.probe), asked at the first join
         self._next_uid = 0
 
@@ -394,7 +395,7 @@ class BatchGenerator:
                     results[index] = error
         if allowed is not None:
             self._check_allowed(results, constrained, targets, argmax_allowed.tolist(), allowed)
-        self._rewind(pending, drafts, results, pass_width)
+        self._rewind(drafts, results, pass_width)
         logprobs = self._logprobs(drafts, results, logits)
 
         finished, emitted_total = [], 0
@@ -416,7 +417,7 @@ class BatchGenerator:
             if response.finish_reason is not None:
                 finished.append(index)
                 if self.keep_caches and response.finish_reason != "error":
-                    response.cache = cache.row_entries(self.slots[index], row.cached)
+                    response.cache = cache.extract(self.slots[index], row.cached)
         self._drop(finished)
         ends = cache.ends if self.cache is not None else []
         if self.rows and max(ends) - min(ends) > MAX_RAGGEDNESS:
@@ -424,26 +425,18 @@ class BatchGenerator:
             mx.eval(cache.arrays())
         return emitted_total
 
-    def _rewind(self, pending: list, drafts: list, results: list, pass_width: int):
-        """Each row keeps the tokens it accepted: its attention layers drop the rest, and where a
-        recurrent layer cannot (a draft token was rejected) the row goes back to its checkpoint and
-        feeds the accepted tokens again next pass."""
+    def _rewind(self, drafts: list, results: list, pass_width: int):
+        """Each row keeps the tokens it accepted (``Row.commit``): its attention layers drop the rest,
+        and where a recurrent layer cannot (a draft token was rejected) the row goes back to its
+        checkpoint and feeds the accepted tokens again next pass."""
         cache = self.cache
         trims = [pass_width - 1] * cache.rows  # a failed or unused row keeps one token, as if it accepted nothing
         restored = []
-        for row, tokens, draft, slot, result in zip(self.rows, pending, drafts, self.slots, results):
-            if isinstance(result, Exception):
-                continue
-            num_accepted = result[0]
-            if cache.recurrent and num_accepted < len(draft.tokens):
-                trims[slot] = pass_width
-                restored.append(slot)
-            else:
-                trims[slot] = pass_width - len(tokens) - num_accepted
-                row.cached += len(tokens) + num_accepted
-        cache.trim_rows(trims)
-        if restored:
-            cache.restore(restored)
+        for row, draft, slot, result in zip(self.rows, drafts, self.slots, results):
+            if not isinstance(result, Exception):
+                trims[slot], restore = row.commit(pass_width, len(draft.tokens), result[0], bool(cache.recurrent))
+                restored += [slot] if restore else []
+        cache.rewind(trims, restored)
 
     def _logprobs(self, drafts: list, results: list, logits: mx.array) -> list:
         """Per row: None, or for the rows that asked, a ``TokenLogprobs`` for each token it accepted

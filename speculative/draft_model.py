@@ -11,7 +11,7 @@ from mlx_lm.utils import common_prefix_len
 
 from cost import PassCost
 from decoder import Draft, prefill, sampling_probs
-from rollback import CacheKindError, Rollback, architecture, make_cache
+from cache import CacheKindError, architecture, make_cache
 from speculative.adaptive import AdaptiveSource, weight_bytes
 from t5 import T5Decoder, is_encoder_decoder
 
@@ -60,8 +60,8 @@ class DraftModelSource(AdaptiveSource):
                  max_draft: int = 12, min_confidence: float = 0.5, draft_cost_prior: float = 0.1):
         super().__init__(num_draft, max_draft, adaptive, draft_cost_prior)
         self.model, self.vocab_size, self.min_confidence = model, vocab_size, min_confidence
-        self.cache = make_cache(model)
-        if Rollback(self.cache).recurrent:  # its drafts roll back by trimming, which a recurrent state cannot
+        self.cache = self._new_cache()
+        if self.cache.recurrent:  # its drafts roll back by trimming, which a recurrent state cannot
             raise CacheKindError(f"{architecture(model)}: a draft model with recurrent layers cannot roll back "
                                  "its drafts")
         self.cache_tokens = []  # the tokens whose keys and values are in self.cache
@@ -93,16 +93,21 @@ class DraftModelSource(AdaptiveSource):
         self._trim(len(self.cache_tokens) - common)
         self.synced = len(self.cache_tokens)
 
+    def _new_cache(self):
+        # Its drafts are one-token calls, rolled back together: a sliding layer keeps that many more.
+        return make_cache(self.model, max_rollback=self.length.max_draft + 1)
+
     def _trim(self, count: int):
         """Drop the cache's last ``count`` tokens; a sliding-window layer that cannot go back that far
         (a new prompt) starts over empty."""
-        if count and any(layer.trim(count) != count for layer in self.cache):
-            self.cache, self.cache_tokens = make_cache(self.model), []
+        if count > self.cache.can_trim():
+            self.cache, self.cache_tokens = self._new_cache(), []
         else:
+            self.cache.rewind([count])
             del self.cache_tokens[len(self.cache_tokens) - count :]
 
     def _next_distribution(self, new_tokens: list) -> mx.array:
-        logits = self.model(mx.array(new_tokens)[None], cache=self.cache)[0, -1, : self.vocab_size]
+        logits = self.model(mx.array(new_tokens)[None], cache=self.cache.layers)[0, -1, : self.vocab_size]
         self.cache_tokens.extend(new_tokens)
         # Cut (above) or padded to the target's width: its padding rows are never proposed.
         logits = mx.pad(logits, (0, self.vocab_size - logits.shape[-1]), constant_values=-mx.inf)

@@ -318,7 +318,7 @@ def test_a_leaving_row_costs_no_copy_until_half_the_cache_is_unused():
         assert length == len(prompt) + len(out[uid]) - 1 and not prefix.states  # all but the last token
         single = make_prompt_cache(MODEL)
         MODEL(mx.array([(prompt + out[uid])[:length]]), cache=single)
-        for (keys, values), layer in zip(prefix.attention, single):
+        for (keys, values, _), layer in zip(prefix.attention, single):
             assert mx.allclose(keys, layer.keys[..., :length, :], atol=1e-4)
             assert mx.allclose(values, layer.values[..., :length, :], atol=1e-4)
 
@@ -621,7 +621,7 @@ def test_a_finished_rows_cache_serves_the_next_turn_of_a_hybrid_or_sliding_model
             out += response.tokens
             prefix = response.cache if response.cache is not None else prefix
     assert prefix.length == len(first) + len(out) - 1
-    assert (prefix.cut(prefix.length - 2) is None) == (name == "qwen3_next")
+    assert (prefix.usable(prefix.length - 2) == 0) == (name == "qwen3_next")
     second = first + out + [26, 53, 58]
     want = alone(model, second, 12, eos=())
     shapes = []

@@ -50,7 +50,7 @@ def test_draft_cache_follows_the_accepted_tokens():
     # After the last update the draft cache holds a prefix of the accepted text, never rejected tokens.
     accepted = [4, 5, 6] + out
     assert source.cache_tokens == accepted[: len(source.cache_tokens)]
-    assert source.cache[0].offset == len(source.cache_tokens)
+    assert source.cache.held() == len(source.cache_tokens)
 
 
 @pytest.mark.parametrize("temp,top_p", [(1.0, 1.0), (0.8, 0.9)])
