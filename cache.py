@@ -54,10 +54,14 @@ class KVRows(_BaseCache):
 
     step = 256  # slots a full-attention layer grows by
     window_step = 64  # slots a sliding layer grows and drops by: it holds at most window + max_rollback + this
+    max_rollback = 32  # the default: more than a draft's one-token calls span
 
-    def __init__(self, rows: int, window: Optional[int] = None, max_rollback: int = 32, mask_dims: int = 4):
+    def __init__(self, rows: int, window: Optional[int] = None, max_rollback: Optional[int] = None,
+                 mask_dims: int = 4):
         self.keys = self.values = None
-        self.window, self.max_rollback, self.mask_dims = window, max_rollback, mask_dims
+        self.window, self.mask_dims = window, mask_dims
+        if max_rollback is not None:
+            self.max_rollback = max_rollback
         self._set([0] * rows, [0] * rows, [0] * rows)
 
     def _set(self, starts: List[int], ends: List[int], origins: List[int]):
@@ -289,7 +293,7 @@ class ChunkedRows(ChunkedKVCache):
             raise RuntimeError(f"a chunked attention layer cannot drop its last {counts[0]} tokens")
 
 
-def _kind(layer, rows: int, max_rollback: int, mask_dims: int):
+def _kind(layer, rows: int, max_rollback: Optional[int], mask_dims: int):
     """The form of one ``make_prompt_cache`` layer here: mlx-lm's kinds, told apart by class (a renaming table)."""
     if isinstance(layer, CacheList):
         return CacheList(*(_kind(child, rows, max_rollback, mask_dims) for child in layer.caches))
@@ -361,7 +365,7 @@ class Cache:
         self.recurrent = [layer for layer in leaves if isinstance(layer, StateRows)]
 
     @classmethod
-    def of(cls, model, rows: int = 1, max_rollback: int = 32, mask_dims: int = 4) -> "Cache":
+    def of(cls, model, rows: int = 1, max_rollback: Optional[int] = None, mask_dims: int = 4) -> "Cache":
         try:
             return cls([_kind(layer, rows, max_rollback, mask_dims) for layer in make_prompt_cache(model)], rows)
         except CacheKindError as error:
@@ -456,7 +460,7 @@ def _adopted(layer):
     if isinstance(layer, RotatingKVCache) and not layer.empty():
         raise CacheKindError("a RotatingKVCache that already holds tokens cannot be rolled back; "
                              "build the prompt cache with cache.make_cache(model)")
-    adopted = _kind(layer, 1, 32, 4)
+    adopted = _kind(layer, 1, None, 4)
     if type(layer) is KVCache and layer.keys is not None:
         adopted.fill(0, layer.keys[..., : layer.offset, :], layer.values[..., : layer.offset, :], 0)
     elif type(layer) is ArraysCache:
@@ -477,7 +481,7 @@ def adopt(cache) -> Cache:
     return Cache(cache, 1)
 
 
-def make_cache(model, rows: int = 1, max_rollback: int = 32, mask_dims: int = 4) -> Cache:
+def make_cache(model, rows: int = 1, max_rollback: Optional[int] = None, mask_dims: int = 4) -> Cache:
     """The model's cache (``make_prompt_cache``) for ``rows`` rows, every layer in a kind that rolls
     back per row; ``CacheKindError`` naming the architecture and the layer kind otherwise."""
     return Cache.of(model, rows, max_rollback, mask_dims)

@@ -11,7 +11,7 @@ tests/architectures.py and writes docs/compatibility.md.
 
 import pytest
 
-from cache import CacheKindError
+from cache import CacheKindError, KVRows
 from tests import architecture_checks as checks
 from tests.architectures import build, save, tokenizer
 
@@ -30,6 +30,14 @@ THROUGH_MAIN = ["llama", "mistral3", "gemma3_text", "qwen3_next"]
 # What a batch cannot hold, and the one line that says so: llama4 builds its chunk mask from one
 # scalar offset, so its rows cannot keep their own lengths.
 REFUSED_IN_A_BATCH = {"llama4": "llama4: its ChunkedKVCache layers cannot be batched"}
+
+
+@pytest.fixture(autouse=True)
+def lean_windows(monkeypatch):
+    """Sliding rows drop old slots every few tokens, with little slack: drops happen within these
+    short texts, before and after drafts, in every row of a batch."""
+    monkeypatch.setattr(KVRows, "window_step", 4)
+    monkeypatch.setattr(KVRows, "max_rollback", 5)
 
 
 @pytest.fixture(scope="module", params=TESTED)
