@@ -443,6 +443,37 @@ class Row:
         return emitted, sources
 
 
+def verify_pass(model, cache: Cache, rows: Sequence["Row"], drafts: Sequence[Draft], width: int,
+                slots: Optional[Sequence[int]] = None) -> tuple:
+    """One pass of the target over each row's ``pending + draft``, right-padded to the longest.
+
+    Args:
+        cache: holds the rows (row b in cache row ``slots[b]``; the cache rows no row uses are fed
+            padding, scored and never read). Its recurrent layers are checkpointed first when a row drafts.
+        width: how many positions of each row to score: its last pending token and its draft.
+
+    Returns:
+        ``(logits, pass_width)``: logits ``(len(rows), width, vocab)``, lazy (the caller's sync runs the pass).
+    """
+    pending = [row.pending for row in rows]
+    fed = [len(tokens) + len(draft.tokens) for tokens, draft in zip(pending, drafts)]
+    pass_width = max(fed)
+    inputs, lengths = [[0] * pass_width for _ in range(cache.rows)], [1] * cache.rows
+    for slot, tokens, draft, count in zip(range(len(rows)) if slots is None else slots, pending, drafts, fed):
+        inputs[slot], lengths[slot] = tokens + draft.tokens + [0] * (pass_width - count), count
+    if any(draft.tokens for draft in drafts):
+        cache.checkpoint()
+    cache.prepare(lengths, pass_width)
+    logits = model(mx.array(inputs), cache=cache.layers)
+    cache.finalize()
+    if cache.rows > len(rows):
+        logits = logits[mx.array(slots)]
+    if any(len(tokens) > 1 for tokens in pending):  # each row's draft positions start after its pending tokens
+        positions = mx.minimum(mx.array([len(p) - 1 for p in pending])[:, None] + mx.arange(width), pass_width - 1)
+        logits = mx.take_along_axis(logits, positions[..., None], axis=1)
+    return logits, pass_width
+
+
 def generate_step(
     prompt: Sequence[int],
     model,
@@ -510,20 +541,16 @@ def generate_step(
     while row.finish_reason is None:
         # The first step's drafting includes the sources' own prefill, so it is not timed.
         plan = row.plan(cost if row.num_generated else None)
-        draft, pending = plan.draft, row.pending
-        if draft.tokens:
-            cache.checkpoint()
+        draft = plan.draft
         tic = cost.clock()
-        inputs = pending + draft.tokens
-        logits = model(mx.array(inputs)[None], cache=cache.layers)[0, len(pending) - 1 :]
-        if plan.masks is not None:
-            logits = mask_logits(logits, plan.masks)
+        logits, pass_width = verify_pass(model, cache, [row], [draft], len(draft.tokens) + 1)
+        logits = logits[0] if plan.masks is None else mask_logits(logits[0], plan.masks)
         num_accepted, next_token = row.accept(logits, draft)
         # The accept decision synced the pass: its time is the pass's cost at this width.
-        cost.record(cost.clock() - tic, width=len(inputs))
+        cost.record(cost.clock() - tic, width=pass_width)
         if plan.masks is not None and not plan.masks[num_accepted, next_token].item():  # evaluated with the logits
             raise row.forbidden(num_accepted)
-        trim, restore = row.commit(len(inputs), len(draft.tokens), num_accepted, bool(cache.recurrent))
+        trim, restore = row.commit(pass_width, len(draft.tokens), num_accepted, bool(cache.recurrent))
         cache.rewind([trim], [0] if restore else [])
         emitted, sources = row.emit(plan, draft, num_accepted, next_token)
         yield from zip(emitted, sources)

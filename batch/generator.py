@@ -32,7 +32,7 @@ from batch.cache import Prefill, probe
 from cache import CachedPrefix
 from batch.policy import Acceptance, DraftGate, choose_width
 from cost import PassCost
-from decoder import DecodingStats, Row, check_masks, encode, eos_ids_of, mask_logits
+from decoder import DecodingStats, Row, check_masks, encode, eos_ids_of, mask_logits, verify_pass
 
 # Rows whose ends drift further apart than this are rolled back into line (one copy of the cache),
 # so that no row attends over many slots that hold nothing of its own.
@@ -339,30 +339,13 @@ class BatchGenerator:
         return responses
 
     def _verify(self, width: int, plans: list, responses: list) -> int:
-        """One pass: row b feeds its pending tokens (the last one, or more after a recurrent layer went
-        back to its checkpoint) and its draft cut to ``width - 1``; each keeps what it accepts."""
+        """One pass (``decoder.verify_pass``): row b feeds its pending tokens and its draft cut to
+        ``width - 1``; each accepts by its own rules and keeps what it accepts (``Row.commit``)."""
         rows, cache = self.rows, self.cache
         drafts = [plan.draft.truncate(width - 1) for plan in plans]
-        pending = [row.pending for row in rows]
-        fed = [len(p) + len(draft.tokens) for p, draft in zip(pending, drafts)]
-        pass_width = max(fed)
-        inputs = [[0] * pass_width for _ in range(cache.rows)]  # the rows no running row uses: scored, never read
-        lengths = [1] * cache.rows
-        for slot, tokens, draft, count in zip(self.slots, pending, drafts, fed):
-            inputs[slot] = tokens + draft.tokens + [0] * (pass_width - count)
-            lengths[slot] = count
-        if any(draft.tokens for draft in drafts):
-            cache.checkpoint()
         clock = self.cost.clock
         started = clock()
-        cache.prepare(lengths, pass_width)
-        logits = self.model(mx.array(inputs), cache=cache.layers)
-        cache.finalize()
-        if cache.rows > len(rows):
-            logits = logits[mx.array(self.slots)]
-        if any(len(tokens) > 1 for tokens in pending):  # each row's draft positions start after its pending tokens
-            positions = mx.minimum(mx.array([len(p) - 1 for p in pending])[:, None] + mx.arange(width), pass_width - 1)
-            logits = mx.take_along_axis(logits, positions[..., None], axis=1)
+        logits, pass_width = verify_pass(self.model, cache, rows, drafts, width, self.slots)
         results = [None] * len(rows)  # per row: (num_accepted, next_token) or an exception
         for index, plan in enumerate(plans):
             if plan.masks is not None:
