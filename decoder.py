@@ -323,7 +323,7 @@ class Plan(NamedTuple):
     masks: Optional[mx.array]  # (len(draft) + 1, vocab), or None without a constraint
 
 
-# Tokens waiting to be fed again after a recurrent layer went back to its checkpoint (cache.py):
+# Tokens waiting to be fed again after a recurrent layer went back to its checkpoint (cache/):
 # past this many a row drafts nothing until they are in the cache.
 MAX_PENDING = 16
 

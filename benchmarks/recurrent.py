@@ -1,4 +1,4 @@
-"""What rolling back a hybrid model's recurrent state costs per verify pass (cache.py).
+"""What rolling back a hybrid model's recurrent state costs per verify pass (cache/).
 
     flock /tmp/bench.lock python -m benchmarks.recurrent [--hidden 512] [--layers 8] [--context 256]
 
