@@ -2,7 +2,7 @@
 
     flock /tmp/cpu.lock python -m benchmarks.sliding_memory [--contexts 2048 4096 8192] [--rows 4]
 
-Random models of two shapes whose KV caches dominate (tiny widths, many key/value heads, float16):
+Random models of two shapes whose KV caches dominate (tiny widths, many key/value heads, float32: MLX's CPU runs a mixture of experts in float32 only):
 Gemma 3 (one layer in six global, the others a window of 1,024) and GPT-OSS (sliding and global
 layers in turn, a window of 128, a mixture of experts). Each batch holds ``--rows`` prompts of the
 context length and generates ``--max-tokens`` tokens greedily; each engine prefills in chunks of 512.
@@ -42,7 +42,6 @@ def build(shape: dict):
     model_class, args_class = _get_classes(config)
     mx.random.seed(0)
     model = model_class(args_class.from_dict(config))
-    model.set_dtype(mx.float16)
     mx.eval(model.parameters())
     return model
 
@@ -94,7 +93,7 @@ def main():
             print(lines[-1], flush=True)
     if args.out:
         header = (f"# Peak memory of batched sliding-window models\n\n{platform.machine()}, MLX {mx.__version__} "
-                  f"CPU, float16, {args.rows} rows of the context length, {args.max_tokens} new tokens, greedy.\n\n"
+                  f"CPU, float32, {args.rows} rows of the context length, {args.max_tokens} new tokens, greedy.\n\n"
                   "```\nflock /tmp/cpu.lock python -m benchmarks.sliding_memory " +
                   f"--contexts {' '.join(map(str, args.contexts))} --rows {args.rows}\n```\n\n")
         Path(args.out).write_text(header + "\n".join(lines) + "\n")
