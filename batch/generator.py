@@ -28,8 +28,9 @@ from typing import List, NamedTuple, Optional, Sequence
 
 import mlx.core as mx
 
-from batch.cache import Prefill, probe
+from batch.cache import probe
 from cache import CachedPrefix
+from cache.prefill import Prefill
 from batch.policy import Acceptance, DraftGate, choose_width
 from cost import PassCost
 from decoder import DecodingStats, Row, check_masks, encode, eos_ids_of, mask_logits, verify_pass

@@ -72,7 +72,7 @@ class DraftHeadSource(AdaptiveSource):
 
     name = "draft_head"
     batch_refusal = ("the draft head cannot draft for a batch (it reads one sequence's hidden states); "
-                     "use prompt lookup or BatchDraftModel, or decode it alone")
+                     "use prompt lookup or a DraftModel, or decode it alone")
 
     def __init__(self, tap: HiddenStateTap, head, vocab_ids: mx.array, num_draft: int = 4, adaptive: bool = True,
                  max_draft: int = 8, min_confidence: float = 0.0, draft_cost_prior: float = 0.06,

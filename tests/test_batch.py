@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 import batch.generator as batch
 from batch import BatchGenerator, batch_generate
 from batch.policy import DraftGate, choose_width
-from batch.draft_model import BatchDraftModel
+from speculative import DraftModel as BatchDraftModel
 from constrained import ForcedTextSource, RegexConstraint
 from cost import PassCost
 from decoder import TARGET, generate_step, sampling_probs
