@@ -101,11 +101,7 @@ class CachedPrefix:
 class Cache:
     """A model's cache for ``rows`` rows: ``layers`` (what the model is called with, one per layer in
     the kind of ``_kind``'s table) and the operations on rows, applied to every layer at once.
-
-    Args:
-        max_rollback: how many tokens a row may drop across calls (a draft model's one-token drafts);
-            a pass is always undone whole.
-        mask_dims: see ``KVRows`` (``batch.cache.probe`` finds it).
+    ``make_cache`` (``Cache.of``) builds one for a model; ``adopt`` takes over an mlx-lm cache.
     """
 
     def __init__(self, layers: list, rows: int):
@@ -116,6 +112,8 @@ class Cache:
 
     @classmethod
     def of(cls, model, rows: int = 1, max_rollback: Optional[int] = None, mask_dims: int = 4) -> "Cache":
+        """``max_rollback``: how many tokens a sliding row may drop across calls (a draft model's
+        one-token drafts; a pass is always undone whole). ``mask_dims``: see ``KVRows``."""
         try:
             return cls([_kind(layer, rows, max_rollback, mask_dims) for layer in make_prompt_cache(model)], rows)
         except CacheKindError as error:
