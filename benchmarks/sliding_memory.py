@@ -76,11 +76,14 @@ def main():
     parser.add_argument("--rows", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--repeat", type=int, default=2)
+    parser.add_argument("--models", nargs="+", default=["Gemma 3", "GPT-OSS"], help="which shapes (name prefixes)")
     parser.add_argument("--out", default=str(RESULTS), help="results file ('' to print only)")
     args = parser.parse_args()
     lines = ["| model | context | mlx-lm peak GB | ours peak GB | ours / mlx-lm |", "|---|---:|---:|---:|---:|"]
     print("\n".join(lines), flush=True)
     for name, shape in SHAPES.items():
+        if not any(name.startswith(prefix) for prefix in args.models):
+            continue
         model = build(shape)
         for context in args.contexts:
             prompts = [[(31 * i + 7 * row) % 250 + 3 for i in range(context)] for row in range(args.rows)]
