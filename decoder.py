@@ -22,7 +22,7 @@ import mlx.core as mx
 from mlx_lm.utils import common_prefix_len
 
 from cost import PassCost
-from rollback import Rollback, make_cache
+from cache import Cache, adopt, make_cache
 
 TARGET = "target"  # the source name of tokens the target model chose itself
 
@@ -241,11 +241,11 @@ def accept_sampled(logits: mx.array, draft: Draft, sampler: Callable) -> tuple:
     return num_accepted, target[num_accepted]
 
 
-def prefill(model, cache, tokens: list, step_size: int = 512):
-    """Run ``tokens`` through ``model`` into ``cache`` in chunks (bounded attention memory)."""
+def prefill(model, cache: Cache, tokens: list, step_size: int = 512):
+    """Run ``tokens`` through ``model`` into ``cache`` (one row) in chunks (bounded attention memory)."""
     for start in range(0, len(tokens), step_size):
-        model(mx.array(tokens[start : start + step_size])[None], cache=cache)
-        mx.eval([c.state for c in cache])
+        model(mx.array(tokens[start : start + step_size])[None], cache=cache.layers)
+        mx.eval(cache.arrays())
 
 
 def choose_draft(draft_sources: Sequence[DraftSource], tokens: list, max_draft: int,
@@ -323,7 +323,7 @@ class Plan(NamedTuple):
     masks: Optional[mx.array]  # (len(draft) + 1, vocab), or None without a constraint
 
 
-# Tokens waiting to be fed again after a recurrent layer went back to its checkpoint (rollback.py):
+# Tokens waiting to be fed again after a recurrent layer went back to its checkpoint (cache/):
 # past this many a row drafts nothing until they are in the cache.
 MAX_PENDING = 16
 
@@ -363,7 +363,7 @@ class Row:
     @property
     def pending(self) -> list:
         """Accepted tokens the cache does not hold, the next pass's first inputs: the last one, or
-        more after a recurrent layer went back to its checkpoint (rollback.py)."""
+        more after a recurrent layer went back to its checkpoint (``Row.commit``)."""
         return self.tokens[self.cached :]
 
     @property
@@ -395,6 +395,18 @@ class Row:
             num_accepted = common_prefix_len(draft.tokens, argmax)
             return num_accepted, argmax[num_accepted]
         return accept_draft(logits, draft, self.temp, self.top_p)
+
+    def commit(self, pass_width: int, num_drafted: int, num_accepted: int, recurrent: bool) -> tuple:
+        """What this row's cache keeps of a ``pass_width``-wide pass in which it fed its ``pending``
+        tokens and ``num_drafted`` draft tokens: returns ``(trim, restore)``, how many of the pass's
+        last tokens it drops (``Cache.rewind``) and whether its recurrent layers go back to their
+        checkpoint (a draft token was rejected: the accepted ones are then fed again, as ``pending``).
+        Call it before ``emit``; it counts what the cache then holds (``cached``)."""
+        fed = len(self.tokens) - self.cached
+        if recurrent and num_accepted < num_drafted:
+            return pass_width, True
+        self.cached += fed + num_accepted
+        return pass_width - fed - num_accepted, False
 
     def forbidden(self, num_accepted: int) -> ConstraintError:
         """The error for a step whose own token the constraint forbids: no allowed token had a
@@ -431,6 +443,37 @@ class Row:
         return emitted, sources
 
 
+def verify_pass(model, cache: Cache, rows: Sequence["Row"], drafts: Sequence[Draft], width: int,
+                slots: Optional[Sequence[int]] = None) -> tuple:
+    """One pass of the target over each row's ``pending + draft``, right-padded to the longest.
+
+    Args:
+        cache: holds the rows (row b in cache row ``slots[b]``; the cache rows no row uses are fed
+            padding, scored and never read). Its recurrent layers are checkpointed first when a row drafts.
+        width: how many positions of each row to score: its last pending token and its draft.
+
+    Returns:
+        ``(logits, pass_width)``: logits ``(len(rows), width, vocab)``, lazy (the caller's sync runs the pass).
+    """
+    pending = [row.pending for row in rows]
+    fed = [len(tokens) + len(draft.tokens) for tokens, draft in zip(pending, drafts)]
+    pass_width = max(fed)
+    inputs, lengths = [[0] * pass_width for _ in range(cache.rows)], [1] * cache.rows
+    for slot, tokens, draft, count in zip(range(len(rows)) if slots is None else slots, pending, drafts, fed):
+        inputs[slot], lengths[slot] = tokens + draft.tokens + [0] * (pass_width - count), count
+    if any(draft.tokens for draft in drafts):
+        cache.checkpoint()
+    cache.prepare(lengths, pass_width)
+    logits = model(mx.array(inputs), cache=cache.layers)
+    cache.finalize()
+    if cache.rows > len(rows):
+        logits = logits[mx.array(slots)]
+    if any(len(tokens) > 1 for tokens in pending):  # each row's draft positions start after its pending tokens
+        positions = mx.minimum(mx.array([len(p) - 1 for p in pending])[:, None] + mx.arange(width), pass_width - 1)
+        logits = mx.take_along_axis(logits, positions[..., None], axis=1)
+    return logits, pass_width
+
+
 def generate_step(
     prompt: Sequence[int],
     model,
@@ -462,8 +505,8 @@ def generate_step(
             drafts are then accepted when they equal its draws (``accept_sampled``).
         max_tokens: stop after this many generated tokens.
         stats: filled in as decoding proceeds (forward passes, per-source counts, finish_reason).
-        prompt_cache: a cache from ``rollback.make_cache(model)`` (or mlx-lm's ``make_prompt_cache``
-            for a model without sliding-window layers) that already holds the first tokens of
+        prompt_cache: a ``cache.make_cache(model)`` (or mlx-lm's ``make_prompt_cache`` list, whose
+            layers are replaced in place by ``cache.adopt``) that already holds the first tokens of
             ``prompt`` (kept by the caller across turns); only the rest is prefilled. Without it
             every call starts empty. (``kv_cache`` is the same argument under its old name.)
         pass_cost: the verification-cost model the loop times its passes into and the sources
@@ -477,11 +520,11 @@ def generate_step(
               top_p=top_p, sampler=sampler, max_tokens=max_tokens, stats=stats)
     cost = pass_cost if pass_cost is not None else PassCost()
     prompt_cache = prompt_cache if prompt_cache is not None else kv_cache
-    cache = prompt_cache if prompt_cache is not None else make_cache(model)
-    rollback = Rollback(cache)  # CacheKindError for a layer drafts cannot be rolled back in
+    # CacheKindError for a layer drafts cannot be rolled back in
+    cache = make_cache(model) if prompt_cache is None else adopt(prompt_cache)
     if not prompt:
         raise ValueError("the prompt is empty: give at least one token")
-    cached = rollback.offset() if prompt_cache is not None else 0  # tokens of the prompt the cache holds
+    cached = cache.held() if prompt_cache is not None else 0  # tokens of the prompt the cache holds
     if cached is None:
         raise ValueError("a prompt_cache of recurrent layers only cannot tell how many tokens it holds; "
                          "pass none")
@@ -498,21 +541,17 @@ def generate_step(
     while row.finish_reason is None:
         # The first step's drafting includes the sources' own prefill, so it is not timed.
         plan = row.plan(cost if row.num_generated else None)
-        draft, pending = plan.draft, row.pending
-        if draft.tokens:
-            rollback.checkpoint()
+        draft = plan.draft
         tic = cost.clock()
-        inputs = pending + draft.tokens
-        logits = model(mx.array(inputs)[None], cache=cache)[0, len(pending) - 1 :]
-        if plan.masks is not None:
-            logits = mask_logits(logits, plan.masks)
+        logits, pass_width = verify_pass(model, cache, [row], [draft], len(draft.tokens) + 1)
+        logits = logits[0] if plan.masks is None else mask_logits(logits[0], plan.masks)
         num_accepted, next_token = row.accept(logits, draft)
         # The accept decision synced the pass: its time is the pass's cost at this width.
-        cost.record(cost.clock() - tic, width=len(inputs))
+        cost.record(cost.clock() - tic, width=pass_width)
         if plan.masks is not None and not plan.masks[num_accepted, next_token].item():  # evaluated with the logits
             raise row.forbidden(num_accepted)
-        if rollback.rewind(len(draft.tokens) - num_accepted, len(inputs)):
-            row.cached += len(pending) + num_accepted
+        trim, restore = row.commit(pass_width, len(draft.tokens), num_accepted, bool(cache.recurrent))
+        cache.rewind([trim], [0] if restore else [])
         emitted, sources = row.emit(plan, draft, num_accepted, next_token)
         yield from zip(emitted, sources)
 

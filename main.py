@@ -255,7 +255,7 @@ def main():
     from decoder import ConstraintError
     from distributed import DistributedError
     from loading.load import ModelError
-    from rollback import CacheKindError
+    from cache import CacheKindError
     from speculative import VocabularyMismatch
 
     errors = (CliError, ModelError, ConversionError, VocabularyMismatch, ConstraintError, DistributedError)

@@ -3,12 +3,14 @@ constraint and sampling, verified together in one ``[B, W]`` pass per step.
 
 - ``generator.py``: ``BatchGenerator`` (rows join and leave; ``insert``/``next``/``remove``) and
   ``batch_generate``.
-- ``cache.py``: ``BatchCache``, a cache for every layer kind whose rows each keep their own length.
+- ``cache.py``: ``probe``, what a batch must know of a model.
 - ``policy.py``: how many draft tokens the pass verifies (``choose_width``), from measured pass costs.
-- ``draft_model.py``: ``BatchDraftModel``, a draft model drafting for all its rows in one call.
+
+A draft model drafts for all its rows in one call: ``speculative.DraftModel`` (one class for one row
+and many; ``BatchDraftModel`` is its name here, kept for callers that import it from batch).
 """
 
-from batch.draft_model import BatchDraftModel
+from speculative.draft_model import DraftModel as BatchDraftModel
 from batch.generator import BatchGenerator, BatchResult, BatchStats, RowResponse, TokenLogprobs, batch_generate
 
 __all__ = ["BatchDraftModel", "BatchGenerator", "BatchResult", "BatchStats", "RowResponse", "TokenLogprobs",

@@ -5,7 +5,7 @@ tokens. A step asks every row's sources for a draft (``decoder.choose_draft``) a
 the row's constraint allows (``decoder.constrain_draft``), chooses one width ``W`` for the batch
 (``choose_width``), scores ``[B, W]`` tokens in one forward pass and accepts each row's prefix by
 ``decoder.accept_draft``'s rules. Each row then drops its own rejected tokens from the one batch
-cache (``batch.cache.BatchCache``: every row keeps its own end, no copy).
+cache (``cache.Cache``: every row keeps its own end, no copy).
 
     gen = BatchGenerator(model, eos_token_ids=eos_ids_of(tokenizer))
     uids = gen.insert(prompts, draft_sources=[[PromptLookupSource()] for _ in prompts])
@@ -28,10 +28,12 @@ from typing import List, NamedTuple, Optional, Sequence
 
 import mlx.core as mx
 
-from batch.cache import CachedPrefix, Prefill, probe
+from batch.cache import probe
+from cache import CachedPrefix
+from cache.prefill import Prefill
 from batch.policy import Acceptance, DraftGate, choose_width
 from cost import PassCost
-from decoder import DecodingStats, Row, check_masks, encode, eos_ids_of, mask_logits
+from decoder import DecodingStats, Row, check_masks, encode, eos_ids_of, mask_logits, verify_pass
 
 # Rows whose ends drift further apart than this are rolled back into line (one copy of the cache),
 # so that no row attends over many slots that hold nothing of its own.
@@ -56,7 +58,7 @@ class RowResponse:
     finish_reason: Optional[str] = None  # "stop", "length" or "error"; None while the row runs
     error: Optional[str] = None  # one line, when finish_reason is "error"
     stats: Optional[DecodingStats] = None  # the row's own counts, on its last response
-    # With keep_caches, on the last response: a batch.cache.CachedPrefix of the
+    # With keep_caches, on the last response: a cache.CachedPrefix of the
     # row's first n tokens (prompt and output), for a later prompt that extends them.
     cache: Optional[CachedPrefix] = None
     logprobs: Optional[list] = None  # with insert(logprobs=k): a TokenLogprobs per token in tokens
@@ -141,7 +143,7 @@ class BatchGenerator:
         self.rows: List[BatchRow] = []
         self.slots: List[int] = []  # each row's row in the cache; the others hold rows that have left
         self.waiting: List[BatchRow] = []
-        self.cache = None  # a batch.cache.BatchCache while rows run
+        self.cache = None  # a cache.Cache while rows run
         self.mask_dims = None  # what the model needs of the cache (batch.cache.probe), asked at the first join
         self._next_uid = 0
 
@@ -338,30 +340,13 @@ class BatchGenerator:
         return responses
 
     def _verify(self, width: int, plans: list, responses: list) -> int:
-        """One pass: row b feeds its pending tokens (the last one, or more after a recurrent layer went
-        back to its checkpoint) and its draft cut to ``width - 1``; each keeps what it accepts."""
+        """One pass (``decoder.verify_pass``): row b feeds its pending tokens and its draft cut to
+        ``width - 1``; each accepts by its own rules and keeps what it accepts (``Row.commit``)."""
         rows, cache = self.rows, self.cache
         drafts = [plan.draft.truncate(width - 1) for plan in plans]
-        pending = [row.pending for row in rows]
-        fed = [len(p) + len(draft.tokens) for p, draft in zip(pending, drafts)]
-        pass_width = max(fed)
-        inputs = [[0] * pass_width for _ in range(cache.rows)]  # the rows no running row uses: scored, never read
-        lengths = [1] * cache.rows
-        for slot, tokens, draft, count in zip(self.slots, pending, drafts, fed):
-            inputs[slot] = tokens + draft.tokens + [0] * (pass_width - count)
-            lengths[slot] = count
-        if any(draft.tokens for draft in drafts):
-            cache.checkpoint()
         clock = self.cost.clock
         started = clock()
-        cache.prepare(lengths, pass_width)
-        logits = self.model(mx.array(inputs), cache=cache.layers)
-        cache.finalize()
-        if cache.rows > len(rows):
-            logits = logits[mx.array(self.slots)]
-        if any(len(tokens) > 1 for tokens in pending):  # each row's draft positions start after its pending tokens
-            positions = mx.minimum(mx.array([len(p) - 1 for p in pending])[:, None] + mx.arange(width), pass_width - 1)
-            logits = mx.take_along_axis(logits, positions[..., None], axis=1)
+        logits, pass_width = verify_pass(self.model, cache, rows, drafts, width, self.slots)
         results = [None] * len(rows)  # per row: (num_accepted, next_token) or an exception
         for index, plan in enumerate(plans):
             if plan.masks is not None:
@@ -394,7 +379,7 @@ class BatchGenerator:
                     results[index] = error
         if allowed is not None:
             self._check_allowed(results, constrained, targets, argmax_allowed.tolist(), allowed)
-        self._rewind(pending, drafts, results, pass_width)
+        self._rewind(drafts, results, pass_width)
         logprobs = self._logprobs(drafts, results, logits)
 
         finished, emitted_total = [], 0
@@ -416,7 +401,7 @@ class BatchGenerator:
             if response.finish_reason is not None:
                 finished.append(index)
                 if self.keep_caches and response.finish_reason != "error":
-                    response.cache = cache.row_entries(self.slots[index], row.cached)
+                    response.cache = cache.extract(self.slots[index], row.cached)
         self._drop(finished)
         ends = cache.ends if self.cache is not None else []
         if self.rows and max(ends) - min(ends) > MAX_RAGGEDNESS:
@@ -424,26 +409,18 @@ class BatchGenerator:
             mx.eval(cache.arrays())
         return emitted_total
 
-    def _rewind(self, pending: list, drafts: list, results: list, pass_width: int):
-        """Each row keeps the tokens it accepted: its attention layers drop the rest, and where a
-        recurrent layer cannot (a draft token was rejected) the row goes back to its checkpoint and
-        feeds the accepted tokens again next pass."""
+    def _rewind(self, drafts: list, results: list, pass_width: int):
+        """Each row keeps the tokens it accepted (``Row.commit``): its attention layers drop the rest,
+        and where a recurrent layer cannot (a draft token was rejected) the row goes back to its
+        checkpoint and feeds the accepted tokens again next pass."""
         cache = self.cache
         trims = [pass_width - 1] * cache.rows  # a failed or unused row keeps one token, as if it accepted nothing
         restored = []
-        for row, tokens, draft, slot, result in zip(self.rows, pending, drafts, self.slots, results):
-            if isinstance(result, Exception):
-                continue
-            num_accepted = result[0]
-            if cache.recurrent and num_accepted < len(draft.tokens):
-                trims[slot] = pass_width
-                restored.append(slot)
-            else:
-                trims[slot] = pass_width - len(tokens) - num_accepted
-                row.cached += len(tokens) + num_accepted
-        cache.trim_rows(trims)
-        if restored:
-            cache.restore(restored)
+        for row, draft, slot, result in zip(self.rows, drafts, self.slots, results):
+            if not isinstance(result, Exception):
+                trims[slot], restore = row.commit(pass_width, len(draft.tokens), result[0], bool(cache.recurrent))
+                restored += [slot] if restore else []
+        cache.rewind(trims, restored)
 
     def _logprobs(self, drafts: list, results: list, logits: mx.array) -> list:
         """Per row: None, or for the rows that asked, a ``TokenLogprobs`` for each token it accepted

@@ -6,7 +6,7 @@ Each step scores ``[rows, width]`` tokens and every row keeps a random ``1 + acc
 
 - roll: mlx-lm's ``BatchKVCache``; trim the tail every row rejects, then roll each row right by the
   rest (``prepare(right_padding=...)`` / ``finalize()``, as mlx-lm pads prompts): a copy per step.
-- ragged: ``batch.cache.RaggedKVCache``; each row keeps its own end, the next pass writes over the
+- ragged: ``cache.KVRows``; each row keeps its own end, the next pass writes over the
   rejected slots (one scatter), the mask hides them.
 
 Both start from the same cached keys and values (random: a step's cost does not depend on them,
@@ -21,7 +21,7 @@ import time
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache
 
-from batch.cache import RaggedKVCache
+from cache import KVRows
 from loading.load import load_model
 
 
@@ -93,7 +93,7 @@ def main():
                              args.rows, args.width, args.steps, rollback_shared, rng)
         roll = timed_steps(model, filled(model, args.rows, context, lambda: BatchKVCache([0] * args.rows)),
                            args.rows, args.width, args.steps, rollback_roll, rng)
-        ragged = timed_steps(model, filled(model, args.rows, context, lambda: RaggedKVCache([0] * args.rows)),
+        ragged = timed_steps(model, filled(model, args.rows, context, lambda: KVRows(args.rows)),
                              args.rows, args.width, args.steps, rollback_ragged, rng)
         print(f"| {context} | {plain * 1e3:.1f} | {shared * 1e3:.1f} | {roll * 1e3:.1f} | {ragged * 1e3:.1f} |", flush=True)
 

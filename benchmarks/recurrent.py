@@ -1,9 +1,9 @@
-"""What rolling back a hybrid model's recurrent state costs per verify pass (rollback.py, batch/cache.py).
+"""What rolling back a hybrid model's recurrent state costs per verify pass (cache/).
 
     flock /tmp/bench.lock python -m benchmarks.recurrent [--hidden 512] [--layers 8] [--context 256]
 
 A random Qwen3-Next (gated-delta layers with one attention layer in four, mixture of experts) at
-float32. A pass with a draft first keeps the recurrent states (``Rollback.checkpoint``: references);
+float32. A pass with a draft first keeps the recurrent states (``Cache.checkpoint``: references);
 when a draft token is rejected the states go back to them and the pass's accepted tokens are fed
 again. Side by side, medians of interleaved repeats:
 
@@ -31,10 +31,10 @@ fast_blas.load()
 import mlx.core as mx  # noqa: E402
 from mlx_lm.models import qwen3_next  # noqa: E402
 
-from batch.cache import prefill_rows  # noqa: E402
+from cache.prefill import prefill_rows  # noqa: E402
 from decoder import DecodingStats, generate_step  # noqa: E402
 from prompt_lookup import PromptLookupSource  # noqa: E402
-from rollback import Rollback, make_cache  # noqa: E402
+from cache import Cache, make_cache  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "recurrent.md"
 
@@ -68,15 +68,14 @@ def timed(fn, repeats: int) -> float:
 def pass_costs(model, context: int, draft: int, pending: int, repeats: int) -> dict:
     """Seconds of each pass shape and of the rollback steps, from one cache at ``context`` tokens."""
     cache = make_cache(model)
-    rollback = Rollback(cache)
-    model(mx.arange(context)[None] % 1000, cache=cache)
-    mx.eval([layer.state for layer in rollback.trimmable])
+    model(mx.arange(context)[None] % 1000, cache=cache.layers)
+    mx.eval(cache.arrays())
 
     def run(width: int, keep: bool = False):
-        rollback.checkpoint()
-        mx.eval(model(mx.arange(width)[None] + 7, cache=cache))
+        cache.checkpoint()
+        mx.eval(model(mx.arange(width)[None] + 7, cache=cache.layers))
         if not keep:
-            rollback.rewind(width, width)  # back to the context, for the next repeat
+            cache.rewind([width], [0])  # back to the context, for the next repeat
 
     shapes = {"plain [1, 1] step": 1, f"verify pass [1, {1 + draft}]": 1 + draft,
               f"verify pass with {pending} tokens fed again [1, {pending + draft}]": pending + draft,
@@ -88,15 +87,15 @@ def pass_costs(model, context: int, draft: int, pending: int, repeats: int) -> d
     costs = {name: statistics.median(times) for name, times in costs.items()}
 
     def checkpoint_and_restore():
-        rollback.checkpoint()
-        out = model(mx.arange(1 + draft)[None] + 3, cache=cache)
+        cache.checkpoint()
+        out = model(mx.arange(1 + draft)[None] + 3, cache=cache.layers)
         mx.eval(out)
         tic = time.perf_counter()
-        rollback.rewind(draft, 1 + draft)
-        mx.eval([state for layer in rollback.recurrent for state in layer.cache if state is not None])
+        cache.rewind([1 + draft], [0])
+        mx.eval(cache.arrays())
         return time.perf_counter() - tic
 
-    costs["checkpoint (host)"] = timed(rollback.checkpoint, repeats * 10)
+    costs["checkpoint (host)"] = timed(cache.checkpoint, repeats * 10)
     costs["restore and trim after a rejection"] = statistics.median(checkpoint_and_restore() for _ in range(repeats))
     return costs
 
@@ -109,9 +108,9 @@ def batch_restore(model, rows: int, restored: int, repeats: int) -> float:
         model(mx.ones((rows, 3), mx.int32), cache=cache.layers)
         mx.eval(cache.arrays())
         tic = time.perf_counter()
-        cache.restore(list(range(restored)))
+        cache.rewind([0] * rows, list(range(restored)))
         mx.eval(cache.arrays())
-        cache.trim_rows([3] * rows)
+        cache.rewind([3] * rows)
         return time.perf_counter() - tic
 
     return statistics.median(restore() for _ in range(repeats))
@@ -121,14 +120,13 @@ def end_to_end(model, max_tokens: int, repeats: int) -> list:
     prompt = [5, 9, 13, 2, 8, 21, 34, 1, 7, 44] * 3
     plain = [t for t, _ in generate_step(prompt, model, eos_token_ids=(), max_tokens=max_tokens)]
     near_copy = [t if i % 11 != 5 else (t + 1) % 1000 for i, t in enumerate(plain)]
-    restores, rewind = [0], Rollback.rewind
+    restores, rewind = [0], Cache.rewind
 
-    def counted(self, num_rejected, pass_width):  # a rewind that returns False went back to a checkpoint
-        kept = rewind(self, num_rejected, pass_width)
-        restores[0] += not kept
-        return kept
+    def counted(self, trims, restored=()):  # a rewind with rows to restore went back to a checkpoint
+        restores[0] += bool(restored)
+        return rewind(self, trims, restored)
 
-    Rollback.rewind = counted
+    Cache.rewind = counted
     rows = []
     for name, sources in (("plain", lambda: []),
                           ("prompt lookup over a near-copy", lambda: [PromptLookupSource(extra_context=near_copy)])):
@@ -142,7 +140,7 @@ def end_to_end(model, max_tokens: int, repeats: int) -> list:
             assert out == plain, "lossless: the same tokens as plain decoding"
         rows.append((name, max_tokens / statistics.median(times), stats.target_forward_passes / max_tokens,
                      stats.draft_proposed, stats.draft_accepted, restores[0]))
-    Rollback.rewind = rewind
+    Cache.rewind = rewind
     return rows
 
 

@@ -13,13 +13,12 @@ from pathlib import Path
 import huggingface_hub
 import numpy as np
 
-from batch.draft_model import BatchDraftModel
 from cli import CliError
 from cli.flags import default_history_path, history_path
 from loading.load import load_model
 from prompt_lookup import PromptLookupSource
 from prompt_lookup.history import HistoryError, HistoryLookupSource, load_history
-from speculative import DraftModelSource
+from speculative import DraftModel, DraftModelSource
 from speculative.head import SHIPPED_HEAD, HeadMismatch
 from speculative.head_source import DraftHeadSource
 from t5 import is_encoder_decoder
@@ -107,7 +106,7 @@ def draft_head_dir(draft_head: str) -> str:
 def row_sources(args, model, tokenizer):
     """For the batched engine (``batch/``): a function that returns fresh draft sources for one row,
     from the same flags as ``draft_sources`` (rows never share a stateful source). A draft model
-    is loaded once, as a ``BatchDraftModel`` that drafts for all its rows in one pass; the draft
+    is loaded once, as a ``DraftModel`` that drafts for all its rows in one pass; the draft
     head reads one sequence's hidden states and has no batched form (use ``draft_sources``)."""
     drafter = None
     options = {} if args.num_draft is None else {"num_draft": args.num_draft}
@@ -115,7 +114,7 @@ def row_sources(args, model, tokenizer):
         draft_model, draft_tokenizer, _ = load_model(args.draft_model)
         if is_encoder_decoder(draft_model):
             raise CliError("--draft-model: a T5 draft model needs a T5 target, which batching does not serve")
-        drafter = BatchDraftModel.create(draft_model, draft_tokenizer, model, tokenizer, adaptive=not args.no_adaptive,
+        drafter = DraftModel.create(draft_model, draft_tokenizer, model, tokenizer, adaptive=not args.no_adaptive,
                                          **options)
 
     def make() -> list:

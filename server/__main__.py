@@ -53,12 +53,11 @@ def validate(args):
 
 def build_engine(args):
     """Load the model and draft sources; returns (engine, model id, context length)."""
-    from batch.cache import BatchCache
     from cli import sources
     from decoder import output_size
     from loading.load import context_length, load_model
     from loading.store import cache_dir
-    from rollback import CacheKindError, make_cache
+    from cache import CacheKindError, make_cache
     from server.engine import Engine
     from t5 import is_encoder_decoder
 
@@ -69,7 +68,7 @@ def build_engine(args):
     solo = None
     if args.draft_head is None:
         try:
-            BatchCache(model, 1)  # CacheKindError: a layer kind the batch cannot hold
+            make_cache(model, rows=2)  # CacheKindError: a layer kind the batch cannot hold
         except CacheKindError as error:
             make_cache(model)  # one at a time needs it to be rolled back, at least (CacheKindError: exit 2)
             sys.stderr.write(f"note: {error}, so requests are decoded one at a time\n")
@@ -100,7 +99,7 @@ def main():
     import uvicorn
 
     from loading.load import ModelError
-    from rollback import CacheKindError
+    from cache import CacheKindError
     from server.app import build_app
     from server.tools import tool_syntax
     from speculative import VocabularyMismatch

@@ -40,7 +40,7 @@ import mlx.core as mx
 from mlx_lm.utils import common_prefix_len
 
 from batch import BatchGenerator, RowResponse
-from batch.cache import CachedPrefix
+from cache import CachedPrefix
 from cost import PassCost
 from decoder import ConstraintError, DecodingStats, TextStream, eos_ids_of, generate_step
 from server.protocol import ApiError, GenerationRequest, invalid
@@ -124,9 +124,9 @@ class StopText:
 
 
 class PromptCache:
-    """The caches of finished sequences (``batch.cache.CachedPrefix``), least recently used first out,
-    at most ``max_bytes``. Attention entries serve any prefix of their tokens; an entry with recurrent
-    states only a prompt that extends all of its tokens."""
+    """The caches of finished sequences (``cache.CachedPrefix``), least recently used first out,
+    at most ``max_bytes``. Attention entries serve any prefix of their tokens long enough for the
+    keys a sliding layer kept; an entry with recurrent states only a prompt that extends all of its tokens."""
 
     def __init__(self, max_bytes: int):
         self.max_bytes, self.entries = max_bytes, OrderedDict()  # tuple(tokens) -> (CachedPrefix, nbytes)
@@ -136,7 +136,8 @@ class PromptCache:
         tokens = tuple(tokens[: prefix.length])
         mx.eval(prefix.arrays())
         if not prefix.states:  # prefixes of this one say nothing more (with states, they still might)
-            for key in [k for k in self.entries if tokens[: len(k)] == k]:
+            for key in [k for k, (old, _) in self.entries.items()
+                        if tokens[: len(k)] == k and prefix.shortest <= old.shortest]:
                 self._drop(key)
         self.entries[tokens] = (prefix, sum(array.nbytes for array in prefix.arrays()))
         self.nbytes += self.entries[tokens][1]
@@ -151,7 +152,7 @@ class PromptCache:
         best, length = None, 0
         for key, (prefix, _) in self.entries.items():
             common = common_prefix_len(list(key), prompt[:-1])
-            usable = common if not prefix.states else len(key) * (common == len(key))
+            usable = prefix.usable(common)
             if usable > length:
                 best, length = key, usable
         if best is None:

@@ -1,7 +1,19 @@
-"""A draft source backed by a small model that shares the target's vocabulary.
+"""A draft source backed by a small model that shares the target's vocabulary, for one row or many.
 
-The draft model keeps its own trimmable KV cache. After each verification the cache is trimmed back
-to the tokens the target accepted, so the two caches always describe the same text.
+One ``DraftModel`` holds the draft model's cache (``cache.Cache``) for every row that drafts with it,
+and each row gets a ``DraftModelSource``, its handle, for its list of sources. One row is the batch
+at B = 1: ``DraftModelSource(model, vocab_size)`` makes its own ``DraftModel``.
+
+    source = DraftModelSource.create(small, small_tokenizer, target, tokenizer)   # one row
+    drafter = DraftModel.create(small, small_tokenizer, target, tokenizer)         # a batch
+    gen.insert(prompts, draft_sources=[[drafter.source()] for _ in prompts])
+
+A row joins when it first drafts. Each step ``draft_all`` drafts for every row at once (a batch
+calls it before the rows choose, as each handle's ``batch_drafter``; alone, ``propose`` calls it):
+a catch-up pass feeds each row the tokens accepted since its last draft (right-padded to the
+longest; each row then drops its own padding, and first what it holds past the accepted text), then
+one pass per draft position drafts all rows together. After drafting, each row's cache holds
+exactly its accepted tokens, so verification needs no rollback here.
 """
 
 from typing import Optional
@@ -9,10 +21,11 @@ from typing import Optional
 import mlx.core as mx
 from mlx_lm.utils import common_prefix_len
 
+from cache import CacheKindError, architecture, make_cache
+from cache.prefill import prefill_rows
 from cost import PassCost
-from decoder import Draft, output_size, prefill, sampling_probs
-from rollback import CacheKindError, Rollback, architecture, make_cache
-from speculative.adaptive import AdaptiveSource, weight_bytes
+from decoder import Draft, DraftSource, output_size, sampling_probs
+from speculative.adaptive import AdaptiveLength, weight_bytes
 from t5 import T5Decoder, is_encoder_decoder
 
 
@@ -38,97 +51,254 @@ def check_same_vocabulary(draft_tokenizer, target_tokenizer, draft_size: int, ta
                                  f"fewer than the {len(target_vocab)} tokens of their tokenizer")
 
 
-class DraftModelSource(AdaptiveSource):
-    """Drafts tokens autoregressively with a small model.
+class DraftModelSource(DraftSource):
+    """One row's handle on a ``DraftModel``: its adaptive length and pausing, and ``propose``
+    returning what ``draft_all`` drafted for this row.
 
     Args:
-        model: the draft (mlx-lm model, or ``T5Decoder``).
-        vocab_size: the target's output size; the draft distribution is padded or cut to it.
-        num_draft, adaptive, max_draft, draft_cost_prior: see ``AdaptiveSource``.
-        min_confidence: stop drafting once the draft's top probability falls below this.
+        model: the draft (mlx-lm model, or ``T5Decoder``): a one-row source with its own ``DraftModel``.
+        vocab_size, num_draft, adaptive, max_draft, min_confidence, draft_cost_prior: ``DraftModel``'s.
     """
 
     name = "draft_model"
 
-    def __init__(self, model, vocab_size: int, num_draft: int = 4, adaptive: bool = True,
-                 max_draft: int = 12, min_confidence: float = 0.5, draft_cost_prior: float = 0.1):
-        super().__init__(num_draft, max_draft, adaptive, draft_cost_prior)
-        self.model, self.vocab_size, self.min_confidence = model, vocab_size, min_confidence
-        self.cache = make_cache(model)
-        if Rollback(self.cache).recurrent:  # its drafts roll back by trimming, which a recurrent state cannot
-            raise CacheKindError(f"{architecture(model)}: a draft model with recurrent layers cannot roll back "
-                                 "its drafts")
-        self.cache_tokens = []  # the tokens whose keys and values are in self.cache
+    def __init__(self, model, vocab_size: int, num_draft: int = 4, adaptive: bool = True, max_draft: int = 12,
+                 min_confidence: float = 0.5, draft_cost_prior: float = 0.1):
+        drafter = DraftModel(model, vocab_size, num_draft, max_draft, adaptive, min_confidence, draft_cost_prior)
+        self._bind(drafter, num_draft, max_draft, adaptive)
+
+    def _bind(self, drafter: "DraftModel", num_draft: int, max_draft: int, adaptive: bool):
+        self.drafter = self.batch_drafter = drafter
+        self.length = AdaptiveLength(num_draft, max_draft, enabled=adaptive)
+        self.draft, self.drafted = None, False  # from the last draft_all, until proposed
         self.reset()
 
     @classmethod
     def create(cls, draft_model, draft_tokenizer, target_model, target_tokenizer,
-               encoder_input: Optional[list] = None, **kwargs):
-        """Check the pair shares a vocabulary, wrap a T5 draft, and build the source."""
-        draft_size = output_size(draft_model, draft_tokenizer)
-        target_size = output_size(target_model, target_tokenizer)
-        check_same_vocabulary(draft_tokenizer, target_tokenizer, draft_size, target_size)
+               encoder_input: Optional[list] = None, **kwargs) -> "DraftModelSource":
+        """A one-row source: ``DraftModel.create``'s checks, and a T5 draft wrapped for a T5 target."""
         if is_encoder_decoder(draft_model):
             if encoder_input is None:
                 raise VocabularyMismatch("a T5 draft model needs a T5 target model")
             draft_model = T5Decoder(draft_model, encoder_input)
+        return DraftModel.create(draft_model, draft_tokenizer, target_model, target_tokenizer, **kwargs).source()
+
+    @property
+    def num_draft(self) -> int:
+        return self.length.num_draft
+
+    def reset(self, cost: Optional[PassCost] = None, temp: float = 0.0, top_p: float = 1.0):
+        """A new generation: its cache row is kept, and reused up to what it shares with the new prompt."""
+        super().reset(cost, temp, top_p)
+        self.length.reset()
+        self.draft, self.drafted, self.fresh = None, False, True
+
+    def token_cost(self) -> float:
+        """Drafting and verifying one token, as a fraction of the target's plain pass (measured)."""
+        return self.drafter.draft_cost(self.cost) + self.cost.token_cost(self.drafter.batch_rows)
+
+    def forecast_speedup(self) -> Optional[float]:
+        return self.length.expected_speedup(self.token_cost()) if self.length.enabled else None
+
+    def propose(self, tokens: list, max_draft: int) -> Optional[Draft]:
+        if not self.drafted:  # alone: no batch drafted for this row before it was asked
+            self.drafter.draft_all([(self, tokens, max_draft)], self.cost, 1)
+        draft, self.draft, self.drafted = self.draft, None, False
+        if draft is None or max_draft <= 0:
+            return None
+        return draft.truncate(max_draft)
+
+    def update(self, tokens: list, num_proposed: int, num_accepted: int):
+        self.length.record(num_proposed, num_accepted)
+
+    def leave(self):
+        self.drafter.remove(self)
+
+
+class DraftModel:
+    """A small model sharing the target's vocabulary, drafting for one row or many at once.
+
+    Args:
+        model: the draft model (an mlx-lm model, or ``T5Decoder``).
+        vocab_size: the target's output size; draft distributions are padded or cut to it.
+        num_draft, max_draft, adaptive: each row's ``AdaptiveLength``.
+        min_confidence: a row stops drafting once its top probability falls below this.
+        draft_cost_prior: one draft position as a fraction of a target pass, until timed
+            (``create`` sets it from the weight bytes).
+    """
+
+    FORGET = 0.9  # weight of the past in the running mean of a draft position's time
+
+    def __init__(self, model, vocab_size: int, num_draft: int = 4, max_draft: int = 12, adaptive: bool = True,
+                 min_confidence: float = 0.5, draft_cost_prior: float = 0.1, prefill_step_size: int = 512):
+        if make_cache(model).recurrent:  # its rows roll back by trimming, which a recurrent state cannot
+            raise CacheKindError(f"{architecture(model)}: a draft model with recurrent layers cannot roll back "
+                                 "its drafts")
+        self.model, self.vocab_size = model, vocab_size
+        self.options = dict(num_draft=num_draft, max_draft=max(max_draft, num_draft), adaptive=adaptive)
+        self.min_confidence = min_confidence
+        self.draft_cost_prior = draft_cost_prior
+        self.prefill_step_size = prefill_step_size
+        self.rows = []  # handles, in cache order
+        self.texts, self.counts = [], []  # per row: its cache holds texts[row][: counts[row]]
+        self.cache = None
+        self.batch_rows = 1  # rows in the target's batch at the last draft
+        self.position_time = None  # [weight, mean seconds] of one draft position for all rows
+
+    @classmethod
+    def create(cls, draft_model, draft_tokenizer, target_model, target_tokenizer, **kwargs) -> "DraftModel":
+        """Check the pair shares a vocabulary (``VocabularyMismatch`` otherwise) and build it."""
+        target_size = output_size(target_model, target_tokenizer)
+        check_same_vocabulary(draft_tokenizer, target_tokenizer, output_size(draft_model, draft_tokenizer),
+                              target_size)
         kwargs.setdefault("draft_cost_prior", weight_bytes(draft_model) / weight_bytes(target_model))
         return cls(draft_model, target_size, **kwargs)
 
-    def reset(self, cost: Optional[PassCost] = None, temp: float = 0.0, top_p: float = 1.0):
-        """A new generation: the cache is kept, and reused up to what it shares with the new prompt."""
-        super().reset(cost, temp, top_p)
-        self.synced = 0  # cache_tokens[:synced] is known to equal the accepted tokens
+    def draft_cost(self, cost: PassCost) -> float:
+        """One draft position (a pass of the draft model over all its rows) as a fraction of the
+        target's plain pass over the batch: both measured, or the prior until they are."""
+        target = cost.seconds(1, self.batch_rows)
+        if self.position_time is None or not target:
+            return self.draft_cost_prior
+        return self.position_time[1] / target
 
-    def _rewind(self, tokens: list):
-        """Trim the cache back to the longest prefix it shares with ``tokens``."""
-        # The first ``synced`` tokens are known to match: compare only what follows them.
-        common = self.synced + common_prefix_len(self.cache_tokens[self.synced:], tokens[self.synced:])
-        self._trim(len(self.cache_tokens) - common)
-        self.synced = len(self.cache_tokens)
+    def _time(self, seconds: float, positions: int):
+        weight, mean = self.position_time or (0.0, 0.0)
+        weight = self.FORGET * weight + 1
+        self.position_time = (weight, mean + (seconds / positions - mean) / weight)
 
-    def _trim(self, count: int):
-        """Drop the cache's last ``count`` tokens; a sliding-window layer that cannot go back that far
-        (a new prompt) starts over empty."""
-        if count and any(layer.trim(count) != count for layer in self.cache):
-            self.cache, self.cache_tokens = make_cache(self.model), []
+    def source(self) -> DraftModelSource:
+        """A handle for one row's ``draft_sources``."""
+        handle = DraftModelSource.__new__(DraftModelSource)
+        handle._bind(self, **self.options)
+        return handle
+
+    def remove(self, handle: DraftModelSource):
+        """The row left the batch."""
+        if handle in self.rows:
+            index = self.rows.index(handle)
+            keep = [i for i in range(len(self.rows)) if i != index]
+            del self.rows[index], self.texts[index], self.counts[index]
+            if keep:
+                self.cache.filter(keep)
+            else:
+                self.cache = None
+
+    def _add_rows(self, requests: list):
+        """Prefill the rows drafting for the first time (as one batch) and merge them in."""
+        joining = [(handle, tokens) for handle, tokens, _ in requests if handle not in self.rows]
+        if not joining:
+            return
+        prompts = [tokens[:-1] for _, tokens in joining]
+        # Drafts are one-token calls rolled back together: a sliding layer keeps that many more.
+        cache = prefill_rows(self.model, prompts, self.prefill_step_size, max_rollback=self.options["max_draft"] + 1)
+        if self.cache is None:
+            self.cache = cache
         else:
-            del self.cache_tokens[len(self.cache_tokens) - count :]
+            self.cache.extend(cache)
+        self.rows += [handle for handle, _ in joining]
+        self.texts += [tokens for _, tokens in joining]
+        self.counts += [len(prompt) for prompt in prompts]
 
-    def _next_distribution(self, new_tokens: list) -> mx.array:
-        logits = self.model(mx.array(new_tokens)[None], cache=self.cache)[0, -1, : self.vocab_size]
-        self.cache_tokens.extend(new_tokens)
-        # Cut (above) or padded to the target's width: its padding rows are never proposed.
-        logits = mx.pad(logits, (0, self.vocab_size - logits.shape[-1]), constant_values=-mx.inf)
-        if self.temp == 0:  # greedy: the plain softmax, only for the confidence stop
-            return mx.softmax(logits.astype(mx.float32))
-        return sampling_probs(logits[None], self.temp, self.top_p)[0]
+    def _sync(self, tokens_of: dict) -> list:
+        """Each drafting row's cache back to the longest prefix it shares with its tokens, less the last
+        token where it holds them all (fed again for its logits); returns what each row feeds. Only a
+        handle reset for a new generation may hold another text; where a sliding window dropped what
+        it would go back to, its row is prefilled again."""
+        for handle in [h for h in self.rows if h.fresh and id(h) in tokens_of]:
+            row, tokens = self.rows.index(handle), tokens_of[id(handle)]
+            common = common_prefix_len(self.texts[row][: self.counts[row]], tokens)
+            if self.counts[row] - min(common, len(tokens) - 1) > self.cache.can_trim(row):
+                self.remove(handle)
+                self._add_rows([(handle, tokens, 0)])
+        trims, pending = [], []
+        for row, handle in enumerate(self.rows):
+            tokens, count = tokens_of.get(id(handle)), self.counts[row]
+            if tokens is None:  # not drafting this step
+                trims.append(0)
+                pending.append([])
+                continue
+            # The row's tokens list only grows while it decodes: what the cache holds is a prefix of it.
+            keep = common_prefix_len(self.texts[row][:count], tokens) if handle.fresh else count
+            handle.fresh, keep = False, min(keep, len(tokens) - 1)
+            trims.append(count - keep)
+            pending.append(tokens[keep:])
+            self.texts[row], self.counts[row] = tokens, len(tokens)
+        self.cache.rewind(trims)
+        return pending
 
-    def propose(self, tokens: list, max_draft: int) -> Optional[Draft]:
-        num_draft = min(self.length.next_length(self.token_cost()), max_draft)
-        if num_draft == 0:
-            return None  # the cache catches up in one batched call when drafting resumes
-        self._rewind(tokens)
-        if len(self.cache_tokens) == len(tokens):  # re-feed the last token to get its logits
-            self._trim(1)
-        pending = tokens[len(self.cache_tokens):]
-        if len(pending) > 1:  # the prompt, or catching up after a pause: chunked like the target's
-            prefill(self.model, self.cache, pending[:-1])
-            self.cache_tokens.extend(pending[:-1])
-            pending = pending[-1:]
-        draft, rows = [], []
-        for _ in range(num_draft):
-            probs = self._next_distribution(pending)
-            token = mx.argmax(probs) if self.temp == 0 else mx.random.categorical(mx.log(probs))
-            # One sync per draft token: the next draft step and the early stop need its value.
-            token, confidence = token.item(), probs.max().item()
-            if draft and confidence < self.min_confidence:
+    def _distributions(self, logits: mx.array) -> tuple:
+        """Per row: the token drawn, its confidence, and q (None for greedy rows), from (R, V) logits."""
+        size = logits.shape[-1]
+        if size > self.vocab_size:
+            logits = logits[:, : self.vocab_size]
+        elif size < self.vocab_size:  # padding rows of the target are never proposed
+            logits = mx.pad(logits, [(0, 0), (0, self.vocab_size - size)], constant_values=-mx.inf)
+        greedy = mx.softmax(logits.astype(mx.float32), axis=-1)
+        tokens, confidence = mx.argmax(greedy, axis=-1), mx.max(greedy, axis=-1)
+        probs = [None] * len(self.rows)
+        settings = {(h.temp, h.top_p) for h in self.rows if h.temp > 0}
+        for temp, top_p in settings:  # rows sampling alike are drawn together
+            members = [i for i, h in enumerate(self.rows) if (h.temp, h.top_p) == (temp, top_p)]
+            group = sampling_probs(logits[mx.array(members)], temp, top_p)
+            drawn = mx.random.categorical(mx.log(group))
+            index = mx.array(members)
+            tokens[index], confidence[index] = drawn.astype(tokens.dtype), group.max(axis=-1)
+            for position, member in enumerate(members):
+                probs[member] = group[position]
+        return tokens, confidence, probs
+
+    def draft_all(self, requests: list, cost: PassCost, batch_rows: int):
+        """Draft for every row: ``requests`` holds ``(handle, tokens, max_draft)`` for each of the
+        target's rows that drafts with this model; ``batch_rows`` is the target's batch size."""
+        self.batch_rows = batch_rows
+        for handle in self.rows:
+            handle.draft = None  # a draft the rows did not take last step is stale now
+        for handle, _, _ in requests:
+            handle.drafted = True
+        self._add_rows(requests)
+        tokens_of = {id(handle): tokens for handle, tokens, _ in requests}
+        limits = {id(handle): max_draft for handle, _, max_draft in requests}
+        # next_length counts a paused step, so it is asked once per step.
+        lengths = [min(h.length.next_length(h.token_cost()), limits[id(h)]) if limits.get(id(h), 0) > 0 else 0
+                   for h in self.rows]
+        if not any(lengths):
+            return  # the caches catch up at the next draft
+        tic = cost.clock()
+        pending = self._sync(tokens_of)
+        longest = max(len(p) for p in pending)
+        logits = None
+        for start in range(0, longest, self.prefill_step_size):  # catch up, chunked like a prefill
+            chunk = [p[start : start + self.prefill_step_size] for p in pending]
+            width = max(len(c) for c in chunk)
+            out = self.model(mx.array([c + [0] * (width - len(c)) for c in chunk]), cache=self.cache.layers)
+            self.cache.rewind([width - len(c) for c in chunk])
+            last = mx.array([max(len(c) - 1, 0) for c in chunk])
+            step_logits = out[mx.arange(len(chunk)), last]
+            has = mx.array([len(c) > 0 for c in chunk])[:, None]
+            logits = step_logits if logits is None else mx.where(has, step_logits, logits)
+
+        drafts, rows, alive = [[] for _ in self.rows], [[] for _ in self.rows], [n > 0 for n in lengths]
+        fed = 0
+        for position in range(max(lengths)):
+            tokens, confidence, probs = self._distributions(logits)
+            # One sync per draft position: the next pass and the early stop need the values.
+            mx.eval(tokens, confidence)
+            token_list, confidence_list = tokens.tolist(), confidence.tolist()
+            for b in range(len(self.rows)):
+                if not alive[b] or position >= lengths[b]:
+                    alive[b] = False
+                elif drafts[b] and confidence_list[b] < self.min_confidence:
+                    alive[b] = False
+                else:
+                    drafts[b].append(token_list[b])
+                    rows[b].append(probs[b])
+            if position + 1 == max(lengths) or not any(alive):
                 break
-            draft.append(token)
-            rows.append(probs)
-            pending = [token]
-        return Draft(draft, mx.stack(rows) if self.temp > 0 else None)
-
-    def update(self, tokens: list, num_proposed: int, num_accepted: int):
-        self._rewind(tokens)
-        super().update(tokens, num_proposed, num_accepted)
+            logits = self.model(tokens[:, None], cache=self.cache.layers)[:, -1]
+            fed += 1
+        self.cache.rewind([fed] * len(self.rows))
+        self._time(cost.clock() - tic, fed + 1)  # the last position's values were synced
+        for handle, draft, row in zip(self.rows, drafts, rows):
+            sampled = bool(row) and row[0] is not None
+            handle.draft = Draft(draft, mx.stack(row) if sampled else None) if draft else None

@@ -11,8 +11,7 @@ by position. The loop stays untouched: it only sees a model and a draft source.
 from typing import Optional
 
 import mlx.core as mx
-from mlx_lm.models.cache import trim_prompt_cache
-
+from cache import adopt
 from cost import PassCost
 from decoder import Draft, sampling_probs
 from speculative.adaptive import AdaptiveSource, weight_bytes
@@ -72,7 +71,7 @@ class DraftHeadSource(AdaptiveSource):
 
     name = "draft_head"
     batch_refusal = ("the draft head cannot draft for a batch (it reads one sequence's hidden states); "
-                     "use prompt lookup or BatchDraftModel, or decode it alone")
+                     "use prompt lookup or a DraftModel, or decode it alone")
 
     def __init__(self, tap: HiddenStateTap, head, vocab_ids: mx.array, num_draft: int = 4, adaptive: bool = True,
                  max_draft: int = 8, min_confidence: float = 0.0, draft_cost_prior: float = 0.06,
@@ -90,7 +89,7 @@ class DraftHeadSource(AdaptiveSource):
         """A new generation: forget the features, the head's cache and the draft length."""
         super().reset(cost, temp, top_p)
         self.tap.chunks = []
-        self.cache = self.head.make_cache()
+        self.cache = adopt(self.head.make_cache())  # the cache layer at one row: checked rollbacks
         self.committed = 0  # head cache positions read from true features and accepted tokens
 
     @classmethod
@@ -112,7 +111,7 @@ class DraftHeadSource(AdaptiveSource):
 
     def _rewind(self):
         """Drop the head's cache entries for drafted positions (read from its own predictions)."""
-        trim_prompt_cache(self.cache, self.cache[0].offset - self.committed)
+        self.cache.rewind([self.cache.held() - self.committed])
 
     def _catch_up(self, tokens: list) -> mx.array:
         """Feed the head every accepted position it has not read; returns its last prediction. Position
@@ -126,7 +125,7 @@ class DraftHeadSource(AdaptiveSource):
             first = self.committed + start
             chunk = features[start : start + CATCH_UP_CHUNK][None]
             next_tokens = mx.array(tokens[first + 1 : first + 1 + chunk.shape[1]])[None]
-            predicted = self.head(chunk, self.embed(next_tokens), cache=self.cache)
+            predicted = self.head(chunk, self.embed(next_tokens), cache=self.cache.layers)
         self.committed = stop
         return predicted[0, -1]
 
@@ -162,7 +161,7 @@ class DraftHeadSource(AdaptiveSource):
             rows.append(probs)
             if position + 1 < num_draft:
                 next_embedding = self.embed(self.vocab_ids[index].reshape(1, 1))
-                predicted = self.head(predicted[None, None], next_embedding, cache=self.cache)[0, -1]
+                predicted = self.head(predicted[None, None], next_embedding, cache=self.cache.layers)[0, -1]
         rows, indices = mx.stack(rows), mx.stack(indices).tolist()
         length = len(indices)
         if self.min_confidence > 0:  # stop where the head's top probability falls below it (keep one)

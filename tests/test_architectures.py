@@ -11,7 +11,7 @@ tests/architectures.py and writes docs/compatibility.md.
 
 import pytest
 
-from rollback import CacheKindError
+from cache import CacheKindError, KVRows
 from tests import architecture_checks as checks
 from tests.architectures import build, save, tokenizer
 
@@ -30,6 +30,14 @@ THROUGH_MAIN = ["llama", "mistral3", "gemma3_text", "qwen3_next"]
 # What a batch cannot hold, and the one line that says so: llama4 builds its chunk mask from one
 # scalar offset, so its rows cannot keep their own lengths.
 REFUSED_IN_A_BATCH = {"llama4": "llama4: its ChunkedKVCache layers cannot be batched"}
+
+
+@pytest.fixture(autouse=True)
+def lean_windows(monkeypatch):
+    """Sliding rows drop old slots every few tokens, with little slack: drops happen within these
+    short texts, before and after drafts, in every row of a batch."""
+    monkeypatch.setattr(KVRows, "window_step", 4)
+    monkeypatch.setattr(KVRows, "max_rollback", 5)
 
 
 @pytest.fixture(scope="module", params=TESTED)
@@ -80,12 +88,11 @@ def test_main_runs_a_saved_model_directory(name, tmp_path, smollm2_tokenizer):
 def test_a_draft_model_with_recurrent_layers_is_refused_naming_its_architecture():
     """Draft models roll back by trimming, which a recurrent state cannot: refused, alone and for a
     batch, in one line that names the draft's architecture."""
-    from batch.draft_model import BatchDraftModel
-    from speculative import DraftModelSource
+    from speculative import DraftModel, DraftModelSource
 
     draft, _ = build("qwen3_next")
     refusal = "^qwen3_next: a draft model with recurrent layers cannot "
     with pytest.raises(CacheKindError, match=refusal + "roll back its drafts$"):
         DraftModelSource(draft, vocab_size=49152)
-    with pytest.raises(CacheKindError, match=refusal + "draft for a batch$"):
-        BatchDraftModel(draft, vocab_size=49152)
+    with pytest.raises(CacheKindError, match=refusal + "roll back its drafts$"):
+        DraftModel(draft, vocab_size=49152)

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 import batch.generator as batch
 from batch import BatchGenerator, batch_generate
 from batch.policy import DraftGate, choose_width
-from batch.draft_model import BatchDraftModel
+from speculative import DraftModel as BatchDraftModel
 from constrained import ForcedTextSource, RegexConstraint
 from cost import PassCost
 from decoder import TARGET, generate_step, sampling_probs
@@ -318,7 +318,7 @@ def test_a_leaving_row_costs_no_copy_until_half_the_cache_is_unused():
         assert length == len(prompt) + len(out[uid]) - 1 and not prefix.states  # all but the last token
         single = make_prompt_cache(MODEL)
         MODEL(mx.array([(prompt + out[uid])[:length]]), cache=single)
-        for (keys, values), layer in zip(prefix.attention, single):
+        for (keys, values, _), layer in zip(prefix.attention, single):
             assert mx.allclose(keys, layer.keys[..., :length, :], atol=1e-4)
             assert mx.allclose(values, layer.values[..., :length, :], atol=1e-4)
 
@@ -621,7 +621,7 @@ def test_a_finished_rows_cache_serves_the_next_turn_of_a_hybrid_or_sliding_model
             out += response.tokens
             prefix = response.cache if response.cache is not None else prefix
     assert prefix.length == len(first) + len(out) - 1
-    assert (prefix.cut(prefix.length - 2) is None) == (name == "qwen3_next")
+    assert (prefix.usable(prefix.length - 2) == 0) == (name == "qwen3_next")
     second = first + out + [26, 53, 58]
     want = alone(model, second, 12, eos=())
     shapes = []
@@ -644,3 +644,39 @@ def test_a_finished_rows_cache_serves_the_next_turn_of_a_hybrid_or_sliding_model
         prefill = max(width for rows, width in shapes if rows == len(cached))  # the widest call: the prefill
         assert prefill == len(second) - 1 - (prefix.length if len(cached) == 1 else 0)
 
+
+
+@pytest.mark.parametrize("name", ["gemma3_text", "gpt_oss", "baichuan_m1"])
+def test_sliding_rows_drop_old_slots_and_stay_lossless_while_rows_join_and_leave(name, monkeypatch):
+    """Sliding layers keep each row's window and a little slack (dropping every few tokens here),
+    through rows joining, leaving, realigning and drafting across drops; each row gives mlx-lm's
+    tokens. A finished row's prefix (its sliding layers' dropped positions recorded) serves the
+    next turn, and only prompts long enough for its windows."""
+    from cache import KVRows
+    from tests.architecture_checks import mlx_lm_greedy
+    from tests.architectures import build
+
+    monkeypatch.setattr(KVRows, "window_step", 4)
+    monkeypatch.setattr(KVRows, "max_rollback", 5)
+    monkeypatch.setattr(batch, "MAX_RAGGEDNESS", 3)
+    model, _ = build(name)
+    prompts = [[(7 * i + 3 * r) % 50 + 4 for i in range(length)] for r, length in enumerate([30, 5, 19, 41])]
+    wants = [mlx_lm_greedy(model, prompt, 30) for prompt in prompts]
+    specs = [dict(prompt=prompt, max_tokens=30, join=join, draft_sources=[oracle(want, len(prompt), random.Random(r))])
+             for r, (prompt, want, join) in enumerate(zip(prompts, wants, [0, 0, 4, 9]))]
+    got, _, errors, _ = run(BatchGenerator(model, keep_caches=True), specs, remove_at={1: 12})
+    assert errors[0] is None and got[0] == wants[0] and got[2] == wants[2] and got[3] == wants[3]
+    assert got[1] == wants[1][: len(got[1])]
+
+    generator = BatchGenerator(model, keep_caches=True)
+    generator.insert([prompts[3]], max_tokens=30)
+    prefix = None
+    while responses := generator.next():
+        prefix = next((r.cache for r in responses if r.cache is not None), prefix)
+    assert any(first > 0 for _, _, first in prefix.attention)  # a sliding layer dropped positions
+    assert prefix.usable(5) == 0 and prefix.usable(prefix.length) == prefix.length
+    second = prompts[3] + wants[3] + [9, 8, 7]
+    generator = BatchGenerator(model)
+    uid, = generator.insert([second], max_tokens=12, prompt_cache=[prefix])
+    out = [t for responses in iter(generator.next, []) for r in responses for t in r.tokens]
+    assert out == mlx_lm_greedy(model, second, 12)

@@ -174,7 +174,7 @@ def test_the_trained_head_is_accepted_and_its_cache_follows_the_text(trained):
     assert out == tokens_of(prompt, TARGET, max_tokens=40)
     assert stats.draft_accepted > 0
     # After each update the head's cache holds only positions read from accepted text.
-    assert source.cache[0].offset == source.committed <= len(prompt) + len(out) - 1
+    assert source.cache.held() == source.committed <= len(prompt) + len(out) - 1
 
 
 def test_greedy_with_the_head_under_a_regex_equals_constrained_plain():

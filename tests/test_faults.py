@@ -430,8 +430,8 @@ class ScoresModel:
         count = inputs.shape[1]
         picks = (self.used + np.arange(count)) % len(self.rows)
         self.used += count
-        for layer_cache in cache:  # advance the cache so that trimming has something to trim
-            layer_cache.offset += count
+        for layer_cache in cache:  # write the cache so that trimming has something to trim
+            layer_cache.update_and_fetch(mx.zeros((1, 1, count, 1)), mx.zeros((1, 1, count, 1)))
         return mx.array(self.rows[picks])[None]
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 # What a user copies into their project (README: "Use it from Python").
-LIBRARY = ["decoder.py", "cost.py", "rollback.py", "prompt_lookup", "constrained", "speculative", "t5"]
+LIBRARY = ["decoder.py", "cost.py", "cache", "prompt_lookup", "constrained", "speculative", "t5"]
 # main.py's side: entry points, loaders, the batched engine, the server, the benchmarks, the trainer.
 APPLICATION = {"main", "cli", "loading", "fast_blas", "convert", "batch", "server", "benchmarks",
                "distributed", "head_training", "demo"}

@@ -1,6 +1,6 @@
 """The READMEs' Python snippets run as written, and each folder works when copied alone.
 
-A folder's snippet runs in a temporary directory that holds only ``decoder.py``, ``cost.py`` and ``rollback.py``, that folder
+A folder's snippet runs in a temporary directory that holds only ``decoder.py``, ``cost.py`` and ``cache/``, that folder
 and the folders it needs (``NEEDS``), as in a user's project with ``mlx``, ``mlx-lm`` and numpy
 installed: an import of ``loading``, ``cli`` or ``fast_blas`` there fails the test. The model id in the snippets is
 swapped for the embedded model's converted directory (no download here).
@@ -17,7 +17,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 FOLDERS = ["prompt_lookup", "constrained", "speculative", "distributed"]
-CORE = ["decoder.py", "cost.py", "rollback.py"]  # what every copied folder needs beside it
+CORE = ["decoder.py", "cost.py", "cache/"]  # what every copied folder needs beside it
 NEEDS = {"speculative": ["t5"]}  # T5 drafts (t5/README.md); its README has no mlx-lm snippet to run here
 EXTRAS = {"constrained": ["llguidance"]}  # packages a folder's README lists beyond mlx, mlx-lm and numpy
 MODEL_ID = "mlx-community/SmolLM2-135M-Instruct"
@@ -145,12 +145,19 @@ def test_each_folder_readme_names_what_the_copy_test_copies(folder):
     assert named == set(CORE) | {f"{need}/" for need in NEEDS.get(folder, [])}
 
 
+def copy_core(target: Path):
+    for core in CORE:
+        if core.endswith("/"):
+            shutil.copytree(ROOT / core, target / core, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy(ROOT / core, target)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("folder", FOLDERS)
 def test_a_copied_folder_runs_its_readme_snippets(folder, embedded, tmp_path):
     _, _, model_path = embedded
-    for core in CORE:
-        shutil.copy(ROOT / core, tmp_path)
+    copy_core(tmp_path)
     for name in [folder] + NEEDS.get(folder, []):
         shutil.copytree(ROOT / name, tmp_path / name, ignore=shutil.ignore_patterns("__pycache__"))
     for code in python_blocks(ROOT / folder / "README.md"):
@@ -164,8 +171,7 @@ def test_the_top_readme_snippets_run(embedded, tmp_path):
     _, _, model_path = embedded
     for folder in FOLDERS + ["t5", "batch"]:  # batch/: the batching page's example
         shutil.copytree(ROOT / folder, tmp_path / folder, ignore=shutil.ignore_patterns("__pycache__"))
-    for module in CORE:
-        shutil.copy(ROOT / module, tmp_path)
+    copy_core(tmp_path)
     for code in [block for page in ("README.md", "docs/library.md", "docs/batching.md")
                  for block in python_blocks(ROOT / page)]:
         result = run_snippet(code, tmp_path, model_path)

@@ -49,8 +49,9 @@ def test_draft_cache_follows_the_accepted_tokens():
     out = tokens_of([4, 5, 6], TARGET, [source], max_tokens=25)
     # After the last update the draft cache holds a prefix of the accepted text, never rejected tokens.
     accepted = [4, 5, 6] + out
-    assert source.cache_tokens == accepted[: len(source.cache_tokens)]
-    assert source.cache[0].offset == len(source.cache_tokens)
+    drafter = source.drafter
+    held = drafter.texts[0][: drafter.counts[0]]
+    assert held == accepted[: len(held)] and drafter.cache.held(0) == len(held) > 3
 
 
 @pytest.mark.parametrize("temp,top_p", [(1.0, 1.0), (0.8, 0.9)])
@@ -143,3 +144,22 @@ def test_self_draft_pair_from_the_command_line(embedded, tmp_path):
     assert "draft_model" in result.stdout  # the legend and the per-source line
     fast = json.loads(cli(*args, "--draft-model", str(draft)).stdout)
     assert fast["tokens"] == plain["tokens"] and fast["draft_proposed"] > 0
+
+
+@pytest.mark.parametrize("shared", [3, 40])
+def test_a_reused_source_with_a_sliding_draft_goes_back_or_starts_over_losslessly(shared, monkeypatch):
+    """A source kept across generations keeps its cache row and goes back to what the new prompt
+    shares with the old text; where its sliding layers dropped those positions (a short shared
+    prefix, drops every few tokens here) the row is prefilled again. Either way: plain's tokens."""
+    from cache import KVRows
+    from tests.architectures import VOCAB as ARCH_VOCAB, build
+
+    monkeypatch.setattr(KVRows, "window_step", 4)
+    model, _ = build("gemma3_text")
+    first = [(5 * i) % 60 + 3 for i in range(50)]
+    second = first[:shared] + [7, 9, 11, 13]
+    source = DraftModelSource(model, ARCH_VOCAB, num_draft=3, adaptive=False)
+    tokens_of(first, model, [source], max_tokens=20)
+    got = tokens_of(second, model, [source], max_tokens=20)
+    assert got == tokens_of(second, model, max_tokens=20)
+    assert len(source.drafter.rows) == 1 and source.drafter.cache.rows == 1

@@ -1,0 +1,235 @@
+"""A model's cache for 1 to B rows that each roll back alone, for every kind of layer mlx-lm builds.
+
+A verify pass writes ``pending + draft`` into the cache and each row keeps a prefix of its draft.
+One class per kind of layer, as in mlx-lm's ``models/cache.py``; one row is the batch at B = 1:
+
+- ``KVRows``, attention (``KVCache``, latent attention too) and sliding windows (``RotatingKVCache``):
+  row b holds its tokens in slots ``[start_b, end_b)`` of one ``[B, heads, slots, dim]`` buffer, so a
+  row drops its rejected tail by moving its end (vLLM's rule: the next pass writes over it). Slots
+  outside a row are masked, never zeroed (a zero key still adds e^0 to a softmax). A sliding layer
+  keeps each row's window plus ``max_rollback`` positions and drops older slots a block at a time;
+  mlx-lm's ``RotatingKVCache`` writes over its oldest slot once full and cannot roll back.
+- ``StateRows``, recurrent layers (``ArraysCache``: conv and SSM states, gated delta) hold one state per
+  row, not an entry per token: ``checkpoint`` keeps the states from before a pass (references, no copy:
+  the layers replace their arrays rather than write into them) and ``restore`` puts rows back to
+  them after a rejection; the row's accepted tokens are then fed again at the front of its next pass.
+- ``ChunkedRows``, attention in chunks (``ChunkedKVCache``): one row only, since the model builds its
+  chunk mask from one scalar offset.
+
+The kinds are in ``kinds.py``; here are the table from mlx-lm's classes to them (``_kind``) and
+``Cache``, a model's layers and the operations on rows applied to all of them.
+
+    cache = make_cache(model)              # Cache: its layers are what the model is called with
+    cache.checkpoint()                     # before a pass with a draft
+    logits = model(inputs, cache=cache.layers)
+    cache.rewind(trims=[3], restored=[])   # row 0 drops the pass's last 3 tokens (checked)
+"""
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import mlx.core as mx
+from mlx_lm.models.cache import ArraysCache, CacheList, ChunkedKVCache, KVCache, RotatingKVCache, make_prompt_cache
+
+from cache.kinds import ChunkedRows, KVRows, StateRows
+
+
+class CacheKindError(ValueError):
+    """A layer cache that drafts cannot be rolled back in (the message names it)."""
+
+
+def architecture(model) -> str:
+    """The model's ``model_type`` (mlx-lm's name for its architecture), to name it in a refusal."""
+    return getattr(getattr(model, "args", None), "model_type", None) or type(model).__name__
+
+
+def _kind(layer, rows: int, max_rollback: Optional[int], mask_dims: int):
+    """The form of one ``make_prompt_cache`` layer here: mlx-lm's kinds, told apart by class (a renaming table)."""
+    if isinstance(layer, CacheList):
+        return CacheList(*(_kind(child, rows, max_rollback, mask_dims) for child in layer.caches))
+    if isinstance(layer, RotatingKVCache):
+        if layer.keep:
+            raise CacheKindError(f"a sliding-window cache that always keeps its first {layer.keep} tokens "
+                                 "cannot be rolled back yet")
+        return KVRows(rows, layer.max_size, max_rollback, mask_dims)
+    if type(layer) is KVCache:
+        return KVRows(rows, mask_dims=mask_dims)
+    if type(layer) is ArraysCache:
+        return StateRows(len(layer.cache), rows)
+    if type(layer) is ChunkedKVCache and rows == 1:
+        return ChunkedRows(layer.chunk_size)
+    what = "be batched" if rows > 1 and type(layer) is ChunkedKVCache else "be rolled back"
+    raise CacheKindError(f"its {type(layer).__name__} layers cannot {what}")
+
+
+def layers_of(cache: list) -> list:
+    """Every layer cache, with the children of a ``CacheList`` in its place."""
+    return [leaf for layer in cache for leaf in (layers_of(layer.caches) if isinstance(layer, CacheList) else [layer])]
+
+
+@dataclass(frozen=True)
+class CachedPrefix:
+    """One row's cache for the first ``length`` tokens of its text, for a later prompt that extends
+    them (a conversation's next turn): each attention layer's ``(keys, values, first)`` of positions
+    ``[first, length)`` (a sliding layer may have dropped the ones before), and each recurrent layer's
+    states after exactly those tokens. A state holds no shorter prefix, so only a prompt that extends
+    all ``length`` tokens can use a prefix with states."""
+
+    length: int
+    attention: list  # per attention layer (keys, values, first), keys and values [1, heads, length - first, dim]
+    states: list  # per recurrent layer, its state arrays, each [1, ...]; empty without recurrent layers
+    shortest: int = 0  # the shortest length it can be cut to (sliding layers need their window's keys)
+
+    def usable(self, common: int) -> int:
+        """The longest prefix of at most ``common`` tokens it can serve; 0 for none."""
+        if self.states:
+            return self.length if common >= self.length else 0
+        return min(common, self.length) if common >= self.shortest else 0
+
+    def cut(self, length: int) -> "CachedPrefix":
+        """The entries of the first ``length`` tokens (``usable`` says which lengths it has)."""
+        if length == self.length:
+            return self
+        return CachedPrefix(length, [(keys[:, :, : length - first], values[:, :, : length - first], first)
+                                     for keys, values, first in self.attention], [], self.shortest)
+
+    def arrays(self) -> list:
+        return [array for keys, values, _ in self.attention for array in (keys, values)] + \
+               [array for layer in self.states for array in layer]
+
+
+class Cache:
+    """A model's cache for ``rows`` rows: ``layers`` (what the model is called with, one per layer in
+    the kind of ``_kind``'s table) and the operations on rows, applied to every layer at once.
+    ``make_cache`` (``Cache.of``) builds one for a model; ``adopt`` takes over an mlx-lm cache.
+    """
+
+    def __init__(self, layers: list, rows: int):
+        self.layers, self.rows = layers, rows
+        leaves = layers_of(layers)
+        self.attention = [layer for layer in leaves if layer.is_trimmable()]
+        self.recurrent = [layer for layer in leaves if isinstance(layer, StateRows)]
+
+    @classmethod
+    def of(cls, model, rows: int = 1, max_rollback: Optional[int] = None, mask_dims: int = 4) -> "Cache":
+        """``max_rollback``: how many tokens a sliding row may drop across calls (a draft model's
+        one-token drafts; a pass is always undone whole). ``mask_dims``: see ``KVRows``."""
+        try:
+            return cls([_kind(layer, rows, max_rollback, mask_dims) for layer in make_prompt_cache(model)], rows)
+        except CacheKindError as error:
+            raise CacheKindError(f"{architecture(model)}: {error}") from None
+
+    def held(self, row: int = 0) -> Optional[int]:
+        """How many tokens row ``row`` holds (None for a model of recurrent layers only: no layer counts)."""
+        if not self.attention:
+            return None
+        layer = self.attention[0]
+        return layer.offset if isinstance(layer, ChunkedRows) else layer.ends[row] - layer.origins[row]
+
+    def can_trim(self, row: int = 0) -> int:
+        """How many of its last tokens row ``row`` can drop (``rewind``), in every layer."""
+        return min((layer.can_trim(row) for layer in self.attention), default=0)
+
+    @property
+    def ends(self) -> list:
+        """Each row's end slot (all 0 for a model without attention layers: nothing drifts)."""
+        return list(self.attention[0].ends) if self.attention else [0] * self.rows
+
+    def arrays(self) -> list:
+        """Every array the cache holds (to evaluate)."""
+        states = [state for layer in self.recurrent for state in layer.cache if state is not None]
+        return [array for layer in self.attention if layer.keys is not None for array in (layer.keys, layer.values)] \
+            + states
+
+    def prepare(self, lengths: Sequence[int], width: int):
+        """Before a ``width``-wide pass in which row b feeds ``lengths[b]`` real tokens."""
+        if self.recurrent and min(lengths) < width:
+            for layer in self.recurrent:
+                layer.prepare(lengths=list(lengths))
+
+    def finalize(self):
+        for layer in self.recurrent:
+            layer.finalize()
+
+    def checkpoint(self):
+        """Keep the recurrent layers' states as they are now, before a pass with a draft."""
+        for layer in self.recurrent:
+            layer.checkpoint()
+
+    def rewind(self, trims: Sequence[int], restored: Sequence[int] = ()):
+        """Row b drops the last ``trims[b]`` tokens it holds (raises where it cannot), and the rows in
+        ``restored`` go back to their recurrent states at the checkpoint."""
+        if any(trims):
+            for layer in self.attention:
+                layer.trim_rows(trims)
+        if restored:
+            for layer in self.recurrent:
+                layer.restore(restored)
+
+    def filter(self, keep: Sequence[int]):
+        for layer in self.layers:
+            layer.filter(list(keep))
+        self.rows = len(keep)
+
+    def extend(self, other: "Cache"):
+        for layer, new_layer in zip(self.layers, other.layers):
+            layer.extend(new_layer)
+        self.rows += other.rows
+
+    def realign(self):
+        for layer in self.attention:
+            layer.realign()
+
+    def extract(self, row: int, length: int) -> CachedPrefix:
+        """Row ``row``'s cache, which holds the first ``length`` tokens of its text (a copy)."""
+        attention = [layer.extract(row) for layer in self.attention]
+        shortest = max([first + layer.window - 1 for layer, (_, _, first) in zip(self.attention, attention)
+                        if first > 0] + [0])
+        return CachedPrefix(length, attention, [layer.extract(row) for layer in self.recurrent], shortest)
+
+    def fill(self, prefixes: Sequence[Optional[CachedPrefix]]):
+        """An empty cache whose row b holds ``prefixes[b]`` (None: nothing)."""
+        for row, prefix in enumerate(prefixes):
+            if prefix is not None:
+                for layer, entry in zip(self.attention, prefix.attention):
+                    layer.fill(row, *entry)
+                for layer, states in zip(self.recurrent, prefix.states):
+                    layer.fill(row, states)
+
+
+def _adopted(layer):
+    """``layer`` of a one-row mlx-lm cache in its kind here, holding the same tokens."""
+    if isinstance(layer, (KVRows, StateRows, ChunkedRows)):
+        return layer
+    if isinstance(layer, CacheList):
+        return CacheList(*(_adopted(child) for child in layer.caches))
+    if type(layer) is ChunkedKVCache:
+        return ChunkedRows.from_state(layer.state)
+    if isinstance(layer, RotatingKVCache) and not layer.empty():
+        raise CacheKindError("a RotatingKVCache that already holds tokens cannot be rolled back; "
+                             "build the prompt cache with cache.make_cache(model)")
+    adopted = _kind(layer, 1, None, 4)
+    if type(layer) is KVCache and layer.keys is not None:
+        adopted.fill(0, layer.keys[..., : layer.offset, :], layer.values[..., : layer.offset, :], 0)
+    elif type(layer) is ArraysCache:
+        adopted.cache = list(layer.cache)
+    return adopted
+
+
+def adopt(cache) -> Cache:
+    """A ``Cache`` of one row from ``cache``: a ``Cache`` as it is, or a list of mlx-lm layer caches
+    (``make_prompt_cache``, perhaps holding tokens), whose entries are replaced in place by their
+    kinds here, so the caller's list can be passed again."""
+    if isinstance(cache, Cache):
+        return cache
+    try:
+        cache[:] = [_adopted(layer) for layer in cache]
+    except CacheKindError as error:
+        raise CacheKindError(f"a prompt cache: {error}") from None
+    return Cache(cache, 1)
+
+
+def make_cache(model, rows: int = 1, max_rollback: Optional[int] = None, mask_dims: int = 4) -> Cache:
+    """The model's cache (``make_prompt_cache``) for ``rows`` rows, every layer in a kind that rolls
+    back per row; ``CacheKindError`` naming the architecture and the layer kind otherwise."""
+    return Cache.of(model, rows, max_rollback, mask_dims)

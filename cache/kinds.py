@@ -1,0 +1,260 @@
+"""The kinds of layer cache, one class each, for 1 to B rows (see the package's docstring)."""
+
+from typing import List, Optional, Sequence
+
+import mlx.core as mx
+from mlx_lm.models.cache import ArraysCache, ChunkedKVCache, _BaseCache, dynamic_roll
+
+
+class KVRows(_BaseCache):
+    """Keys and values of one attention layer for ``B`` rows, each with its own length.
+
+    Per row (host ints): ``starts``/``ends``, the slots it holds, and ``origins``, the slot its position 0
+    would have, so a row's RoPE position is ``end - origin`` and ``start - origin`` positions were dropped.
+
+    Args:
+        rows: how many rows (empty).
+        window: a sliding-window layer's window; None for full attention.
+        max_rollback: how far back a sliding row can go across calls (a pass is always undone whole).
+        mask_dims: 4 for ``(B, 1, N, S)`` masks; 5 for ``(B, 1, 1, N, S)`` (gemma2's grouped scores).
+    """
+
+    step = 256  # slots a full-attention layer grows by
+    window_step = 64  # slots a sliding layer grows and drops by: it holds at most window + max_rollback + this
+    max_rollback = 32  # the default: more than a draft's one-token calls span
+
+    def __init__(self, rows: int, window: Optional[int] = None, max_rollback: Optional[int] = None,
+                 mask_dims: int = 4):
+        self.keys = self.values = None
+        self.window, self.mask_dims = window, mask_dims
+        if max_rollback is not None:
+            self.max_rollback = max_rollback
+        self._set([0] * rows, [0] * rows, [0] * rows)
+
+    def _set(self, starts: List[int], ends: List[int], origins: List[int]):
+        self.starts, self.ends, self.origins = starts, ends, origins
+        # RoPE reads the offset: an int for one row (as mlx-lm's KVCache), else one per row.
+        positions = [end - origin for end, origin in zip(ends, origins)]
+        self.offset = positions[0] if len(ends) == 1 else mx.array(positions)
+
+    @property
+    def rows(self) -> int:
+        return len(self.ends)
+
+    def _first_seen(self) -> int:
+        """The first slot a query of the next call can see (before that call drops anything)."""
+        if self.window is None:
+            return min(self.starts)
+        return min(max(start, end - self.window + 1) for start, end in zip(self.starts, self.ends))
+
+    def _make_room(self, num_new: int, keys: mx.array, values: mx.array):
+        """A new buffer with room for ``num_new`` more slots, without the slots no row needs any more."""
+        top = max(self.ends)
+        drop = min(self.starts)
+        if self.window is not None:  # a sliding row needs its window and the rollback slack
+            reach = self.window + self.max_rollback - 1
+            drop = min(max(start, end - reach) for start, end in zip(self.starts, self.ends))
+        step = self.step if self.window is None else self.window_step
+        size = (top - drop + num_new + step - 1) // step * step
+        new_keys = mx.zeros((self.rows, keys.shape[1], size, keys.shape[3]), keys.dtype)
+        new_values = mx.zeros((self.rows, values.shape[1], size, values.shape[3]), values.dtype)
+        if self.keys is not None and top > drop:
+            new_keys[..., : top - drop, :] = self.keys[..., drop:top, :]
+            new_values[..., : top - drop, :] = self.values[..., drop:top, :]
+        self.keys, self.values = new_keys, new_values
+        self._set([max(s - drop, 0) for s in self.starts], [e - drop for e in self.ends],
+                  [o - drop for o in self.origins])
+        return drop
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        first, num_new = self._first_seen(), keys.shape[2]
+        if self.keys is None or max(self.ends) + num_new > self.keys.shape[2]:
+            first -= self._make_room(num_new, keys, values)
+        if len(set(self.ends)) == 1:  # every row writes the same slots: an in-place slice update
+            end = self.ends[0]
+            self.keys[..., end : end + num_new, :] = keys
+            self.values[..., end : end + num_new, :] = values
+        else:
+            slots = (mx.array(self.ends)[:, None] + mx.arange(num_new))[:, None, :, None]
+            self.keys = mx.put_along_axis(self.keys, mx.broadcast_to(slots, keys.shape), keys, axis=2)
+            self.values = mx.put_along_axis(self.values, mx.broadcast_to(slots, values.shape), values, axis=2)
+        self._set(self.starts, [end + num_new for end in self.ends], self.origins)
+        top = max(self.ends)
+        return self.keys[..., first:top, :], self.values[..., first:top, :]
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None, **kwargs):
+        """Query q of row b sees its slots up to its own, within its window; keys start at ``_first_seen``."""
+        # A query never sees more than the cache's window, however wide a window the model asks for
+        # (plamo3 asks for one more): a verify pass must see what one-token steps see.
+        window = min(window_size or self.window, self.window) if self.window else window_size
+        first = self._first_seen()
+        same = len(set(self.ends)) == 1 and len(set(self.starts)) == 1
+        if same and not return_array and (window is None or N == 1 and window == self.window):
+            if window is None and self.starts[0] == first:
+                return None if N == 1 else "causal"
+            if N == 1 and self.ends[0] - first <= window:
+                return None  # one query sees every key it is given
+        slots = mx.arange(first, max(self.ends) + N)
+        own = mx.array(self.ends)[:, None, None] + mx.arange(N)[None, :, None]  # each query's own slot
+        seen = (slots >= mx.array(self.starts)[:, None, None]) & (slots <= own)
+        if window is not None:  # a row's slots are contiguous: slot distance is position distance
+            seen = seen & (slots > own - window)
+        # A padding query sees only itself: a query that sees nothing would turn into NaN, and the
+        # next layer's keys and values with it (0 * NaN is NaN even where the mask hides them).
+        mask = (seen | (slots == own))[:, None]
+        return mask[:, None] if self.mask_dims == 5 else mask
+
+    def can_trim(self, row: int) -> int:
+        """How many of row ``row``'s last tokens it can drop and still hold every key its next query sees."""
+        held = self.ends[row] - self.starts[row]
+        if self.window is None or self.starts[row] == self.origins[row]:  # nothing dropped yet
+            return held
+        return max(held - self.window + 1, 0)
+
+    def trim_rows(self, counts: Sequence[int]):
+        """Drop the last ``counts[b]`` tokens of each row b; raises if a row cannot drop that many."""
+        for row, count in enumerate(counts):
+            if count > self.can_trim(row):  # a count that says less was done is never ignored
+                raise RuntimeError(f"row {row} of a {self.window or 'full'}-window attention layer cannot drop "
+                                   f"its last {count} tokens (it holds {self.ends[row] - self.starts[row]})")
+        self._set(self.starts, [end - count for end, count in zip(self.ends, counts)], self.origins)
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        """mlx-lm's ``trim``: every row drops up to ``n`` tokens; returns how many."""
+        n = min([n] + [self.can_trim(row) for row in range(self.rows)])
+        self.trim_rows([n] * self.rows)
+        return n
+
+    def filter(self, keep: Sequence[int]):
+        """Keep rows ``keep`` (in that order) and drop the slots no kept row uses."""
+        starts, ends, origins = ([values[i] for i in keep] for values in (self.starts, self.ends, self.origins))
+        shift = min(starts, default=0)
+        if self.keys is not None:
+            rows = mx.array(list(keep), mx.int32)
+            self.keys, self.values = self.keys[rows, :, shift:], self.values[rows, :, shift:]
+        self._set([s - shift for s in starts], [e - shift for e in ends], [o - shift for o in origins])
+
+    def extend(self, other: "KVRows"):
+        """Append ``other``'s rows, right-aligned with these so no row attends over the other's past."""
+        top = max(self.ends + other.ends, default=0)
+        shifts = [top - max(cache.ends, default=0) for cache in (self, other)]
+        moved = [[[v + shift for v in values] for values in (cache.starts, cache.ends, cache.origins)]
+                 for cache, shift in zip((self, other), shifts)]
+        filled = [cache for cache in (self, other) if cache.keys is not None]
+        if filled:
+            size = max(c.keys.shape[2] + shift for c, shift in zip((self, other), shifts) if c.keys is not None)
+            _, heads, _, key_dim = filled[0].keys.shape
+            value_dim, dtype = filled[0].values.shape[3], filled[0].keys.dtype
+            keys, values = [], []
+            for cache, shift in zip((self, other), shifts):
+                if cache.keys is None:  # rows with nothing cached yet
+                    keys.append(mx.zeros((cache.rows, heads, size, key_dim), dtype))
+                    values.append(mx.zeros((cache.rows, heads, size, value_dim), dtype))
+                else:
+                    pad = [(0, 0), (0, 0), (shift, size - shift - cache.keys.shape[2]), (0, 0)]
+                    keys.append(mx.pad(cache.keys, pad))
+                    values.append(mx.pad(cache.values, pad))
+            self.keys, self.values = mx.concatenate(keys), mx.concatenate(values)
+        self._set(*(mine + theirs for mine, theirs in zip(*moved)))
+
+    def realign(self):
+        """Roll each row right so that all rows end at the same slot (a copy of the cache)."""
+        top = max(self.ends)
+        shifts = [top - end for end in self.ends]
+        if self.keys is not None and any(shifts):
+            shift = mx.array(shifts)[:, None]
+            self.keys = dynamic_roll(self.keys, shift, axis=2)
+            self.values = dynamic_roll(self.values, shift, axis=2)
+        self._set(*([v + d for v, d in zip(values, shifts)] for values in (self.starts, self.ends, self.origins)))
+
+    def extract(self, row: int) -> tuple:
+        """Row ``row``'s ``(keys, values, first position held)``, ``[1, heads, n, dim]`` each (a copy)."""
+        start, end = self.starts[row], self.ends[row]
+        return (mx.contiguous(self.keys[row : row + 1, :, start:end]),
+                mx.contiguous(self.values[row : row + 1, :, start:end]), start - self.origins[row])
+
+    def fill(self, row: int, keys: mx.array, values: mx.array, first: int):
+        """Row ``row`` of an empty cache holds ``keys``/``values`` of positions ``[first, first + n)``."""
+        n = keys.shape[2]
+        if self.keys is None or n > self.keys.shape[2]:
+            self._make_room(n, keys, values)
+        self.keys[row : row + 1, :, :n] = keys
+        self.values[row : row + 1, :, :n] = values
+        starts, ends, origins = list(self.starts), list(self.ends), list(self.origins)
+        starts[row], ends[row], origins[row] = 0, n, -first
+        self._set(starts, ends, origins)
+
+    @property
+    def state(self):
+        return self.keys, self.values, self.offset
+
+    def size(self) -> int:
+        return max(self.ends, default=0)
+
+    def empty(self) -> bool:
+        return self.keys is None
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+
+
+class StateRows(ArraysCache):
+    """A recurrent layer's states for ``rows`` rows (mlx-lm's ``ArraysCache``: rows shorter than a pass
+    are kept out of it through ``prepare(lengths=...)``), that can put rows back to a checkpoint."""
+
+    def __init__(self, size: int, rows: int):
+        super().__init__(size)
+        self.rows, self.saved = rows, None
+
+    @property
+    def batch_size(self) -> int:  # known even before the first pass makes the states
+        return self.rows
+
+    def filter(self, keep: Sequence[int]):
+        super().filter(mx.array(list(keep)))
+        self.rows = len(keep)
+
+    def extend(self, other: "StateRows"):
+        super().extend(other)
+        self.rows += other.rows
+
+    def checkpoint(self):
+        self.saved = list(self.cache)  # references: the layers assign new arrays, never write into these
+
+    def restore(self, rows: Sequence[int]):
+        """Put ``rows`` back to their states at the last ``checkpoint``."""
+        if len(rows) == self.rows:  # every row: the saved arrays themselves
+            self.cache = list(self.saved)
+            return
+        index = mx.array(list(rows))
+        for state, saved in zip(self.cache, self.saved):
+            if state is not None:  # a state first made in the pass started from zeros
+                state[index] = 0 if saved is None else saved[index]
+
+    def extract(self, row: int) -> list:
+        return [mx.contiguous(state[row : row + 1]) for state in self.cache if state is not None]
+
+    def fill(self, row: int, states: list):
+        """Row ``row`` of these states starts from ``states`` (``extract``'s, of one row)."""
+        if self.cache[0] is None:
+            self.cache = [mx.zeros((self.rows, *state.shape[1:]), state.dtype) for state in states]
+        for state, row_state in zip(self.cache, states):
+            state[row : row + 1] = row_state
+
+
+class ChunkedRows(ChunkedKVCache):
+    """mlx-lm's ``ChunkedKVCache`` for one row, with the checked rollback of ``KVRows``. One row only:
+    llama4 builds its chunk mask from the first layer's scalar offset and ``start_position``."""
+
+    rows = 1
+
+    def can_trim(self, row: int = 0) -> int:
+        return self.offset - self.start_position
+
+    def trim_rows(self, counts: Sequence[int]):
+        if self.trim(counts[0]) != counts[0]:
+            raise RuntimeError(f"a chunked attention layer cannot drop its last {counts[0]} tokens")

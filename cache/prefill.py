@@ -1,0 +1,59 @@
+"""Prompts into a new cache of one row per prompt, a chunk at a time (``Prefill.step``), so that a
+caller can interleave decoding steps with a long prompt's prefill; ``prefill_rows`` runs them to the end.
+
+Prompts are right-padded, never left-padded: every written token then has a position >= 0 (a model
+may scale by its position: ministral3's log(1 + floor(pos / n)) is -inf below 0, and the NaN it makes
+in a padded slot's values spreads to every row through 0 * NaN). Each row writes its chunk at its own
+end and drops its padding (``Cache.rewind``).
+"""
+
+from typing import Optional, Sequence
+
+import mlx.core as mx
+
+from cache import Cache, make_cache
+
+
+class Prefill:
+    """Prompts being run into a new ``Cache`` one chunk at a time (``step``).
+
+    Args:
+        cached: per prompt, None or a ``CachedPrefix`` of its first tokens; only the rest is run.
+        mask_dims, max_rollback: the cache's (``make_cache``).
+
+    Each row writes its chunk at its own end, right-padded to the longest, and drops its padding;
+    once all are in, the rows are aligned (``realign``) so that decoding starts on the slice path.
+    """
+
+    def __init__(self, model, prompts: Sequence[Sequence[int]], step_size: int = 512, cached=None,
+                 mask_dims: int = 4, max_rollback: Optional[int] = None):
+        cached = [None] * len(prompts) if cached is None else list(cached)
+        self.model, self.step_size = model, step_size
+        self.cache = make_cache(model, len(prompts), max_rollback, mask_dims)
+        self.pending = [list(prompt[0 if c is None else c.length :]) for prompt, c in zip(prompts, cached)]
+        self.cache.fill(cached)
+
+    def step(self) -> bool:
+        """Run the next chunk; True once every prompt is in the cache."""
+        chunks = [tokens[: self.step_size] for tokens in self.pending]
+        width = max(len(chunk) for chunk in chunks)
+        if width:
+            self.cache.prepare([len(chunk) for chunk in chunks], width)
+            self.model(mx.array([chunk + [0] * (width - len(chunk)) for chunk in chunks]), cache=self.cache.layers)
+            self.cache.finalize()
+            self.cache.rewind([width - len(chunk) for chunk in chunks])
+        self.pending = [tokens[self.step_size :] for tokens in self.pending]
+        done = not any(self.pending)
+        if done:
+            self.cache.realign()
+        mx.eval(self.cache.arrays())
+        return done
+
+
+def prefill_rows(model, prompts: Sequence[Sequence[int]], step_size: int = 512, mask_dims: int = 4,
+                 max_rollback: Optional[int] = None) -> Cache:
+    """A new cache holding ``prompts`` (token id lists, any lengths), run through ``model`` in chunks."""
+    prefill = Prefill(model, prompts, step_size, mask_dims=mask_dims, max_rollback=max_rollback)
+    while not prefill.step():
+        pass
+    return prefill.cache
