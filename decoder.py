@@ -565,6 +565,17 @@ class TextStream:
         self.window_start, self.printed_end = self.printed_end, len(self.tokens)
         return text[len(printed):]
 
+    def finish(self) -> str:
+        """The text still held at the end (a byte run that never became a character, shown as
+        ``decode`` shows it), so that the segments add up to ``decode`` of all the tokens."""
+        window = self.tokens[self.window_start:]
+        if self.printed_end == len(self.tokens):
+            return ""
+        text = self.tokenizer.decode(window)
+        printed = self.tokenizer.decode(window[: self.printed_end - self.window_start])
+        self.window_start = self.printed_end = len(self.tokens)
+        return text[len(printed):]
+
 
 def encode(tokenizer, prompt: Union[str, Sequence[int], Sequence[dict]], system: Optional[str] = None,
            **template_options) -> list:
@@ -593,8 +604,12 @@ def stream_generate(model, tokenizer, prompt: Union[str, Sequence[int]], **kwarg
     eos = kwargs.pop("eos_token_ids", None)
     eos = eos_ids_of(tokenizer) if eos is None else set(eos)
     text = TextStream(tokenizer)
-    for token, source in generate_step(encode(tokenizer, prompt), model, eos_token_ids=eos, **kwargs):
-        yield Response("" if token in eos else text.add(token), token, source)
+    last = kwargs.get("max_tokens", 256)  # generate_step's default
+    for count, (token, source) in enumerate(generate_step(encode(tokenizer, prompt), model, eos_token_ids=eos,
+                                                          **kwargs), 1):
+        # The last token (EOS, or the max_tokens-th) also gives what the stream still holds.
+        segment = text.finish() if token in eos else text.add(token) + (text.finish() if count == last else "")
+        yield Response(segment, token, source)
 
 
 @dataclass

@@ -86,7 +86,10 @@ def main():
                     max_queue=args.max_queue, prompt_cache_bytes=args.prompt_cache_bytes,
                     pass_cost=PassCost(clock=lambda: 0.0))
     sock = listen("127.0.0.1", 0)
-    server = uvicorn.Server(uvicorn.Config(build_app(engine, "tiny", context_length=4096), log_level="warning"))
+    from server.reasoning import parse_effort_budgets
+
+    app = build_app(engine, "tiny", context_length=4096, effort_budgets=parse_effort_budgets(args.effort_budgets or ""))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
     print(f"serving tiny on http://127.0.0.1:{sock.getsockname()[1]}/v1", flush=True)
     asyncio.run(server.serve(sockets=[sock]))
 
