@@ -251,3 +251,72 @@ def reasoning_token_count(tokens: list, markers: ThinkMarkers, phase: str) -> in
     end = next((i for i in range(begin, len(tokens)) if tuple(tokens[i:i + len(markers.end_tokens)])
                 == markers.end_tokens), len(tokens))
     return end - begin
+
+
+class ReasoningSplitter:
+    """Streamed text (its markers as text: special tokens decoded) -> ``("reasoning", text)`` and ``("text", text)`` pieces, split at the think
+    markers. Whitespace around the reasoning and before the answer is dropped; text that may be the
+    start of a marker is held back until it cannot be."""
+
+    def __init__(self, markers: Optional[ThinkMarkers], phase: str = ANSWER):
+        self.markers = markers
+        self.phase = ANSWER if markers is None else phase
+        self.held = ""
+        self.started = False  # reasoning shown yet
+        self.after_block = False  # the answer follows a block: its leading whitespace is dropped
+
+    def add(self, piece: str) -> list:
+        self.held += piece
+        out = []
+        if self.phase == START:
+            text = self.held.lstrip()
+            if text.startswith(self.markers.start):
+                self.phase, self.held = THINKING, text[len(self.markers.start):]
+            elif self.markers.start.startswith(text):
+                return out  # still may open the block
+            else:
+                self.phase = ANSWER
+        if self.phase == THINKING:
+            index = self.held.find(self.markers.end)
+            if index < 0:
+                end = self.markers.end
+                keep = max((k for k in range(1, len(end)) if self.held.endswith(end[:k])), default=0)
+                return self._reasoning(len(self.held) - keep)
+            text, rest = self.held[:index], self.held[index + len(self.markers.end):]
+            self.held = text
+            out += self._reasoning(len(text), closing=True)
+            self.phase, self.held, self.after_block = ANSWER, rest, True
+        if self.after_block:
+            self.held = self.held.lstrip()
+            self.after_block = not self.held
+        if self.held:
+            out.append(("text", self.held))
+            self.held = ""
+        return out
+
+    def _reasoning(self, cut: int, closing: bool = False) -> list:
+        """Show ``held[:cut]`` as reasoning, less the whitespace at its start and (held back) at its end."""
+        body = self.held[:cut]
+        if not self.started:
+            body = body.lstrip()
+            self.held = self.held[cut - len(body):]
+            cut = len(body)
+        shown = body.rstrip()
+        self.held = "" if closing else self.held[len(shown):]
+        self.started = self.started or bool(shown)
+        return [("reasoning", shown)] if shown else []
+
+    def finish(self) -> list:
+        """What is held at the end: unfinished reasoning (cut by max_tokens), or answer text."""
+        if self.phase == THINKING:
+            return self._reasoning(len(self.held), closing=True)
+        text, self.held = (self.held.lstrip() if self.after_block else self.held), ""
+        return [("text", text)] if text else []
+
+
+def split_reasoning(text: str, markers: Optional[ThinkMarkers], phase: str = START) -> tuple:
+    """``(reasoning, answer)`` of a whole output; ``phase``: where the prompt left the model."""
+    splitter = ReasoningSplitter(markers, phase)
+    pieces = splitter.add(text) + splitter.finish()
+    return ("".join(t for kind, t in pieces if kind == "reasoning"),
+            "".join(t for kind, t in pieces if kind == "text"))

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from server.engine import Outcome
 from server.protocol import ApiError, GenerationRequest
-from server.reasoning import ReasoningSplitter, split_reasoning
+from constrained.thinking import ReasoningSplitter
 from server.tools import Call, reader_for, split
 
 
@@ -39,15 +39,19 @@ class Format:
     def __init__(self, model_id: str, request: GenerationRequest):
         self.model_id, self.request = model_id, request
         self.reader = reader_for(request.tools)  # the stream's; ``full`` reads the whole text afresh
-        self.splitter = ReasoningSplitter(request.thinking)
+        self.splitter = ReasoningSplitter(None) if request.thinking is None else request.thinking.splitter()
+
+    def _split_reasoning(self, outcome: Outcome) -> tuple:
+        thinking = self.request.thinking
+        return ("", outcome.text) if thinking is None else thinking.split(outcome.text)
 
     def split(self, outcome: Outcome) -> tuple:
         """``(text, calls)`` of a whole output's answer."""
-        return split(reader_for(self.request.tools), split_reasoning(self.request.thinking, outcome.text)[1])
+        return split(reader_for(self.request.tools), self._split_reasoning(outcome)[1])
 
     def reasoning(self, outcome: Outcome) -> str:
         """The think block's text of a whole output ("" for none)."""
-        return split_reasoning(self.request.thinking, outcome.text)[0]
+        return self._split_reasoning(outcome)[0]
 
     def reasoning_tokens(self, outcome: Outcome) -> int:
         thinking = self.request.thinking

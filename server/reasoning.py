@@ -12,8 +12,8 @@ against max_tokens, as in Anthropic's API.
 from dataclasses import dataclass, field
 from typing import Optional
 
-from constrained.thinking import (ANSWER, START, THINKING, ThinkingConstraint, ThinkingForcedSource, ThinkMarkers,
-                                  reasoning_token_count, think_markers)
+from constrained.thinking import (ANSWER, ReasoningSplitter, ThinkingConstraint, ThinkingForcedSource, ThinkMarkers,
+                                  reasoning_token_count, split_reasoning, think_markers)
 
 # Effort -> the most tokens inside the think block (None: unbounded). "none" turns thinking off.
 EFFORT_BUDGETS = {"minimal": 256, "low": 1024, "medium": 4096, "high": 16384, "xhigh": 32768, "max": None}
@@ -59,6 +59,13 @@ class Thinking:
     def reasoning_tokens(self, tokens: list) -> int:
         return reasoning_token_count(tokens, self.markers, self.phase)
 
+    def splitter(self) -> ReasoningSplitter:
+        return ReasoningSplitter(self.markers, self.phase)
+
+    def split(self, text: str) -> tuple:
+        """``(reasoning, answer)`` of a whole output."""
+        return split_reasoning(text, self.markers, self.phase)
+
 
 def around_thinking(thinking: Optional[Thinking], constraint, forced, vocab_size: int) -> tuple:
     """``(constraint, forced)`` for the answer, put after the think block (with its budget) on a thinking
@@ -88,72 +95,3 @@ def thinking_of(asked: ThinkingRequest, tokenizer, prompt: list) -> Optional[Thi
     phase = markers.phase(prompt, tokenizer.decode)
     budget = 0 if asked.enabled is False else asked.budget
     return Thinking(markers, phase, budget)
-
-
-class ReasoningSplitter:
-    """Streamed text -> ``("reasoning", text)`` and ``("text", text)`` pieces, split at the think
-    markers. Whitespace around the reasoning and before the answer is dropped; text that may be the
-    start of a marker is held back until it cannot be."""
-
-    def __init__(self, thinking: Optional[Thinking]):
-        self.markers = thinking.markers if thinking is not None else None
-        self.phase = ANSWER if thinking is None else thinking.phase
-        self.held = ""
-        self.started = False  # reasoning shown yet
-        self.after_block = False  # the answer follows a block: its leading whitespace is dropped
-
-    def add(self, piece: str) -> list:
-        self.held += piece
-        out = []
-        if self.phase == START:
-            text = self.held.lstrip()
-            if text.startswith(self.markers.start):
-                self.phase, self.held = THINKING, text[len(self.markers.start):]
-            elif self.markers.start.startswith(text):
-                return out  # still may open the block
-            else:
-                self.phase = ANSWER
-        if self.phase == THINKING:
-            index = self.held.find(self.markers.end)
-            if index < 0:
-                end = self.markers.end
-                keep = max((k for k in range(1, len(end)) if self.held.endswith(end[:k])), default=0)
-                return self._reasoning(len(self.held) - keep)
-            text, rest = self.held[:index], self.held[index + len(self.markers.end):]
-            self.held = text
-            out += self._reasoning(len(text), closing=True)
-            self.phase, self.held, self.after_block = ANSWER, rest, True
-        if self.after_block:
-            self.held = self.held.lstrip()
-            self.after_block = not self.held
-        if self.held:
-            out.append(("text", self.held))
-            self.held = ""
-        return out
-
-    def _reasoning(self, cut: int, closing: bool = False) -> list:
-        """Show ``held[:cut]`` as reasoning, less the whitespace at its start and (held back) at its end."""
-        body = self.held[:cut]
-        if not self.started:
-            body = body.lstrip()
-            self.held = self.held[cut - len(body):]
-            cut = len(body)
-        shown = body.rstrip()
-        self.held = "" if closing else self.held[len(shown):]
-        self.started = self.started or bool(shown)
-        return [("reasoning", shown)] if shown else []
-
-    def finish(self) -> list:
-        """What is held at the end: unfinished reasoning (cut by max_tokens), or answer text."""
-        if self.phase == THINKING:
-            return self._reasoning(len(self.held), closing=True)
-        text, self.held = (self.held.lstrip() if self.after_block else self.held), ""
-        return [("text", text)] if text else []
-
-
-def split_reasoning(thinking: Optional[Thinking], text: str) -> tuple:
-    """``(reasoning, answer)`` of a whole output."""
-    splitter = ReasoningSplitter(thinking)
-    pieces = splitter.add(text) + splitter.finish()
-    return ("".join(t for kind, t in pieces if kind == "reasoning"),
-            "".join(t for kind, t in pieces if kind == "text"))

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from constrained.thinking import ANSWER, START, THINKING
 from server.anthropic import parse_messages
 from server.protocol import ApiError, parse_chat
-from server.reasoning import EFFORT_BUDGETS, ReasoningSplitter, Thinking, parse_effort_budgets, split_reasoning
+from server.reasoning import EFFORT_BUDGETS, Thinking, parse_effort_budgets
 from server.responses import ResponseStore, parse_responses
 from tests import tiny_server
 from tests.test_server_tiny import start
@@ -118,13 +118,13 @@ THINKING_OPEN = chat().thinking
        st.lists(st.integers(0, 40), max_size=4), st.sampled_from([START, THINKING, ANSWER]))
 def test_streamed_splitting_equals_the_whole(text, cuts, phase):
     thinking = Thinking(THINKING_OPEN.markers, phase)
-    splitter, pieces = ReasoningSplitter(thinking), []
+    splitter, pieces = thinking.splitter(), []
     bounds = sorted({min(c, len(text)) for c in cuts} | {0, len(text)})
     for begin, end in zip(bounds, bounds[1:]):
         pieces += splitter.add(text[begin:end])
     pieces += splitter.finish()
     joined = tuple("".join(t for kind, t in pieces if kind == wanted) for wanted in ("reasoning", "text"))
-    assert joined == split_reasoning(thinking, text)
+    assert joined == thinking.split(text)
     if phase == THINKING and "</think>" in text:
         assert joined[1] == text.split("</think>")[1].lstrip()
 

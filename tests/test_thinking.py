@@ -116,3 +116,62 @@ def test_a_walk_agrees_with_advancing_token_by_token(draft, phase, budget, const
     (THINKING, [1, 2, END, 10, 3], 2), (START, [THINK, 1, END, 4], 1), (START, [1, 2], 0), (ANSWER, [1, 2], 0)])
 def test_reasoning_tokens_are_counted_inside_the_block(phase, tokens, expected):
     assert reasoning_token_count(tokens, MARKERS, phase) == expected
+
+
+# ---- main.py on a saved tiny thinking model ------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """The tiny thinking model and its tokenizer ("opens" template) where main.py --model reads them."""
+    from mlx_lm.utils import save_config, save_model
+
+    from tests.helpers import tiny_byte_tokenizer
+
+    directory = tmp_path_factory.mktemp("thinking-model")
+    save_model(directory, MODEL)
+    save_config({"model_type": "llama", "hidden_size": 32, "num_hidden_layers": 2, "intermediate_size": 64,
+                 "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5, "vocab_size": VOCAB,
+                 "rope_theta": 10000.0, "tie_word_embeddings": False}, directory / "config.json")
+    tokenizer = tiny_byte_tokenizer(thinking=True)
+    tokenizer.chat_template = TOKENIZER.chat_template
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def run_main(model_dir, capsys, *flags):
+    import json
+
+    import main
+
+    args = main.build_parser().parse_args(["--model", str(model_dir), "--prompt", "Name a city.", "--json", *flags])
+    main.run(args)
+    return json.loads(capsys.readouterr().out)
+
+
+def test_main_thinking_budget_and_json_reasoning(model_dir, capsys):
+    out = run_main(model_dir, capsys, "--thinking-budget", "4", "--max-tokens", "20")
+    assert out["tokens"][4:7] == list(MARKERS.close_tokens)
+    assert out["text"] == TOKENIZER.decode(out["tokens"])  # the whole output, as before
+    reasoning, answer = out["text"].split("</think>\n\n")
+    assert out["reasoning"] == reasoning.strip() and out["answer"] == answer
+    free = run_main(model_dir, capsys, "--max-tokens", "20")
+    assert free["tokens"][:4] == out["tokens"][:4] and free["answer"] == ""  # still thinking at max_tokens
+
+
+def test_main_regex_constrains_the_answer_after_thinking(model_dir, capsys):
+    out = run_main(model_dir, capsys, "--regex", "(Paris|Rome)!", "--thinking-budget", "3", "--max-tokens", "30")
+    assert re.fullmatch(r"(Paris|Rome)!", out["answer"]) and out["reasoning"]
+    assert out["draft_sources"]["thinking"]["accepted"] >= 2  # the separator and regex text drafted for free
+    off = run_main(model_dir, capsys, "--regex", "(Paris|Rome)!", "--no-thinking", "--max-tokens", "30")
+    assert re.fullmatch(r"(Paris|Rome)!", off["text"]) and off["reasoning"] == ""
+
+
+def test_main_color_dims_the_reasoning(model_dir, capsys):
+    import main
+
+    args = main.build_parser().parse_args(["--model", str(model_dir), "--prompt", "Name a city.", "--color", "always",
+                                           "--thinking-budget", "2", "--max-tokens", "8"])
+    main.run(args)
+    shown = capsys.readouterr().out.split("\n==========")[0]
+    assert shown.startswith(main.DIM) and main.DIM + main.COLORS["thinking"] + "</think>" in shown
+    assert main.DIM not in shown.split("</think>")[-1]
