@@ -584,18 +584,38 @@ def encode(tokenizer, prompt: Union[str, Sequence[int], Sequence[dict]], system:
     Args:
         prompt: a str, a list of chat messages (``{"role": ..., "content": ...}``) or token ids.
             A str goes through the chat template when the tokenizer has one (as in mlx-lm's CLI),
-            else it is encoded as is; messages always go through it; token ids pass through.
+            else it is encoded as is; messages go through it, or without one ``plain_chat``;
+            token ids pass through.
         system: a system message put first (ignored for raw text and token ids).
         template_options: for the template, e.g. ``tools=[...]``.
     """
     if isinstance(prompt, str):
-        if not getattr(tokenizer, "chat_template", None):
+        if not has_chat_template(tokenizer):
             return tokenizer.encode(prompt)
         prompt = [{"role": "user", "content": prompt}]
     elif not (isinstance(prompt, (list, tuple)) and len(prompt) > 0 and isinstance(prompt[0], dict)):
         return list(prompt)  # token ids
     messages = ([{"role": "system", "content": system}] if system else []) + list(prompt)
+    if not has_chat_template(tokenizer):
+        return tokenizer.encode(plain_chat(messages))
     return tokenizer.apply_chat_template(messages, add_generation_prompt=True, **template_options)
+
+
+def has_chat_template(tokenizer) -> bool:
+    """Whether ``apply_chat_template`` has a template to apply (mlx-lm's wrapper also counts a tokenizer
+    class that renders chats itself; T5's and plain tokenizers may have neither attribute)."""
+    return bool(getattr(tokenizer, "has_chat_template", False) or getattr(tokenizer, "chat_template", None))
+
+
+# Roles as mlx_lm.server writes a chat for a tokenizer without a chat template.
+PLAIN_ROLES = {"system": "ASSISTANT's RULE: ", "user": "USER: ", "assistant": "ASSISTANT: "}
+
+
+def plain_chat(messages: Sequence[dict]) -> str:
+    """Chat messages as plain text, for a tokenizer without a chat template (as mlx_lm.server renders
+    them): a line per message after its role, then ``ASSISTANT:`` for the answer."""
+    lines = "".join(f"{PLAIN_ROLES.get(m['role'], '')}{m.get('content') or ''}\n" for m in messages)
+    return (lines + PLAIN_ROLES["assistant"]).rstrip()
 
 
 def stream_generate(model, tokenizer, prompt: Union[str, Sequence[int]], **kwargs) -> Iterator[Response]:

@@ -254,3 +254,12 @@ def test_a_batch_mixing_thinking_and_plain_rows_gives_each_row_its_answer_alone(
         together = list(pool.map(answer, asks))
     assert together == alone
     assert [reasoning is not None for reasoning, _ in alone] == [True, False, True, True, True]
+
+
+@pytest.mark.slow
+def test_streamed_text_ends_as_decode_shows_it(server):
+    """Cut inside a character (one token per byte of é): the stream and the answer end with U+FFFD, as decode."""
+    client = openai_client(server)
+    body = dict(model="tiny", prompt="x", max_tokens=3, temperature=0, extra_body={"guided_regex": "ééé"})
+    assert client.completions.create(**body).choices[0].text == "é\ufffd"
+    assert "".join(c.choices[0].text for c in client.completions.create(**body, stream=True)) == "é\ufffd"
