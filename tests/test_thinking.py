@@ -175,3 +175,13 @@ def test_main_color_dims_the_reasoning(model_dir, capsys):
     shown = capsys.readouterr().out.split("\n==========")[0]
     assert shown.startswith(main.DIM) and main.DIM + main.COLORS["thinking"] + "</think>" in shown
     assert main.DIM not in shown.split("</think>")[-1]
+
+
+def test_main_prints_carriage_returns_as_they_are(model_dir, capfd):
+    """\\r\\n in the output reaches stdout as \\r\\n (bytes, not a terminal's rendering)."""
+    import main
+
+    args = main.build_parser().parse_args(["--model", str(model_dir), "--prompt", "Two lines.", "--no-thinking",
+                                           "--regex", "a\\r\\nb\\r\\n", "--max-tokens", "8"])
+    main.run(args)
+    assert capfd.readouterr().out.startswith("a\r\nb\r\n\n==========")
