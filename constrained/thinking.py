@@ -36,6 +36,7 @@ class ThinkMarkers:
     start_tokens: tuple
     end_tokens: tuple
     separator_tokens: tuple = ()  # what the template writes between the block and the answer ("\n\n")
+    separator: str = ""  # the same as text
 
     @property
     def close_tokens(self) -> tuple:
@@ -62,19 +63,27 @@ def _rfind(tokens: list, sequence: tuple) -> int:
     return -1
 
 
+# GPT-OSS's harmony format: the analysis channel is the reasoning, the final channel the answer.
+HARMONY = ("<|channel|>analysis<|message|>", "<|end|>", "<|start|>assistant<|channel|>final<|message|>")
+
+
 def think_markers(tokenizer) -> Optional[ThinkMarkers]:
     """The markers of a tokenizer that thinks, or None. mlx-lm's ``TokenizerWrapper`` finds them in
     the vocabulary (``<think>``, ``<longcat_think>``, Gemma's ``<|channel>thought``, ...); the separator is
-    read from the chat template (Qwen3 and DeepSeek write ``</think>\\n\\n``)."""
-    if not getattr(tokenizer, "has_thinking", False):  # a plain Hugging Face tokenizer has no such attribute
-        return None
-    start, end = tokenizer.think_start, tokenizer.think_end
+    read from the chat template (Qwen3 and DeepSeek write ``</think>\\n\\n``). A harmony template
+    (GPT-OSS) thinks in its analysis channel and answers in its final channel (HARMONY)."""
     template = getattr(tokenizer, "chat_template", None)
     template = template if isinstance(template, str) else ""
-    separator = next((sep for sep in ("\n\n", "\n") if end + sep in template
-                      or end + sep.replace("\n", "\\n") in template), "")
+    if getattr(tokenizer, "has_thinking", False):  # a plain Hugging Face tokenizer has no such attribute
+        start, end = tokenizer.think_start, tokenizer.think_end
+        separator = next((sep for sep in ("\n\n", "\n") if end + sep in template
+                          or end + sep.replace("\n", "\\n") in template), "")
+    elif "<|channel|>" in template and "analysis" in template and "<|channel|>" in tokenizer.get_vocab():
+        start, end, separator = HARMONY
+    else:
+        return None
     encode = lambda text: tuple(tokenizer.encode(text, add_special_tokens=False)) if text else ()  # noqa: E731
-    return ThinkMarkers(start, end, encode(start), encode(end), encode(separator))
+    return ThinkMarkers(start, end, encode(start), encode(end), encode(separator), separator)
 
 
 class ThinkState(NamedTuple):
@@ -119,7 +128,9 @@ class ThinkingConstraint(Constraint):
         return state
 
     def _opens(self, token: int) -> bool:
-        return token == self.markers.start_tokens[0] and self.budget != 0
+        """Whether ``token`` opens the block. With a budget of 0 a one-token marker never opens it; a
+        longer one (harmony's) opens and closes at once, since its first token also starts other text."""
+        return token == self.markers.start_tokens[0] and (self.budget != 0 or len(self.markers.start_tokens) > 1)
 
     def _step(self, state: ThinkState, token: int) -> Optional[ThinkState]:
         """The state after ``token`` in an own phase (not ANSWER); None where it is forbidden."""
@@ -177,7 +188,7 @@ class ThinkingConstraint(Constraint):
     def _answer_masks(self, run: list) -> mx.array:
         masks = (self.inner.masks([s.inner for s in run]) if self.inner is not None
                  else mx.ones((len(run), self.vocab_size), dtype=mx.bool_))
-        if run[0].phase == START and self.budget != 0:  # the model may still open the block
+        if run[0].phase == START and self._opens(self.markers.start_tokens[0]):  # the model may still open it
             opening = mx.arange(self.vocab_size) == self.markers.start_tokens[0]
             masks = mx.concatenate([masks[:1] | opening, masks[1:]])
         return masks
@@ -286,8 +297,13 @@ class ReasoningSplitter:
             self.held = text
             out += self._reasoning(len(text), closing=True)
             self.phase, self.held, self.after_block = ANSWER, rest, True
-        if self.after_block:
+        if self.after_block:  # the separator (whitespace, or harmony's final-channel header) is no answer
+            separator = self.markers.separator.strip()
             self.held = self.held.lstrip()
+            if separator and self.held.startswith(separator):
+                self.held = self.held[len(separator):].lstrip()
+            elif separator and separator.startswith(self.held):
+                return out  # may still be the separator
             self.after_block = not self.held
         if self.held:
             out.append(("text", self.held))
@@ -311,6 +327,8 @@ class ReasoningSplitter:
         if self.phase == THINKING:
             return self._reasoning(len(self.held), closing=True)
         text, self.held = (self.held.lstrip() if self.after_block else self.held), ""
+        if self.after_block and self.markers.separator.strip().startswith(text):
+            text = ""  # a separator cut short
         return [("text", text)] if text else []
 
 

@@ -185,3 +185,50 @@ def test_main_prints_carriage_returns_as_they_are(model_dir, capfd):
                                            "--regex", "a\\r\\nb\\r\\n", "--max-tokens", "8"])
     main.run(args)
     assert capfd.readouterr().out.startswith("a\r\nb\r\n\n==========")
+
+
+# ---- GPT-OSS's harmony channels ------------------------------------------------------------------
+
+HARMONY_TEMPLATE = ("{% for m in messages %}<|start|>{{ m['role'] }}{% if m.get('reasoning_content') %}"
+                    "<|channel|>analysis<|message|>{{ m['reasoning_content'] }}<|end|><|start|>assistant"
+                    "<|channel|>final{% endif %}<|message|>{{ m['content'] }}<|end|>{% endfor %}<|start|>assistant")
+
+
+def harmony_tokenizer():
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+    from tokenizers import AddedToken
+
+    from tests.helpers import tiny_byte_tokenizer
+
+    tokenizer = tiny_byte_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": [
+        AddedToken(t, special=True) for t in ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>"]]})
+    tokenizer.chat_template = HARMONY_TEMPLATE
+    return TokenizerWrapper(tokenizer)
+
+
+def test_harmony_analysis_is_reasoning_and_final_is_the_answer():
+    from constrained.thinking import HARMONY, split_reasoning
+
+    tokenizer = harmony_tokenizer()
+    markers = think_markers(tokenizer)
+    assert (markers.start, markers.end, markers.separator) == HARMONY
+    prompt_tokens = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True)
+    assert markers.phase(prompt_tokens, tokenizer.decode) == START
+    opened = prompt_tokens + list(markers.start_tokens)  # as if the model had opened its analysis channel
+    assert markers.phase(opened, tokenizer.decode) == THINKING
+    vocab = len(tokenizer)
+    from tests.helpers import tiny_llama
+
+    model = tiny_llama(vocab_size=vocab, seed=2)
+    constraint = ThinkingConstraint(markers, vocab, budget=3, phase=THINKING)
+    tokens = [t for t, _ in generate_step(opened, model, eos_token_ids=[], constraint=constraint, max_tokens=20)]
+    assert tokens[3:3 + len(markers.close_tokens)] == list(markers.close_tokens)
+    text = tokenizer.decode(tokens)
+    reasoning, answer = split_reasoning(text, markers, THINKING)
+    assert reasoning == tokenizer.decode(tokens[:3]).strip() and "<|" not in answer
+    assert answer == tokenizer.decode(tokens[3 + len(markers.close_tokens):]).lstrip()
+    off = ThinkingConstraint(markers, vocab, budget=0, phase=START)  # <|channel|> also opens the final channel
+    assert off.masks(off.walk([]))[0].tolist()[markers.start_tokens[0]]
+    off.advance(list(markers.start_tokens))
+    assert off.forced_tokens() == list(markers.close_tokens)
