@@ -177,3 +177,20 @@ def tiny_byte_tokenizer(thinking: bool = False):
     if thinking:
         tokenizer.add_special_tokens([AddedToken("<think>", special=True), AddedToken("</think>", special=True)])
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<eos>")
+
+
+def qwen3_small_tokenizer(opens: bool = False):
+    """Qwen3's tokenizer and shipped chat template (tests/data/qwen3-small: its first 4096 tokens and every
+    added token), as mlx-lm wraps it; ``opens``: the template's generation prompt opens the think block, as
+    Qwen3.5's and Qwen3-Thinking-2507's do."""
+    from pathlib import Path
+
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(Path(__file__).parent / "data" / "qwen3-small")
+    if opens:
+        tokenizer.chat_template = tokenizer.chat_template.replace(
+            "{{- '<|im_start|>assistant\\n' }}", "{{- '<|im_start|>assistant\\n<think>\\n' }}")
+        assert "assistant\\n<think>\\n' }}" in tokenizer.chat_template
+    return TokenizerWrapper(tokenizer)

@@ -3,7 +3,6 @@ tokens and every added token), with a tiny random model of that vocabulary as th
 Qwen3.5-style variant of the template that opens the think block in the prompt."""
 
 import re
-from pathlib import Path
 
 import mlx.core as mx
 import pytest
@@ -13,24 +12,9 @@ from constrained.thinking import (ANSWER, START, THINKING, ThinkingConstraint, T
                                   split_reasoning, think_markers)
 from decoder import generate
 from server.protocol import parse_chat
-from tests.helpers import tiny_llama
+from tests.helpers import qwen3_small_tokenizer, tiny_llama
 
-QWEN3 = Path(__file__).parent / "data" / "qwen3-small"
-
-
-def load(opens: bool = False):
-    from mlx_lm.tokenizer_utils import TokenizerWrapper
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(QWEN3)
-    if opens:  # as Qwen3.5 and Qwen3-Thinking-2507 write the generation prompt
-        tokenizer.chat_template = tokenizer.chat_template.replace(
-            "{{- '<|im_start|>assistant\\n' }}", "{{- '<|im_start|>assistant\\n<think>\\n' }}")
-        assert "assistant\\n<think>\\n' }}" in tokenizer.chat_template
-    return TokenizerWrapper(tokenizer)
-
-
-TOKENIZER, OPENS = load(), load(opens=True)
+TOKENIZER, OPENS = qwen3_small_tokenizer(), qwen3_small_tokenizer(opens=True)
 VOCAB = len(TOKENIZER)
 MODEL = tiny_llama(vocab_size=VOCAB, seed=5, sharp=2.0)
 MARKERS = think_markers(TOKENIZER)
