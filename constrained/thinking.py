@@ -16,6 +16,7 @@ schema or tool grammar; or none) so that the loop needs to know nothing of think
     draft_sources = [ThinkingForcedSource(constraint, inner_forced)] + prompt_lookup_sources
 """
 
+import functools
 from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
@@ -67,6 +68,7 @@ def _rfind(tokens: list, sequence: tuple) -> int:
 HARMONY = ("<|channel|>analysis<|message|>", "<|end|>", "<|start|>assistant<|channel|>final<|message|>")
 
 
+@functools.lru_cache(maxsize=8)  # asked for every request; a tokenizer's markers never change
 def think_markers(tokenizer) -> Optional[ThinkMarkers]:
     """The markers of a tokenizer that thinks, or None. mlx-lm's ``TokenizerWrapper`` finds them in
     the vocabulary (``<think>``, ``<longcat_think>``, Gemma's ``<|channel>thought``, ...); the separator is
