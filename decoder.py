@@ -568,9 +568,9 @@ class TextStream:
     def finish(self) -> str:
         """The text still held at the end (a byte run that never became a character, shown as
         ``decode`` shows it), so that the segments add up to ``decode`` of all the tokens."""
-        window = self.tokens[self.window_start:]
         if self.printed_end == len(self.tokens):
             return ""
+        window = self.tokens[self.window_start:]
         text = self.tokenizer.decode(window)
         printed = self.tokenizer.decode(window[: self.printed_end - self.window_start])
         self.window_start = self.printed_end = len(self.tokens)

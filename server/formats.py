@@ -12,9 +12,9 @@ import time
 import uuid
 from dataclasses import dataclass
 
+from constrained.thinking import ReasoningSplitter
 from server.engine import Outcome
 from server.protocol import ApiError, GenerationRequest
-from constrained.thinking import ReasoningSplitter
 from server.tools import Call, reader_for, split
 
 
