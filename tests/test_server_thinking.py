@@ -104,10 +104,18 @@ def test_responses_reasoning_effort():
 
 
 def test_the_effort_table_flag():
+    from cli import CliError
+    from server.__main__ import build_parser, validate
+
     assert parse_effort_budgets("low=5, high=none")["low"] == 5 and parse_effort_budgets("high=none")["high"] is None
     for bad in ("low", "low=0", "none=5", "low=x"):
         with pytest.raises(ValueError):
             parse_effort_budgets(bad)
+    args = build_parser().parse_args(["--effort-budgets", "low=512,max=100000"])
+    validate(args)
+    assert args.effort_table == {**EFFORT_BUDGETS, "low": 512, "max": 100000}
+    with pytest.raises(CliError, match="--effort-budgets 'low=0'"):
+        validate(build_parser().parse_args(["--effort-budgets", "low=0"]))
 
 
 THINKING_OPEN = chat().thinking
