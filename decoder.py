@@ -610,6 +610,17 @@ class TextStream:
         self.window_start, self.printed_end = self.printed_end, len(self.tokens)
         return text[len(printed):]
 
+    def finish(self) -> str:
+        """The text still held at the end (a byte run that never became a character, shown as
+        ``decode`` shows it), so that the segments add up to ``decode`` of all the tokens."""
+        if self.printed_end == len(self.tokens):
+            return ""
+        window = self.tokens[self.window_start:]
+        text = self.tokenizer.decode(window)
+        printed = self.tokenizer.decode(window[: self.printed_end - self.window_start])
+        self.window_start = self.printed_end = len(self.tokens)
+        return text[len(printed):]
+
 
 def encode(tokenizer, prompt: Union[str, Sequence[int], Sequence[dict]], system: Optional[str] = None,
            **template_options) -> list:
@@ -618,18 +629,38 @@ def encode(tokenizer, prompt: Union[str, Sequence[int], Sequence[dict]], system:
     Args:
         prompt: a str, a list of chat messages (``{"role": ..., "content": ...}``) or token ids.
             A str goes through the chat template when the tokenizer has one (as in mlx-lm's CLI),
-            else it is encoded as is; messages always go through it; token ids pass through.
+            else it is encoded as is; messages go through it, or without one ``plain_chat``;
+            token ids pass through.
         system: a system message put first (ignored for raw text and token ids).
         template_options: for the template, e.g. ``tools=[...]``.
     """
     if isinstance(prompt, str):
-        if not getattr(tokenizer, "chat_template", None):
+        if not has_chat_template(tokenizer):
             return tokenizer.encode(prompt)
         prompt = [{"role": "user", "content": prompt}]
     elif not (isinstance(prompt, (list, tuple)) and len(prompt) > 0 and isinstance(prompt[0], dict)):
         return list(prompt)  # token ids
     messages = ([{"role": "system", "content": system}] if system else []) + list(prompt)
+    if not has_chat_template(tokenizer):
+        return tokenizer.encode(plain_chat(messages))
     return tokenizer.apply_chat_template(messages, add_generation_prompt=True, **template_options)
+
+
+def has_chat_template(tokenizer) -> bool:
+    """Whether ``apply_chat_template`` has a template to apply (mlx-lm's wrapper also counts a tokenizer
+    class that renders chats itself; T5's and plain tokenizers may have neither attribute)."""
+    return bool(getattr(tokenizer, "has_chat_template", False) or getattr(tokenizer, "chat_template", None))
+
+
+# Roles as mlx_lm.server writes a chat for a tokenizer without a chat template.
+PLAIN_ROLES = {"system": "ASSISTANT's RULE: ", "user": "USER: ", "assistant": "ASSISTANT: "}
+
+
+def plain_chat(messages: Sequence[dict]) -> str:
+    """Chat messages as plain text, for a tokenizer without a chat template (as mlx_lm.server renders
+    them): a line per message after its role, then ``ASSISTANT:`` for the answer."""
+    lines = "".join(f"{PLAIN_ROLES.get(m['role'], '')}{m.get('content') or ''}\n" for m in messages)
+    return (lines + PLAIN_ROLES["assistant"]).rstrip()
 
 
 def stream_generate(model, tokenizer, prompt: Union[str, Sequence[int]], **kwargs) -> Iterator[Response]:
@@ -638,8 +669,12 @@ def stream_generate(model, tokenizer, prompt: Union[str, Sequence[int]], **kwarg
     eos = kwargs.pop("eos_token_ids", None)
     eos = eos_ids_of(tokenizer) if eos is None else set(eos)
     text = TextStream(tokenizer)
-    for token, source in generate_step(encode(tokenizer, prompt), model, eos_token_ids=eos, **kwargs):
-        yield Response("" if token in eos else text.add(token), token, source)
+    last = kwargs.get("max_tokens", 256)  # generate_step's default
+    for count, (token, source) in enumerate(generate_step(encode(tokenizer, prompt), model, eos_token_ids=eos,
+                                                          **kwargs), 1):
+        # The last token (EOS, or the max_tokens-th) also gives what the stream still holds.
+        segment = text.finish() if token in eos else text.add(token) + (text.finish() if count == last else "")
+        yield Response(segment, token, source)
 
 
 @dataclass

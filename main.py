@@ -23,10 +23,10 @@ from cli.flags import check as check_source_arguments
 
 DEFAULT_PROMPT = "What is the capital of France? Answer in one sentence."
 
-# One colour per draft source; tokens the target chose itself stay uncoloured.
+# One colour per draft source; tokens the target chose itself stay uncoloured. Reasoning is dimmed.
 COLORS = {"regex": "\033[36m", "grammar": "\033[34m", "prompt_lookup": "\033[32m", "history_lookup": "\033[32m",
-          "draft_model": "\033[35m", "draft_head": "\033[33m"}
-RESET = "\033[0m"
+          "draft_model": "\033[35m", "draft_head": "\033[33m", "thinking": "\033[36m"}
+RESET, DIM = "\033[0m", "\033[2m"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -59,6 +59,12 @@ def build_parser() -> argparse.ArgumentParser:
                                   "GBNF (llama.cpp), a file or inline text; needs llguidance.")
     constrained.add_argument("--grammar-format", choices=["auto", "lark", "gbnf"], default="auto",
                              help="The --grammar syntax (default: auto, GBNF when rules are written 'name ::= ...').")
+    thinking = parser.add_argument_group("thinking models", "A model that thinks (<think> ... </think>) gets its "
+                                         "constraint after the think block.")
+    thinking.add_argument("--thinking-budget", type=int, default=None, metavar="N",
+                          help="At most N tokens inside the think block; then its closing text is forced.")
+    thinking.add_argument("--no-thinking", action="store_true",
+                          help="Render the chat template with thinking off; a block it still opens is closed at once.")
     distributed = parser.add_argument_group(
         "distributed (under mlx.launch; see distributed/README.md)",
         "Ranks on one host split its cores between their BLAS threads unless OPENBLAS_NUM_THREADS is set.")
@@ -82,6 +88,10 @@ def validate(args):
         raise CliError("--seed must be in [0, 2**64)")
     if args.max_tokens < 0:
         raise CliError("--max-tokens must be >= 0")
+    if args.thinking_budget is not None and args.thinking_budget < 1:
+        raise CliError("--thinking-budget must be >= 1 (--no-thinking turns thinking off)")
+    if args.thinking_budget is not None and args.no_thinking:
+        raise CliError("give --thinking-budget or --no-thinking, not both")
     if args.temp != 0 and not 1e-6 <= args.temp <= 1e6:
         # Outside this range float32 logits / temp overflow to inf or NaN.
         raise CliError("--temp must be 0 (greedy) or between 1e-6 and 1e6")
@@ -163,7 +173,7 @@ def build_run(args, session=None):
     elif args.no_chat_template:
         prompt = tokenizer.encode(text)
     else:
-        prompt = encode(tokenizer, text, system=args.system)
+        prompt = encode(tokenizer, text, system=args.system, **({"enable_thinking": False} if args.no_thinking else {}))
     if not prompt:
         raise CliError("the prompt is empty")
     limit = context_length(path)
@@ -183,12 +193,34 @@ def build_run(args, session=None):
             raise CliError("--grammar and --json-schema need a Hugging Face tokenizer; T5 is not supported")
         constraint, source = grammar_constraint(args.llguidance_grammar, tokenizer, output_size(model, tokenizer))
         forced.append(source)
+    constraint, forced = after_thinking(args, tokenizer, prompt, constraint, forced, output_size(model, tokenizer))
     model, drafts = draft_sources(args, model, tokenizer, encoder_input)
     kwargs = dict(draft_sources=forced + drafts, constraint=constraint, temp=args.temp, top_p=args.top_p,
                   max_tokens=max_tokens, stats=DecodingStats())
     if session is not None:  # every rank must fit the same cost, or their drafts differ
         kwargs["pass_cost"] = session.pass_cost()
     return model, tokenizer, prompt, kwargs
+
+
+def thinking_of(tokenizer, prompt: list) -> tuple:
+    """``(markers, phase)`` of a thinking model's prompt (constrained/thinking.py), or ``(None, ANSWER)``."""
+    from constrained.thinking import ANSWER, think_markers
+
+    markers = think_markers(tokenizer)
+    return (None, ANSWER) if markers is None else (markers, markers.phase(prompt, tokenizer.decode))
+
+
+def after_thinking(args, tokenizer, prompt: list, constraint, forced: list, vocab_size: int) -> tuple:
+    """The constraint and forced-text sources put after the think block of a thinking model, with the
+    budget (--thinking-budget; 0 for --no-thinking); as they are for other models or with nothing to do."""
+    from constrained.thinking import ANSWER, ThinkingConstraint, ThinkingForcedSource
+
+    markers, phase = thinking_of(tokenizer, prompt)
+    budget = 0 if args.no_thinking else args.thinking_budget
+    if markers is None or phase == ANSWER or (constraint is None and budget is None):
+        return constraint, forced
+    wrapped = ThinkingConstraint(markers, vocab_size, constraint, budget, phase)
+    return wrapped, [ThinkingForcedSource(wrapped, forced[0] if forced else None)]
 
 
 def print_stats(result, verbose: bool, use_color: bool):
@@ -211,6 +243,7 @@ def run(args):
     import mlx.core as mx
 
     import distributed
+    from constrained.thinking import CLOSING, OPENING, THINKING, ThinkingConstraint, split_reasoning
     from decoder import generate
 
     validate(args)
@@ -218,16 +251,23 @@ def run(args):
     mx.random.seed(args.seed)
     model, tokenizer, prompt, kwargs = build_run(args, session)
     use_color = args.color == "always" or (args.color == "auto" and sys.stdout.isatty())
+    markers, phase = thinking_of(tokenizer, prompt)
+    block = None if markers is None else ThinkingConstraint(markers, 0, phase=phase)  # follows where the text is
 
     def show(response):
         color = COLORS.get(response.source, "") if use_color else ""
+        if block is not None:
+            inside = block.state.phase in (OPENING, THINKING, CLOSING)
+            block.advance([response.token])
+            color = DIM + color if use_color and (inside or block.state.phase in (OPENING, THINKING)) else color
         print(f"{color}{response.text}{RESET if color else ''}", end="", flush=True)
 
     with writing_output():
         with distributed.reporting_faults():
             result = generate(model, tokenizer, prompt, on_token=None if args.json else show, **kwargs)
         if args.json:
-            print(json.dumps(result.to_json()))
+            reasoning, answer = split_reasoning(result.text, markers, phase)
+            print(json.dumps({**result.to_json(), "reasoning": reasoning if markers else None, "answer": answer}))
         else:
             print()
             print_stats(result, args.verbose, use_color)

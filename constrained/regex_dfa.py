@@ -299,6 +299,22 @@ def _minimize(transitions, accepting, start):
     return new_id[block_ids[complete[representatives]]], accepting[representatives], int(new_id[block_ids[start]])
 
 
+def strip_leading_space(dfa: DFA) -> DFA:
+    """The DFA of the raw text whose decoded form ``dfa`` matches, for a decoder that drops one leading
+    space (SentencePiece's, as in Llama 2: the first token's "▁" is not shown). A new start state reads
+    a space as nothing and any other byte as the old start does; no edge leads back to it."""
+    space = 0x20
+    num_classes = dfa.transitions.shape[1]
+    byte_class = dfa.byte_class.copy()
+    byte_class[space] = num_classes  # a class of its own: the new start treats it apart
+    transitions = np.concatenate([dfa.transitions, dfa.transitions[:, dfa.byte_class[space]][:, None]], axis=1)
+    first = transitions[dfa.start].copy()
+    first[num_classes] = dfa.start
+    transitions = np.concatenate([transitions, first[None]]).astype(np.int32)
+    accepting = np.append(dfa.accepting, dfa.accepting[dfa.start])
+    return DFA(byte_class, transitions, accepting, dfa.num_states)
+
+
 # main.py compiles the regex to check it before the model loads, then the index needs the same DFA:
 # a large JSON Schema takes seconds, so keep the last few (DFAs are never modified after compiling).
 @functools.lru_cache(maxsize=4)

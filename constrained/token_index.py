@@ -20,10 +20,11 @@ import mlx.core as mx
 import numpy as np
 from tokenizers import Tokenizer
 
-from constrained.regex_dfa import DEFAULT_MAX_STATES, DFA, RegexError, compile_regex, states_reaching
+from constrained.regex_dfa import (DEFAULT_MAX_STATES, DFA, RegexError, compile_regex, states_reaching,
+                                  strip_leading_space)
 
 # Version 2: the DFA and its finishable states, with the cache key inside (rows are built lazily).
-CACHE_FORMAT_VERSION = 2
+CACHE_FORMAT_VERSION = 3
 # Walk at most this many (state, token) pairs at once; bounds peak memory of the up-front check.
 PAIRS_PER_CHUNK = 1 << 22
 # Rows kept per index: (V,) int32 next states + (V,) bool mask, e.g. 136 rows of a 49k vocabulary.
@@ -65,7 +66,7 @@ def token_byte_strings(tokenizer, vocab_size: int) -> list:
     character. Byte-level BPE (GPT-2, Llama 3, SmolLM) is mapped back through the GPT-2 byte
     alphabet; SentencePiece-style vocabularies (Llama 2, Mistral) turn "▁" into a space and
     "<0xNN>" byte-fallback tokens into that byte. The space a SentencePiece decoder strips from the
-    start of the text is kept: the regex sees exactly the bytes the tokens hold.
+    start of the text is kept here (the bytes the tokens hold); ``load_or_build_index`` accounts for it.
 
     Args:
         tokenizer: A `tokenizers.Tokenizer`, a Hugging Face fast tokenizer or an mlx-lm TokenizerWrapper.
@@ -242,11 +243,19 @@ class TokenIndex:
         return bool(self.dfa.accepting[state])
 
 
-def _cache_key(pattern: str, token_bytes: list, eos_token_ids, max_states: int) -> str:
+def _cache_key(pattern: str, token_bytes: list, eos_token_ids, max_states: int, stripped: bool = False) -> str:
     # repr writes each token unambiguously (b'...' or None), so different vocabularies never hash the same.
     vocab_hash = hashlib.sha256(repr(token_bytes).encode()).hexdigest()
     eos = sorted(int(t) for t in eos_token_ids)
-    return json.dumps([CACHE_FORMAT_VERSION, pattern, vocab_hash, eos, max_states])
+    return json.dumps([CACHE_FORMAT_VERSION, pattern, vocab_hash, eos, max_states, stripped])
+
+
+def strips_leading_space(tokenizer, token_bytes: list) -> bool:
+    """Whether ``decode`` drops the leading space of the text (SentencePiece decoders with a ``Strip``
+    step, as Llama 2's): asked of the tokenizer itself, with a token that spells a space and a word."""
+    spaced = next((i for i, raw in enumerate(token_bytes) if raw and len(raw) > 1 and raw[:1] == b" "
+                   and raw[1:2].isalnum()), None)
+    return spaced is not None and tokenizer.decode([spaced]) == token_bytes[spaced][1:].decode("utf-8", "replace")
 
 
 def save_index(index: TokenIndex, path, key: str) -> None:
@@ -286,6 +295,9 @@ def load_or_build_index(pattern: str, tokenizer, vocab_size: int, eos_token_ids,
                         max_states: int = DEFAULT_MAX_STATES) -> TokenIndex:
     """The `TokenIndex` for `pattern`, its DFA loaded from the disk cache or compiled and saved there.
 
+    The regex holds for the text ``decode`` shows: where the decoder drops a leading space (Llama 2's
+    SentencePiece), the DFA reads the first space as nothing (``strip_leading_space``).
+
     The file holds its own key (pattern, vocabulary hash, EOS ids, format version); a file that is
     unreadable or holds another key is rebuilt. An unwritable cache only costs a warning line. The
     file is small (the DFA, at most `max_states` x byte classes int32), as rows are built lazily.
@@ -298,13 +310,19 @@ def load_or_build_index(pattern: str, tokenizer, vocab_size: int, eos_token_ids,
     """
     token_bytes = token_byte_strings(tokenizer, vocab_size)
     table = TokenTable.build(token_bytes)
+    stripped = strips_leading_space(tokenizer, token_bytes)  # the regex holds for the text decode shows
+
+    def dfa():
+        compiled = compile_regex(pattern, max_states)
+        return strip_leading_space(compiled) if stripped else compiled
+
     if cache_dir is None:
-        return TokenIndex.build(compile_regex(pattern, max_states), table, eos_token_ids)
-    key = _cache_key(pattern, token_bytes, eos_token_ids, max_states)
+        return TokenIndex.build(dfa(), table, eos_token_ids)
+    key = _cache_key(pattern, token_bytes, eos_token_ids, max_states, stripped)
     path = Path(cache_dir) / f"{hashlib.sha256(key.encode()).hexdigest()}.npz"
     index = load_index(path, key, table, eos_token_ids)
     if index is None:
-        index = TokenIndex.build(compile_regex(pattern, max_states), table, eos_token_ids)
+        index = TokenIndex.build(dfa(), table, eos_token_ids)
         try:
             save_index(index, path, key)
         except OSError as error:

@@ -34,6 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="KV entries kept of earlier conversations, least recently used out (default: 1 GiB).")
     parser.add_argument("--stored-responses", type=int, default=256,
                         help="Responses API answers kept for previous_response_id, oldest out (default: 256).")
+    parser.add_argument("--effort-budgets", default="", metavar="EFFORT=TOKENS,...",
+                        help="Think-block budgets of the effort levels, over the table in docs/server.md, e.g. "
+                             "'low=512,high=8192' ('none' as a budget: unbounded).")
     # main.py's flags, built by the same code; requests set the sampling, and no history is kept.
     flags.add_arguments(parser, history=False)
     return parser
@@ -49,6 +52,12 @@ def validate(args):
     if args.api_key is not None and not args.api_key.strip():
         raise CliError("--api-key must not be empty")
     flags.check(args)
+    from server.reasoning import parse_effort_budgets
+
+    try:
+        args.effort_table = parse_effort_budgets(args.effort_budgets)
+    except ValueError as error:
+        raise CliError(f"--effort-budgets {error}") from None
 
 
 def build_engine(args):
@@ -114,7 +123,7 @@ def main():
     except (CliError, ModelError, VocabularyMismatch) as error:
         sys.stderr.write(f"error: {error}\n")
         sys.exit(1)
-    app = build_app(engine, model_id, limit, args.api_key, args.max_tokens, args.stored_responses)
+    app = build_app(engine, model_id, limit, args.api_key, args.max_tokens, args.stored_responses, args.effort_table)
     if tool_syntax(engine.tokenizer) is None:
         sys.stderr.write("note: the chat template writes no tool calls this server knows, so tool_choice auto gets "
                          "text answers (forced calls are JSON; see docs/server.md)\n")

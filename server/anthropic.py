@@ -3,9 +3,15 @@
 A Messages body becomes OpenAI-style chat messages (``tool_use`` blocks an assistant's
 ``tool_calls``, ``tool_result`` blocks ``tool`` messages) and goes through ``prepare_chat`` as a
 chat completion does, so the prompt, the tool constraint and the prompt cache are the same.
-``output_config.format`` (a JSON schema) constrains the text as ``response_format`` does. Unknown
-top-level fields (``metadata``, ``thinking``, ...) are ignored; ``top_k`` 1 is greedy, other values
-are accepted and not applied (the engine samples with temperature and top_p only).
+``output_config.format`` (a JSON schema) constrains the text as ``response_format`` does, after the think
+block on a thinking model. ``thinking`` is honoured: ``{"type": "enabled", "budget_tokens": N}`` bounds
+the block (any N >= 1), ``disabled`` renders the template with thinking off, ``adaptive`` (and no
+``thinking``) leaves the template's default; ``output_config.effort`` maps to a budget
+(server/reasoning.py). Replies start with ``thinking`` blocks (their ``signature`` a digest of the text,
+which this server does not check when it comes back); thinking blocks in the history are given to the
+template as the turn's ``reasoning_content``. Unknown top-level fields (``metadata``, ...) are ignored;
+``top_k`` 1 is greedy, other values are accepted and not applied (the engine samples with temperature
+and top_p only).
 
 Usage follows Anthropic: ``input_tokens`` are the prompt tokens decoded now, and
 ``cache_read_input_tokens`` those whose KV entries came from the prompt cache (together, the
@@ -13,13 +19,15 @@ prompt). Errors are ``{"type": "error", "error": {"type", "message"}}`` with Ant
 (a full queue is 529 "overloaded_error").
 """
 
+import hashlib
 import json
 import uuid
 
 from server.engine import Outcome
-from server.formats import Format, sse
-from server.protocol import (ApiError, GenerationRequest, function_of, invalid, named_choice, number, prepare_chat,
-                             response_schema, typed)
+from server.formats import Format, Reasoning, sse
+from server.protocol import (ApiError, GenerationRequest, budget_field, effort_request, function_of, invalid,
+                             named_choice, number, prepare_chat, response_schema, typed)
+from server.reasoning import EFFORT_BUDGETS, ThinkingRequest
 from server.tools import Call
 
 PING_S = 5.0  # a stream with nothing to say for this long sends a ping (a long prompt's prefill)
@@ -35,8 +43,8 @@ def anthropic_error(error: ApiError) -> dict:
     return {"type": "error", "error": {"type": kind, "message": error.message}}
 
 
-def parse_messages(body: dict, tokenizer, model_id: str, default_max_tokens: int,
-                   counting: bool = False) -> GenerationRequest:
+def parse_messages(body: dict, tokenizer, model_id: str, default_max_tokens: int, counting: bool = False,
+                   effort_budgets: dict = EFFORT_BUDGETS) -> GenerationRequest:
     """A /v1/messages body (``counting``: a count_tokens body, which has no max_tokens)."""
     model = typed(body, "model", (str,), model_id, "a string")
     if model != model_id:
@@ -60,7 +68,9 @@ def parse_messages(body: dict, tokenizer, model_id: str, default_max_tokens: int
         raise invalid("messages: at least one message is required", param="messages")
     functions = [_function(tool, i) for i, tool in enumerate(typed(body, "tools", (list,), [], "a list of tools"))]
     choice, parallel = _tool_choice(typed(body, "tool_choice", (dict,), {"type": "auto"}, "an object"), functions)
-    output = typed(typed(body, "output_config", (dict,), {}, "an object"), "format", (dict,), None, "an object")
+    config = typed(body, "output_config", (dict,), {}, "an object")
+    thinking = _thinking(typed(body, "thinking", (dict,), None, "an object"), config.get("effort"), effort_budgets)
+    output = typed(config, "format", (dict,), None, "an object")
     if output is not None:  # structured output: {"type": "json_schema", "schema": {...}}
         if output.get("type") != "json_schema" or not isinstance(output.get("schema"), dict):
             raise invalid("output_config.format: must be {'type': 'json_schema', 'schema': {...}}",
@@ -68,7 +78,25 @@ def parse_messages(body: dict, tokenizer, model_id: str, default_max_tokens: int
         request.schema = response_schema({"type": "json_schema", "json_schema": {"schema": output["schema"]}},
                                          "output_config.format")
     chat = _system(body.get("system")) + _chat_messages(messages)
-    return prepare_chat(request, chat, functions, choice, parallel, tokenizer)
+    return prepare_chat(request, chat, functions, choice, parallel, tokenizer, thinking)
+
+
+def _thinking(thinking, effort, budgets: dict) -> ThinkingRequest:
+    """``thinking`` (enabled with budget_tokens, adaptive, disabled) and ``output_config.effort``."""
+    asked = effort_request(effort, "output_config.effort", budgets)
+    if thinking is None:
+        return asked
+    kind = thinking.get("type")
+    if kind == "disabled":
+        return ThinkingRequest(enabled=False)
+    if kind == "enabled":
+        budget = budget_field(thinking.get("budget_tokens"), "thinking.budget_tokens")
+        if budget is None:
+            raise invalid("thinking.budget_tokens: a positive integer is required", param="thinking")
+        return ThinkingRequest(enabled=True, budget=budget)
+    if kind == "adaptive":
+        return asked
+    raise invalid("thinking.type: must be 'enabled', 'adaptive' or 'disabled'", param="thinking")
 
 
 def _text(blocks, where: str) -> str:
@@ -89,7 +117,8 @@ def _system(system) -> list:
 
 def _chat_messages(messages: list) -> list:
     """Messages in chat form: text, ``tool_use`` (an assistant's calls) and ``tool_result`` (each a
-    ``tool`` message, before the rest of its user turn); thinking blocks are left out."""
+    ``tool`` message, before the rest of its user turn); an assistant's thinking blocks are its
+    ``reasoning_content`` (redacted ones are left out)."""
     chat, names = [], {}  # tool_use id -> tool name, for the results that answer it
     for i, message in enumerate(messages):
         where = f"messages[{i}]"
@@ -100,7 +129,7 @@ def _chat_messages(messages: list) -> list:
         blocks = [{"type": "text", "text": content}] if isinstance(content, str) else content
         if not isinstance(blocks, list):
             raise invalid(f"{where}.content: must be a string or a list of content blocks", param=where)
-        texts, calls, results = [], [], []
+        texts, calls, results, thoughts = [], [], [], []
         for j, block in enumerate(blocks):
             kind = block.get("type") if isinstance(block, dict) else None
             place = f"{where}.content[{j}]"
@@ -120,11 +149,15 @@ def _chat_messages(messages: list) -> list:
                 call_id = block.get("tool_use_id")
                 results.append({"role": "tool", "tool_call_id": call_id, "name": names.get(call_id, ""),
                                 "content": result})
+            elif kind == "thinking" and isinstance(block.get("thinking"), str):
+                thoughts.append(block["thinking"])
             elif kind not in ("thinking", "redacted_thinking"):
                 raise invalid(f"{place}: '{kind}' blocks are not supported here (text, tool_use from the "
                               "assistant and tool_result from the user are)", param=place)
         if role == "assistant":
             answer = {"role": "assistant", "content": "\n\n".join(texts)}
+            if thoughts and role == "assistant":
+                answer["reasoning_content"] = "\n\n".join(thoughts)
             chat.append({**answer, "tool_calls": calls} if calls else answer)
         else:
             chat += results
@@ -156,10 +189,16 @@ def _tool_choice(choice: dict, functions: list) -> tuple:
     raise invalid("tool_choice.type: must be 'auto', 'any', 'tool' or 'none'", param="tool_choice")
 
 
+def signature(thinking: str) -> str:
+    """A thinking block's signature: a digest of its text (Anthropic's is opaque; clients send it back)."""
+    return hashlib.sha256(thinking.encode()).hexdigest()
+
+
 class MessagesFormat(Format):
     """Message objects, and their stream: message_start, then per content block
-    content_block_start / content_block_delta (text_delta, input_json_delta) / content_block_stop,
-    message_delta (stop_reason, usage), message_stop; a ping after ``PING_S`` of silence."""
+    content_block_start / content_block_delta (thinking_delta then signature_delta, text_delta,
+    input_json_delta) / content_block_stop, message_delta (stop_reason, usage), message_stop; a ping
+    after ``PING_S`` of silence."""
 
     ping_s = PING_S
 
@@ -168,6 +207,7 @@ class MessagesFormat(Format):
         self.id = f"msg_{uuid.uuid4().hex[:24]}"
         self.cached = 0  # prompt tokens found in the prompt cache
         self.blocks, self.text_open, self.called = 0, False, False  # content blocks started; the last open
+        self.thinking = None  # the open thinking block's text so far
 
     def _message(self, content: list, outcome: Outcome = None) -> dict:
         stop_reason = None if outcome is None else self._stop_reason(outcome)
@@ -195,13 +235,20 @@ class MessagesFormat(Format):
     def full(self, outcome: Outcome) -> dict:
         text, calls = self.split(outcome)
         self.called = bool(calls)
-        return self._message(([{"type": "text", "text": text}] if text else []) + [self._tool_use(c) for c in calls],
-                             outcome)
+        reasoning = self.reasoning(outcome)
+        thinking = [{"type": "thinking", "thinking": reasoning, "signature": signature(reasoning)}] if reasoning else []
+        return self._message(thinking + ([{"type": "text", "text": text}] if text else [])
+                             + [self._tool_use(c) for c in calls], outcome)
 
     def _event(self, kind: str, **fields) -> str:
         return sse({"type": kind, **fields}, kind)
 
     def _close_text(self) -> list:
+        if self.thinking is not None:
+            thinking, self.thinking, self.blocks = self.thinking, None, self.blocks + 1
+            return [self._event("content_block_delta", index=self.blocks - 1,
+                                delta={"type": "signature_delta", "signature": signature(thinking)}),
+                    self._event("content_block_stop", index=self.blocks - 1)]
         if not self.text_open:
             return []
         self.text_open, self.blocks = False, self.blocks + 1
@@ -210,6 +257,17 @@ class MessagesFormat(Format):
     def _items(self, items: list) -> list:
         events = []
         for item in items:
+            if isinstance(item, Reasoning):
+                if self.thinking is None:
+                    events.append(self._event("content_block_start", index=self.blocks,
+                                              content_block={"type": "thinking", "thinking": "", "signature": ""}))
+                    self.thinking = ""
+                self.thinking += item.text
+                events.append(self._event("content_block_delta", index=self.blocks,
+                                          delta={"type": "thinking_delta", "thinking": item.text}))
+                continue
+            if self.thinking is not None:
+                events += self._close_text()
             if isinstance(item, str):
                 if not self.text_open:
                     events.append(self._event("content_block_start", index=self.blocks,
@@ -232,10 +290,10 @@ class MessagesFormat(Format):
         return [self._event("message_start", message=self._message([]))]
 
     def text(self, piece: str, logprobs) -> list:
-        return self._items(self.reader.add(piece))
+        return self._items(self.read(piece))
 
     def done(self, outcome: Outcome) -> list:
-        events = self._items(self.reader.finish()) + self._close_text()
+        events = self._items(self.read("", finish=True)) + self._close_text()
         delta = {"stop_reason": self._stop_reason(outcome), "stop_sequence": outcome.stop_sequence}
         return events + [self._event("message_delta", delta=delta, usage=self._usage(outcome)),
                          self._event("message_stop")]

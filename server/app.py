@@ -24,6 +24,7 @@ from server.anthropic import ANTHROPIC_STATUS, MessagesFormat, anthropic_error, 
 from server.engine import Engine, Job
 from server.formats import ChatFormat, CompletionFormat
 from server.protocol import ApiError, check_prompt, parse_body, parse_chat, parse_completion
+from server.reasoning import EFFORT_BUDGETS
 from server.responses import ResponsesFormat, ResponseStore, parse_responses
 
 DISCONNECT_POLL_S = 0.25  # how often a waiting handler checks that its client is still there
@@ -35,11 +36,14 @@ class ClientGone(Exception):
 
 
 def build_app(engine: Engine, model_id: str, context_length=None, api_key=None,
-              default_max_tokens: int = 512, stored_responses: int = 256) -> Starlette:
+              default_max_tokens: int = 512, stored_responses: int = 256, effort_budgets: dict = EFFORT_BUDGETS
+              ) -> Starlette:
     """Routes: GET /v1/models, POST /v1/chat/completions, /v1/completions, /v1/messages (Anthropic),
     /v1/messages/count_tokens, /v1/responses (OpenAI), GET /health. ``stored_responses``: how many
-    Responses answers are kept for ``previous_response_id`` (the oldest go first)."""
+    Responses answers are kept for ``previous_response_id`` (the oldest go first); ``effort_budgets``:
+    the think-block budget of each effort level (server/reasoning.py)."""
     store = ResponseStore(stored_responses)
+    efforts = {"effort_budgets": effort_budgets}
 
     def authorize(request: Request):
         if api_key is None:
@@ -59,22 +63,23 @@ def build_app(engine: Engine, model_id: str, context_length=None, api_key=None,
         return JSONResponse({"status": "ok"})
 
     async def chat_completions(request: Request):
-        return await generate(request, parse_chat, ChatFormat)
+        return await generate(request, functools.partial(parse_chat, **efforts), ChatFormat)
 
     async def completions(request: Request):
         return await generate(request, parse_completion, CompletionFormat)
 
     async def messages(request: Request):
-        return await generate(request, parse_messages, MessagesFormat)
+        return await generate(request, functools.partial(parse_messages, **efforts), MessagesFormat)
 
     async def responses(request: Request):
-        return await generate(request, functools.partial(parse_responses, store=store),
+        return await generate(request, functools.partial(parse_responses, store=store, **efforts),
                               functools.partial(ResponsesFormat, store=store))
 
     async def count_tokens(request: Request):
         authorize(request)
         body = parse_body(await read_body(request))
-        generation = await run_in_threadpool(parse_messages, body, engine.tokenizer, model_id, 1, counting=True)
+        generation = await run_in_threadpool(parse_messages, body, engine.tokenizer, model_id, 1, counting=True,
+                                             **efforts)
         return JSONResponse({"input_tokens": len(generation.prompt)})
 
     async def generate(request: Request, parse, make_format):

@@ -44,6 +44,7 @@ from cache import CachedPrefix
 from cost import PassCost
 from decoder import ConstraintError, DecodingStats, TextStream, eos_ids_of, generate_step
 from server.protocol import ApiError, GenerationRequest, invalid
+from server.reasoning import around_thinking
 from constrained.build import compile_schema, grammar_constraint, regex_constraint
 
 MAX_CACHED_CONSTRAINTS = 32  # token indexes are ~1 MB each; a client reuses few schemas
@@ -61,6 +62,7 @@ class Outcome:
     stop_sequence: Optional[str] = None  # the stop string that ended it, if one did
     stats: DecodingStats = field(default_factory=DecodingStats)
     logprobs: Optional[list] = None  # with request.logprobs: a TokenLogprob per generated token
+    tokens: list = field(default_factory=list)  # the generated tokens (reasoning_tokens counts some of them)
 
 
 @dataclass
@@ -321,6 +323,9 @@ class Engine:
                 self.generator.remove([response.uid])
         else:
             outcome.finish_reason = response.finish_reason
+            piece, _ = row.stopper.add(row.text.finish())  # the text of a byte run that never became a character
+            if piece:
+                row.send(piece)
             if rest := row.stopper.flush():  # text held back for a stop string that never came
                 row.send(rest)
             outcome.stats = response.stats or outcome.stats
@@ -329,7 +334,7 @@ class Engine:
         if response.cache is not None:
             self.prompt_cache.add(job.request.prompt + row.generated, response.cache)
         del self.replies[response.uid]
-        outcome.text, outcome.completion_tokens = "".join(row.pieces), len(row.generated)
+        outcome.text, outcome.completion_tokens, outcome.tokens = "".join(row.pieces), len(row.generated), row.generated
         job.send("done", outcome)
 
     def _token_logprob(self, token: int, found) -> TokenLogprob:
@@ -356,7 +361,11 @@ class Engine:
         """A fresh (constraint, forced-text source) for the request's regex, schema or grammar, or
         (None, None); rows never share one. The costly part, the token index or compiled grammar, is
         built once per distinct pattern, by the first request that needs it while later ones wait for
-        it. Safe from any thread, and no MLX call: the HTTP side calls it off the worker."""
+        it. On a thinking model it starts after the think block, which a budget bounds
+        (server/reasoning.py). Safe from any thread, and no MLX call: the HTTP side calls it off the worker."""
+        return around_thinking(request.thinking, *self._answer_constraint_for(request), self.vocab_size)
+
+    def _answer_constraint_for(self, request: GenerationRequest) -> tuple:
         key = next(((kind, pattern) for kind, pattern in (("regex", request.regex), ("schema", request.schema),
                    ("tools", request.tool_grammar)) if pattern is not None), ("grammar", request.grammar))
         if key[1] is None:

@@ -10,7 +10,9 @@ formats (anthropic.py, responses.py) follow the same shape.
 import json
 import time
 import uuid
+from dataclasses import dataclass
 
+from constrained.thinking import ReasoningSplitter
 from server.engine import Outcome
 from server.protocol import ApiError, GenerationRequest
 from server.tools import Call, reader_for, split
@@ -21,29 +23,58 @@ def sse(data: dict, event: str = None) -> str:
     return (f"event: {event}\n" if event else "") + f"data: {json.dumps(data)}\n\n"
 
 
+@dataclass(frozen=True)
+class Reasoning:
+    """A piece of the think block's text, as ``Format.read`` gives it among text and calls."""
+
+    text: str
+
+
 class Format:
-    """One request's answer in one API's terms (see the module docstring)."""
+    """One request's answer in one API's terms (see the module docstring). On a thinking model the
+    think block is split off first (server/reasoning.py); the answer's text is read for calls."""
 
     ping_s = None  # seconds of silence in a stream after which ``ping()`` is sent; None: never
 
     def __init__(self, model_id: str, request: GenerationRequest):
         self.model_id, self.request = model_id, request
         self.reader = reader_for(request.tools)  # the stream's; ``full`` reads the whole text afresh
+        self.splitter = ReasoningSplitter(None) if request.thinking is None else request.thinking.splitter()
+
+    def _split_reasoning(self, outcome: Outcome) -> tuple:
+        thinking = self.request.thinking
+        return ("", outcome.text) if thinking is None else thinking.split(outcome.text)
 
     def split(self, outcome: Outcome) -> tuple:
-        """``(text, calls)`` of a whole output."""
-        return split(reader_for(self.request.tools), outcome.text)
+        """``(text, calls)`` of a whole output's answer."""
+        return split(reader_for(self.request.tools), self._split_reasoning(outcome)[1])
+
+    def reasoning(self, outcome: Outcome) -> str:
+        """The think block's text of a whole output ("" for none)."""
+        return self._split_reasoning(outcome)[0]
+
+    def reasoning_tokens(self, outcome: Outcome) -> int:
+        thinking = self.request.thinking
+        return 0 if thinking is None else thinking.reasoning_tokens(outcome.tokens)
+
+    def read(self, piece: str, finish: bool = False) -> list:
+        """A streamed piece as ``Reasoning``, text (str) and ``Call`` items; ``finish``: and what was held."""
+        items = []
+        for kind, text in self.splitter.add(piece) + (self.splitter.finish() if finish else []):
+            items += [Reasoning(text)] if kind == "reasoning" else self.reader.add(text)
+        return items + (self.reader.finish() if finish else [])
 
     def ping(self) -> list:
         return []
 
 
-def usage(outcome: Outcome) -> dict:
+def usage(outcome: Outcome, reasoning_tokens: int = 0) -> dict:
     """OpenAI's token counts; ``decoding`` is our extension: the target's forward passes and the drafts."""
     stats = outcome.stats
     return {"prompt_tokens": outcome.prompt_tokens, "completion_tokens": outcome.completion_tokens,
             "total_tokens": outcome.prompt_tokens + outcome.completion_tokens,
             "prompt_tokens_details": {"cached_tokens": outcome.cached_tokens},
+            "completion_tokens_details": {"reasoning_tokens": reasoning_tokens},
             "decoding": {"target_forward_passes": stats.target_forward_passes,
                          "draft_proposed": stats.draft_proposed, "draft_accepted": stats.draft_accepted,
                          "prompt_time_s": round(stats.prompt_time, 4)}}
@@ -75,11 +106,13 @@ class ChatFormat(Format):
     def full(self, outcome: Outcome) -> dict:
         text, calls = self.split(outcome)
         message = {"role": "assistant", "content": text if text or not calls else None}
+        if reasoning := self.reasoning(outcome):  # reasoning_content: the name older clients read
+            message["reasoning"] = message["reasoning_content"] = reasoning
         if calls:
             message["tool_calls"] = [self._call(call) for call in calls]
         choice = {"index": 0, "message": message, "finish_reason": self._finish_reason(outcome, bool(calls)),
                   "logprobs": self._logprobs(outcome.logprobs)}
-        return self._object("chat.completion", [choice], usage=usage(outcome))
+        return self._object("chat.completion", [choice], usage=usage(outcome, self.reasoning_tokens(outcome)))
 
     @staticmethod
     def _logprobs(entries) -> dict:
@@ -97,7 +130,14 @@ class ChatFormat(Format):
                                                            "logprobs": self._logprobs(logprobs)}]))
 
     def _items(self, items: list, logprobs=None) -> list:
-        """The chunk for what the reader let out (none if nothing, logprobs aside)."""
+        """The chunks for what the reader let out: reasoning first, then text and calls (none if nothing,
+        logprobs aside)."""
+        chunks = []
+        if reasoning := "".join(item.text for item in items if isinstance(item, Reasoning)):
+            delta = {"reasoning": reasoning, "reasoning_content": reasoning}
+            if all(isinstance(item, Reasoning) for item in items):
+                return [self._chunk(delta, logprobs=logprobs)]
+            chunks.append(self._chunk(delta))
         delta = {}
         if text := "".join(item for item in items if isinstance(item, str)):
             delta["content"] = text
@@ -105,20 +145,21 @@ class ChatFormat(Format):
             delta["tool_calls"] = [{"index": self.calls + i, **self._call(call)} for i, call in enumerate(calls)]
             self.calls += len(calls)
         if not delta and logprobs is None:
-            return []
-        return [self._chunk(delta or {"content": ""}, logprobs=logprobs)]
+            return chunks
+        return chunks + [self._chunk(delta or {"content": ""}, logprobs=logprobs)]
 
     def start(self, cached: int) -> list:
         return [self._chunk({"role": "assistant", "content": ""})]
 
     def text(self, piece: str, logprobs) -> list:
-        return self._items(self.reader.add(piece), logprobs)
+        return self._items(self.read(piece), logprobs)
 
     def done(self, outcome: Outcome) -> list:
-        events = self._items(self.reader.finish())
+        events = self._items(self.read("", finish=True))
         events.append(self._chunk({}, self._finish_reason(outcome, self.calls > 0)))
         if self.request.include_usage:
-            events.append(sse(self._object("chat.completion.chunk", [], usage=usage(outcome))))
+            events.append(sse(self._object("chat.completion.chunk", [],
+                                           usage=usage(outcome, self.reasoning_tokens(outcome)))))
         return events + ["data: [DONE]\n\n"]
 
     def failed(self, error: ApiError) -> list:  # the status line is sent already: say it in the stream

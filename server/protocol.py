@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from decoder import encode
+from server.reasoning import EFFORT_BUDGETS, Thinking, ThinkingRequest, template_options, thinking_of
 from server.tools import Function, ToolUse, tool_syntax
 
 MAX_STOP_STRINGS = 4  # as OpenAI
@@ -26,7 +27,8 @@ IGNORED = {"user", "store", "metadata", "service_tier", "stream_options",
 COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "stream", "stream_options",
           "guided_regex", "guided_grammar"}
 CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "response_format", "tools", "tool_choice", "logprobs",
-                        "top_logprobs", "parallel_tool_calls"}
+                        "top_logprobs", "parallel_tool_calls", "chat_template_kwargs", "reasoning_effort",
+                        "thinking_token_budget"}
 COMPLETION_FIELDS = COMMON | {"prompt", "echo", "suffix", "best_of", "logprobs"}
 
 
@@ -67,6 +69,7 @@ class GenerationRequest:
     stream: bool = False
     include_usage: bool = False
     logprobs: Optional[int] = None  # None: none; k: each token's logprob and the k most likely tokens
+    thinking: Optional[Thinking] = None  # on a thinking model: its markers, where the prompt left it, the budget
 
 
 def parse_body(raw: bytes) -> dict:
@@ -140,8 +143,10 @@ def _common(body: dict, allowed: set, model_id: str, max_tokens_field: Optional[
     return request
 
 
-def parse_chat(body: dict, tokenizer, model_id: str, default_max_tokens: int) -> GenerationRequest:
-    """A /v1/chat/completions body; ``tokenizer`` applies the chat template."""
+def parse_chat(body: dict, tokenizer, model_id: str, default_max_tokens: int,
+               effort_budgets: dict = EFFORT_BUDGETS) -> GenerationRequest:
+    """A /v1/chat/completions body; ``tokenizer`` applies the chat template. ``effort_budgets``: the
+    think-block budget of each ``reasoning_effort`` (server/reasoning.py)."""
     limit = body.get("max_completion_tokens", body.get("max_tokens"))
     max_tokens = typed({"max_tokens": limit}, "max_tokens", (int,), None, "an integer")
     request = _common(body, CHAT_FIELDS, model_id, max_tokens, default_max_tokens)
@@ -160,18 +165,48 @@ def parse_chat(body: dict, tokenizer, model_id: str, default_max_tokens: int) ->
     request.schema = response_schema(typed(body, "response_format", (dict,), {"type": "text"}, "an object"),
                                       "response_format")
     parallel = typed(body, "parallel_tool_calls", (bool,), True, "a boolean")
-    return prepare_chat(request, messages, functions, choice, parallel, tokenizer)
+    thinking = effort_request(body.get("reasoning_effort"), "reasoning_effort", effort_budgets,
+                              body.get("thinking_token_budget"))
+    thinking.template_options = typed(body, "chat_template_kwargs", (dict,), {}, "an object")
+    if thinking.enabled is None and isinstance(thinking.template_options.get("enable_thinking"), bool):
+        thinking.enabled = thinking.template_options["enable_thinking"]
+    return prepare_chat(request, messages, functions, choice, parallel, tokenizer, thinking)
+
+
+def budget_field(value, param: str) -> Optional[int]:
+    """A token budget as a request gives it: a positive integer, or None."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise invalid(f"'{param}' must be a positive integer (tokens inside the think block)", param=param)
+    return value
+
+
+def effort_request(effort, param: str, budgets: dict, budget=None) -> ThinkingRequest:
+    """An effort level (and an explicit budget, which wins) as a ``ThinkingRequest``."""
+    budget = budget_field(budget, "thinking_token_budget")
+    if effort is None:
+        return ThinkingRequest(budget=budget, enabled=True if budget is not None else None)
+    if effort == "none":
+        return ThinkingRequest(enabled=False)
+    if not isinstance(effort, str) or effort not in budgets:
+        known = ", ".join(["none"] + sorted(budgets, key=lambda name: budgets[name] or 2**62))
+        raise invalid(f"'{param}' must be one of {known}", param=param)
+    return ThinkingRequest(enabled=True, budget=budget if budget is not None else budgets[effort])
 
 
 def prepare_chat(request: GenerationRequest, messages: list, functions: list, choice: str, parallel: bool,
-                 tokenizer) -> GenerationRequest:
+                 tokenizer, thinking: Optional[ThinkingRequest] = None) -> GenerationRequest:
     """The prompt and the tool constraint of a chat request, whichever API it came in.
 
     Args:
         messages: OpenAI chat messages; an assistant's ``tool_calls`` have their arguments as JSON
-            text or an object, a ``tool`` message answers one.
+            text or an object, a ``tool`` message answers one; its ``reasoning_content``, the
+            reasoning the template may show.
         functions: the ``tools.Function``s offered; choice: "none", "auto", "required" or a name.
+        thinking: what the request asks of a thinking model (None: the template's default).
     """
+    thinking = thinking if thinking is not None else ThinkingRequest()
     if functions and choice != "none":
         tools = ToolUse(functions, choice, parallel, tool_syntax(tokenizer))
         request.tool_grammar, schema = tools.grammar(), tools.json_schema()
@@ -184,11 +219,13 @@ def prepare_chat(request: GenerationRequest, messages: list, functions: list, ch
     if sum(constraint is not None for constraint in given) > 1:
         raise invalid("give one of a response format, a forced tool call, guided_regex and guided_grammar")
     options = {"tools": [f.for_template() for f in functions]} if functions and choice != "none" else {}
+    options |= template_options(thinking, tokenizer)
     request.messages = messages
     try:
         request.prompt = encode(tokenizer, _for_template(messages, tokenizer), **options)
     except Exception as error:  # the template's own checks (jinja raise_exception, a missing key)
         raise invalid(f"the chat template rejected the messages: {error}", param="messages") from None
+    request.thinking = thinking_of(thinking, tokenizer, request.prompt)
     return request
 
 
@@ -238,7 +275,11 @@ def _message(message, index: int) -> dict:
         content = ""
     if not isinstance(content, str):
         raise invalid(f"{param}.content must be a string or a list of text parts", param=param)
-    return {**message, "content": content}
+    reasoning = message.get("reasoning", message.get("reasoning_content"))
+    if reasoning is not None and not isinstance(reasoning, str):
+        raise invalid(f"{param}.reasoning must be a string", param=param)
+    message = {key: value for key, value in message.items() if key != "reasoning"}
+    return {**message, "content": content, **({"reasoning_content": reasoning} if reasoning else {})}
 
 
 def _chat_tools(tools: list) -> list:

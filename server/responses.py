@@ -11,6 +11,12 @@ answers (``build_app``; 256 by default, in memory, least recent out) unless a re
 404 that says so. Agents that resend the whole history need none of it. As in OpenAI's API, the
 earlier ``instructions`` are not carried over.
 
+On a thinking model ``reasoning.effort`` (or ``thinking_token_budget``) bounds the think block
+(server/reasoning.py), and the output starts with a ``reasoning`` item whose ``content`` is
+``[{"type": "reasoning_text", "text": ...}]``, streamed as ``response.reasoning_text.delta`` and
+``.done``. A reasoning item in ``input`` (or kept for ``previous_response_id``) is the next assistant
+turn's ``reasoning_content``, which the template keeps or drops.
+
 A stream ends with ``response.completed`` also when ``max_output_tokens`` cut the answer short
 (status "incomplete", ``incomplete_details.reason`` "max_output_tokens").
 """
@@ -21,15 +27,17 @@ import uuid
 from collections import OrderedDict
 
 from server.engine import Outcome
-from server.formats import Format, sse
-from server.protocol import (ApiError, GenerationRequest, check_fields_and_model, function_of, invalid, number,
-                             prepare_chat, response_schema, tool_choice, typed)
+from server.formats import Format, Reasoning, sse
+from server.protocol import (ApiError, GenerationRequest, check_fields_and_model, effort_request, function_of,
+                             invalid, number, prepare_chat, response_schema, tool_choice, typed)
+from server.reasoning import EFFORT_BUDGETS
 from server.tools import Call
 
 FIELDS = {"model", "input", "instructions", "tools", "tool_choice", "text", "max_output_tokens", "temperature",
-          "top_p", "stream", "previous_response_id", "parallel_tool_calls", "store"}
+          "top_p", "stream", "previous_response_id", "parallel_tool_calls", "store", "reasoning",
+          "thinking_token_budget"}
 # Accepted and ignored: bookkeeping on OpenAI's side, or options that change nothing here.
-IGNORED = {"metadata", "user", "service_tier", "truncation", "include", "reasoning", "prompt_cache_key",
+IGNORED = {"metadata", "user", "service_tier", "truncation", "include", "prompt_cache_key",
            "safety_identifier", "prompt_cache_retention", "stream_options", "background"}
 
 
@@ -56,7 +64,7 @@ class ResponseStore:
 
 
 def parse_responses(body: dict, tokenizer, model_id: str, default_max_tokens: int,
-                    store: ResponseStore) -> GenerationRequest:
+                    store: ResponseStore, effort_budgets: dict = EFFORT_BUDGETS) -> GenerationRequest:
     """A /v1/responses body."""
     check_fields_and_model(body, FIELDS, model_id, IGNORED)
     max_tokens = typed(body, "max_output_tokens", (int,), default_max_tokens, "an integer")
@@ -77,8 +85,11 @@ def parse_responses(body: dict, tokenizer, model_id: str, default_max_tokens: in
     request.schema = response_schema(_as_response_format(typed(text, "format", (dict,), {"type": "text"},
                                                                "an object")), "text.format")
     parallel = typed(body, "parallel_tool_calls", (bool,), True, "a boolean")
+    reasoning = typed(body, "reasoning", (dict,), {}, "an object")
+    thinking = effort_request(reasoning.get("effort"), "reasoning.effort", effort_budgets,
+                              body.get("thinking_token_budget"))
     prepare_chat(request, ([{"role": "system", "content": instructions}] if instructions else []) + conversation,
-                 functions, choice, parallel, tokenizer)
+                 functions, choice, parallel, tokenizer, thinking)
     stored = typed(body, "store", (bool,), True, "a boolean")
     request.messages = conversation if stored and store.size else None  # what a follow-up builds on
     return request
@@ -102,12 +113,13 @@ def _content(content, where: str) -> str:
 
 def _input_messages(items) -> list:
     """Chat messages for ``input``: a function_call joins the assistant message before it (or
-    starts one), a function_call_output is a ``tool`` message; reasoning items are left out."""
+    starts one), a function_call_output is a ``tool`` message; a reasoning item's text is the
+    ``reasoning_content`` of the assistant message that follows it."""
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
     if not isinstance(items, list) or not items:
         raise invalid("'input' must be a string or a non-empty list of items", param="input")
-    chat, names = [], {}  # call_id -> tool name
+    chat, names, thought = [], {}, None  # call_id -> tool name; reasoning waiting for its assistant turn
     for i, item in enumerate(items):
         where = f"input[{i}]"
         kind = item.get("type", "message") if isinstance(item, dict) else None
@@ -116,21 +128,29 @@ def _input_messages(items) -> list:
             if role not in ("user", "assistant", "system"):
                 raise invalid(f"{where}.role must be 'user', 'assistant', 'system' or 'developer'", param=where)
             chat.append({"role": role, "content": _content(item.get("content"), f"{where}.content")})
+            if role == "assistant" and thought:
+                chat[-1]["reasoning_content"], thought = thought, None
         elif kind == "function_call":
             call_id, name, arguments = item.get("call_id"), item.get("name"), item.get("arguments")
             if not all(isinstance(value, str) for value in (call_id, name, arguments)):
                 raise invalid(f"{where}: a function_call needs 'call_id', 'name' and 'arguments' strings", param=where)
             names[call_id] = name
             call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
-            if chat and chat[-1]["role"] == "assistant":
+            if chat and chat[-1]["role"] == "assistant" and not thought:
                 chat[-1] = {**chat[-1], "tool_calls": chat[-1].get("tool_calls", []) + [call]}
             else:
-                chat.append({"role": "assistant", "content": "", "tool_calls": [call]})
+                chat.append({"role": "assistant", "content": "", "tool_calls": [call],
+                             **({"reasoning_content": thought} if thought else {})})
+                thought = None
         elif kind == "function_call_output":
             call_id = item.get("call_id")
             chat.append({"role": "tool", "tool_call_id": call_id, "name": names.get(call_id, ""),
                          "content": _content(item.get("output"), f"{where}.output")})
-        elif kind != "reasoning":
+        elif kind == "reasoning":
+            parts = [p for key in ("content", "summary") for p in
+                     (item.get(key) if isinstance(item.get(key), list) else [])]
+            thought = "".join(p.get("text", "") for p in parts if isinstance(p, dict)) or thought
+        else:
             raise invalid(f"{where}: '{kind}' items are not supported (message, function_call and "
                           "function_call_output are)", param=where)
     return chat
@@ -157,6 +177,7 @@ class ResponsesFormat(Format):
         self.sequence = 0  # every event's sequence_number
         self.output = []  # finished output items
         self.message = None  # the open message item, while text streams into it
+        self.thought = None  # the open reasoning item, while reasoning streams into it
 
     def _response(self, status: str, outcome: Outcome = None) -> dict:
         tools = [] if self.request.tools is None else self.request.tools.functions
@@ -172,7 +193,7 @@ class ResponsesFormat(Format):
             response["usage"] = {"input_tokens": outcome.prompt_tokens,
                                  "input_tokens_details": {"cached_tokens": outcome.cached_tokens},
                                  "output_tokens": outcome.completion_tokens,
-                                 "output_tokens_details": {"reasoning_tokens": 0},
+                                 "output_tokens_details": {"reasoning_tokens": self.reasoning_tokens(outcome)},
                                  "total_tokens": outcome.prompt_tokens + outcome.completion_tokens}
             if outcome.finish_reason == "length":
                 response["incomplete_details"] = {"reason": "max_output_tokens"}
@@ -195,9 +216,41 @@ class ResponsesFormat(Format):
         self.output.append(item)
         return events
 
+    def _reasoning(self, piece: str) -> list:
+        events = []
+        if self.thought is None:
+            self.thought = {"id": f"rs_{uuid.uuid4().hex}", "type": "reasoning", "summary": [], "content": [],
+                            "status": "in_progress"}
+            events.append(self._event("response.output_item.added", output_index=len(self.output),
+                                      item={**self.thought, "content": []}))
+            self.thought["content"].append({"type": "reasoning_text", "text": ""})
+            events.append(self._event("response.content_part.added", item_id=self.thought["id"],
+                                      output_index=len(self.output), content_index=0,
+                                      part={"type": "reasoning_text", "text": ""}))
+        self.thought["content"][0]["text"] += piece
+        return events + [self._event("response.reasoning_text.delta", item_id=self.thought["id"],
+                                     output_index=len(self.output), content_index=0, delta=piece)]
+
+    def _close_reasoning(self) -> list:
+        if self.thought is None:
+            return []
+        item, self.thought = self.thought, None
+        part = item["content"][0]
+        where = {"item_id": item["id"], "output_index": len(self.output), "content_index": 0}
+        item["status"] = "completed"
+        events = [self._event("response.reasoning_text.done", **where, text=part["text"]),
+                  self._event("response.content_part.done", **where, part=part),
+                  self._event("response.output_item.done", output_index=len(self.output), item=item)]
+        self.output.append(item)
+        return events
+
     def _items(self, items: list) -> list:
         events = []
         for item in items:
+            if isinstance(item, Reasoning):
+                events += self._reasoning(item.text)
+                continue
+            events += self._close_reasoning()
             if isinstance(item, str):
                 if self.message is None:
                     self.message = {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant",
@@ -237,12 +290,16 @@ class ResponsesFormat(Format):
             calls = [{"id": item["call_id"], "type": "function",
                       "function": {"name": item["name"], "arguments": item["arguments"]}}
                      for item in self.output if item["type"] == "function_call"]
-            answer = {"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})}
+            thought = "".join(part["text"] for item in self.output if item["type"] == "reasoning"
+                              for part in item["content"])
+            answer = {"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {}),
+                      **({"reasoning_content": thought} if thought else {})}
             self.store.add(self.id, self.request.messages + [answer])
         return self._response("incomplete" if outcome.finish_reason == "length" else "completed", outcome)
 
     def full(self, outcome: Outcome) -> dict:
-        self._items(self.reader.add(outcome.text) + self.reader.finish())  # the stream's items, events unsent
+        self._items(self.read(outcome.text, finish=True))  # the stream's items, events unsent
+        self._close_reasoning()
         self._close_message()
         return self._finish(outcome)
 
@@ -251,10 +308,10 @@ class ResponsesFormat(Format):
                 self._event("response.in_progress", response=self._response("in_progress"))]
 
     def text(self, piece: str, logprobs) -> list:
-        return self._items(self.reader.add(piece))
+        return self._items(self.read(piece))
 
     def done(self, outcome: Outcome) -> list:
-        events = self._items(self.reader.finish()) + self._close_message()
+        events = self._items(self.read("", finish=True)) + self._close_reasoning() + self._close_message()
         return events + [self._event("response.completed", response=self._finish(outcome))]
 
     def failed(self, error: ApiError) -> list:

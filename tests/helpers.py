@@ -150,11 +150,12 @@ def assert_constrained_sampling_is_exact(model, constraint, temp=1.0, runs=1500)
     assert 0 < stats.draft_accepted < stats.draft_proposed
 
 
-def tiny_byte_tokenizer():
+def tiny_byte_tokenizer(thinking: bool = False):
     """A byte-level BPE tokenizer with every byte, a few merges and an EOS: vocab of ~270.
 
     Small enough for a tiny random model, yet it has multi-byte tokens (so forced
-    text and token masks are not trivially one byte per token).
+    text and token masks are not trivially one byte per token). ``thinking``: with
+    ``<think>`` and ``</think>`` as special tokens after EOS, as thinking models have.
     """
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -173,4 +174,23 @@ def tiny_byte_tokenizer():
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.add_special_tokens([AddedToken("<eos>", special=True)])
+    if thinking:
+        tokenizer.add_special_tokens([AddedToken("<think>", special=True), AddedToken("</think>", special=True)])
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<eos>")
+
+
+def qwen3_small_tokenizer(opens: bool = False):
+    """Qwen3's tokenizer and shipped chat template (tests/data/qwen3-small: its first 4096 tokens and every
+    added token), as mlx-lm wraps it; ``opens``: the template's generation prompt opens the think block, as
+    Qwen3.5's and Qwen3-Thinking-2507's do."""
+    from pathlib import Path
+
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(Path(__file__).parent / "data" / "qwen3-small")
+    if opens:
+        tokenizer.chat_template = tokenizer.chat_template.replace(
+            "{{- '<|im_start|>assistant\\n' }}", "{{- '<|im_start|>assistant\\n<think>\\n' }}")
+        assert "assistant\\n<think>\\n' }}" in tokenizer.chat_template
+    return TokenizerWrapper(tokenizer)

@@ -26,7 +26,6 @@ MAX_README_BYTES = 5_000
 KNOWN_OVER = {
     "decoder.py",  # one cache layer and one pass shell (issue 43 items 1 and 3)
     "decoder.py:generate_step",
-    "batch/cache.py",  # merged with rollback.py into the one cache layer
     "batch/generator.py",
     "batch/generator.py:BatchGenerator._verify",  # its shell moves into decoder.Row
     "server/engine.py",  # one engine start path

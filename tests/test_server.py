@@ -38,6 +38,8 @@ WEATHER_TOOL = {"type": "function", "function": {
 # ---- without a model -------------------------------------------------------------------------------
 
 class FakeTokenizer:
+    chat_template = "one token per message: its length"
+
     def apply_chat_template(self, messages, add_generation_prompt=True, **options):
         return [len(m["content"]) for m in messages]
 

@@ -51,7 +51,7 @@ def test_a_messages_body_becomes_the_chat_a_template_renders():
     request = parse_messages(body, HERMES, "tiny", 64)
     assert request.messages == [
         {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Oslo?"},
-        {"role": "assistant", "content": "Let me look.", "tool_calls": [
+        {"role": "assistant", "content": "Let me look.", "reasoning_content": "...", "tool_calls": [
             {"id": "toolu_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]},
         {"role": "tool", "tool_call_id": "toolu_1", "name": "get_weather", "content": "3 C"},
         {"role": "user", "content": "And tomorrow?"}]

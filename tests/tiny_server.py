@@ -21,33 +21,42 @@ HERMES_TEMPLATE = (
     "{% endfor %}{{ '\\n' }}{% endfor %}assistant:")  # HF templates trim a newline after a tag
 
 
-def tokenizer(hermes: bool = False):
+# Thinking templates: Qwen3's leaves the block to the model ("optional"), Qwen3.5's opens it ("opens");
+# both write an empty closed block when thinking is turned off.
+THINK_OFF = "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n"
+THINKING_TEMPLATES = {"optional": THINK_OFF + "{% endif %}", "opens": THINK_OFF + "{% else %}<think>\n{% endif %}"}
+
+
+def tokenizer(hermes: bool = False, thinking: str = None):
     """tests.helpers' byte-level tokenizer with a chat template, wrapped as mlx-lm loads one (its
     apply_chat_template gives token ids); ``hermes``: a template that writes tool calls, and the
-    json_tools parser mlx-lm picks for one."""
+    json_tools parser mlx-lm picks for one; ``thinking``: "optional" or "opens", a template of a
+    thinking model (THINKING_TEMPLATES), and ``<think>`` ``</think>`` in the vocabulary."""
     from mlx_lm.tokenizer_utils import TokenizerWrapper
     from mlx_lm.tool_parsers import json_tools
 
     from tests.helpers import tiny_byte_tokenizer
 
-    byte_tokenizer = tiny_byte_tokenizer()
+    byte_tokenizer = tiny_byte_tokenizer(thinking=thinking is not None)
     byte_tokenizer.chat_template = HERMES_TEMPLATE if hermes else CHAT_TEMPLATE
+    if thinking is not None:
+        byte_tokenizer.chat_template += THINKING_TEMPLATES[thinking]
     if not hermes:
         return TokenizerWrapper(byte_tokenizer)
     return TokenizerWrapper(byte_tokenizer, tool_parser=json_tools.parse_tool_call,
                             tool_call_start=json_tools.tool_call_start, tool_call_end=json_tools.tool_call_end)
 
 
-def vocab_size() -> int:
+def vocab_size(thinking: bool = False) -> int:
     from tests.helpers import tiny_byte_tokenizer
 
-    return len(tiny_byte_tokenizer())
+    return len(tiny_byte_tokenizer(thinking=thinking))
 
 
-def model():
+def model(thinking: bool = False):
     from tests.helpers import tiny_llama
 
-    return tiny_llama(vocab_size=vocab_size(), num_layers=2, hidden_size=32, seed=3, sharp=3.0)
+    return tiny_llama(vocab_size=vocab_size(thinking), num_layers=2, hidden_size=32, seed=3, sharp=3.0)
 
 
 def main():
@@ -57,6 +66,9 @@ def main():
     parser.add_argument("--max-queue", type=int, default=8)
     parser.add_argument("--prompt-cache-bytes", type=int, default=2**20)
     parser.add_argument("--hermes", action="store_true", help="A chat template that writes Hermes tool calls.")
+    parser.add_argument("--thinking", choices=["optional", "opens"], default=None,
+                        help="A thinking model's template (THINKING_TEMPLATES).")
+    parser.add_argument("--effort-budgets", default=None, help="As python -m server's.")
     args = parser.parse_args()
     fast_blas.load()
     import uvicorn
@@ -69,11 +81,15 @@ def main():
 
     sources = (lambda: [PromptLookupSource()]) if args.prompt_lookup else list
     # Passes timed at zero seconds: rows draft whenever their sources do, however loaded the machine.
-    engine = Engine(model(), tokenizer(args.hermes), vocab_size(), sources, max_batch=args.max_batch,
+    thinking = args.thinking is not None
+    engine = Engine(model(thinking), tokenizer(args.hermes, args.thinking), vocab_size(thinking), sources, max_batch=args.max_batch,
                     max_queue=args.max_queue, prompt_cache_bytes=args.prompt_cache_bytes,
                     pass_cost=PassCost(clock=lambda: 0.0))
     sock = listen("127.0.0.1", 0)
-    server = uvicorn.Server(uvicorn.Config(build_app(engine, "tiny", context_length=4096), log_level="warning"))
+    from server.reasoning import parse_effort_budgets
+
+    app = build_app(engine, "tiny", context_length=4096, effort_budgets=parse_effort_budgets(args.effort_budgets or ""))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
     print(f"serving tiny on http://127.0.0.1:{sock.getsockname()[1]}/v1", flush=True)
     asyncio.run(server.serve(sockets=[sock]))
 
