@@ -15,6 +15,7 @@ from mlx_lm.models.cache import trim_prompt_cache
 
 from cost import PassCost
 from decoder import Draft, sampling_probs
+from rollback import layers_of
 from speculative.adaptive import AdaptiveSource, weight_bytes
 from speculative.head import FINAL, body_with_features, logits_from_hidden
 from speculative.head_loading import load_head
@@ -35,7 +36,8 @@ class HiddenStateTap:
         return getattr(self.target, name)
 
     def __call__(self, inputs: mx.array, cache=None) -> mx.array:
-        start = cache[0].offset if cache else 0
+        # The first layer that counts its tokens: a hybrid model's first layers may be recurrent.
+        start = next((layer.offset for layer in layers_of(cache) if layer.is_trimmable()), 0) if cache else 0
         hidden, features = body_with_features(self.target, inputs, self.feature_layers, cache)
         # A call at ``start`` overwrites what rejected drafts left at ``start`` and after.
         self.chunks = [(first, rows[: start - first]) for first, rows in self.chunks if first < start]
