@@ -147,7 +147,12 @@ def _qwen_layout(weights: dict, num_experts: int) -> dict:
         experts = [weights.pop(f"layers.0.mlp.experts.{e}.{name}.weight", None) for e in range(num_experts)]
         if num_experts and all(e is not None for e in experts):
             weights[f"layers.0.mlp.switch_mlp.{name}.weight"] = mx.stack(experts)
-    return {k: (v + 1.0 if k.endswith("norm.weight") and v.ndim == 1 else v) for k, v in weights.items()}
+    return {k: (v + 1.0 if is_norm(k) and v.ndim == 1 else v) for k, v in weights.items()}
+
+
+def is_norm(name: str) -> bool:
+    """An RMSNorm's weight (``norm``, ``q_norm``, ``pre_fc_norm_hidden``, ...)."""
+    return name.endswith(".weight") and "norm" in name.split(".")[-2]
 
 
 def build_mtp(target, config: dict) -> nn.Module:

@@ -104,7 +104,7 @@ def _hf(name: str, value: mx.array, model_type: str) -> list:
     if ".switch_mlp." in name:
         return [(name.replace(".switch_mlp.", f".experts.{e}."), value[e]) for e in range(value.shape[0])]
     if model_type == "qwen3_next":
-        if name.endswith("norm.weight") and "linear_attn" not in name:
+        if "norm" in name.split(".")[-2] and "linear_attn" not in name:
             return [(name, value - 1.0)]  # stored zero-centred
         if name.endswith("conv1d.weight"):
             return [(name, value.moveaxis(1, 2))]
