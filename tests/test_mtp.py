@@ -158,9 +158,14 @@ def test_greedy_with_mtp_drafts_equals_plain_decoding(noisy, num_draft, adaptive
     stats = DecodingStats()
     for prompt in ([5, 6, 7, 8], [1], list(range(2, 30, 3))):
         tap, source = MTPSource.create(target, path, num_draft=num_draft, adaptive=adaptive)
+        update = source.update
+
+        def checked_update(*args):
+            update(*args)  # after it, the MTP cache holds only positions read from accepted text
+            assert source.cache[0].offset == source.committed
+
+        source.update = checked_update
         assert tokens_of(prompt, tap, [source], stats=stats) == tokens_of(prompt, target)
-        # After each update the MTP cache holds only positions read from accepted text.
-        assert source.cache[0].offset == source.committed
     assert 0 < stats.draft_accepted < stats.draft_proposed  # both paths of the rollback ran
 
 
@@ -254,10 +259,13 @@ def test_conversion_keeps_the_mtp_weights_and_quantizes_them(tmp_path, model_typ
     assert stats.draft_accepted >= 0.8 * stats.draft_proposed  # a 4-bit MTP layer still drafts
 
 
-def test_the_cli_drafts_with_mtp_and_refuses_bad_input(tmp_path, noisy):
+@pytest.mark.parametrize("model_type", LAYOUTS)
+def test_the_cli_drafts_with_mtp_and_refuses_bad_input(tmp_path, model_type):
     from tests.test_cli import assert_one_line_error, cli
 
-    path = noisy[0]
+    tokenizer = tiny_byte_tokenizer()
+    path = tmp_path / "model"
+    write_checkpoint(path, model_type, seed=6, vocab_size=len(tokenizer.get_vocab()), tokenizer=tokenizer)
     plain = json.loads(cli("--model", str(path), "--prompt", "ab", "--no-chat-template", "--json",
                            "--max-tokens", "24").stdout)
     result = cli("--model", str(path), "--prompt", "ab", "--no-chat-template", "--json", "--max-tokens", "24",
