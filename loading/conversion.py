@@ -212,7 +212,7 @@ def convert_into(
     """Convert into the existing, empty directory ``output`` (see ``convert`` for the atomic version)."""
     from mlx_lm.utils import _download, quantize_model, save
 
-    from loading.load import load_mlx_lm
+    from loading.target import load_mlx_lm
     from tqdm import tqdm
 
     if (gguf is None) == (hf_path is None):

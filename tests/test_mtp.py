@@ -10,7 +10,7 @@ import pytest
 from mlx.utils import tree_flatten
 
 from decoder import DecodingStats, generate_step
-from loading.load import load_mlx_lm
+from loading.target import load_mlx_lm
 from speculative.mtp import MTP_FILE, MTPError, NoMTPWeights, load_mtp
 from speculative.mtp_source import MTPSource
 from tests.helpers import assert_sampling_keeps_the_target_distribution, tiny_byte_tokenizer
