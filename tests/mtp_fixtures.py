@@ -1,4 +1,4 @@
-"""Tiny checkpoints with MTP weights in the Hugging Face layout, for deepseek_v3 and qwen3_next (hybrid).
+"""Tiny checkpoints with MTP weights in the Hugging Face layout: deepseek_v3, glm4_moe, qwen3_next (hybrid).
 
 ``write_checkpoint`` builds a random target and MTP module with mlx-lm's classes, optionally wires
 them so that the MTP layer predicts the target exactly (``exact``), and writes them under the
@@ -20,7 +20,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
-from mlx_lm.models import deepseek_v3, qwen3_next
+from mlx_lm.models import deepseek_v3, glm4_moe, qwen3_next
 
 from speculative.mtp import build_mtp
 
@@ -44,8 +44,16 @@ QWEN3_NEXT = dict(
     rope_theta=10000.0, partial_rotary_factor=0.5, max_position_embeddings=1024, tie_word_embeddings=False,
     num_nextn_predict_layers=1)
 
-CONFIGS = {"deepseek_v3": DEEPSEEK, "qwen3_next": QWEN3_NEXT}
-MODULES = {"deepseek_v3": deepseek_v3, "qwen3_next": qwen3_next}
+GLM4_MOE = dict(
+    model_type="glm4_moe", architectures=["Glm4MoeForCausalLM"], vocab_size=VOCAB, hidden_size=2 * VOCAB,
+    intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=16, n_shared_experts=1, n_routed_experts=4, routed_scaling_factor=1.0, n_group=1, topk_group=1,
+    num_experts_per_tok=2, norm_topk_prob=True, first_k_dense_replace=1, max_position_embeddings=1024,
+    rms_norm_eps=1e-6, rope_theta=10000.0, rope_scaling=None, use_qk_norm=True, attention_bias=True,
+    partial_rotary_factor=0.5, num_nextn_predict_layers=1, tie_word_embeddings=False)
+
+CONFIGS = {"deepseek_v3": DEEPSEEK, "qwen3_next": QWEN3_NEXT, "glm4_moe": GLM4_MOE}
+MODULES = {"deepseek_v3": deepseek_v3, "qwen3_next": qwen3_next, "glm4_moe": glm4_moe}
 
 
 def build(model_type: str, seed: int = 0, exact: bool = False, noise: float = 0.0, **overrides):
