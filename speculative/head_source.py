@@ -114,7 +114,9 @@ class DraftHeadSource(AdaptiveSource):
 
     def _rewind(self):
         """Drop the head's cache entries for drafted positions (read from its own predictions)."""
-        trim_prompt_cache(self.cache, self.cache[0].offset - self.committed)
+        count = self.cache[0].offset - self.committed
+        if count and trim_prompt_cache(self.cache, count) != count:  # a partial rollback would draft from rejects
+            raise RuntimeError(f"the {self.name} cache could not drop its last {count} positions")
 
     def _catch_up(self, tokens: list) -> mx.array:
         """Feed the head every accepted position it has not read; returns its last prediction. Position
