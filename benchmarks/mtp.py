@@ -135,9 +135,9 @@ def main():
                     summary = stats.sources["mtp"].summary()
                     by_position = ", ".join(f"{a:.2f}" for a in summary["acceptance_by_position"])
                     if name.startswith("mtp k="):
-                        cpu = "%.2fx (%d)" % expected_speedup(summary["acceptance_by_position"], ratio, token_cost)[::-1]
-                        gpu = "%.2fx (%d)" % expected_speedup(summary["acceptance_by_position"], ratio,
-                                                              GPU_TOKEN_COST)[::-1]
+                        by_k = summary["acceptance_by_position"]
+                        cpu, gpu = ("%.2fx (%d)" % expected_speedup(by_k, ratio, cost)[::-1]
+                                    for cost in (token_cost, GPU_TOKEN_COST))
                 lines.append(f"| {model_type} | {kind} | {ratio:.3f} | {name} | {tps:.1f} | {tps / base:.2f}x | "
                              f"{passes:.2f} | {by_position} | {cpu} | {gpu} |")
                 print(lines[-1], flush=True)

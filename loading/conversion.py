@@ -270,7 +270,8 @@ def convert_into(
             if quantize:
                 model, config = quantize_model(model, config, q_group_size, q_bits)
                 if mtp is not None:  # as the target's layers are, so that a 4-bit conversion drafts
-                    quantize_model(mtp, {}, q_group_size, q_bits, quant_predicate=getattr(model, "quant_predicate", None))
+                    predicate = getattr(model, "quant_predicate", None)
+                    quantize_model(mtp, {}, q_group_size, q_bits, quant_predicate=predicate)
         with stage("saving"):
             save(output, source, model, tokenizer, config)
             if mtp is not None:

@@ -9,7 +9,8 @@ concatenate them, embedding first, project 2d -> d and run one decoder layer of 
 - **DeepSeek/GLM** (``model.layers.{num_hidden_layers}.*``): ``enorm``, ``hnorm``, ``eh_proj``, the
   decoder layer, and ``shared_head`` (``norm`` and ``head``) to score. The embedding at position 0 is
   zeroed, as vLLM's ``deepseek_mtp.py`` does. Drafting on, the next step reads the layer's output
-  before ``shared_head.norm``.
+  before ``shared_head.norm``, as vLLM chains it (the model was trained for one step only; some
+  engines chain the normed output instead).
 - **Qwen3-Next** (``mtp.*``): ``pre_fc_norm_embedding``, ``pre_fc_norm_hidden``, ``fc``, ``layers.0``
   and ``norm``; the target's LM head scores, and the next step reads the output after ``norm``. Its
   norms are stored zero-centred (weight - 1), as the target's are.
@@ -135,10 +136,10 @@ def hf_to_module(target, config: dict, weights: dict) -> dict:
     if config["model_type"] in QWEN_LAYOUT:
         return _qwen_layout(weights, target.args.num_experts)
     own = ("enorm.", "hnorm.", "eh_proj.", "shared_head.")
-    weights = {k: v for k, v in weights.items() if not k.startswith("embed_tokens.")}  # the target's is used
-    layer = target.sanitize({f"model.layers.0.{k}": v for k, v in weights.items() if not k.startswith(own)})
-    renamed = {k.replace("model.layers.0.", "block.", 1): v for k, v in layer.items()}
-    return {**renamed, **{k: v for k, v in weights.items() if k.startswith(own)}}
+    # Its copy of the embedding is the target's: the target's own is used.
+    weights = {f"model.layers.0.{k}": v for k, v in weights.items() if not k.startswith("embed_tokens.")}
+    sanitized = {k.removeprefix("model.layers.0."): v for k, v in target.sanitize(weights).items()}
+    return {(k if k.startswith(own) else f"block.{k}"): v for k, v in sanitized.items()}
 
 
 def _qwen_layout(weights: dict, num_experts: int) -> dict:
