@@ -6,6 +6,7 @@
     python main.py --prompt "A user as JSON" --json-schema schema.json --color
     python main.py --prompt "Play chess" --grammar tests/data/gbnf/chess.gbnf --max-tokens 40 --color
     python main.py --model target --draft-model draft --color --json
+    python main.py --model Qwen3-Next-DIR --mtp --num-draft 2 --color
 """
 
 import argparse
@@ -25,7 +26,7 @@ DEFAULT_PROMPT = "What is the capital of France? Answer in one sentence."
 
 # One colour per draft source; tokens the target chose itself stay uncoloured. Reasoning is dimmed.
 COLORS = {"regex": "\033[36m", "grammar": "\033[34m", "prompt_lookup": "\033[32m", "history_lookup": "\033[32m",
-          "draft_model": "\033[35m", "draft_head": "\033[33m", "thinking": "\033[36m"}
+          "draft_model": "\033[35m", "draft_head": "\033[33m", "mtp": "\033[91m", "thinking": "\033[36m"}
 RESET, DIM = "\033[0m", "\033[2m"
 
 
@@ -297,6 +298,7 @@ def main():
     from loading.load import ModelError
     from cache import CacheKindError
     from speculative import VocabularyMismatch
+    from speculative.mtp import NoMTPWeights
 
     errors = (CliError, ModelError, ConversionError, VocabularyMismatch, ConstraintError, DistributedError)
     try:
@@ -310,7 +312,7 @@ def main():
         signal.signal(signal.SIGTERM, terminate)
     try:
         run(args)
-    except CacheKindError as error:  # a model whose cache drafts cannot be rolled back in: not supported yet
+    except (CacheKindError, NoMTPWeights) as error:  # a cache drafts cannot roll back in, or no MTP layers
         sys.stderr.write(f"error: not supported: {error}\n")
         sys.exit(2)
     except errors as error:

@@ -29,6 +29,9 @@ def add_arguments(parser, history: bool = True):
     lookup.add_argument("--ngram-min", type=int, default=1, help="Shortest suffix n-gram to match (default: 1).")
     speculative = parser.add_argument_group("speculative decoding")
     speculative.add_argument("--draft-model", default=None, help="Draft model directory or repo (same vocabulary).")
+    speculative.add_argument("--mtp", action="store_true",
+                             help="Draft with the model's own multi-token-prediction layers (DeepSeek-V3, GLM-4.5 "
+                                  "and Qwen3-Next checkpoints that ship them; convert.py keeps them).")
     head = parser.add_argument_group("draft head")
     head.add_argument("--draft-head", nargs="?", const="", default=None, metavar="DIR",
                       help="Draft with a trained head (a directory or a Hugging Face repo id); bare: the one "
@@ -43,6 +46,8 @@ def check(args):
     """Refuse bad draft-source flags in one line, before the model loads."""
     if args.num_draft is not None and not 1 <= args.num_draft <= 256:
         raise CliError("--num-draft must be between 1 and 256")
+    if args.mtp and (args.draft_model is not None or args.draft_head is not None):
+        raise CliError("give --mtp alone, not with --draft-model or --draft-head (one model drafts)")
     if not 1 <= args.ngram_min <= args.ngram_max <= 256:
         raise CliError("--ngram-min and --ngram-max must satisfy 1 <= ngram-min <= ngram-max <= 256")
     if args.lookup_history is not None:

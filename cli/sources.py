@@ -15,19 +15,21 @@ import numpy as np
 
 from cli import CliError
 from cli.flags import default_history_path, history_path
-from loading.load import load_model
+from loading.load import load_model, resolve_model_path
 from prompt_lookup import PromptLookupSource
 from prompt_lookup.history import HistoryError, HistoryLookupSource, load_history
 from speculative import DraftModel, DraftModelSource
 from speculative.head import SHIPPED_HEAD, HeadMismatch
 from speculative.head_source import DraftHeadSource
+from speculative.mtp import MTPError, NoMTPWeights
+from speculative.mtp_source import MTPSource
 from t5 import is_encoder_decoder
 
 
 def draft_sources(args, model, tokenizer, encoder_input=None):
     """``(model, sources)`` for the flags in ``args``: prompt (or history) lookup, a draft model,
-    a draft head, in that order. Run the loop on the returned model (a ``HiddenStateTap`` when a
-    head drafts).
+    a draft head or the model's MTP layers, in that order. Run the loop on the returned model (a
+    ``HiddenStateTap`` when a head or MTP layers draft).
 
     Args:
         encoder_input: a T5 target's prompt tokens (its decoder starts empty); lookup searches them.
@@ -56,7 +58,23 @@ def draft_sources(args, model, tokenizer, encoder_input=None):
         except HeadMismatch as error:
             raise CliError(str(error)) from None
         sources.append(source)
+    if args.mtp:
+        model, source = mtp_source(args, model, encoder_input, **options)
+        sources.append(source)
     return model, sources
+
+
+def mtp_source(args, model, encoder_input=None, **options):
+    """``(tap, source)``: the target's own MTP layers, read from the directory it was loaded from.
+    A model without them raises ``NoMTPWeights`` (main.py: exit 2); damaged ones a CliError."""
+    if encoder_input is not None:
+        raise CliError("--mtp needs a decoder-only model with MTP layers; T5 has none")
+    try:
+        return MTPSource.create(model, resolve_model_path(args.model), adaptive=not args.no_adaptive, **options)
+    except NoMTPWeights:
+        raise
+    except MTPError as error:
+        raise CliError(str(error)) from None
 
 
 def lookup_source(args, encoder_input: list, head_dir=None):

@@ -210,7 +210,9 @@ def convert_into(
     num_layers: int = None,
 ):
     """Convert into the existing, empty directory ``output`` (see ``convert`` for the atomic version)."""
-    from mlx_lm.utils import load, quantize_model, save
+    from mlx_lm.utils import _download, quantize_model, save
+
+    from loading.target import load_mlx_lm
     from tqdm import tqdm
 
     if (gguf is None) == (hf_path is None):
@@ -240,7 +242,8 @@ def convert_into(
 
         with stage("loading"):
             try:
-                model, tokenizer, config = load(str(source), return_config=True, lazy=True)
+                source = _download(str(source))  # a local directory as is, a repo id downloaded
+                model, tokenizer, config = load_mlx_lm(source, lazy=True)
             except Exception as error:
                 raise ConversionError(f"cannot load {source}: {str(error).splitlines()[0]}") from None
 
@@ -249,10 +252,17 @@ def convert_into(
                 _keep_first_layers(model, config, num_layers)
             model.update(_cast(model.parameters(), getattr(mx, dtype)))
             config["torch_dtype"] = dtype
+            # Early exit (--num-layers) feeds the MTP layer hidden states it was not trained on: dropped.
+            mtp = None if num_layers is not None else convert_mtp(model, config, Path(source), getattr(mx, dtype))
             if quantize:
                 model, config = quantize_model(model, config, q_group_size, q_bits)
+                if mtp is not None:  # as the target's layers are, so that a 4-bit conversion drafts
+                    predicate = getattr(model, "quant_predicate", None)
+                    quantize_model(mtp, {}, q_group_size, q_bits, quant_predicate=predicate)
         with stage("saving"):
             save(output, source, model, tokenizer, config)
+            if mtp is not None:
+                save_mtp(mtp, output)
         if gguf is not None:
             shutil.rmtree(source)
     _inline_chat_template(output)
@@ -278,6 +288,35 @@ def _keep_first_layers(model, config: dict, num_layers: int):
         raise ConversionError(f"--num-layers must be between 1 and {len(layers)}")
     model.model.layers = layers[:num_layers]
     config["num_hidden_layers"] = num_layers
+
+
+def convert_mtp(model, config: dict, source: Path, dtype):
+    """The MTP module of a Hugging Face checkpoint in mlx-lm's layout and ``dtype``, kept beside the
+    target (speculative/mtp.py); None for a model without MTP weights."""
+    from speculative.mtp import MTPError, NoMTPWeights, build_mtp, cast, hf_to_module, read_hf_mtp
+
+    try:
+        weights = read_hf_mtp(source, config)
+        if not weights:
+            return None
+        mtp = build_mtp(model, config)
+        mtp.load_weights(list(hf_to_module(model, config, weights).items()), strict=True)
+    except NoMTPWeights:
+        return None
+    except (MTPError, ValueError) as error:
+        raise ConversionError(f"the MTP weights of {source} cannot be converted ({str(error).splitlines()[0]})") \
+            from None
+    cast(mtp, dtype, getattr(model, "cast_predicate", None))
+    return mtp
+
+
+def save_mtp(mtp, output: Path):
+    """Beside the target's weights, in a file of its own: mlx-lm reads only ``model*.safetensors``."""
+    from mlx.utils import tree_flatten
+
+    from speculative.mtp import MTP_FILE
+
+    mx.save_safetensors(str(output / MTP_FILE), dict(tree_flatten(mtp.parameters())))
 
 
 def _inline_chat_template(path: Path):

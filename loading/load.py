@@ -30,6 +30,7 @@ from loading.store import (
     warn,
     write_checksums,
 )
+from loading.target import load_mlx_lm
 from t5 import is_t5_dir, load_t5
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -156,9 +157,7 @@ def load_model(path_or_repo: str = None, lazy: bool = False):
         if is_t5_dir(path):
             model, tokenizer = load_t5(path)
         else:
-            from mlx_lm import load
-
-            model, tokenizer = load(str(path), lazy=lazy)
+            model, tokenizer, _ = load_mlx_lm(path, lazy=lazy)
     except ModelError:
         raise
     except Exception as error:

@@ -3,6 +3,7 @@
     python -m server                                  # embedded SmolLM2-135M-Instruct on 127.0.0.1:8080
     python -m server --prompt-lookup --port 8000 --api-key secret
     python -m server --model DIR --draft-model DRAFT_DIR
+    python -m server --model DIR --mtp                # the model's own MTP layers, one request at a time
 
 Endpoints: GET /v1/models, POST /v1/chat/completions, /v1/completions, /v1/responses (OpenAI),
 POST /v1/messages, /v1/messages/count_tokens (Anthropic); see docs/server.md.
@@ -75,14 +76,15 @@ def build_engine(args):
         raise CliError("the server serves decoder-only models; T5 is not supported")
     vocab_size = output_size(model, tokenizer)
     solo = None
-    if args.draft_head is None:
+    one_sequence = args.draft_head is not None or args.mtp  # they read one sequence's hidden states
+    if not one_sequence:
         try:
             make_cache(model, rows=2)  # CacheKindError: a layer kind the batch cannot hold
         except CacheKindError as error:
             make_cache(model)  # one at a time needs it to be rolled back, at least (CacheKindError: exit 2)
             sys.stderr.write(f"note: {error}, so requests are decoded one at a time\n")
             solo = True
-    if args.draft_head is not None or solo:  # no batched form: one request at a time
+    if one_sequence or solo:  # no batched form: one request at a time
         model, solo = sources.draft_sources(args, model, tokenizer)
         make = list
     else:
@@ -112,12 +114,13 @@ def main():
     from server.app import build_app
     from server.tools import tool_syntax
     from speculative import VocabularyMismatch
+    from speculative.mtp import NoMTPWeights
 
     try:
         validate(args)
         sock = listen(args.host, args.port)
         engine, model_id, limit = build_engine(args)
-    except CacheKindError as error:  # a model whose cache drafts cannot be rolled back in: not supported yet
+    except (CacheKindError, NoMTPWeights) as error:  # a cache drafts cannot roll back in, or no MTP layers
         sys.stderr.write(f"error: not supported: {error}\n")
         sys.exit(2)
     except (CliError, ModelError, VocabularyMismatch) as error:

@@ -14,8 +14,8 @@ rows leave at once.
 Finished rows' caches are kept in a least-recently-used prompt cache bounded in bytes; a request
 that extends an earlier conversation prefills only what follows the longest cached prefix (for a
 model with recurrent layers, a prefix the request extends whole).
-A draft head has no batched form: with one, requests run one at a time through ``decoder.generate_step``
-(and ``logprobs`` are refused: that loop does not report them).
+A draft head and MTP drafts have no batched form: with one, requests run one at a time through
+``decoder.generate_step`` (and ``logprobs`` are refused: that loop does not report them).
 
 A request with ``logprobs`` gets, per generated token (EOS aside), the target's log-probability of
 it and its most likely alternatives, from the verify pass that scored the token
@@ -188,7 +188,7 @@ class Engine:
 
     Args:
         make_sources: returns fresh draft sources for one request (``cli.sources.row_sources``).
-        solo_sources: with a draft head, the sources for one-at-a-time decoding (no batching, no cache).
+        solo_sources: with a draft head or MTP drafts, the sources for one-at-a-time decoding (no batching, no cache).
         max_batch: requests decoded together; max_queue: requests waiting beyond them before HTTP 503.
         pass_cost: the timings the width policy reads (``cost.PassCost``); tests pass a fixed clock.
     """
@@ -225,8 +225,8 @@ class Engine:
         """Queue ``request`` (HTTP 503 when the queue is full). ``prepared`` is ``constraint_for(request)``,
         built beforehand in a thread of the caller's; None builds it here."""
         if request.logprobs is not None and self.solo_sources is not None:
-            raise invalid("logprobs are not supported with --draft-head (its one-at-a-time loop does not report "
-                          "them)", param="logprobs")
+            raise invalid("logprobs are not supported with --draft-head or --mtp (their one-at-a-time loop does not "
+                          "report them)", param="logprobs")
         constraint, forced = prepared if prepared is not None else self.constraint_for(request)
         if not self.places.acquire(blocking=False):
             raise ApiError(503, "the server is busy: too many requests are queued; retry shortly",

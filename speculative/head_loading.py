@@ -141,10 +141,7 @@ def read_weights(head_dir: Path) -> tuple:
     are published) read with torch's weights-only unpickler, which runs no code from the file."""
     safetensors, pickle = head_dir / "model.safetensors", head_dir / "pytorch_model.bin"
     if safetensors.is_file():
-        try:
-            return mx.load(str(safetensors)), safetensors
-        except (RuntimeError, ValueError, OSError) as error:  # a truncated or foreign file
-            raise HeadMismatch(f"{safetensors} cannot be read ({str(error).splitlines()[0]})") from None
+        return read_safetensors(safetensors), safetensors
     if not pickle.is_file():
         raise HeadMismatch(f"{head_dir} has neither model.safetensors nor pytorch_model.bin")
     try:
@@ -160,6 +157,14 @@ def read_weights(head_dir: Path) -> tuple:
     except Exception as error:  # anything the unpickler refuses, or not a dict of tensors
         reason = str(error).splitlines()[0] if str(error) else type(error).__name__
         raise HeadMismatch(f"{pickle} cannot be read ({reason})") from None
+
+
+def read_safetensors(path: Path, error=HeadMismatch) -> dict:
+    """The arrays of one safetensors file; ``error`` (one line naming it) for a truncated or foreign file."""
+    try:
+        return mx.load(str(path))
+    except (RuntimeError, ValueError, OSError) as reason:
+        raise error(f"{path} cannot be read ({str(reason).splitlines()[0]})") from None
 
 
 def load_eagle_head(head_dir: Path, config: dict, target, dtype):

@@ -11,7 +11,7 @@ by position. The loop stays untouched: it only sees a model and a draft source.
 from typing import Optional
 
 import mlx.core as mx
-from cache import adopt
+from cache import adopt, layers_of
 from cost import PassCost
 from decoder import Draft, sampling_probs
 from speculative.adaptive import AdaptiveSource, weight_bytes
@@ -34,7 +34,8 @@ class HiddenStateTap:
         return getattr(self.target, name)
 
     def __call__(self, inputs: mx.array, cache=None) -> mx.array:
-        start = cache[0].offset if cache else 0
+        # The first layer that counts its tokens: a hybrid model's first layers may be recurrent.
+        start = next((layer.offset for layer in layers_of(cache) if layer.is_trimmable()), 0) if cache else 0
         hidden, features = body_with_features(self.target, inputs, self.feature_layers, cache)
         # A call at ``start`` overwrites what rejected drafts left at ``start`` and after.
         self.chunks = [(first, rows[: start - first]) for first, rows in self.chunks if first < start]

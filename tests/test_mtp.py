@@ -1,0 +1,305 @@
+"""MTP drafts: the Hugging Face layouts read, the forward checked stage by stage against a reference,
+lossless greedy (alone, under a regex, on a hybrid model), exact sampling, >= 90% acceptance where
+the MTP layer predicts the target exactly, conversion keeping and quantizing the weights, refusals."""
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from mlx.utils import tree_flatten
+
+from decoder import DecodingStats, generate_step
+from loading.target import load_mlx_lm
+from speculative.mtp import MTP_FILE, MTPError, NoMTPWeights, load_mtp
+from speculative.mtp_source import MTPSource
+from tests.helpers import assert_sampling_keeps_the_target_distribution, tiny_byte_tokenizer
+from tests.mtp_fixtures import VOCAB, hf_weights, write_checkpoint
+
+LAYOUTS = ["deepseek_v3", "glm4_moe", "qwen3_next"]
+
+
+def tokens_of(prompt, model, sources=(), max_tokens=40, stats=None, **options):
+    return [t for t, _ in generate_step(prompt, model, draft_sources=sources, eos_token_ids=(), max_tokens=max_tokens,
+                                        stats=stats, **options)]
+
+
+@pytest.fixture(scope="module", params=LAYOUTS)
+def noisy(request, tmp_path_factory):
+    """A checkpoint whose MTP layer is right often, not always (the exact wiring plus noise), and
+    the loaded ``(directory, target, built target, built mtp)``."""
+    path = tmp_path_factory.mktemp(request.param)
+    _, built, mtp = write_checkpoint(path, request.param, seed=1, exact=True, noise=0.08,
+                                     tokenizer=tiny_byte_tokenizer())
+    target, _, _ = load_mlx_lm(path)
+    return path, target, built, mtp
+
+
+def same_parameters(a, b) -> bool:
+    a, b = dict(tree_flatten(a.parameters())), dict(tree_flatten(b.parameters()))
+    return a.keys() == b.keys() and all(mx.allclose(a[k], b[k], atol=1e-6).item() for k in a)
+
+
+def test_the_hugging_face_layout_is_read(noisy):
+    path, target, built, mtp = noisy
+    assert same_parameters(target, built)  # the target loads without its MTP weights
+    assert same_parameters(load_mtp(path, target), mtp)
+
+
+def rms_norm(x, weight, eps=1e-6):
+    return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * weight
+
+
+class Recorder:
+    """A decoder layer that keeps its input and output."""
+
+    def __init__(self, layer):
+        self.layer, self.seen = layer, []
+
+    def __call__(self, x, mask, cache):
+        self.seen.append((x, self.layer(x, mask, cache)))
+        return self.seen[-1][1]
+
+
+def reference_block(path, config):
+    """The MTP decoder layer as mlx-lm itself loads a target layer from the same weights: the
+    checkpoint again with the MTP layer's weights as its last layer (Qwen3-Next: its only layer, of
+    full attention), through mlx-lm's own loader and sanitize."""
+    from mlx_lm.utils import load_model
+
+    raw, layers = mx.load(str(path / "model.safetensors")), config["num_hidden_layers"]
+    if config["model_type"] == "qwen3_next":
+        weights = {k: v for k, v in raw.items() if not k.startswith(("mtp.", "model.layers."))}
+        weights.update({k.replace("mtp.layers.0.", "model.layers.0."): v for k, v in raw.items()
+                        if k.startswith("mtp.layers.0.")})
+        config = {**config, "num_hidden_layers": 1, "full_attention_interval": 1}
+    else:
+        own = tuple(f"model.layers.{layers}.{name}" for name in ("enorm", "hnorm", "eh_proj", "shared_head", "embed"))
+        weights = {k: v for k, v in raw.items() if not k.startswith(own)}
+        config = {**config, "num_hidden_layers": layers + 1}
+    directory = path.parent / f"{path.name}-reference"
+    directory.mkdir(exist_ok=True)
+    mx.save_safetensors(str(directory / "model.safetensors"), weights)
+    (directory / "config.json").write_text(json.dumps(config))
+    model, _ = load_model(directory)
+    return model.model.layers[-1]
+
+
+def test_the_forward_matches_a_reference_stage_by_stage(noisy):
+    path, target, _, _ = noisy
+    config = json.loads((path / "config.json").read_text())
+    raw = {k: np.array(v) for k, v in mx.load(str(path / "model.safetensors")).items()}
+    mtp = load_mtp(path, target)
+    deepseek = config["model_type"] != "qwen3_next"  # the DeepSeek layout, GLM's too
+    tokens = [3, 1, 4, 1, 5, 9, 2, 6]
+    hidden = target.model(mx.array([tokens]))  # after the final norm: what the tap hands over
+    embeddings = target.model.embed_tokens(mx.array([tokens[1:]]))
+    features = hidden[:, :-1]
+    recorder = Recorder(mtp.block if deepseek else mtp.layers[0])
+    if deepseek:
+        mtp.block = recorder
+    else:
+        mtp.layers[0] = recorder
+    predicted = mtp(features, embeddings, cache=mtp.make_cache())
+    logits = np.array(mtp.logits(predicted))[0]
+    block_input, block_output = (np.array(a)[0] for a in recorder.seen[0])
+
+    # Stage 1: both inputs normalised, the embedding first, projected 2d -> d.
+    e, h = np.array(embeddings)[0], np.array(features)[0]
+    if deepseek:
+        layer = f"model.layers.{config['num_hidden_layers']}."
+        e[0] = 0.0  # no token precedes position 0 (vLLM's deepseek_mtp.py)
+        fused = np.concatenate([rms_norm(e, raw[layer + "enorm.weight"]), rms_norm(h, raw[layer + "hnorm.weight"])], -1)
+        fused = fused @ raw[layer + "eh_proj.weight"].T
+    else:  # Qwen3-Next's norms are stored zero-centred: the scale is 1 + weight
+        fused = np.concatenate([rms_norm(e, 1 + raw["mtp.pre_fc_norm_embedding.weight"]),
+                                rms_norm(h, 1 + raw["mtp.pre_fc_norm_hidden.weight"])], -1) @ raw["mtp.fc.weight"].T
+    np.testing.assert_allclose(block_input, fused, rtol=1e-4, atol=1e-4)
+
+    # Stage 2: the decoder layer, against mlx-lm's own loading of the same weights as a target layer.
+    from mlx_lm.models.base import create_attention_mask
+    from mlx_lm.models.cache import KVCache
+
+    reference = reference_block(path, config)
+    x, cache = mx.array(block_input[None]), KVCache()
+    expected = reference(x, create_attention_mask(x, cache, return_array=True), cache)
+    np.testing.assert_allclose(block_output, np.array(expected)[0], rtol=1e-4, atol=1e-4)
+
+    # Stage 3: scoring. DeepSeek: its own shared_head (norm, head) on the layer's output, which the next
+    # chained step reads. Qwen3-Next: its final norm (that output is what the next step reads), then
+    # the target's LM head.
+    if deepseek:
+        np.testing.assert_allclose(np.array(predicted)[0], block_output, rtol=1e-5, atol=1e-5)
+        expected_logits = rms_norm(block_output, raw[layer + "shared_head.norm.weight"]) \
+            @ raw[layer + "shared_head.head.weight"].T
+    else:
+        normed = rms_norm(block_output, 1 + raw["mtp.norm.weight"])
+        np.testing.assert_allclose(np.array(predicted)[0], normed, rtol=1e-4, atol=1e-4)
+        expected_logits = normed @ raw["lm_head.weight"].T
+    np.testing.assert_allclose(logits, expected_logits, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("model_type", LAYOUTS)
+def test_an_exact_mtp_layer_is_accepted_at_least_90_percent(tmp_path, model_type):
+    write_checkpoint(tmp_path, model_type, seed=2, exact=True, tokenizer=tiny_byte_tokenizer())
+    target, _, _ = load_mlx_lm(tmp_path)
+    for num_draft in (1, 3):
+        tap, source = MTPSource.create(target, tmp_path, num_draft=num_draft, adaptive=False)
+        stats = DecodingStats()
+        assert tokens_of([5, 7, 11], tap, [source], max_tokens=120, stats=stats) == tokens_of([5, 7, 11], target,
+                                                                                              max_tokens=120)
+        assert stats.draft_accepted >= 0.9 * stats.draft_proposed, stats.sources["mtp"].summary()
+        assert len(stats.sources["mtp"].accepted_at) == num_draft
+
+
+@pytest.mark.parametrize("num_draft,adaptive", [(1, False), (2, False), (4, True)])
+def test_greedy_with_mtp_drafts_equals_plain_decoding(noisy, num_draft, adaptive):
+    path, target, _, _ = noisy
+    stats = DecodingStats()
+    for prompt in ([5, 6, 7, 8], [1], list(range(2, 30, 3))):
+        tap, source = MTPSource.create(target, path, num_draft=num_draft, adaptive=adaptive)
+        update = source.update
+
+        def checked_update(*args):
+            update(*args)  # after it, the MTP cache holds only positions read from accepted text
+            assert source.cache[0].offset == source.committed
+
+        source.update = checked_update
+        assert tokens_of(prompt, tap, [source], stats=stats) == tokens_of(prompt, target)
+    if not adaptive:  # (an adaptive length may pause a drafter that is often wrong)
+        assert 0 < stats.draft_accepted < stats.draft_proposed  # both paths of the rollback ran
+
+
+@settings(max_examples=12, deadline=None)
+@given(prompt=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=12), num_draft=st.integers(1, 5),
+       max_tokens=st.integers(1, 30))
+def test_greedy_with_mtp_drafts_is_lossless_for_any_prompt(noisy, prompt, num_draft, max_tokens):
+    path, target, _, _ = noisy
+    tap, source = MTPSource.create(target, path, num_draft=num_draft, adaptive=False)
+    assert tokens_of(prompt, tap, [source], max_tokens=max_tokens) == tokens_of(prompt, target, max_tokens=max_tokens)
+
+
+def test_the_source_is_reusable_across_generations(noisy):
+    path, target, _, _ = noisy
+    tap, source = MTPSource.create(target, path, num_draft=3, adaptive=False)
+    first = tokens_of([4, 5, 6], tap, [source])
+    assert tokens_of([9, 8], tap, [source]) == tokens_of([9, 8], target)
+    assert tokens_of([4, 5, 6], tap, [source]) == first
+
+
+@pytest.mark.parametrize("model_type", LAYOUTS)
+def test_greedy_with_mtp_drafts_under_a_regex_equals_constrained_plain(tmp_path, model_type):
+    from constrained import RegexConstraint
+
+    tokenizer = tiny_byte_tokenizer()
+    vocab = len(tokenizer.get_vocab())
+    write_checkpoint(tmp_path, model_type, seed=3, vocab_size=vocab, tokenizer=tokenizer)
+    target, _, _ = load_mlx_lm(tmp_path)
+    pattern = r"(ab|12)+-[0-9]{2,5}"
+
+    def run(sources, model):
+        constraint = RegexConstraint.from_regex(pattern, tokenizer, vocab_size=vocab)
+        return tokens_of([1, 2, 3], model, sources, constraint=constraint, max_tokens=12)
+
+    tap, source = MTPSource.create(target, tmp_path, num_draft=3, adaptive=False)
+    assert run([source], tap) == run([], target)
+
+
+@pytest.mark.parametrize("model_type,temp,top_p", [("deepseek_v3", 1.0, 1.0), ("qwen3_next", 0.8, 0.9)])
+def test_sampling_with_mtp_drafts_keeps_the_target_distribution(tmp_path, model_type, temp, top_p):
+    write_checkpoint(tmp_path, model_type, seed=4, vocab_size=8, tokenizer=tiny_byte_tokenizer())
+    target, _, _ = load_mlx_lm(tmp_path)
+    tap, source = MTPSource.create(target, tmp_path, num_draft=2, adaptive=False)
+    assert_sampling_keeps_the_target_distribution(target, lambda: (tap, [source]), temp, top_p, runs=1500)
+
+
+def test_a_batch_refuses_mtp_drafts_in_one_line(noisy):
+    from batch import BatchGenerator
+
+    path, target, _, _ = noisy
+    _, source = MTPSource.create(target, path)
+    with pytest.raises(ValueError, match="MTP drafts cannot draft for a batch"):
+        BatchGenerator(target).insert([[1, 2, 3]], draft_sources=[[source]])
+
+
+def test_a_model_without_mtp_weights_is_refused(tmp_path):
+    write_checkpoint(tmp_path / "none", "qwen3_next", with_mtp=False, tokenizer=tiny_byte_tokenizer())
+    target, _, _ = load_mlx_lm(tmp_path / "none")
+    with pytest.raises(NoMTPWeights, match="has no MTP weights"):
+        load_mtp(tmp_path / "none", target)
+    from tests.helpers import tiny_llama
+
+    with pytest.raises(NoMTPWeights, match="llama: no MTP layers"):
+        (tmp_path / "llama").mkdir()
+        (tmp_path / "llama" / "config.json").write_text(json.dumps({"model_type": "llama"}))
+        load_mtp(tmp_path / "llama", tiny_llama())
+
+
+def test_mtp_weights_that_do_not_fit_are_refused(tmp_path, noisy):
+    path, target, built, mtp = noisy
+    config = json.loads((path / "config.json").read_text())
+    weights = hf_weights(built, mtp, config)
+    name = next(k for k in weights if k.startswith(("mtp.fc", f"model.layers.{config['num_hidden_layers']}.eh_proj")))
+    weights[name] = weights[name][:, :-1]  # a misshapen projection
+    mx.save_safetensors(str(tmp_path / "model.safetensors"), weights)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(MTPError, match="do not fit"):
+        load_mtp(tmp_path, target)
+
+
+@pytest.mark.parametrize("model_type", LAYOUTS)
+def test_conversion_keeps_the_mtp_weights_and_quantizes_them(tmp_path, model_type):
+    from loading.conversion import convert
+
+    config, built, mtp = write_checkpoint(tmp_path / "hf", model_type, seed=5, exact=True,
+                                          tokenizer=tiny_byte_tokenizer())
+    convert(str(tmp_path / "f32"), hf_path=str(tmp_path / "hf"))
+    target, _, _ = load_mlx_lm(tmp_path / "f32")
+    assert same_parameters(target, built) and same_parameters(load_mtp(tmp_path / "f32", target), mtp)
+
+    convert(str(tmp_path / "q4"), hf_path=str(tmp_path / "hf"), quantize=True, q_bits=4, q_group_size=32)
+    kept = mx.load(str(tmp_path / "q4" / MTP_FILE))
+    projection = "fc" if model_type == "qwen3_next" else "eh_proj"
+    assert kept[f"{projection}.weight"].dtype == mx.uint32 and f"{projection}.scales" in kept
+    target, _, _ = load_mlx_lm(tmp_path / "q4")
+    tap, source = MTPSource.create(target, tmp_path / "q4", num_draft=2, adaptive=False)
+    stats = DecodingStats()
+    assert tokens_of([5, 7, 11], tap, [source], max_tokens=60, stats=stats) == tokens_of([5, 7, 11], target,
+                                                                                         max_tokens=60)
+    assert stats.draft_accepted >= 0.8 * stats.draft_proposed  # a 4-bit MTP layer still drafts
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "qwen3_next"])
+def test_the_cli_drafts_with_mtp_and_refuses_bad_input(tmp_path, model_type):
+    from tests.test_cli import assert_one_line_error, cli
+
+    tokenizer = tiny_byte_tokenizer()
+    path = tmp_path / "model"
+    write_checkpoint(path, model_type, seed=6, vocab_size=len(tokenizer.get_vocab()), tokenizer=tokenizer)
+    plain = json.loads(cli("--model", str(path), "--prompt", "ab", "--no-chat-template", "--json",
+                           "--max-tokens", "24").stdout)
+    result = cli("--model", str(path), "--prompt", "ab", "--no-chat-template", "--json", "--max-tokens", "24",
+                 "--mtp", "--num-draft", "2")
+    assert result.returncode == 0, result.stderr
+    drafted = json.loads(result.stdout)
+    assert drafted["tokens"] == plain["tokens"] and drafted["draft_sources"]["mtp"]["proposed"] > 0
+
+    assert_one_line_error(cli("--model", str(path), "--mtp", "--draft-model", str(path)), "give --mtp alone")
+    assert_one_line_error(cli("--model", str(path), "--mtp", "--num-draft", "0"), "--num-draft")
+    write_checkpoint(tmp_path / "none", "deepseek_v3", with_mtp=False, tokenizer=tiny_byte_tokenizer())
+    result = cli("--model", str(tmp_path / "none"), "--mtp", "--max-tokens", "2")
+    assert_one_line_error(result, "has no MTP weights")
+    assert result.returncode == 2
+    damaged = tmp_path / "damaged"
+    damaged.mkdir()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (path / name).exists():
+            (damaged / name).write_bytes((path / name).read_bytes())
+    weights = mx.load(str(path / "model.safetensors"))
+    config = json.loads((path / "config.json").read_text())
+    prefix = "mtp." if config["model_type"] == "qwen3_next" else f"model.layers.{config['num_hidden_layers']}."
+    mx.save_safetensors(str(damaged / "model.safetensors"), {k: v for k, v in weights.items()
+                                                             if not k.startswith(prefix + "fc") and "eh_proj" not in k})
+    assert_one_line_error(cli("--model", str(damaged), "--mtp", "--max-tokens", "2"), "do not fit")
