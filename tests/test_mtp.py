@@ -164,7 +164,7 @@ def test_greedy_with_mtp_drafts_equals_plain_decoding(noisy, num_draft, adaptive
 
         def checked_update(*args):
             update(*args)  # after it, the MTP cache holds only positions read from accepted text
-            assert source.cache[0].offset == source.committed
+            assert source.cache.held() == source.committed
 
         source.update = checked_update
         assert tokens_of(prompt, tap, [source], stats=stats) == tokens_of(prompt, target)
