@@ -3,12 +3,14 @@
     python -m benchmarks.compatibility [--out docs/compatibility.md] [--architectures llama gemma3_text ...]
 
 For every tiny model of tests/architectures.py (or the ones named), runs the checks of
-tests/architecture_checks.py, the same functions tests/test_architectures.py runs, and writes one
-row per architecture, grouped by the kinds of cache its ``make_cache()`` gives. A cell is
+tests/architecture_checks.py, the same functions tests/test_architectures.py runs (the MTP check
+repeats a case of tests/test_mtp.py, on its tiny checkpoints with MTP weights), and writes one row
+per architecture, grouped by the kinds of cache its ``make_cache()`` gives. A cell is
 
 - pass: the tokens equal mlx-lm's own greedy tokens (and drafts were accepted and rejected);
 - FAIL: other tokens (the first difference), or a crash (the exception, and the file it came from);
-- refused: the engine declined with an error of its own (its one line).
+- refused: the engine declined with an error of its own (its one line);
+- ``-`` (MTP only): the architecture's checkpoints ship no MTP layers that speculative/mtp.py reads.
 
 A second table lists each model's caches, layer by layer, and the masks its forward pass asks them
 for. main.py's start for each model takes the longest (benchmarks/results/figures.md); ``--no-main``
@@ -24,6 +26,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx_lm
 
+from speculative.mtp import DEEPSEEK_LAYOUT, QWEN_LAYOUT
 from tests import architecture_checks as checks
 from tests.architectures import ARCHITECTURES, build, cache_family, describe_caches, save, tokenizer
 
@@ -31,7 +34,8 @@ ROOT = Path(__file__).resolve().parent.parent
 # What each kind of cache holds, for the section headings.
 KINDS = {"KVCache": "full attention", "RotatingKVCache": "sliding-window attention",
          "ChunkedKVCache": "attention in chunks", "ArraysCache": "recurrent state (SSM, linear attention, convolution)"}
-COLUMNS = ["plain", "prompt lookup", "regex", "batch", "batch + lookup", "4-bit", "8-bit", "main.py"]
+COLUMNS = ["plain", "prompt lookup", "regex", "batch", "batch + lookup", "4-bit", "8-bit", "MTP", "main.py"]
+NO_MTP = "-"  # the architecture's checkpoints ship no MTP layers that we read
 
 
 def short(text: str, limit: int = 90) -> str:
@@ -83,6 +87,9 @@ def run_row(name: str, smollm2_tokenizer, with_main: bool) -> tuple:
         lambda: checks.check_batch(model, lookup=True),
         lambda: checks.check_quantized(model, config, bits=4),
         lambda: checks.check_quantized(model, config, bits=8))]
+    model_type = config["model_type"]
+    cells.append(outcome(lambda: checks.check_mtp(model_type)) if model_type in DEEPSEEK_LAYOUT + QWEN_LAYOUT
+                 else NO_MTP)
     cells.append(outcome(main_check) if with_main else "not run")
     return cache_family(model), caches, cells
 
@@ -113,7 +120,7 @@ def write_table(rows: dict, command: str) -> str:
     families = {}
     for name, (family, caches, cells) in rows.items():
         families.setdefault(family, []).append((name, caches, cells))
-    passed = sum(all(c in ("pass", "not run") for c in cells) for _, _, cells in rows.values())
+    passed = sum(all(c in ("pass", NO_MTP, "not run") for c in cells) for _, _, cells in rows.values())
     lines = ["# Compatibility: mlx-lm architectures x features", "",
              f"Written by `{command}` (do not edit by hand): mlx-lm {mlx_lm.__version__}, mlx {mx.__version__}, "
              f"{'Metal GPU' if mx.metal.is_available() else 'CPU'}.", "",
@@ -125,6 +132,10 @@ def write_table(rows: dict, command: str) -> str:
              "constraint alone; a batch of four rows of different lengths, each against its prompt alone, without "
              "and with lookup; 4- and 8-bit (mlx-lm's quantization, group 64), plain and lookup; "
              "`main.py --model DIR --json --prompt-lookup` on the saved model.", "",
+             f"**MTP**: for the architectures whose MTP layers we read ({', '.join(DEEPSEEK_LAYOUT + QWEN_LAYOUT)}), "
+             "greedy decoding with `MTPSource` drafts gives mlx-lm's greedy tokens, with drafts accepted and rejected, "
+             "on a tiny checkpoint with MTP weights in the Hugging Face layout (tests/mtp_fixtures.py, whose MTP "
+             f"layer is right often, not always); **{NO_MTP}**: the architecture ships no MTP layers that we read.", "",
              "**pass**: mlx-lm's tokens. **FAIL**: other tokens (the first difference) or a crash (where it "
              "came from). **refused**: the engine declined, in its own words.", "",
              f"{passed} of {len(rows)} architectures pass everything.", ""]

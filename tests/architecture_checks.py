@@ -11,6 +11,7 @@ import json
 import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import mlx.core as mx
@@ -169,6 +170,29 @@ def check_quantized(model, config: dict, bits: int):
     quantized, _ = quantize(model, config, bits)
     check_plain(quantized)
     check_prompt_lookup(quantized)
+
+
+def check_mtp(model_type: str):
+    """Greedy decoding with MTPSource drafts gives mlx-lm's greedy tokens, with drafts accepted and
+    rejected, on a tiny ``model_type`` checkpoint whose MTP layer is right often, not always
+    (tests/mtp_fixtures.py, in the layout Hugging Face ships). The models of tests/architectures.py
+    would draft at random over SmolLM2's vocabulary, accepting nothing."""
+    from decoder import DecodingStats, generate_step
+    from loading.target import load_mlx_lm
+    from speculative.mtp_source import MTPSource
+    from tests.helpers import tiny_byte_tokenizer
+    from tests.mtp_fixtures import write_checkpoint
+
+    prompt, max_tokens, stats = [5, 6, 7, 8], 40, DecodingStats()
+    with tempfile.TemporaryDirectory() as directory:
+        write_checkpoint(directory, model_type, seed=1, exact=True, noise=0.08, tokenizer=tiny_byte_tokenizer())
+        target, _, _ = load_mlx_lm(Path(directory))
+        # A fixed draft length: an adaptive one may pause a drafter that is often wrong.
+        tap, source = MTPSource.create(target, directory, num_draft=3, adaptive=False)
+        got = [token for token, _ in generate_step(prompt, tap, eos_token_ids=(), max_tokens=max_tokens,
+                                                   draft_sources=[source], stats=stats)]
+    assert_same_tokens(target, prompt, got, mlx_lm_greedy(target, prompt, max_tokens), "MTP drafts")
+    assert_accepted_and_rejected(stats.draft_proposed, stats.draft_accepted, "MTP drafts")
 
 
 class MainError(AssertionError):
