@@ -189,9 +189,14 @@ def test_main_prints_carriage_returns_as_they_are(model_dir, capfd):
 
 # ---- GPT-OSS's harmony channels ------------------------------------------------------------------
 
-HARMONY_TEMPLATE = ("{% for m in messages %}<|start|>{{ m['role'] }}{% if m.get('reasoning_content') %}"
+# As GPT-OSS's template writes a call: to a function, in the commentary channel, ended by <|call|>.
+HARMONY_CALL = ("{% set call = m.tool_calls[0].function %}<|start|>assistant to=functions.{{ call.name }}"
+                "<|channel|>commentary json<|message|>{{ call.arguments | tojson }}<|call|>")
+HARMONY_TEMPLATE = ("{% for m in messages %}{% if m.get('tool_calls') %}" + HARMONY_CALL + "{% else %}"
+                    "<|start|>{{ m['role'] }}{% if m.get('reasoning_content') %}"
                     "<|channel|>analysis<|message|>{{ m['reasoning_content'] }}<|end|><|start|>assistant"
-                    "<|channel|>final{% endif %}<|message|>{{ m['content'] }}<|end|>{% endfor %}<|start|>assistant")
+                    "<|channel|>final{% endif %}<|message|>{{ m['content'] }}<|end|>{% endif %}{% endfor %}"
+                    "<|start|>assistant")
 
 
 def harmony_tokenizer():
@@ -202,7 +207,8 @@ def harmony_tokenizer():
 
     tokenizer = tiny_byte_tokenizer()
     tokenizer.add_special_tokens({"additional_special_tokens": [
-        AddedToken(t, special=True) for t in ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>"]]})
+        AddedToken(t, special=True) for t in ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>",
+                                                 "<|call|>", "<|constrain|>"]]})
     tokenizer.chat_template = HARMONY_TEMPLATE
     return TokenizerWrapper(tokenizer)
 
