@@ -17,7 +17,7 @@ from server.responses import ResponsesFormat, ResponseStore, parse_responses
 from server.harmony import chat_tool_syntax
 from server.tools import Call, Function, ToolUse, split
 from tests.test_server_tiny import start
-from tests.test_thinking import harmony_tokenizer
+from tests.tiny_server import harmony_tokenizer
 
 TOKENIZER = harmony_tokenizer()
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"],

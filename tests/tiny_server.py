@@ -48,6 +48,31 @@ def tokenizer(hermes: bool = False, thinking: str = None):
                             tool_call_start=json_tools.tool_call_start, tool_call_end=json_tools.tool_call_end)
 
 
+# As GPT-OSS's template writes a call: to a function, in the commentary channel, ended by <|call|>.
+HARMONY_CALL = ("{% set call = m.tool_calls[0].function %}<|start|>assistant to=functions.{{ call.name }}"
+                "<|channel|>commentary json<|message|>{{ call.arguments | tojson }}<|call|>")
+HARMONY_TEMPLATE = ("{% for m in messages %}{% if m.get('tool_calls') %}" + HARMONY_CALL + "{% else %}"
+                    "<|start|>{{ m['role'] }}{% if m.get('reasoning_content') %}"
+                    "<|channel|>analysis<|message|>{{ m['reasoning_content'] }}<|end|><|start|>assistant"
+                    "<|channel|>final{% endif %}<|message|>{{ m['content'] }}<|end|>{% endif %}{% endfor %}"
+                    "<|start|>assistant")
+
+
+def harmony_tokenizer():
+    """tests.helpers' byte-level tokenizer with harmony's special tokens and HARMONY_TEMPLATE, as GPT-OSS's."""
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+    from tokenizers import AddedToken
+
+    from tests.helpers import tiny_byte_tokenizer
+
+    tokenizer = tiny_byte_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": [
+        AddedToken(t, special=True) for t in ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>",
+                                                 "<|call|>", "<|constrain|>"]]})
+    tokenizer.chat_template = HARMONY_TEMPLATE
+    return TokenizerWrapper(tokenizer)
+
+
 def vocab_size(thinking: bool = False) -> int:
     from tests.helpers import tiny_byte_tokenizer
 
@@ -87,7 +112,6 @@ def main():
     model_, tokenizer_, vocab = model(thinking), tokenizer(args.hermes, args.thinking), vocab_size(thinking)
     if args.harmony:
         from tests.helpers import tiny_llama
-        from tests.test_thinking import harmony_tokenizer
 
         tokenizer_ = harmony_tokenizer()
         vocab = len(tokenizer_)
