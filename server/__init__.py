@@ -9,6 +9,7 @@ one engine: structured outputs, tool calls, lossless speculation.
   a format; ``formats.py``: chat completions' and completions' formats.
 - ``tools.py``: tool calls in the model's own syntax: the grammar that constrains them, the reader
   that takes them out of the text.
+- ``harmony.py``: GPT-OSS's harmony messages read as answer text and tool calls.
 - ``engine.py``: one worker thread decodes every request in one batch (``batch.BatchGenerator``)
   from a bounded queue, and keeps the KV cache across turns.
 - ``app.py``: the routes, JSON answers and server-sent events. docs/server.md says what each API takes.

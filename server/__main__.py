@@ -112,7 +112,7 @@ def main():
     from loading.load import ModelError
     from cache import CacheKindError
     from server.app import build_app
-    from server.tools import tool_syntax
+    from server.harmony import chat_tool_syntax
     from speculative import VocabularyMismatch
     from speculative.mtp import NoMTPWeights
 
@@ -127,7 +127,7 @@ def main():
         sys.stderr.write(f"error: {error}\n")
         sys.exit(1)
     app = build_app(engine, model_id, limit, args.api_key, args.max_tokens, args.stored_responses, args.effort_table)
-    if tool_syntax(engine.tokenizer) is None:
+    if chat_tool_syntax(engine.tokenizer) is None:
         sys.stderr.write("note: the chat template writes no tool calls this server knows, so tool_choice auto gets "
                          "text answers (forced calls are JSON; see docs/server.md)\n")
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))

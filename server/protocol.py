@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from decoder import encode
+from server.harmony import chat_tool_syntax
 from server.reasoning import EFFORT_BUDGETS, Thinking, ThinkingRequest, template_options, thinking_of
-from server.tools import Function, ToolUse, tool_syntax
+from server.tools import Function, ToolUse
 
 MAX_STOP_STRINGS = 4  # as OpenAI
 MAX_TOP_LOGPROBS = 20  # as OpenAI's chat API (its legacy completions allow 5; 20 here too, as vLLM)
@@ -208,13 +209,15 @@ def prepare_chat(request: GenerationRequest, messages: list, functions: list, ch
     """
     thinking = thinking if thinking is not None else ThinkingRequest()
     if functions and choice != "none":
-        tools = ToolUse(functions, choice, parallel, tool_syntax(tokenizer))
+        tools = ToolUse(functions, choice, parallel, chat_tool_syntax(tokenizer))
         request.tool_grammar, schema = tools.grammar(), tools.json_schema()
         request.tools = None if tools.syntax is None and choice == "auto" else tools  # no syntax: text only
         if request.schema is not None and (schema is not None or request.tool_grammar is not None):
             raise invalid("give a response format or tools the model may call, not both", param="tools")
         if schema is not None:
             request.schema = json.dumps(schema)
+    elif (syntax := chat_tool_syntax(tokenizer)) is not None and syntax.reader is not None:
+        request.tools = ToolUse([], "auto", parallel, syntax)  # harmony's headers are markup, tools or not
     given = [request.regex, request.grammar, request.schema, request.tool_grammar]
     if sum(constraint is not None for constraint in given) > 1:
         raise invalid("give one of a response format, a forced tool call, guided_regex and guided_grammar")

@@ -62,6 +62,7 @@ class ToolSyntax:
     body: Optional[Callable] = None  # (functions, parallel, literal) -> Lark for BODY; None: unconstrained
     at_start: bool = False
     special: tuple = ()  # (marker, token id) for markers that are special tokens
+    reader: Optional[Callable] = None  # its own reader class, (syntax, tools) -> TextReader; None: CallReader
 
     def literal(self, marker: str) -> str:
         """``marker`` in Lark: a special token by id (text cannot spell one), else a string."""
@@ -168,7 +169,7 @@ def _special_tokens(tokenizer, markers: list) -> tuple:
     return tuple(found)
 
 
-def _calls(parsed) -> list:
+def calls_of(parsed) -> list:
     """mlx-lm parsers give a dict or a list of dicts with the arguments as a dict (or JSON text)."""
     result = []
     for call in parsed if isinstance(parsed, list) else [parsed]:
@@ -244,7 +245,7 @@ class CallReader(TextReader):
 
     def _parsed(self, body: str) -> list:
         try:
-            return _calls(self.syntax.parse(body, self.tools))
+            return calls_of(self.syntax.parse(body, self.tools))
         except (ValueError, KeyError, TypeError, AttributeError):  # mlx-lm's parsers raise these on bad text
             return []
 
@@ -306,7 +307,7 @@ class ToolUse:
 
     def reader(self) -> TextReader:
         if self.syntax is not None:
-            return CallReader(self.syntax, [f.for_template() for f in self.functions])
+            return (self.syntax.reader or CallReader)(self.syntax, [f.for_template() for f in self.functions])
         if self.choice == "auto":
             return TextReader()
         return JsonCallReader(None if self.choice == "required" else self.choice)

@@ -189,22 +189,7 @@ def test_main_prints_carriage_returns_as_they_are(model_dir, capfd):
 
 # ---- GPT-OSS's harmony channels ------------------------------------------------------------------
 
-HARMONY_TEMPLATE = ("{% for m in messages %}<|start|>{{ m['role'] }}{% if m.get('reasoning_content') %}"
-                    "<|channel|>analysis<|message|>{{ m['reasoning_content'] }}<|end|><|start|>assistant"
-                    "<|channel|>final{% endif %}<|message|>{{ m['content'] }}<|end|>{% endfor %}<|start|>assistant")
-
-
-def harmony_tokenizer():
-    from mlx_lm.tokenizer_utils import TokenizerWrapper
-    from tokenizers import AddedToken
-
-    from tests.helpers import tiny_byte_tokenizer
-
-    tokenizer = tiny_byte_tokenizer()
-    tokenizer.add_special_tokens({"additional_special_tokens": [
-        AddedToken(t, special=True) for t in ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>"]]})
-    tokenizer.chat_template = HARMONY_TEMPLATE
-    return TokenizerWrapper(tokenizer)
+harmony_tokenizer = tiny_server.harmony_tokenizer
 
 
 def test_harmony_analysis_is_reasoning_and_final_is_the_answer():

@@ -1,6 +1,7 @@
 """The server on a tiny random model, for tests that need many requests fast (no model to load).
 
     python -m tests.tiny_server [--prompt-lookup] [--max-batch N] [--max-queue N] [--prompt-cache-bytes N] [--hermes]
+        [--thinking optional|opens] [--harmony]
 
 Prints "serving tiny on http://127.0.0.1:PORT/v1" once it listens, as ``python -m server`` does.
 The model is ``model()``, so a test builds the same one to compute what the server should answer.
@@ -47,6 +48,31 @@ def tokenizer(hermes: bool = False, thinking: str = None):
                             tool_call_start=json_tools.tool_call_start, tool_call_end=json_tools.tool_call_end)
 
 
+# As GPT-OSS's template writes a call: to a function, in the commentary channel, ended by <|call|>.
+HARMONY_CALL = ("{% set call = m.tool_calls[0].function %}<|start|>assistant to=functions.{{ call.name }}"
+                "<|channel|>commentary json<|message|>{{ call.arguments | tojson }}<|call|>")
+HARMONY_TEMPLATE = ("{% for m in messages %}{% if m.get('tool_calls') %}" + HARMONY_CALL + "{% else %}"
+                    "<|start|>{{ m['role'] }}{% if m.get('reasoning_content') %}"
+                    "<|channel|>analysis<|message|>{{ m['reasoning_content'] }}<|end|><|start|>assistant"
+                    "<|channel|>final{% endif %}<|message|>{{ m['content'] }}<|end|>{% endif %}{% endfor %}"
+                    "<|start|>assistant")
+
+
+def harmony_tokenizer():
+    """tests.helpers' byte-level tokenizer with harmony's special tokens and HARMONY_TEMPLATE, as GPT-OSS's."""
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+    from tokenizers import AddedToken
+
+    from tests.helpers import tiny_byte_tokenizer
+
+    tokenizer = tiny_byte_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": [
+        AddedToken(t, special=True) for t in ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>",
+                                                 "<|call|>", "<|constrain|>"]]})
+    tokenizer.chat_template = HARMONY_TEMPLATE
+    return TokenizerWrapper(tokenizer)
+
+
 def vocab_size(thinking: bool = False) -> int:
     from tests.helpers import tiny_byte_tokenizer
 
@@ -69,6 +95,7 @@ def main():
     parser.add_argument("--thinking", choices=["optional", "opens"], default=None,
                         help="A thinking model's template (THINKING_TEMPLATES).")
     parser.add_argument("--effort-budgets", default=None, help="As python -m server's.")
+    parser.add_argument("--harmony", action="store_true", help="GPT-OSS's harmony template (tests/test_thinking.py).")
     args = parser.parse_args()
     fast_blas.load()
     import uvicorn
@@ -82,7 +109,14 @@ def main():
     sources = (lambda: [PromptLookupSource()]) if args.prompt_lookup else list
     # Passes timed at zero seconds: rows draft whenever their sources do, however loaded the machine.
     thinking = args.thinking is not None
-    engine = Engine(model(thinking), tokenizer(args.hermes, args.thinking), vocab_size(thinking), sources, max_batch=args.max_batch,
+    model_, tokenizer_, vocab = model(thinking), tokenizer(args.hermes, args.thinking), vocab_size(thinking)
+    if args.harmony:
+        from tests.helpers import tiny_llama
+
+        tokenizer_ = harmony_tokenizer()
+        vocab = len(tokenizer_)
+        model_ = tiny_llama(vocab_size=vocab, num_layers=2, hidden_size=32, seed=3, sharp=3.0)
+    engine = Engine(model_, tokenizer_, vocab, sources, max_batch=args.max_batch,
                     max_queue=args.max_queue, prompt_cache_bytes=args.prompt_cache_bytes,
                     pass_cost=PassCost(clock=lambda: 0.0))
     sock = listen("127.0.0.1", 0)
