@@ -95,6 +95,10 @@ class DraftSource:
     def leave(self) -> None:
         """Its row left the batch: let go of what is kept for it (a shared drafter's cache row)."""
 
+    def locate(self, cache: Cache, row: int) -> None:
+        """Where its row is in the target's cache (row ``row`` of ``cache``), told before each step's
+        drafting: a source that reads the target's hidden states finds them there (``cache.features``)."""
+
 
 class Constraint:
     """A token-level automaton that masks logits (see constrained/)."""
@@ -350,6 +354,11 @@ class Row:
         # "stop" or "length" once finished
         self.finish_reason = self.stats.finish_reason = None if max_tokens > 0 else "length"
 
+    def locate(self, cache: Cache, slot: int):
+        """Tell the sources where this row is in the loop's cache (``DraftSource.locate``)."""
+        for source in self.sources:
+            source.locate(cache, slot)
+
     def reset(self, cost: PassCost):
         """Start the sources and the constraint over, before the first step."""
         # With an mlx-lm sampler, q plays no part in acceptance: model sources draft greedily.
@@ -531,6 +540,7 @@ def generate_step(
     if cached >= len(prompt):
         raise ValueError(f"prompt_cache holds {cached} tokens; it must hold fewer than the prompt's {len(prompt)}")
     row.reset(cost)
+    row.locate(cache, 0)
 
     tic = time.perf_counter()
     # The last prompt token is the first input of the loop, like every accepted token after it.
