@@ -63,7 +63,7 @@ class DraftSource:
 
     name = "draft"
     free = False  # True where proposing costs next to nothing (forced text): a batch asks it every step
-    # Why a batch cannot ask this source, in one sentence (it reads one sequence's hidden states); None: it can.
+    # Why a batch cannot ask this source, in one sentence; None: it can.
     batch_refusal: Optional[str] = None
     # An object that drafts for every row sharing it in one call per step, before the rows choose:
     # ``batch_drafter.draft_all([(source, tokens, max_draft), ...], cost, batch_rows)``. None: none.

@@ -313,6 +313,8 @@ class BatchGenerator:
         if not self.rows:
             return responses
         tic = time.perf_counter()
+        for row, slot in zip(self.rows, self.slots):
+            row.locate(self.cache, slot)
         asked = self.gate.ask() and any(row.sources for row in self.rows)
         if asked:
             self._draft_with_models(responses)

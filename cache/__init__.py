@@ -15,6 +15,8 @@ One class per kind of layer, as in mlx-lm's ``models/cache.py``; one row is the 
   them after a rejection; the row's accepted tokens are then fed again at the front of its next pass.
 - ``ChunkedRows``, attention in chunks (``ChunkedKVCache``): one row only, since the model builds its
   chunk mask from one scalar offset.
+- ``FeatureRows``, the target's hidden states for a draft source that reads them, kept by the
+  model's ``HiddenStateTap`` (speculative/head_source.py) as one more layer (``Cache.features``).
 
 The kinds are in ``kinds.py``; here are the table from mlx-lm's classes to them (``_kind``) and
 ``Cache``, a model's layers and the operations on rows applied to all of them.
@@ -31,7 +33,7 @@ from typing import Optional, Sequence
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, CacheList, ChunkedKVCache, KVCache, RotatingKVCache, make_prompt_cache
 
-from cache.kinds import ChunkedRows, KVRows, StateRows
+from cache.kinds import ChunkedRows, FeatureRows, KVRows, StateRows
 
 
 class CacheKindError(ValueError):
@@ -47,6 +49,8 @@ def _kind(layer, rows: int, max_rollback: Optional[int], mask_dims: int):
     """The form of one ``make_prompt_cache`` layer here: mlx-lm's kinds, told apart by class (a renaming table)."""
     if isinstance(layer, CacheList):
         return CacheList(*(_kind(child, rows, max_rollback, mask_dims) for child in layer.caches))
+    if isinstance(layer, FeatureRows):
+        return FeatureRows(rows)
     if isinstance(layer, RotatingKVCache):
         if layer.keep:
             raise CacheKindError(f"a sliding-window cache that always keeps its first {layer.keep} tokens "
@@ -79,6 +83,7 @@ class CachedPrefix:
     attention: list  # per attention layer (keys, values, first), keys and values [1, heads, length - first, dim]
     states: list  # per recurrent layer, its state arrays, each [1, ...]; empty without recurrent layers
     shortest: int = 0  # the shortest length it can be cut to (sliding layers need their window's keys)
+    features: Optional[tuple] = None  # the target's hidden states, as an attention entry (``FeatureRows``)
 
     def usable(self, common: int) -> int:
         """The longest prefix of at most ``common`` tokens it can serve; 0 for none."""
@@ -90,11 +95,15 @@ class CachedPrefix:
         """The entries of the first ``length`` tokens (``usable`` says which lengths it has)."""
         if length == self.length:
             return self
-        return CachedPrefix(length, [(keys[:, :, : length - first], values[:, :, : length - first], first)
-                                     for keys, values, first in self.attention], [], self.shortest)
+        def head(keys, values, first):  # the entry's positions before ``length``
+            return keys[:, :, : max(length - first, 0)], values[:, :, : max(length - first, 0)], first
+
+        features = head(*self.features) if self.features is not None else None
+        return CachedPrefix(length, [head(*entry) for entry in self.attention], [], self.shortest, features)
 
     def arrays(self) -> list:
-        return [array for keys, values, _ in self.attention for array in (keys, values)] + \
+        attention = self.attention + ([self.features] if self.features is not None else [])
+        return [array for keys, values, _ in attention for array in (keys, values)] + \
                [array for layer in self.states for array in layer]
 
 
@@ -107,7 +116,8 @@ class Cache:
     def __init__(self, layers: list, rows: int):
         self.layers, self.rows = layers, rows
         leaves = layers_of(layers)
-        self.attention = [layer for layer in leaves if layer.is_trimmable()]
+        self.features = next((layer for layer in leaves if isinstance(layer, FeatureRows)), None)
+        self.attention = [layer for layer in leaves if layer.is_trimmable() and layer is not self.features]
         self.recurrent = [layer for layer in leaves if isinstance(layer, StateRows)]
 
     @classmethod
@@ -138,7 +148,8 @@ class Cache:
     def arrays(self) -> list:
         """Every array the cache holds (to evaluate)."""
         states = [state for layer in self.recurrent for state in layer.cache if state is not None]
-        return [array for layer in self.attention if layer.keys is not None for array in (layer.keys, layer.values)] \
+        attention = self.attention + ([self.features] if self.features is not None else [])
+        return [array for layer in attention if layer.keys is not None for array in (layer.keys, layer.values)] \
             + states
 
     def prepare(self, lengths: Sequence[int], width: int):
@@ -177,7 +188,7 @@ class Cache:
         self.rows += other.rows
 
     def realign(self):
-        for layer in self.attention:
+        for layer in self.attention + ([self.features] if self.features is not None else []):
             layer.realign()
 
     def extract(self, row: int, length: int) -> CachedPrefix:
@@ -185,7 +196,8 @@ class Cache:
         attention = [layer.extract(row) for layer in self.attention]
         shortest = max([first + layer.window - 1 for layer, (_, _, first) in zip(self.attention, attention)
                         if first > 0] + [0])
-        return CachedPrefix(length, attention, [layer.extract(row) for layer in self.recurrent], shortest)
+        features = self.features.extract(row) if self.features is not None and self.features.keys is not None else None
+        return CachedPrefix(length, attention, [layer.extract(row) for layer in self.recurrent], shortest, features)
 
     def fill(self, prefixes: Sequence[Optional[CachedPrefix]]):
         """An empty cache whose row b holds ``prefixes[b]`` (None: nothing)."""
@@ -195,6 +207,8 @@ class Cache:
                     layer.fill(row, *entry)
                 for layer, states in zip(self.recurrent, prefix.states):
                     layer.fill(row, states)
+                if self.features is not None and prefix.features is not None:
+                    self.features.fill(row, *prefix.features)
 
 
 def _adopted(layer):

@@ -4,8 +4,8 @@ here, or a published EAGLE-1/2 or EAGLE-3 head: ``load_head`` reads both) or a m
 from speculative.draft_model import DraftModel, DraftModelSource, VocabularyMismatch
 from speculative.head import HeadMismatch
 from speculative.head_loading import load_head
-from speculative.head_source import DraftHeadSource, HiddenStateTap
+from speculative.head_source import DraftHeadSource, HeadDrafter, HiddenStateTap
 from speculative.mtp_source import MTPSource
 
-__all__ = ["DraftHeadSource", "DraftModel", "DraftModelSource", "HeadMismatch", "HiddenStateTap", "MTPSource",
+__all__ = ["DraftHeadSource", "DraftModel", "DraftModelSource", "HeadDrafter", "HeadMismatch", "HiddenStateTap", "MTPSource",
            "VocabularyMismatch", "load_head"]

@@ -24,8 +24,8 @@ from mlx_lm.utils import common_prefix_len
 from cache import CacheKindError, architecture, make_cache
 from cache.prefill import prefill_rows
 from cost import PassCost
-from decoder import Draft, DraftSource, output_size, sampling_probs
-from speculative.adaptive import AdaptiveLength, weight_bytes
+from decoder import Draft, output_size
+from speculative.adaptive import Drafter, DrafterHandle, draw_rows, weight_bytes
 from t5 import T5Decoder, is_encoder_decoder
 
 
@@ -51,9 +51,8 @@ def check_same_vocabulary(draft_tokenizer, target_tokenizer, draft_size: int, ta
                                  f"fewer than the {len(target_vocab)} tokens of their tokenizer")
 
 
-class DraftModelSource(DraftSource):
-    """One row's handle on a ``DraftModel``: its adaptive length and pausing, and ``propose``
-    returning what ``draft_all`` drafted for this row.
+class DraftModelSource(DrafterHandle):
+    """One row's handle on a ``DraftModel`` (``DrafterHandle``).
 
     Args:
         model: the draft (mlx-lm model, or ``T5Decoder``): a one-row source with its own ``DraftModel``.
@@ -67,12 +66,6 @@ class DraftModelSource(DraftSource):
         drafter = DraftModel(model, vocab_size, num_draft, max_draft, adaptive, min_confidence, draft_cost_prior)
         self._bind(drafter, num_draft, max_draft, adaptive)
 
-    def _bind(self, drafter: "DraftModel", num_draft: int, max_draft: int, adaptive: bool):
-        self.drafter = self.batch_drafter = drafter
-        self.length = AdaptiveLength(num_draft, max_draft, enabled=adaptive)
-        self.draft, self.drafted = None, False  # from the last draft_all, until proposed
-        self.reset()
-
     @classmethod
     def create(cls, draft_model, draft_tokenizer, target_model, target_tokenizer,
                encoder_input: Optional[list] = None, **kwargs) -> "DraftModelSource":
@@ -83,39 +76,13 @@ class DraftModelSource(DraftSource):
             draft_model = T5Decoder(draft_model, encoder_input)
         return DraftModel.create(draft_model, draft_tokenizer, target_model, target_tokenizer, **kwargs).source()
 
-    @property
-    def num_draft(self) -> int:
-        return self.length.num_draft
-
     def reset(self, cost: Optional[PassCost] = None, temp: float = 0.0, top_p: float = 1.0):
         """A new generation: its cache row is kept, and reused up to what it shares with the new prompt."""
         super().reset(cost, temp, top_p)
-        self.length.reset()
-        self.draft, self.drafted, self.fresh = None, False, True
-
-    def token_cost(self) -> float:
-        """Drafting and verifying one token, as a fraction of the target's plain pass (measured)."""
-        return self.drafter.draft_cost(self.cost) + self.cost.token_cost(self.drafter.batch_rows)
-
-    def forecast_speedup(self) -> Optional[float]:
-        return self.length.expected_speedup(self.token_cost()) if self.length.enabled else None
-
-    def propose(self, tokens: list, max_draft: int) -> Optional[Draft]:
-        if not self.drafted:  # alone: no batch drafted for this row before it was asked
-            self.drafter.draft_all([(self, tokens, max_draft)], self.cost, 1)
-        draft, self.draft, self.drafted = self.draft, None, False
-        if draft is None or max_draft <= 0:
-            return None
-        return draft.truncate(max_draft)
-
-    def update(self, tokens: list, num_proposed: int, num_accepted: int):
-        self.length.record(num_proposed, num_accepted)
-
-    def leave(self):
-        self.drafter.remove(self)
+        self.fresh = True
 
 
-class DraftModel:
+class DraftModel(Drafter):
     """A small model sharing the target's vocabulary, drafting for one row or many at once.
 
     Args:
@@ -127,23 +94,19 @@ class DraftModel:
             (``create`` sets it from the weight bytes).
     """
 
-    FORGET = 0.9  # weight of the past in the running mean of a draft position's time
-
     def __init__(self, model, vocab_size: int, num_draft: int = 4, max_draft: int = 12, adaptive: bool = True,
                  min_confidence: float = 0.5, draft_cost_prior: float = 0.1, prefill_step_size: int = 512):
         if make_cache(model).recurrent:  # its rows roll back by trimming, which a recurrent state cannot
             raise CacheKindError(f"{architecture(model)}: a draft model with recurrent layers cannot roll back "
                                  "its drafts")
+        super().__init__(DraftModelSource, dict(num_draft=num_draft, max_draft=max(max_draft, num_draft),
+                                                adaptive=adaptive), draft_cost_prior)
         self.model, self.vocab_size = model, vocab_size
-        self.options = dict(num_draft=num_draft, max_draft=max(max_draft, num_draft), adaptive=adaptive)
         self.min_confidence = min_confidence
-        self.draft_cost_prior = draft_cost_prior
         self.prefill_step_size = prefill_step_size
         self.rows = []  # handles, in cache order
         self.texts, self.counts = [], []  # per row: its cache holds texts[row][: counts[row]]
         self.cache = None
-        self.batch_rows = 1  # rows in the target's batch at the last draft
-        self.position_time = None  # [weight, mean seconds] of one draft position for all rows
 
     @classmethod
     def create(cls, draft_model, draft_tokenizer, target_model, target_tokenizer, **kwargs) -> "DraftModel":
@@ -153,25 +116,6 @@ class DraftModel:
                               target_size)
         kwargs.setdefault("draft_cost_prior", weight_bytes(draft_model) / weight_bytes(target_model))
         return cls(draft_model, target_size, **kwargs)
-
-    def draft_cost(self, cost: PassCost) -> float:
-        """One draft position (a pass of the draft model over all its rows) as a fraction of the
-        target's plain pass over the batch: both measured, or the prior until they are."""
-        target = cost.seconds(1, self.batch_rows)
-        if self.position_time is None or not target:
-            return self.draft_cost_prior
-        return self.position_time[1] / target
-
-    def _time(self, seconds: float, positions: int):
-        weight, mean = self.position_time or (0.0, 0.0)
-        weight = self.FORGET * weight + 1
-        self.position_time = (weight, mean + (seconds / positions - mean) / weight)
-
-    def source(self) -> DraftModelSource:
-        """A handle for one row's ``draft_sources``."""
-        handle = DraftModelSource.__new__(DraftModelSource)
-        handle._bind(self, **self.options)
-        return handle
 
     def remove(self, handle: DraftModelSource):
         """The row left the batch."""
@@ -234,19 +178,7 @@ class DraftModel:
             logits = logits[:, : self.vocab_size]
         elif size < self.vocab_size:  # padding rows of the target are never proposed
             logits = mx.pad(logits, [(0, 0), (0, self.vocab_size - size)], constant_values=-mx.inf)
-        greedy = mx.softmax(logits.astype(mx.float32), axis=-1)
-        tokens, confidence = mx.argmax(greedy, axis=-1), mx.max(greedy, axis=-1)
-        probs = [None] * len(self.rows)
-        settings = {(h.temp, h.top_p) for h in self.rows if h.temp > 0}
-        for temp, top_p in settings:  # rows sampling alike are drawn together
-            members = [i for i, h in enumerate(self.rows) if (h.temp, h.top_p) == (temp, top_p)]
-            group = sampling_probs(logits[mx.array(members)], temp, top_p)
-            drawn = mx.random.categorical(mx.log(group))
-            index = mx.array(members)
-            tokens[index], confidence[index] = drawn.astype(tokens.dtype), group.max(axis=-1)
-            for position, member in enumerate(members):
-                probs[member] = group[position]
-        return tokens, confidence, probs
+        return draw_rows(logits, self.rows)
 
     def draft_all(self, requests: list, cost: PassCost, batch_rows: int):
         """Draft for every row: ``requests`` holds ``(handle, tokens, max_draft)`` for each of the

@@ -1,20 +1,31 @@
-"""A draft source backed by a trained draft head (speculative/head.py).
+"""A draft source backed by a trained draft head (speculative/head.py) or a model's MTP layers
+(mtp_source.py), for one row or many.
 
-The head needs the target's hidden states at the accepted positions. ``HiddenStateTap`` wraps the
-target so the loop runs it like any mlx-lm model, and keeps the hidden states of each call, keyed
-by position. The loop stays untouched: it only sees a model and a draft source.
+The head reads the target's hidden states at the accepted positions. ``HiddenStateTap`` wraps the
+target so the loops run it like any mlx-lm model; on every call it writes the features the head reads
+into one more layer of the cache (``cache.FeatureRows``), so they roll back, join and leave with the
+rows, and the loop tells each row's source where its row is (``DraftSource.locate``).
 
-    tap, source = DraftHeadSource.create(target)
+One ``HeadDrafter`` holds the head's cache for every row that drafts with it, and each row gets a
+``DraftHeadSource``, its handle (as ``DraftModel`` and ``DraftModelSource``). Each step ``draft_all``
+feeds every drafting row the positions it has not read (right-padded to the longest; each row then
+drops its padding), then drafts all rows together, one head call per draft position.
+
+    tap, source = DraftHeadSource.create(target)           # one row: run the loop on tap
     generate(tap, tokenizer, prompt, draft_sources=[source])
+    tap, drafter = HeadDrafter.create(target)              # a batch: BatchGenerator(tap, ...)
+    gen.insert(prompts, draft_sources=[[drafter.source()] for _ in prompts])
 """
 
 from typing import Optional
 
 import mlx.core as mx
-from cache import adopt, layers_of
+from mlx_lm.models.cache import make_prompt_cache
+
+from cache import Cache, FeatureRows, layers_of, make_cache
 from cost import PassCost
-from decoder import Draft, sampling_probs
-from speculative.adaptive import AdaptiveSource, weight_bytes
+from decoder import Draft
+from speculative.adaptive import Drafter, DrafterHandle, draw_rows, weight_bytes
 from speculative.head import FINAL, body_with_features, logits_from_hidden
 from speculative.head_loading import load_head
 
@@ -22,160 +33,258 @@ CATCH_UP_CHUNK = 512  # positions per head call when reading a prompt (as the ta
 
 
 class HiddenStateTap:
-    """The target, keeping the features a head reads from every call (batch size 1): its final hidden states,
-    or the outputs of the layers in ``feature_layers``. Looks like the wrapped mlx-lm model (``layers``,
-    ``args``, ``make_cache`` are the target's), so ``make_prompt_cache`` and ``trim_prompt_cache`` still work."""
+    """The target, writing the features a head reads into the cache's ``FeatureRows`` layer on every
+    call: its final hidden states, or the outputs of the layers in ``feature_layers``. Looks like the
+    wrapped mlx-lm model (``layers``, ``args`` are the target's); ``make_cache`` adds the feature layer."""
 
     def __init__(self, target, feature_layers=(FINAL,)):
         self.target, self.feature_layers = target, feature_layers
-        self.chunks = []  # (first position, (n, k * d) features), contiguous and in order
 
     def __getattr__(self, name):
         return getattr(self.target, name)
 
+    def make_cache(self) -> list:
+        return make_prompt_cache(self.target) + [FeatureRows(1)]
+
     def __call__(self, inputs: mx.array, cache=None) -> mx.array:
-        # The first layer that counts its tokens: a hybrid model's first layers may be recurrent.
-        start = next((layer.offset for layer in layers_of(cache) if layer.is_trimmable()), 0) if cache else 0
-        hidden, features = body_with_features(self.target, inputs, self.feature_layers, cache)
-        # A call at ``start`` overwrites what rejected drafts left at ``start`` and after.
-        self.chunks = [(first, rows[: start - first]) for first, rows in self.chunks if first < start]
-        self.chunks.append((start, features[0]))
+        features = cache[-1] if cache and isinstance(cache[-1], FeatureRows) else None
+        model_cache = cache[:-1] if features is not None else cache
+        positions = model_positions(model_cache, features.rows) if features is not None else None
+        hidden, found = body_with_features(self.target, inputs, self.feature_layers, model_cache)
+        if features is not None:
+            features.write(found, positions)
         return logits_from_hidden(self.target, hidden)
 
-    def take(self, start: int, stop: int) -> mx.array:
-        """Features at positions [start, stop); then forgets all but the last of them."""
-        if not self.chunks or self.chunks[0][0] > start or self.chunks[-1][0] + self.chunks[-1][1].shape[0] < stop:
-            raise ValueError("the draft head has no hidden states for these positions: run the loop on the "
-                             "HiddenStateTap from DraftHeadSource.create (not the bare model), with a fresh kv_cache")
-        taken = [rows[max(start - first, 0) : stop - first] for first, rows in self.chunks
-                 if first < stop and first + rows.shape[0] > start]
-        keep = stop - 1  # free the features before it
-        self.chunks = [(max(first, keep), rows[max(keep - first, 0):]) for first, rows in self.chunks
-                       if first + rows.shape[0] > keep]
-        return mx.concatenate(taken) if len(taken) > 1 else taken[0]
+
+def model_positions(cache: list, rows: int) -> Optional[list]:
+    """Each row's position in the model's cache before a call (where its first input goes); None for
+    a model of recurrent layers only, whose layers do not count."""
+    layer = next((layer for layer in layers_of(cache) if layer.is_trimmable()), None)
+    if layer is None:
+        return None
+    if hasattr(layer, "origins"):  # the cache layer's rows
+        return [end - origin for end, origin in zip(layer.ends, layer.origins)]
+    return [layer.offset] * rows  # one row of an mlx-lm cache
 
 
-class DraftHeadSource(AdaptiveSource):
-    """Drafts tokens with a draft head that reads the target's hidden states.
+class DraftHeadSource(DrafterHandle):
+    """One row's handle on a ``HeadDrafter`` (``DrafterHandle``).
 
     Args:
         tap: the ``HiddenStateTap`` the loop runs as its model.
-        head, vocab_ids: from ``load_head``; the head scores with ``head.logits``, over the tokens
-            ``vocab_ids`` names.
-        num_draft, adaptive, max_draft, draft_cost_prior: see ``AdaptiveSource``.
-        min_confidence: stop a draft once the head's top probability falls below this.
-        min_path_confidence: stop a draft once the product of the head's top probabilities at
-            the positions drafted so far (the chance that all are accepted, if the head is
-            calibrated) falls below this. Default: what a drafted token costs (``token_cost``) when
-            adaptive (a further token is then worth less than it costs), else 0 (off).
+        head, vocab_ids, num_draft, adaptive, max_draft, min_confidence, draft_cost_prior,
+            min_path_confidence: ``HeadDrafter``'s; a source built this way has its own (one row).
     """
 
     name = "draft_head"
-    batch_refusal = ("the draft head cannot draft for a batch (it reads one sequence's hidden states); "
-                     "use prompt lookup or a DraftModel, or decode it alone")
 
     def __init__(self, tap: HiddenStateTap, head, vocab_ids: mx.array, num_draft: int = 4, adaptive: bool = True,
                  max_draft: int = 8, min_confidence: float = 0.0, draft_cost_prior: float = 0.06,
                  min_path_confidence: Optional[float] = None):
-        super().__init__(num_draft, max_draft, adaptive, draft_cost_prior)
-        self.tap, self.head = tap, head
-        self.vocab_ids, self.vocab_list = vocab_ids, vocab_ids.tolist()
-        self.vocab_size = tap.target.args.vocab_size
-        self.embed = tap.target.model.embed_tokens
-        self.min_confidence = min_confidence
-        self.path_confidence_option = min_path_confidence
-        self.reset()
-
-    def reset(self, cost: Optional[PassCost] = None, temp: float = 0.0, top_p: float = 1.0):
-        """A new generation: forget the features, the head's cache and the draft length."""
-        super().reset(cost, temp, top_p)
-        self.tap.chunks = []
-        self.cache = adopt(self.head.make_cache())  # the cache layer at one row: checked rollbacks
-        self.committed = 0  # head cache positions read from true features and accepted tokens
+        drafter = HeadDrafter(tap, head, vocab_ids, type(self), num_draft, adaptive, max_draft, min_confidence,
+                              draft_cost_prior, min_path_confidence)
+        self._bind(drafter, num_draft, max_draft, adaptive)
 
     @classmethod
     def create(cls, target, head_dir=None, **kwargs):
         """Load a head for ``target`` (ours or a published EAGLE head, see ``load_head``);
         returns ``(tap, source)``: run the loop on ``tap``."""
-        head, vocab_ids = load_head(head_dir, target)
-        tap = HiddenStateTap(target, head.feature_layers)
-        # A draft step reads the head and the target's output rows it scores with (``output_bytes``; none
-        # for EAGLE-3). Counted in bytes: a 4-bit target reads far less than its parameter count says.
-        kwargs.setdefault("draft_cost_prior", (weight_bytes(head) + head.output_bytes) / weight_bytes(target))
-        return tap, cls(tap, head, vocab_ids, **kwargs)
+        tap, drafter = HeadDrafter.create(target, head_dir, cls, **kwargs)
+        return tap, drafter.source()
+
+    def reset(self, cost: Optional[PassCost] = None, temp: float = 0.0, top_p: float = 1.0):
+        """A new generation: the head reads it from its first position."""
+        super().reset(cost, temp, top_p)
+        self.fresh, self.features, self.row = True, None, 0
+
+    def locate(self, cache: Cache, row: int):
+        self.features, self.row = cache.features, row
 
     @property
     def min_path_confidence(self) -> float:
-        if self.path_confidence_option is not None:
-            return self.path_confidence_option
+        if self.drafter.path_confidence_option is not None:
+            return self.drafter.path_confidence_option
         return self.token_cost() if self.length.enabled else 0.0
 
-    def _rewind(self):
-        """Drop the head's cache entries for drafted positions (read from its own predictions)."""
-        self.cache.rewind([self.cache.held() - self.committed])
+    @property
+    def cache(self) -> Cache:
+        """The head's cache, of this row alone (for tests of one row)."""
+        return self.drafter.cache
 
-    def _catch_up(self, tokens: list) -> mx.array:
-        """Feed the head every accepted position it has not read; returns its last prediction. Position
-        p reads (h_p, x_{p+1}); the target has run positions up to len(tokens) - 2."""
-        stop = len(tokens) - 1
-        if self.committed == stop:  # nothing new since the last draft: re-read the last position
-            self.committed -= 1
-            self._rewind()
-        features = self.tap.take(self.committed, stop)
-        for start in range(0, stop - self.committed, CATCH_UP_CHUNK):
-            first = self.committed + start
-            chunk = features[start : start + CATCH_UP_CHUNK][None]
-            next_tokens = mx.array(tokens[first + 1 : first + 1 + chunk.shape[1]])[None]
-            predicted = self.head(chunk, self.embed(next_tokens), cache=self.cache.layers)
-        self.committed = stop
-        return predicted[0, -1]
+    @property
+    def committed(self) -> int:
+        """Head cache positions read from true features and accepted tokens."""
+        rows = self.drafter.rows
+        return self.drafter.committed[rows.index(self)] if self in rows else 0
 
-    def _distribution(self, predicted: mx.array) -> mx.array:
-        """Scores over the sub-vocabulary: q when sampling; when greedy, the softmax only if the
-        confidence stop needs it (the logits have the same argmax)."""
-        logits = self.head.logits(predicted[None])[0]
-        if self.temp > 0:
-            return sampling_probs(logits[None], self.temp, self.top_p)[0]
-        confidence_needed = self.min_confidence > 0 or self.min_path_confidence > 0
-        return mx.softmax(logits.astype(mx.float32)) if confidence_needed else logits
 
-    def propose(self, tokens: list, max_draft: int) -> Optional[Draft]:
-        num_draft = min(self.length.next_length(self.token_cost()), max_draft) if len(tokens) >= 2 else 0
-        if num_draft == 0:
-            return None  # the head catches up in one batched call when drafting resumes
-        self._rewind()
-        predicted = self._catch_up(tokens)
-        min_path_confidence = self.min_path_confidence
-        indices, rows, path_confidence = [], [], 1.0
-        # Without the path-confidence stop the whole draft is one lazy graph: each step feeds the
-        # last sub-vocabulary index back without a host round trip, and one sync reads them all.
-        for position in range(num_draft):
-            probs = self._distribution(predicted)
-            index = mx.argmax(probs) if self.temp == 0 else mx.random.categorical(mx.log(probs))
-            if min_path_confidence > 0:  # one sync per step, so no step is computed in vain
+class HeadDrafter(Drafter):
+    """A draft head (or MTP layers) drafting for one row or many at once.
+
+    Args:
+        tap: the ``HiddenStateTap`` the loop runs as its model (its target embeds the tokens).
+        head, vocab_ids: from ``load_head``; the head scores with ``head.logits``, over the tokens
+            ``vocab_ids`` names.
+        handle_class: what ``source`` makes (``DraftHeadSource``, or ``MTPSource``).
+        num_draft, adaptive, max_draft: each row's ``AdaptiveLength``.
+        min_confidence: a row stops drafting once the head's top probability falls below this.
+        draft_cost_prior: one draft position as a fraction of a target pass, until timed.
+        min_path_confidence: a row stops drafting once the product of the head's top probabilities
+            at the positions drafted so far (the chance that all are accepted, if the head is
+            calibrated) falls below this. Default: what a drafted token costs (``token_cost``) when
+            adaptive (a further token is then worth less than it costs), else 0 (off).
+    """
+
+    def __init__(self, tap: HiddenStateTap, head, vocab_ids: mx.array, handle_class=DraftHeadSource,
+                 num_draft: int = 4, adaptive: bool = True, max_draft: int = 8, min_confidence: float = 0.0,
+                 draft_cost_prior: float = 0.06, min_path_confidence: Optional[float] = None):
+        super().__init__(handle_class, dict(num_draft=num_draft, max_draft=max(max_draft, num_draft),
+                                            adaptive=adaptive), draft_cost_prior)
+        self.tap, self.head = tap, head
+        self.vocab_ids, self.vocab_list = vocab_ids, vocab_ids.tolist()
+        self.vocab_size = tap.target.args.vocab_size
+        self.embed = tap.target.model.embed_tokens
+        self.min_confidence, self.path_confidence_option = min_confidence, min_path_confidence
+        self.rows, self.committed = [], []  # handles in cache order; per row, positions its cache holds
+        self.cache = None
+
+    @classmethod
+    def create(cls, target, head_dir=None, handle_class=DraftHeadSource, **kwargs):
+        """Load a head for ``target`` (``load_head``); returns ``(tap, drafter)``: run the loop on ``tap``."""
+        head, vocab_ids = load_head(head_dir, target)
+        return cls.around(target, head, vocab_ids, handle_class, **kwargs)
+
+    @classmethod
+    def around(cls, target, head, vocab_ids: mx.array, handle_class=DraftHeadSource, **kwargs):
+        """``(tap, drafter)`` for a loaded ``head``. A draft step reads the head and the target's output
+        rows it scores with (``output_bytes``), in bytes: a 4-bit target reads less than its parameters say."""
+        tap = HiddenStateTap(target, head.feature_layers)
+        kwargs.setdefault("draft_cost_prior", (weight_bytes(head) + head.output_bytes) / weight_bytes(target))
+        return tap, cls(tap, head, vocab_ids, handle_class, **kwargs)
+
+    def remove(self, handle: DraftHeadSource):
+        """The row left the batch."""
+        if handle in self.rows:
+            index = self.rows.index(handle)
+            keep = [i for i in range(len(self.rows)) if i != index]
+            del self.rows[index], self.committed[index]
+            if keep:
+                self.cache.filter(keep)
+            else:
+                self.cache = None
+
+    def _sync(self, requests: list) -> list:
+        """Rows drafting for the first time join (empty); a handle reset for a new generation starts
+        over. Returns, per row, the positions ``(start, stop)`` of features it reads now (None where it
+        does not draft): position p reads (h_p, x_{p+1}), and the target has run up to len(tokens) - 2."""
+        joining = [handle for handle, _, _ in requests if handle not in self.rows]
+        if joining:
+            new = make_cache(self.head, len(joining))
+            if self.cache is None:
+                self.cache = new
+            else:
+                self.cache.extend(new)
+            self.rows += joining
+            self.committed += [0] * len(joining)
+        reads = [None] * len(self.rows)
+        for handle, tokens, _ in requests:
+            if handle.features is None:
+                raise ValueError("the draft head has no hidden states: run the loop on the HiddenStateTap from "
+                                 "DraftHeadSource.create (not the bare model), with a cache it made")
+            row, stop = self.rows.index(handle), len(tokens) - 1
+            committed = 0 if handle.fresh else self.committed[row]
+            handle.fresh = False
+            # Nothing new since the last draft: read the last position again. Positions the target's
+            # cache has no features for (a prompt cache made without them) are skipped: drafts suffer.
+            start = max(min(committed, stop - 1), handle.features.available(handle.row)[0])
+            if start < stop:
+                reads[row] = (start, stop)
+        self.cache.rewind([self.cache.held(row) - read[0] if read else 0 for row, read in enumerate(reads)])
+        self.committed = [read[0] if read else held for read, held in zip(reads, self.committed)]
+        return reads
+
+    def _catch_up(self, requests: list, reads: list) -> mx.array:
+        """Feed each drafting row the positions it has not read; returns each row's last prediction (R, d)."""
+        tokens_of = {id(handle): tokens for handle, tokens, _ in requests}
+        longest = max(stop - start for start, stop in filter(None, reads))
+        predicted = None
+        for offset in range(0, longest, CATCH_UP_CHUNK):
+            spans = [None if read is None or read[0] + offset >= read[1] else
+                     (read[0] + offset, min(read[1], read[0] + offset + CATCH_UP_CHUNK)) for read in reads]
+            found = {row: handle.features.read(handle.row, *span)
+                     for row, (handle, span) in enumerate(zip(self.rows, spans)) if span}
+            lengths = [span[1] - span[0] if span else 0 for span in spans]
+            width, example = max(lengths), next(iter(found.values()))
+            features = mx.stack([mx.pad(found[row], [(0, width - n), (0, 0)]) if n else
+                                 mx.zeros((width, example.shape[-1]), example.dtype) for row, n in enumerate(lengths)])
+            tokens = [tokens_of[id(handle)][span[0] + 1 : span[1] + 1] + [0] * (width - n) if span else [0] * width
+                      for handle, span, n in zip(self.rows, spans, lengths)]
+            out = self.head(features, self.embed(mx.array(tokens)), cache=self.cache.layers)
+            self.cache.rewind([width - n for n in lengths])
+            last = out[mx.arange(len(self.rows)), mx.array([max(n - 1, 0) for n in lengths])]
+            has = mx.array([n > 0 for n in lengths])[:, None]
+            predicted = last if predicted is None else mx.where(has, last, predicted)
+        self.committed = [read[1] if read else held for read, held in zip(reads, self.committed)]
+        return predicted
+
+    def draft_all(self, requests: list, cost: PassCost, batch_rows: int):
+        """Draft for every row: ``requests`` holds ``(handle, tokens, max_draft)`` for each of the
+        target's rows that drafts with this head; ``batch_rows`` is the target's batch size."""
+        self.batch_rows = batch_rows
+        for handle in self.rows:
+            handle.draft = None  # a draft the rows did not take last step is stale now
+        for handle, _, _ in requests:
+            handle.drafted = True
+        limits = {id(handle): max_draft if len(tokens) >= 2 else 0 for handle, tokens, max_draft in requests}
+        # next_length counts a paused step, so it is asked once per step.
+        requests = [(h, t, m) for h, t, m in requests
+                    if limits[id(h)] > 0 and min(h.length.next_length(h.token_cost()), m) > 0]
+        if not requests:
+            return  # the head catches up in one call when drafting resumes
+        tic = cost.clock()
+        reads = self._sync(requests)
+        if not any(reads):
+            return
+        lengths = {id(h): min(h.num_draft, m) for h, _, m in requests}
+        predicted = self._catch_up(requests, reads)
+        drafts, positions = self._chain(predicted, [lengths.get(id(h), 0) if read else 0
+                                                    for h, read in zip(self.rows, reads)])
+        self._time(cost.clock() - tic, positions)
+        for handle, (tokens, rows) in zip(self.rows, drafts):
+            if not tokens:
+                continue
+            if handle.temp == 0:
+                handle.draft = Draft(tokens)
+            else:  # q on the whole vocabulary: zero outside the sub-vocabulary
+                probs = mx.zeros((len(tokens), self.vocab_size), mx.float32)
+                probs[:, self.vocab_ids] = mx.stack(rows)
+                handle.draft = Draft(tokens, probs)
+
+    def _chain(self, predicted: mx.array, lengths: list) -> tuple:
+        """Draft up to ``lengths[r]`` tokens per row from its prediction, the head reading its own output
+        after the first; returns per row ``(tokens, q rows)`` and the positions drafted. One sync per
+        position: the confidence stops need the values, and the next call the tokens."""
+        drafts = [([], []) for _ in self.rows]
+        alive, path = [n > 0 for n in lengths], [1.0] * len(self.rows)
+        stops = [h.min_path_confidence if n else 0.0 for h, n in zip(self.rows, lengths)]
+        fed = 0
+        for position in range(max(lengths)):
+            indices, confidence, probs = draw_rows(self.head.logits(predicted), self.rows)
+            mx.eval(indices, confidence)
+            index_list, confidence_list = indices.tolist(), confidence.tolist()
+            for row, (tokens, rows) in enumerate(drafts):
                 # The top probability, not the drawn token's: whether to draft position i must not
                 # depend on the token drawn there, or sampling would no longer be exact.
-                path_confidence *= probs.max().item()
-                if position and path_confidence < min_path_confidence:
-                    break
-            indices.append(index)
-            rows.append(probs)
-            if position + 1 < num_draft:
-                next_embedding = self.embed(self.vocab_ids[index].reshape(1, 1))
-                predicted = self.head(predicted[None, None], next_embedding, cache=self.cache.layers)[0, -1]
-        rows, indices = mx.stack(rows), mx.stack(indices).tolist()
-        length = len(indices)
-        if self.min_confidence > 0:  # stop where the head's top probability falls below it (keep one)
-            confidence = rows.max(axis=-1).tolist()
-            length = next((i for i in range(1, length) if confidence[i] < self.min_confidence), length)
-        draft = [self.vocab_list[i] for i in indices[:length]]
-        if self.temp == 0:
-            return Draft(draft)
-        # q on the whole vocabulary: zero outside the sub-vocabulary.
-        probs = mx.zeros((length, self.vocab_size), mx.float32)
-        probs[:, self.vocab_ids] = rows[:length]
-        return Draft(draft, probs)
-
-    def update(self, tokens: list, num_proposed: int, num_accepted: int):
-        self._rewind()
-        super().update(tokens, num_proposed, num_accepted)
+                path[row] *= confidence_list[row]
+                if alive[row] and position and (path[row] < stops[row] or confidence_list[row] < self.min_confidence):
+                    alive[row] = False
+                if alive[row] and position < lengths[row]:
+                    tokens.append(self.vocab_list[index_list[row]])
+                    rows.append(probs[row])
+            if position + 1 == max(lengths) or not any(alive):
+                break
+            next_embeddings = self.embed(self.vocab_ids[indices])[:, None]
+            predicted = self.head(predicted[:, None], next_embeddings, cache=self.cache.layers)[:, -1]
+            fed += 1
+        self.cache.rewind([fed] * len(self.rows))
+        return drafts, fed + 1

@@ -70,8 +70,10 @@ class DeepSeekMTP(nn.Module):
     def __call__(self, features: mx.array, next_embeddings: mx.array, cache=None) -> mx.array:
         """(B, L, d) target features at t (or its own outputs) and embeddings of x_{t+1} -> (B, L, d)."""
         layer_cache = cache[0] if cache else None
-        if layer_cache is None or layer_cache.offset == 0:  # nothing precedes position 0: no embedding there
-            next_embeddings = mx.concatenate([mx.zeros_like(next_embeddings[:, :1]), next_embeddings[:, 1:]], 1)
+        # Nothing precedes position 0: no embedding there (each row has its own offset in a batch).
+        offset = mx.array(0 if layer_cache is None else layer_cache.offset).reshape(-1, 1)
+        first = (offset + mx.arange(next_embeddings.shape[1])) == 0
+        next_embeddings = mx.where(first[..., None], 0, next_embeddings)
         x = self.eh_proj(mx.concatenate([self.enorm(next_embeddings), self.hnorm(features)], axis=-1))
         mask = create_attention_mask(x, layer_cache, return_array=True)  # MLA adds its scores to an array
         return self.block(x, mask, layer_cache)

@@ -164,7 +164,7 @@ def test_greedy_with_mtp_drafts_equals_plain_decoding(noisy, num_draft, adaptive
 
         def checked_update(*args):
             update(*args)  # after it, the MTP cache holds only positions read from accepted text
-            assert source.cache.held() == source.committed
+            assert source.cache is None or source.cache.held() == source.committed
 
         source.update = checked_update
         assert tokens_of(prompt, tap, [source], stats=stats) == tokens_of(prompt, target)
@@ -213,15 +213,6 @@ def test_sampling_with_mtp_drafts_keeps_the_target_distribution(tmp_path, model_
     target, _, _ = load_mlx_lm(tmp_path)
     tap, source = MTPSource.create(target, tmp_path, num_draft=2, adaptive=False)
     assert_sampling_keeps_the_target_distribution(target, lambda: (tap, [source]), temp, top_p, runs=1500)
-
-
-def test_a_batch_refuses_mtp_drafts_in_one_line(noisy):
-    from batch import BatchGenerator
-
-    path, target, _, _ = noisy
-    _, source = MTPSource.create(target, path)
-    with pytest.raises(ValueError, match="MTP drafts cannot draft for a batch"):
-        BatchGenerator(target).insert([[1, 2, 3]], draft_sources=[[source]])
 
 
 def test_a_model_without_mtp_weights_is_refused(tmp_path):
