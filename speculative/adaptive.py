@@ -5,7 +5,7 @@ from typing import Optional
 from mlx.utils import tree_flatten
 
 from cost import PassCost
-from decoder import DraftSource
+from draft import DraftSource
 
 
 def weight_bytes(model) -> int:
