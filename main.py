@@ -153,7 +153,8 @@ def build_run(args, session=None):
 
     ``session`` (from ``distributed.start``) shards the target over the launched ranks.
     """
-    from decoder import DecodingStats, encode, output_size
+    from step import DecodingStats
+    from text import encode, output_size
     from loading.load import context_length, load_model
     from loading.store import cache_dir
     from cli.sources import draft_sources
@@ -293,7 +294,7 @@ def main():
     args = build_parser().parse_args()
     fast_blas.load()  # before anything imports mlx.core (Linux: MLX's own BLAS is far slower)
     from loading.conversion import ConversionError
-    from decoder import ConstraintError
+    from draft import ConstraintError
     from distributed import DistributedError
     from loading.load import ModelError
     from cache import CacheKindError

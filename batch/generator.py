@@ -33,7 +33,9 @@ from cache import CachedPrefix
 from cache.prefill import Prefill
 from batch.policy import Acceptance, DraftGate, choose_width
 from cost import PassCost
-from decoder import DecodingStats, Row, check_masks, encode, eos_ids_of, mask_logits, verify_pass
+from draft import check_masks, mask_logits
+from step import DecodingStats, Row, verify_pass
+from text import encode, eos_ids_of
 
 # Rows whose ends drift further apart than this are rolled back into line (one copy of the cache),
 # so that no row attends over many slots that hold nothing of its own.

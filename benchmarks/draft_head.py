@@ -13,7 +13,8 @@ import time
 import mlx.core as mx
 
 from benchmarks.harness import Method, heldout_prompts, load_prompts, markdown_table, side_by_side, time_loop
-from decoder import SourceStats, eos_ids_of
+from step import SourceStats
+from text import eos_ids_of
 
 
 class Recorded:

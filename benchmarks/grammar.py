@@ -36,8 +36,8 @@ from benchmarks.harness import Method, Totals, chat_tokens, decode_step_ms, mark
 from benchmarks.json_schema import load_schemas, validator_for
 from constrained import compile_regex, schema_to_regex
 from constrained.grammar import GrammarConstraint, GrammarForcedSource, compile_json_schema, ll_tokenizer_of
-from decoder import eos_ids_of
 from loading.load import default_dtype, describe_backend, load_model
+from text import eos_ids_of
 
 RESULTS = Path(__file__).parent / "results"
 GBNF = Path(__file__).parent.parent / "tests" / "data" / "gbnf"
@@ -211,7 +211,8 @@ def gbnf_corpus(model, tokenizer, max_tokens) -> str:
     """Each llama.cpp grammar with the embedded model (greedy, forced drafts); outputs checked with lark."""
     from llguidance.gbnf_to_lark import gbnf_to_lark
 
-    from decoder import DecodingStats, generate
+    from decoder import generate
+    from step import DecodingStats
     from tests.lark_oracle import lark_parser, parses
 
     prompts = {"arithmetic": "Write an equation.", "c": "Write a C function that adds two ints.",

@@ -14,7 +14,9 @@ from typing import Callable, Optional
 
 import mlx.core as mx
 
-from decoder import DecodingStats, encode, eos_ids_of, generate_step
+from decoder import generate_step
+from step import DecodingStats
+from text import encode, eos_ids_of
 
 PROMPTS = Path(__file__).parent / "prompts"
 # Open-ended chat written for the draft head's benchmarks: no line of it is an instruction the

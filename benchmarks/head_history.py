@@ -12,7 +12,7 @@
   ``--warmup-requests`` are reported apart.
 
 "+ head" methods put the copier first and the head second: per step the loop lets the head draft
-only when it forecasts a larger speed-up than the copy's draft (decoder.choose_draft). Methods are
+only when it forecasts a larger speed-up than the copy's draft (draft.choose_draft). Methods are
 interleaved per prompt in one process (benchmarks/harness.py); greedy outputs must match plain
 decoding token for token, or the harness says so.
 """
@@ -24,10 +24,10 @@ from pathlib import Path
 import fast_blas
 from benchmarks.harness import Method, chat_tokens, heldout_prompts, markdown_table, side_by_side, time_loop
 from benchmarks.history_tasks import requests
-from decoder import eos_ids_of
 from prompt_lookup import HistoryLookupSource, PromptLookupSource, load_history
 from speculative.head import SHIPPED_HEAD
 from speculative.head_source import DraftHeadSource
+from text import eos_ids_of
 
 RESULTS = Path(__file__).parent / "results" / "head_history.md"
 

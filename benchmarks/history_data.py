@@ -24,8 +24,9 @@ from pathlib import Path
 
 from benchmarks.harness import HELDOUT, chat_tokens
 from benchmarks.history_tasks import requests
-from decoder import eos_ids_of, generate_step
+from decoder import generate_step
 from loading.store import cache_dir
+from text import eos_ids_of
 
 ROOT = Path(__file__).parent.parent
 INSTRUCTIONS = ROOT / "speculative" / "heads" / "smollm2-135m" / "instructions.json"

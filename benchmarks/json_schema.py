@@ -21,8 +21,10 @@ import mlx.core as mx
 from benchmarks.harness import Method, Totals, chat_tokens, decode_step_ms, markdown_table, median_ms, side_by_side
 from constrained import ForcedTextSource, RegexConstraint, RegexError, compile_regex, schema_to_regex
 from constrained.token_index import TokenIndex, TokenTable, token_byte_strings
-from decoder import DecodingStats, eos_ids_of, generate_step
+from decoder import generate_step
 from loading.load import default_dtype, describe_backend, load_model
+from step import DecodingStats
+from text import eos_ids_of
 
 SCHEMAS = Path(__file__).parent / "json_schemas"
 RESULTS = Path(__file__).parent / "results"

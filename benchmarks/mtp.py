@@ -26,11 +26,12 @@ from pathlib import Path
 import mlx.core as mx
 
 from cost import PassCost
-from decoder import DecodingStats, generate_step
+from decoder import generate_step
 from loading.load import describe_backend
 from rollback import make_cache
 from speculative.head_source import HiddenStateTap
 from speculative.mtp_source import MTPSource
+from step import DecodingStats
 from tests.mtp_fixtures import build
 
 RESULTS = Path(__file__).parent / "results" / "mtp.md"

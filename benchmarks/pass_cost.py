@@ -17,9 +17,9 @@ from pathlib import Path
 from benchmarks.harness import (Method, first_prompts, heldout_prompts, load_prompts, markdown_table,
                                 side_by_side, time_loop)
 from cost import PassCost
-from decoder import eos_ids_of
 from prompt_lookup import PromptLookupSource
 from speculative.head_source import DraftHeadSource
+from text import eos_ids_of
 
 RESULTS = Path(__file__).parent / "results" / "pass_cost.md"
 

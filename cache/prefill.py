@@ -1,5 +1,7 @@
-"""Prompts into a new cache of one row per prompt, a chunk at a time (``Prefill.step``), so that a
-caller can interleave decoding steps with a long prompt's prefill; ``prefill_rows`` runs them to the end.
+"""Prompts into a cache of one row per prompt, a chunk at a time (``Prefill.step``), so that a
+caller can interleave decoding steps with a long prompt's prefill; ``run`` and ``prefill_rows`` run
+them to the end. The cache is a new one, or one whose rows already hold the tokens before the
+prompts (``decoder.generate_step``'s row, a conversation's earlier turns).
 
 Prompts are right-padded, never left-padded: every written token then has a position >= 0 (a model
 may scale by its position: ministral3's log(1 + floor(pos / n)) is -inf below 0, and the NaN it makes
@@ -15,21 +17,23 @@ from cache import Cache, make_cache
 
 
 class Prefill:
-    """Prompts being run into a new ``Cache`` one chunk at a time (``step``).
+    """Prompts being run into a ``Cache`` one chunk at a time (``step``).
 
     Args:
         cached: per prompt, None or a ``CachedPrefix`` of its first tokens; only the rest is run.
-        mask_dims, max_rollback: the cache's (``make_cache``).
+        mask_dims, max_rollback: the new cache's (``make_cache``).
+        cache: a cache of one row per prompt to run them into, its rows holding what comes before
+            them (default: a new, empty one).
 
     Each row writes its chunk at its own end, right-padded to the longest, and drops its padding;
     once all are in, the rows are aligned (``realign``) so that decoding starts on the slice path.
     """
 
     def __init__(self, model, prompts: Sequence[Sequence[int]], step_size: int = 512, cached=None,
-                 mask_dims: int = 4, max_rollback: Optional[int] = None):
+                 mask_dims: int = 4, max_rollback: Optional[int] = None, cache: Optional[Cache] = None):
         cached = [None] * len(prompts) if cached is None else list(cached)
         self.model, self.step_size = model, step_size
-        self.cache = make_cache(model, len(prompts), max_rollback, mask_dims)
+        self.cache = make_cache(model, len(prompts), max_rollback, mask_dims) if cache is None else cache
         self.pending = [list(prompt[0 if c is None else c.length :]) for prompt, c in zip(prompts, cached)]
         self.cache.fill(cached)
 
@@ -44,16 +48,19 @@ class Prefill:
             self.cache.rewind([width - len(chunk) for chunk in chunks])
         self.pending = [tokens[self.step_size :] for tokens in self.pending]
         done = not any(self.pending)
-        if done:
+        if done and self.cache.rows > 1:  # one row is aligned already (a chunked layer, one row only, has no realign)
             self.cache.realign()
         mx.eval(self.cache.arrays())
         return done
+
+    def run(self) -> Cache:
+        """Every chunk to the end; returns the cache."""
+        while not self.step():
+            pass
+        return self.cache
 
 
 def prefill_rows(model, prompts: Sequence[Sequence[int]], step_size: int = 512, mask_dims: int = 4,
                  max_rollback: Optional[int] = None) -> Cache:
     """A new cache holding ``prompts`` (token id lists, any lengths), run through ``model`` in chunks."""
-    prefill = Prefill(model, prompts, step_size, mask_dims=mask_dims, max_rollback=max_rollback)
-    while not prefill.step():
-        pass
-    return prefill.cache
+    return Prefill(model, prompts, step_size, mask_dims=mask_dims, max_rollback=max_rollback).run()

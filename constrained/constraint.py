@@ -11,7 +11,8 @@ import mlx.core as mx
 
 from constrained.json_schema import schema_to_regex
 from constrained.token_index import TokenIndex, load_or_build_index
-from decoder import Constraint, Draft, DraftSource, eos_ids_of
+from draft import Constraint, Draft, DraftSource
+from text import eos_ids_of
 
 
 class RegexConstraint(Constraint):
@@ -35,7 +36,7 @@ class RegexConstraint(Constraint):
 
     def walk(self, draft: list) -> list:
         """The states before each allowed draft token and after the last one (the loop decides
-        what happens to a forbidden token: ``decoder.constrain_draft``)."""
+        what happens to a forbidden token: ``draft.constrain_draft``)."""
         states = [self.state]
         for token in draft:
             state = self.index.next_state(states[-1], token)

@@ -13,7 +13,7 @@ import mlx.core as mx
 from mlx_lm.utils import common_prefix_len
 
 from cost import PassCost
-from decoder import Draft, DraftSource
+from draft import Draft, DraftSource
 
 # Never a token id: stops matches and continuations at the edges of the context.
 SEPARATOR = -1
@@ -180,7 +180,7 @@ class PromptLookupSource(DraftSource):
             length = 1
         draft = draft[:length]
         self._offered = (len(tokens), draft)
-        # With it, the loop can hand the step to a model source that expects more (decoder.choose_draft).
+        # With it, the loop can hand the step to a model source that expects more (draft.choose_draft).
         return Draft(draft, expected_speedup=self.expected_speedup(kind, len(draft)))
 
     def update(self, tokens: list, num_proposed: int, num_accepted: int) -> None:

@@ -64,7 +64,7 @@ def validate(args):
 def build_engine(args):
     """Load the model and draft sources; returns (engine, model id, context length)."""
     from cli import sources
-    from decoder import output_size
+    from text import output_size
     from loading.load import context_length, load_model
     from loading.store import cache_dir
     from cache import CacheKindError, make_cache

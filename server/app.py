@@ -12,6 +12,8 @@ import asyncio
 import functools
 import hmac
 import time
+from dataclasses import dataclass
+from typing import Optional
 
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
@@ -42,58 +44,52 @@ def build_app(engine: Engine, model_id: str, context_length=None, api_key=None,
     /v1/messages/count_tokens, /v1/responses (OpenAI), GET /health. ``stored_responses``: how many
     Responses answers are kept for ``previous_response_id`` (the oldest go first); ``effort_budgets``:
     the think-block budget of each effort level (server/reasoning.py)."""
-    store = ResponseStore(stored_responses)
-    efforts = {"effort_budgets": effort_budgets}
-
-    def authorize(request: Request):
-        if api_key is None:
-            return
-        # OpenAI's SDK sends a bearer token; Anthropic's x-api-key (or a bearer token, as an auth token).
-        given = request.headers.get("x-api-key") or request.headers.get("authorization", "").removeprefix("Bearer ")
-        if not hmac.compare_digest(given.strip().encode(), api_key.encode()):
-            raise ApiError(401, "invalid or missing API key (Authorization: Bearer <key>, or x-api-key: <key>)",
-                           code="invalid_api_key")
-
-    async def models(request: Request):
-        authorize(request)
-        return JSONResponse({"object": "list", "data": [
-            {"id": model_id, "object": "model", "created": int(time.time()), "owned_by": "mlx-decoding"}]})
+    service = Service(engine, model_id, context_length, api_key, default_max_tokens, {"effort_budgets": effort_budgets})
 
     async def health(request: Request):
         return JSONResponse({"status": "ok"})
 
-    async def chat_completions(request: Request):
-        return await generate(request, functools.partial(parse_chat, **efforts), ChatFormat)
+    routes = [*openai_routes(service), Route("/health", health), *anthropic_routes(service),
+              *responses_routes(service, ResponseStore(stored_responses))]
+    return Starlette(routes=routes, exception_handlers={ApiError: api_error, HTTPException: http_error,
+                                                       ClientGone: client_gone, Exception: server_error})
 
-    async def completions(request: Request):
-        return await generate(request, parse_completion, CompletionFormat)
 
-    async def messages(request: Request):
-        return await generate(request, functools.partial(parse_messages, **efforts), MessagesFormat)
+@dataclass
+class Service:
+    """What every route shares: the engine, the model's name and limits, the API key and the
+    think-block budgets (``efforts``, passed to the parsers that read an effort level)."""
 
-    async def responses(request: Request):
-        return await generate(request, functools.partial(parse_responses, store=store, **efforts),
-                              functools.partial(ResponsesFormat, store=store))
+    engine: Engine
+    model_id: str
+    context_length: Optional[int]
+    api_key: Optional[str]
+    default_max_tokens: int
+    efforts: dict
 
-    async def count_tokens(request: Request):
-        authorize(request)
+    def authorize(self, request: Request):
+        if self.api_key is None:
+            return
+        # OpenAI's SDK sends a bearer token; Anthropic's x-api-key (or a bearer token, as an auth token).
+        given = request.headers.get("x-api-key") or request.headers.get("authorization", "").removeprefix("Bearer ")
+        if not hmac.compare_digest(given.strip().encode(), self.api_key.encode()):
+            raise ApiError(401, "invalid or missing API key (Authorization: Bearer <key>, or x-api-key: <key>)",
+                           code="invalid_api_key")
+
+    async def generate(self, request: Request, parse, make_format):
+        """One generating request of any API: ``parse`` reads its body, ``make_format`` answers in its terms."""
+        self.authorize(request)
         body = parse_body(await read_body(request))
-        generation = await run_in_threadpool(parse_messages, body, engine.tokenizer, model_id, 1, counting=True,
-                                             **efforts)
-        return JSONResponse({"input_tokens": len(generation.prompt)})
-
-    async def generate(request: Request, parse, make_format):
-        authorize(request)
-        body = parse_body(await read_body(request))
+        engine = self.engine
 
         # Tokenizing and compiling a schema take a while: neither on the event loop nor on the worker.
         def parse_and_prepare():
-            generation = parse(body, engine.tokenizer, model_id, default_max_tokens)
-            check_prompt(generation, context_length, engine.vocab_size)
+            generation = parse(body, engine.tokenizer, self.model_id, self.default_max_tokens)
+            check_prompt(generation, self.context_length, engine.vocab_size)
             return generation, engine.constraint_for(generation)
 
         generation, prepared = await run_in_threadpool(parse_and_prepare)
-        fmt = make_format(model_id, generation)
+        fmt = make_format(self.model_id, generation)
         job = engine.submit(generation, asyncio.get_running_loop(), prepared)
         try:
             _, cached = await next_event(request, job)  # "start" and the prompt tokens found cached, or an error
@@ -105,15 +101,50 @@ def build_app(engine: Engine, model_id: str, context_length=None, api_key=None,
             job.cancelled.set()
             raise
 
-    return Starlette(
-        routes=[Route("/v1/models", models), Route("/health", health),
-                Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-                Route("/v1/completions", completions, methods=["POST"]),
-                Route("/v1/messages", messages, methods=["POST"]),
-                Route("/v1/messages/count_tokens", count_tokens, methods=["POST"]),
-                Route("/v1/responses", responses, methods=["POST"])],
-        exception_handlers={ApiError: api_error, HTTPException: http_error, ClientGone: client_gone,
-                            Exception: server_error})
+
+def openai_routes(service: Service) -> list:
+    """GET /v1/models, POST /v1/chat/completions and /v1/completions."""
+
+    async def models(request: Request):
+        service.authorize(request)
+        return JSONResponse({"object": "list", "data": [
+            {"id": service.model_id, "object": "model", "created": int(time.time()), "owned_by": "mlx-decoding"}]})
+
+    async def chat_completions(request: Request):
+        return await service.generate(request, functools.partial(parse_chat, **service.efforts), ChatFormat)
+
+    async def completions(request: Request):
+        return await service.generate(request, parse_completion, CompletionFormat)
+
+    return [Route("/v1/models", models), Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+            Route("/v1/completions", completions, methods=["POST"])]
+
+
+def anthropic_routes(service: Service) -> list:
+    """POST /v1/messages and /v1/messages/count_tokens."""
+
+    async def messages(request: Request):
+        return await service.generate(request, functools.partial(parse_messages, **service.efforts), MessagesFormat)
+
+    async def count_tokens(request: Request):
+        service.authorize(request)
+        body = parse_body(await read_body(request))
+        generation = await run_in_threadpool(parse_messages, body, service.engine.tokenizer, service.model_id, 1,
+                                             counting=True, **service.efforts)
+        return JSONResponse({"input_tokens": len(generation.prompt)})
+
+    return [Route("/v1/messages", messages, methods=["POST"]),
+            Route("/v1/messages/count_tokens", count_tokens, methods=["POST"])]
+
+
+def responses_routes(service: Service, store: ResponseStore) -> list:
+    """POST /v1/responses, with the ``store`` of answers a later request continues (``previous_response_id``)."""
+
+    async def responses(request: Request):
+        return await service.generate(request, functools.partial(parse_responses, store=store, **service.efforts),
+                                      functools.partial(ResponsesFormat, store=store))
+
+    return [Route("/v1/responses", responses, methods=["POST"])]
 
 
 async def read_body(request: Request) -> bytes:

@@ -14,10 +14,10 @@ import json
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-from decoder import encode
 from server.harmony import chat_tool_syntax
 from server.reasoning import EFFORT_BUDGETS, Thinking, ThinkingRequest, template_options, thinking_of
 from server.tools import Function, ToolUse
+from text import encode
 
 MAX_STOP_STRINGS = 4  # as OpenAI
 MAX_TOP_LOGPROBS = 20  # as OpenAI's chat API (its legacy completions allow 5; 20 here too, as vLLM)
@@ -235,7 +235,7 @@ def prepare_chat(request: GenerationRequest, messages: list, functions: list, ch
 def _for_template(messages: list, tokenizer) -> list:
     """Messages as a template takes them: a call's arguments as an object (templates write them with
     ``tojson``); a template that writes no calls sees each as its JSON in the content."""
-    template = getattr(tokenizer, "chat_template", None)  # as decoder.encode: not every tokenizer has one
+    template = getattr(tokenizer, "chat_template", None)  # as text.encode: not every tokenizer has one
     template = template if isinstance(template, str) else ""
     shown = []
     for message in messages:

@@ -140,7 +140,7 @@ def tool_syntax(tokenizer) -> Optional[ToolSyntax]:
     """The syntax the tokenizer's chat template writes calls in, or None when it has none we know."""
     # mlx-lm's TokenizerWrapper has a parser once it has recognised the template; others have none.
     parser = getattr(tokenizer, "tool_parser", None)
-    template = getattr(tokenizer, "chat_template", None)  # as decoder.encode: not every tokenizer has one
+    template = getattr(tokenizer, "chat_template", None)  # as text.encode: not every tokenizer has one
     template = template if isinstance(template, str) else ""
     if parser is not None:
         name = parser.__module__.rsplit(".", 1)[-1]  # mlx_lm.tool_parsers.<name>

@@ -7,7 +7,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from cost import PassCost
-from decoder import Draft, DraftSource, sampling_probs
+from draft import Draft, DraftSource, sampling_probs
 
 
 def weight_bytes(model) -> int:

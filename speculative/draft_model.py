@@ -24,9 +24,10 @@ from mlx_lm.utils import common_prefix_len
 from cache import CacheKindError, architecture, make_cache
 from cache.prefill import prefill_rows
 from cost import PassCost
-from decoder import Draft, output_size
+from draft import Draft
 from speculative.adaptive import Drafter, DrafterHandle, draw_rows, weight_bytes
 from t5 import T5Decoder, is_encoder_decoder
+from text import output_size
 
 
 class VocabularyMismatch(ValueError):

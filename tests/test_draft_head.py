@@ -151,7 +151,7 @@ def test_greedy_output_with_the_head_equals_plain(trained, prompt, num_draft, ad
     from prompt_lookup import HistoryLookupSource, PromptLookupSource
 
     reference = tokens_of(prompt, TARGET, max_tokens=max_tokens)
-    # With a copier first, the loop picks per step which of the two drafts (decoder.choose_draft).
+    # With a copier first, the loop picks per step which of the two drafts (draft.choose_draft).
     copiers = {None: [], "lookup": [PromptLookupSource()],
                "history": [HistoryLookupSource(reference[: max_tokens // 2] + [1, 2, 3] + reference)]}
     for head, vocab_ids in ((trained[0], trained[1]), (random_head(TARGET, 7, SUB_VOCAB), SUB_VOCAB)):

@@ -1,9 +1,9 @@
 """The READMEs' Python snippets run as written, and each folder works when copied alone.
 
-A folder's snippet runs in a temporary directory that holds only ``decoder.py``, ``cost.py`` and ``cache/``, that folder
-and the folders it needs (``NEEDS``), as in a user's project with ``mlx``, ``mlx-lm`` and numpy
-installed: an import of ``loading``, ``cli`` or ``fast_blas`` there fails the test. The model id in the snippets is
-swapped for the embedded model's converted directory (no download here).
+A folder's snippet runs in a temporary directory that holds only the core (``CORE``: ``decoder.py`` and its
+parts, ``cost.py``, ``cache/``), that folder and the folders it needs (``NEEDS``), as in a user's project with
+``mlx``, ``mlx-lm`` and numpy installed: an import of ``loading``, ``cli`` or ``fast_blas`` there fails the
+test. The model id in the snippets is swapped for the embedded model's converted directory (no download here).
 """
 
 import ast
@@ -17,7 +17,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 FOLDERS = ["prompt_lookup", "constrained", "speculative", "distributed"]
-CORE = ["decoder.py", "cost.py", "cache/"]  # what every copied folder needs beside it
+CORE = ["decoder.py", "draft.py", "step.py", "text.py", "cost.py", "cache/"]  # what every copied folder needs beside it
 NEEDS = {"speculative": ["t5"]}  # T5 drafts (t5/README.md); its README has no mlx-lm snippet to run here
 EXTRAS = {"constrained": ["llguidance"]}  # packages a folder's README lists beyond mlx, mlx-lm and numpy
 MODEL_ID = "mlx-community/SmolLM2-135M-Instruct"
@@ -54,7 +54,7 @@ def imported_modules(paths) -> set:
     return names
 
 
-@pytest.mark.parametrize("folder", FOLDERS + ["t5", "decoder.py"])
+@pytest.mark.parametrize("folder", FOLDERS + ["t5"] + CORE)
 def test_library_code_never_imports_the_application(folder):
     path = ROOT / folder
     files = list(path.glob("*.py")) if path.is_dir() else [path]

@@ -1,0 +1,249 @@
+"""A draft and the rules for it: what a draft source proposes (``Draft``), the protocols of the
+sources that propose it and the constraints that mask it, and the math that decides how much of it
+the target accepts.
+
+Everything here is a pure function of its inputs or an interface with defaults; the loop that runs
+them is ``step.Row`` (one sequence's step) driven by ``decoder.generate_step`` or ``batch/``.
+"""
+
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+import mlx.core as mx
+from mlx_lm.utils import common_prefix_len
+
+from cache import Cache
+from cost import PassCost
+
+
+class ConstraintError(RuntimeError):
+    """The target's scores leave no token the constraint allows (every allowed logit is NaN or -inf)."""
+
+
+@dataclass
+class Draft:
+    """Tokens a source proposes for the next positions.
+
+    ``probs`` is the (len(tokens), vocab) distribution each token was drawn from; ``None`` means
+    a point mass (n-gram copies, forced text). ``expected_speedup`` is what the source expects
+    this step to give: tokens emitted (accepted + the target's own) per plain step's time, so 1.0
+    is a plain step; ``None`` (no estimate) means the draft is taken as it is.
+    """
+
+    tokens: list
+    probs: Optional[mx.array] = None
+    expected_speedup: Optional[float] = None
+
+    def truncate(self, length: int) -> "Draft":
+        """The first ``length`` tokens, with their distributions."""
+        if len(self.tokens) <= length:
+            return self
+        probs = None if self.probs is None else self.probs[:length]
+        return Draft(self.tokens[:length], probs, self.expected_speedup)
+
+
+class DraftSource:
+    """Proposes tokens for the loop to verify. Subclasses implement ``propose``; the other
+    methods have defaults, so a source overrides only what it uses.
+
+    What a batch (``batch.BatchGenerator``) asks of a source is here too, with defaults that suit
+    a source that follows one row on its own: ``batch_refusal``, ``batch_drafter``, ``leave``.
+    """
+
+    name = "draft"
+    free = False  # True where proposing costs next to nothing (forced text): a batch asks it every step
+    # Why a batch cannot ask this source, in one sentence; None: it can.
+    batch_refusal: Optional[str] = None
+    # An object that drafts for every row sharing it in one call per step, before the rows choose:
+    # ``batch_drafter.draft_all([(source, tokens, max_draft), ...], cost, batch_rows)``. None: none.
+    batch_drafter = None
+
+    def reset(self, cost: Optional[PassCost] = None, temp: float = 0.0, top_p: float = 1.0) -> None:
+        """Forget the last generation; the loop calls this before each one.
+
+        ``cost``: the loop's measured verification cost, which adaptive sources read (None: a
+        fresh ``PassCost``). ``temp``, ``top_p``: the target's sampling, for sources that draw
+        their tokens the same way, so that q is close to p.
+        """
+        self.cost = cost if cost is not None else PassCost()
+        self.temp, self.top_p = temp, top_p
+
+    def propose(self, tokens: list, max_draft: int) -> Optional[Draft]:
+        """Propose up to ``max_draft`` tokens to follow ``tokens``."""
+        raise NotImplementedError
+
+    def forecast_speedup(self) -> Optional[float]:
+        """For sources that cost something to ask (a model): the ``expected_speedup`` of the draft
+        it would propose now, known before drafting (see ``choose_draft``). None: no forecast."""
+        return None
+
+    def update(self, tokens: list, num_proposed: int, num_accepted: int) -> None:
+        """Follow along: ``tokens`` is the whole accepted sequence so far;
+        ``num_proposed`` is 0 when another source drafted this step."""
+
+    def leave(self) -> None:
+        """Its row left the batch: let go of what is kept for it (a shared drafter's cache row)."""
+
+    def locate(self, cache: Cache, row: int) -> None:
+        """Where its row is in the target's cache (row ``row`` of ``cache``), told before each step's
+        drafting: a source that reads the target's hidden states finds them there (``cache.features``)."""
+
+
+class Constraint:
+    """A token-level automaton that masks logits (see constrained/)."""
+
+    def reset(self) -> None:
+        """Go back to the start state; the loop calls this before each generation."""
+
+    def walk(self, draft: list) -> list:
+        """The states before each allowed draft token and after the last allowed one; stops at
+        the first token the automaton forbids (so it returns ``allowed + 1`` states)."""
+        raise NotImplementedError
+
+    def masks(self, states: list) -> mx.array:
+        """Boolean (len(states), vocab) masks of the allowed next tokens."""
+        raise NotImplementedError
+
+    def advance(self, tokens: list) -> None:
+        """Commit accepted tokens."""
+        raise NotImplementedError
+
+
+def sampling_probs(logits: mx.array, temp: float, top_p: float = 1.0) -> mx.array:
+    """Rows of ``logits`` -> the distribution we sample from (temperature, then top-p)."""
+    probs = mx.softmax(logits.astype(mx.float32) / temp, axis=-1)
+    if top_p < 1.0:
+        order = mx.argsort(-probs, axis=-1)
+        sorted_probs = mx.take_along_axis(probs, order, axis=-1)
+        # Keep the smallest prefix whose mass reaches top_p (the top token always stays).
+        keep_sorted = (mx.cumsum(sorted_probs, axis=-1) - sorted_probs) < top_p
+        keep = mx.put_along_axis(mx.zeros(probs.shape, mx.bool_), order, keep_sorted, axis=-1)
+        probs = mx.where(keep, probs, 0.0)
+        probs = probs / probs.sum(axis=-1, keepdims=True)
+    return probs
+
+
+def accept_draft(logits: mx.array, draft: Draft, temp: float, top_p: float = 1.0) -> tuple:
+    """Verify a draft against target ``logits`` of shape (len(draft) + 1, vocab).
+
+    Returns ``(num_accepted, next_token)``: the target's own token follows the
+    accepted prefix (a correction on rejection, a bonus token otherwise).
+
+    Greedy: accept while the draft equals the target's argmax.
+    Sampling (Leviathan et al., 2023): accept x ~ q with probability
+    min(1, p(x) / q(x)); on rejection draw from the residual (p - q)+ / |(p - q)+|.
+    A point-mass draft has q(x) = 1, so it is accepted with probability p(x)
+    and the residual is p with x removed. Either way the output follows p.
+    """
+    num_draft = len(draft.tokens)
+    if temp == 0:
+        # One sync per step: the accept decision needs the values on the host.
+        target = mx.argmax(logits, axis=-1).tolist()
+        num_accepted = common_prefix_len(draft.tokens, target)
+        return num_accepted, target[num_accepted]
+
+    p = sampling_probs(logits, temp, top_p)
+    q = None if draft.probs is None else draft.probs.astype(mx.float32)
+    num_accepted = 0
+    if num_draft:
+        positions, tokens = mx.arange(num_draft), mx.array(draft.tokens)
+        p_draft = p[positions, tokens]
+        q_draft = mx.ones_like(p_draft) if q is None else q[positions, tokens]
+        # min(1, p/q) without dividing: accept when u * q < p.
+        accepted = (mx.random.uniform(shape=(num_draft,)) * q_draft < p_draft).tolist()
+        num_accepted = (accepted + [False]).index(False)
+    if num_accepted == num_draft:
+        next_probs = p[num_draft]
+    else:
+        rejected = draft.tokens[num_accepted]
+        if q is None:
+            residual = p[num_accepted].at[rejected].add(-1.0)
+        else:
+            residual = p[num_accepted] - q[num_accepted]
+        residual = mx.maximum(residual, 0.0)
+        # p == q exactly leaves nothing; then p itself is the right distribution.
+        next_probs = mx.where(residual.sum() > 0, residual, p[num_accepted])
+    next_token = mx.random.categorical(mx.log(next_probs)).item()
+    return num_accepted, next_token
+
+
+def accept_sampled(logits: mx.array, draft: Draft, sampler: Callable) -> tuple:
+    """``accept_draft`` for any mlx-lm sampler (``logprobs -> token``), as mlx-lm verifies drafts.
+
+    Draw the target's own token at every position in one call and accept the draft
+    while it equals them. Each emitted token is then a draw of ``sampler`` given the
+    tokens before it, so the output follows the sampler exactly; a stochastic sampler
+    accepts less often than ``min(1, p/q)`` would.
+    """
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    # One sync per step, as in the greedy branch of accept_draft.
+    target = sampler(logprobs).tolist()
+    num_accepted = common_prefix_len(draft.tokens, target)
+    return num_accepted, target[num_accepted]
+
+
+def choose_draft(draft_sources: Sequence[DraftSource], tokens: list, max_draft: int,
+                 cost: Optional[PassCost] = None) -> tuple:
+    """Pick this step's draft; returns ``(draft, drafter)``. Sources are in priority order,
+    cheap ones first.
+
+    The first non-empty draft wins, unless it comes with an ``expected_speedup``: then a later
+    source that forecasts more (``forecast_speedup``, known before it drafts) drafts instead,
+    as SuffixDecoding chooses per step between a cheap copy and a model. The choice never
+    depends on tokens drawn this step, so every draft is still drawn from the ``probs`` it
+    reports. Each ``propose`` is timed into ``cost``.
+    """
+    chosen, drafter = Draft([]), None
+    if max_draft <= 0:
+        return chosen, drafter
+    for source in draft_sources:
+        if drafter is not None:
+            forecast = source.forecast_speedup()
+            if chosen.expected_speedup is None or forecast is None or forecast <= chosen.expected_speedup:
+                break
+        tic = cost.clock() if cost is not None else 0.0
+        draft = source.propose(tokens, max_draft)
+        if draft is not None and draft.tokens:
+            if cost is not None:
+                cost.record_draft(source.name, cost.clock() - tic, len(draft.tokens))
+            chosen, drafter = draft.truncate(max_draft), source
+            if draft.expected_speedup is None:
+                break
+    return chosen, drafter
+
+
+def constrain_draft(constraint: Constraint, draft: Draft) -> tuple:
+    """Cut ``draft`` to what ``constraint`` allows; returns ``(draft, allowed)``, the
+    (len(draft) + 1, vocab) masks of every position the target scores.
+
+    A draft drawn from probabilities q keeps its first forbidden token: the mask gives it
+    p = 0, so the target rejects it and samples the residual (p - q)+, as speculative
+    sampling requires. Cutting it off would sample from p instead, which skews the output
+    whenever q puts mass on forbidden tokens (a draft model knows nothing of the regex).
+    The row after it is never used; it repeats the last one. A point-mass draft (q = 1)
+    is cut: its residual is p either way. The rule lives here so no constraint repeats it.
+    """
+    states = constraint.walk(draft.tokens)
+    num_allowed = len(states) - 1
+    allowed = constraint.masks(states)
+    if num_allowed < len(draft.tokens):
+        if draft.probs is None:
+            draft = draft.truncate(num_allowed)
+        else:
+            draft = draft.truncate(num_allowed + 1)
+            allowed = mx.concatenate([allowed, allowed[-1:]])
+    return draft, allowed
+
+
+def check_masks(allowed: mx.array, vocab_size: int):
+    """Refuse a constraint built for another vocabulary than the model scores."""
+    if allowed.shape[-1] != vocab_size:
+        raise ValueError(f"the constraint masks {allowed.shape[-1]} tokens but the model scores "
+                         f"{vocab_size}: build it with this model's tokenizer and vocab_size")
+
+
+def mask_logits(logits: mx.array, allowed: mx.array) -> mx.array:
+    """``logits`` with every token the constraint forbids, or that scored NaN, at -inf.
+    A NaN score is no score: it must not win an argmax or poison a softmax."""
+    check_masks(allowed, logits.shape[-1])
+    return mx.where(allowed & ~mx.isnan(logits), logits, -mx.inf)

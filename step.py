@@ -1,0 +1,233 @@
+"""One sequence's decoding step, shared by every loop: ``Row`` plans a draft, accepts what the target
+agrees with and emits it; ``verify_pass`` is the target's one pass over many rows' drafts; the
+statistics record how the drafts fared.
+"""
+
+from dataclasses import dataclass, field
+from typing import Callable, NamedTuple, Optional, Sequence
+
+import mlx.core as mx
+from mlx_lm.utils import common_prefix_len
+
+from cache import Cache
+from cost import PassCost
+from draft import (Constraint, ConstraintError, Draft, DraftSource, accept_draft, accept_sampled, choose_draft,
+                   constrain_draft)
+
+TARGET = "target"  # the source name of tokens the target model chose itself
+
+
+@dataclass
+class SourceStats:
+    proposed: int = 0
+    accepted: int = 0
+    drafts: int = 0  # verification steps this source drafted for
+    # accepted_at[i] / proposed_at[i]: acceptance rate at draft position i
+    proposed_at: list = field(default_factory=list)
+    accepted_at: list = field(default_factory=list)
+
+    def record(self, num_proposed: int, num_accepted: int):
+        self.proposed += num_proposed
+        self.accepted += num_accepted
+        self.drafts += 1
+        for position in range(num_proposed):
+            if position == len(self.proposed_at):
+                self.proposed_at.append(0)
+                self.accepted_at.append(0)
+            self.proposed_at[position] += 1
+            self.accepted_at[position] += position < num_accepted
+
+    def summary(self) -> dict:
+        return {
+            "proposed": self.proposed,
+            "accepted": self.accepted,
+            "acceptance_rate": self.accepted / max(self.proposed, 1),
+            "mean_accepted_length": self.accepted / max(self.drafts, 1),
+            "acceptance_by_position": [
+                round(a / p, 4) for a, p in zip(self.accepted_at, self.proposed_at)
+            ],
+        }
+
+
+@dataclass
+class DecodingStats:
+    target_forward_passes: int = 0
+    prompt_time: float = 0.0
+    sources: dict = field(default_factory=dict)
+    pass_cost: Optional[PassCost] = None  # the loop's timings of its passes (set by generate_step)
+    finish_reason: Optional[str] = None  # "stop" (EOS) or "length" (max_tokens) once finished
+
+    def source(self, name: str) -> SourceStats:
+        return self.sources.setdefault(name, SourceStats())
+
+    @property
+    def draft_proposed(self) -> int:
+        return sum(s.proposed for s in self.sources.values())
+
+    @property
+    def draft_accepted(self) -> int:
+        return sum(s.accepted for s in self.sources.values())
+
+
+class Plan(NamedTuple):
+    """A row's step before the pass: its draft, the source that offered it, the constraint's masks."""
+
+    draft: Draft  # cut to what the constraint allows (a batch may cut it further to the pass's width)
+    drafter: Optional[DraftSource]
+    masks: Optional[mx.array]  # (len(draft) + 1, vocab), or None without a constraint
+
+
+# Tokens waiting to be fed again after a recurrent layer went back to its checkpoint (cache/):
+# past this many a row drafts nothing until they are in the cache.
+MAX_PENDING = 16
+
+
+class Row:
+    """One sequence being decoded: its tokens, draft sources, constraint and sampling, and the
+    step they share, ``plan`` -> (the loop's pass) -> ``accept`` -> ``emit``.
+
+    ``decoder.generate_step`` drives one row; ``batch.BatchGenerator`` drives many through one pass.
+    What differs between them, the cache and the pass, stays with each loop.
+    """
+
+    def __init__(self, prompt: Sequence[int], *, eos_token_ids: Sequence[int] = (),
+                 draft_sources: Sequence[DraftSource] = (), constraint: Optional[Constraint] = None,
+                 temp: float = 0.0, top_p: float = 1.0, sampler: Optional[Callable] = None, max_tokens: int = 256,
+                 stats: Optional[DecodingStats] = None):
+        self.tokens = list(prompt)  # prompt and accepted tokens; grown in place (sources follow this list)
+        self.sources, self.constraint = list(draft_sources), constraint
+        self.temp, self.top_p, self.sampler = temp, top_p, sampler
+        self.max_tokens, self.eos_token_ids = max_tokens, set(eos_token_ids)
+        self.stats = stats if stats is not None else DecodingStats()
+        self.num_generated = 0
+        self.cached = 0  # how many of the tokens the loop's cache holds (the loop keeps this)
+        # "stop" or "length" once finished
+        self.finish_reason = self.stats.finish_reason = None if max_tokens > 0 else "length"
+
+    def locate(self, cache: Cache, slot: int):
+        """Tell the sources where this row is in the loop's cache (``DraftSource.locate``)."""
+        for source in self.sources:
+            source.locate(cache, slot)
+
+    def reset(self, cost: PassCost):
+        """Start the sources and the constraint over, before the first step."""
+        # With an mlx-lm sampler, q plays no part in acceptance: model sources draft greedily.
+        sampled = self.sampler is None
+        for source in self.sources:
+            source.reset(cost, self.temp if sampled else 0.0, self.top_p if sampled else 1.0)
+        if self.constraint is not None:
+            self.constraint.reset()
+        self.stats.pass_cost = cost
+
+    @property
+    def pending(self) -> list:
+        """Accepted tokens the cache does not hold, the next pass's first inputs: the last one, or
+        more after a recurrent layer went back to its checkpoint (``Row.commit``)."""
+        return self.tokens[self.cached :]
+
+    @property
+    def max_draft(self) -> int:
+        """The most draft tokens a step can use: the target adds one of its own, within max_tokens."""
+        return self.max_tokens - self.num_generated - 1
+
+    def plan(self, cost: Optional[PassCost] = None, sources: Optional[Sequence[DraftSource]] = None) -> Plan:
+        """This step's draft, cut to what the constraint allows, and the constraint's masks.
+        ``sources``: the ones to ask (default: all the row's); ``cost`` times each ``propose``
+        (None: not timed)."""
+        sources = self.sources if sources is None else sources
+        if len(self.tokens) - self.cached > MAX_PENDING:
+            sources = []  # a plain pass keeps all it feeds, where a rejected draft would add more
+        draft, drafter = choose_draft(sources, self.tokens, self.max_draft, cost)
+        masks = None
+        if self.constraint is not None:
+            draft, masks = constrain_draft(self.constraint, draft)
+            if not draft.tokens:
+                drafter = None
+        return Plan(draft, drafter, masks)
+
+    def accept(self, logits: mx.array, draft: Draft, argmax: Optional[list] = None) -> tuple:
+        """``(num_accepted, next_token)`` from the (len(draft) + 1, vocab) logits of the draft's
+        positions (masked); ``argmax``: their argmax, where the loop has it on the host already."""
+        if self.sampler is not None:
+            return accept_sampled(logits, draft, self.sampler)
+        if self.temp == 0 and argmax is not None:  # accept_draft's greedy rule
+            num_accepted = common_prefix_len(draft.tokens, argmax)
+            return num_accepted, argmax[num_accepted]
+        return accept_draft(logits, draft, self.temp, self.top_p)
+
+    def commit(self, pass_width: int, num_drafted: int, num_accepted: int, recurrent: bool) -> tuple:
+        """What this row's cache keeps of a ``pass_width``-wide pass in which it fed its ``pending``
+        tokens and ``num_drafted`` draft tokens: returns ``(trim, restore)``, how many of the pass's
+        last tokens it drops (``Cache.rewind``) and whether its recurrent layers go back to their
+        checkpoint (a draft token was rejected: the accepted ones are then fed again, as ``pending``).
+        Call it before ``emit``; it counts what the cache then holds (``cached``)."""
+        fed = len(self.tokens) - self.cached
+        if recurrent and num_accepted < num_drafted:
+            return pass_width, True
+        self.cached += fed + num_accepted
+        return pass_width - fed - num_accepted, False
+
+    def forbidden(self, num_accepted: int) -> ConstraintError:
+        """The error for a step whose own token the constraint forbids: no allowed token had a
+        usable score (the argmax or sample of an all -inf row)."""
+        return ConstraintError(f"the model gave no allowed token a usable score (NaN or -inf) "
+                               f"at generated token {self.num_generated + num_accepted + 1}")
+
+    def emit(self, plan: Plan, draft: Draft, num_accepted: int, next_token: int) -> tuple:
+        """Commit a verified step; returns ``(tokens, sources)`` emitted. ``draft`` is what was
+        verified (``plan.draft``, or less where the batch's width cut it)."""
+        drafter = plan.drafter if draft.tokens else None
+        self.stats.target_forward_passes += 1
+        emitted = draft.tokens[:num_accepted] + [next_token]
+        # Emit up to EOS or max_tokens; accepted draft tokens past that are neither emitted nor counted.
+        stop = next((i + 1 for i, token in enumerate(emitted) if token in self.eos_token_ids), len(emitted))
+        emitted = emitted[: min(stop, self.max_tokens - self.num_generated)]
+        num_accepted, num_proposed = min(num_accepted, len(emitted)), len(draft.tokens)
+        if drafter is not None:
+            self.stats.source(drafter.name).record(num_proposed, num_accepted)
+        sources = [drafter.name if i < num_accepted else TARGET for i in range(len(emitted))]
+        self.tokens += emitted
+        self.num_generated += len(emitted)
+        if emitted[-1] in self.eos_token_ids:
+            self.finish_reason = "stop"
+        elif self.num_generated >= self.max_tokens:
+            self.finish_reason = "length"
+        else:
+            if self.constraint is not None:
+                self.constraint.advance(emitted)
+            for source in self.sources:
+                proposed = num_proposed if source is drafter else 0
+                source.update(self.tokens, proposed, num_accepted if proposed else 0)
+        self.stats.finish_reason = self.finish_reason
+        return emitted, sources
+
+
+def verify_pass(model, cache: Cache, rows: Sequence["Row"], drafts: Sequence[Draft], width: int,
+                slots: Optional[Sequence[int]] = None) -> tuple:
+    """One pass of the target over each row's ``pending + draft``, right-padded to the longest.
+
+    Args:
+        cache: holds the rows (row b in cache row ``slots[b]``; the cache rows no row uses are fed
+            padding, scored and never read). Its recurrent layers are checkpointed first when a row drafts.
+        width: how many positions of each row to score: its last pending token and its draft.
+
+    Returns:
+        ``(logits, pass_width)``: logits ``(len(rows), width, vocab)``, lazy (the caller's sync runs the pass).
+    """
+    pending = [row.pending for row in rows]
+    fed = [len(tokens) + len(draft.tokens) for tokens, draft in zip(pending, drafts)]
+    pass_width = max(fed)
+    inputs, lengths = [[0] * pass_width for _ in range(cache.rows)], [1] * cache.rows
+    for slot, tokens, draft, count in zip(range(len(rows)) if slots is None else slots, pending, drafts, fed):
+        inputs[slot], lengths[slot] = tokens + draft.tokens + [0] * (pass_width - count), count
+    if any(draft.tokens for draft in drafts):
+        cache.checkpoint()
+    cache.prepare(lengths, pass_width)
+    logits = model(mx.array(inputs), cache=cache.layers)
+    cache.finalize()
+    if cache.rows > len(rows):
+        logits = logits[mx.array(slots)]
+    if any(len(tokens) > 1 for tokens in pending):  # each row's draft positions start after its pending tokens
+        positions = mx.minimum(mx.array([len(p) - 1 for p in pending])[:, None] + mx.arange(width), pass_width - 1)
+        logits = mx.take_along_axis(logits, positions[..., None], axis=1)
+    return logits, pass_width
