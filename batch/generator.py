@@ -1,10 +1,10 @@
-"""Many sequences at once: decoder.py's per-row step for a batch, rows joining and leaving.
+"""Many sequences at once: step.py's per-row step for a batch, rows joining and leaving.
 
 Each row has its own prompt, draft sources, constraint, sampling settings, ``max_tokens`` and stop
-tokens. A step asks every row's sources for a draft (``decoder.choose_draft``) and cuts it to what
-the row's constraint allows (``decoder.constrain_draft``), chooses one width ``W`` for the batch
+tokens. A step asks every row's sources for a draft (``draft.choose_draft``) and cuts it to what
+the row's constraint allows (``draft.constrain_draft``), chooses one width ``W`` for the batch
 (``choose_width``), scores ``[B, W]`` tokens in one forward pass and accepts each row's prefix by
-``decoder.accept_draft``'s rules. Each row then drops its own rejected tokens from the one batch
+``draft.accept_draft``'s rules. Each row then drops its own rejected tokens from the one batch
 cache (``cache.Cache``: every row keeps its own end, no copy).
 
     gen = BatchGenerator(model, eos_token_ids=eos_ids_of(tokenizer))
@@ -90,7 +90,7 @@ class BatchStats:
 
 
 class BatchRow(Row):
-    """A ``decoder.Row`` in the batch: its uid, what it asked for, and its drafts' acceptance."""
+    """A ``step.Row`` in the batch: its uid, what it asked for, and its drafts' acceptance."""
 
     def __init__(self, uid: int, prompt: list, prompt_cache: Optional[CachedPrefix] = None,
                  logprobs: Optional[int] = None,
@@ -344,7 +344,7 @@ class BatchGenerator:
         return responses
 
     def _verify(self, width: int, plans: list, responses: list) -> int:
-        """One pass (``decoder.verify_pass``): row b feeds its pending tokens and its draft cut to
+        """One pass (``step.verify_pass``): row b feeds its pending tokens and its draft cut to
         ``width - 1``; each accepts by its own rules and keeps what it accepts (``Row.commit``)."""
         rows, cache = self.rows, self.cache
         drafts = [plan.draft.truncate(width - 1) for plan in plans]

@@ -26,7 +26,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx_lm
 
-from speculative.mtp import DEEPSEEK_LAYOUT, QWEN_LAYOUT
+from speculative.mtp import MTP_ARCHITECTURES
 from tests import architecture_checks as checks
 from tests.architectures import ARCHITECTURES, build, cache_family, describe_caches, save, tokenizer
 
@@ -88,7 +88,7 @@ def run_row(name: str, smollm2_tokenizer, with_main: bool) -> tuple:
         lambda: checks.check_quantized(model, config, bits=4),
         lambda: checks.check_quantized(model, config, bits=8))]
     model_type = config["model_type"]
-    cells.append(outcome(lambda: checks.check_mtp(model_type)) if model_type in DEEPSEEK_LAYOUT + QWEN_LAYOUT
+    cells.append(outcome(lambda: checks.check_mtp(model_type)) if model_type in MTP_ARCHITECTURES
                  else NO_MTP)
     cells.append(outcome(main_check) if with_main else "not run")
     return cache_family(model), caches, cells
@@ -132,7 +132,7 @@ def write_table(rows: dict, command: str) -> str:
              "constraint alone; a batch of four rows of different lengths, each against its prompt alone, without "
              "and with lookup; 4- and 8-bit (mlx-lm's quantization, group 64), plain and lookup; "
              "`main.py --model DIR --json --prompt-lookup` on the saved model.", "",
-             f"**MTP**: for the architectures whose MTP layers we read ({', '.join(DEEPSEEK_LAYOUT + QWEN_LAYOUT)}), "
+             f"**MTP**: for the architectures whose MTP layers we read ({', '.join(MTP_ARCHITECTURES)}), "
              "greedy decoding with `MTPSource` drafts gives mlx-lm's greedy tokens, with drafts accepted and rejected, "
              "on a tiny checkpoint with MTP weights in the Hugging Face layout (tests/mtp_fixtures.py, whose MTP "
              f"layer is right often, not always); **{NO_MTP}**: the architecture ships no MTP layers that we read.", "",

@@ -53,7 +53,7 @@ def draft_sources(args, model, tokenizer, encoder_input=None):
     if head_dir is not None:
         try:
             # With prompt lookup before it, the loop lets the head draft on the steps it is
-            # expected to pay more (decoder.choose_draft).
+            # expected to pay more (draft.choose_draft).
             model, source = DraftHeadSource.create(model, head_dir, adaptive=not args.no_adaptive, **options)
         except HeadMismatch as error:
             raise CliError(str(error)) from None

@@ -15,7 +15,7 @@ layer). Drafts are drawn from the MTP's distribution, so sampling stays exact.
 import mlx.core as mx
 
 from speculative.head_source import DraftHeadSource, HeadDrafter
-from speculative.mtp import load_mtp
+from speculative.mtp import load_mtp, text_model
 
 
 class MTPSource(DraftHeadSource):
@@ -28,6 +28,7 @@ class MTPSource(DraftHeadSource):
     def drafter(cls, target, model_dir, **kwargs):
         """Load the MTP layer of the model in ``model_dir`` (``target`` is that model); returns
         ``(tap, drafter)``: run the loop on ``tap``. ``NoMTPWeights``/``MTPError`` as ``load_mtp`` says."""
+        target = text_model(target)  # Qwen3.5's language model, out of mlx-lm's multimodal wrapper
         mtp = load_mtp(model_dir, target)
         # A draft step reads the MTP layer and the output matrix it scores with (the target's, for Qwen3-Next).
         return HeadDrafter.around(target, mtp, mx.arange(target.args.vocab_size), cls, **kwargs)

@@ -1,28 +1,32 @@
-"""Tiny checkpoints with MTP weights in the Hugging Face layout: deepseek_v3, glm4_moe, qwen3_next (hybrid).
+"""Tiny checkpoints with MTP weights in the Hugging Face layout: deepseek_v3, glm4_moe, qwen3_next (hybrid),
+qwen3_5 and qwen3_5_moe (hybrids wrapped as vision-language models), mimo.
 
 ``write_checkpoint`` builds a random target and MTP module with mlx-lm's classes, optionally wires
 them so that the MTP layer predicts the target exactly (``exact``), and writes them under the
-names Hugging Face ships (experts one by one, DeepSeek's ``kv_b_proj`` whole, Qwen's norms
-zero-centred), so the loaders are tested on the layout, not on our own output.
+names Hugging Face ships (experts one by one, or fused for Qwen3.5-MoE; DeepSeek's ``kv_b_proj``
+whole; Qwen's norms zero-centred; Qwen3.5's language model under ``model.language_model``), so the
+loaders are tested on the layout, not on our own output.
 
 The exact wiring (vocabulary V, width D = 2V): the target copies each token's one-hot embedding
 through identity layers (every output projection zero), its final norm flips the signs ``s`` of
 some dimensions, and its head predicts ``perm(x)`` (a cycle). The MTP layer's projection maps the
 embedding of x_{t+1} into the first half (signed by ``s``) and the target's hidden state into the
 second half (signed by ``s`` again, which undoes the final norm's flip); the head scores the first
-half as ``perm`` and the second as ``perm o perm``. Both agree on x_{t+2} only if the embedding comes
-first, the hidden state is read after the final norm, and a chained step reads the MTP's own output.
+half as ``perm`` and the second as ``perm o perm``. Both agree on x_{t+2} only if the two are
+concatenated in the layout's order (MiMo's projection reads the hidden state first), the hidden state
+is read after the final norm, and a chained step reads the MTP's own output.
 """
 
+import copy
 import json
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
-from mlx_lm.models import deepseek_v3, glm4_moe, qwen3_next
+from mlx_lm.models import deepseek_v3, glm4_moe, mimo, qwen3_5, qwen3_5_moe, qwen3_next
 
-from speculative.mtp import build_mtp
+from speculative.mtp import DEEPSEEK_LAYOUT, MIMO_LAYOUT, QWEN_LAYOUT, build_mtp, mtp_prefix, text_model
 
 VOCAB = 32
 
@@ -52,13 +56,41 @@ GLM4_MOE = dict(
     rms_norm_eps=1e-6, rope_theta=10000.0, rope_scaling=None, use_qk_norm=True, attention_bias=True,
     partial_rotary_factor=0.5, num_nextn_predict_layers=1, tie_word_embeddings=False)
 
-CONFIGS = {"deepseek_v3": DEEPSEEK, "qwen3_next": QWEN3_NEXT, "glm4_moe": GLM4_MOE}
-MODULES = {"deepseek_v3": deepseek_v3, "qwen3_next": qwen3_next, "glm4_moe": glm4_moe}
+# Qwen3.5's language model, as its config.json's ``text_config`` gives it (rope_parameters as Qwen ships them).
+QWEN3_5_TEXT = dict(
+    model_type="qwen3_5_text", vocab_size=VOCAB, hidden_size=2 * VOCAB, num_hidden_layers=2, full_attention_interval=2,
+    intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_value_heads=4,
+    linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+    rms_norm_eps=1e-6, max_position_embeddings=1024, tie_word_embeddings=False, mtp_num_hidden_layers=1,
+    mtp_use_dedicated_embeddings=False, rope_parameters={"rope_type": "default", "mrope_section": [2, 1, 1],
+                                                         "rope_theta": 10000.0, "partial_rotary_factor": 0.5})
+QWEN3_5 = dict(model_type="qwen3_5", architectures=["Qwen3_5ForConditionalGeneration"], tie_word_embeddings=False,
+               text_config=QWEN3_5_TEXT)
+QWEN3_5_MOE = dict(model_type="qwen3_5_moe", architectures=["Qwen3_5MoeForConditionalGeneration"],
+                   tie_word_embeddings=False, text_config={
+                       **QWEN3_5_TEXT, "model_type": "qwen3_5_moe_text", "num_experts": 4, "num_experts_per_tok": 2,
+                       "decoder_sparse_step": 1, "moe_intermediate_size": 16, "shared_expert_intermediate_size": 32})
+
+MIMO = dict(
+    model_type="mimo", architectures=["MiMoForCausalLM"], vocab_size=VOCAB, hidden_size=2 * VOCAB,
+    intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6,
+    rope_theta=10000.0, max_position_embeddings=1024, tie_word_embeddings=False, num_nextn_predict_layers=1)
+
+CONFIGS = {"deepseek_v3": DEEPSEEK, "qwen3_next": QWEN3_NEXT, "glm4_moe": GLM4_MOE, "qwen3_5": QWEN3_5,
+           "qwen3_5_moe": QWEN3_5_MOE, "mimo": MIMO}
+MODULES = {"deepseek_v3": deepseek_v3, "qwen3_next": qwen3_next, "glm4_moe": glm4_moe, "qwen3_5": qwen3_5,
+           "qwen3_5_moe": qwen3_5_moe, "mimo": mimo}
+
+
+def text_config(config: dict) -> dict:
+    """The language model's keys: ``text_config`` where the config wraps one (Qwen3.5), else the config."""
+    return config.get("text_config", config)
 
 
 def build(model_type: str, seed: int = 0, exact: bool = False, noise: float = 0.0, **overrides):
-    """``(config, target, mtp)`` in mlx-lm's layout, float32."""
-    config = {**CONFIGS[model_type], **overrides}
+    """``(config, target, mtp)`` in mlx-lm's layout, float32; ``overrides`` go to the language model's keys."""
+    config = copy.deepcopy(CONFIGS[model_type])
+    text_config(config).update(overrides)
     module = MODULES[model_type]
     mx.random.seed(seed)
     target = module.Model(module.ModelArgs.from_dict(config))
@@ -67,7 +99,7 @@ def build(model_type: str, seed: int = 0, exact: bool = False, noise: float = 0.
     if exact:
         _wire_exactly(target, mtp, config, rng)
     else:  # sharper than mlx-lm's initialisation, so greedy ties and flat samples are rare
-        target.lm_head.weight = target.lm_head.weight * 4
+        text_model(target).lm_head.weight = text_model(target).lm_head.weight * 4
     if noise:
         for module_ in (target, mtp):
             module_.update(tree_unflatten([(k, v + noise * mx.array(rng.standard_normal(v.shape), v.dtype))
@@ -78,7 +110,7 @@ def build(model_type: str, seed: int = 0, exact: bool = False, noise: float = 0.
 
 
 def _wire_exactly(target, mtp, config, rng):
-    vocab, width = config["vocab_size"], config["hidden_size"]
+    vocab, width = text_config(config)["vocab_size"], text_config(config)["hidden_size"]
     order = rng.permutation(vocab)
     perm = np.empty(vocab, np.int64)
     perm[order] = np.roll(order, -1)  # one cycle through every token
@@ -96,12 +128,14 @@ def _wire_exactly(target, mtp, config, rng):
     head = np.zeros((vocab, width))
     head[perm, np.arange(vocab)] = 2 * signs
     head[perm[perm], vocab + np.arange(vocab)] = 3
-    target.lm_head.weight = mx.array(head, mx.float32)
+    text_model(target).lm_head.weight = mx.array(head, mx.float32)
     proj = np.zeros((width, 2 * width))
     proj[np.arange(vocab), np.arange(vocab)] = signs  # the embedding's half
     proj[vocab + np.arange(vocab), width + np.arange(vocab)] = signs  # the hidden state's half
-    if config["model_type"] == "qwen3_next":
+    if config["model_type"] in QWEN_LAYOUT:
         mtp.fc.weight = mx.array(proj, mx.float32)
+    elif config["model_type"] in MIMO_LAYOUT:  # it reads the hidden state first
+        mtp.input_proj.weight = mx.array(np.concatenate([proj[:, width:], proj[:, :width]], axis=1), mx.float32)
     else:
         mtp.eh_proj.weight = mx.array(proj, mx.float32)
         mtp.shared_head.head.weight = mx.array(head, mx.float32)
@@ -109,9 +143,12 @@ def _wire_exactly(target, mtp, config, rng):
 
 def _hf(name: str, value: mx.array, model_type: str) -> list:
     """One mlx-lm weight -> its Hugging Face names and values."""
+    if model_type in ("qwen3_5", "qwen3_5_moe"):  # the language model sits under model.language_model
+        name = name.replace("language_model.model.", "model.language_model.").replace("language_model.lm_head.",
+                                                                                        "lm_head.")
     if ".switch_mlp." in name:
         return [(name.replace(".switch_mlp.", f".experts.{e}."), value[e]) for e in range(value.shape[0])]
-    if model_type == "qwen3_next":
+    if model_type in QWEN_LAYOUT:
         if "norm" in name.split(".")[-2] and "linear_attn" not in name:
             return [(name, value - 1.0)]  # stored zero-centred
         if name.endswith("conv1d.weight"):
@@ -121,19 +158,33 @@ def _hf(name: str, value: mx.array, model_type: str) -> list:
 
 def hf_weights(target, mtp, config) -> dict:
     """Every weight of the target and its MTP layer under the names a Hugging Face checkpoint uses."""
-    model_type, weights = config["model_type"], {}
-    if model_type == "qwen3_next":
-        named = [(k, v) for k, v in tree_flatten(target.parameters())]
-        named += [(f"mtp.{k}", v) for k, v in tree_flatten(mtp.parameters())]
-    else:
-        layer = config["num_hidden_layers"]
-        named = [(k, v) for k, v in tree_flatten(target.parameters())]
-        named += [(f"model.layers.{layer}.{k.removeprefix('block.')}", v) for k, v in tree_flatten(mtp.parameters())]
-        named.append((f"model.layers.{layer}.embed_tokens.weight", target.model.embed_tokens.weight))
+    model_type, prefix, weights = config["model_type"], mtp_prefix(config), {}
+    named = [(k, v) for k, v in tree_flatten(target.parameters())]
+    named += [(prefix + k.removeprefix("block."), v) for k, v in tree_flatten(mtp.parameters())]
+    if model_type in DEEPSEEK_LAYOUT:
+        named.append((f"{prefix}embed_tokens.weight", target.model.embed_tokens.weight))
         named = _join_kv_b(dict(named), config)
+    if model_type == "qwen3_5_moe":
+        named = _fuse_experts(dict(named))
     for name, value in named:
         weights.update(_hf(name, value, model_type))
     return weights
+
+
+def _fuse_experts(weights: dict) -> list:
+    """Qwen3.5-MoE ships each layer's experts fused: ``experts.gate_up_proj`` (gate, then up) and
+    ``experts.down_proj``, without ``.weight``."""
+    fused = []
+    for name, value in weights.items():
+        if name.endswith("switch_mlp.gate_proj.weight"):
+            up = weights[name.replace("gate_proj", "up_proj")]
+            fused.append((name.replace("switch_mlp.gate_proj.weight", "experts.gate_up_proj"),
+                          mx.concatenate([value, up], axis=-2)))
+        elif name.endswith("switch_mlp.down_proj.weight"):
+            fused.append((name.replace("switch_mlp.down_proj.weight", "experts.down_proj"), value))
+        elif not name.endswith("switch_mlp.up_proj.weight"):
+            fused.append((name, value))
+    return fused
 
 
 def _join_kv_b(weights: dict, config) -> list:
@@ -157,8 +208,7 @@ def write_checkpoint(path, model_type: str, seed: int = 0, exact: bool = False, 
     config, target, mtp = build(model_type, seed, exact, noise, **overrides)
     weights = hf_weights(target, mtp, config)
     if not with_mtp:
-        prefix = "mtp." if model_type == "qwen3_next" else f"model.layers.{config['num_hidden_layers']}."
-        weights = {k: v for k, v in weights.items() if not k.startswith(prefix)}
+        weights = {k: v for k, v in weights.items() if not k.startswith(mtp_prefix(config))}
     mx.save_safetensors(str(path / "model.safetensors"), weights)
     (path / "config.json").write_text(json.dumps({**config, "torch_dtype": "float32"}))
     if tokenizer is not None:

@@ -13,12 +13,24 @@ from mlx.utils import tree_flatten
 
 from decoder import DecodingStats, generate_step
 from loading.target import load_mlx_lm
-from speculative.mtp import MTP_FILE, MTPError, NoMTPWeights, load_mtp
+from speculative.mtp import (MIMO_LAYOUT, MTP_CLASSES, MTP_FILE, QWEN_LAYOUT, MTPError, NoMTPWeights, load_mtp,
+                             mtp_prefix, text_model)
 from speculative.mtp_source import MTPSource
 from tests.helpers import assert_sampling_keeps_the_target_distribution, tiny_byte_tokenizer
-from tests.mtp_fixtures import VOCAB, hf_weights, write_checkpoint
+from tests.mtp_fixtures import VOCAB, hf_weights, text_config, write_checkpoint
 
-LAYOUTS = ["deepseek_v3", "glm4_moe", "qwen3_next"]
+LAYOUTS = ["deepseek_v3", "glm4_moe", "qwen3_next", "qwen3_5", "qwen3_5_moe", "mimo"]
+
+
+def load(path):
+    """The target of the checkpoint in ``path``, as the loop runs on it: Qwen3.5's language model
+    without mlx-lm's vision-language wrapper, whose ``args`` hold no ``vocab_size`` for MTPSource."""
+    return text_model(load_mlx_lm(path)[0])
+
+
+def projection(model_type: str) -> str:
+    """The name of the MTP layer's 2d -> d projection."""
+    return "fc" if model_type in QWEN_LAYOUT else "input_proj" if model_type in MIMO_LAYOUT else "eh_proj"
 
 
 def tokens_of(prompt, model, sources=(), max_tokens=40, stats=None, **options):
@@ -33,8 +45,7 @@ def noisy(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param)
     _, built, mtp = write_checkpoint(path, request.param, seed=1, exact=True, noise=0.08,
                                      tokenizer=tiny_byte_tokenizer())
-    target, _, _ = load_mlx_lm(path)
-    return path, target, built, mtp
+    return path, load(path), built, mtp
 
 
 def same_parameters(a, b) -> bool:
@@ -44,8 +55,9 @@ def same_parameters(a, b) -> bool:
 
 def test_the_hugging_face_layout_is_read(noisy):
     path, target, built, mtp = noisy
-    assert same_parameters(target, built)  # the target loads without its MTP weights
+    assert same_parameters(target, text_model(built))  # the target loads without its MTP weights
     assert same_parameters(load_mtp(path, target), mtp)
+    assert same_parameters(load_mtp(path, load_mlx_lm(path)[0]), mtp)  # given Qwen3.5's wrapper too
 
 
 def rms_norm(x, weight, eps=1e-6):
@@ -65,26 +77,67 @@ class Recorder:
 
 def reference_block(path, config):
     """The MTP decoder layer as mlx-lm itself loads a target layer from the same weights: the
-    checkpoint again with the MTP layer's weights as its last layer (Qwen3-Next: its only layer, of
-    full attention), through mlx-lm's own loader and sanitize."""
+    checkpoint again with the MTP layer's weights as a layer of the target, through mlx-lm's own
+    loader and sanitize. Qwen3-Next: its only layer, of full attention. Qwen3.5: its layer 1, of full
+    attention, after the target's linear layer 0 (whose ``conv1d`` tells mlx-lm to shift the norms).
+    DeepSeek/GLM and MiMo: one more layer after the target's."""
     from mlx_lm.utils import load_model
 
-    raw, layers = mx.load(str(path / "model.safetensors")), config["num_hidden_layers"]
+    raw, layers, prefix = mx.load(str(path / "model.safetensors")), text_config(config)["num_hidden_layers"], \
+        mtp_prefix(config)
+    block = {k[len(prefix):]: v for k, v in raw.items() if k.startswith(prefix)}
     if config["model_type"] == "qwen3_next":
         weights = {k: v for k, v in raw.items() if not k.startswith(("mtp.", "model.layers."))}
-        weights.update({k.replace("mtp.layers.0.", "model.layers.0."): v for k, v in raw.items()
-                        if k.startswith("mtp.layers.0.")})
+        weights.update({f"model.layers.0.{k.removeprefix('layers.0.')}": v for k, v in block.items()
+                        if k.startswith("layers.0.")})
         config = {**config, "num_hidden_layers": 1, "full_attention_interval": 1}
+    elif config["model_type"] in QWEN_LAYOUT:
+        weights = {k: v for k, v in raw.items() if not k.startswith(("mtp.", "model.language_model.layers.1."))}
+        weights.update({f"model.language_model.layers.1.{k.removeprefix('layers.0.')}": v for k, v in block.items()
+                        if k.startswith("layers.0.")})
     else:
-        own = tuple(f"model.layers.{layers}.{name}" for name in ("enorm", "hnorm", "eh_proj", "shared_head", "embed"))
-        weights = {k: v for k, v in raw.items() if not k.startswith(own)}
+        own = tuple(f"{name}." for name in MTP_CLASSES[config["model_type"]].own_weights + ("embed_tokens",))
+        weights = {k: v for k, v in raw.items() if not k.startswith(prefix)}
+        weights.update({f"model.layers.{layers}.{k}": v for k, v in block.items() if not k.startswith(own)})
         config = {**config, "num_hidden_layers": layers + 1}
     directory = path.parent / f"{path.name}-reference"
     directory.mkdir(exist_ok=True)
     mx.save_safetensors(str(directory / "model.safetensors"), weights)
     (directory / "config.json").write_text(json.dumps(config))
     model, _ = load_model(directory)
-    return model.model.layers[-1]
+    return model.layers[-1]
+
+
+def expected_fuse(raw: dict, config: dict, embeddings: np.ndarray, features: np.ndarray) -> np.ndarray:
+    """Stage 1 by hand: both inputs normalised, concatenated in the layout's order, projected 2d -> d."""
+    prefix, model_type = mtp_prefix(config), config["model_type"]
+    if model_type in QWEN_LAYOUT:  # norms stored zero-centred: the scale is 1 + weight
+        e = rms_norm(embeddings, 1 + raw[prefix + "pre_fc_norm_embedding.weight"])
+        h = rms_norm(features, 1 + raw[prefix + "pre_fc_norm_hidden.weight"])
+        return np.concatenate([e, h], -1) @ raw[prefix + "fc.weight"].T
+    embeddings = embeddings.copy()
+    embeddings[0] = 0.0  # no token precedes position 0 (vLLM's deepseek_mtp.py and mimo_mtp.py)
+    if model_type in MIMO_LAYOUT:  # the hidden state first
+        e = rms_norm(embeddings, raw[prefix + "token_layernorm.weight"])
+        h = rms_norm(features, raw[prefix + "hidden_layernorm.weight"])
+        return np.concatenate([h, e], -1) @ raw[prefix + "input_proj.weight"].T
+    e, h = rms_norm(embeddings, raw[prefix + "enorm.weight"]), rms_norm(features, raw[prefix + "hnorm.weight"])
+    return np.concatenate([e, h], -1) @ raw[prefix + "eh_proj.weight"].T
+
+
+def expected_scores(raw: dict, config: dict, block_output: np.ndarray) -> tuple:
+    """Stage 3 by hand: ``(what the next chained step reads, logits)``. DeepSeek: the layer's output,
+    scored by its own shared_head (norm, head). Qwen and MiMo: the output after their final norm,
+    scored by the target's LM head."""
+    prefix, model_type = mtp_prefix(config), config["model_type"]
+    if model_type in QWEN_LAYOUT:
+        normed = rms_norm(block_output, 1 + raw[prefix + "norm.weight"])
+    elif model_type in MIMO_LAYOUT:
+        normed = rms_norm(block_output, raw[prefix + "final_layernorm.weight"])
+    else:
+        normed = rms_norm(block_output, raw[prefix + "shared_head.norm.weight"])
+        return block_output, normed @ raw[prefix + "shared_head.head.weight"].T
+    return normed, normed @ raw["lm_head.weight"].T
 
 
 def test_the_forward_matches_a_reference_stage_by_stage(noisy):
@@ -92,30 +145,20 @@ def test_the_forward_matches_a_reference_stage_by_stage(noisy):
     config = json.loads((path / "config.json").read_text())
     raw = {k: np.array(v) for k, v in mx.load(str(path / "model.safetensors")).items()}
     mtp = load_mtp(path, target)
-    deepseek = config["model_type"] != "qwen3_next"  # the DeepSeek layout, GLM's too
     tokens = [3, 1, 4, 1, 5, 9, 2, 6]
     hidden = target.model(mx.array([tokens]))  # after the final norm: what the tap hands over
     embeddings = target.model.embed_tokens(mx.array([tokens[1:]]))
     features = hidden[:, :-1]
-    recorder = Recorder(mtp.block if deepseek else mtp.layers[0])
-    if deepseek:
-        mtp.block = recorder
+    if config["model_type"] in QWEN_LAYOUT:
+        mtp.layers[0] = recorder = Recorder(mtp.layers[0])
     else:
-        mtp.layers[0] = recorder
+        mtp.block = recorder = Recorder(mtp.block)
     predicted = mtp(features, embeddings, cache=mtp.make_cache())
     logits = np.array(mtp.logits(predicted))[0]
     block_input, block_output = (np.array(a)[0] for a in recorder.seen[0])
 
-    # Stage 1: both inputs normalised, the embedding first, projected 2d -> d.
-    e, h = np.array(embeddings)[0], np.array(features)[0]
-    if deepseek:
-        layer = f"model.layers.{config['num_hidden_layers']}."
-        e[0] = 0.0  # no token precedes position 0 (vLLM's deepseek_mtp.py)
-        fused = np.concatenate([rms_norm(e, raw[layer + "enorm.weight"]), rms_norm(h, raw[layer + "hnorm.weight"])], -1)
-        fused = fused @ raw[layer + "eh_proj.weight"].T
-    else:  # Qwen3-Next's norms are stored zero-centred: the scale is 1 + weight
-        fused = np.concatenate([rms_norm(e, 1 + raw["mtp.pre_fc_norm_embedding.weight"]),
-                                rms_norm(h, 1 + raw["mtp.pre_fc_norm_hidden.weight"])], -1) @ raw["mtp.fc.weight"].T
+    # Stage 1: both inputs normalised, concatenated in the layout's order, projected 2d -> d.
+    fused = expected_fuse(raw, config, np.array(embeddings)[0], np.array(features)[0])
     np.testing.assert_allclose(block_input, fused, rtol=1e-4, atol=1e-4)
 
     # Stage 2: the decoder layer, against mlx-lm's own loading of the same weights as a target layer.
@@ -127,24 +170,16 @@ def test_the_forward_matches_a_reference_stage_by_stage(noisy):
     expected = reference(x, create_attention_mask(x, cache, return_array=True), cache)
     np.testing.assert_allclose(block_output, np.array(expected)[0], rtol=1e-4, atol=1e-4)
 
-    # Stage 3: scoring. DeepSeek: its own shared_head (norm, head) on the layer's output, which the next
-    # chained step reads. Qwen3-Next: its final norm (that output is what the next step reads), then
-    # the target's LM head.
-    if deepseek:
-        np.testing.assert_allclose(np.array(predicted)[0], block_output, rtol=1e-5, atol=1e-5)
-        expected_logits = rms_norm(block_output, raw[layer + "shared_head.norm.weight"]) \
-            @ raw[layer + "shared_head.head.weight"].T
-    else:
-        normed = rms_norm(block_output, 1 + raw["mtp.norm.weight"])
-        np.testing.assert_allclose(np.array(predicted)[0], normed, rtol=1e-4, atol=1e-4)
-        expected_logits = normed @ raw["lm_head.weight"].T
+    # Stage 3: what the next chained step reads, and the scores.
+    chained, expected_logits = expected_scores(raw, config, block_output)
+    np.testing.assert_allclose(np.array(predicted)[0], chained, rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(logits, expected_logits, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("model_type", LAYOUTS)
 def test_an_exact_mtp_layer_is_accepted_at_least_90_percent(tmp_path, model_type):
     write_checkpoint(tmp_path, model_type, seed=2, exact=True, tokenizer=tiny_byte_tokenizer())
-    target, _, _ = load_mlx_lm(tmp_path)
+    target = load(tmp_path)
     for num_draft in (1, 3):
         tap, source = MTPSource.create(target, tmp_path, num_draft=num_draft, adaptive=False)
         stats = DecodingStats()
@@ -196,7 +231,7 @@ def test_greedy_with_mtp_drafts_under_a_regex_equals_constrained_plain(tmp_path,
     tokenizer = tiny_byte_tokenizer()
     vocab = len(tokenizer.get_vocab())
     write_checkpoint(tmp_path, model_type, seed=3, vocab_size=vocab, tokenizer=tokenizer)
-    target, _, _ = load_mlx_lm(tmp_path)
+    target = load(tmp_path)
     pattern = r"(ab|12)+-[0-9]{2,5}"
 
     def run(sources, model):
@@ -232,7 +267,7 @@ def test_mtp_weights_that_do_not_fit_are_refused(tmp_path, noisy):
     path, target, built, mtp = noisy
     config = json.loads((path / "config.json").read_text())
     weights = hf_weights(built, mtp, config)
-    name = next(k for k in weights if k.startswith(("mtp.fc", f"model.layers.{config['num_hidden_layers']}.eh_proj")))
+    name = f"{mtp_prefix(config)}{projection(config['model_type'])}.weight"
     weights[name] = weights[name][:, :-1]  # a misshapen projection
     mx.save_safetensors(str(tmp_path / "model.safetensors"), weights)
     (tmp_path / "config.json").write_text(json.dumps(config))
@@ -252,9 +287,9 @@ def test_conversion_keeps_the_mtp_weights_and_quantizes_them(tmp_path, model_typ
 
     convert(str(tmp_path / "q4"), hf_path=str(tmp_path / "hf"), quantize=True, q_bits=4, q_group_size=32)
     kept = mx.load(str(tmp_path / "q4" / MTP_FILE))
-    projection = "fc" if model_type == "qwen3_next" else "eh_proj"
-    assert kept[f"{projection}.weight"].dtype == mx.uint32 and f"{projection}.scales" in kept
-    target, _, _ = load_mlx_lm(tmp_path / "q4")
+    name = projection(model_type)
+    assert kept[f"{name}.weight"].dtype == mx.uint32 and f"{name}.scales" in kept
+    target = load(tmp_path / "q4")
     tap, source = MTPSource.create(target, tmp_path / "q4", num_draft=2, adaptive=False)
     stats = DecodingStats()
     assert tokens_of([5, 7, 11], tap, [source], max_tokens=60, stats=stats) == tokens_of([5, 7, 11], target,
@@ -290,7 +325,7 @@ def test_the_cli_drafts_with_mtp_and_refuses_bad_input(tmp_path, model_type):
             (damaged / name).write_bytes((path / name).read_bytes())
     weights = mx.load(str(path / "model.safetensors"))
     config = json.loads((path / "config.json").read_text())
-    prefix = "mtp." if config["model_type"] == "qwen3_next" else f"model.layers.{config['num_hidden_layers']}."
-    mx.save_safetensors(str(damaged / "model.safetensors"), {k: v for k, v in weights.items()
-                                                             if not k.startswith(prefix + "fc") and "eh_proj" not in k})
+    fuse = mtp_prefix(config) + projection(config["model_type"])
+    mx.save_safetensors(str(damaged / "model.safetensors"),
+                        {k: v for k, v in weights.items() if not k.startswith(fuse)})
     assert_one_line_error(cli("--model", str(damaged), "--mtp", "--max-tokens", "2"), "do not fit")
