@@ -235,7 +235,9 @@ class BatchGenerator:
         one batch and merge them in (one chunk per call with ``interleave_prefill`` while other rows
         decode)."""
         if self.prefilling is None:
-            if self.waiting and self.mask_dims is None:
+            if self.waiting and self.mask_dims is None and self.max_batch == 1:
+                self.mask_dims = 4  # one row is never padded (and some caches hold one row only)
+            elif self.waiting and self.mask_dims is None:
                 self.mask_dims, masks_padding = probe(self.model)
                 if not masks_padding:  # rows of one pass would differ in length: one row at a time
                     self.max_batch = self.prefill_batch_size = 1

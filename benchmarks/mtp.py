@@ -14,6 +14,8 @@ layer approaches), "noisy" is the same with noise on every weight (a lower accep
 3. The expected speed-up from that acceptance, (1 + sum_i prod_{j<=i} a_j) / (1 + k c + (k) t), for
    this CPU's measured cost t of a verified token, and for a GPU-like curve (t = 0.005, the
    simulated clock of benchmarks/batch.py --simulate-rows), at the best k.
+4. A continuous batch of ``--batch`` rows with prompts of different lengths, plain and with MTP
+   drafts per row, interleaved (outputs must match): tok/s in all, passes per token, peak memory.
 It writes benchmarks/results/mtp.md.
 """
 
@@ -25,11 +27,12 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from batch import BatchGenerator
+from cache import make_cache
 from cost import PassCost
 from decoder import generate_step
 from loading.load import describe_backend
-from rollback import make_cache
-from speculative.head_source import HiddenStateTap
+from speculative.head_source import HeadDrafter, HiddenStateTap
 from speculative.mtp_source import MTPSource
 from step import DecodingStats
 from tests.mtp_fixtures import build
@@ -52,7 +55,7 @@ def sizes(model_type: str, vocab: int, layers: int) -> dict:
 
 def step_costs(target, mtp, prompt: list, repeat: int = 40) -> tuple:
     """Median seconds of one target step and one MTP draft step (one token each), timed alternately."""
-    cache, draft_cache = make_cache(target), mtp.make_cache()
+    cache, draft_cache = make_cache(target).layers, mtp.make_cache()
     hidden = target.model(mx.array([prompt]), cache=cache)
     embeddings = target.model.embed_tokens(mx.array([prompt[1:] + [prompt[0]]]))
     mx.eval(mtp(hidden, embeddings, cache=draft_cache))
@@ -79,6 +82,42 @@ def decode(target, prompt, max_tokens, sources=(), model=None) -> tuple:
     return tokens, len(tokens) / (time.perf_counter() - tic), stats, cost
 
 
+def decode_batch(model, prompts, max_tokens, drafter=None) -> tuple:
+    """Every prompt in one ``BatchGenerator``: (tokens per row, tok/s in all, target passes per token, peak GB)."""
+    generator = BatchGenerator(model, eos_token_ids=())
+    mx.reset_peak_memory()
+    tic = time.perf_counter()
+    sources = [[drafter.source()] if drafter is not None else [] for _ in prompts]
+    uids = generator.insert(prompts, max_tokens=max_tokens, draft_sources=sources)
+    out = {uid: [] for uid in uids}
+    while responses := generator.next():
+        for response in responses:
+            out[response.uid] += response.tokens
+    seconds, total = time.perf_counter() - tic, sum(len(tokens) for tokens in out.values())
+    return ([out[uid] for uid in uids], total / seconds, generator.stats.row_passes / total,
+            mx.get_peak_memory() / 1e9)
+
+
+def batch_lines(model_type: str, kind: str, target, mtp, prompts: list, args) -> list:
+    """Plain and MTP-drafting batches, interleaved, ``args.repeat`` times; the best run of each."""
+    runs = {"plain": [], "mtp adaptive": []}
+    for _ in range(args.repeat):
+        plain = decode_batch(target, prompts, args.max_tokens)
+        tap, drafter = HeadDrafter.around(target, mtp, mx.arange(args.vocab), MTPSource, max_draft=8)
+        drafted = decode_batch(tap, prompts, args.max_tokens, drafter)
+        assert drafted[0] == plain[0], "MTP drafts changed a row's greedy output"
+        runs["plain"].append(plain)
+        runs["mtp adaptive"].append(drafted)
+    base = max(run[1] for run in runs["plain"])
+    lines = []
+    for name, results in runs.items():
+        _, tps, passes, peak = max(results, key=lambda run: run[1])
+        lines.append(f"| {model_type} | {kind} | {len(prompts)} | {name} | {tps:.1f} | {tps / base:.2f}x | "
+                     f"{passes:.2f} | {peak:.3f} |")
+        print(lines[-1], flush=True)
+    return lines
+
+
 def expected_speedup(acceptance: list, draft_cost: float, token_cost: float) -> tuple:
     """(best k, speed-up) of drafting k tokens with per-position acceptance ``acceptance``."""
     best, reach, accepted = (0, 1.0), 1.0, 0.0
@@ -90,6 +129,42 @@ def expected_speedup(acceptance: list, draft_cost: float, token_cost: float) -> 
     return best
 
 
+def single_lines(model_type: str, kind: str, target, mtp, prompt: list, args) -> list:
+    """One sequence: the draft step's cost, then plain and MTP decoding interleaved; a table row per method."""
+    lines = []
+    target_step, draft_step = step_costs(target, mtp, prompt)
+    ratio = draft_step / target_step
+    tap = HiddenStateTap(target, mtp.feature_layers)
+    runs = {"plain": [], "mtp adaptive": [], f"mtp k={args.num_draft}": []}
+    for _ in range(args.repeat):  # interleaved: plain, adaptive, fixed, plain, ...
+        plain = decode(target, prompt, args.max_tokens)
+        runs["plain"].append(plain)
+        for name, adaptive in (("mtp adaptive", True), (f"mtp k={args.num_draft}", False)):
+            source = MTPSource(tap, mtp, mx.arange(args.vocab), num_draft=args.num_draft, adaptive=adaptive,
+                               max_draft=8, draft_cost_prior=ratio)
+            run = decode(target, prompt, args.max_tokens, [source], tap)
+            assert run[0] == plain[0], "MTP drafts changed the greedy output"
+            runs[name].append(run)
+    base = max(r[1] for r in runs["plain"])
+    token_cost = runs["plain"][-1][3].token_cost()
+    for name, results in runs.items():
+        best = max(results, key=lambda r: r[1])  # its statistics with its rate: the policy reads timings
+        tps, stats = best[1], best[2]
+        passes = stats.target_forward_passes / max(len(best[0]), 1)
+        by_position, cpu, gpu = "-", "-", "-"
+        if "mtp" in stats.sources:
+            summary = stats.sources["mtp"].summary()
+            by_position = ", ".join(f"{a:.2f}" for a in summary["acceptance_by_position"])
+            if name.startswith("mtp k="):
+                by_k = summary["acceptance_by_position"]
+                cpu, gpu = ("%.2fx (%d)" % expected_speedup(by_k, ratio, cost)[::-1]
+                            for cost in (token_cost, GPU_TOKEN_COST))
+        lines.append(f"| {model_type} | {kind} | {ratio:.3f} | {name} | {tps:.1f} | {tps / base:.2f}x | "
+                     f"{passes:.2f} | {by_position} | {cpu} | {gpu} |")
+        print(lines[-1], flush=True)
+    return lines
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--vocab", type=int, default=256, help="vocabulary; the width is twice this")
@@ -98,6 +173,7 @@ def main():
     parser.add_argument("--num-draft", type=int, default=4, help="fixed draft length for the acceptance curve")
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--noise", type=float, default=0.015, help="noise on every weight of the 'noisy' models")
+    parser.add_argument("--batch", type=int, default=4, help="rows of the continuous batch (0: skip it)")
     args = parser.parse_args()
     prompt = list(range(3, 60, 7)) * 4
     lines = ["# MTP drafts", "", f"Machine: {platform.machine()}, {describe_backend()}; float32; random models of each "
@@ -108,40 +184,18 @@ def main():
              "| layout | MTP layer | draft step / target step | method | tok/s | vs plain | passes/token | "
              "acceptance by position | expected speed-up, this CPU (k) | GPU-like curve (k) |",
              "|---|---|---:|---|---:|---:|---:|---|---:|---:|"]
+    batch_table = ["", f"A continuous batch of {args.batch} rows (prompts of different lengths), every row drafting "
+                   "with its own MTP handle, against the same batch without drafts, interleaved:", "",
+                   "| layout | MTP layer | rows | method | tok/s in all | vs plain | passes/token | peak GB |",
+                   "|---|---|---:|---|---:|---:|---:|---:|"]
+    batch_prompts = [prompt[: len(prompt) - 5 * row] for row in range(args.batch)]
     for model_type in ("deepseek_v3", "qwen3_next"):
         for kind, noise in (("exact", 0.0), ("noisy", args.noise)):
             _, target, mtp = build(model_type, seed=0, exact=True, noise=noise, **sizes(model_type, args.vocab,
                                                                                          args.layers))
-            target_step, draft_step = step_costs(target, mtp, prompt)
-            ratio = draft_step / target_step
-            tap = HiddenStateTap(target, mtp.feature_layers)
-            runs = {"plain": [], "mtp adaptive": [], f"mtp k={args.num_draft}": []}
-            for _ in range(args.repeat):  # interleaved: plain, adaptive, fixed, plain, ...
-                plain = decode(target, prompt, args.max_tokens)
-                runs["plain"].append(plain)
-                for name, adaptive in (("mtp adaptive", True), (f"mtp k={args.num_draft}", False)):
-                    source = MTPSource(tap, mtp, mx.arange(args.vocab), num_draft=args.num_draft, adaptive=adaptive,
-                                       max_draft=8, draft_cost_prior=ratio)
-                    run = decode(target, prompt, args.max_tokens, [source], tap)
-                    assert run[0] == plain[0], "MTP drafts changed the greedy output"
-                    runs[name].append(run)
-            base = max(r[1] for r in runs["plain"])
-            token_cost = runs["plain"][-1][3].token_cost()
-            for name, results in runs.items():
-                best = max(results, key=lambda r: r[1])  # its statistics with its rate: the policy reads timings
-                tps, stats = best[1], best[2]
-                passes = stats.target_forward_passes / max(len(best[0]), 1)
-                by_position, cpu, gpu = "-", "-", "-"
-                if "mtp" in stats.sources:
-                    summary = stats.sources["mtp"].summary()
-                    by_position = ", ".join(f"{a:.2f}" for a in summary["acceptance_by_position"])
-                    if name.startswith("mtp k="):
-                        by_k = summary["acceptance_by_position"]
-                        cpu, gpu = ("%.2fx (%d)" % expected_speedup(by_k, ratio, cost)[::-1]
-                                    for cost in (token_cost, GPU_TOKEN_COST))
-                lines.append(f"| {model_type} | {kind} | {ratio:.3f} | {name} | {tps:.1f} | {tps / base:.2f}x | "
-                             f"{passes:.2f} | {by_position} | {cpu} | {gpu} |")
-                print(lines[-1], flush=True)
+            lines += single_lines(model_type, kind, target, mtp, prompt, args)
+            if args.batch:
+                batch_table += batch_lines(model_type, kind, target, mtp, batch_prompts, args)
     lines += ["", "The draft cost ratio is the MTP layer with its scoring (its own head, or the target's for "
               "qwen3_next) against all of the target's layers and head, for one token: about 1/layers plus the head, "
               "and the experts read for one token. The expected speed-up uses the measured ratio for the drafting, the "
@@ -149,7 +203,7 @@ def main():
               "acceptance by position of the fixed-length run; the best k is shown. tok/s is the best of "
               f"{args.repeat} interleaved runs, shown with that run's passes and acceptance (the adaptive length "
               "reads measured timings, so its runs differ)."]
-    RESULTS.write_text("\n".join(lines) + "\n")
+    RESULTS.write_text("\n".join(lines + (batch_table if args.batch else [])) + "\n")
 
 
 if __name__ == "__main__":

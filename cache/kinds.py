@@ -252,6 +252,10 @@ class ChunkedRows(ChunkedKVCache):
 
     rows = 1
 
+    @property
+    def ends(self) -> list:
+        return [self.offset]
+
     def can_trim(self, row: int = 0) -> int:
         return self.offset - self.start_position
 

@@ -1,7 +1,7 @@
 """Draft sources from command-line flags (``cli/flags.py``): the one builder main.py and the server share.
 
-    model, drafts = draft_sources(args, model, tokenizer)   # run the loop on the returned model
-    make = row_sources(args, model, tokenizer)               # fresh sources per batch row: make()
+    model, make = build_sources(args, model, tokenizer)     # run the loop on the returned model
+    sources = make()                                         # one row's own sources (a batch: per row)
 
 A flag means the same in ``python main.py`` and ``python -m server``: both parse it with the same
 definition and build its source with the same code.
@@ -18,18 +18,19 @@ from cli.flags import default_history_path, history_path
 from loading.load import load_model, resolve_model_path
 from prompt_lookup import PromptLookupSource
 from prompt_lookup.history import HistoryError, HistoryLookupSource, load_history
-from speculative import DraftModel, DraftModelSource
+from speculative import DraftModel, HeadDrafter
 from speculative.head import SHIPPED_HEAD, HeadMismatch
-from speculative.head_source import DraftHeadSource
 from speculative.mtp import MTPError, NoMTPWeights
 from speculative.mtp_source import MTPSource
-from t5 import is_encoder_decoder
+from t5 import T5Decoder, is_encoder_decoder
 
 
-def draft_sources(args, model, tokenizer, encoder_input=None):
-    """``(model, sources)`` for the flags in ``args``: prompt (or history) lookup, a draft model,
-    a draft head or the model's MTP layers, in that order. Run the loop on the returned model (a
-    ``HiddenStateTap`` when a head or MTP layers draft).
+def build_sources(args, model, tokenizer, encoder_input=None) -> tuple:
+    """``(model, make)`` for the flags in ``args``: run the loop on the returned model (a
+    ``HiddenStateTap`` when a head or MTP layers draft), and ``make()`` gives one row its own fresh
+    sources: prompt (or history) lookup, a draft model, a draft head or the model's MTP layers, in
+    that order. A model that drafts (a draft model, a head, MTP layers) is loaded once and drafts for
+    every row at once; each row holds a handle on it.
 
     Args:
         encoder_input: a T5 target's prompt tokens (its decoder starts empty); lookup searches them.
@@ -37,48 +38,63 @@ def draft_sources(args, model, tokenizer, encoder_input=None):
     Model drafts sample as the target does: the loop hands each generation's ``temp``/``top_p``
     to the sources' ``reset``.
     """
-    sources, head_dir = [], None
+    head_dir = None
     if args.draft_head is not None:
         if encoder_input is not None:  # before any download
             raise CliError("--draft-head needs a decoder-only model; T5 is not supported")
         head_dir = draft_head_dir(args.draft_head)
+    lookup = None
     if args.prompt_lookup or args.lookup_history is not None:
-        sources.append(lookup_source(args, encoder_input or [], head_dir))
-    options = {} if args.num_draft is None else {"num_draft": args.num_draft}
+        lookup = lookup_maker(args, encoder_input or [], head_dir)
+    options = {"adaptive": not args.no_adaptive, **({} if args.num_draft is None else {"num_draft": args.num_draft})}
+    drafters = []
     if args.draft_model is not None:
         draft_model, draft_tokenizer, _ = load_model(args.draft_model)
-        sources.append(DraftModelSource.create(draft_model, draft_tokenizer, model, tokenizer,
-                                               encoder_input=encoder_input, adaptive=not args.no_adaptive,
-                                               **options))
+        if is_encoder_decoder(draft_model):
+            if encoder_input is None:
+                raise CliError("--draft-model: a T5 draft model needs a T5 target, which batching does not serve")
+            draft_model = T5Decoder(draft_model, encoder_input)
+        drafters.append(DraftModel.create(draft_model, draft_tokenizer, model, tokenizer, **options))
     if head_dir is not None:
         try:
             # With prompt lookup before it, the loop lets the head draft on the steps it is
             # expected to pay more (draft.choose_draft).
-            model, source = DraftHeadSource.create(model, head_dir, adaptive=not args.no_adaptive, **options)
+            model, drafter = HeadDrafter.create(model, head_dir, **options)
         except HeadMismatch as error:
             raise CliError(str(error)) from None
-        sources.append(source)
+        drafters.append(drafter)
     if args.mtp:
-        model, source = mtp_source(args, model, encoder_input, **options)
-        sources.append(source)
-    return model, sources
+        model, drafter = mtp_drafter(args, model, encoder_input, **options)
+        drafters.append(drafter)
+
+    def make() -> list:
+        return ([lookup()] if lookup is not None else []) + [drafter.source() for drafter in drafters]
+
+    return model, make
 
 
-def mtp_source(args, model, encoder_input=None, **options):
-    """``(tap, source)``: the target's own MTP layers, read from the directory it was loaded from.
+def draft_sources(args, model, tokenizer, encoder_input=None) -> tuple:
+    """``(model, sources)``: ``build_sources`` for one sequence (main.py)."""
+    model, make = build_sources(args, model, tokenizer, encoder_input)
+    return model, make()
+
+
+def mtp_drafter(args, model, encoder_input=None, **options):
+    """``(tap, drafter)``: the target's own MTP layers, read from the directory it was loaded from.
     A model without them raises ``NoMTPWeights`` (main.py: exit 2); damaged ones a CliError."""
     if encoder_input is not None:
         raise CliError("--mtp needs a decoder-only model with MTP layers; T5 has none")
     try:
-        return MTPSource.create(model, resolve_model_path(args.model), adaptive=not args.no_adaptive, **options)
+        return MTPSource.drafter(model, resolve_model_path(args.model), **options)
     except NoMTPWeights:
         raise
     except MTPError as error:
         raise CliError(str(error)) from None
 
 
-def lookup_source(args, encoder_input: list, head_dir=None):
-    """Prompt lookup, over the history store too with --lookup-history (which includes prompt lookup).
+def lookup_maker(args, encoder_input: list, head_dir=None):
+    """A function returning a fresh prompt lookup source, over the history store too with
+    --lookup-history (which includes prompt lookup); the store is read once.
 
     With --draft-head, the store starts with the seed that ships with the head (``history.npz``,
     answers to its training instructions), read-only; the run appends only to PATH."""
@@ -87,7 +103,7 @@ def lookup_source(args, encoder_input: list, head_dir=None):
     if args.num_draft is not None:
         options["num_draft"] = args.num_draft
     if args.lookup_history is None:
-        return PromptLookupSource(**options)
+        return lambda: PromptLookupSource(**options)
     seed = np.zeros(0, np.int32)
     if head_dir is not None:
         try:
@@ -102,7 +118,7 @@ def lookup_source(args, encoder_input: list, head_dir=None):
         advice = "delete it to start a new one" if path == default_history_path() else "give another path"
         raise CliError(f"--lookup-history {error}; {advice}") from None
     history = np.concatenate([seed, stored])
-    return HistoryLookupSource(history, **options)
+    return lambda: HistoryLookupSource(history, **options)
 
 
 def draft_head_dir(draft_head: str) -> str:
@@ -119,24 +135,3 @@ def draft_head_dir(draft_head: str) -> str:
     except Exception as error:
         reason = str(error).splitlines()[0] if str(error) else type(error).__name__
         raise CliError(f"cannot download the draft head {draft_head}: {reason}") from None
-
-
-def row_sources(args, model, tokenizer):
-    """For the batched engine (``batch/``): a function that returns fresh draft sources for one row,
-    from the same flags as ``draft_sources`` (rows never share a stateful source). A draft model
-    is loaded once, as a ``DraftModel`` that drafts for all its rows in one pass; the draft
-    head reads one sequence's hidden states and has no batched form (use ``draft_sources``)."""
-    drafter = None
-    options = {} if args.num_draft is None else {"num_draft": args.num_draft}
-    if args.draft_model is not None:
-        draft_model, draft_tokenizer, _ = load_model(args.draft_model)
-        if is_encoder_decoder(draft_model):
-            raise CliError("--draft-model: a T5 draft model needs a T5 target, which batching does not serve")
-        drafter = DraftModel.create(draft_model, draft_tokenizer, model, tokenizer, adaptive=not args.no_adaptive,
-                                         **options)
-
-    def make() -> list:
-        row = [lookup_source(args, [])] if args.prompt_lookup else []
-        return row + ([drafter.source()] if drafter is not None else [])
-
-    return make

@@ -75,22 +75,17 @@ def build_engine(args):
     if is_encoder_decoder(model):
         raise CliError("the server serves decoder-only models; T5 is not supported")
     vocab_size = output_size(model, tokenizer)
-    solo = None
-    one_sequence = args.draft_head is not None or args.mtp  # they read one sequence's hidden states
-    if not one_sequence:
-        try:
-            make_cache(model, rows=2)  # CacheKindError: a layer kind the batch cannot hold
-        except CacheKindError as error:
-            make_cache(model)  # one at a time needs it to be rolled back, at least (CacheKindError: exit 2)
-            sys.stderr.write(f"note: {error}, so requests are decoded one at a time\n")
-            solo = True
-    if one_sequence or solo:  # no batched form: one request at a time
-        model, solo = sources.draft_sources(args, model, tokenizer)
-        make = list
-    else:
-        make = sources.row_sources(args, model, tokenizer)
-    engine = Engine(model, tokenizer, vocab_size, make, solo, max_batch=args.max_batch, max_queue=args.max_queue,
-                    cache_dir=cache_dir() / "regex-index", prompt_cache_bytes=args.prompt_cache_bytes)
+    max_batch, keep_caches = args.max_batch, True
+    try:
+        make_cache(model, rows=2)  # CacheKindError: a layer kind the batch cannot hold
+    except CacheKindError as error:
+        make_cache(model)  # one at a time needs it to be rolled back, at least (CacheKindError: exit 2)
+        sys.stderr.write(f"note: {error}, so requests are decoded one at a time, without a prompt cache\n")
+        max_batch, keep_caches = 1, False
+    model, make = sources.build_sources(args, model, tokenizer)
+    engine = Engine(model, tokenizer, vocab_size, make, max_batch=max_batch, max_queue=args.max_queue,
+                    cache_dir=cache_dir() / "regex-index", prompt_cache_bytes=args.prompt_cache_bytes,
+                    keep_caches=keep_caches)
     model_id = "SmolLM2-135M-Instruct" if args.model is None else args.model.rstrip("/")
     return engine, model_id, context_length(path)
 

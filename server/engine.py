@@ -14,8 +14,8 @@ rows leave at once.
 Finished rows' caches are kept in a least-recently-used prompt cache bounded in bytes; a request
 that extends an earlier conversation prefills only what follows the longest cached prefix (for a
 model with recurrent layers, a prefix the request extends whole).
-A draft head and MTP drafts have no batched form: with one, requests run one at a time through
-``decoder.generate_step`` (and ``logprobs`` are refused: that loop does not report them).
+Every draft source drafts per row, a draft head and MTP layers too. A model whose cache a batch
+cannot hold (llama4's chunked attention) decodes one request at a time in the same loop.
 
 A request with ``logprobs`` gets, per generated token (EOS aside), the target's log-probability of
 it and its most likely alternatives, from the verify pass that scored the token
@@ -42,7 +42,9 @@ from mlx_lm.utils import common_prefix_len
 from batch import BatchGenerator, RowResponse
 from cache import CachedPrefix
 from cost import PassCost
-from decoder import ConstraintError, DecodingStats, TextStream, eos_ids_of, generate_step
+from draft import ConstraintError
+from step import DecodingStats
+from text import TextStream, eos_ids_of
 from server.protocol import ApiError, GenerationRequest, invalid
 from server.reasoning import around_thinking
 from constrained.build import compile_schema, grammar_constraint, regex_constraint
@@ -188,16 +190,16 @@ class Engine:
 
     Args:
         make_sources: returns fresh draft sources for one request (``cli.sources.row_sources``).
-        solo_sources: with a draft head or MTP drafts, the sources for one-at-a-time decoding (no batching, no cache).
+        keep_caches: keep finished requests' caches for later prompts that extend them (``PromptCache``).
         max_batch: requests decoded together; max_queue: requests waiting beyond them before HTTP 503.
         pass_cost: the timings the width policy reads (``cost.PassCost``); tests pass a fixed clock.
     """
 
-    def __init__(self, model, tokenizer, vocab_size: int, make_sources=list, solo_sources=None,
-                 max_batch: int = 8, max_queue: int = 8, cache_dir=None, prompt_cache_bytes: int = 2**30,
-                 prefill_step_size: int = 256, pass_cost: Optional[PassCost] = None):
+    def __init__(self, model, tokenizer, vocab_size: int, make_sources=list, max_batch: int = 8, max_queue: int = 8,
+                 cache_dir=None, prompt_cache_bytes: int = 2**30, prefill_step_size: int = 256,
+                 pass_cost: Optional[PassCost] = None, keep_caches: bool = True):
         self.model, self.tokenizer, self.vocab_size = model, tokenizer, vocab_size
-        self.make_sources, self.solo_sources = make_sources, solo_sources
+        self.make_sources, self.keep_caches = make_sources, keep_caches
         self.max_batch, self.cache_dir = max_batch, cache_dir
         self.eos = eos_ids_of(tokenizer)
         self.jobs = queue.Queue()
@@ -218,15 +220,12 @@ class Engine:
 
     def _new_generator(self) -> BatchGenerator:
         return BatchGenerator(self.model, eos_token_ids=self.eos, prefill_step_size=self.prefill_step_size,
-                              prefill_batch_size=self.max_batch, interleave_prefill=True, keep_caches=True,
-                              pass_cost=self.pass_cost)  # what it measured outlives a failed step
+                              prefill_batch_size=self.max_batch, max_batch=self.max_batch, interleave_prefill=True,
+                              keep_caches=self.keep_caches, pass_cost=self.pass_cost)  # its timings outlive a failed step
 
     def submit(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop, prepared=None) -> Job:
         """Queue ``request`` (HTTP 503 when the queue is full). ``prepared`` is ``constraint_for(request)``,
         built beforehand in a thread of the caller's; None builds it here."""
-        if request.logprobs is not None and self.solo_sources is not None:
-            raise invalid("logprobs are not supported with --draft-head or --mtp (their one-at-a-time loop does not "
-                          "report them)", param="logprobs")
         constraint, forced = prepared if prepared is not None else self.constraint_for(request)
         if not self.places.acquire(blocking=False):
             raise ApiError(503, "the server is busy: too many requests are queued; retry shortly",
@@ -237,12 +236,6 @@ class Engine:
 
     def _work(self):
         while True:
-            if self.solo_sources is not None:
-                job = self.jobs.get()
-                if not job.cancelled.is_set():
-                    self._guarded(job, lambda: self._decode_alone(job))
-                job.release()
-                continue
             waiting = [] if self.replies or len(self.generator) else [self.jobs.get()]  # idle: block, not spin
             while len(self.replies) + len(waiting) < self.max_batch and not self.jobs.empty():
                 waiting.append(self.jobs.get_nowait())
@@ -427,26 +420,3 @@ class Engine:
             return kind, regex_constraint(pattern, self.tokenizer, self.vocab_size, self.cache_dir)
         except (GrammarError, RegexError) as error:
             raise invalid(f"the {what} is not supported: {error}", param) from None
-
-    def _decode_alone(self, job: Job):
-        """One request through decoder.generate_step (the draft head reads one sequence's hidden
-        states), answered by ``_respond`` as a batch row is, a response per token."""
-        request, uid = job.request, -1  # batch rows have uids >= 0
-        if request.seed is not None:
-            mx.random.seed(request.seed)
-        stats = DecodingStats()
-        steps = generate_step(request.prompt, self.model, eos_token_ids=self.eos,
-                              draft_sources=([job.forced] if job.forced is not None else []) + self.solo_sources,
-                              constraint=job.constraint, temp=request.temp, top_p=request.top_p,
-                              max_tokens=request.max_tokens, stats=stats, pass_cost=self.pass_cost)
-        self.replies[uid] = Reply(job, self.tokenizer, 0)  # no logprobs here (refused) and no prompt cache
-        job.send("start")
-        try:
-            for token, source in steps:
-                self._respond(RowResponse(uid, [token], [source]))
-                if uid not in self.replies or job.cancelled.is_set():  # a stop string, or the client left
-                    return
-            self._respond(RowResponse(uid, [], [], stats.finish_reason, stats=stats))
-        finally:
-            steps.close()
-            self.replies.pop(uid, None)

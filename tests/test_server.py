@@ -127,7 +127,7 @@ def test_draft_source_flags_mean_the_same_in_main_py_and_the_server(embedded, mo
     server_main.validate(server_args)
     engine, _, _ = server_main.build_engine(server_args)
     assert downloads == ["someone/smollm2-head"] * 2
-    for drafts in (kwargs["draft_sources"], engine.solo_sources):
+    for drafts in (kwargs["draft_sources"], engine.make_sources()):
         assert [source.name for source in drafts] == ["prompt_lookup", "draft_head"]
         assert [source.num_draft for source in drafts] == [3, 3] and drafts[0].ngram_max == 2
 
@@ -624,7 +624,7 @@ def test_interleaved_conversations_each_reuse_their_own_cached_prefix(client):
 
 @pytest.mark.slow
 def test_draft_sources_keep_the_greedy_output(client):
-    """A second server with prompt lookup and the draft head: the same text, fewer target passes."""
+    """A second server with prompt lookup and the draft head: the same text and logprobs, fewer target passes."""
     import openai
     from openai import OpenAI
 
@@ -637,12 +637,15 @@ def test_draft_sources_keep_the_greedy_output(client):
         prompt = (ROOT / "demo" / "museum.txt").read_text()
         answers = [c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}],
                                              temperature=0, max_tokens=32) for c in (client, drafted)]
-        with pytest.raises(openai.BadRequestError, match="logprobs are not supported with --draft-head"):
-            drafted.completions.create(model=MODEL, prompt="Hi", max_tokens=2, logprobs=1)
+        # Rows drafting with the head report logprobs as any row does (read from the verify pass).
+        logprobs = [c.completions.create(model=MODEL, prompt="Hi there", max_tokens=4, logprobs=2, temperature=0)
+                    .choices[0].logprobs for c in (client, drafted)]
     finally:
         process.terminate()
         process.wait(timeout=30)
     assert answers[1].choices[0].message.content == answers[0].choices[0].message.content
+    assert logprobs[1].tokens == logprobs[0].tokens
+    assert logprobs[1].token_logprobs == pytest.approx(logprobs[0].token_logprobs, abs=1e-3)
     plain, fast = (a.usage.model_extra["decoding"] for a in answers)
     assert fast["draft_accepted"] > 0 and fast["target_forward_passes"] < plain["target_forward_passes"]
 

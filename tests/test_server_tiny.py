@@ -152,17 +152,6 @@ def test_bad_logprobs_are_400_in_one_line(body, fragment):
         parse_completion({"prompt": "hi", "logprobs": 21}, TOKENIZER, "tiny", 8)
 
 
-def test_logprobs_under_a_draft_head_are_refused():
-    from server.engine import Engine
-    from server.protocol import ApiError, parse_completion
-
-    engine = Engine(MODEL, TOKENIZER, VOCAB, solo_sources=[])  # as --draft-head builds it
-    request = parse_completion({"prompt": "hi", "logprobs": 2}, TOKENIZER, "tiny", 8)
-    with pytest.raises(ApiError, match="logprobs are not supported with --draft-head") as caught:
-        engine.submit(request, None)
-    assert caught.value.status == 400
-
-
 def hang_up_mid_body(url: str, index: int):
     """Headers that promise 1000 bytes of body, part of it, then a closed socket (every other one
     reset at once, SO_LINGER 0, the rest closed the polite way)."""
