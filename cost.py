@@ -117,6 +117,12 @@ class PassCost:
         """What one more token of width adds to a pass, as a fraction of a one-token pass."""
         return max(self.relative(2, rows) - 1, 1e-3)
 
+    def draft_seconds(self, name: str) -> Optional[float]:
+        """Source ``name``'s mean drafting seconds per token (per draft position, for a drafter of
+        many rows); None before any was timed."""
+        entry = self.drafting.get(name)
+        return None if entry is None else entry[1]
+
     def draft_cost(self, name: str, prior: float) -> float:
         """Source ``name``'s drafting time per token, as a fraction of a one-token pass; ``prior``
         (the source's own guess, e.g. from weight bytes) until both have been timed."""

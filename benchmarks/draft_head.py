@@ -23,8 +23,11 @@ class Recorded:
     def __init__(self, source, stats: SourceStats):
         self.source, self.stats, self.name = source, stats, source.name
 
-    def reset(self):
-        self.source.reset()
+    def __getattr__(self, name):  # everything else is the source's (forecasts, locate, a batch's questions)
+        return getattr(self.source, name)
+
+    def reset(self, *args, **kwargs):
+        self.source.reset(*args, **kwargs)
 
     def propose(self, tokens, max_draft):
         return self.source.propose(tokens, max_draft)

@@ -170,8 +170,9 @@ class DrafterHandle(DraftSource):
 
 
 class Drafter:
-    """What every batched drafter shares: its handles' options, and the measured time of one draft
-    position over all its rows (as a fraction of the target's plain pass: ``draft_cost``).
+    """What every batched drafter shares: its handles' options, and the time of one draft position
+    over all its rows, kept in the loop's ``PassCost`` (``record_draft`` as "NAME position", NAME the
+    handles' name, so that ranks decoding in lockstep agree on it), as a fraction of the target's plain pass (``draft_cost``).
 
     Args:
         handle_class: the ``DrafterHandle`` subclass ``source`` makes.
@@ -179,13 +180,10 @@ class Drafter:
         draft_cost_prior: one draft position as a fraction of a target pass, until timed.
     """
 
-    FORGET = 0.9  # weight of the past in the running mean of a draft position's time
-
     def __init__(self, handle_class, options: dict, draft_cost_prior: float):
         self.handle_class, self.options = handle_class, options
         self.draft_cost_prior = draft_cost_prior
         self.batch_rows = 1  # rows in the target's batch at the last draft
-        self.position_time = None  # [weight, mean seconds] of one draft position for all rows
 
     def source(self):
         """A handle for one row's ``draft_sources``."""
@@ -196,12 +194,10 @@ class Drafter:
     def draft_cost(self, cost: PassCost) -> float:
         """One draft position (a pass over all its rows) as a fraction of the target's plain pass
         over the batch: both measured, or the prior until they are."""
-        target = cost.seconds(1, self.batch_rows)
-        if self.position_time is None or not target:
+        target, drafted = cost.seconds(1, self.batch_rows), cost.draft_seconds(f"{self.handle_class.name} position")
+        if drafted is None or not target:
             return self.draft_cost_prior
-        return self.position_time[1] / target
+        return drafted / target
 
-    def _time(self, seconds: float, positions: int):
-        weight, mean = self.position_time or (0.0, 0.0)
-        weight = self.FORGET * weight + 1
-        self.position_time = (weight, mean + (seconds / positions - mean) / weight)
+    def _time(self, cost: PassCost, seconds: float, positions: int):
+        cost.record_draft(f"{self.handle_class.name} position", seconds, positions)

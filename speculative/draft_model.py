@@ -231,7 +231,7 @@ class DraftModel(Drafter):
             logits = self.model(tokens[:, None], cache=self.cache.layers)[:, -1]
             fed += 1
         self.cache.rewind([fed] * len(self.rows))
-        self._time(cost.clock() - tic, fed + 1)  # the last position's values were synced
+        self._time(cost, cost.clock() - tic, fed + 1)  # the last position's values were synced
         for handle, draft, row in zip(self.rows, drafts, rows):
             sampled = bool(row) and row[0] is not None
             handle.draft = Draft(draft, mx.stack(row) if sampled else None) if draft else None

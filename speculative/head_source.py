@@ -249,7 +249,7 @@ class HeadDrafter(Drafter):
         predicted = self._catch_up(requests, reads)
         drafts, positions = self._chain(predicted, [lengths.get(id(h), 0) if read else 0
                                                     for h, read in zip(self.rows, reads)])
-        self._time(cost.clock() - tic, positions)
+        self._time(cost, cost.clock() - tic, positions)
         for handle, (tokens, rows) in zip(self.rows, drafts):
             if not tokens:
                 continue

@@ -342,14 +342,14 @@ def test_waiting_prompts_are_prefilled_in_groups_of_similar_length():
 
 
 def test_bad_rows_are_refused_in_one_line():
-    from speculative.head_source import DraftHeadSource
-
     generator = BatchGenerator(MODEL)
     shared = PromptLookupSource()
     with pytest.raises(ValueError, match="each row needs its own"):
         generator.insert([[1], [2]], draft_sources=[[shared], [shared]])
-    with pytest.raises(ValueError, match="draft head cannot draft for a batch"):
-        generator.insert([[1]], draft_sources=[[DraftHeadSource.__new__(DraftHeadSource)]])
+    alone_only = ScriptedSource(lambda tokens, k: [], "alone_only")
+    alone_only.batch_refusal = "this source reads one sequence only"  # a source's own refusal, in its words
+    with pytest.raises(ValueError, match="reads one sequence only"):
+        generator.insert([[1]], draft_sources=[[alone_only]])
     with pytest.raises(ValueError, match="one value or one per prompt"):
         generator.insert([[1], [2]], temp=[0.0])
     with pytest.raises(ValueError, match="prompt is empty"):
