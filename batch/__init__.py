@@ -1,17 +1,25 @@
-"""Continuous batching on decoder.py's per-row step: many sequences, each with its own draft sources,
+"""Continuous batching on step.py's per-row step: many sequences, each with its own draft sources,
 constraint and sampling, verified together in one ``[B, W]`` pass per step.
 
-- ``generator.py``: ``BatchGenerator`` (rows join and leave; ``insert``/``next``/``remove``) and
-  ``batch_generate``.
+- ``generator.py``: ``BatchGenerator`` (rows join and leave; ``insert``/``next``/``remove``).
+- ``row.py``: ``BatchRow``, one sequence in the batch, and ``RowResponse``, what a step tells of it.
+- ``verify.py``: what one ``[B, W]`` pass decides per row: constraint masks, the step's one host
+  sync, acceptance.
+- ``logprobs.py``: ``TokenLogprobs``, the target's logprobs of each emitted token.
+- ``generate.py``: ``batch_generate`` and ``BatchResult``: prompts in, texts out.
 - ``cache.py``: ``probe``, what a batch must know of a model.
-- ``policy.py``: how many draft tokens the pass verifies (``choose_width``), from measured pass costs.
+- ``policy.py``: how many draft tokens the pass verifies (``choose_width``), from measured pass costs,
+  and which waiting prompts prefill together (``prefill_group``).
 
 A draft model drafts for all its rows in one call: ``speculative.DraftModel`` (one class for one row
 and many; ``BatchDraftModel`` is its name here, kept for callers that import it from batch).
 """
 
 from speculative.draft_model import DraftModel as BatchDraftModel
-from batch.generator import BatchGenerator, BatchResult, BatchStats, RowResponse, TokenLogprobs, batch_generate
+from batch.generate import BatchResult, batch_generate
+from batch.generator import BatchGenerator, BatchStats
+from batch.logprobs import TokenLogprobs
+from batch.row import RowResponse
 
 __all__ = ["BatchDraftModel", "BatchGenerator", "BatchResult", "BatchStats", "RowResponse", "TokenLogprobs",
            "batch_generate"]

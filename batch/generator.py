@@ -4,7 +4,7 @@ Each row has its own prompt, draft sources, constraint, sampling settings, ``max
 tokens. A step asks every row's sources for a draft (``draft.choose_draft``) and cuts it to what
 the row's constraint allows (``draft.constrain_draft``), chooses one width ``W`` for the batch
 (``choose_width``), scores ``[B, W]`` tokens in one forward pass and accepts each row's prefix by
-``draft.accept_draft``'s rules. Each row then drops its own rejected tokens from the one batch
+``draft.accept_draft``'s rules (``batch.verify``). Each row then drops its own rejected tokens from the one batch
 cache (``cache.Cache``: every row keeps its own end, no copy).
 
     gen = BatchGenerator(model, eos_token_ids=eos_ids_of(tokenizer))
@@ -14,7 +14,7 @@ cache (``cache.Cache``: every row keeps its own end, no copy).
             ...
 
 ``insert(..., logprobs=k)`` also gives, per emitted token, the target's log-probability of it and
-its k most likely tokens (``RowResponse.logprobs``), read from the pass that verified it: a token
+its k most likely tokens (``RowResponse.logprobs``, ``batch.logprobs``), read from the pass that verified it: a token
 has the same logprobs whether a source drafted it or the target chose it.
 
 Nothing here holds a thread or a lock: a server calls ``insert``, ``next`` and ``remove`` from the
@@ -24,46 +24,22 @@ one thread that owns the model.
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import List, NamedTuple, Optional, Sequence
+from typing import List, Optional, Sequence
 
 import mlx.core as mx
 
 from batch.cache import probe
-from cache import CachedPrefix
+from batch.logprobs import token_logprobs
+from batch.policy import DraftGate, choose_width, prefill_group
+from batch.row import BatchRow, RowResponse
+from batch.verify import accept, score
 from cache.prefill import Prefill
-from batch.policy import Acceptance, DraftGate, choose_width
 from cost import PassCost
-from draft import check_masks, mask_logits
-from step import DecodingStats, Row, verify_pass
-from text import encode, eos_ids_of
+from step import verify_pass
 
 # Rows whose ends drift further apart than this are rolled back into line (one copy of the cache),
 # so that no row attends over many slots that hold nothing of its own.
 MAX_RAGGEDNESS = 64
-# Waiting prompts are prefilled together while the padding stays within this share of their tokens.
-MAX_PREFILL_PADDING = 0.15
-
-class TokenLogprobs(NamedTuple):
-    """The target's log-softmax at one emitted token's position (temperature 1, before top_p, as
-    mlx_lm.server reports; under a constraint, of the masked distribution: forbidden tokens are -inf)."""
-
-    logprob: float  # of the emitted token
-    top_ids: list  # the k most likely tokens, most likely first
-    top_logprobs: list
-
-
-@dataclass
-class RowResponse:
-    uid: int
-    tokens: list  # emitted this step (several when a draft was accepted)
-    sources: list  # the source of each token: a draft source's name or TARGET
-    finish_reason: Optional[str] = None  # "stop", "length" or "error"; None while the row runs
-    error: Optional[str] = None  # one line, when finish_reason is "error"
-    stats: Optional[DecodingStats] = None  # the row's own counts, on its last response
-    # With keep_caches, on the last response: a cache.CachedPrefix of the
-    # row's first n tokens (prompt and output), for a later prompt that extends them.
-    cache: Optional[CachedPrefix] = None
-    logprobs: Optional[list] = None  # with insert(logprobs=k): a TokenLogprobs per token in tokens
 
 
 @dataclass
@@ -87,19 +63,6 @@ class BatchStats:
             "generation_tps": self.generation_tokens / max(self.decode_time, 1e-9),
             "verification_cost": cost.summary() if cost is not None else None,
         }
-
-
-class BatchRow(Row):
-    """A ``step.Row`` in the batch: its uid, what it asked for, and its drafts' acceptance."""
-
-    def __init__(self, uid: int, prompt: list, prompt_cache: Optional[CachedPrefix] = None,
-                 logprobs: Optional[int] = None,
-                 **options):
-        super().__init__(prompt, **options)
-        self.uid = uid
-        self.prompt_cache = prompt_cache  # the cache of a prefix of the prompt, until prefilled
-        self.logprobs = logprobs  # report logprobs and this many top tokens per emitted token
-        self.acceptance = Acceptance()  # what the width policy expects of its drafts
 
 
 def _per_row(name: str, value, count: int) -> list:
@@ -252,7 +215,7 @@ class BatchGenerator:
                     row.reset(self.cost)
                     joining.append(row)
                 except Exception as error:  # noqa: BLE001 - a row's own objects failed; the batch goes on
-                    responses.append(self._failed(row, error))
+                    responses.append(row.failed(error))
             if not joining:
                 return
             prefill = Prefill(self.model, [row.tokens[:-1] for row in joining], self.prefill_step_size,
@@ -287,10 +250,6 @@ class BatchGenerator:
         self.rows += joining
         self.gate.reset()  # new rows' sources are asked at once
 
-    def _failed(self, row: BatchRow, error: Exception) -> RowResponse:
-        message = " ".join(str(error).split()) or type(error).__name__
-        return RowResponse(row.uid, [], [], "error", f"{type(error).__name__}: {message}", row.stats)
-
     def _draft_with_models(self, responses: list):
         """Each shared drafter (``DraftSource.batch_drafter``) drafts for all its rows at once, before
         the rows choose."""
@@ -306,7 +265,7 @@ class BatchGenerator:
             except Exception as error:  # noqa: BLE001 - the model's rows fail, the others go on
                 failing = {id(handle) for handle, _, _ in rows}
                 indices = [i for i, row in enumerate(self.rows) if any(id(s) in failing for s in row.sources)]
-                responses += [self._failed(self.rows[i], error) for i in indices]
+                responses += [self.rows[i].failed(error) for i in indices]
                 self._drop(indices)
 
     def next(self) -> List[RowResponse]:
@@ -329,7 +288,7 @@ class BatchGenerator:
                 # (``_draft_with_models``), and a lookup's propose is not a model call.
                 plans.append(row.plan(sources=row.sources if asked else [s for s in row.sources if s.free]))
             except Exception as error:  # noqa: BLE001
-                responses.append(self._failed(row, error))
+                responses.append(row.failed(error))
                 failed.append(index)
         self._drop(failed)
         if not self.rows:
@@ -347,73 +306,20 @@ class BatchGenerator:
 
     def _verify(self, width: int, plans: list, responses: list) -> int:
         """One pass (``step.verify_pass``): row b feeds its pending tokens and its draft cut to
-        ``width - 1``; each accepts by its own rules and keeps what it accepts (``Row.commit``)."""
-        rows, cache = self.rows, self.cache
+        ``width - 1``; each accepts by its own rules (``batch.verify``) and keeps what it accepts
+        (``Row.commit``). Returns how many tokens the rows emitted."""
         drafts = [plan.draft.truncate(width - 1) for plan in plans]
-        clock = self.cost.clock
-        started = clock()
-        logits, pass_width = verify_pass(self.model, cache, rows, drafts, width, self.slots)
-        results = [None] * len(rows)  # per row: (num_accepted, next_token) or an exception
-        for index, plan in enumerate(plans):
-            if plan.masks is not None:
-                try:
-                    check_masks(plan.masks, logits.shape[-1])
-                except ValueError as error:
-                    results[index], plans[index] = error, plan._replace(masks=None)
-        constrained = [plan.masks is not None for plan in plans]
-        allowed = None
-        if any(constrained):
-            allowed = mx.stack([mx.ones((width, logits.shape[-1]), mx.bool_) if plan.masks is None
-                                else _pad_rows(plan.masks, width) for plan in plans])
-            logits = mx.where(mx.array(constrained)[:, None, None], mask_logits(logits, allowed), logits)
-        # The step's one host sync: the greedy rows' decisions (and whether the constraints allow
-        # them), and every row's logits with them.
-        argmax = mx.argmax(logits, axis=-1)
-        argmax_allowed = None if allowed is None else mx.take_along_axis(allowed, argmax[..., None], -1)[..., 0]
-        mx.eval(argmax, argmax_allowed)
-        targets = argmax.tolist()
-        self.cost.record(clock() - started, width=pass_width, rows=cache.rows)
+        started = self.cost.clock()
+        logits, pass_width = verify_pass(self.model, self.cache, self.rows, drafts, width, self.slots)
+        scores = score(logits, plans, width)  # the step's one host sync
+        self.cost.record(self.cost.clock() - started, width=pass_width, rows=self.cache.rows)
         self.stats.passes += 1
         self.stats.widths[pass_width] += 1
-        self.stats.row_passes += len(rows)
-
-        for index, (row, draft) in enumerate(zip(rows, drafts)):
-            if results[index] is None:
-                try:
-                    results[index] = row.accept(logits[index, : len(draft.tokens) + 1], draft, targets[index])
-                except Exception as error:  # noqa: BLE001
-                    results[index] = error
-        if allowed is not None:
-            self._check_allowed(results, constrained, targets, argmax_allowed.tolist(), allowed)
+        self.stats.row_passes += len(self.rows)
+        results = accept(self.rows, drafts, scores)
         self._rewind(drafts, results, pass_width)
-        logprobs = self._logprobs(drafts, results, logits)
-
-        finished, emitted_total = [], 0
-        for index, (row, draft, plan, result) in enumerate(zip(rows, drafts, plans, results)):
-            try:
-                if isinstance(result, Exception):
-                    raise result
-                if plan.drafter is not None:  # the width policy learns from every offered draft
-                    row.acceptance.record(plan.drafter.name, plan.draft.tokens, draft.tokens[: result[0]] + [result[1]])
-                tokens, sources = row.emit(plan, draft, *result)
-                response = RowResponse(row.uid, tokens, sources, row.finish_reason,
-                                       stats=row.stats if row.finish_reason else None)
-                if logprobs[index] is not None:  # emit may have cut the tokens at EOS or max_tokens
-                    response.logprobs = logprobs[index][: len(response.tokens)]
-                emitted_total += len(response.tokens)
-            except Exception as error:  # noqa: BLE001
-                response = self._failed(row, error)
-            responses.append(response)
-            if response.finish_reason is not None:
-                finished.append(index)
-                if self.keep_caches and response.finish_reason != "error":
-                    response.cache = cache.extract(self.slots[index], row.cached)
-        self._drop(finished)
-        ends = cache.ends if self.cache is not None else []
-        if self.rows and max(ends) - min(ends) > MAX_RAGGEDNESS:
-            cache.realign()
-            mx.eval(cache.arrays())
-        return emitted_total
+        logprobs = token_logprobs(self.rows, drafts, results, scores.logits)
+        return self._emit(plans, drafts, results, logprobs, responses)
 
     def _rewind(self, drafts: list, results: list, pass_width: int):
         """Each row keeps the tokens it accepted (``Row.commit``): its attention layers drop the rest,
@@ -428,119 +334,32 @@ class BatchGenerator:
                 restored += [slot] if restore else []
         cache.rewind(trims, restored)
 
-    def _logprobs(self, drafts: list, results: list, logits: mx.array) -> list:
-        """Per row: None, or for the rows that asked, a ``TokenLogprobs`` for each token it accepted
-        this step and the target's next one, read off this pass's (masked) logits at their positions.
-        Only those rows' positions are scored; one host sync, and none when no row asked."""
-        asking = [i for i, (row, result) in enumerate(zip(self.rows, results))
-                  if row.logprobs is not None and not isinstance(result, Exception)]
-        found = [None] * len(results)
-        if not asking:
-            return found
-        chosen = [drafts[i].tokens[: results[i][0]] + [results[i][1]] for i in asking]
-        length = max(len(tokens) for tokens in chosen)
-        scores = logits[mx.array(asking), :length].astype(mx.float32)
-        logprobs = scores - mx.logsumexp(scores, axis=-1, keepdims=True)
-        ids = mx.array([tokens + [0] * (length - len(tokens)) for tokens in chosen])
-        picked = mx.take_along_axis(logprobs, ids[..., None], -1)[..., 0]
-        top = min(max(self.rows[i].logprobs for i in asking), logprobs.shape[-1])
-        top_ids = mx.zeros((len(asking), length, 0), mx.int32)
-        if top:
-            top_ids = mx.argpartition(-logprobs, kth=top - 1, axis=-1)[..., :top]
-            order = mx.argsort(-mx.take_along_axis(logprobs, top_ids, -1), axis=-1)
-            top_ids = mx.take_along_axis(top_ids, order, -1)
-        top_values = mx.take_along_axis(logprobs, top_ids, -1)
-        mx.eval(picked, top_ids, top_values)
-        for index, tokens, row_picked, row_ids, row_values in zip(asking, chosen, picked.tolist(), top_ids.tolist(),
-                                                                  top_values.tolist()):
-            k = self.rows[index].logprobs
-            found[index] = [TokenLogprobs(row_picked[p], row_ids[p][:k], row_values[p][:k])
-                            for p in range(len(tokens))]
-        return found
-
-    def _check_allowed(self, results: list, constrained: list, targets: list, argmax_allowed: list, allowed):
-        """The target's own token is forbidden only when no allowed token had a usable score (the
-        argmax or sample of an all -inf row): that row fails with a ConstraintError."""
-        verdicts, sampled = {}, []
-        for index, result in enumerate(results):
-            if constrained[index] and not isinstance(result, Exception):
-                num_accepted, token = result
-                if token == targets[index][num_accepted]:
-                    verdicts[index] = argmax_allowed[index][num_accepted]
-                else:
-                    sampled.append(index)
-        if sampled:  # a sampled token other than the argmax: ask its mask
-            found = allowed[mx.array(sampled), mx.array([results[i][0] for i in sampled]),
-                            mx.array([results[i][1] for i in sampled])].tolist()
-            verdicts.update(zip(sampled, found))
-        for index, fine in verdicts.items():
-            if not fine:
-                results[index] = self.rows[index].forbidden(results[index][0])
-
-
-def prefill_group(lengths: Sequence[int]) -> list:
-    """Which of the waiting prompts (their ``lengths``, oldest first) to prefill together: the oldest
-    and the others whose padding keeps the batch within ``MAX_PREFILL_PADDING`` of its real tokens,
-    nearest lengths first. Padding is run like real tokens, so a batch of a 40- and a 240-token prompt
-    costs more than the two one after the other (benchmarks/results/batch.md, "Design measurements")."""
-    if not lengths:
-        return []
-    group = [0]
-    for index in sorted(range(1, len(lengths)), key=lambda i: abs(lengths[i] - lengths[0])):
-        members = [lengths[i] for i in group + [index]]
-        if max(members) * len(members) <= (1 + MAX_PREFILL_PADDING) * sum(members):
-            group.append(index)
-    return sorted(group)
-
-
-def _pad_rows(masks: mx.array, width: int) -> mx.array:
-    """Masks for the first len(masks) positions; the padded positions' scores are never read."""
-    if masks.shape[0] >= width:
-        return masks[:width]
-    return mx.concatenate([masks, mx.ones((width - masks.shape[0], masks.shape[1]), mx.bool_)])
-
-
-@dataclass
-class BatchResult:
-    texts: list
-    tokens: list  # per prompt
-    sources: list  # per prompt, the source of each token
-    finish_reasons: list
-    errors: list  # per prompt: None, or the one line that ended it
-    row_stats: list  # per prompt: DecodingStats
-    stats: BatchStats
-    pass_cost: PassCost
-    peak_memory_gb: float
-
-    def to_json(self) -> dict:
-        return {"texts": self.texts, "finish_reasons": self.finish_reasons, "errors": self.errors,
-                **self.stats.summary(self.pass_cost), "peak_memory_gb": self.peak_memory_gb}
-
-
-def batch_generate(model, tokenizer, prompts: Sequence, *, pass_cost: Optional[PassCost] = None,
-                   prefill_step_size: int = 512, prefill_batch_size: int = 8, max_batch: Optional[int] = None,
-                   max_width: Optional[int] = None, **options) -> BatchResult:
-    """Generate for every prompt (a str, chat template applied, or token ids) in one batch.
-
-    ``options`` are ``BatchGenerator.insert``'s, one value or one per prompt; EOS is the
-    tokenizer's unless ``eos_token_ids`` says otherwise.
-    """
-    options.setdefault("eos_token_ids", eos_ids_of(tokenizer))
-    generator = BatchGenerator(model, prefill_step_size=prefill_step_size, prefill_batch_size=prefill_batch_size,
-                               max_batch=max_batch, max_width=max_width, pass_cost=pass_cost)
-    mx.reset_peak_memory()
-    uids = generator.insert([encode(tokenizer, prompt) for prompt in prompts], **options)
-    tokens, sources = {uid: [] for uid in uids}, {uid: [] for uid in uids}
-    finish, errors, stats = {}, {}, {}
-    while responses := generator.next():
-        for response in responses:
-            tokens[response.uid] += response.tokens
-            sources[response.uid] += response.sources
+    def _emit(self, plans: list, drafts: list, results: list, logprobs: list, responses: list) -> int:
+        """Each row emits what it accepted (``Row.emit``) in a response; finished rows leave, and rows
+        whose ends drift apart are rolled back into line."""
+        finished, emitted_total, cache = [], 0, self.cache
+        for index, (row, draft, plan, result) in enumerate(zip(self.rows, drafts, plans, results)):
+            try:
+                if isinstance(result, Exception):
+                    raise result
+                if plan.drafter is not None:  # the width policy learns from every offered draft
+                    row.acceptance.record(plan.drafter.name, plan.draft.tokens, draft.tokens[: result[0]] + [result[1]])
+                tokens, sources = row.emit(plan, draft, *result)
+                response = RowResponse(row.uid, tokens, sources, row.finish_reason,
+                                       stats=row.stats if row.finish_reason else None)
+                if logprobs[index] is not None:  # emit may have cut the tokens at EOS or max_tokens
+                    response.logprobs = logprobs[index][: len(response.tokens)]
+                emitted_total += len(response.tokens)
+            except Exception as error:  # noqa: BLE001
+                response = row.failed(error)
+            responses.append(response)
             if response.finish_reason is not None:
-                finish[response.uid], errors[response.uid] = response.finish_reason, response.error
-                stats[response.uid] = response.stats
-    eos = set(options["eos_token_ids"])
-    texts = [tokenizer.decode([t for t in tokens[uid] if t not in eos]) for uid in uids]
-    return BatchResult(texts, [tokens[u] for u in uids], [sources[u] for u in uids], [finish[u] for u in uids],
-                       [errors[u] for u in uids], [stats[u] for u in uids], generator.stats, generator.cost,
-                       mx.get_peak_memory() / 1e9)
+                finished.append(index)
+                if self.keep_caches and response.finish_reason != "error":
+                    response.cache = cache.extract(self.slots[index], row.cached)
+        self._drop(finished)
+        ends = cache.ends if self.cache is not None else []
+        if self.rows and max(ends) - min(ends) > MAX_RAGGEDNESS:
+            cache.realign()
+            mx.eval(cache.arrays())
+        return emitted_total

@@ -1,4 +1,5 @@
-"""The batch's width policy: how many draft tokens each row verifies in this step's pass.
+"""The batch's policies: how many draft tokens each row verifies in this step's pass
+(``choose_width``), and which waiting prompts are prefilled together (``prefill_group``).
 
 A ``[B, W]`` pass verifies up to ``W - 1`` draft tokens of every row. Its cost grows with both B
 and W, and how fast depends on the machine: on a CPU a draft token can cost about as much as
@@ -10,6 +11,9 @@ with each row's expected acceptance from ``Acceptance``.
 from typing import Optional, Sequence
 
 from cost import PassCost
+
+# Waiting prompts are prefilled together while the padding stays within this share of their tokens.
+MAX_PREFILL_PADDING = 0.15
 
 
 class Acceptance:
@@ -97,3 +101,18 @@ def choose_width(draft_lengths: Sequence[int], acceptance: Sequence[float], cost
         if rate > best_rate:
             best_width, best_rate = width, rate
     return best_width
+
+
+def prefill_group(lengths: Sequence[int]) -> list:
+    """Which of the waiting prompts (their ``lengths``, oldest first) to prefill together: the oldest
+    and the others whose padding keeps the batch within ``MAX_PREFILL_PADDING`` of its real tokens,
+    nearest lengths first. Padding is run like real tokens, so a batch of a 40- and a 240-token prompt
+    costs more than the two one after the other (benchmarks/results/batch.md, "Design measurements")."""
+    if not lengths:
+        return []
+    group = [0]
+    for index in sorted(range(1, len(lengths)), key=lambda i: abs(lengths[i] - lengths[0])):
+        members = [lengths[i] for i in group + [index]]
+        if max(members) * len(members) <= (1 + MAX_PREFILL_PADDING) * sum(members):
+            group.append(index)
+    return sorted(group)

@@ -12,6 +12,7 @@ one engine: structured outputs, tool calls, lossless speculation.
 - ``harmony.py``: GPT-OSS's harmony messages read as answer text and tool calls.
 - ``engine.py``: one worker thread decodes every request in one batch (``batch.BatchGenerator``)
   from a bounded queue, and keeps the KV cache across turns.
+- ``constraints.py``: each request's constraint, built on the HTTP side, each pattern once.
 - ``app.py``: the routes, JSON answers and server-sent events. docs/server.md says what each API takes.
 
 ``logprobs`` (chat: ``logprobs``/``top_logprobs`` up to 20; completions: legacy ``logprobs: N``)

@@ -2,14 +2,13 @@
 APIs (chat completions, Responses, Messages): their requests are the same jobs, decoded in one batch.
 
 MLX is not thread-safe for concurrent generation on one model, so every MLX call happens on the
-worker. The HTTP side tokenizes, builds each request's constraint (``constraint_for``: compiling
-a new schema takes long enough that, on the worker, it would stall every running stream) and
-waits for events. Up to ``max_batch`` requests decode
-together in one ``batch.BatchGenerator``; beyond that they wait in the queue, and a request that
-arrives with the queue full is refused at once (HTTP 503). Each step the worker admits waiting
-requests (those that wait together are prefilled as one batch, a chunk per step while others
-decode), runs one step, and streams each row's new text. Finished, cancelled and disconnected
-rows leave at once.
+worker. The HTTP side tokenizes, builds each request's constraint (``constraint_for``, in
+server/constraints.py: compiling a new schema takes long enough that, on the worker, it would stall
+every running stream) and waits for events. Up to ``max_batch`` requests decode together in one
+``batch.BatchGenerator``; beyond that they wait in the queue, and a request that arrives with the
+queue full is refused at once (HTTP 503). Each step the worker admits waiting requests (those that
+wait together are prefilled as one batch, a chunk per step while others decode), runs one step,
+and streams each row's new text. Finished, cancelled and disconnected rows leave at once.
 
 Finished rows' caches are kept in a least-recently-used prompt cache bounded in bytes; a request
 that extends an earlier conversation prefills only what follows the longest cached prefix (for a
@@ -25,14 +24,12 @@ token that completes a stop string is reported, the ones after it are not.
 """
 
 import asyncio
-import json
 import math
 import queue
 import sys
 import threading
 import traceback
 from collections import OrderedDict
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -45,11 +42,8 @@ from cost import PassCost
 from draft import ConstraintError
 from step import DecodingStats
 from text import TextStream, eos_ids_of
-from server.protocol import ApiError, GenerationRequest, invalid
-from server.reasoning import around_thinking
-from constrained.build import compile_schema, grammar_constraint, regex_constraint
-
-MAX_CACHED_CONSTRAINTS = 32  # token indexes are ~1 MB each; a client reuses few schemas
+from server.constraints import RequestConstraints
+from server.protocol import ApiError, GenerationRequest
 
 
 @dataclass
@@ -200,15 +194,12 @@ class Engine:
                  pass_cost: Optional[PassCost] = None, keep_caches: bool = True):
         self.model, self.tokenizer, self.vocab_size = model, tokenizer, vocab_size
         self.make_sources, self.keep_caches = make_sources, keep_caches
-        self.max_batch, self.cache_dir = max_batch, cache_dir
+        self.max_batch = max_batch
         self.eos = eos_ids_of(tokenizer)
         self.jobs = queue.Queue()
         # A place for each request decoding or waiting: refused only when rows and queue are all taken.
         self.places = threading.BoundedSemaphore(max_batch + max_queue)
-        self.constraints = OrderedDict()  # (kind, pattern) -> (kind, token index or compiled grammar)
-        self.building = {}  # (kind, pattern) -> Future, while the first request that needs it builds it
-        self.constraints_lock = threading.Lock()  # HTTP threads build constraints side by side
-        self.splits = None  # a constrained.TokenSplits: how the model writes forced text, learned by every request
+        self.constraints = RequestConstraints(tokenizer, vocab_size, cache_dir)
         self.prompt_cache = PromptCache(prompt_cache_bytes)
         self.pass_cost = pass_cost if pass_cost is not None else PassCost()
         self.prefill_step_size = prefill_step_size
@@ -351,72 +342,6 @@ class Engine:
         return TokenLogprob(*describe(token), logprob, top)
 
     def constraint_for(self, request: GenerationRequest) -> tuple:
-        """A fresh (constraint, forced-text source) for the request's regex, schema or grammar, or
-        (None, None); rows never share one. The costly part, the token index or compiled grammar, is
-        built once per distinct pattern, by the first request that needs it while later ones wait for
-        it. On a thinking model it starts after the think block, which a budget bounds
-        (server/reasoning.py). Safe from any thread, and no MLX call: the HTTP side calls it off the worker."""
-        return around_thinking(request.thinking, *self._answer_constraint_for(request), self.vocab_size)
-
-    def _answer_constraint_for(self, request: GenerationRequest) -> tuple:
-        key = next(((kind, pattern) for kind, pattern in (("regex", request.regex), ("schema", request.schema),
-                   ("tools", request.tool_grammar)) if pattern is not None), ("grammar", request.grammar))
-        if key[1] is None:
-            return None, None
-        kind, built = self._built(key)
-        from constrained import ForcedTextSource, RegexConstraint, TokenSplits
-
-        with self.constraints_lock:
-            self.splits = self.splits if self.splits is not None else TokenSplits(self.tokenizer)
-        if kind == "regex":
-            constraint = RegexConstraint(built[0].index)
-            return constraint, ForcedTextSource(constraint, self.tokenizer, self.splits)
-        return grammar_constraint(built, self.tokenizer, self.vocab_size, self.splits)
-
-    def _built(self, key: tuple) -> tuple:
-        """``self.constraints[key]``, building it (or waiting for the thread that builds it) if missing.
-        A refusal is not kept: the requests waiting for that build get it, a later one tries again."""
-        with self.constraints_lock:
-            if key in self.constraints:
-                self.constraints.move_to_end(key)
-                return self.constraints[key]
-            future = self.building.get(key)
-            building = future is None
-            if building:
-                future = self.building[key] = Future()
-        if not building:
-            return future.result()
-        try:
-            built = self._build_constraint(*key)
-        except BaseException as error:
-            with self.constraints_lock:
-                del self.building[key]
-            future.set_exception(error)
-            raise
-        with self.constraints_lock:
-            del self.building[key]
-            self.constraints[key] = built
-            if len(self.constraints) > MAX_CACHED_CONSTRAINTS:
-                self.constraints.popitem(last=False)
-        future.set_result(built)
-        return built
-
-    def _build_constraint(self, kind: str, pattern: str) -> tuple:
-        """``("regex", (constraint, forced))`` or ``("grammar", compiled grammar)``, built as main.py
-        builds --regex, --grammar and --json-schema (constrained/build.py); a refusal is a 400 naming the field."""
-        from constrained import GrammarError, RegexError
-        from constrained.grammar import compile_grammar
-
-        what, param = {"regex": ("regex", "guided_regex"), "grammar": ("grammar", "guided_grammar"),
-                       "schema": ("JSON schema", "response_format"), "tools": ("tools' schemas", "tools")}[kind]
-        try:
-            if kind == "schema":  # llguidance, else the built-in compiler (a note in the log says so)
-                kind, pattern = compile_schema(json.loads(pattern))
-            elif kind in ("grammar", "tools"):  # tools: text and calls in the template's syntax (tools.py)
-                kind, pattern = "grammar", compile_grammar(pattern)
-            if kind == "grammar":
-                grammar_constraint(pattern, self.tokenizer, self.vocab_size)  # refused now, not at the first step
-                return kind, pattern
-            return kind, regex_constraint(pattern, self.tokenizer, self.vocab_size, self.cache_dir)
-        except (GrammarError, RegexError) as error:
-            raise invalid(f"the {what} is not supported: {error}", param) from None
+        """A fresh (constraint, forced-text source) for the request, or (None, None)
+        (``RequestConstraints.for_request``): safe from any thread, and meant for the HTTP side."""
+        return self.constraints.for_request(request)

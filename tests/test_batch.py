@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 import batch.generator as batch
 from batch import BatchGenerator, batch_generate
-from batch.policy import DraftGate, choose_width
+from batch.policy import DraftGate, choose_width, prefill_group
 from speculative import DraftModel as BatchDraftModel
 from constrained import ForcedTextSource, RegexConstraint
 from cost import PassCost
@@ -326,8 +326,8 @@ def test_a_leaving_row_costs_no_copy_until_half_the_cache_is_unused():
 def test_waiting_prompts_are_prefilled_in_groups_of_similar_length():
     """The oldest waiting prompt joins with those whose padding stays small; the rest follow, and
     every row still gives its own output."""
-    assert batch.prefill_group([100, 40, 98, 240, 105]) == [0, 2, 4]
-    assert batch.prefill_group([40, 240, 44]) == [0, 2] and batch.prefill_group([7]) == [0]
+    assert prefill_group([100, 40, 98, 240, 105]) == [0, 2, 4]
+    assert prefill_group([40, 240, 44]) == [0, 2] and prefill_group([7]) == [0]
     prompts = [[5, 6, 7, 8], [(i * 7) % VOCAB for i in range(40)], [9, 10, 11, 12]]
     generator = BatchGenerator(MODEL, eos_token_ids=[])
     uids = generator.insert(prompts, max_tokens=6)

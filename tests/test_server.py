@@ -218,14 +218,14 @@ def test_the_server_compiles_json_schemas_with_llguidance(tiny_engine):
     outcome = schema_outcome(tiny_engine, ONLY_LLGUIDANCE)
     assert outcome.finish_reason == "stop"
     jsonschema.validate(json.loads(outcome.text), ONLY_LLGUIDANCE)
-    assert tiny_engine.constraints[("schema", json.dumps(ONLY_LLGUIDANCE))][0] == "grammar"
+    assert tiny_engine.constraints.built[("schema", json.dumps(ONLY_LLGUIDANCE))][0] == "grammar"
 
 
 def test_the_server_falls_back_to_the_built_in_compiler_once_per_schema(tiny_engine, capsys):
     for _ in range(2):
         schema_outcome(tiny_engine, True, max_tokens=3)
     assert capsys.readouterr().err == FALLBACK_NOTE  # in the log, once: the compiled schema is cached
-    assert tiny_engine.constraints[("schema", "true")][0] == "regex"
+    assert tiny_engine.constraints.built[("schema", "true")][0] == "regex"
 
 
 def test_a_schema_both_compilers_refuse_is_a_400(tiny_engine):
@@ -238,14 +238,14 @@ def test_a_schema_both_compilers_refuse_is_a_400(tiny_engine):
 
 def test_a_new_schema_is_compiled_off_the_worker_while_other_rows_decode(tiny_engine, monkeypatch):
     release, building = threading.Event(), threading.Event()
-    build = tiny_engine._build_constraint
+    build = tiny_engine.constraints.build
 
     def slow_build(kind, pattern):  # stands for a large schema's second or more of compiling
         building.set()
         assert release.wait(60), "the test never released the build"
         return build(kind, pattern)
 
-    monkeypatch.setattr(tiny_engine, "_build_constraint", slow_build)
+    monkeypatch.setattr(tiny_engine.constraints, "build", slow_build)
     schema = {"type": "integer", "maximum": 12345}  # in no other test: not cached yet
 
     async def run():
@@ -267,7 +267,7 @@ def test_a_new_schema_is_compiled_off_the_worker_while_other_rows_decode(tiny_en
 
 def test_requests_that_need_the_same_new_schema_build_it_once(tiny_engine, monkeypatch):
     calls, first_in = [], threading.Event()
-    build = tiny_engine._build_constraint
+    build = tiny_engine.constraints.build
 
     def counted_build(kind, pattern):
         calls.append(pattern)
@@ -275,7 +275,7 @@ def test_requests_that_need_the_same_new_schema_build_it_once(tiny_engine, monke
         time.sleep(0.3)  # the other requests arrive while it builds
         return build(kind, pattern)
 
-    monkeypatch.setattr(tiny_engine, "_build_constraint", counted_build)
+    monkeypatch.setattr(tiny_engine.constraints, "build", counted_build)
     request = chat_request(tiny_engine, {"type": "integer", "minimum": 7})
     with ThreadPoolExecutor(4) as pool:
         first = pool.submit(tiny_engine.constraint_for, request)

@@ -1,0 +1,41 @@
+"""A row of the batch (``BatchRow``, a ``step.Row`` with what the batch keeps of it) and what a
+step tells of it (``RowResponse``)."""
+
+from dataclasses import dataclass
+from typing import Optional
+
+from batch.policy import Acceptance
+from cache import CachedPrefix
+from step import DecodingStats, Row
+
+
+@dataclass
+class RowResponse:
+    uid: int
+    tokens: list  # emitted this step (several when a draft was accepted)
+    sources: list  # the source of each token: a draft source's name or TARGET
+    finish_reason: Optional[str] = None  # "stop", "length" or "error"; None while the row runs
+    error: Optional[str] = None  # one line, when finish_reason is "error"
+    stats: Optional[DecodingStats] = None  # the row's own counts, on its last response
+    # With keep_caches, on the last response: a cache.CachedPrefix of the
+    # row's first n tokens (prompt and output), for a later prompt that extends them.
+    cache: Optional[CachedPrefix] = None
+    logprobs: Optional[list] = None  # with insert(logprobs=k): a TokenLogprobs per token in tokens
+
+
+
+class BatchRow(Row):
+    """A ``step.Row`` in the batch: its uid, what it asked for, and its drafts' acceptance."""
+
+    def __init__(self, uid: int, prompt: list, prompt_cache: Optional[CachedPrefix] = None,
+                 logprobs: Optional[int] = None, **options):
+        super().__init__(prompt, **options)
+        self.uid = uid
+        self.prompt_cache = prompt_cache  # the cache of a prefix of the prompt, until prefilled
+        self.logprobs = logprobs  # report logprobs and this many top tokens per emitted token
+        self.acceptance = Acceptance()  # what the width policy expects of its drafts
+
+    def failed(self, error: Exception) -> RowResponse:
+        """The row's last response when ``error`` ends it (the other rows go on): one line naming it."""
+        message = " ".join(str(error).split()) or type(error).__name__
+        return RowResponse(self.uid, [], [], "error", f"{type(error).__name__}: {message}", self.stats)

@@ -1,0 +1,103 @@
+"""Each request's constraint (its regex, JSON schema, grammar or tools), built on the HTTP side.
+
+Compiling a new schema takes long enough that, on the worker, it would stall every running stream,
+so the HTTP side builds each request's constraint before it queues the request. The costly part,
+the token index or compiled grammar, is built once per distinct pattern and kept (least recently
+used first out); every request gets fresh constraint objects on it, as rows never share one.
+"""
+
+import json
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future
+
+from constrained.build import compile_schema, grammar_constraint, regex_constraint
+from server.protocol import GenerationRequest, invalid
+from server.reasoning import around_thinking
+
+MAX_CACHED_CONSTRAINTS = 32  # token indexes are ~1 MB each; a client reuses few schemas
+
+
+class RequestConstraints:
+    """The built constraints of one model's vocabulary, shared by every HTTP thread.
+
+    Args:
+        vocab_size: the model's (the masks' width); ``cache_dir``: where regex token indexes are kept.
+    """
+
+    def __init__(self, tokenizer, vocab_size: int, cache_dir=None):
+        self.tokenizer, self.vocab_size, self.cache_dir = tokenizer, vocab_size, cache_dir
+        self.built = OrderedDict()  # (kind, pattern) -> (kind, token index or compiled grammar)
+        self.building = {}  # (kind, pattern) -> Future, while the first request that needs it builds it
+        self.lock = threading.Lock()  # HTTP threads build constraints side by side
+        self.splits = None  # a constrained.TokenSplits: how the model writes forced text, learned by every request
+
+    def for_request(self, request: GenerationRequest) -> tuple:
+        """A fresh (constraint, forced-text source) for the request's regex, schema or grammar, or
+        (None, None). The first request that needs a pattern builds it while later ones wait for
+        it. On a thinking model it starts after the think block, which a budget bounds
+        (server/reasoning.py). Safe from any thread, and no MLX call: the HTTP side calls it off the worker."""
+        return around_thinking(request.thinking, *self._answer_constraint_for(request), self.vocab_size)
+
+    def _answer_constraint_for(self, request: GenerationRequest) -> tuple:
+        key = next(((kind, pattern) for kind, pattern in (("regex", request.regex), ("schema", request.schema),
+                   ("tools", request.tool_grammar)) if pattern is not None), ("grammar", request.grammar))
+        if key[1] is None:
+            return None, None
+        kind, built = self._built(key)
+        from constrained import ForcedTextSource, RegexConstraint, TokenSplits
+
+        with self.lock:
+            self.splits = self.splits if self.splits is not None else TokenSplits(self.tokenizer)
+        if kind == "regex":
+            constraint = RegexConstraint(built[0].index)
+            return constraint, ForcedTextSource(constraint, self.tokenizer, self.splits)
+        return grammar_constraint(built, self.tokenizer, self.vocab_size, self.splits)
+
+    def _built(self, key: tuple) -> tuple:
+        """``self.built[key]``, building it (or waiting for the thread that builds it) if missing.
+        A refusal is not kept: the requests waiting for that build get it, a later one tries again."""
+        with self.lock:
+            if key in self.built:
+                self.built.move_to_end(key)
+                return self.built[key]
+            future = self.building.get(key)
+            building = future is None
+            if building:
+                future = self.building[key] = Future()
+        if not building:
+            return future.result()
+        try:
+            built = self.build(*key)
+        except BaseException as error:
+            with self.lock:
+                del self.building[key]
+            future.set_exception(error)
+            raise
+        with self.lock:
+            del self.building[key]
+            self.built[key] = built
+            if len(self.built) > MAX_CACHED_CONSTRAINTS:
+                self.built.popitem(last=False)
+        future.set_result(built)
+        return built
+
+    def build(self, kind: str, pattern: str) -> tuple:
+        """``("regex", (constraint, forced))`` or ``("grammar", compiled grammar)``, built as main.py
+        builds --regex, --grammar and --json-schema (constrained/build.py); a refusal is a 400 naming the field."""
+        from constrained import GrammarError, RegexError
+        from constrained.grammar import compile_grammar
+
+        what, param = {"regex": ("regex", "guided_regex"), "grammar": ("grammar", "guided_grammar"),
+                       "schema": ("JSON schema", "response_format"), "tools": ("tools' schemas", "tools")}[kind]
+        try:
+            if kind == "schema":  # llguidance, else the built-in compiler (a note in the log says so)
+                kind, pattern = compile_schema(json.loads(pattern))
+            elif kind in ("grammar", "tools"):  # tools: text and calls in the template's syntax (tools.py)
+                kind, pattern = "grammar", compile_grammar(pattern)
+            if kind == "grammar":
+                grammar_constraint(pattern, self.tokenizer, self.vocab_size)  # refused now, not at the first step
+                return kind, pattern
+            return kind, regex_constraint(pattern, self.tokenizer, self.vocab_size, self.cache_dir)
+        except (GrammarError, RegexError) as error:
+            raise invalid(f"the {what} is not supported: {error}", param) from None
