@@ -18,8 +18,8 @@ one engine: structured outputs, tool calls, lossless speculation.
 ``logprobs`` (chat: ``logprobs``/``top_logprobs`` up to 20; completions: legacy ``logprobs: N``)
 are the target's log-softmax at temperature 1 before top_p, as ``mlx_lm.server`` reports them,
 taken from the verify pass at each token's position (``batch.TokenLogprobs``), so they are the same
-whether a token was drafted or not; under a constraint they are of the masked distribution. With
-``--draft-head`` they are refused (400).
+whether a token was drafted or not (by any source, a draft head or MTP layers too); under a
+constraint they are of the masked distribution.
 
 Why Starlette and uvicorn: the server needs streaming responses and to notice a client that has
 left, and little else. Starlette's ``StreamingResponse`` cancels the response's generator when the
