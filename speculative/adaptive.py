@@ -199,5 +199,13 @@ class Drafter:
             return self.draft_cost_prior
         return drafted / target
 
+    def _begin(self, requests: list, batch_rows: int):
+        """A step's drafting starts: last step's untaken drafts are stale, and the asking rows are drafted for."""
+        self.batch_rows = batch_rows
+        for handle in self.rows:
+            handle.draft = None
+        for handle, _, _ in requests:
+            handle.drafted = True
+
     def _time(self, cost: PassCost, seconds: float, positions: int):
         cost.record_draft(f"{self.handle_class.name} position", seconds, positions)

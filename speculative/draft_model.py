@@ -184,11 +184,7 @@ class DraftModel(Drafter):
     def draft_all(self, requests: list, cost: PassCost, batch_rows: int):
         """Draft for every row: ``requests`` holds ``(handle, tokens, max_draft)`` for each of the
         target's rows that drafts with this model; ``batch_rows`` is the target's batch size."""
-        self.batch_rows = batch_rows
-        for handle in self.rows:
-            handle.draft = None  # a draft the rows did not take last step is stale now
-        for handle, _, _ in requests:
-            handle.drafted = True
+        self._begin(requests, batch_rows)
         self._add_rows(requests)
         tokens_of = {id(handle): tokens for handle, tokens, _ in requests}
         limits = {id(handle): max_draft for handle, _, max_draft in requests}

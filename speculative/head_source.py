@@ -230,11 +230,7 @@ class HeadDrafter(Drafter):
     def draft_all(self, requests: list, cost: PassCost, batch_rows: int):
         """Draft for every row: ``requests`` holds ``(handle, tokens, max_draft)`` for each of the
         target's rows that drafts with this head; ``batch_rows`` is the target's batch size."""
-        self.batch_rows = batch_rows
-        for handle in self.rows:
-            handle.draft = None  # a draft the rows did not take last step is stale now
-        for handle, _, _ in requests:
-            handle.drafted = True
+        self._begin(requests, batch_rows)
         limits = {id(handle): max_draft if len(tokens) >= 2 else 0 for handle, tokens, max_draft in requests}
         # next_length counts a paused step, so it is asked once per step.
         requests = [(h, t, m) for h, t, m in requests
