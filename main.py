@@ -16,7 +16,7 @@ import re
 import signal
 import sys
 
-import fast_blas
+from loading import fast_blas
 from cli import CLOSED_PIPE_STATUS, CliError, Parser, check_finite, check_text_argument, discard_stdout
 from cli import read_text_file, read_text_stream, reopen_closed_std_streams, writing_output
 from cli.flags import add_arguments as add_source_arguments
@@ -153,8 +153,8 @@ def build_run(args, session=None):
 
     ``session`` (from ``distributed.start``) shards the target over the launched ranks.
     """
-    from step import DecodingStats
-    from text import encode, output_size
+    from decoder.step import DecodingStats
+    from decoder.text import encode, output_size
     from loading.load import context_length, load_model
     from loading.store import cache_dir
     from cli.sources import draft_sources
@@ -294,10 +294,10 @@ def main():
     args = build_parser().parse_args()
     fast_blas.load()  # before anything imports mlx.core (Linux: MLX's own BLAS is far slower)
     from loading.conversion import ConversionError
-    from draft import ConstraintError
+    from decoder.draft import ConstraintError
     from distributed import DistributedError
     from loading.load import ModelError
-    from cache import CacheKindError
+    from decoder.cache import CacheKindError
     from speculative import VocabularyMismatch
     from speculative.mtp import NoMTPWeights
 

@@ -9,8 +9,8 @@ from typing import Sequence
 
 import mlx.core as mx
 
-from cache import Cache, CacheKindError
-from cache.prefill import Prefill
+from decoder.cache import Cache, CacheKindError
+from decoder.prefill import Prefill
 
 
 def probe(model) -> tuple:

@@ -10,8 +10,8 @@ from typing import Optional, Sequence
 import mlx.core as mx
 
 from batch.generator import BatchGenerator, BatchStats
-from cost import PassCost
-from text import encode, eos_ids_of
+from decoder.cost import PassCost
+from decoder.text import encode, eos_ids_of
 
 
 @dataclass

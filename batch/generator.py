@@ -33,9 +33,9 @@ from batch.logprobs import token_logprobs
 from batch.policy import DraftGate, choose_width, prefill_group
 from batch.row import BatchRow, RowResponse
 from batch.verify import accept, score
-from cache.prefill import Prefill
-from cost import PassCost
-from step import verify_pass
+from decoder.prefill import Prefill
+from decoder.cost import PassCost
+from decoder.step import verify_pass
 
 # Rows whose ends drift further apart than this are rolled back into line (one copy of the cache),
 # so that no row attends over many slots that hold nothing of its own.

@@ -10,7 +10,7 @@ with each row's expected acceptance from ``Acceptance``.
 
 from typing import Optional, Sequence
 
-from cost import PassCost
+from decoder.cost import PassCost
 
 # Waiting prompts are prefilled together while the padding stays within this share of their tokens.
 MAX_PREFILL_PADDING = 0.15

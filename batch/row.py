@@ -5,8 +5,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 from batch.policy import Acceptance
-from cache import CachedPrefix
-from step import DecodingStats, Row
+from decoder.cache import CachedPrefix
+from decoder.step import DecodingStats, Row
 
 
 @dataclass

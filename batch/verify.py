@@ -9,7 +9,7 @@ from typing import NamedTuple, Optional
 
 import mlx.core as mx
 
-from draft import check_masks, mask_logits
+from decoder.draft import check_masks, mask_logits
 
 
 class Scores(NamedTuple):

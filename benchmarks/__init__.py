@@ -5,6 +5,6 @@ here, before anything imports mlx.core, covers every entry point. The processes 
 (distributed's ranks, hostile_inputs' cases, the servers of benchmarks.server) load it themselves.
 """
 
-import fast_blas
+from loading import fast_blas
 
 fast_blas.load()

@@ -35,16 +35,16 @@ from pathlib import Path
 import mlx.core as mx
 
 from batch import BatchGenerator
-from cost import PassCost
+from decoder.cost import PassCost
 from benchmarks.harness import PROMPTS, chat_tokens
 from benchmarks.json_schema import schema_requests
 from constrained import ForcedTextSource, RegexConstraint, TokenSplits, schema_to_regex
 from constrained.token_index import load_or_build_index, token_byte_strings
-from draft import Draft, DraftSource
+from decoder.draft import Draft, DraftSource
 from loading.load import describe_backend, load_model
 from loading.store import cache_dir
 from prompt_lookup.ngram import PromptLookupSource
-from text import eos_ids_of
+from decoder.text import eos_ids_of
 
 ROOT = Path(__file__).parent
 RESULTS = ROOT / "results" / "batch.md"

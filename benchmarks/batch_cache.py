@@ -21,7 +21,7 @@ import time
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache
 
-from cache import KVRows
+from decoder.cache import KVRows
 from loading.load import load_model
 
 

@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # package, which loads the fast BLAS: each rank loads it itself before mlx.core.
 sys.path.insert(0, str(ROOT))
 
-import fast_blas  # noqa: E402
+from loading import fast_blas  # noqa: E402
 # Prompt lookup's case (an edit that copies most of the code) and the draft head's (chat it was not trained on).
 PROMPTS = {"code edit": ["--prompt-file", str(ROOT / "benchmarks" / "prompts" / "code_edit" / "inventory.txt")],
            "held-out chat": ["--prompt", (ROOT / "benchmarks" / "heldout" / "chat.txt").read_text().splitlines()[0]]}

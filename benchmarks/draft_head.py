@@ -13,8 +13,8 @@ import time
 import mlx.core as mx
 
 from benchmarks.harness import Method, heldout_prompts, load_prompts, markdown_table, side_by_side, time_loop
-from step import SourceStats
-from text import eos_ids_of
+from decoder.step import SourceStats
+from decoder.text import eos_ids_of
 
 
 class Recorded:

@@ -37,7 +37,7 @@ from benchmarks.json_schema import load_schemas, validator_for
 from constrained import compile_regex, schema_to_regex
 from constrained.grammar import GrammarConstraint, GrammarForcedSource, compile_json_schema, ll_tokenizer_of
 from loading.load import default_dtype, describe_backend, load_model
-from text import eos_ids_of
+from decoder.text import eos_ids_of
 
 RESULTS = Path(__file__).parent / "results"
 GBNF = Path(__file__).parent.parent / "tests" / "data" / "gbnf"
@@ -212,7 +212,7 @@ def gbnf_corpus(model, tokenizer, max_tokens) -> str:
     from llguidance.gbnf_to_lark import gbnf_to_lark
 
     from decoder import generate
-    from step import DecodingStats
+    from decoder.step import DecodingStats
     from tests.lark_oracle import lark_parser, parses
 
     prompts = {"arithmetic": "Write an equation.", "c": "Write a C function that adds two ints.",

@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 
 from constrained.grammar import GrammarConstraint, compile_json_schema, ll_tokenizer_of
-from draft import ConstraintError
-from text import eos_ids_of
+from decoder.draft import ConstraintError
+from decoder.text import eos_ids_of
 
 DEV_SPLITS = re.compile(r"(Github_trivial|Github_ultra|Handwritten|Synthesized|MCPspec)---.*|(BFCL_[a-z_]+|JME)_\d+\.json")
 WALKS, WALK_TOKENS = 2, 200

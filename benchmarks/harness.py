@@ -15,8 +15,8 @@ from typing import Callable, Optional
 import mlx.core as mx
 
 from decoder import generate_step
-from step import DecodingStats
-from text import encode, eos_ids_of
+from decoder.step import DecodingStats
+from decoder.text import encode, eos_ids_of
 
 PROMPTS = Path(__file__).parent / "prompts"
 # Open-ended chat written for the draft head's benchmarks: no line of it is an instruction the

@@ -21,13 +21,13 @@ import argparse
 import sys
 from pathlib import Path
 
-import fast_blas
+from loading import fast_blas
 from benchmarks.harness import Method, chat_tokens, heldout_prompts, markdown_table, side_by_side, time_loop
 from benchmarks.history_tasks import requests
 from prompt_lookup import HistoryLookupSource, PromptLookupSource, load_history
 from speculative.head import SHIPPED_HEAD
 from speculative.head_source import DraftHeadSource
-from text import eos_ids_of
+from decoder.text import eos_ids_of
 
 RESULTS = Path(__file__).parent / "results" / "head_history.md"
 

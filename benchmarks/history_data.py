@@ -26,7 +26,7 @@ from benchmarks.harness import HELDOUT, chat_tokens
 from benchmarks.history_tasks import requests
 from decoder import generate_step
 from loading.store import cache_dir
-from text import eos_ids_of
+from decoder.text import eos_ids_of
 
 ROOT = Path(__file__).parent.parent
 INSTRUCTIONS = ROOT / "speculative" / "heads" / "smollm2-135m" / "instructions.json"

@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # one JSON line: seconds and peak RSS (getrusage) spent after the imports.
 DRIVER = """
 import json, resource, sys, time
-import fast_blas
+from loading import fast_blas
 fast_blas.load()  # first, as in main.py
 from constrained import RegexError, compile_regex, load_schema, schema_to_regex
 kind, argument = sys.argv[1:]

@@ -23,8 +23,8 @@ from constrained import ForcedTextSource, RegexConstraint, RegexError, compile_r
 from constrained.token_index import TokenIndex, TokenTable, token_byte_strings
 from decoder import generate_step
 from loading.load import default_dtype, describe_backend, load_model
-from step import DecodingStats
-from text import eos_ids_of
+from decoder.step import DecodingStats
+from decoder.text import eos_ids_of
 
 SCHEMAS = Path(__file__).parent / "json_schemas"
 RESULTS = Path(__file__).parent / "results"

@@ -28,13 +28,13 @@ from pathlib import Path
 import mlx.core as mx
 
 from batch import BatchGenerator
-from cache import make_cache
-from cost import PassCost
+from decoder.cache import make_cache
+from decoder.cost import PassCost
 from decoder import generate_step
 from loading.load import describe_backend
 from speculative.head_source import HeadDrafter, HiddenStateTap
 from speculative.mtp_source import MTPSource
-from step import DecodingStats
+from decoder.step import DecodingStats
 from tests.mtp_fixtures import build
 
 RESULTS = Path(__file__).parent / "results" / "mtp.md"

@@ -16,10 +16,10 @@ from pathlib import Path
 
 from benchmarks.harness import (Method, first_prompts, heldout_prompts, load_prompts, markdown_table,
                                 side_by_side, time_loop)
-from cost import PassCost
+from decoder.cost import PassCost
 from prompt_lookup import PromptLookupSource
 from speculative.head_source import DraftHeadSource
-from text import eos_ids_of
+from decoder.text import eos_ids_of
 
 RESULTS = Path(__file__).parent / "results" / "pass_cost.md"
 

@@ -143,8 +143,8 @@ def acceptance_suite(model, tokenizer, args):
     from mlx_lm import load
 
     from decoder import generate_step
-    from draft import sampling_probs
-    from text import eos_ids_of
+    from decoder.draft import sampling_probs
+    from decoder.text import eos_ids_of
 
     prompts = load_prompts(tokenizer, ["open_ended", "extractive_qa"])
     texts = [prompt + [t for t, _ in generate_step(prompt, model, max_tokens=args.max_tokens,

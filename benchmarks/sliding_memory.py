@@ -14,7 +14,7 @@ import argparse
 import platform
 from pathlib import Path
 
-import fast_blas
+from loading import fast_blas
 
 fast_blas.load()
 

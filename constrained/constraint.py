@@ -11,8 +11,8 @@ import mlx.core as mx
 
 from constrained.json_schema import schema_to_regex
 from constrained.token_index import TokenIndex, load_or_build_index
-from draft import Constraint, Draft, DraftSource
-from text import eos_ids_of
+from decoder.draft import Constraint, Draft, DraftSource
+from decoder.text import eos_ids_of
 
 
 class RegexConstraint(Constraint):

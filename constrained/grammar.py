@@ -17,8 +17,8 @@ import mlx.core as mx
 import numpy as np
 
 from constrained.constraint import ForcedSource, tokenize_forced
-from draft import Constraint, ConstraintError
-from text import eos_ids_of
+from decoder.draft import Constraint, ConstraintError
+from decoder.text import eos_ids_of
 
 # Compact JSON, like the built-in schema compiler: separators are forced text, so they cost no model step.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}

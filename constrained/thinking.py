@@ -23,7 +23,7 @@ from typing import NamedTuple, Optional
 import mlx.core as mx
 import numpy as np
 
-from draft import Constraint, Draft, DraftSource
+from decoder.draft import Constraint, Draft, DraftSource
 
 START, OPENING, THINKING, CLOSING, ANSWER = "start", "opening", "thinking", "closing", "answer"
 

@@ -12,7 +12,7 @@ falls on the drafted run: the speed-ups shown are, if anything, low.
 import shlex
 import sys
 
-import fast_blas
+from loading import fast_blas
 
 fast_blas.load()  # before main imports mlx.core
 

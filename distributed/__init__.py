@@ -19,7 +19,7 @@ from typing import Optional
 
 import mlx.core as mx
 
-from cost import PassCost
+from decoder.cost import PassCost
 
 from .sharding import MODES, shard_model
 from .watchdog import Watchdog

@@ -17,7 +17,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from tqdm import tqdm
 
 from speculative.head import logits_from_hidden
-from text import encode
+from decoder.text import encode
 
 
 def answer_with_features(model, prompts: list, max_tokens: int, eos_ids) -> list:

@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-import fast_blas  # this is an entry point: a fast BLAS must load before mlx.core (fast_blas.py)
+from loading import fast_blas  # this is an entry point: a fast BLAS must load before mlx.core (fast_blas.py)
 
 fast_blas.load()
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-import fast_blas
+from loading import fast_blas
 from loading.store import (
     cache_dir,
     CHECKSUMS,

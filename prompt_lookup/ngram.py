@@ -12,8 +12,8 @@ from typing import Optional, Sequence
 import mlx.core as mx
 from mlx_lm.utils import common_prefix_len
 
-from cost import PassCost
-from draft import Draft, DraftSource
+from decoder.cost import PassCost
+from decoder.draft import Draft, DraftSource
 
 # Never a token id: stops matches and continuations at the edges of the context.
 SEPARATOR = -1

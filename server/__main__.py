@@ -14,7 +14,7 @@ import asyncio
 import socket
 import sys
 
-import fast_blas
+from loading import fast_blas
 from cli import CliError, Parser, flags
 
 
@@ -64,10 +64,10 @@ def validate(args):
 def build_engine(args):
     """Load the model and draft sources; returns (engine, model id, context length)."""
     from cli import sources
-    from text import output_size
+    from decoder.text import output_size
     from loading.load import context_length, load_model
     from loading.store import cache_dir
-    from cache import CacheKindError, make_cache
+    from decoder.cache import CacheKindError, make_cache
     from server.engine import Engine
     from t5 import is_encoder_decoder
 
@@ -105,7 +105,7 @@ def main():
     import uvicorn
 
     from loading.load import ModelError
-    from cache import CacheKindError
+    from decoder.cache import CacheKindError
     from server.app import build_app
     from server.harmony import chat_tool_syntax
     from speculative import VocabularyMismatch

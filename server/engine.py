@@ -37,11 +37,11 @@ import mlx.core as mx
 from mlx_lm.utils import common_prefix_len
 
 from batch import BatchGenerator, RowResponse
-from cache import CachedPrefix
-from cost import PassCost
-from draft import ConstraintError
-from step import DecodingStats
-from text import TextStream, eos_ids_of
+from decoder.cache import CachedPrefix
+from decoder.cost import PassCost
+from decoder.draft import ConstraintError
+from decoder.step import DecodingStats
+from decoder.text import TextStream, eos_ids_of
 from server.constraints import RequestConstraints
 from server.protocol import ApiError, GenerationRequest
 

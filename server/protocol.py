@@ -17,7 +17,7 @@ from typing import Callable, Optional
 from server.harmony import chat_tool_syntax
 from server.reasoning import EFFORT_BUDGETS, Thinking, ThinkingRequest, template_options, thinking_of
 from server.tools import Function, ToolUse
-from text import encode
+from decoder.text import encode
 
 MAX_STOP_STRINGS = 4  # as OpenAI
 MAX_TOP_LOGPROBS = 20  # as OpenAI's chat API (its legacy completions allow 5; 20 here too, as vLLM)

@@ -6,8 +6,8 @@ from typing import Optional
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from cost import PassCost
-from draft import Draft, DraftSource, sampling_probs
+from decoder.cost import PassCost
+from decoder.draft import Draft, DraftSource, sampling_probs
 
 
 def weight_bytes(model) -> int:

@@ -21,13 +21,13 @@ from typing import Optional
 import mlx.core as mx
 from mlx_lm.utils import common_prefix_len
 
-from cache import CacheKindError, architecture, make_cache
-from cache.prefill import prefill_rows
-from cost import PassCost
-from draft import Draft
+from decoder.cache import CacheKindError, architecture, make_cache
+from decoder.prefill import prefill_rows
+from decoder.cost import PassCost
+from decoder.draft import Draft
 from speculative.adaptive import Drafter, DrafterHandle, draw_rows, weight_bytes
 from t5 import T5Decoder, is_encoder_decoder
-from text import output_size
+from decoder.text import output_size
 
 
 class VocabularyMismatch(ValueError):

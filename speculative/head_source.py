@@ -22,9 +22,9 @@ from typing import Optional
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from cache import Cache, FeatureRows, layers_of, make_cache
-from cost import PassCost
-from draft import Draft
+from decoder.cache import Cache, FeatureRows, layers_of, make_cache
+from decoder.cost import PassCost
+from decoder.draft import Draft
 from speculative.adaptive import Drafter, DrafterHandle, draw_rows, weight_bytes
 from speculative.head import FINAL, body_with_features, logits_from_hidden
 from speculative.head_loading import load_head

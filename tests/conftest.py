@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-import fast_blas
+from loading import fast_blas
 
 fast_blas.load()  # before any test module imports mlx.core
 

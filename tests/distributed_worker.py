@@ -13,7 +13,7 @@ from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).resolve().parent)]
 
-import fast_blas  # noqa: E402
+from loading import fast_blas  # noqa: E402
 
 fast_blas.load()  # before mlx.core, as main.py does
 
@@ -21,7 +21,7 @@ import mlx.core as mx  # noqa: E402
 
 import distributed  # noqa: E402
 import main  # noqa: E402
-from cost import PassCost  # noqa: E402
+from decoder.cost import PassCost  # noqa: E402
 from decoder import generate  # noqa: E402
 
 

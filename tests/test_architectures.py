@@ -11,7 +11,7 @@ tests/architectures.py and writes docs/compatibility.md.
 
 import pytest
 
-from cache import CacheKindError, KVRows
+from decoder.cache import CacheKindError, KVRows
 from tests import architecture_checks as checks
 from tests.architectures import build, save, tokenizer
 

@@ -16,7 +16,7 @@ from batch import BatchGenerator, batch_generate
 from batch.policy import DraftGate, choose_width, prefill_group
 from speculative import DraftModel as BatchDraftModel
 from constrained import ForcedTextSource, RegexConstraint
-from cost import PassCost
+from decoder.cost import PassCost
 from decoder import TARGET, generate_step, sampling_probs
 from prompt_lookup.history import HistoryLookupSource
 from prompt_lookup.ngram import PromptLookupSource
@@ -652,7 +652,7 @@ def test_sliding_rows_drop_old_slots_and_stay_lossless_while_rows_join_and_leave
     through rows joining, leaving, realigning and drafting across drops; each row gives mlx-lm's
     tokens. A finished row's prefix (its sliding layers' dropped positions recorded) serves the
     next turn, and only prompts long enough for its windows."""
-    from cache import KVRows
+    from decoder.cache import KVRows
     from tests.architecture_checks import mlx_lm_greedy
     from tests.architectures import build
 

@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from mlx_lm.models.cache import ChunkedKVCache, KVCache, RotatingKVCache, _BaseCache
 
-import step
-from cache import CacheKindError, KVRows, adopt, make_cache
+from decoder import step
+from decoder.cache import CacheKindError, KVRows, adopt, make_cache
 from decoder import DecodingStats, generate_step
 from tests.architectures import build
 from tests.helpers import ScriptedSource, tiny_llama

@@ -4,7 +4,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from cost import PassCost
+from decoder.cost import PassCost
 from decoder import DecodingStats, generate_step
 from prompt_lookup import PromptLookupSource
 from speculative import DraftModelSource

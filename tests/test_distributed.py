@@ -19,7 +19,7 @@ import pytest
 import mlx.core as mx
 
 import distributed
-import fast_blas
+from loading import fast_blas
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "tests" / "distributed_worker.py"

@@ -13,14 +13,14 @@ from pathlib import Path
 
 import pytest
 
-import fast_blas
+from loading import fast_blas
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="MLX uses Accelerate on macOS")
 
 CHILD = """
 import json, sys
-import fast_blas
+from loading import fast_blas
 mode = sys.argv[1]
 path = None if mode == "none" else fast_blas.load(system=mode == "system", warn=False)
 import mlx.core as mx
@@ -75,7 +75,7 @@ def test_entry_points_load_it_before_mlx(module, tmp_path):
     code = """
 import importlib, json, sys
 importlib.import_module(sys.argv[1])
-import fast_blas
+from loading import fast_blas
 import mlx.core as mx
 mx.eval(mx.ones((64, 64)) @ mx.ones((64, 64)))
 print(json.dumps({"mapped": fast_blas.loaded()}))
@@ -90,7 +90,8 @@ def test_wheel_finds_libgfortran_without_the_system_package(tmp_path):
     if not fast_blas.wheel_libraries():
         pytest.skip("pip install ngsolve-openblas (requirements.txt)")
     code = """
-import ctypes, json, fast_blas
+import ctypes, json
+from loading import fast_blas
 linked = fast_blas.link_mlx_gfortran(fast_blas.wheel_libraries()[0])
 ctypes.CDLL(str(linked), mode=ctypes.RTLD_GLOBAL)
 import mlx.core as mx
@@ -134,7 +135,7 @@ def test_without_a_fast_blas_at_import_describe_says_reference(tmp_path):
     code = """
 import ctypes, json, sys
 import mlx.core as mx
-import fast_blas
+from loading import fast_blas
 late = fast_blas.load(warn=False)
 linked = fast_blas.link_mlx_gfortran(fast_blas.wheel_libraries()[0])
 ctypes.CDLL(str(linked), mode=ctypes.RTLD_GLOBAL)  # mapped now, but too late

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cost import PassCost
+from decoder.cost import PassCost
 from decoder import DecodingStats, generate_step
 from prompt_lookup import PromptLookupSource
 from prompt_lookup.history import (

@@ -10,10 +10,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 # What a user copies into their project (README: "Use it from Python").
-LIBRARY = ["decoder.py", "draft.py", "step.py", "text.py", "cost.py", "cache", "prompt_lookup", "constrained",
-           "speculative", "t5"]
+LIBRARY = ["decoder", "prompt_lookup", "constrained", "speculative", "t5"]
 # main.py's side: entry points, loaders, the batched engine, the server, the benchmarks, the trainer.
-APPLICATION = {"main", "cli", "loading", "fast_blas", "convert", "batch", "server", "benchmarks",
+APPLICATION = {"main", "cli", "loading", "convert", "batch", "server", "benchmarks",
                "distributed", "head_training", "demo"}
 
 # Sizes a reader can hold (STYLE.md 19): a file in one sitting, a function body on one screen.

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from mlx_lm.sample_utils import make_sampler
 
-from cost import PassCost
+from decoder.cost import PassCost
 from decoder import DecodingStats, Draft, accept_sampled, generate, generate_step
 from tests.helpers import ScriptedSource, chi_square_p_value, tiny_byte_tokenizer, tiny_llama
 

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cost import PassCost
+from decoder.cost import PassCost
 from decoder import DecodingStats, generate_step
 from prompt_lookup import PromptLookupSource, find_draft
 from prompt_lookup.ngram import LONGEST_LOOKBACK

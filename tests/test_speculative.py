@@ -6,7 +6,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cost import PassCost
+from decoder.cost import PassCost
 from decoder import DecodingStats, generate_step
 from speculative import DraftModelSource, VocabularyMismatch
 from t5 import T5Decoder, load_t5
@@ -151,7 +151,7 @@ def test_a_reused_source_with_a_sliding_draft_goes_back_or_starts_over_losslessl
     """A source kept across generations keeps its cache row and goes back to what the new prompt
     shares with the old text; where its sliding layers dropped those positions (a short shared
     prefix, drops every few tokens here) the row is prefilled again. Either way: plain's tokens."""
-    from cache import KVRows
+    from decoder.cache import KVRows
     from tests.architectures import VOCAB as ARCH_VOCAB, build
 
     monkeypatch.setattr(KVRows, "window_step", 4)

@@ -10,7 +10,7 @@ The model is ``model()``, so a test builds the same one to compute what the serv
 import argparse
 import asyncio
 
-import fast_blas
+from loading import fast_blas
 
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
 # Tool calls as Hermes and Qwen templates write them (mlx-lm reads "<tool_call>" and "tool_call.name" as json_tools).
@@ -100,7 +100,7 @@ def main():
     fast_blas.load()
     import uvicorn
 
-    from cost import PassCost
+    from decoder.cost import PassCost
     from prompt_lookup.ngram import PromptLookupSource
     from server.__main__ import listen
     from server.app import build_app

@@ -6,7 +6,7 @@ than OpenBLAS (benchmarks/results/blas.md). The dynamic linker binds
 library loaded with ``RTLD_GLOBAL`` *before* ``import mlx.core`` wins, just as
 ``LD_PRELOAD`` would. Call ``load()`` first thing in an entry point:
 
-    import fast_blas
+    from loading import fast_blas
     fast_blas.load()
     import mlx.core as mx
 

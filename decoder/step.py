@@ -9,9 +9,9 @@ from typing import Callable, NamedTuple, Optional, Sequence
 import mlx.core as mx
 from mlx_lm.utils import common_prefix_len
 
-from cache import Cache
-from cost import PassCost
-from draft import (Constraint, ConstraintError, Draft, DraftSource, accept_draft, accept_sampled, choose_draft,
+from .cache import Cache
+from .cost import PassCost
+from .draft import (Constraint, ConstraintError, Draft, DraftSource, accept_draft, accept_sampled, choose_draft,
                    constrain_draft)
 
 TARGET = "target"  # the source name of tokens the target model chose itself

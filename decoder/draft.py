@@ -12,8 +12,8 @@ from typing import Callable, Optional, Sequence
 import mlx.core as mx
 from mlx_lm.utils import common_prefix_len
 
-from cache import Cache
-from cost import PassCost
+from .cache import Cache
+from .cost import PassCost
 
 
 class ConstraintError(RuntimeError):

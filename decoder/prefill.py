@@ -13,7 +13,7 @@ from typing import Optional, Sequence
 
 import mlx.core as mx
 
-from cache import Cache, make_cache
+from .cache import Cache, make_cache
 
 
 class Prefill:

@@ -33,7 +33,7 @@ from typing import Optional, Sequence
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, CacheList, ChunkedKVCache, KVCache, RotatingKVCache, make_prompt_cache
 
-from cache.kinds import ChunkedRows, FeatureRows, KVRows, StateRows
+from .kinds import ChunkedRows, FeatureRows, KVRows, StateRows
 
 
 class CacheKindError(ValueError):

@@ -13,7 +13,7 @@ Layers, as in mlx-lm:
 Sources and constraints are reusable: the loop calls their ``reset`` before every generation.
 The loop times every pass by width and every draft (``cost.PassCost``); the sources read that.
 The parts live beside it: the draft protocols and acceptance math in ``draft.py``, one row's step
-in ``step.py``, prompts and text segments in ``text.py``; their names are importable from here too.
+in ``step.py``, prompts and text segments in ``text.py``.
 """
 
 import time
@@ -22,14 +22,12 @@ from typing import Callable, Iterator, Optional, Sequence, Union
 
 import mlx.core as mx
 
-from cache import Cache, adopt, make_cache
-from cache.prefill import Prefill
-from cost import PassCost
-# The library's names, importable from here as they always were (``from decoder import Draft, ...``).
-from draft import (Constraint, ConstraintError, Draft, DraftSource, accept_draft, accept_sampled,  # noqa: F401
-                   check_masks, choose_draft, constrain_draft, mask_logits, sampling_probs)
-from step import TARGET, DecodingStats, Plan, Row, SourceStats, verify_pass  # noqa: F401
-from text import TextStream, encode, eos_ids_of, has_chat_template, output_size, plain_chat  # noqa: F401
+from .cache import Cache, adopt, make_cache
+from .cost import PassCost
+from .draft import Constraint, DraftSource, mask_logits
+from .prefill import Prefill
+from .step import TARGET, DecodingStats, Row, verify_pass
+from .text import TextStream, encode, eos_ids_of
 
 
 def prefill(model, cache: Cache, tokens: list, step_size: int = 512):
