@@ -1,12 +1,12 @@
 """Generate text with the shared verify-and-accept loop and any mix of draft sources.
 
-    python main.py                                   # embedded SmolLM2-135M-Instruct
-    python main.py --prompt-file code.txt --prompt-lookup --color
-    python main.py --prompt "Give me a date" --regex '\\d{4}-\\d{2}-\\d{2}' --color
-    python main.py --prompt "A user as JSON" --json-schema schema.json --color
-    python main.py --prompt "Play chess" --grammar tests/data/gbnf/chess.gbnf --max-tokens 40 --color
-    python main.py --model target --draft-model draft --color --json
-    python main.py --model Qwen3-Next-DIR --mtp --num-draft 2 --color
+python main.py                                   # embedded SmolLM2-135M-Instruct
+python main.py --prompt-file code.txt --prompt-lookup --color
+python main.py --prompt "Give me a date" --regex '\\d{4}-\\d{2}-\\d{2}' --color
+python main.py --prompt "A user as JSON" --json-schema schema.json --color
+python main.py --prompt "Play chess" --grammar tests/data/gbnf/chess.gbnf --max-tokens 40
+--color python main.py --model target --draft-model draft --color --json
+python main.py --model Qwen3-Next-DIR --mtp --num-draft 2 --color
 """
 
 import argparse
@@ -16,63 +16,142 @@ import re
 import signal
 import sys
 
-from loading import fast_blas
-from cli import CLOSED_PIPE_STATUS, CliError, Parser, check_finite, check_text_argument, discard_stdout
-from cli import read_text_file, read_text_stream, reopen_closed_std_streams, writing_output
+from cli import (
+    CLOSED_PIPE_STATUS,
+    CliError,
+    Parser,
+    check_finite,
+    check_text_argument,
+    discard_stdout,
+    read_text_file,
+    read_text_stream,
+    reopen_closed_std_streams,
+    writing_output,
+)
 from cli.flags import add_arguments as add_source_arguments
 from cli.flags import check as check_source_arguments
+from loading import fast_blas
 
 DEFAULT_PROMPT = "What is the capital of France? Answer in one sentence."
 
 # One colour per draft source; tokens the target chose itself stay uncoloured. Reasoning is dimmed.
-COLORS = {"regex": "\033[36m", "grammar": "\033[34m", "prompt_lookup": "\033[32m", "history_lookup": "\033[32m",
-          "draft_model": "\033[35m", "draft_head": "\033[33m", "mtp": "\033[91m", "thinking": "\033[36m"}
+COLORS = {
+    "regex": "\033[36m",
+    "grammar": "\033[34m",
+    "prompt_lookup": "\033[32m",
+    "history_lookup": "\033[32m",
+    "draft_model": "\033[35m",
+    "draft_head": "\033[33m",
+    "mtp": "\033[91m",
+    "thinking": "\033[36m",
+}
 RESET, DIM = "\033[0m", "\033[2m"
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(description="Fast, structured generation with MLX.")
-    parser.add_argument("--model", default=None,
-                        help="Local mlx-lm/T5 directory or Hugging Face repo (default: embedded SmolLM2-135M-Instruct).")
-    parser.add_argument("--prompt", default=None, help="The prompt (default: stdin if piped, else a demo question).")
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="Local mlx-lm/T5 directory or Hugging Face repo (default: embedded SmolLM2-135M-Instruct).",
+    )
+    parser.add_argument(
+        "--prompt", default=None, help="The prompt (default: stdin if piped, else a demo question)."
+    )
     parser.add_argument("--prompt-file", default=None, help="Read the prompt from this file.")
     parser.add_argument("--system", default=None, help="System message for the chat template.")
-    parser.add_argument("--no-chat-template", action="store_true", help="Use the prompt as raw text.")
-    parser.add_argument("--max-tokens", type=int, default=256, help="Most tokens to generate (default: 256).")
-    parser.add_argument("--temp", type=float, default=0.0, help="Sampling temperature; 0 is greedy (default: 0).")
-    parser.add_argument("--top-p", type=float, default=1.0, help="Nucleus sampling mass in (0, 1] (default: 1).")
-    parser.add_argument("--seed", type=int, default=0, help="Random seed for sampling (default: 0).")
-    parser.add_argument("--color", nargs="?", const="auto", default="never", choices=["auto", "always", "never"],
-                        help="Colour tokens by draft source; bare --color colours only on a terminal.")
+    parser.add_argument(
+        "--no-chat-template", action="store_true", help="Use the prompt as raw text."
+    )
+    parser.add_argument(
+        "--max-tokens", type=int, default=256, help="Most tokens to generate (default: 256)."
+    )
+    parser.add_argument(
+        "--temp", type=float, default=0.0, help="Sampling temperature; 0 is greedy (default: 0)."
+    )
+    parser.add_argument(
+        "--top-p", type=float, default=1.0, help="Nucleus sampling mass in (0, 1] (default: 1)."
+    )
+    parser.add_argument(
+        "--seed", type=int, default=0, help="Random seed for sampling (default: 0)."
+    )
+    parser.add_argument(
+        "--color",
+        nargs="?",
+        const="auto",
+        default="never",
+        choices=["auto", "always", "never"],
+        help="Colour tokens by draft source; bare --color colours only on a terminal.",
+    )
     parser.add_argument("--verbose", action="store_true", help="Print per-source statistics.")
-    parser.add_argument("--json", action="store_true", help="Print one JSON object instead of streaming text.")
-    add_source_arguments(parser)  # --prompt-lookup, --draft-model, --draft-head, ... (shared with the server)
+    parser.add_argument(
+        "--json", action="store_true", help="Print one JSON object instead of streaming text."
+    )
+    # --prompt-lookup, --draft-model, --draft-head, ... (shared with the server)
+    add_source_arguments(parser)
     constrained = parser.add_argument_group("constrained decoding")
-    constrained.add_argument("--regex", default=None, help="The output must fully match this regex (re.ASCII).")
-    constrained.add_argument("--json-schema", default=None, metavar="FILE_OR_JSON",
-                             help="The output must be JSON valid under this JSON Schema (a file or inline JSON).")
-    constrained.add_argument("--json-schema-engine", choices=["llguidance", "regex"], default=None,
-                             help="Compile --json-schema with llguidance (full JSON Schema) or the built-in regex "
-                                  "compiler, and only it (default: llguidance if installed, the built-in compiler "
-                                  "for a schema llguidance refuses).")
-    constrained.add_argument("--grammar", default=None, metavar="FILE_OR_TEXT",
-                             help="The output must be in this grammar's language: Lark (llguidance's dialect) or "
-                                  "GBNF (llama.cpp), a file or inline text; needs llguidance.")
-    constrained.add_argument("--grammar-format", choices=["auto", "lark", "gbnf"], default="auto",
-                             help="The --grammar syntax (default: auto, GBNF when rules are written 'name ::= ...').")
-    thinking = parser.add_argument_group("thinking models", "A model that thinks (<think> ... </think>) gets its "
-                                         "constraint after the think block.")
-    thinking.add_argument("--thinking-budget", type=int, default=None, metavar="N",
-                          help="At most N tokens inside the think block; then its closing text is forced.")
-    thinking.add_argument("--no-thinking", action="store_true",
-                          help="Render the chat template with thinking off; a block it still opens is closed at once.")
+    constrained.add_argument(
+        "--regex", default=None, help="The output must fully match this regex (re.ASCII)."
+    )
+    constrained.add_argument(
+        "--json-schema",
+        default=None,
+        metavar="FILE_OR_JSON",
+        help="The output must be JSON valid under this JSON Schema (a file or inline JSON).",
+    )
+    constrained.add_argument(
+        "--json-schema-engine",
+        choices=["llguidance", "regex"],
+        default=None,
+        help="Compile --json-schema with llguidance (full JSON Schema) or the built-in regex "
+        "compiler, and only it (default: llguidance if installed, the built-in compiler "
+        "for a schema llguidance refuses).",
+    )
+    constrained.add_argument(
+        "--grammar",
+        default=None,
+        metavar="FILE_OR_TEXT",
+        help="The output must be in this grammar's language: Lark (llguidance's dialect) or "
+        "GBNF (llama.cpp), a file or inline text; needs llguidance.",
+    )
+    constrained.add_argument(
+        "--grammar-format",
+        choices=["auto", "lark", "gbnf"],
+        default="auto",
+        help="The --grammar syntax (default: auto, GBNF when rules are written 'name ::= ...').",
+    )
+    thinking = parser.add_argument_group(
+        "thinking models",
+        "A model that thinks (<think> ... </think>) gets its constraint after the think block.",
+    )
+    thinking.add_argument(
+        "--thinking-budget",
+        type=int,
+        default=None,
+        metavar="N",
+        help="At most N tokens inside the think block; then its closing text is forced.",
+    )
+    thinking.add_argument(
+        "--no-thinking",
+        action="store_true",
+        help="Render the chat template with thinking off; a block it still opens is closed at once.",
+    )
     distributed = parser.add_argument_group(
         "distributed (under mlx.launch; see distributed/README.md)",
-        "Ranks on one host split its cores between their BLAS threads unless OPENBLAS_NUM_THREADS is set.")
-    distributed.add_argument("--shard", choices=["auto", "tensor", "pipeline"], default="auto",
-                             help="How to split the target over the ranks (default: tensor where the heads divide).")
-    distributed.add_argument("--dist-timeout", type=float, default=120.0,
-                             help="Seconds to wait for peers to connect or answer before giving up (default: 120).")
+        "Ranks on one host split its cores between their BLAS threads unless OPENBLAS_NUM_THREADS is set.",
+    )
+    distributed.add_argument(
+        "--shard",
+        choices=["auto", "tensor", "pipeline"],
+        default="auto",
+        help="How to split the target over the ranks (default: tensor where the heads divide).",
+    )
+    distributed.add_argument(
+        "--dist-timeout",
+        type=float,
+        default=120.0,
+        help="Seconds to wait for peers to connect or answer before giving up (default: 120).",
+    )
     return parser
 
 
@@ -80,11 +159,14 @@ def validate(args):
     check_finite(args)
     for flag in ("prompt", "system", "regex"):
         check_text_argument(getattr(args, flag), f"--{flag}")
-    if args.json_schema is not None and not os.path.exists(args.json_schema):  # inline JSON, not a file name
+    # inline JSON, not a file name
+    if args.json_schema is not None and not os.path.exists(args.json_schema):
         check_text_argument(args.json_schema, "--json-schema")
     for flag in ("json_schema", "grammar"):  # a folder would be read as inline text: say what it is
         if getattr(args, flag) is not None and os.path.isdir(getattr(args, flag)):
-            raise CliError(f"--{flag.replace('_', '-')} {getattr(args, flag)} is a directory; give a file path")
+            raise CliError(
+                f"--{flag.replace('_', '-')} {getattr(args, flag)} is a directory; give a file path"
+            )
     if not 0 <= args.seed < 2**64:
         raise CliError("--seed must be in [0, 2**64)")
     if args.max_tokens < 0:
@@ -113,7 +195,8 @@ def validate(args):
         from constrained.grammar import compile_grammar
 
         looks_like_a_file = re.fullmatch(r"\S+\.(gbnf|lark|ebnf|txt)", args.grammar) is not None
-        is_file = os.path.isfile(args.grammar) or looks_like_a_file  # a missing file: "not found", not a parse error
+        # a missing file: "not found", not a parse error
+        is_file = os.path.isfile(args.grammar) or looks_like_a_file
         text = read_text_file(args.grammar, "grammar file") if is_file else args.grammar
         check_text_argument(text, "--grammar")
         args.llguidance_grammar = compile_grammar(text, args.grammar_format)  # GrammarError
@@ -122,7 +205,8 @@ def validate(args):
         from constrained.build import compile_schema
 
         schema = load_schema(args.json_schema)  # SchemaError
-        kind, compiled = compile_schema(schema, args.json_schema_engine)  # a RegexError, GrammarError
+        # a RegexError, GrammarError
+        kind, compiled = compile_schema(schema, args.json_schema_engine)
         if kind == "grammar":
             args.llguidance_grammar = compiled
         else:
@@ -142,7 +226,9 @@ def read_prompt(args) -> str:
         try:
             text = read_text_stream(sys.stdin.buffer, "stdin")
         except OSError as error:
-            raise CliError(f"cannot read the prompt from stdin: {error.strerror or error}") from None
+            raise CliError(
+                f"cannot read the prompt from stdin: {error.strerror or error}"
+            ) from None
         if text.strip():
             return text
     return DEFAULT_PROMPT
@@ -153,12 +239,12 @@ def build_run(args, session=None):
 
     ``session`` (from ``distributed.start``) shards the target over the launched ranks.
     """
+    from cli.sources import draft_sources
+    from constrained.build import grammar_constraint, regex_constraint
     from decoder.step import DecodingStats
     from decoder.text import encode, output_size
     from loading.load import context_length, load_model
     from loading.store import cache_dir
-    from cli.sources import draft_sources
-    from constrained.build import grammar_constraint, regex_constraint
     from t5 import T5Decoder, is_encoder_decoder
 
     text = read_prompt(args)  # bad prompt bytes fail before the model loads
@@ -175,46 +261,75 @@ def build_run(args, session=None):
     elif args.no_chat_template:
         prompt = tokenizer.encode(text)
     else:
-        prompt = encode(tokenizer, text, system=args.system, **({"enable_thinking": False} if args.no_thinking else {}))
+        prompt = encode(
+            tokenizer,
+            text,
+            system=args.system,
+            **({"enable_thinking": False} if args.no_thinking else {}),
+        )
     if not prompt:
         raise CliError("the prompt is empty")
     limit = context_length(path)
     if limit is not None and len(prompt) + 1 > limit:
-        raise CliError(f"the prompt has {len(prompt)} tokens; the model's context is {limit} tokens")
+        raise CliError(
+            f"the prompt has {len(prompt)} tokens; the model's context is {limit} tokens"
+        )
     max_tokens = args.max_tokens if limit is None else min(args.max_tokens, limit - len(prompt))
 
     forced, constraint = [], None
     if args.regex is not None:
         if encoder_input is not None:
-            raise CliError("--regex needs a byte-level or sentencepiece Hugging Face tokenizer; T5 is not supported")
-        constraint, source = regex_constraint(args.regex, tokenizer, output_size(model, tokenizer),
-                                              cache_dir=cache_dir() / "regex-index")
+            raise CliError(
+                "--regex needs a byte-level or sentencepiece Hugging Face tokenizer; T5 is not supported"
+            )
+        constraint, source = regex_constraint(
+            args.regex,
+            tokenizer,
+            output_size(model, tokenizer),
+            cache_dir=cache_dir() / "regex-index",
+        )
         forced.append(source)
     if getattr(args, "llguidance_grammar", None) is not None:
         if encoder_input is not None:
-            raise CliError("--grammar and --json-schema need a Hugging Face tokenizer; T5 is not supported")
-        constraint, source = grammar_constraint(args.llguidance_grammar, tokenizer, output_size(model, tokenizer))
+            raise CliError(
+                "--grammar and --json-schema need a Hugging Face tokenizer; T5 is not supported"
+            )
+        constraint, source = grammar_constraint(
+            args.llguidance_grammar, tokenizer, output_size(model, tokenizer)
+        )
         forced.append(source)
-    constraint, forced = after_thinking(args, tokenizer, prompt, constraint, forced, output_size(model, tokenizer))
+    constraint, forced = after_thinking(
+        args, tokenizer, prompt, constraint, forced, output_size(model, tokenizer)
+    )
     model, drafts = draft_sources(args, model, tokenizer, encoder_input)
-    kwargs = dict(draft_sources=forced + drafts, constraint=constraint, temp=args.temp, top_p=args.top_p,
-                  max_tokens=max_tokens, stats=DecodingStats())
+    kwargs = dict(
+        draft_sources=forced + drafts,
+        constraint=constraint,
+        temp=args.temp,
+        top_p=args.top_p,
+        max_tokens=max_tokens,
+        stats=DecodingStats(),
+    )
     if session is not None:  # every rank must fit the same cost, or their drafts differ
         kwargs["pass_cost"] = session.pass_cost()
     return model, tokenizer, prompt, kwargs
 
 
 def thinking_of(tokenizer, prompt: list) -> tuple:
-    """``(markers, phase)`` of a thinking model's prompt (constrained/thinking.py), or ``(None, ANSWER)``."""
+    """``(markers, phase)`` of a thinking model's prompt (constrained/thinking.py), or ``(None,
+    ANSWER)``."""
     from constrained.thinking import ANSWER, think_markers
 
     markers = think_markers(tokenizer)
     return (None, ANSWER) if markers is None else (markers, markers.phase(prompt, tokenizer.decode))
 
 
-def after_thinking(args, tokenizer, prompt: list, constraint, forced: list, vocab_size: int) -> tuple:
-    """The constraint and forced-text sources put after the think block of a thinking model, with the
-    budget (--thinking-budget; 0 for --no-thinking); as they are for other models or with nothing to do."""
+def after_thinking(
+    args, tokenizer, prompt: list, constraint, forced: list, vocab_size: int
+) -> tuple:
+    """The constraint and forced-text sources put after the think block of a thinking model, with
+    the budget (--thinking-budget; 0 for --no-thinking); as they are for other models or with
+    nothing to do."""
     from constrained.thinking import ANSWER, ThinkingConstraint, ThinkingForcedSource
 
     markers, phase = thinking_of(tokenizer, prompt)
@@ -235,9 +350,11 @@ def print_stats(result, verbose: bool, use_color: bool):
         for name, source in stats.sources.items():
             summary = source.summary()
             by_position = ", ".join(f"{r:.2f}" for r in summary["acceptance_by_position"][:16])
-            print(f"  {name}: proposed {summary['proposed']}, accepted {summary['accepted']} "
-                  f"({summary['acceptance_rate']:.1%}), mean accepted length {summary['mean_accepted_length']:.2f}, "
-                  f"acceptance by position [{by_position}]")
+            print(
+                f"  {name}: proposed {summary['proposed']}, accepted {summary['accepted']} "
+                f"({summary['acceptance_rate']:.1%}), mean accepted length {summary['mean_accepted_length']:.2f}, "
+                f"acceptance by position [{by_position}]"
+            )
 
 
 def run(args):
@@ -249,35 +366,52 @@ def run(args):
     from decoder import generate
 
     validate(args)
-    session = distributed.start(args.dist_timeout, fast_blas.set_num_threads)  # None unless launched
+    # None unless launched
+    session = distributed.start(args.dist_timeout, fast_blas.set_num_threads)
     mx.random.seed(args.seed)
     model, tokenizer, prompt, kwargs = build_run(args, session)
     use_color = args.color == "always" or (args.color == "auto" and sys.stdout.isatty())
     markers, phase = thinking_of(tokenizer, prompt)
-    block = None if markers is None else ThinkingConstraint(markers, 0, phase=phase)  # follows where the text is
+    # follows where the text is
+    block = None if markers is None else ThinkingConstraint(markers, 0, phase=phase)
 
     def show(response):
         color = COLORS.get(response.source, "") if use_color else ""
         if block is not None:
             inside = block.state.phase in (OPENING, THINKING, CLOSING)
             block.advance([response.token])
-            color = DIM + color if use_color and (inside or block.state.phase in (OPENING, THINKING)) else color
+            color = (
+                DIM + color
+                if use_color and (inside or block.state.phase in (OPENING, THINKING))
+                else color
+            )
         print(f"{color}{response.text}{RESET if color else ''}", end="", flush=True)
 
     with writing_output():
         with distributed.reporting_faults():
-            result = generate(model, tokenizer, prompt, on_token=None if args.json else show, **kwargs)
+            result = generate(
+                model, tokenizer, prompt, on_token=None if args.json else show, **kwargs
+            )
         if args.json:
             reasoning, answer = split_reasoning(result.text, markers, phase)
-            print(json.dumps({**result.to_json(), "reasoning": reasoning if markers else None, "answer": answer}))
+            print(
+                json.dumps(
+                    {
+                        **result.to_json(),
+                        "reasoning": reasoning if markers else None,
+                        "answer": answer,
+                    }
+                )
+            )
         else:
             print()
             print_stats(result, args.verbose, use_color)
     if args.lookup_history is not None and result.tokens and (session is None or session.rank == 0):
-        from prompt_lookup.history import append_history
         from cli.flags import history_path
+        from prompt_lookup.history import append_history
 
-        append_history(history_path(args), [result.tokens])  # after the output: a slow disk never delays it
+        # after the output: a slow disk never delays it
+        append_history(history_path(args), [result.tokens])
     return result
 
 
@@ -293,15 +427,22 @@ def main():
     reopen_closed_std_streams()
     args = build_parser().parse_args()
     fast_blas.load()  # before anything imports mlx.core (Linux: MLX's own BLAS is far slower)
-    from loading.conversion import ConversionError
+    from decoder.cache import CacheKindError
     from decoder.draft import ConstraintError
     from distributed import DistributedError
+    from loading.conversion import ConversionError
     from loading.load import ModelError
-    from decoder.cache import CacheKindError
     from speculative import VocabularyMismatch
     from speculative.mtp import NoMTPWeights
 
-    errors = (CliError, ModelError, ConversionError, VocabularyMismatch, ConstraintError, DistributedError)
+    errors = (
+        CliError,
+        ModelError,
+        ConversionError,
+        VocabularyMismatch,
+        ConstraintError,
+        DistributedError,
+    )
     try:
         from constrained import RegexError
         from constrained.grammar import GrammarError
@@ -309,11 +450,13 @@ def main():
         errors += (RegexError, GrammarError)
     except ImportError:
         pass
-    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:  # leave a caller's handler (or SIG_IGN) alone
+    # leave a caller's handler (or SIG_IGN) alone
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
         signal.signal(signal.SIGTERM, terminate)
     try:
         run(args)
-    except (CacheKindError, NoMTPWeights) as error:  # a cache drafts cannot roll back in, or no MTP layers
+    # a cache drafts cannot roll back in, or no MTP layers
+    except (CacheKindError, NoMTPWeights) as error:
         sys.stderr.write(f"error: not supported: {error}\n")
         sys.exit(2)
     except errors as error:
@@ -327,7 +470,8 @@ def main():
         where = f": {error.filename}" if error.filename else ""
         sys.stderr.write(f"error: {error.strerror or error}{where}\n")
         sys.exit(1)
-    except KeyboardInterrupt as error:  # Ctrl-C or SIGTERM: exit status 128 + the signal, as a shell reports
+    # Ctrl-C or SIGTERM: exit status 128 + the signal, as a shell reports
+    except KeyboardInterrupt as error:
         sys.stderr.write("interrupted\n")
         sys.exit(128 + (error.args[0] if isinstance(error, Terminated) else signal.SIGINT))
 

@@ -8,18 +8,25 @@ constraint and sampling, verified together in one ``[B, W]`` pass per step.
 - ``logprobs.py``: ``TokenLogprobs``, the target's logprobs of each emitted token.
 - ``generate.py``: ``batch_generate`` and ``BatchResult``: prompts in, texts out.
 - ``cache.py``: ``probe``, what a batch must know of a model.
-- ``policy.py``: how many draft tokens the pass verifies (``choose_width``), from measured pass costs,
-  and which waiting prompts prefill together (``prefill_group``).
+- ``policy.py``: how many draft tokens the pass verifies (``choose_width``), from measured pass
+  costs, and which waiting prompts prefill together (``prefill_group``).
 
 A draft model drafts for all its rows in one call: ``speculative.DraftModel`` (one class for one row
 and many; ``BatchDraftModel`` is its name here, kept for callers that import it from batch).
 """
 
-from speculative.draft_model import DraftModel as BatchDraftModel
 from batch.generate import BatchResult, batch_generate
 from batch.generator import BatchGenerator, BatchStats
 from batch.logprobs import TokenLogprobs
 from batch.row import RowResponse
+from speculative.draft_model import DraftModel as BatchDraftModel
 
-__all__ = ["BatchDraftModel", "BatchGenerator", "BatchResult", "BatchStats", "RowResponse", "TokenLogprobs",
-           "batch_generate"]
+__all__ = [
+    "BatchDraftModel",
+    "BatchGenerator",
+    "BatchResult",
+    "BatchStats",
+    "RowResponse",
+    "TokenLogprobs",
+    "batch_generate",
+]

@@ -4,18 +4,20 @@ Each row has its own prompt, draft sources, constraint, sampling settings, ``max
 tokens. A step asks every row's sources for a draft (``draft.choose_draft``) and cuts it to what
 the row's constraint allows (``draft.constrain_draft``), chooses one width ``W`` for the batch
 (``choose_width``), scores ``[B, W]`` tokens in one forward pass and accepts each row's prefix by
-``draft.accept_draft``'s rules (``batch.verify``). Each row then drops its own rejected tokens from the one batch
+``draft.accept_draft``'s rules (``batch.verify``). Each row then drops its own rejected tokens from
+the one batch
 cache (``cache.Cache``: every row keeps its own end, no copy).
 
     gen = BatchGenerator(model, eos_token_ids=eos_ids_of(tokenizer))
     uids = gen.insert(prompts, draft_sources=[[PromptLookupSource()] for _ in prompts])
     while responses := gen.next():
-        for response in responses:  # uid, the tokens this step emitted, their sources, finish_reason
+        for response in responses:  # uid, the tokens this step emitted, their sources,
+        finish_reason
             ...
 
 ``insert(..., logprobs=k)`` also gives, per emitted token, the target's log-probability of it and
-its k most likely tokens (``RowResponse.logprobs``, ``batch.logprobs``), read from the pass that verified it: a token
-has the same logprobs whether a source drafted it or the target chose it.
+its k most likely tokens (``RowResponse.logprobs``, ``batch.logprobs``), read from the pass that
+verified it: a token has the same logprobs whether a source drafted it or the target chose it.
 
 Nothing here holds a thread or a lock: a server calls ``insert``, ``next`` and ``remove`` from the
 one thread that owns the model.
@@ -33,8 +35,8 @@ from batch.logprobs import token_logprobs
 from batch.policy import DraftGate, choose_width, prefill_group
 from batch.row import BatchRow, RowResponse
 from batch.verify import accept, score
-from decoder.prefill import Prefill
 from decoder.cost import PassCost
+from decoder.prefill import Prefill
 from decoder.step import verify_pass
 
 # Rows whose ends drift further apart than this are rolled back into line (one copy of the cache),
@@ -45,7 +47,8 @@ MAX_RAGGEDNESS = 64
 @dataclass
 class BatchStats:
     passes: int = 0  # [B, W] verification passes
-    widths: Counter = field(default_factory=Counter)  # W -> passes of that width (what the policy chose)
+    # W -> passes of that width (what the policy chose)
+    widths: Counter = field(default_factory=Counter)
     row_passes: int = 0  # sum over passes of the rows in them
     prompt_tokens: int = 0
     prompt_time: float = 0.0
@@ -68,7 +71,9 @@ class BatchStats:
 def _per_row(name: str, value, count: int) -> list:
     if isinstance(value, (list, tuple)):
         if len(value) != count:
-            raise ValueError(f"{name} has {len(value)} entries for {count} prompts: give one value or one per prompt")
+            raise ValueError(
+                f"{name} has {len(value)} entries for {count} prompts: give one value or one per prompt"
+            )
         return list(value)
     return [value] * count
 
@@ -90,10 +95,19 @@ class BatchGenerator:
         keep_caches: give each finished row's KV entries in its last response (``cache``).
     """
 
-    def __init__(self, model, *, eos_token_ids: Sequence[int] = (), prefill_step_size: int = 512,
-                 prefill_batch_size: int = 8, max_batch: Optional[int] = None, max_width: Optional[int] = None,
-                 pass_cost: Optional[PassCost] = None, interleave_prefill: bool = False,
-                 keep_caches: bool = False):
+    def __init__(
+        self,
+        model,
+        *,
+        eos_token_ids: Sequence[int] = (),
+        prefill_step_size: int = 512,
+        prefill_batch_size: int = 8,
+        max_batch: Optional[int] = None,
+        max_width: Optional[int] = None,
+        pass_cost: Optional[PassCost] = None,
+        interleave_prefill: bool = False,
+        keep_caches: bool = False,
+    ):
         self.model = model
         self.eos_token_ids = set(eos_token_ids)
         self.prefill_step_size, self.prefill_batch_size = prefill_step_size, prefill_batch_size
@@ -106,54 +120,112 @@ class BatchGenerator:
         self.gate = DraftGate()
         self.stats = BatchStats()
         self.rows: List[BatchRow] = []
-        self.slots: List[int] = []  # each row's row in the cache; the others hold rows that have left
+        # each row's row in the cache; the others hold rows that have left
+        self.slots: List[int] = []
         self.waiting: List[BatchRow] = []
         self.cache = None  # a cache.Cache while rows run
-        self.mask_dims = None  # what the model needs of the cache (batch.cache.probe), asked at the first join
+        # what the model needs of the cache (batch.cache.probe), asked at the first join
+        self.mask_dims = None
         self._next_uid = 0
 
-    def insert(self, prompts: Sequence[Sequence[int]], *, draft_sources=None, constraint=None,
-               temp=0.0, top_p=1.0, sampler=None, max_tokens=256, eos_token_ids=None,
-               prompt_cache=None, logprobs=None) -> List[int]:
+    def insert(
+        self,
+        prompts: Sequence[Sequence[int]],
+        *,
+        draft_sources=None,
+        constraint=None,
+        temp=0.0,
+        top_p=1.0,
+        sampler=None,
+        max_tokens=256,
+        eos_token_ids=None,
+        prompt_cache=None,
+        logprobs=None,
+    ) -> List[int]:
         """Queue prompts (token id lists); returns their uids. Each option is one value for every
-        prompt or a list with one per prompt; ``draft_sources`` is a list of fresh sources per prompt
+        prompt or a list with one per prompt; ``draft_sources`` is a list of fresh sources per
+        prompt
         and ``constraint`` one object per prompt: rows never share a stateful object.
-        ``prompt_cache`` is per prompt None or a ``CachedPrefix`` of its first n < len(prompt) tokens
-        (a finished row's ``RowResponse.cache``, cut to n), so only the rest is prefilled.
+        ``prompt_cache`` is per prompt None or a ``CachedPrefix`` of its first n < len(prompt)
+        tokens (a finished row's ``RowResponse.cache``, cut to n), so only the rest is prefilled.
         ``logprobs`` is None (the default: nothing extra is computed) or k >= 0: each response then
         has a ``TokenLogprobs`` per token, with the k most likely tokens at its position."""
         count = len(prompts)
         draft_sources = [[] for _ in prompts] if draft_sources is None else list(draft_sources)
-        if len(draft_sources) != count or not all(isinstance(s, (list, tuple)) for s in draft_sources):
+        if len(draft_sources) != count or not all(
+            isinstance(s, (list, tuple)) for s in draft_sources
+        ):
             raise ValueError(f"draft_sources needs one list of sources per prompt ({count} lists)")
         constraints = _per_row("constraint", constraint, count)
-        options = [_per_row(name, value, count) for name, value in
-                   (("temp", temp), ("top_p", top_p), ("sampler", sampler), ("max_tokens", max_tokens),
-                    ("logprobs", logprobs))]
+        options = [
+            _per_row(name, value, count)
+            for name, value in (
+                ("temp", temp),
+                ("top_p", top_p),
+                ("sampler", sampler),
+                ("max_tokens", max_tokens),
+                ("logprobs", logprobs),
+            )
+        ]
         eos = self.eos_token_ids if eos_token_ids is None else set(eos_token_ids)
-        owned = [id(o) for row in self.rows + self.waiting for o in row.sources + [row.constraint] if o is not None]
-        prompt_caches = [None] * count if prompt_cache is None else _per_row("prompt_cache", prompt_cache, count)
+        owned = [
+            id(o)
+            for row in self.rows + self.waiting
+            for o in row.sources + [row.constraint]
+            if o is not None
+        ]
+        prompt_caches = (
+            [None] * count
+            if prompt_cache is None
+            else _per_row("prompt_cache", prompt_cache, count)
+        )
         rows = []
-        for prompt, sources, row_constraint, row_temp, row_top_p, row_sampler, row_max, row_logprobs in zip(
-                prompts, draft_sources, constraints, *options):
+        for (
+            prompt,
+            sources,
+            row_constraint,
+            row_temp,
+            row_top_p,
+            row_sampler,
+            row_max,
+            row_logprobs,
+        ) in zip(prompts, draft_sources, constraints, *options):
             if len(prompt) == 0:
                 raise ValueError("a prompt is empty: give at least one token")
             if row_max < 1:
                 raise ValueError(f"max_tokens must be at least 1, got {row_max}")
             if row_temp < 0 or not 0 < row_top_p <= 1:
-                raise ValueError(f"need temp >= 0 and 0 < top_p <= 1, got {row_temp} and {row_top_p}")
+                raise ValueError(
+                    f"need temp >= 0 and 0 < top_p <= 1, got {row_temp} and {row_top_p}"
+                )
             if row_logprobs is not None and row_logprobs < 0:
-                raise ValueError(f"logprobs must be None or >= 0 (top tokens per position), got {row_logprobs}")
+                raise ValueError(
+                    f"logprobs must be None or >= 0 (top tokens per position), got {row_logprobs}"
+                )
             for source in sources:
                 if source.batch_refusal is not None:
                     raise ValueError(source.batch_refusal)
             for stateful in list(sources) + [row_constraint]:
                 if stateful is not None and id(stateful) in owned:
-                    raise ValueError(f"{type(stateful).__name__} object is given to two rows: each row needs its own")
+                    raise ValueError(
+                        f"{type(stateful).__name__} object is given to two rows: each row needs its own"
+                    )
                 owned.append(id(stateful))
-            rows.append(BatchRow(self._next_uid, prompt, prompt_caches[len(rows)], row_logprobs, eos_token_ids=eos,
-                                 draft_sources=sources, constraint=row_constraint, temp=row_temp, top_p=row_top_p,
-                                 sampler=row_sampler, max_tokens=row_max))
+            rows.append(
+                BatchRow(
+                    self._next_uid,
+                    prompt,
+                    prompt_caches[len(rows)],
+                    row_logprobs,
+                    eos_token_ids=eos,
+                    draft_sources=sources,
+                    constraint=row_constraint,
+                    temp=row_temp,
+                    top_p=row_top_p,
+                    sampler=row_sampler,
+                    max_tokens=row_max,
+                )
+            )
             self._next_uid += 1
         self.waiting += rows
         return [row.uid for row in rows]
@@ -191,12 +263,14 @@ class BatchGenerator:
             self.slots = list(range(len(self.rows)))
 
     def __len__(self) -> int:
-        return len(self.rows) + len(self.waiting) + (len(self.prefilling[0]) if self.prefilling else 0)
+        return (
+            len(self.rows) + len(self.waiting) + (len(self.prefilling[0]) if self.prefilling else 0)
+        )
 
     def _join(self, responses: list):
-        """Prefill up to ``prefill_batch_size`` waiting prompts of similar lengths (``prefill_group``) as
-        one batch and merge them in (one chunk per call with ``interleave_prefill`` while other rows
-        decode)."""
+        """Prefill up to ``prefill_batch_size`` waiting prompts of similar lengths
+        (``prefill_group``) as one batch and merge them in (one chunk per call with
+        ``interleave_prefill`` while other rows decode)."""
         if self.prefilling is None:
             if self.waiting and self.mask_dims is None and self.max_batch == 1:
                 self.mask_dims = 4  # one row is never padded (and some caches hold one row only)
@@ -218,8 +292,13 @@ class BatchGenerator:
                     responses.append(row.failed(error))
             if not joining:
                 return
-            prefill = Prefill(self.model, [row.tokens[:-1] for row in joining], self.prefill_step_size,
-                              [row.prompt_cache for row in joining], self.mask_dims)
+            prefill = Prefill(
+                self.model,
+                [row.tokens[:-1] for row in joining],
+                self.prefill_step_size,
+                [row.prompt_cache for row in joining],
+                self.mask_dims,
+            )
             for row in joining:
                 row.prompt_cache, row.cached = None, len(row.tokens) - 1
             self.prefilling = (joining, prefill)
@@ -234,7 +313,8 @@ class BatchGenerator:
         self.prefilling = None
         self.stats.prompt_tokens += sum(len(row.tokens) for row in joining)
         removed, self.removed = self.removed, set()
-        keep = [i for i, row in enumerate(joining) if row.uid not in removed]  # not removed while prefilling
+        # not removed while prefilling
+        keep = [i for i, row in enumerate(joining) if row.uid not in removed]
         if not keep:
             return
         if len(keep) < len(joining):
@@ -251,26 +331,33 @@ class BatchGenerator:
         self.gate.reset()  # new rows' sources are asked at once
 
     def _draft_with_models(self, responses: list):
-        """Each shared drafter (``DraftSource.batch_drafter``) drafts for all its rows at once, before
-        the rows choose."""
+        """Each shared drafter (``DraftSource.batch_drafter``) drafts for all its rows at once,
+        before the rows choose."""
         requests = {}
         for row in self.rows:
             for source in row.sources:
                 if source.batch_drafter is not None:
-                    entry = requests.setdefault(id(source.batch_drafter), (source.batch_drafter, []))
+                    entry = requests.setdefault(
+                        id(source.batch_drafter), (source.batch_drafter, [])
+                    )
                     entry[1].append((source, row.tokens, row.max_draft))
         for drafter, rows in requests.values():
             try:
                 drafter.draft_all(rows, self.cost, len(self.rows))
             except Exception as error:  # noqa: BLE001 - the model's rows fail, the others go on
                 failing = {id(handle) for handle, _, _ in rows}
-                indices = [i for i, row in enumerate(self.rows) if any(id(s) in failing for s in row.sources)]
+                indices = [
+                    i
+                    for i, row in enumerate(self.rows)
+                    if any(id(s) in failing for s in row.sources)
+                ]
                 responses += [self.rows[i].failed(error) for i in indices]
                 self._drop(indices)
 
     def next(self) -> List[RowResponse]:
-        """One step: admit waiting prompts, then one ``[B, W]`` pass for every running row. Returns a
-        response for each row that emitted tokens or finished; an empty list once nothing is left."""
+        """One step: admit waiting prompts, then one ``[B, W]`` pass for every running row. Returns
+        a response for each row that emitted tokens or finished; an empty list once nothing is
+        left."""
         responses = []
         self._join(responses)
         if not self.rows:
@@ -286,17 +373,25 @@ class BatchGenerator:
             try:
                 # Drafting is not timed here: a shared drafter drafted for all its rows already
                 # (``_draft_with_models``), and a lookup's propose is not a model call.
-                plans.append(row.plan(sources=row.sources if asked else [s for s in row.sources if s.free]))
+                plans.append(
+                    row.plan(sources=row.sources if asked else [s for s in row.sources if s.free])
+                )
             except Exception as error:  # noqa: BLE001
                 responses.append(row.failed(error))
                 failed.append(index)
         self._drop(failed)
         if not self.rows:
             return responses
-        width = choose_width([len(plan.draft.tokens) for plan in plans],
-                             [row.acceptance.rate(plan.drafter.name) if plan.drafter else 0.0
-                              for row, plan in zip(self.rows, plans)], self.cost, self.max_width,
-                             self.cache.rows)
+        width = choose_width(
+            [len(plan.draft.tokens) for plan in plans],
+            [
+                row.acceptance.rate(plan.drafter.name) if plan.drafter else 0.0
+                for row, plan in zip(self.rows, plans)
+            ],
+            self.cost,
+            self.max_width,
+            self.cache.rows,
+        )
         if asked:
             self.gate.record(width)
         emitted = self._verify(width, plans, responses)
@@ -310,7 +405,9 @@ class BatchGenerator:
         (``Row.commit``). Returns how many tokens the rows emitted."""
         drafts = [plan.draft.truncate(width - 1) for plan in plans]
         started = self.cost.clock()
-        logits, pass_width = verify_pass(self.model, self.cache, self.rows, drafts, width, self.slots)
+        logits, pass_width = verify_pass(
+            self.model, self.cache, self.rows, drafts, width, self.slots
+        )
         scores = score(logits, plans, width)  # the step's one host sync
         self.cost.record(self.cost.clock() - started, width=pass_width, rows=self.cache.rows)
         self.stats.passes += 1
@@ -322,31 +419,45 @@ class BatchGenerator:
         return self._emit(plans, drafts, results, logprobs, responses)
 
     def _rewind(self, drafts: list, results: list, pass_width: int):
-        """Each row keeps the tokens it accepted (``Row.commit``): its attention layers drop the rest,
-        and where a recurrent layer cannot (a draft token was rejected) the row goes back to its
-        checkpoint and feeds the accepted tokens again next pass."""
+        """Each row keeps the tokens it accepted (``Row.commit``): its attention layers drop the
+        rest, and where a recurrent layer cannot (a draft token was rejected) the row goes back to
+        its checkpoint and feeds the accepted tokens again next pass."""
         cache = self.cache
-        trims = [pass_width - 1] * cache.rows  # a failed or unused row keeps one token, as if it accepted nothing
+        # a failed or unused row keeps one token, as if it accepted nothing
+        trims = [pass_width - 1] * cache.rows
         restored = []
         for row, draft, slot, result in zip(self.rows, drafts, self.slots, results):
             if not isinstance(result, Exception):
-                trims[slot], restore = row.commit(pass_width, len(draft.tokens), result[0], bool(cache.recurrent))
+                trims[slot], restore = row.commit(
+                    pass_width, len(draft.tokens), result[0], bool(cache.recurrent)
+                )
                 restored += [slot] if restore else []
         cache.rewind(trims, restored)
 
-    def _emit(self, plans: list, drafts: list, results: list, logprobs: list, responses: list) -> int:
-        """Each row emits what it accepted (``Row.emit``) in a response; finished rows leave, and rows
-        whose ends drift apart are rolled back into line."""
+    def _emit(
+        self, plans: list, drafts: list, results: list, logprobs: list, responses: list
+    ) -> int:
+        """Each row emits what it accepted (``Row.emit``) in a response; finished rows leave, and
+        rows whose ends drift apart are rolled back into line."""
         finished, emitted_total, cache = [], 0, self.cache
         for index, (row, draft, plan, result) in enumerate(zip(self.rows, drafts, plans, results)):
             try:
                 if isinstance(result, Exception):
                     raise result
                 if plan.drafter is not None:  # the width policy learns from every offered draft
-                    row.acceptance.record(plan.drafter.name, plan.draft.tokens, draft.tokens[: result[0]] + [result[1]])
+                    row.acceptance.record(
+                        plan.drafter.name,
+                        plan.draft.tokens,
+                        draft.tokens[: result[0]] + [result[1]],
+                    )
                 tokens, sources = row.emit(plan, draft, *result)
-                response = RowResponse(row.uid, tokens, sources, row.finish_reason,
-                                       stats=row.stats if row.finish_reason else None)
+                response = RowResponse(
+                    row.uid,
+                    tokens,
+                    sources,
+                    row.finish_reason,
+                    stats=row.stats if row.finish_reason else None,
+                )
                 if logprobs[index] is not None:  # emit may have cut the tokens at EOS or max_tokens
                     response.logprobs = logprobs[index][: len(response.tokens)]
                 emitted_total += len(response.tokens)

@@ -12,7 +12,8 @@ import mlx.core as mx
 
 class TokenLogprobs(NamedTuple):
     """The target's log-softmax at one emitted token's position (temperature 1, before top_p, as
-    mlx_lm.server reports; under a constraint, of the masked distribution: forbidden tokens are -inf)."""
+    mlx_lm.server reports; under a constraint, of the masked distribution: forbidden tokens are
+    -inf)."""
 
     logprob: float  # of the emitted token
     top_ids: list  # the k most likely tokens, most likely first
@@ -20,12 +21,16 @@ class TokenLogprobs(NamedTuple):
 
 
 def token_logprobs(rows: list, drafts: list, results: list, logits: mx.array) -> list:
-    """Per row: None, or for the rows that asked (``row.logprobs`` is k), a ``TokenLogprobs`` for each
-    token it accepted this step and the target's next one, read off this pass's (masked) logits at
-    their positions. ``results`` holds each row's ``(num_accepted, next_token)`` or its exception.
-    Only the asking rows' positions are scored; one host sync, and none when no row asked."""
-    asking = [i for i, (row, result) in enumerate(zip(rows, results))
-              if row.logprobs is not None and not isinstance(result, Exception)]
+    """Per row: None, or for the rows that asked (``row.logprobs`` is k), a ``TokenLogprobs`` for
+    each token it accepted this step and the target's next one, read off this pass's (masked) logits
+    at their positions. ``results`` holds each row's ``(num_accepted, next_token)`` or its
+    exception. Only the asking rows' positions are scored; one host sync, and none when no row
+    asked."""
+    asking = [
+        i
+        for i, (row, result) in enumerate(zip(rows, results))
+        if row.logprobs is not None and not isinstance(result, Exception)
+    ]
     found = [None] * len(results)
     if not asking:
         return found
@@ -43,8 +48,12 @@ def token_logprobs(rows: list, drafts: list, results: list, logits: mx.array) ->
         top_ids = mx.take_along_axis(top_ids, order, -1)
     top_values = mx.take_along_axis(logprobs, top_ids, -1)
     mx.eval(picked, top_ids, top_values)
-    for index, tokens, row_picked, row_ids, row_values in zip(asking, chosen, picked.tolist(), top_ids.tolist(),
-                                                              top_values.tolist()):
+    for index, tokens, row_picked, row_ids, row_values in zip(
+        asking, chosen, picked.tolist(), top_ids.tolist(), top_values.tolist()
+    ):
         k = rows[index].logprobs
-        found[index] = [TokenLogprobs(row_picked[p], row_ids[p][:k], row_values[p][:k]) for p in range(len(tokens))]
+        found[index] = [
+            TokenLogprobs(row_picked[p], row_ids[p][:k], row_values[p][:k])
+            for p in range(len(tokens))
+        ]
     return found

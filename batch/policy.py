@@ -40,7 +40,10 @@ class Acceptance:
         compared = min(len(offered), len(emitted))
         agree = next((i for i in range(compared) if offered[i] != emitted[i]), compared)
         continued, stopped = self.counts.get(name, (2 * self.PRIOR, 2 * (1 - self.PRIOR)))
-        self.counts[name] = (self.FORGET * continued + agree, self.FORGET * stopped + (agree < compared))
+        self.counts[name] = (
+            self.FORGET * continued + agree,
+            self.FORGET * stopped + (agree < compared),
+        )
 
 
 class DraftGate:
@@ -79,8 +82,13 @@ class DraftGate:
             self.probe_gap = 1
 
 
-def choose_width(draft_lengths: Sequence[int], acceptance: Sequence[float], cost: PassCost,
-                 max_width: Optional[int] = None, batch_rows: Optional[int] = None) -> int:
+def choose_width(
+    draft_lengths: Sequence[int],
+    acceptance: Sequence[float],
+    cost: PassCost,
+    max_width: Optional[int] = None,
+    batch_rows: Optional[int] = None,
+) -> int:
     """The pass width ``W`` (1 + draft tokens per row) that maximises expected tokens per second.
 
     Row b drafts ``min(d_b, W - 1)`` tokens; if each is accepted with chance ``a_b`` once the one
@@ -96,7 +104,9 @@ def choose_width(draft_lengths: Sequence[int], acceptance: Sequence[float], cost
         widest = min(widest, max_width)
     best_width, best_rate, expected = 1, float(rows), float(rows)
     for width in range(2, widest + 1):
-        expected += sum(a ** (width - 1) for d, a in zip(draft_lengths, acceptance) if d >= width - 1)
+        expected += sum(
+            a ** (width - 1) for d, a in zip(draft_lengths, acceptance) if d >= width - 1
+        )
         rate = expected / cost.relative(width, batch_rows)
         if rate > best_rate:
             best_width, best_rate = width, rate
@@ -104,10 +114,11 @@ def choose_width(draft_lengths: Sequence[int], acceptance: Sequence[float], cost
 
 
 def prefill_group(lengths: Sequence[int]) -> list:
-    """Which of the waiting prompts (their ``lengths``, oldest first) to prefill together: the oldest
-    and the others whose padding keeps the batch within ``MAX_PREFILL_PADDING`` of its real tokens,
-    nearest lengths first. Padding is run like real tokens, so a batch of a 40- and a 240-token prompt
-    costs more than the two one after the other (benchmarks/results/batch.md, "Design measurements")."""
+    """Which of the waiting prompts (their ``lengths``, oldest first) to prefill together: the
+    oldest and the others whose padding keeps the batch within ``MAX_PREFILL_PADDING`` of its real
+    tokens, nearest lengths first. Padding is run like real tokens, so a batch of a 40- and a
+    240-token prompt costs more than the two one after the other (benchmarks/results/batch.md,
+    "Design measurements")."""
     if not lengths:
         return []
     group = [0]

@@ -23,12 +23,17 @@ class RowResponse:
     logprobs: Optional[list] = None  # with insert(logprobs=k): a TokenLogprobs per token in tokens
 
 
-
 class BatchRow(Row):
     """A ``step.Row`` in the batch: its uid, what it asked for, and its drafts' acceptance."""
 
-    def __init__(self, uid: int, prompt: list, prompt_cache: Optional[CachedPrefix] = None,
-                 logprobs: Optional[int] = None, **options):
+    def __init__(
+        self,
+        uid: int,
+        prompt: list,
+        prompt_cache: Optional[CachedPrefix] = None,
+        logprobs: Optional[int] = None,
+        **options,
+    ):
         super().__init__(prompt, **options)
         self.uid = uid
         self.prompt_cache = prompt_cache  # the cache of a prefix of the prompt, until prefilled
@@ -36,6 +41,9 @@ class BatchRow(Row):
         self.acceptance = Acceptance()  # what the width policy expects of its drafts
 
     def failed(self, error: Exception) -> RowResponse:
-        """The row's last response when ``error`` ends it (the other rows go on): one line naming it."""
+        """The row's last response when ``error`` ends it (the other rows go on): one line naming
+        it."""
         message = " ".join(str(error).split()) or type(error).__name__
-        return RowResponse(self.uid, [], [], "error", f"{type(error).__name__}: {message}", self.stats)
+        return RowResponse(
+            self.uid, [], [], "error", f"{type(error).__name__}: {message}", self.stats
+        )

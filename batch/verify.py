@@ -20,11 +20,13 @@ class Scores(NamedTuple):
     failures: list  # per row: None, or the error of masks that failed their check
     constrained: list  # per row: whether its masks were applied
     allowed: Optional[mx.array]  # (B, W, vocab) masks; None when no row is constrained
-    argmax_allowed: Optional[mx.array]  # (B, W): whether the constraint allows the argmax (evaluated)
+    # (B, W): whether the constraint allows the argmax (evaluated)
+    argmax_allowed: Optional[mx.array]
 
 
 def score(logits: mx.array, plans: list, width: int) -> Scores:
-    """Apply each row's masks (``plan.masks``) to its logits and read every row's argmax to the host."""
+    """Apply each row's masks (``plan.masks``) to its logits and read every row's argmax to the
+    host."""
     failures, masks = [None] * len(plans), [plan.masks for plan in plans]
     for index, row_masks in enumerate(masks):
         if row_masks is not None:
@@ -35,24 +37,37 @@ def score(logits: mx.array, plans: list, width: int) -> Scores:
     constrained = [row_masks is not None for row_masks in masks]
     allowed = None
     if any(constrained):
-        allowed = mx.stack([mx.ones((width, logits.shape[-1]), mx.bool_) if row_masks is None
-                            else _pad_rows(row_masks, width) for row_masks in masks])
-        logits = mx.where(mx.array(constrained)[:, None, None], mask_logits(logits, allowed), logits)
+        allowed = mx.stack(
+            [
+                mx.ones((width, logits.shape[-1]), mx.bool_)
+                if row_masks is None
+                else _pad_rows(row_masks, width)
+                for row_masks in masks
+            ]
+        )
+        logits = mx.where(
+            mx.array(constrained)[:, None, None], mask_logits(logits, allowed), logits
+        )
     # The step's one host sync: the greedy rows' decisions (and whether the constraints allow
     # them), and every row's logits with them.
     argmax = mx.argmax(logits, axis=-1)
-    argmax_allowed = None if allowed is None else mx.take_along_axis(allowed, argmax[..., None], -1)[..., 0]
+    argmax_allowed = (
+        None if allowed is None else mx.take_along_axis(allowed, argmax[..., None], -1)[..., 0]
+    )
     mx.eval(argmax, argmax_allowed)
     return Scores(logits, argmax.tolist(), failures, constrained, allowed, argmax_allowed)
 
 
 def accept(rows: list, drafts: list, scores: Scores) -> list:
-    """Per row: ``(num_accepted, next_token)`` by the row's own rules, or the exception that ends it."""
+    """Per row: ``(num_accepted, next_token)`` by the row's own rules, or the exception that ends
+    it."""
     results = list(scores.failures)
     for index, (row, draft) in enumerate(zip(rows, drafts)):
         if results[index] is None:
             try:
-                results[index] = row.accept(scores.logits[index, : len(draft.tokens) + 1], draft, scores.targets[index])
+                results[index] = row.accept(
+                    scores.logits[index, : len(draft.tokens) + 1], draft, scores.targets[index]
+                )
             except Exception as error:  # noqa: BLE001
                 results[index] = error
     if scores.allowed is not None:
@@ -73,8 +88,11 @@ def _check_allowed(rows: list, results: list, scores: Scores):
             else:
                 sampled.append(index)
     if sampled:  # a sampled token other than the argmax: ask its mask
-        found = scores.allowed[mx.array(sampled), mx.array([results[i][0] for i in sampled]),
-                               mx.array([results[i][1] for i in sampled])].tolist()
+        found = scores.allowed[
+            mx.array(sampled),
+            mx.array([results[i][0] for i in sampled]),
+            mx.array([results[i][1] for i in sampled]),
+        ].tolist()
         verdicts.update(zip(sampled, found))
     for index, fine in verdicts.items():
         if not fine:

@@ -1,14 +1,18 @@
-"""Batched decoding side by side: mlx-lm's BatchGenerator and ours, plain and with drafts, at 1-16 rows.
+"""Batched decoding side by side: mlx-lm's BatchGenerator and ours, plain and with drafts, at 1-16
+rows.
 
-    python -m benchmarks.batch [--sizes 1 2 4 8 16] [--max-tokens 64] [--workloads chat grounded json extract mix]
+    python -m benchmarks.batch [--sizes 1 2 4 8 16] [--max-tokens 64] [--workloads chat grounded
+    json extract mix]
 
 Workloads (greedy, the embedded SmolLM2-135M, chat template):
 - chat: open questions (benchmarks/heldout/chat.txt);
-- grounded: document questions, code edits and quote summaries (benchmarks/prompts), with prompt lookup;
+- grounded: document questions, code edits and quote summaries (benchmarks/prompts), with prompt
+  lookup;
 - json: JSON written to a schema from a short request (benchmarks/json_schemas/suite, the built-in
   regex compiler), with the forced text of the schema and prompt lookup;
-- extract: JSON Schema extraction, fields copied out of a document (benchmarks/json_schemas/extraction:
-  emails, a posting, a report, a listing, an invoice, a biography), with the same sources;
+- extract: JSON Schema extraction, fields copied out of a document
+  (benchmarks/json_schemas/extraction: emails, a posting, a report, a listing, an invoice, a
+  biography), with the same sources;
 - mix: chat, grounded and extract in turn (row i's kind is i % 3), each row with its own sources
   and constraint in one batch.
 
@@ -35,16 +39,16 @@ from pathlib import Path
 import mlx.core as mx
 
 from batch import BatchGenerator
-from decoder.cost import PassCost
 from benchmarks.harness import PROMPTS, chat_tokens
 from benchmarks.json_schema import schema_requests
 from constrained import ForcedTextSource, RegexConstraint, TokenSplits, schema_to_regex
 from constrained.token_index import load_or_build_index, token_byte_strings
+from decoder.cost import PassCost
 from decoder.draft import Draft, DraftSource
+from decoder.text import eos_ids_of
 from loading.load import describe_backend, load_model
 from loading.store import cache_dir
 from prompt_lookup.ngram import PromptLookupSource
-from decoder.text import eos_ids_of
 
 ROOT = Path(__file__).parent
 RESULTS = ROOT / "results" / "batch.md"
@@ -95,6 +99,7 @@ def prefill_watch(generator):
     def prefilled() -> bool:
         changed, seen[0] = generator.stats.prompt_time != seen[0], generator.stats.prompt_time
         return changed
+
     return prefilled
 
 
@@ -103,12 +108,18 @@ def run_mlx_lm(model, eos, prompts, max_tokens, _options):
 
     mx.reset_peak_memory()
     start = time.perf_counter()
-    generator = MlxBatchGenerator(model, stop_tokens=[[t] for t in eos], max_tokens=max_tokens,
-                                  prefill_batch_size=len(prompts), completion_batch_size=len(prompts))
+    generator = MlxBatchGenerator(
+        model,
+        stop_tokens=[[t] for t in eos],
+        max_tokens=max_tokens,
+        prefill_batch_size=len(prompts),
+        completion_batch_size=len(prompts),
+    )
     uids = generator.insert(prompts, [max_tokens] * len(prompts))
 
     def step():
         return [(r.uid, [r.token]) for r in generator.next_generated()]
+
     tokens, seconds, full_tps, latencies = timed(step, uids, start)
     generator.close()
     return Run(tokens, seconds, full_tps, latencies, 1.0, mx.get_peak_memory() / 1e9, {1: "all"})
@@ -117,15 +128,27 @@ def run_mlx_lm(model, eos, prompts, max_tokens, _options):
 def run_ours(model, eos, prompts, max_tokens, options, cost):
     mx.reset_peak_memory()
     start = time.perf_counter()
-    generator = BatchGenerator(model, eos_token_ids=eos, prefill_batch_size=len(prompts), pass_cost=cost)
+    generator = BatchGenerator(
+        model, eos_token_ids=eos, prefill_batch_size=len(prompts), pass_cost=cost
+    )
     uids = generator.insert(prompts, max_tokens=max_tokens, **options())
 
     def step():
         return [(r.uid, r.tokens) for r in generator.next()]
-    tokens, seconds, full_tps, latencies = timed(step, uids, start, prefilled=prefill_watch(generator))
+
+    tokens, seconds, full_tps, latencies = timed(
+        step, uids, start, prefilled=prefill_watch(generator)
+    )
     stats = generator.stats
-    return Run(tokens, seconds, full_tps, latencies, stats.row_passes / max(stats.generation_tokens, 1),
-               mx.get_peak_memory() / 1e9, dict(sorted(stats.widths.items())))
+    return Run(
+        tokens,
+        seconds,
+        full_tps,
+        latencies,
+        stats.row_passes / max(stats.generation_tokens, 1),
+        mx.get_peak_memory() / 1e9,
+        dict(sorted(stats.widths.items())),
+    )
 
 
 class SimulatedClock:
@@ -144,18 +167,29 @@ class SimulatedClock:
         return self.now
 
     def seconds(self, widths: dict) -> float:
-        return sum(count * (self.base + self.per_token * (width - 1)) for width, count in widths.items())
+        return sum(
+            count * (self.base + self.per_token * (width - 1)) for width, count in widths.items()
+        )
 
 
 def simulated(model, eos, prompts, max_tokens, options):
     """The same policy on the cheap curve: (tokens per time unit with every row in flight, passes
     per token, widths)."""
     clocked = SimulatedClock(model)
-    generator = BatchGenerator(clocked, eos_token_ids=eos, prefill_batch_size=len(prompts),
-                               pass_cost=PassCost(clock=clocked.time))
+    generator = BatchGenerator(
+        clocked,
+        eos_token_ids=eos,
+        prefill_batch_size=len(prompts),
+        pass_cost=PassCost(clock=clocked.time),
+    )
     uids = generator.insert(prompts, max_tokens=max_tokens, **options())
-    _, _, full_rate, _ = timed(lambda: [(r.uid, r.tokens) for r in generator.next()], uids, 0.0, clocked.time,
-                               prefill_watch(generator))
+    _, _, full_rate, _ = timed(
+        lambda: [(r.uid, r.tokens) for r in generator.next()],
+        uids,
+        0.0,
+        clocked.time,
+        prefill_watch(generator),
+    )
     stats = generator.stats
     return full_rate, stats.row_passes / stats.generation_tokens, dict(sorted(stats.widths.items()))
 
@@ -163,15 +197,28 @@ def simulated(model, eos, prompts, max_tokens, options):
 def schema_tasks(tokenizer, vocab_size, folder: str) -> tuple:
     """(prompts, token indexes) of the schemas in benchmarks/json_schemas/``folder``."""
     requests = schema_requests(folder)
-    indexes = [load_or_build_index(schema_to_regex(schema), tokenizer, vocab_size, eos_ids_of(tokenizer),
-                                   cache_dir=cache_dir() / "regex-index") for _, schema in requests]
+    indexes = [
+        load_or_build_index(
+            schema_to_regex(schema),
+            tokenizer,
+            vocab_size,
+            eos_ids_of(tokenizer),
+            cache_dir=cache_dir() / "regex-index",
+        )
+        for _, schema in requests
+    ]
     return [chat_tokens(tokenizer, text) for text, _ in requests], indexes
 
 
 def load_workloads(tokenizer, vocab_size, names):
-    grounded = [(f"{folder}/{file.stem}", file.read_text()) for folder in ("extractive_qa", "code_edit", "summarize_quotes")
-                for file in sorted((PROMPTS / folder).glob("*.txt"))]
-    chat = [line for line in (ROOT / "heldout" / "chat.txt").read_text().splitlines() if line.strip()]
+    grounded = [
+        (f"{folder}/{file.stem}", file.read_text())
+        for folder in ("extractive_qa", "code_edit", "summarize_quotes")
+        for file in sorted((PROMPTS / folder).glob("*.txt"))
+    ]
+    chat = [
+        line for line in (ROOT / "heldout" / "chat.txt").read_text().splitlines() if line.strip()
+    ]
     work = {}
     if "chat" in names:
         work["chat"] = ([chat_tokens(tokenizer, text) for text in chat], None)
@@ -180,10 +227,18 @@ def load_workloads(tokenizer, vocab_size, names):
     for name, folder in (("json", "suite"), ("extract", "extraction")):
         if name in names or (name == "extract" and "mix" in names):
             work[name] = schema_tasks(tokenizer, vocab_size, folder)
-    if "mix" in names:  # chat, grounded, extract in turn, so row i's kind is i % 3 (see methods_for)
+    # chat, grounded, extract in turn, so row i's kind is i % 3 (see methods_for)
+    if "mix" in names:
         count = min(len(chat), len(grounded), len(work["extract"][0]))
-        mixed = [chat_tokens(tokenizer, chat[i]) if kind == 0 else chat_tokens(tokenizer, grounded[i][1]) if kind == 1
-                 else work["extract"][0][i] for i in range(count) for kind in range(3)]
+        mixed = [
+            chat_tokens(tokenizer, chat[i])
+            if kind == 0
+            else chat_tokens(tokenizer, grounded[i][1])
+            if kind == 1
+            else work["extract"][0][i]
+            for i in range(count)
+            for kind in range(3)
+        ]
         work["mix"] = (mixed, work["extract"][1][:count])
     return {name: work[name] for name in names}
 
@@ -213,34 +268,54 @@ class ForcedTextOracle(DraftSource):
 
 def methods_for(workload, indexes, tokenizer, oracle=None):
     """(name, options factory or None for mlx-lm) per method; factories build fresh per-row objects.
-    ``oracle``: (token byte strings, {rows: (prompts, the first method's output)}) adds the schema workloads' bound."""
+    ``oracle``: (token byte strings, {rows: (prompts, the first method's output)}) adds the schema
+    workloads' bound."""
+
     def lookup(rows):
         return lambda: {"draft_sources": [[PromptLookupSource()] for _ in range(rows)]}
 
-    splits = TokenSplits(tokenizer)  # the model's way with forced text, learned across batches as a server would
+    # the model's way with forced text, learned across batches as a server would
+    splits = TokenSplits(tokenizer)
 
     def constrained(rows, drafts):
         def make():
             constraints = [RegexConstraint(indexes[i % len(indexes)]) for i in range(rows)]
-            sources = [[ForcedTextSource(c, tokenizer, splits), PromptLookupSource()] if drafts else []
-                       for c in constraints]
+            sources = [
+                [ForcedTextSource(c, tokenizer, splits), PromptLookupSource()] if drafts else []
+                for c in constraints
+            ]
             return {"constraint": constraints, "draft_sources": sources}
+
         return make
 
     if workload == "mix":
+
         def mixed(rows, drafts):
             def make():
-                constraints = [RegexConstraint(indexes[(i % (3 * len(indexes))) // 3]) if i % 3 == 2 else None
-                               for i in range(rows)]
-                sources = [([ForcedTextSource(c, tokenizer, splits)] if c is not None else []) + [PromptLookupSource()]
-                           if drafts else [] for c in constraints]
+                constraints = [
+                    RegexConstraint(indexes[(i % (3 * len(indexes))) // 3]) if i % 3 == 2 else None
+                    for i in range(rows)
+                ]
+                sources = [
+                    ([ForcedTextSource(c, tokenizer, splits)] if c is not None else [])
+                    + [PromptLookupSource()]
+                    if drafts
+                    else []
+                    for c in constraints
+                ]
                 return {"constraint": constraints, "draft_sources": sources}
+
             return make
-        return [("ours, no drafts", lambda rows: mixed(rows, False)),
-                ("ours + forced + lookup", lambda rows: mixed(rows, True))]
+
+        return [
+            ("ours, no drafts", lambda rows: mixed(rows, False)),
+            ("ours + forced + lookup", lambda rows: mixed(rows, True)),
+        ]
     if workload in ("json", "extract"):
-        methods = [("ours constrained", lambda rows: constrained(rows, False)),
-                   ("ours constrained + forced + lookup", lambda rows: constrained(rows, True))]
+        methods = [
+            ("ours constrained", lambda rows: constrained(rows, False)),
+            ("ours constrained + forced + lookup", lambda rows: constrained(rows, True)),
+        ]
         if oracle is not None:
             token_bytes, truths = oracle
 
@@ -248,14 +323,26 @@ def methods_for(workload, indexes, tokenizer, oracle=None):
                 def make():
                     prompts, truth = truths[rows]
                     constraints = [RegexConstraint(indexes[i % len(indexes)]) for i in range(rows)]
-                    return {"constraint": constraints, "draft_sources": [
-                        [ForcedTextOracle(c, token_bytes, len(prompts[i]), truth[i]), PromptLookupSource()]
-                        for i, c in enumerate(constraints)]}
+                    return {
+                        "constraint": constraints,
+                        "draft_sources": [
+                            [
+                                ForcedTextOracle(c, token_bytes, len(prompts[i]), truth[i]),
+                                PromptLookupSource(),
+                            ]
+                            for i, c in enumerate(constraints)
+                        ],
+                    }
+
                 return make
+
             methods.append(("bound: oracle forced text + lookup", bound))
         return methods
-    return [("mlx-lm BatchGenerator", None), ("ours plain", lambda rows: lambda: {}),
-            ("ours + prompt lookup", lookup)]
+    return [
+        ("mlx-lm BatchGenerator", None),
+        ("ours plain", lambda rows: lambda: {}),
+        ("ours + prompt lookup", lookup),
+    ]
 
 
 def pick(prompts, rows):
@@ -272,17 +359,34 @@ def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--workloads", nargs="+", default=["chat", "grounded", "json", "extract"],
-                        choices=["chat", "grounded", "json", "extract", "mix"])
-    parser.add_argument("--repeat", type=int, default=2,
-                        help="Run the methods this many times in turn at each size and keep each one's best "
-                             "(a shared machine's noise only ever slows a run down)")
-    parser.add_argument("--simulate-rows", type=int, default=8,
-                        help="Also run the workloads with drafts (all but chat) at this many rows on a simulated "
-                             "GPU-like cost curve (0: skip)")
-    parser.add_argument("--oracle", action="store_true",
-                        help="Add to json and extract a bound: forced text drafted in the very tokens the target writes")
-    parser.add_argument("--out", default=str(RESULTS), help="Markdown file for the table ('' to skip)")
+    parser.add_argument(
+        "--workloads",
+        nargs="+",
+        default=["chat", "grounded", "json", "extract"],
+        choices=["chat", "grounded", "json", "extract", "mix"],
+    )
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=2,
+        help="Run the methods this many times in turn at each size and keep each one's best "
+        "(a shared machine's noise only ever slows a run down)",
+    )
+    parser.add_argument(
+        "--simulate-rows",
+        type=int,
+        default=8,
+        help="Also run the workloads with drafts (all but chat) at this many rows on a simulated "
+        "GPU-like cost curve (0: skip)",
+    )
+    parser.add_argument(
+        "--oracle",
+        action="store_true",
+        help="Add to json and extract a bound: forced text drafted in the very tokens the target writes",
+    )
+    parser.add_argument(
+        "--out", default=str(RESULTS), help="Markdown file for the table ('' to skip)"
+    )
     return parser.parse_args()
 
 
@@ -299,9 +403,13 @@ def main():
 
     sections = {}
     for workload, (prompts, indexes) in work.items():
-        lines = [f"## {workload}", "", "| rows | method | tok/s, all rows in flight | vs first | vs ours without drafts "
-                 "| tok/s, insert to end | passes/token | p50 ms/token | p95 ms/token | peak GB | widths (passes) |",
-                 "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+        lines = [
+            f"## {workload}",
+            "",
+            "| rows | method | tok/s, all rows in flight | vs first | vs ours without drafts "
+            "| tok/s, insert to end | passes/token | p50 ms/token | p95 ms/token | peak GB | widths (passes) |",
+            "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        ]
         mismatches = []
         truths = {}  # rows -> (prompts, the first method's output), for --oracle
         oracle = (token_bytes, truths) if args.oracle else None
@@ -315,7 +423,9 @@ def main():
                         run = run_mlx_lm(model, eos, batch_prompts, args.max_tokens, None)
                     else:
                         cost = costs.setdefault((workload, name), PassCost())
-                        run = run_ours(model, eos, batch_prompts, args.max_tokens, factory(rows), cost)
+                        run = run_ours(
+                            model, eos, batch_prompts, args.max_tokens, factory(rows), cost
+                        )
                     if name not in results or run.full_tps > results[name].full_tps:
                         results[name] = run
                     truths.setdefault(rows, (batch_prompts, run.tokens))
@@ -323,18 +433,24 @@ def main():
             plain = next(run for name, run in results.items() if name.startswith("ours")).full_tps
             for name, run in results.items():
                 total = sum(len(t) for t in run.tokens)
-                lines.append(f"| {rows} | {name} | {run.full_tps:.1f} | {run.full_tps / first:.2f}x | "
-                             f"{run.full_tps / plain:.2f}x | {total / run.seconds:.1f} | {run.passes_per_token:.3f} | "
-                             f"{1e3 * percentile(run.latencies, 0.5):.0f} | {1e3 * percentile(run.latencies, 0.95):.0f} "
-                             f"| {run.peak_gb:.3f} | {run.widths} |")
+                lines.append(
+                    f"| {rows} | {name} | {run.full_tps:.1f} | {run.full_tps / first:.2f}x | "
+                    f"{run.full_tps / plain:.2f}x | {total / run.seconds:.1f} | {run.passes_per_token:.3f} | "
+                    f"{1e3 * percentile(run.latencies, 0.5):.0f} | {1e3 * percentile(run.latencies, 0.95):.0f} "
+                    f"| {run.peak_gb:.3f} | {run.widths} |"
+                )
                 print(workload, lines[-1], flush=True)
             mismatches += differing_rows(results, eos, rows)
-        lines += [""] + ([f"- {m}" for m in mismatches] or ["- every method gave every row the same tokens"])
+        lines += [""] + (
+            [f"- {m}" for m in mismatches] or ["- every method gave every row the same tokens"]
+        )
         if args.simulate_rows and workload != "chat":
             lines += simulated_section(model, eos, prompts, methods, args, workload)
-        command = (f"python -m benchmarks.batch --workloads {workload} --sizes {' '.join(map(str, args.sizes))} "
-                   f"--max-tokens {args.max_tokens} --repeat {args.repeat} --simulate-rows {args.simulate_rows}"
-                   + (" --oracle" if args.oracle and workload in ("json", "extract") else ""))
+        command = (
+            f"python -m benchmarks.batch --workloads {workload} --sizes {' '.join(map(str, args.sizes))} "
+            f"--max-tokens {args.max_tokens} --repeat {args.repeat} --simulate-rows {args.simulate_rows}"
+            + (" --oracle" if args.oracle and workload in ("json", "extract") else "")
+        )
         lines[1:1] = ["", f"    {command}"]
         sections[f"## {workload}"] = "\n".join(lines)
     if args.out:
@@ -349,24 +465,36 @@ def differing_rows(results: dict, eos, rows: int) -> list:
     for name, output in zip(results, outputs):
         differing = sum(a != b for a, b in zip(output, outputs[0]))
         if differing:
-            mismatches.append(f"{rows} rows: {name} differs from {next(iter(results))} on "
-                              f"{differing} of {rows} rows")
+            mismatches.append(
+                f"{rows} rows: {name} differs from {next(iter(results))} on "
+                f"{differing} of {rows} rows"
+            )
             print("  !!", mismatches[-1], flush=True)
     return mismatches
 
 
 def simulated_section(model, eos, prompts, methods, args, workload) -> list:
-    """The table of the drafting methods at ``args.simulate_rows`` rows on the simulated cost curve."""
-    lines = ["", f"The same policy on a simulated GPU-like cost curve, {args.simulate_rows} rows: a [B, W] "
-             "pass takes 1 + 0.005 (W - 1) time units at any B.", "",
-             "| method | tokens per time unit, all rows in flight | vs first | passes/token | widths (passes) |",
-             "|---|---:|---:|---:|---|"]
+    """The table of the drafting methods at ``args.simulate_rows`` rows on the simulated cost
+    curve."""
+    lines = [
+        "",
+        f"The same policy on a simulated GPU-like cost curve, {args.simulate_rows} rows: a [B, W] "
+        "pass takes 1 + 0.005 (W - 1) time units at any B.",
+        "",
+        "| method | tokens per time unit, all rows in flight | vs first | passes/token | widths (passes) |",
+        "|---|---:|---:|---:|---|",
+    ]
     first = None
     for name, factory in methods:
         if factory is None or name.startswith("bound"):
             continue
-        rate, passes, widths = simulated(model, eos, pick(prompts, args.simulate_rows), args.max_tokens,
-                                         factory(args.simulate_rows))
+        rate, passes, widths = simulated(
+            model,
+            eos,
+            pick(prompts, args.simulate_rows),
+            args.max_tokens,
+            factory(args.simulate_rows),
+        )
         first = first or rate
         lines.append(f"| {name} | {rate:.2f} | {rate / first:.2f}x | {passes:.3f} | {widths} |")
         print(workload, lines[-1], flush=True)
@@ -374,18 +502,22 @@ def simulated_section(model, eos, prompts, methods, args, workload) -> list:
 
 
 def write_sections(out: Path, sections: dict, max_tokens: int):
-    """Replace this run's sections of ``out``, keeping the others (other workloads, benchmarks.batch_cache's)."""
+    """Replace this run's sections of ``out``, keeping the others (other workloads,
+    benchmarks.batch_cache's)."""
     kept = {}
     if out.exists():
         for part in ("\n" + out.read_text()).split("\n## ")[1:]:
             kept["## " + part.split("\n", 1)[0]] = ("## " + part).rstrip()
     kept.update(sections)
-    header = (f"# Batched decoding\n\n{platform.machine()}, {describe_backend()}; SmolLM2-135M float32 (the "
-              f"embedded model), greedy, {max_tokens} tokens per request at most. At each batch size the methods "
-              "run one after another on the same prompts; each engine keeps one cost model across sizes.\n")
+    header = (
+        f"# Batched decoding\n\n{platform.machine()}, {describe_backend()}; SmolLM2-135M float32 (the "
+        f"embedded model), greedy, {max_tokens} tokens per request at most. At each batch size the methods "
+        "run one after another on the same prompts; each engine keeps one cost model across sizes.\n"
+    )
     order = [f"## {w}" for w in ("chat", "grounded", "json", "extract")]
     body = [kept[k] for k in order if k in kept] + [v for k, v in kept.items() if k not in order]
     out.write_text(header + "\n" + "\n\n".join(body) + "\n")
+
 
 if __name__ == "__main__":
     main()

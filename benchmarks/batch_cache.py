@@ -1,4 +1,5 @@
-"""Per-row rollback in one batch KV cache: the cost of a verification step, two designs side by side.
+"""Per-row rollback in one batch KV cache: the cost of a verification step, two designs side by
+side.
 
     python -m benchmarks.batch_cache [--rows 8] [--contexts 1024 4096] [--width 5] [--steps 8]
 
@@ -28,7 +29,10 @@ from loading.load import load_model
 def filled(model, rows: int, context: int, make):
     """One cache per layer holding ``context`` random keys and values per row."""
     args = model.args
-    heads, head_dim = args.num_key_value_heads, args.head_dim or args.hidden_size // args.num_attention_heads
+    heads, head_dim = (
+        args.num_key_value_heads,
+        args.head_dim or args.hidden_size // args.num_attention_heads,
+    )
     dtype = model.model.embed_tokens.weight.dtype
     caches = []
     for _ in model.layers:
@@ -83,19 +87,52 @@ def main():
     args = parser.parse_args()
     model, _, _ = load_model()
     rng = random.Random(0)
-    print("| context | plain [B,1] step ms | [B,W], one shared trim ms | roll: [B,W] + rollback ms "
-          "| ragged: [B,W] + rollback ms |")
+    print(
+        "| context | plain [B,1] step ms | [B,W], one shared trim ms | roll: [B,W] + rollback ms "
+        "| ragged: [B,W] + rollback ms |"
+    )
     print("|---:|---:|---:|---:|---:|")
     for context in args.contexts:
-        plain = timed_steps(model, filled(model, args.rows, context, lambda: BatchKVCache([0] * args.rows)),
-                            args.rows, 1, args.steps, None, rng)
-        shared = timed_steps(model, filled(model, args.rows, context, lambda: BatchKVCache([0] * args.rows)),
-                             args.rows, args.width, args.steps, rollback_shared, rng)
-        roll = timed_steps(model, filled(model, args.rows, context, lambda: BatchKVCache([0] * args.rows)),
-                           args.rows, args.width, args.steps, rollback_roll, rng)
-        ragged = timed_steps(model, filled(model, args.rows, context, lambda: KVRows(args.rows)),
-                             args.rows, args.width, args.steps, rollback_ragged, rng)
-        print(f"| {context} | {plain * 1e3:.1f} | {shared * 1e3:.1f} | {roll * 1e3:.1f} | {ragged * 1e3:.1f} |", flush=True)
+        plain = timed_steps(
+            model,
+            filled(model, args.rows, context, lambda: BatchKVCache([0] * args.rows)),
+            args.rows,
+            1,
+            args.steps,
+            None,
+            rng,
+        )
+        shared = timed_steps(
+            model,
+            filled(model, args.rows, context, lambda: BatchKVCache([0] * args.rows)),
+            args.rows,
+            args.width,
+            args.steps,
+            rollback_shared,
+            rng,
+        )
+        roll = timed_steps(
+            model,
+            filled(model, args.rows, context, lambda: BatchKVCache([0] * args.rows)),
+            args.rows,
+            args.width,
+            args.steps,
+            rollback_roll,
+            rng,
+        )
+        ragged = timed_steps(
+            model,
+            filled(model, args.rows, context, lambda: KVRows(args.rows)),
+            args.rows,
+            args.width,
+            args.steps,
+            rollback_ragged,
+            rng,
+        )
+        print(
+            f"| {context} | {plain * 1e3:.1f} | {shared * 1e3:.1f} | {roll * 1e3:.1f} | {ragged * 1e3:.1f} |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -12,7 +12,14 @@ import time
 
 import mlx.core as mx
 
-from benchmarks.harness import Method, heldout_prompts, load_prompts, markdown_table, side_by_side, time_loop
+from benchmarks.harness import (
+    Method,
+    heldout_prompts,
+    load_prompts,
+    markdown_table,
+    side_by_side,
+    time_loop,
+)
 from decoder.step import SourceStats
 from decoder.text import eos_ids_of
 
@@ -23,7 +30,8 @@ class Recorded:
     def __init__(self, source, stats: SourceStats):
         self.source, self.stats, self.name = source, stats, source.name
 
-    def __getattr__(self, name):  # everything else is the source's (forecasts, locate, a batch's questions)
+    # everything else is the source's (forecasts, locate, a batch's questions)
+    def __getattr__(self, name):
         return getattr(self.source, name)
 
     def reset(self, *args, **kwargs):
@@ -46,8 +54,10 @@ def draft_head_suite(model, tokenizer, args):
     from speculative import DraftModelSource
     from speculative.head_source import DraftHeadSource
 
-    prompts = {"heldout_chat": heldout_prompts(tokenizer),
-               **load_prompts(tokenizer, ["open_ended", "extractive_qa"])}
+    prompts = {
+        "heldout_chat": heldout_prompts(tokenizer),
+        **load_prompts(tokenizer, ["open_ended", "extractive_qa"]),
+    }
     if args.classes:
         prompts = {task: items for task, items in prompts.items() if task in args.classes}
     prompts = first_prompts(prompts, args.prompts_per_class)
@@ -64,36 +74,65 @@ def draft_head_suite(model, tokenizer, args):
             def run(prompt, max_tokens):
                 # The loop runs on the tap, so this method times the loop itself.
                 tap, source = DraftHeadSource.create(model, args.head, **options)
-                sources = [PromptLookupSource(), Recorded(source, stats)] if lookup else [Recorded(source, stats)]
+                sources = (
+                    [PromptLookupSource(), Recorded(source, stats)]
+                    if lookup
+                    else [Recorded(source, stats)]
+                )
                 return time_loop(tap, prompt, max_tokens, eos, temp=temp, draft_sources=sources)
+
             return Method(name, run=run, greedy=greedy)
 
         methods = [
             Method("plain", lambda prompt: {"temp": temp}, greedy=greedy),
-            Method(f"mlx-lm speculative, self-draft {num_layers} layers, k=4",
-                   run=mlx_lm_speculative_runner(model, tokenizer, self_draft, 4, temp), greedy=greedy),
-            Method(f"draft model ({num_layers} layers), adaptive", lambda prompt: {"temp": temp, "draft_sources": [
-                DraftModelSource.create(self_draft, tokenizer, model, tokenizer)]}, greedy=greedy),
+            Method(
+                f"mlx-lm speculative, self-draft {num_layers} layers, k=4",
+                run=mlx_lm_speculative_runner(model, tokenizer, self_draft, 4, temp),
+                greedy=greedy,
+            ),
+            Method(
+                f"draft model ({num_layers} layers), adaptive",
+                lambda prompt: {
+                    "temp": temp,
+                    "draft_sources": [
+                        DraftModelSource.create(self_draft, tokenizer, model, tokenizer)
+                    ],
+                },
+                greedy=greedy,
+            ),
             head_method("head, k=4 fixed", num_draft=4, adaptive=False),
             head_method("head, k=2 fixed", num_draft=2, adaptive=False),
             head_method("head, adaptive"),
-            Method("prompt lookup", lambda prompt: {"temp": temp, "draft_sources": [PromptLookupSource()]},
-                   greedy=greedy),
+            Method(
+                "prompt lookup",
+                lambda prompt: {"temp": temp, "draft_sources": [PromptLookupSource()]},
+                greedy=greedy,
+            ),
             head_method("prompt lookup + head", lookup=True),
         ]
-        for task, by_method in side_by_side(model, tokenizer, prompts, methods, args.max_tokens).items():
+        for task, by_method in side_by_side(
+            model, tokenizer, prompts, methods, args.max_tokens
+        ).items():
             results[f"{task}, temp {temp}"] = by_method
-    lines = ["", "Head acceptance by draft position (all prompts):", "",
-             "| method | drafts | mean accepted | by position |", "|---|---:|---:|---|"]
+    lines = [
+        "",
+        "Head acceptance by draft position (all prompts):",
+        "",
+        "| method | drafts | mean accepted | by position |",
+        "|---|---:|---:|---|",
+    ]
     for name, stats in by_position.items():
         summary = stats.summary()
         positions = ", ".join(f"{r:.2f}" for r in summary["acceptance_by_position"][:8])
-        lines.append(f"| {name} | {stats.drafts} | {summary['mean_accepted_length']:.2f} | {positions} |")
+        lines.append(
+            f"| {name} | {stats.drafts} | {summary['mean_accepted_length']:.2f} | {positions} |"
+        )
     return markdown_table(results, "plain") + "\n" + "\n".join(lines), None
 
 
 def draft_head_cost_suite(model, tokenizer, args, repeats: int = 40):
-    """One draft step (head + sub-vocabulary scores + argmax + sync) vs one target step, interleaved."""
+    """One draft step (head + sub-vocabulary scores + argmax + sync) vs one target step,
+    interleaved."""
     from mlx_lm.models.cache import make_prompt_cache
 
     from speculative.head import body_with_features, output_weight
@@ -107,7 +146,9 @@ def draft_head_cost_suite(model, tokenizer, args, repeats: int = 40):
     head(features[:, :-1], embed(mx.array(prompt[1:])[None]), cache=head_cache)
     # The head's ids are ranked by frequency: its first n rows are the n-token sub-vocabulary.
     sizes = [n for n in (2048, 4096) if n < vocab_ids.size] + [vocab_ids.size]
-    rows = {f"sub-vocabulary {n}": mx.take(output_weight(model), vocab_ids[:n], axis=0) for n in sizes}
+    rows = {
+        f"sub-vocabulary {n}": mx.take(output_weight(model), vocab_ids[:n], axis=0) for n in sizes
+    }
     rows["full vocabulary"] = output_weight(model)
     feature = hidden[:, -1:]
     token = mx.array([[prompt[-1]]])
@@ -124,7 +165,10 @@ def draft_head_cost_suite(model, tokenizer, args, repeats: int = 40):
         for c in head_cache:
             c.trim(1)
 
-    steps = {"target step": target_step, **{f"head step, {k}": (lambda r=r: draft_step(r)) for k, r in rows.items()}}
+    steps = {
+        "target step": target_step,
+        **{f"head step, {k}": (lambda r=r: draft_step(r)) for k, r in rows.items()},
+    }
     times = {name: [] for name in steps}
     for _ in range(3):  # warm-up
         for step in steps.values():
@@ -145,9 +189,9 @@ def draft_head_misses_suite(model, tokenizer, args):
     """Where the head's misses go, teacher-forced on the target's own greedy answers to the
     held-out chat prompts: accuracy at draft depth 1 and 2 by how frequent the right token is."""
     from decoder import generate_step
+    from head_training.train import unrolled_predictions
     from speculative.head import body_with_features, output_weight
     from speculative.head_loading import load_head
-    from head_training.train import unrolled_predictions
 
     head, vocab_ids = load_head(args.head, model)
     rank = {token: i for i, token in enumerate(vocab_ids.tolist())}
@@ -155,12 +199,18 @@ def draft_head_misses_suite(model, tokenizer, args):
     buckets = [(0, 1024), (1024, 4096), (4096, vocab_ids.size), (vocab_ids.size, None)]
     hits = {depth: {b: [0, 0] for b in buckets} for depth in (1, 2)}
     for _, prompt in heldout_prompts(tokenizer)[: args.prompts_per_class or None]:
-        answer = [t for t, _ in generate_step(prompt, model, max_tokens=args.max_tokens,
-                                              eos_token_ids=eos_ids_of(tokenizer))]
+        answer = [
+            t
+            for t, _ in generate_step(
+                prompt, model, max_tokens=args.max_tokens, eos_token_ids=eos_ids_of(tokenizer)
+            )
+        ]
         text = prompt + answer
         _, features = body_with_features(model, mx.array(text)[None], head.feature_layers)
         # Depth 2 reads depth 1's predictions and attends as drafting does.
-        predictions = unrolled_predictions(head, features, model.model.embed_tokens(mx.array(text)[None]), 2)
+        predictions = unrolled_predictions(
+            head, features, model.model.embed_tokens(mx.array(text)[None]), 2
+        )
         for depth, predicted in enumerate(predictions, start=1):
             guesses = vocab_ids[mx.argmax(predicted[0] @ out_rows.T, axis=-1)].tolist()
             for position, guess in enumerate(guesses):
@@ -168,16 +218,25 @@ def draft_head_misses_suite(model, tokenizer, args):
                 if index < len(prompt) or index >= len(text):
                     continue
                 right = text[index]
-                bucket = next(b for b in buckets if b[1] is None or rank.get(right, vocab_ids.size) < b[1])
+                bucket = next(
+                    b for b in buckets if b[1] is None or rank.get(right, vocab_ids.size) < b[1]
+                )
                 hits[depth][bucket][0] += guess == right
                 hits[depth][bucket][1] += 1
-    lines = ["| right token's frequency rank | answer tokens | depth 1 accuracy | depth 2 accuracy |",
-             "|---|---:|---:|---:|"]
+    lines = [
+        "| right token's frequency rank | answer tokens | depth 1 accuracy | depth 2 accuracy |",
+        "|---|---:|---:|---:|",
+    ]
     for bucket in buckets:
         label = f"{bucket[0]}-{bucket[1]}" if bucket[1] else "outside the sub-vocabulary"
         count = hits[1][bucket][1]
         accuracy = [f"{hits[d][bucket][0] / max(hits[d][bucket][1], 1):.1%}" for d in (1, 2)]
         lines.append(f"| {label} | {count} | {accuracy[0]} | {accuracy[1]} |")
-    total = [sum(h[0] for h in hits[d].values()) / max(sum(h[1] for h in hits[d].values()), 1) for d in (1, 2)]
-    lines.append(f"| all | {sum(h[1] for h in hits[1].values())} | {total[0]:.1%} | {total[1]:.1%} |")
+    total = [
+        sum(h[0] for h in hits[d].values()) / max(sum(h[1] for h in hits[d].values()), 1)
+        for d in (1, 2)
+    ]
+    lines.append(
+        f"| all | {sum(h[1] for h in hits[1].values())} | {total[0]:.1%} | {total[1]:.1%} |"
+    )
     return "\n".join(lines), None

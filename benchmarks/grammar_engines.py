@@ -16,7 +16,9 @@ from constrained.grammar import GrammarConstraint, compile_json_schema, ll_token
 from decoder.draft import ConstraintError
 from decoder.text import eos_ids_of
 
-DEV_SPLITS = re.compile(r"(Github_trivial|Github_ultra|Handwritten|Synthesized|MCPspec)---.*|(BFCL_[a-z_]+|JME)_\d+\.json")
+DEV_SPLITS = re.compile(
+    r"(Github_trivial|Github_ultra|Handwritten|Synthesized|MCPspec)---.*|(BFCL_[a-z_]+|JME)_\d+\.json"
+)
 WALKS, WALK_TOKENS = 2, 200
 
 
@@ -25,7 +27,8 @@ def split_of(name: str) -> str:
 
 
 def load_dev_set(folder: Path, per_split: int, seed: int = 0) -> list:
-    """[(split, name, schema, tests)]: at most `per_split` files per split, a fixed random sample."""
+    """[(split, name, schema, tests)]: at most `per_split` files per split, a fixed random
+    sample."""
     by_split = {}
     for path in sorted(folder.iterdir()):
         if DEV_SPLITS.fullmatch(path.name):
@@ -43,7 +46,8 @@ def compact(value) -> str:
 
 
 class Engine:
-    """One JSON Schema engine: compile, accept a text, and random token walks (outputs) under its masks."""
+    """One JSON Schema engine: compile, accept a text, and random token walks (outputs) under its
+    masks."""
 
     name = ""
 
@@ -59,8 +63,9 @@ class LLGuidance(Engine):
         self.ll_tokenizer = ll_tokenizer_of(tokenizer)
 
     def compile(self, schema):
-        return GrammarConstraint.from_llguidance(compile_json_schema(schema, self.ll_tokenizer), self.tokenizer,
-                                                 self.vocab_size)
+        return GrammarConstraint.from_llguidance(
+            compile_json_schema(schema, self.ll_tokenizer), self.tokenizer, self.vocab_size
+        )
 
     def accepts(self, constraint, text):
         constraint.reset()
@@ -87,17 +92,24 @@ class XGrammar(Engine):
         self.bitmask = xgrammar.allocate_token_bitmask(1, vocab_size)
 
     def compile(self, schema):
-        compiled = self.compiler.compile_json_schema(json.dumps(schema), any_whitespace=False, separators=(",", ":"))
+        compiled = self.compiler.compile_json_schema(
+            json.dumps(schema), any_whitespace=False, separators=(",", ":")
+        )
         return self.xgr.GrammarMatcher(compiled)
 
     def accepts(self, matcher, text):
         matcher.reset()
-        tokens = self.tokenizer.encode(text, add_special_tokens=False) + sorted(eos_ids_of(self.tokenizer))[:1]
+        tokens = (
+            self.tokenizer.encode(text, add_special_tokens=False)
+            + sorted(eos_ids_of(self.tokenizer))[:1]
+        )
         return all(matcher.accept_token(token) for token in tokens)
 
     def allowed(self, matcher):
         matcher.fill_next_token_bitmask(self.bitmask)
-        bits = np.unpackbits(self.bitmask.numpy().view(np.uint8), axis=1, bitorder="little")[0, : self.vocab_size]
+        bits = np.unpackbits(self.bitmask.numpy().view(np.uint8), axis=1, bitorder="little")[
+            0, : self.vocab_size
+        ]
         return bits.astype(bool)
 
     def advance(self, matcher, token):
@@ -105,8 +117,8 @@ class XGrammar(Engine):
 
 
 def random_outputs(engine, handle, eos, closers, rng, walks=WALKS):
-    """(texts of random walks that end with EOS, walks the engine gave up on): EOS half the time it is
-    allowed, closing characters often, any allowed token otherwise (outputs biased to finish)."""
+    """(texts of random walks that end with EOS, walks the engine gave up on): EOS half the time it
+    is allowed, closing characters often, any allowed token otherwise (outputs biased to finish)."""
     texts, failed = [], 0
     for _ in range(walks):
         handle.reset()
@@ -114,7 +126,8 @@ def random_outputs(engine, handle, eos, closers, rng, walks=WALKS):
         for _ in range(WALK_TOKENS):
             try:
                 allowed = engine.allowed(handle)  # (vocab,) bool
-            except ConstraintError:  # llguidance past its lexer limits (a one-line error in main.py)
+            # llguidance past its lexer limits (a one-line error in main.py)
+            except ConstraintError:
                 failed += 1
                 break
             if any(allowed[token] for token in eos) and rng.random() < 0.5:

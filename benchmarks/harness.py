@@ -77,14 +77,26 @@ def decode_timed(tokens) -> tuple:
 def time_loop(model, prompt, max_tokens, eos, **kwargs) -> Run:
     stats = DecodingStats()
     mx.reset_peak_memory()
-    tokens, seconds = decode_timed(token for token, _ in generate_step(
-        prompt, model, max_tokens=max_tokens, eos_token_ids=eos, stats=stats, **kwargs))
-    return Run(tokens, seconds, stats.target_forward_passes, stats.draft_proposed, stats.draft_accepted,
-               sum(s.drafts for s in stats.sources.values()), mx.get_peak_memory() / 1e9)
+    tokens, seconds = decode_timed(
+        token
+        for token, _ in generate_step(
+            prompt, model, max_tokens=max_tokens, eos_token_ids=eos, stats=stats, **kwargs
+        )
+    )
+    return Run(
+        tokens,
+        seconds,
+        stats.target_forward_passes,
+        stats.draft_proposed,
+        stats.draft_accepted,
+        sum(s.drafts for s in stats.sources.values()),
+        mx.get_peak_memory() / 1e9,
+    )
 
 
 def time_custom(run, prompt, max_tokens) -> Run:
-    """A runner yields tokens (timed here, one forward pass each), or returns a ``Run`` it timed itself."""
+    """A runner yields tokens (timed here, one forward pass each), or returns a ``Run`` it timed
+    itself."""
     mx.reset_peak_memory()
     output = run(prompt, max_tokens)
     if isinstance(output, Run):
@@ -93,8 +105,9 @@ def time_custom(run, prompt, max_tokens) -> Run:
     return Run(tokens, seconds, len(tokens), 0, 0, 0, mx.get_peak_memory() / 1e9)
 
 
-def side_by_side(model, tokenizer, prompts: dict, methods: list, max_tokens: int, warmup: bool = True,
-                 log=print) -> dict:
+def side_by_side(
+    model, tokenizer, prompts: dict, methods: list, max_tokens: int, warmup: bool = True, log=print
+) -> dict:
     """Returns {task_class: {method_name: Totals}}; prompts is {task_class: [(name, tokens)]}."""
     eos = eos_ids_of(tokenizer)
 
@@ -119,8 +132,10 @@ def side_by_side(model, tokenizer, prompts: dict, methods: list, max_tokens: int
                     reference = run.tokens
                 elif method.greedy and run.tokens != reference:
                     log(f"  !! {method.name} differs from the first greedy method on {name}")
-                log(f"  {task}/{name} {method.name}: {len(run.tokens)} tokens, "
-                    f"{(len(run.tokens) - 1) / max(run.decode_time, 1e-9):.2f} tok/s, {run.forward_passes} passes")
+                log(
+                    f"  {task}/{name} {method.name}: {len(run.tokens)} tokens, "
+                    f"{(len(run.tokens) - 1) / max(run.decode_time, 1e-9):.2f} tok/s, {run.forward_passes} passes"
+                )
     return results
 
 
@@ -132,7 +147,11 @@ def markdown_table(results: dict, baseline: str) -> str:
     for task, by_method in results.items():
         base_tps = by_method[baseline].tps
         for name, totals in by_method.items():
-            proposed, accepted, drafts = totals.sum("proposed"), totals.sum("accepted"), totals.sum("drafts")
+            proposed, accepted, drafts = (
+                totals.sum("proposed"),
+                totals.sum("accepted"),
+                totals.sum("drafts"),
+            )
             acceptance = f"{accepted / proposed:.1%}" if proposed else "-"
             mean = f"{accepted / drafts:.2f}" if drafts else "-"
             peak = max(r.peak_memory_gb for r in totals.runs)
@@ -193,8 +212,15 @@ def mlx_lm_speculative_runner(model, tokenizer, draft, num_draft, temp):
     def run(prompt, max_tokens):
         mx.reset_peak_memory()
         tokens, drafted, first = [], 0, None
-        for response in stream_generate(model, tokenizer, prompt, max_tokens=max_tokens, draft_model=draft,
-                                        num_draft_tokens=num_draft, sampler=make_sampler(temp=temp)):
+        for response in stream_generate(
+            model,
+            tokenizer,
+            prompt,
+            max_tokens=max_tokens,
+            draft_model=draft,
+            num_draft_tokens=num_draft,
+            sampler=make_sampler(temp=temp),
+        ):
             tokens.append(response.token)
             drafted += response.from_draft
             first = first or time.perf_counter()
@@ -202,7 +228,9 @@ def mlx_lm_speculative_runner(model, tokenizer, draft, num_draft, temp):
                 break
         elapsed = time.perf_counter() - first
         steps = len(tokens) - drafted  # each verification emits one token of the target's own
-        return Run(tokens, elapsed, steps, steps * num_draft, drafted, steps, mx.get_peak_memory() / 1e9)
+        return Run(
+            tokens, elapsed, steps, steps * num_draft, drafted, steps, mx.get_peak_memory() / 1e9
+        )
 
     return run
 
@@ -218,7 +246,8 @@ def median_ms(call, repeats: int = 3) -> tuple:
 
 
 def decode_step_ms(model) -> float:
-    """Median ms of one decoding step (one token, KV cache of 64): what a mask's cost is compared with."""
+    """Median ms of one decoding step (one token, KV cache of 64): what a mask's cost is compared
+    with."""
     from mlx_lm.models.cache import make_prompt_cache
 
     cache = make_prompt_cache(model)

@@ -21,13 +21,20 @@ import argparse
 import sys
 from pathlib import Path
 
-from loading import fast_blas
-from benchmarks.harness import Method, chat_tokens, heldout_prompts, markdown_table, side_by_side, time_loop
+from benchmarks.harness import (
+    Method,
+    chat_tokens,
+    heldout_prompts,
+    markdown_table,
+    side_by_side,
+    time_loop,
+)
 from benchmarks.history_tasks import requests
+from decoder.text import eos_ids_of
+from loading import fast_blas
 from prompt_lookup import HistoryLookupSource, PromptLookupSource, load_history
 from speculative.head import SHIPPED_HEAD
 from speculative.head_source import DraftHeadSource
-from decoder.text import eos_ids_of
 
 RESULTS = Path(__file__).parent / "results" / "head_history.md"
 
@@ -69,11 +76,17 @@ def repeated_methods(model, tap, head, seed, eos):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--chat-prompts", type=int, default=16, help="Held-out chat prompts at temperature 0.")
-    parser.add_argument("--sampled-prompts", type=int, default=8, help="Held-out chat prompts at temperature 1.")
+    parser.add_argument(
+        "--chat-prompts", type=int, default=16, help="Held-out chat prompts at temperature 0."
+    )
+    parser.add_argument(
+        "--sampled-prompts", type=int, default=8, help="Held-out chat prompts at temperature 1."
+    )
     parser.add_argument("--max-tokens", type=int, default=96, help="Most tokens per answer.")
     parser.add_argument("--requests", type=int, default=20, help="Requests per repeated workload.")
-    parser.add_argument("--warmup-requests", type=int, default=3, help="First requests, reported apart.")
+    parser.add_argument(
+        "--warmup-requests", type=int, default=3, help="First requests, reported apart."
+    )
     args = parser.parse_args()
     from loading.load import load_model
 
@@ -84,24 +97,52 @@ def main():
     sampled_tap, sampled_head = DraftHeadSource.create(model)
 
     chat = heldout_prompts(tokenizer)
-    results = side_by_side(model, tokenizer, {"held-out chat, temp 0": chat[: args.chat_prompts]},
-                           chat_methods(model, tap, head, seed, eos, 0.0), args.max_tokens)
-    results.update(side_by_side(model, tokenizer, {"held-out chat, temp 1": chat[: args.sampled_prompts]},
-                                chat_methods(model, sampled_tap, sampled_head, seed, eos, 1.0), args.max_tokens))
+    results = side_by_side(
+        model,
+        tokenizer,
+        {"held-out chat, temp 0": chat[: args.chat_prompts]},
+        chat_methods(model, tap, head, seed, eos, 0.0),
+        args.max_tokens,
+    )
+    results.update(
+        side_by_side(
+            model,
+            tokenizer,
+            {"held-out chat, temp 1": chat[: args.sampled_prompts]},
+            chat_methods(model, sampled_tap, sampled_head, seed, eos, 1.0),
+            args.max_tokens,
+        )
+    )
     first = args.warmup_requests
     for workload in ("replies", "extraction"):
-        items = [(f"{workload}{i}", chat_tokens(tokenizer, text))
-                 for i, text in enumerate(requests(workload, args.requests))]
-        classes = {f"{workload} 1-{first}": items[:first], f"{workload} {first + 1}-{len(items)}": items[first:]}
-        # No warm-up run: it would put the first request's answer in the stores (the process is warm).
-        results.update(side_by_side(model, tokenizer, classes, repeated_methods(model, tap, head, seed, eos),
-                                    args.max_tokens, warmup=False))
+        items = [
+            (f"{workload}{i}", chat_tokens(tokenizer, text))
+            for i, text in enumerate(requests(workload, args.requests))
+        ]
+        classes = {
+            f"{workload} 1-{first}": items[:first],
+            f"{workload} {first + 1}-{len(items)}": items[first:],
+        }
+        # No warm-up run: it would put the first request's answer in the stores (the process is
+        # warm).
+        results.update(
+            side_by_side(
+                model,
+                tokenizer,
+                classes,
+                repeated_methods(model, tap, head, seed, eos),
+                args.max_tokens,
+                warmup=False,
+            )
+        )
 
     table = markdown_table(results, "plain")
     print(table)
     command = " ".join(["python -m benchmarks.head_history", *sys.argv[1:]])
-    RESULTS.write_text(f"# Draft head + history lookup, choosing per step\n\n`{command}` · "
-                       f"{fast_blas.describe()} · max {args.max_tokens} new tokens\n\n{table}\n")
+    RESULTS.write_text(
+        f"# Draft head + history lookup, choosing per step\n\n`{command}` · "
+        f"{fast_blas.describe()} · max {args.max_tokens} new tokens\n\n{table}\n"
+    )
 
 
 if __name__ == "__main__":

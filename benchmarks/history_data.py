@@ -25,8 +25,8 @@ from pathlib import Path
 from benchmarks.harness import HELDOUT, chat_tokens
 from benchmarks.history_tasks import requests
 from decoder import generate_step
-from loading.store import cache_dir
 from decoder.text import eos_ids_of
+from loading.store import cache_dir
 
 ROOT = Path(__file__).parent.parent
 INSTRUCTIONS = ROOT / "speculative" / "heads" / "smollm2-135m" / "instructions.json"
@@ -54,7 +54,9 @@ def store_answers(model, tokenizer, count: int, max_tokens: int = 96, log=print)
     eos = eos_ids_of(tokenizer)
     for start in range(len(answers), len(instructions), BATCH):
         prompts = [chat_tokens(tokenizer, text) for text in instructions[start : start + BATCH]]
-        response = batch_generate(model, tokenizer, prompts, max_tokens=max_tokens, return_token_ids=True)
+        response = batch_generate(
+            model, tokenizer, prompts, max_tokens=max_tokens, return_token_ids=True
+        )
         answers += [[token for token in ids if token not in eos] for ids in response.token_ids]
         _write(path, answers)
         log(f"  store: {len(answers)} answers, {sum(map(len, answers))} tokens")
@@ -63,19 +65,24 @@ def store_answers(model, tokenizer, count: int, max_tokens: int = 96, log=print)
 
 def greedy_answer(model, tokenizer, prompt: list, max_tokens: int) -> list:
     """Our loop's plain greedy output, EOS included when it stopped there."""
-    return [token for token, _ in generate_step(prompt, model, eos_token_ids=eos_ids_of(tokenizer),
-                                                 max_tokens=max_tokens)]
+    return [
+        token
+        for token, _ in generate_step(
+            prompt, model, eos_token_ids=eos_ids_of(tokenizer), max_tokens=max_tokens
+        )
+    ]
 
 
 def query_set(model, tokenizer, name: str, max_tokens: int, log=print) -> list:
-    """``[(prompt_tokens, answer_tokens)]`` for ``name`` in ("chat", "replies", "extraction"), cached."""
+    """``[(prompt_tokens, answer_tokens)]`` for ``name`` in ("chat", "replies", "extraction"),
+    cached."""
     if name == "chat":
         texts = [line for line in HELDOUT.read_text().splitlines() if line.strip()]
     else:
         texts = requests(name)
     path = study_dir() / f"queries-{name}-{max_tokens}.json"
     queries = [tuple(pair) for pair in json.loads(path.read_text())] if path.exists() else []
-    for text in texts[len(queries):]:
+    for text in texts[len(queries) :]:
         prompt = chat_tokens(tokenizer, text)
         queries.append((prompt, greedy_answer(model, tokenizer, prompt, max_tokens)))
         _write(path, queries)
@@ -85,8 +92,12 @@ def query_set(model, tokenizer, name: str, max_tokens: int, log=print) -> list:
 
 def main():
     parser = argparse.ArgumentParser(description="Generate the history study's cached answers.")
-    parser.add_argument("--store-prompts", type=int, default=208, help="Instructions answered for the store.")
-    parser.add_argument("--write-seed", metavar="PATH", help="Write the store answers as a history store file.")
+    parser.add_argument(
+        "--store-prompts", type=int, default=208, help="Instructions answered for the store."
+    )
+    parser.add_argument(
+        "--write-seed", metavar="PATH", help="Write the store answers as a history store file."
+    )
     args = parser.parse_args()
     from loading.load import load_model
     from prompt_lookup.history import join_outputs, save_history

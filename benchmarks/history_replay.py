@@ -38,7 +38,8 @@ def with_history(context, **options):
 
 
 def replay(source, prompt: list, answer: list, max_tokens: int) -> dict:
-    """Walk ``answer`` as ``generate_step`` would with ``source``; count passes and drafted tokens."""
+    """Walk ``answer`` as ``generate_step`` would with ``source``; count passes and drafted
+    tokens."""
     source.reset()
     tokens = list(prompt)
     passes = drafted = generated = 0
@@ -67,15 +68,21 @@ def totals(runs: list) -> dict:
     passes = sum(r["passes"] for r in runs)
     drafted = sum(r["drafted"] for r in runs)
     search = [t for r in runs for t in r["search"]]
-    return {"tokens": tokens, "passes": passes, "saved": 1 - passes / tokens,
-            "modelled": tokens / (passes + DRAFT_TOKEN_COST * drafted),
-            "search_ms": 1e3 * statistics.median(search)}
+    return {
+        "tokens": tokens,
+        "passes": passes,
+        "saved": 1 - passes / tokens,
+        "modelled": tokens / (passes + DRAFT_TOKEN_COST * drafted),
+        "search_ms": 1e3 * statistics.median(search),
+    }
 
 
 def row(workload: str, method: str, store_tokens, result: dict, baseline: dict) -> str:
     fewer = 1 - result["passes"] / baseline["passes"]
-    return (f"| {workload} | {method} | {store_tokens} | {result['tokens']} | {result['passes']} | "
-            f"{result['saved']:.1%} | {fewer:+.1%} | {result['modelled']:.2f}x | {result['search_ms']:.2f} |")
+    return (
+        f"| {workload} | {method} | {store_tokens} | {result['tokens']} | {result['passes']} | "
+        f"{result['saved']:.1%} | {fewer:+.1%} | {result['modelled']:.2f}x | {result['search_ms']:.2f} |"
+    )
 
 
 def chat_study(queries, store, sizes, max_tokens, variants) -> list:
@@ -92,8 +99,9 @@ def chat_study(queries, store, sizes, max_tokens, variants) -> list:
             count += len(answer)
         context = join_outputs(kept)
         for name, options in variants.items():
-            result = totals([replay(with_history(context, **options), p, a, max_tokens)
-                             for p, a in queries])
+            result = totals(
+                [replay(with_history(context, **options), p, a, max_tokens) for p, a in queries]
+            )
             lines.append(row("held-out chat", name, len(context), result, baseline))
     return lines
 
@@ -104,7 +112,9 @@ def repeated_study(workload, queries, store, max_tokens, variants, warmup: int =
     lines = []
     later = queries[warmup:]
     baseline = totals([replay(PromptLookupSource(), p, a, max_tokens) for p, a in later])
-    lines.append(row(f"{workload} {warmup + 1}-{len(queries)}", "prompt lookup", 0, baseline, baseline))
+    lines.append(
+        row(f"{workload} {warmup + 1}-{len(queries)}", "prompt lookup", 0, baseline, baseline)
+    )
     for seeded in (False, True):
         seed = list(join_outputs(store)) if seeded else []
         for name, options in variants.items():
@@ -113,42 +123,64 @@ def repeated_study(workload, queries, store, max_tokens, variants, warmup: int =
                 context = seed + list(join_outputs([a for _, a in queries[:i]]))
                 runs.append(replay(with_history(context, **options), prompt, answer, max_tokens))
             label = f"{name}, earlier answers" + (" + instruction store" if seeded else "")
-            lines.append(row(f"{workload} {warmup + 1}-{len(queries)}", label, "grows", totals(runs), baseline))
+            lines.append(
+                row(
+                    f"{workload} {warmup + 1}-{len(queries)}",
+                    label,
+                    "grows",
+                    totals(runs),
+                    baseline,
+                )
+            )
     return lines
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--store-prompts", type=int, default=208, help="Instructions answered for the store.")
-    parser.add_argument("--sizes", type=int, nargs="+", default=[10_000, 20_000, 30_000],
-                        help="Store sizes in tokens (the full store is always added).")
+    parser.add_argument(
+        "--store-prompts", type=int, default=208, help="Instructions answered for the store."
+    )
+    parser.add_argument(
+        "--sizes",
+        type=int,
+        nargs="+",
+        default=[10_000, 20_000, 30_000],
+        help="Store sizes in tokens (the full store is always added).",
+    )
     args = parser.parse_args()
     from loading.load import load_model
 
     model, tokenizer, _ = load_model()
     store = store_answers(model, tokenizer, args.store_prompts)
     chat = query_set(model, tokenizer, "chat", 128)
-    repeated = {"replies": (query_set(model, tokenizer, "replies", 96), 96),
-                "extraction": (query_set(model, tokenizer, "extraction", 64), 64)}
+    repeated = {
+        "replies": (query_set(model, tokenizer, "replies", 96), 96),
+        "extraction": (query_set(model, tokenizer, "extraction", 64), 64),
+    }
     full = sum(len(a) + 1 for a in store)
     sizes = sorted({s for s in args.sizes if s < full} | {full})
     variants = {"+ history": {}, "+ history, n-grams up to 8": {"ngram_max": 8}}
 
-    header = ["| workload | drafter | store tokens | tokens | target passes | passes saved vs plain | "
-              "vs prompt lookup | modelled speed-up | search ms (median) |",
-              "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    header = [
+        "| workload | drafter | store tokens | tokens | target passes | passes saved vs plain | "
+        "vs prompt lookup | modelled speed-up | search ms (median) |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     lines = header + chat_study(chat, store, sizes, 128, variants)
     for workload, (queries, max_tokens) in repeated.items():
         lines += repeated_study(workload, queries, store, max_tokens, variants)
     table = "\n".join(lines)
     print(table)
     sizes = " ".join(map(str, args.sizes))
-    command = f"python -m benchmarks.history_replay --store-prompts {args.store_prompts} --sizes {sizes}"
+    command = (
+        f"python -m benchmarks.history_replay --store-prompts {args.store_prompts} --sizes {sizes}"
+    )
     RESULTS.write_text(
         f"Replay (no model runs; exact greedy pass counts, which tests/test_history_lookup.py checks against the "
         f"loop): `{command}`. Store: answers to {len(store)} self-written instructions ({full} tokens). Answers "
         f"at most 128 tokens (chat), 96 (replies), 64 (extraction); requests 1-3 of a workload are left out.\n\n"
-        f"{table}\n")
+        f"{table}\n"
+    )
 
 
 if __name__ == "__main__":

@@ -12,20 +12,72 @@ of the model's answers, as in an agent that runs one prompt over many inputs.
 
 import random
 
-REPLY_INSTRUCTION = "Write a short reply to this customer email, confirming the order and the delivery date."
-EXTRACTION_INSTRUCTION = ("Extract the customer's name, the product, the quantity and the delivery date from this "
-               "email. Answer with four lines: Name, Product, Quantity, Date.")
+REPLY_INSTRUCTION = (
+    "Write a short reply to this customer email, confirming the order and the delivery date."
+)
+EXTRACTION_INSTRUCTION = (
+    "Extract the customer's name, the product, the quantity and the delivery date from this "
+    "email. Answer with four lines: Name, Product, Quantity, Date."
+)
 
-NAMES = ["Maria Lopez", "James Carter", "Aiko Tanaka", "Peter Novak", "Fatima Khan", "Lucas Moreau",
-         "Grace Okafor", "Henrik Berg", "Sofia Rossi", "Daniel Kim", "Olivia Brown", "Ahmed Hassan",
-         "Emma Schmidt", "Carlos Mendes", "Nora Lindqvist", "Ravi Patel", "Chloe Martin", "Tom Walsh",
-         "Yuki Sato", "Isabel Cruz"]
-PRODUCTS = ["ergonomic office chairs", "stainless steel water bottles", "LED desk lamps", "wireless keyboards",
-            "cotton bath towels", "ceramic coffee mugs", "yoga mats", "printer cartridges", "garden hoses",
-            "backpacks", "extension cords", "whiteboard markers", "folding tables", "hand sanitizer bottles",
-            "laptop stands", "winter jackets", "bicycle helmets", "kitchen knives", "notebooks", "phone chargers"]
-MONTHS = ["January", "February", "March", "April", "May", "June", "July", "August", "September",
-          "October", "November", "December"]
+NAMES = [
+    "Maria Lopez",
+    "James Carter",
+    "Aiko Tanaka",
+    "Peter Novak",
+    "Fatima Khan",
+    "Lucas Moreau",
+    "Grace Okafor",
+    "Henrik Berg",
+    "Sofia Rossi",
+    "Daniel Kim",
+    "Olivia Brown",
+    "Ahmed Hassan",
+    "Emma Schmidt",
+    "Carlos Mendes",
+    "Nora Lindqvist",
+    "Ravi Patel",
+    "Chloe Martin",
+    "Tom Walsh",
+    "Yuki Sato",
+    "Isabel Cruz",
+]
+PRODUCTS = [
+    "ergonomic office chairs",
+    "stainless steel water bottles",
+    "LED desk lamps",
+    "wireless keyboards",
+    "cotton bath towels",
+    "ceramic coffee mugs",
+    "yoga mats",
+    "printer cartridges",
+    "garden hoses",
+    "backpacks",
+    "extension cords",
+    "whiteboard markers",
+    "folding tables",
+    "hand sanitizer bottles",
+    "laptop stands",
+    "winter jackets",
+    "bicycle helmets",
+    "kitchen knives",
+    "notebooks",
+    "phone chargers",
+]
+MONTHS = [
+    "January",
+    "February",
+    "March",
+    "April",
+    "May",
+    "June",
+    "July",
+    "August",
+    "September",
+    "October",
+    "November",
+    "December",
+]
 OPENINGS = ["Hello,", "Hi there,", "Good morning,", "Dear sales team,", "Hi,"]
 BODIES = [
     "I would like to order {quantity} {product} for our office. Could you deliver them on {date}?",

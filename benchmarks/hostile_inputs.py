@@ -1,7 +1,8 @@
 """Time and peak memory of hostile `--json-schema` and `--regex` inputs, each in a fresh process.
 
     python -m benchmarks.hostile_inputs                 # this checkout
-    python -m benchmarks.hostile_inputs --root OTHER    # another checkout (e.g. `git archive` of main)
+    python -m benchmarks.hostile_inputs --root OTHER    # another checkout (e.g. `git archive` of
+    main)
 
 Each case runs what `main.py` runs before loading a model (load the schema, compile it to a regex,
 compile the regex to a DFA) and reports the seconds and peak memory after the imports, with a time
@@ -19,7 +20,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# What main.py's validate() does with --json-schema / --regex, printing what main.py would print, then
+# What main.py's validate() does with --json-schema / --regex, printing what main.py would print,
+# then
 # one JSON line: seconds and peak RSS (getrusage) spent after the imports.
 DRIVER = """
 import json, resource, sys, time
@@ -42,9 +44,16 @@ print(json.dumps({"seconds": time.perf_counter() - start, "rss_mb": peak // 1024
 
 def properties(count: int) -> dict:
     """`count` optional string properties, about 120 bytes each in the file."""
-    return {"type": "object", "properties": {
-        f"property_{index:06d}": {"type": "string", "description": "an optional field of a wide record"}
-        for index in range(count)}}
+    return {
+        "type": "object",
+        "properties": {
+            f"property_{index:06d}": {
+                "type": "string",
+                "description": "an optional field of a wide record",
+            }
+            for index in range(count)
+        },
+    }
 
 
 def nested(depth: int) -> dict:
@@ -55,7 +64,8 @@ def nested(depth: int) -> dict:
 
 
 def ref_fanout(width: int) -> dict:
-    """A recursive node with `width` children: each $ref expansion multiplies the work by `width`."""
+    """A recursive node with `width` children: each $ref expansion multiplies the work by
+    `width`."""
     children = {f"c{index}": {"$ref": "#/$defs/node"} for index in range(width)}
     return {"$defs": {"node": {"type": "object", "properties": children}}, "$ref": "#/$defs/node"}
 
@@ -68,16 +78,24 @@ CASES = {
     "250 optional properties": ("schema", properties(250)),
     "150 optional properties": ("schema", properties(150)),
     "enum of 1,000,000 values": ("schema", {"enum": list(range(1_000_000))}),
-    "integer minimum 10^24": ("schema", {"type": "integer", "minimum": 10 ** 24, "maximum": 2 * 10 ** 24 + 7}),
+    "integer minimum 10^24": (
+        "schema",
+        {"type": "integer", "minimum": 10**24, "maximum": 2 * 10**24 + 7},
+    ),
     "integer minimum 1e308": ("schema", {"type": "integer", "minimum": 1e308}),
-    "number in [-1.7e308, 1.7e308]": ("schema", {"type": "number", "minimum": -1.7e308, "maximum": 1.7e308}),
+    "number in [-1.7e308, 1.7e308]": (
+        "schema",
+        {"type": "number", "minimum": -1.7e308, "maximum": 1.7e308},
+    ),
     "minimum 1e400": ("schema", '{"type": "number", "minimum": 1e400}'),
     "maximum NaN": ("schema", '{"type": "number", "maximum": NaN}'),
     "schema 150 levels deep": ("schema", nested(150)),
     "JSON nested 100,000 levels": ("schema", "[" * 100_000 + "]" * 100_000),
     "recursive $ref, 40 children per node": ("schema", ref_fanout(40)),
-    "enum filtered by pattern (a*)*b": ("schema", {"type": "string", "pattern": "^(a*)*b$",
-                                                     "enum": ["a" * 40, "a" * 10 + "b"]}),
+    "enum filtered by pattern (a*)*b": (
+        "schema",
+        {"type": "string", "pattern": "^(a*)*b$", "enum": ["a" * 40, "a" * 10 + "b"]},
+    ),
     "regex with 250 nested groups": ("regex", "(" * 250 + "a" + ")" * 250),
     "regex (a nested 900 deep": ("regex", "(a" * 900 + ")" * 900),
     "regex a{1000000}": ("regex", "a{1000000}"),
@@ -92,22 +110,33 @@ def run_case(kind, value, root: Path, directory: Path, timeout: float, memory_gb
         argument = value
     limit = int(memory_gb * 2**30)
 
-    def limit_memory():  # an address-space cap: a runaway case fails with MemoryError, not the OOM killer
+    # an address-space cap: a runaway case fails with MemoryError, not the OOM killer
+    def limit_memory():
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 
     command = [sys.executable, "-c", DRIVER, kind, str(argument)]
     try:
-        result = subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=timeout,
-                                preexec_fn=limit_memory)
+        result = subprocess.run(
+            command,
+            cwd=root,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            preexec_fn=limit_memory,
+        )
     except subprocess.TimeoutExpired:
         return {"outcome": f"killed after {timeout:.0f} s"}
     if result.returncode != 0 or not result.stdout.strip():
         lines = result.stderr.splitlines()
-        return {"outcome": f"exit {result.returncode}, {len(lines)} lines on stderr, last: {lines[-1][:120] if lines else ''}"}
+        return {
+            "outcome": f"exit {result.returncode}, {len(lines)} lines on stderr, last: {lines[-1][:120] if lines else ''}"
+        }
     row = json.loads(result.stdout.splitlines()[-1])
     lines = result.stderr.splitlines()
     if row["outcome"] == "refused":
-        row["outcome"] = lines[0][:150] if len(lines) == 1 else f"{len(lines)} lines: {lines[-1][:120]}"
+        row["outcome"] = (
+            lines[0][:150] if len(lines) == 1 else f"{len(lines)} lines: {lines[-1][:120]}"
+        )
     return row
 
 
@@ -115,7 +144,9 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--root", type=Path, default=ROOT, help="Checkout to run the cases in.")
     parser.add_argument("--timeout", type=float, default=60, help="Seconds per case (default: 60).")
-    parser.add_argument("--memory-gb", type=float, default=4, help="Address-space cap per case (default: 4).")
+    parser.add_argument(
+        "--memory-gb", type=float, default=4, help="Address-space cap per case (default: 4)."
+    )
     parser.add_argument("--only", default=None, help="Run the cases whose name contains this text.")
     args = parser.parse_args()
     print("| case | seconds | peak RSS MB (added) | outcome |\n|---|---|---|---|")

@@ -1,6 +1,8 @@
-"""MTP drafts: what one MTP draft step costs against a target step, and the speed-up acceptance buys.
+"""MTP drafts: what one MTP draft step costs against a target step, and the speed-up acceptance
+buys.
 
-    flock /tmp/cpu.lock python -m benchmarks.mtp [--vocab 256 --layers 8 --max-tokens 128 --repeat 2]
+    flock /tmp/cpu.lock python -m benchmarks.mtp [--vocab 256 --layers 8 --max-tokens 128 --repeat
+    2]
 
 No checkpoint that ships MTP layers fits this machine, so the models are random ones of each layout
 (deepseek_v3 with MLA and experts; qwen3_next, hybrid) built by tests/mtp_fixtures.py, at a width of
@@ -28,33 +30,59 @@ from pathlib import Path
 import mlx.core as mx
 
 from batch import BatchGenerator
+from decoder import generate_step
 from decoder.cache import make_cache
 from decoder.cost import PassCost
-from decoder import generate_step
+from decoder.step import DecodingStats
 from loading.load import describe_backend
 from speculative.head_source import HeadDrafter, HiddenStateTap
 from speculative.mtp_source import MTPSource
-from decoder.step import DecodingStats
 from tests.mtp_fixtures import build
 
 RESULTS = Path(__file__).parent / "results" / "mtp.md"
-GPU_TOKEN_COST = 0.005  # benchmarks/batch.py's SimulatedClock: a verified token costs 0.5% of a step
+# benchmarks/batch.py's SimulatedClock: a verified token costs 0.5% of a step
+GPU_TOKEN_COST = 0.005
 
 
 def sizes(model_type: str, vocab: int, layers: int) -> dict:
-    common = dict(vocab_size=vocab, hidden_size=2 * vocab, num_hidden_layers=layers, intermediate_size=4 * vocab,
-                  moe_intermediate_size=vocab, num_experts_per_tok=2)
+    common = dict(
+        vocab_size=vocab,
+        hidden_size=2 * vocab,
+        num_hidden_layers=layers,
+        intermediate_size=4 * vocab,
+        moe_intermediate_size=vocab,
+        num_experts_per_tok=2,
+    )
     if model_type == "deepseek_v3":
-        return {**common, "n_routed_experts": 8, "num_attention_heads": 8, "num_key_value_heads": 8,
-                "kv_lora_rank": 128, "q_lora_rank": 192, "qk_rope_head_dim": 32, "qk_nope_head_dim": 32,
-                "v_head_dim": 32}
-    return {**common, "num_experts": 8, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 64,
-            "full_attention_interval": 4, "shared_expert_intermediate_size": 2 * vocab, "linear_num_value_heads": 8,
-            "linear_num_key_heads": 4, "linear_key_head_dim": 32, "linear_value_head_dim": 32}
+        return {
+            **common,
+            "n_routed_experts": 8,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 8,
+            "kv_lora_rank": 128,
+            "q_lora_rank": 192,
+            "qk_rope_head_dim": 32,
+            "qk_nope_head_dim": 32,
+            "v_head_dim": 32,
+        }
+    return {
+        **common,
+        "num_experts": 8,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "full_attention_interval": 4,
+        "shared_expert_intermediate_size": 2 * vocab,
+        "linear_num_value_heads": 8,
+        "linear_num_key_heads": 4,
+        "linear_key_head_dim": 32,
+        "linear_value_head_dim": 32,
+    }
 
 
 def step_costs(target, mtp, prompt: list, repeat: int = 40) -> tuple:
-    """Median seconds of one target step and one MTP draft step (one token each), timed alternately."""
+    """Median seconds of one target step and one MTP draft step (one token each), timed
+    alternately."""
     cache, draft_cache = make_cache(target).layers, mtp.make_cache()
     hidden = target.model(mx.array([prompt]), cache=cache)
     embeddings = target.model.embed_tokens(mx.array([prompt[1:] + [prompt[0]]]))
@@ -77,13 +105,24 @@ def step_costs(target, mtp, prompt: list, repeat: int = 40) -> tuple:
 def decode(target, prompt, max_tokens, sources=(), model=None) -> tuple:
     stats, cost = DecodingStats(), PassCost()
     tic = time.perf_counter()
-    tokens = [t for t, _ in generate_step(prompt, model or target, draft_sources=sources, eos_token_ids=(),
-                                          max_tokens=max_tokens, stats=stats, pass_cost=cost)]
+    tokens = [
+        t
+        for t, _ in generate_step(
+            prompt,
+            model or target,
+            draft_sources=sources,
+            eos_token_ids=(),
+            max_tokens=max_tokens,
+            stats=stats,
+            pass_cost=cost,
+        )
+    ]
     return tokens, len(tokens) / (time.perf_counter() - tic), stats, cost
 
 
 def decode_batch(model, prompts, max_tokens, drafter=None) -> tuple:
-    """Every prompt in one ``BatchGenerator``: (tokens per row, tok/s in all, target passes per token, peak GB)."""
+    """Every prompt in one ``BatchGenerator``: (tokens per row, tok/s in all, target passes per
+    token, peak GB)."""
     generator = BatchGenerator(model, eos_token_ids=())
     mx.reset_peak_memory()
     tic = time.perf_counter()
@@ -94,8 +133,12 @@ def decode_batch(model, prompts, max_tokens, drafter=None) -> tuple:
         for response in responses:
             out[response.uid] += response.tokens
     seconds, total = time.perf_counter() - tic, sum(len(tokens) for tokens in out.values())
-    return ([out[uid] for uid in uids], total / seconds, generator.stats.row_passes / total,
-            mx.get_peak_memory() / 1e9)
+    return (
+        [out[uid] for uid in uids],
+        total / seconds,
+        generator.stats.row_passes / total,
+        mx.get_peak_memory() / 1e9,
+    )
 
 
 def batch_lines(model_type: str, kind: str, target, mtp, prompts: list, args) -> list:
@@ -103,7 +146,9 @@ def batch_lines(model_type: str, kind: str, target, mtp, prompts: list, args) ->
     runs = {"plain": [], "mtp adaptive": []}
     for _ in range(args.repeat):
         plain = decode_batch(target, prompts, args.max_tokens)
-        tap, drafter = HeadDrafter.around(target, mtp, mx.arange(args.vocab), MTPSource, max_draft=8)
+        tap, drafter = HeadDrafter.around(
+            target, mtp, mx.arange(args.vocab), MTPSource, max_draft=8
+        )
         drafted = decode_batch(tap, prompts, args.max_tokens, drafter)
         assert drafted[0] == plain[0], "MTP drafts changed a row's greedy output"
         runs["plain"].append(plain)
@@ -112,8 +157,10 @@ def batch_lines(model_type: str, kind: str, target, mtp, prompts: list, args) ->
     lines = []
     for name, results in runs.items():
         _, tps, passes, peak = max(results, key=lambda run: run[1])
-        lines.append(f"| {model_type} | {kind} | {len(prompts)} | {name} | {tps:.1f} | {tps / base:.2f}x | "
-                     f"{passes:.2f} | {peak:.3f} |")
+        lines.append(
+            f"| {model_type} | {kind} | {len(prompts)} | {name} | {tps:.1f} | {tps / base:.2f}x | "
+            f"{passes:.2f} | {peak:.3f} |"
+        )
         print(lines[-1], flush=True)
     return lines
 
@@ -130,7 +177,8 @@ def expected_speedup(acceptance: list, draft_cost: float, token_cost: float) -> 
 
 
 def single_lines(model_type: str, kind: str, target, mtp, prompt: list, args) -> list:
-    """One sequence: the draft step's cost, then plain and MTP decoding interleaved; a table row per method."""
+    """One sequence: the draft step's cost, then plain and MTP decoding interleaved; a table row per
+    method."""
     lines = []
     target_step, draft_step = step_costs(target, mtp, prompt)
     ratio = draft_step / target_step
@@ -140,15 +188,23 @@ def single_lines(model_type: str, kind: str, target, mtp, prompt: list, args) ->
         plain = decode(target, prompt, args.max_tokens)
         runs["plain"].append(plain)
         for name, adaptive in (("mtp adaptive", True), (f"mtp k={args.num_draft}", False)):
-            source = MTPSource(tap, mtp, mx.arange(args.vocab), num_draft=args.num_draft, adaptive=adaptive,
-                               max_draft=8, draft_cost_prior=ratio)
+            source = MTPSource(
+                tap,
+                mtp,
+                mx.arange(args.vocab),
+                num_draft=args.num_draft,
+                adaptive=adaptive,
+                max_draft=8,
+                draft_cost_prior=ratio,
+            )
             run = decode(target, prompt, args.max_tokens, [source], tap)
             assert run[0] == plain[0], "MTP drafts changed the greedy output"
             runs[name].append(run)
     base = max(r[1] for r in runs["plain"])
     token_cost = runs["plain"][-1][3].token_cost()
     for name, results in runs.items():
-        best = max(results, key=lambda r: r[1])  # its statistics with its rate: the policy reads timings
+        # its statistics with its rate: the policy reads timings
+        best = max(results, key=lambda r: r[1])
         tps, stats = best[1], best[2]
         passes = stats.target_forward_passes / max(len(best[0]), 1)
         by_position, cpu, gpu = "-", "-", "-"
@@ -157,52 +213,82 @@ def single_lines(model_type: str, kind: str, target, mtp, prompt: list, args) ->
             by_position = ", ".join(f"{a:.2f}" for a in summary["acceptance_by_position"])
             if name.startswith("mtp k="):
                 by_k = summary["acceptance_by_position"]
-                cpu, gpu = ("%.2fx (%d)" % expected_speedup(by_k, ratio, cost)[::-1]
-                            for cost in (token_cost, GPU_TOKEN_COST))
-        lines.append(f"| {model_type} | {kind} | {ratio:.3f} | {name} | {tps:.1f} | {tps / base:.2f}x | "
-                     f"{passes:.2f} | {by_position} | {cpu} | {gpu} |")
+                cpu, gpu = (
+                    "%.2fx (%d)" % expected_speedup(by_k, ratio, cost)[::-1]
+                    for cost in (token_cost, GPU_TOKEN_COST)
+                )
+        lines.append(
+            f"| {model_type} | {kind} | {ratio:.3f} | {name} | {tps:.1f} | {tps / base:.2f}x | "
+            f"{passes:.2f} | {by_position} | {cpu} | {gpu} |"
+        )
         print(lines[-1], flush=True)
     return lines
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--vocab", type=int, default=256, help="vocabulary; the width is twice this")
+    parser.add_argument(
+        "--vocab", type=int, default=256, help="vocabulary; the width is twice this"
+    )
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--num-draft", type=int, default=4, help="fixed draft length for the acceptance curve")
+    parser.add_argument(
+        "--num-draft", type=int, default=4, help="fixed draft length for the acceptance curve"
+    )
     parser.add_argument("--repeat", type=int, default=2)
-    parser.add_argument("--noise", type=float, default=0.015, help="noise on every weight of the 'noisy' models")
-    parser.add_argument("--batch", type=int, default=4, help="rows of the continuous batch (0: skip it)")
+    parser.add_argument(
+        "--noise", type=float, default=0.015, help="noise on every weight of the 'noisy' models"
+    )
+    parser.add_argument(
+        "--batch", type=int, default=4, help="rows of the continuous batch (0: skip it)"
+    )
     args = parser.parse_args()
     prompt = list(range(3, 60, 7)) * 4
-    lines = ["# MTP drafts", "", f"Machine: {platform.machine()}, {describe_backend()}; float32; random models of each "
-             f"layout (tests/mtp_fixtures.py), vocabulary {args.vocab}, width {2 * args.vocab}, {args.layers} layers, "
-             f"a {len(prompt)}-token prompt, {args.max_tokens} tokens, greedy.", "",
-             "    flock /tmp/cpu.lock python -m benchmarks.mtp " + " ".join(
-                 f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()), "",
-             "| layout | MTP layer | draft step / target step | method | tok/s | vs plain | passes/token | "
-             "acceptance by position | expected speed-up, this CPU (k) | GPU-like curve (k) |",
-             "|---|---|---:|---|---:|---:|---:|---|---:|---:|"]
-    batch_table = ["", f"A continuous batch of {args.batch} rows (prompts of different lengths), every row drafting "
-                   "with its own MTP handle, against the same batch without drafts, interleaved:", "",
-                   "| layout | MTP layer | rows | method | tok/s in all | vs plain | passes/token | peak GB |",
-                   "|---|---|---:|---|---:|---:|---:|---:|"]
+    lines = [
+        "# MTP drafts",
+        "",
+        f"Machine: {platform.machine()}, {describe_backend()}; float32; random models of each "
+        f"layout (tests/mtp_fixtures.py), vocabulary {args.vocab}, width {2 * args.vocab}, {args.layers} layers, "
+        f"a {len(prompt)}-token prompt, {args.max_tokens} tokens, greedy.",
+        "",
+        "    flock /tmp/cpu.lock python -m benchmarks.mtp "
+        + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()),
+        "",
+        "| layout | MTP layer | draft step / target step | method | tok/s | vs plain | passes/token | "
+        "acceptance by position | expected speed-up, this CPU (k) | GPU-like curve (k) |",
+        "|---|---|---:|---|---:|---:|---:|---|---:|---:|",
+    ]
+    batch_table = [
+        "",
+        f"A continuous batch of {args.batch} rows (prompts of different lengths), every row drafting "
+        "with its own MTP handle, against the same batch without drafts, interleaved:",
+        "",
+        "| layout | MTP layer | rows | method | tok/s in all | vs plain | passes/token | peak GB |",
+        "|---|---|---:|---|---:|---:|---:|---:|",
+    ]
     batch_prompts = [prompt[: len(prompt) - 5 * row] for row in range(args.batch)]
     for model_type in ("deepseek_v3", "qwen3_next"):
         for kind, noise in (("exact", 0.0), ("noisy", args.noise)):
-            _, target, mtp = build(model_type, seed=0, exact=True, noise=noise, **sizes(model_type, args.vocab,
-                                                                                         args.layers))
+            _, target, mtp = build(
+                model_type,
+                seed=0,
+                exact=True,
+                noise=noise,
+                **sizes(model_type, args.vocab, args.layers),
+            )
             lines += single_lines(model_type, kind, target, mtp, prompt, args)
             if args.batch:
                 batch_table += batch_lines(model_type, kind, target, mtp, batch_prompts, args)
-    lines += ["", "The draft cost ratio is the MTP layer with its scoring (its own head, or the target's for "
-              "qwen3_next) against all of the target's layers and head, for one token: about 1/layers plus the head, "
-              "and the experts read for one token. The expected speed-up uses the measured ratio for the drafting, the "
-              "fitted cost of one more verified token (this CPU's, or the GPU-like 0.005 of a step), and the "
-              "acceptance by position of the fixed-length run; the best k is shown. tok/s is the best of "
-              f"{args.repeat} interleaved runs, shown with that run's passes and acceptance (the adaptive length "
-              "reads measured timings, so its runs differ)."]
+    lines += [
+        "",
+        "The draft cost ratio is the MTP layer with its scoring (its own head, or the target's for "
+        "qwen3_next) against all of the target's layers and head, for one token: about 1/layers plus the head, "
+        "and the experts read for one token. The expected speed-up uses the measured ratio for the drafting, the "
+        "fitted cost of one more verified token (this CPU's, or the GPU-like 0.005 of a step), and the "
+        "acceptance by position of the fixed-length run; the best k is shown. tok/s is the best of "
+        f"{args.repeat} interleaved runs, shown with that run's passes and acceptance (the adaptive length "
+        "reads measured timings, so its runs differ).",
+    ]
     RESULTS.write_text("\n".join(lines + (batch_table if args.batch else [])) + "\n")
 
 

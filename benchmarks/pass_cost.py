@@ -14,12 +14,19 @@ import argparse
 import statistics
 from pathlib import Path
 
-from benchmarks.harness import (Method, first_prompts, heldout_prompts, load_prompts, markdown_table,
-                                side_by_side, time_loop)
+from benchmarks.harness import (
+    Method,
+    first_prompts,
+    heldout_prompts,
+    load_prompts,
+    markdown_table,
+    side_by_side,
+    time_loop,
+)
 from decoder.cost import PassCost
+from decoder.text import eos_ids_of
 from prompt_lookup import PromptLookupSource
 from speculative.head_source import DraftHeadSource
-from decoder.text import eos_ids_of
 
 RESULTS = Path(__file__).parent / "results" / "pass_cost.md"
 
@@ -50,6 +57,7 @@ def main():
             if cost.clock is not frozen_clock:
                 measured["prompt lookup"].append(cost)
             return {"draft_sources": [PromptLookupSource()], "pass_cost": cost}
+
         return make
 
     tap, head = DraftHeadSource.create(model)
@@ -61,23 +69,39 @@ def main():
             if cost.clock is not frozen_clock:
                 measured["draft head"].append(cost)
             return result
+
         return run
 
     frozen_clock = frozen().clock
     prior = lambda: PassCost(clock=frozen_clock)  # noqa: E731
-    grounded = first_prompts(load_prompts(tokenizer, ["code_edit", "extractive_qa", "summarize_quotes"]),
-                             args.prompts)
-    results = side_by_side(model, tokenizer, grounded, [
-        Method("plain"),
-        Method("prompt lookup, prior 0.09", lookup(prior)),
-        Method("prompt lookup, measured", lookup(PassCost)),
-    ], args.max_tokens)
+    grounded = first_prompts(
+        load_prompts(tokenizer, ["code_edit", "extractive_qa", "summarize_quotes"]), args.prompts
+    )
+    results = side_by_side(
+        model,
+        tokenizer,
+        grounded,
+        [
+            Method("plain"),
+            Method("prompt lookup, prior 0.09", lookup(prior)),
+            Method("prompt lookup, measured", lookup(PassCost)),
+        ],
+        args.max_tokens,
+    )
     chat = {"held-out chat": heldout_prompts(tokenizer)[: 2 * args.prompts]}
-    results.update(side_by_side(model, tokenizer, chat, [
-        Method("plain"),
-        Method("draft head, prior", run=with_head(prior)),
-        Method("draft head, measured", run=with_head(PassCost)),
-    ], args.max_tokens))
+    results.update(
+        side_by_side(
+            model,
+            tokenizer,
+            chat,
+            [
+                Method("plain"),
+                Method("draft head, prior", run=with_head(prior)),
+                Method("draft head, measured", run=with_head(PassCost)),
+            ],
+            args.max_tokens,
+        )
+    )
 
     text = report(args, results, measured["prompt lookup"], measured["draft head"], head)
     print(text)
@@ -93,14 +117,19 @@ def median(costs, read):
 def report(args, results, lookup_costs, head_costs, head) -> str:
     """The results page: the side-by-side table and what the measured runs fitted."""
     lines = [
-        "# The measured verification cost (issue #25)", "",
+        "# The measured verification cost (issue #25)",
+        "",
         f"`python -m benchmarks.pass_cost --prompts {args.prompts} --max-tokens {args.max_tokens}`: "
         "embedded SmolLM2-135M-Instruct, float32, this 2-core x86 CPU, greedy, methods interleaved per "
-        "prompt in one process. \"prior\" runs never time anything, so they decide as the old constants "
-        "did; \"measured\" runs time their own passes (cost.PassCost), as main.py and the server do.", "",
-        markdown_table(results, "plain"), "",
-        "What the measured runs fitted (median over runs):", "",
-        "| quantity | constant before | measured here |", "|---|---:|---:|",
+        'prompt in one process. "prior" runs never time anything, so they decide as the old constants '
+        'did; "measured" runs time their own passes (cost.PassCost), as main.py and the server do.',
+        "",
+        markdown_table(results, "plain"),
+        "",
+        "What the measured runs fitted (median over runs):",
+        "",
+        "| quantity | constant before | measured here |",
+        "|---|---:|---:|",
         f"| one more verified token, fraction of a step (prompt lookup runs) | 0.09 | "
         f"{median(lookup_costs, lambda c: c.token_cost()):.3f} |",
         f"| one more verified token, fraction of a step (head runs) | 0.09 | "

@@ -31,11 +31,11 @@ fast_blas.load()
 import mlx.core as mx  # noqa: E402
 from mlx_lm.models import qwen3_next  # noqa: E402
 
-from decoder.prefill import prefill_rows  # noqa: E402
 from decoder import generate_step  # noqa: E402
-from prompt_lookup import PromptLookupSource  # noqa: E402
-from decoder.step import DecodingStats  # noqa: E402
 from decoder.cache import Cache, make_cache  # noqa: E402
+from decoder.prefill import prefill_rows  # noqa: E402
+from decoder.step import DecodingStats  # noqa: E402
+from prompt_lookup import PromptLookupSource  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "recurrent.md"
 
@@ -44,13 +44,32 @@ def build(hidden: int, layers: int, vocab: int):
     mx.random.seed(0)
     heads = hidden // 64
     args = qwen3_next.ModelArgs(
-        model_type="qwen3_next", hidden_size=hidden, num_hidden_layers=layers, intermediate_size=2 * hidden,
-        num_attention_heads=heads, num_key_value_heads=max(heads // 4, 1), head_dim=64, vocab_size=vocab,
-        linear_num_value_heads=heads, linear_num_key_heads=max(heads // 2, 1), linear_key_head_dim=64,
-        linear_value_head_dim=64, linear_conv_kernel_dim=4, num_experts=8, num_experts_per_tok=2,
-        decoder_sparse_step=1, shared_expert_intermediate_size=hidden // 2, moe_intermediate_size=hidden // 2,
-        mlp_only_layers=[], full_attention_interval=4, rms_norm_eps=1e-6, rope_theta=10000.0,
-        partial_rotary_factor=0.25, max_position_embeddings=4096, tie_word_embeddings=False)
+        model_type="qwen3_next",
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        intermediate_size=2 * hidden,
+        num_attention_heads=heads,
+        num_key_value_heads=max(heads // 4, 1),
+        head_dim=64,
+        vocab_size=vocab,
+        linear_num_value_heads=heads,
+        linear_num_key_heads=max(heads // 2, 1),
+        linear_key_head_dim=64,
+        linear_value_head_dim=64,
+        linear_conv_kernel_dim=4,
+        num_experts=8,
+        num_experts_per_tok=2,
+        decoder_sparse_step=1,
+        shared_expert_intermediate_size=hidden // 2,
+        moe_intermediate_size=hidden // 2,
+        mlp_only_layers=[],
+        full_attention_interval=4,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        partial_rotary_factor=0.25,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+    )
     model = qwen3_next.Model(args)
     model.lm_head.weight = model.lm_head.weight * 8  # sharp enough that greedy text repeats itself
     mx.eval(model.parameters())
@@ -67,7 +86,8 @@ def timed(fn, repeats: int) -> float:
 
 
 def pass_costs(model, context: int, draft: int, pending: int, repeats: int) -> dict:
-    """Seconds of each pass shape and of the rollback steps, from one cache at ``context`` tokens."""
+    """Seconds of each pass shape and of the rollback steps, from one cache at ``context``
+    tokens."""
     cache = make_cache(model)
     model(mx.arange(context)[None] % 1000, cache=cache.layers)
     mx.eval(cache.arrays())
@@ -78,9 +98,12 @@ def pass_costs(model, context: int, draft: int, pending: int, repeats: int) -> d
         if not keep:
             cache.rewind([width], [0])  # back to the context, for the next repeat
 
-    shapes = {"plain [1, 1] step": 1, f"verify pass [1, {1 + draft}]": 1 + draft,
-              f"verify pass with {pending} tokens fed again [1, {pending + draft}]": pending + draft,
-              f"the re-feed alone [1, {pending}]": pending}
+    shapes = {
+        "plain [1, 1] step": 1,
+        f"verify pass [1, {1 + draft}]": 1 + draft,
+        f"verify pass with {pending} tokens fed again [1, {pending + draft}]": pending + draft,
+        f"the re-feed alone [1, {pending}]": pending,
+    }
     costs = {name: [] for name in shapes}
     for _ in range(repeats):  # interleaved
         for name, width in shapes.items():
@@ -97,7 +120,9 @@ def pass_costs(model, context: int, draft: int, pending: int, repeats: int) -> d
         return time.perf_counter() - tic
 
     costs["checkpoint (host)"] = timed(cache.checkpoint, repeats * 10)
-    costs["restore and trim after a rejection"] = statistics.median(checkpoint_and_restore() for _ in range(repeats))
+    costs["restore and trim after a rejection"] = statistics.median(
+        checkpoint_and_restore() for _ in range(repeats)
+    )
     return costs
 
 
@@ -123,24 +148,44 @@ def end_to_end(model, max_tokens: int, repeats: int) -> list:
     near_copy = [t if i % 11 != 5 else (t + 1) % 1000 for i, t in enumerate(plain)]
     restores, rewind = [0], Cache.rewind
 
-    def counted(self, trims, restored=()):  # a rewind with rows to restore went back to a checkpoint
+    # a rewind with rows to restore went back to a checkpoint
+    def counted(self, trims, restored=()):
         restores[0] += bool(restored)
         return rewind(self, trims, restored)
 
     Cache.rewind = counted
     rows = []
-    for name, sources in (("plain", lambda: []),
-                          ("prompt lookup over a near-copy", lambda: [PromptLookupSource(extra_context=near_copy)])):
+    for name, sources in (
+        ("plain", lambda: []),
+        ("prompt lookup over a near-copy", lambda: [PromptLookupSource(extra_context=near_copy)]),
+    ):
         times, stats = [], None
         for _ in range(repeats):
             stats, restores[0] = DecodingStats(), 0
             tic = time.perf_counter()
-            out = [t for t, _ in generate_step(prompt, model, eos_token_ids=(), draft_sources=sources(),
-                                               max_tokens=max_tokens, stats=stats)]
+            out = [
+                t
+                for t, _ in generate_step(
+                    prompt,
+                    model,
+                    eos_token_ids=(),
+                    draft_sources=sources(),
+                    max_tokens=max_tokens,
+                    stats=stats,
+                )
+            ]
             times.append(time.perf_counter() - tic)
             assert out == plain, "lossless: the same tokens as plain decoding"
-        rows.append((name, max_tokens / statistics.median(times), stats.target_forward_passes / max_tokens,
-                     stats.draft_proposed, stats.draft_accepted, restores[0]))
+        rows.append(
+            (
+                name,
+                max_tokens / statistics.median(times),
+                stats.target_forward_passes / max_tokens,
+                stats.draft_proposed,
+                stats.draft_accepted,
+                restores[0],
+            )
+        )
     Cache.rewind = rewind
     return rows
 
@@ -159,23 +204,48 @@ def main():
     model = build(args.hidden, args.layers, args.vocab)
     costs = pass_costs(model, args.context, args.draft, args.pending, args.repeats)
     step = costs["plain [1, 1] step"]
-    lines = [f"`python -m benchmarks.recurrent --hidden {args.hidden} --layers {args.layers} --context {args.context}` · "
-             f"{time.strftime('%Y-%m-%d')} · {fast_blas.describe()} · random Qwen3-Next, float32, "
-             f"{args.layers} layers ({args.layers // 4} attention), hidden {args.hidden}, 8 experts",
-             "", "| what | ms | of a plain step |", "|---|---:|---:|"]
-    lines += [f"| {name} | {seconds * 1e3:.2f} | {seconds / step:.3f} |" for name, seconds in costs.items()]
+    lines = [
+        f"`python -m benchmarks.recurrent --hidden {args.hidden} --layers {args.layers} --context {args.context}` · "
+        f"{time.strftime('%Y-%m-%d')} · {fast_blas.describe()} · random Qwen3-Next, float32, "
+        f"{args.layers} layers ({args.layers // 4} attention), hidden {args.hidden}, 8 experts",
+        "",
+        "| what | ms | of a plain step |",
+        "|---|---:|---:|",
+    ]
+    lines += [
+        f"| {name} | {seconds * 1e3:.2f} | {seconds / step:.3f} |"
+        for name, seconds in costs.items()
+    ]
     verify = costs[f"verify pass [1, {1 + args.draft}]"]
-    deferred = costs[f"verify pass with {args.pending} tokens fed again [1, {args.pending + args.draft}]"] - verify
+    deferred = (
+        costs[f"verify pass with {args.pending} tokens fed again [1, {args.pending + args.draft}]"]
+        - verify
+    )
     at_once = costs[f"the re-feed alone [1, {args.pending}]"]
-    lines += ["", f"A rejection costs the loop {deferred * 1e3:.2f} ms ({deferred / step:.3f} of a step) of wider "
-              f"pass; re-advancing at once would cost {at_once * 1e3:.2f} ms ({at_once / step:.3f}).", ""]
+    lines += [
+        "",
+        f"A rejection costs the loop {deferred * 1e3:.2f} ms ({deferred / step:.3f} of a step) of wider "
+        f"pass; re-advancing at once would cost {at_once * 1e3:.2f} ms ({at_once / step:.3f}).",
+        "",
+    ]
     restore = batch_restore(model, 8, 4, args.repeats)
-    lines += [f"In a batch of 8 rows, putting 4 back to their checkpoint: {restore * 1e3:.2f} ms "
-              f"({restore / step:.3f} of a one-row step).", ""]
-    lines += [f"End to end, {args.max_tokens} tokens, greedy (both give the same tokens):", "",
-              "| method | tok/s | passes/token | drafted | accepted | restores |", "|---|---:|---:|---:|---:|---:|"]
-    for name, tps, passes, proposed, accepted, restores in end_to_end(model, args.max_tokens, max(args.repeats // 3, 1)):
-        lines.append(f"| {name} | {tps:.1f} | {passes:.3f} | {proposed} | {accepted} | {restores} |")
+    lines += [
+        f"In a batch of 8 rows, putting 4 back to their checkpoint: {restore * 1e3:.2f} ms "
+        f"({restore / step:.3f} of a one-row step).",
+        "",
+    ]
+    lines += [
+        f"End to end, {args.max_tokens} tokens, greedy (both give the same tokens):",
+        "",
+        "| method | tok/s | passes/token | drafted | accepted | restores |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for name, tps, passes, proposed, accepted, restores in end_to_end(
+        model, args.max_tokens, max(args.repeats // 3, 1)
+    ):
+        lines.append(
+            f"| {name} | {tps:.1f} | {passes:.3f} | {proposed} | {accepted} | {restores} |"
+        )
     text = "\n".join(lines) + "\n"
     print(text)
     RESULTS.write_text("# Rolling back recurrent layers\n\n" + text)

@@ -34,12 +34,15 @@ def decode_utf8(data: bytes, source: str) -> str:
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as error:
-        raise CliError(f"{source} is not UTF-8 text: byte 0x{data[error.start]:02x} at offset {error.start} "
-                       "(convert it first, e.g. with iconv -f latin1 -t utf-8)") from None
+        raise CliError(
+            f"{source} is not UTF-8 text: byte 0x{data[error.start]:02x} at offset {error.start} "
+            "(convert it first, e.g. with iconv -f latin1 -t utf-8)"
+        ) from None
 
 
 def check_text_argument(value, flag: str):
-    """Refuse a command-line value that is not UTF-8 (Python passes such argv bytes on as surrogates)."""
+    """Refuse a command-line value that is not UTF-8 (Python passes such argv bytes on as
+    surrogates)."""
     if value is not None:
         decode_utf8(value.encode("utf-8", "surrogateescape"), flag)
 

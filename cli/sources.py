@@ -1,7 +1,9 @@
-"""Draft sources from command-line flags (``cli/flags.py``): the one builder main.py and the server share.
+"""Draft sources from command-line flags (``cli/flags.py``): the one builder main.py and the server
+share.
 
     model, make = build_sources(args, model, tokenizer)     # run the loop on the returned model
-    sources = make()                                         # one row's own sources (a batch: per row)
+    sources = make()                                         # one row's own sources (a batch: per
+    row)
 
 A flag means the same in ``python main.py`` and ``python -m server``: both parse it with the same
 definition and build its source with the same code.
@@ -29,8 +31,8 @@ def build_sources(args, model, tokenizer, encoder_input=None) -> tuple:
     """``(model, make)`` for the flags in ``args``: run the loop on the returned model (a
     ``HiddenStateTap`` when a head or MTP layers draft), and ``make()`` gives one row its own fresh
     sources: prompt (or history) lookup, a draft model, a draft head or the model's MTP layers, in
-    that order. A model that drafts (a draft model, a head, MTP layers) is loaded once and drafts for
-    every row at once; each row holds a handle on it.
+    that order. A model that drafts (a draft model, a head, MTP layers) is loaded once and drafts
+    for every row at once; each row holds a handle on it.
 
     Args:
         encoder_input: a T5 target's prompt tokens (its decoder starts empty); lookup searches them.
@@ -46,15 +48,22 @@ def build_sources(args, model, tokenizer, encoder_input=None) -> tuple:
     lookup = None
     if args.prompt_lookup or args.lookup_history is not None:
         lookup = lookup_maker(args, encoder_input or [], head_dir)
-    options = {"adaptive": not args.no_adaptive, **({} if args.num_draft is None else {"num_draft": args.num_draft})}
+    options = {
+        "adaptive": not args.no_adaptive,
+        **({} if args.num_draft is None else {"num_draft": args.num_draft}),
+    }
     drafters = []
     if args.draft_model is not None:
         draft_model, draft_tokenizer, _ = load_model(args.draft_model)
         if is_encoder_decoder(draft_model):
             if encoder_input is None:
-                raise CliError("--draft-model: a T5 draft model needs a T5 target, which batching does not serve")
+                raise CliError(
+                    "--draft-model: a T5 draft model needs a T5 target, which batching does not serve"
+                )
             draft_model = T5Decoder(draft_model, encoder_input)
-        drafters.append(DraftModel.create(draft_model, draft_tokenizer, model, tokenizer, **options))
+        drafters.append(
+            DraftModel.create(draft_model, draft_tokenizer, model, tokenizer, **options)
+        )
     if head_dir is not None:
         try:
             # With prompt lookup before it, the loop lets the head draft on the steps it is
@@ -68,7 +77,9 @@ def build_sources(args, model, tokenizer, encoder_input=None) -> tuple:
         drafters.append(drafter)
 
     def make() -> list:
-        return ([lookup()] if lookup is not None else []) + [drafter.source() for drafter in drafters]
+        return ([lookup()] if lookup is not None else []) + [
+            drafter.source() for drafter in drafters
+        ]
 
     return model, make
 
@@ -98,8 +109,12 @@ def lookup_maker(args, encoder_input: list, head_dir=None):
 
     With --draft-head, the store starts with the seed that ships with the head (``history.npz``,
     answers to its training instructions), read-only; the run appends only to PATH."""
-    options = {"ngram_max": args.ngram_max, "ngram_min": args.ngram_min, "extra_context": encoder_input,
-               "adaptive": not args.no_adaptive}
+    options = {
+        "ngram_max": args.ngram_max,
+        "ngram_min": args.ngram_min,
+        "extra_context": encoder_input,
+        "adaptive": not args.no_adaptive,
+    }
     if args.num_draft is not None:
         options["num_draft"] = args.num_draft
     if args.lookup_history is None:
@@ -114,8 +129,13 @@ def lookup_maker(args, encoder_input: list, head_dir=None):
     try:
         stored = load_history(path)
     except HistoryError as error:
-        # Only a store this tool made in its own cache may be deleted; a path the user gave is theirs.
-        advice = "delete it to start a new one" if path == default_history_path() else "give another path"
+        # Only a store this tool made in its own cache may be deleted; a path the user gave is
+        # theirs.
+        advice = (
+            "delete it to start a new one"
+            if path == default_history_path()
+            else "give another path"
+        )
         raise CliError(f"--lookup-history {error}; {advice}") from None
     history = np.concatenate([seed, stored])
     return lambda: HistoryLookupSource(history, **options)
@@ -130,8 +150,10 @@ def draft_head_dir(draft_head: str) -> str:
     if head_dir.count("/") != 1 or head_dir.startswith((".", "/")):
         raise CliError(f"--draft-head {head_dir} is neither a directory nor a Hugging Face repo id")
     try:  # most EAGLE heads are published as pytorch_model.bin (read without running code)
-        return huggingface_hub.snapshot_download(head_dir, allow_patterns=[
-            "config.json", "model.safetensors", "pytorch_model.bin", "history.npz"])
+        return huggingface_hub.snapshot_download(
+            head_dir,
+            allow_patterns=["config.json", "model.safetensors", "pytorch_model.bin", "history.npz"],
+        )
     except Exception as error:
         reason = str(error).splitlines()[0] if str(error) else type(error).__name__
         raise CliError(f"cannot download the draft head {draft_head}: {reason}") from None

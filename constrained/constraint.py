@@ -2,7 +2,8 @@
 
 ``RegexConstraint`` masks every position the target scores, including each position of a draft,
 and follows the accepted tokens through the token index (one table lookup per token).
-``ForcedTextSource`` drafts the text the regex forces next (``", "age": `` in a JSON shape) for free.
+``ForcedTextSource`` drafts the text the regex forces next (``", "age": `` in a JSON shape) for
+free.
 """
 
 from typing import Optional
@@ -26,13 +27,23 @@ class RegexConstraint(Constraint):
         self.state = self.index.start
 
     @classmethod
-    def from_regex(cls, pattern: str, tokenizer, vocab_size: int, cache_dir=None) -> "RegexConstraint":
-        return cls(load_or_build_index(pattern, tokenizer, vocab_size, eos_ids_of(tokenizer), cache_dir=cache_dir))
+    def from_regex(
+        cls, pattern: str, tokenizer, vocab_size: int, cache_dir=None
+    ) -> "RegexConstraint":
+        return cls(
+            load_or_build_index(
+                pattern, tokenizer, vocab_size, eos_ids_of(tokenizer), cache_dir=cache_dir
+            )
+        )
 
     @classmethod
-    def from_json_schema(cls, schema, tokenizer, vocab_size: int, cache_dir=None, **options) -> "RegexConstraint":
+    def from_json_schema(
+        cls, schema, tokenizer, vocab_size: int, cache_dir=None, **options
+    ) -> "RegexConstraint":
         """Output that validates against `schema` (a dict); `options` go to `schema_to_regex`."""
-        return cls.from_regex(schema_to_regex(schema, **options), tokenizer, vocab_size, cache_dir=cache_dir)
+        return cls.from_regex(
+            schema_to_regex(schema, **options), tokenizer, vocab_size, cache_dir=cache_dir
+        )
 
     def walk(self, draft: list) -> list:
         """The states before each allowed draft token and after the last one (the loop decides
@@ -60,17 +71,21 @@ def tokenize_forced(tokenizer, forced: bytes) -> list:
 
 
 class TokenSplits:
-    """The tokens a model writes in pieces: ``":"`` is one token, but SmolLM2 writes ``":`` then ``"``. Where
-    the target writes a prefix of a drafted token instead, ``learn`` keeps the split (until it writes the
-    whole token again) and ``apply`` drafts it so. A model's habit: share it across rows. The habit depends on
-    the token before: SmolLM2 writes an object's first ``{"`` as ``{`` then ``"``, but ``{"`` whole after
-    ``[``. So each split is kept for the token it followed, and also, for tokens it has not followed yet, as
-    the latest seen anywhere."""
+    """The tokens a model writes in pieces: ``":"`` is one token, but SmolLM2 writes ``":`` then
+    ``"``. Where the target writes a prefix of a drafted token instead, ``learn`` keeps the split
+    (until it writes the
+    whole token again) and ``apply`` drafts it so. A model's habit: share it across rows. The habit
+    depends on
+    the token before: SmolLM2 writes an object's first ``{"`` as ``{`` then ``"``, but ``{"`` whole
+    after ``[``. So each split is kept for the token it followed, and also, for tokens it has not
+    followed yet, as the latest seen anywhere."""
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
-        self.pieces = {}  # token -> (the piece the target writes first, the rest's tokens), the latest seen
-        self.after = {}  # (token before, token) -> that split, or None where the target wrote it whole
+        # token -> (the piece the target writes first, the rest's tokens), the latest seen
+        self.pieces = {}
+        # (token before, token) -> that split, or None where the target wrote it whole
+        self.after = {}
 
     def split(self, token: int, previous: Optional[int] = None) -> Optional[tuple]:
         """How the target is expected to write ``token`` after ``previous``: None if whole."""
@@ -78,7 +93,8 @@ class TokenSplits:
         return self.after[key] if key in self.after else self.pieces.get(token)
 
     def apply(self, tokens: list, previous: Optional[int] = None) -> list:
-        """``tokens`` (forced text following ``previous``) as the target is expected to write them."""
+        """``tokens`` (forced text following ``previous``) as the target is expected to write
+        them."""
         out = []
         for token in tokens:
             split = self.split(token, previous)
@@ -89,20 +105,23 @@ class TokenSplits:
     def learn(self, drafted: int, written: int, previous: Optional[int] = None):
         """The target wrote ``written`` after ``previous`` where the draft had ``drafted``."""
         split = self.split(written, previous)
-        if split is not None and split[0] == drafted:  # a split piece drafted, the whole token written
+        # a split piece drafted, the whole token written
+        if split is not None and split[0] == drafted:
             self.after[(previous, written)] = None
             self.pieces.pop(written, None)
             return
         whole, piece = self.tokenizer.decode([drafted]), self.tokenizer.decode([written])
         if piece and len(piece) < len(whole) and whole.startswith(piece) and "\ufffd" not in whole:
-            rest = self.tokenizer.encode(whole[len(piece):], add_special_tokens=False)
-            if all(len(self.tokenizer.decode([token])) < len(whole) for token in rest):  # so apply ends
+            rest = self.tokenizer.encode(whole[len(piece) :], add_special_tokens=False)
+            # so apply ends
+            if all(len(self.tokenizer.decode([token])) < len(whole) for token in rest):
                 self.pieces[drafted] = self.after[(previous, drafted)] = (written, rest)
 
 
 class ForcedSource(DraftSource):
-    """Drafts forced text (a subclass's ``forced_tokens``) the way the target writes it (``TokenSplits``).
-    The target verifies it like any draft, so the output is unchanged either way."""
+    """Drafts forced text (a subclass's ``forced_tokens``) the way the target writes it
+    (``TokenSplits``). The target verifies it like any draft, so the output is unchanged either
+    way."""
 
     free = True  # read off the constraint's state
 
@@ -115,12 +134,17 @@ class ForcedSource(DraftSource):
         raise NotImplementedError
 
     def propose(self, tokens: list, max_draft: int) -> Optional[Draft]:
-        self._proposed = self.splits.apply(self.forced_tokens(), tokens[-1] if tokens else None)[:max_draft]
+        self._proposed = self.splits.apply(self.forced_tokens(), tokens[-1] if tokens else None)[
+            :max_draft
+        ]
         return Draft(self._proposed) if self._proposed else None
 
     def update(self, tokens: list, num_proposed: int, num_accepted: int) -> None:
-        if num_accepted < num_proposed:  # tokens[-1] is the target's token in place of the rejected one
-            self.splits.learn(self._proposed[num_accepted], tokens[-1], tokens[-2] if len(tokens) > 1 else None)
+        # tokens[-1] is the target's token in place of the rejected one
+        if num_accepted < num_proposed:
+            self.splits.learn(
+                self._proposed[num_accepted], tokens[-1], tokens[-2] if len(tokens) > 1 else None
+            )
 
 
 class ForcedTextSource(ForcedSource):
@@ -129,12 +153,16 @@ class ForcedTextSource(ForcedSource):
 
     name = "regex"
 
-    def __init__(self, constraint: RegexConstraint, tokenizer, splits: Optional[TokenSplits] = None):
+    def __init__(
+        self, constraint: RegexConstraint, tokenizer, splits: Optional[TokenSplits] = None
+    ):
         super().__init__(constraint, tokenizer, splits)
         self._drafts = {}  # DFA state -> tokenized forced text (states repeat in loops)
 
     def forced_tokens(self) -> list:
         state = self.constraint.state
         if state not in self._drafts:
-            self._drafts[state] = tokenize_forced(self.tokenizer, self.constraint.index.dfa.forced_bytes(state))
+            self._drafts[state] = tokenize_forced(
+                self.tokenizer, self.constraint.index.dfa.forced_bytes(state)
+            )
         return self._drafts[state]

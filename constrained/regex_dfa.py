@@ -29,15 +29,16 @@ MAX_SUBSET_WORK = 4_000_000
 
 
 def utf8_sequences(lo: int, hi: int) -> list:
-    """Split code points lo..hi into byte-range sequences, e.g. [(0xC2, 0xDF), (0x80, 0xBF)]; surrogates
-    (U+D800..U+DFFF) are left out: they are not valid UTF-8."""
+    """Split code points lo..hi into byte-range sequences, e.g. [(0xC2, 0xDF), (0x80, 0xBF)];
+    surrogates (U+D800..U+DFFF) are left out: they are not valid UTF-8."""
     if lo > hi:
         return []
     if lo <= 0xDFFF and hi >= 0xD800:
         return utf8_sequences(lo, 0xD7FF) + utf8_sequences(0xE000, hi)
     if hi <= 0x7F:
         return [[(lo, hi)]]
-    # Split where the encoded length changes, then where continuation bytes stop covering 80..BF fully.
+    # Split where the encoded length changes, then where continuation bytes stop covering 80..BF
+    # fully.
     for boundary in (0x7F, 0x7FF, 0xFFFF):
         if lo <= boundary < hi:
             return utf8_sequences(lo, boundary) + utf8_sequences(boundary + 1, hi)
@@ -73,9 +74,9 @@ class _NFA:
         return target
 
     def build(self, node):
-        """Add the fragment for `node`; returns its (entry, exit) states. Each node's `fragment` is a
-        generator that yields a child and receives that child's (entry, exit); this loop runs them with
-        its own stack, so deep trees need no recursion."""
+        """Add the fragment for `node`; returns its (entry, exit) states. Each node's `fragment` is
+        a generator that yields a child and receives that child's (entry, exit); this loop runs them
+        with its own stack, so deep trees need no recursion."""
         stack, built = [self.fragment(node)], None
         while stack:
             try:
@@ -163,7 +164,8 @@ class DFA:
 
     def sample(self, rng, max_bytes: int = 2000):
         """A random member of the language, drawn with a `random.Random` (None if the walk passes
-        max_bytes), for tests and benchmarks; an accepting state that can go on stops it 1 in 4 times."""
+        max_bytes), for tests and benchmarks; an accepting state that can go on stops it 1 in 4
+        times."""
         state, data = self.start, bytearray()
         while len(data) < max_bytes:
             (live_bytes,) = np.nonzero(self.transitions[state, self.byte_class] >= 0)
@@ -175,8 +177,8 @@ class DFA:
 
     def forced_bytes(self, state: int) -> bytes:
         """The bytes the regex forces from `state`: stops at an accepting state or a choice. May end
-        inside a multi-byte character. Terminates: a cycle of forced, non-accepting states could never
-        reach acceptance, and such states were removed."""
+        inside a multi-byte character. Terminates: a cycle of forced, non-accepting states could
+        never reach acceptance, and such states were removed."""
         class_sizes = np.bincount(self.byte_class, minlength=self.transitions.shape[1])
         forced = bytearray()
         while not self.accepting[state]:
@@ -189,7 +191,8 @@ class DFA:
 
 
 def states_reaching(sources: np.ndarray, targets: np.ndarray, goal: np.ndarray) -> np.ndarray:
-    """Bool mask of the states from which some `goal` state is reachable along edges sources -> targets."""
+    """Bool mask of the states from which some `goal` state is reachable along edges sources ->
+    targets."""
     predecessors = [[] for _ in range(len(goal))]
     for source, target in zip(sources.tolist(), targets.tolist()):
         predecessors[target].append(source)
@@ -204,12 +207,13 @@ def states_reaching(sources: np.ndarray, targets: np.ndarray, goal: np.ndarray) 
 
 
 def _byte_classes(byte_ranges):
-    """Group bytes that fall in exactly the same byte ranges; returns (byte_class, classes per range)."""
+    """Group bytes that fall in exactly the same byte ranges; returns (byte_class, classes per
+    range)."""
     membership = np.zeros((256, len(byte_ranges) + 1), dtype=bool)
     for column, (lo, hi) in enumerate(byte_ranges):
-        membership[lo:hi + 1, column] = True
+        membership[lo : hi + 1, column] = True
     byte_class = np.unique(membership, axis=0, return_inverse=True)[1].reshape(-1).astype(np.int32)
-    return byte_class, [np.unique(byte_class[lo:hi + 1]).tolist() for lo, hi in byte_ranges]
+    return byte_class, [np.unique(byte_class[lo : hi + 1]).tolist() for lo, hi in byte_ranges]
 
 
 def _subset_construction(nfa, nfa_start, nfa_accept, max_states):
@@ -230,8 +234,10 @@ def _subset_construction(nfa, nfa_start, nfa_accept, max_states):
             next_set = nfa.closure(targets)
             work += len(next_set)
             if work > MAX_SUBSET_WORK:
-                raise RegexError(f"regex too large: its DFA construction visits more than {MAX_SUBSET_WORK} "
-                                 "NFA states (too many alternatives open at once)")
+                raise RegexError(
+                    f"regex too large: its DFA construction visits more than {MAX_SUBSET_WORK} "
+                    "NFA states (too many alternatives open at once)"
+                )
             if next_set not in state_ids:
                 if len(state_sets) >= max_states:
                     raise RegexError(f"regex too large: more than {max_states} DFA states")
@@ -255,15 +261,21 @@ def _remove_dead_states(transitions, accepting, start):
 
 
 def _minimize(transitions, accepting, start):
-    """Hopcroft's algorithm: split blocks of states until the states of a block are indistinguishable."""
+    """Hopcroft's algorithm: split blocks of states until the states of a block are
+    indistinguishable."""
     num_states, num_classes = transitions.shape
     # Make "-1" an explicit sink so every state has a successor on every class.
     sink = num_states
-    complete = np.vstack([np.where(transitions >= 0, transitions, sink), np.full((1, num_classes), sink)])
-    # Incoming edges of each state as (class, source), sorted by target: one flat list, no list per state.
+    complete = np.vstack(
+        [np.where(transitions >= 0, transitions, sink), np.full((1, num_classes), sink)]
+    )
+    # Incoming edges of each state as (class, source), sorted by target: one flat list, no list per
+    # state.
     order = np.argsort(complete.ravel(), kind="stable")
     bounds = np.searchsorted(complete.ravel()[order], np.arange(num_states + 2)).tolist()
-    edge_source, edge_class = (index.ravel()[order].tolist() for index in np.indices(complete.shape))
+    edge_source, edge_class = (
+        index.ravel()[order].tolist() for index in np.indices(complete.shape)
+    )
     # Start from two blocks, accepting (0) and not (1, with the sink): neither is empty.
     is_final = np.append(accepting, False)
     blocks = [set(np.flatnonzero(group).tolist()) for group in (is_final, ~is_final)]
@@ -276,7 +288,8 @@ def _minimize(transitions, accepting, start):
             for edge in range(bounds[target], bounds[target + 1]):
                 entering_by_class.setdefault(edge_class[edge], []).append(edge_source[edge])
         for sources_in in entering_by_class.values():
-            # Split every block into the states that enter the splitter on this class and those that do not.
+            # Split every block into the states that enter the splitter on this class and those that
+            # do not.
             entering = {}
             for source in sources_in:
                 entering.setdefault(block_of[source], set()).add(source)
@@ -290,24 +303,32 @@ def _minimize(transitions, accepting, start):
                 # Refining by the smaller half is enough (the other half is implied): O(n log n).
                 smaller = len(blocks) - 1 if len(inside) <= len(blocks[block_id]) else block_id
                 pending.add(len(blocks) - 1 if block_id in pending else smaller)
-    # Number blocks by their smallest state: keeps the subset-construction order, so start stays first.
+    # Number blocks by their smallest state: keeps the subset-construction order, so start stays
+    # first.
     block_ids = np.array(block_of)
     _, representatives = np.unique(block_ids[:num_states], return_index=True)
     representatives.sort()
     new_id = np.full(len(blocks), -1, dtype=np.int32)  # the sink's block stays -1
     new_id[block_ids[representatives]] = np.arange(len(representatives))
-    return new_id[block_ids[complete[representatives]]], accepting[representatives], int(new_id[block_ids[start]])
+    return (
+        new_id[block_ids[complete[representatives]]],
+        accepting[representatives],
+        int(new_id[block_ids[start]]),
+    )
 
 
 def strip_leading_space(dfa: DFA) -> DFA:
-    """The DFA of the raw text whose decoded form ``dfa`` matches, for a decoder that drops one leading
-    space (SentencePiece's, as in Llama 2: the first token's "▁" is not shown). A new start state reads
-    a space as nothing and any other byte as the old start does; no edge leads back to it."""
+    """The DFA of the raw text whose decoded form ``dfa`` matches, for a decoder that drops one
+    leading
+    space (SentencePiece's, as in Llama 2: the first token's "▁" is not shown). A new start state
+    reads a space as nothing and any other byte as the old start does; no edge leads back to it."""
     space = 0x20
     num_classes = dfa.transitions.shape[1]
     byte_class = dfa.byte_class.copy()
     byte_class[space] = num_classes  # a class of its own: the new start treats it apart
-    transitions = np.concatenate([dfa.transitions, dfa.transitions[:, dfa.byte_class[space]][:, None]], axis=1)
+    transitions = np.concatenate(
+        [dfa.transitions, dfa.transitions[:, dfa.byte_class[space]][:, None]], axis=1
+    )
     first = transitions[dfa.start].copy()
     first[num_classes] = dfa.start
     transitions = np.concatenate([transitions, first[None]]).astype(np.int32)
@@ -319,7 +340,8 @@ def strip_leading_space(dfa: DFA) -> DFA:
 # a large JSON Schema takes seconds, so keep the last few (DFAs are never modified after compiling).
 @functools.lru_cache(maxsize=4)
 def compile_regex(pattern: str, max_states: int = DEFAULT_MAX_STATES) -> DFA:
-    """Compile `pattern` (Python `re` syntax, `re.ASCII`, fullmatch semantics) to a minimal byte DFA.
+    """Compile `pattern` (Python `re` syntax, `re.ASCII`, fullmatch semantics) to a minimal byte
+    DFA.
 
     Args:
         pattern: The regex. Unsupported: lookaround, backreferences, \\b, \\A, \\Z, inline flags,
@@ -328,7 +350,9 @@ def compile_regex(pattern: str, max_states: int = DEFAULT_MAX_STATES) -> DFA:
     """
     nfa = _NFA(max_states=4 * max_states)
     nfa_start, nfa_accept = nfa.build(parse_regex(pattern))
-    byte_class, transitions, accepting = _subset_construction(nfa, nfa_start, nfa_accept, max_states)
+    byte_class, transitions, accepting = _subset_construction(
+        nfa, nfa_start, nfa_accept, max_states
+    )
     transitions, accepting, start = _remove_dead_states(transitions, accepting, 0)
     transitions, accepting, start = _minimize(transitions, accepting, start)
     # Classes whose columns became identical are now one class.

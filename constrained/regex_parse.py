@@ -62,18 +62,28 @@ def complement_ranges(ranges):
     return tuple(gaps)
 
 
-# `re.ASCII` semantics: \d \w \s are ASCII only, so their negations include every non-ASCII character.
+# `re.ASCII` semantics: \d \w \s are ASCII only, so their negations include every non-ASCII
+# character.
 DIGIT = ((ord("0"), ord("9")),)
-WORD = normalize_ranges([(ord("0"), ord("9")), (ord("A"), ord("Z")), (ord("_"), ord("_")), (ord("a"), ord("z"))])
+WORD = normalize_ranges(
+    [(ord("0"), ord("9")), (ord("A"), ord("Z")), (ord("_"), ord("_")), (ord("a"), ord("z"))]
+)
 SPACE = ((ord("\t"), ord("\r")), (ord(" "), ord(" ")))
 CLASS_ESCAPES = {"d": DIGIT, "w": WORD, "s": SPACE}
-CLASS_ESCAPES |= {name.upper(): complement_ranges(ranges) for name, ranges in CLASS_ESCAPES.items()}  # \D \W \S
+# \D \W \S
+CLASS_ESCAPES |= {name.upper(): complement_ranges(ranges) for name, ranges in CLASS_ESCAPES.items()}
 CHAR_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "f": "\f", "v": "\v", "a": "\a"}
 HEX_ESCAPE_DIGITS = {"x": 2, "u": 4, "U": 8}
 ANY_BUT_NEWLINE = complement_ranges(((ord("\n"), ord("\n")),))
 UNSUPPORTED_GROUPS = {
-    "?=": "lookahead is", "?!": "lookahead is", "?<=": "lookbehind is", "?<!": "lookbehind is",
-    "?P=": "backreferences are", "?>": "atomic groups are", "?(": "conditional groups are", "?#": "comments are",
+    "?=": "lookahead is",
+    "?!": "lookahead is",
+    "?<=": "lookbehind is",
+    "?<!": "lookbehind is",
+    "?P=": "backreferences are",
+    "?>": "atomic groups are",
+    "?(": "conditional groups are",
+    "?#": "comments are",
 }
 
 
@@ -84,7 +94,8 @@ def _single_code(char_set):
 
 
 class _Parser:
-    """One pass over the pattern with a stack of open groups, so nesting costs no Python recursion."""
+    """One pass over the pattern with a stack of open groups, so nesting costs no Python
+    recursion."""
 
     def __init__(self, pattern, max_depth):
         self.pattern = pattern
@@ -102,7 +113,8 @@ class _Parser:
         if self.pattern.startswith("^"):
             self.pos = 1
         open_groups = []  # (position of "(", the enclosing group's alternatives)
-        alternatives = [[]]  # of the innermost open group: the items of each, the last one still open
+        # of the innermost open group: the items of each, the last one still open
+        alternatives = [[]]
         while True:
             char = self.peek()
             if char == "|":
@@ -121,7 +133,9 @@ class _Parser:
                 open_groups.append((self.pos, alternatives))
                 self.parse_group_start()
                 alternatives = [[]]
-            elif char == "" or (char == "$" and self.pos == len(self.pattern) - 1 and not open_groups):
+            elif char == "" or (
+                char == "$" and self.pos == len(self.pattern) - 1 and not open_groups
+            ):
                 if open_groups:
                     raise self.error("unbalanced parenthesis", open_groups[-1][0])
                 return _choice(alternatives)
@@ -142,14 +156,15 @@ class _Parser:
         return Repeat(atom, *bounds)
 
     def read_repeat_bounds(self, advance=True):
-        """(min, max) of a quantifier at `pos`, or None; `{` that is no quantifier is a literal, as in `re`."""
+        """(min, max) of a quantifier at `pos`, or None; `{` that is no quantifier is a literal, as
+        in `re`."""
         start = self.pos
         char = self.peek()
         if char and char in "*+?":
             bounds, end = {"*": (0, None), "+": (1, None), "?": (0, 1)}[char], start + 1
         elif char == "{":
             close = self.pattern.find("}", start)
-            low, comma, high = self.pattern[start + 1:close].partition(",")
+            low, comma, high = self.pattern[start + 1 : close].partition(",")
             if close < 0 or close == start + 1 or not set(low + high) <= set("0123456789"):
                 return None
             min_count = int(low) if low else 0
@@ -176,25 +191,36 @@ class _Parser:
         if char == "\\":
             return Chars(self.parse_escape(start, in_class=False))
         if char in "^$":
-            raise self.error(f"anchor {char} is only supported at the start (^) or end ($) of the pattern", start)
+            raise self.error(
+                f"anchor {char} is only supported at the start (^) or end ($) of the pattern", start
+            )
         return Chars(((ord(char), ord(char)),))
 
     def parse_group_start(self):
-        """Step over "(" and a "?:" or "?P<name>" prefix; RegexError for group kinds we do not support."""
+        """Step over "(" and a "?:" or "?P<name>" prefix; RegexError for group kinds we do not
+        support."""
         start = self.pos
         self.pos += 1
         if self.pattern.startswith("?:", self.pos):
             self.pos += 2
         elif self.pattern.startswith("?P<", self.pos):
             close = self.pattern.find(">", self.pos)
-            if close < 0 or not self.pattern[self.pos + 3:close].isidentifier():
+            if close < 0 or not self.pattern[self.pos + 3 : close].isidentifier():
                 raise self.error("bad group name", self.pos + 3)
             self.pos = close + 1
         elif self.peek() == "?":
-            feature = next((name for prefix, name in UNSUPPORTED_GROUPS.items()
-                            if self.pattern.startswith(prefix, self.pos)), None)
+            feature = next(
+                (
+                    name
+                    for prefix, name in UNSUPPORTED_GROUPS.items()
+                    if self.pattern.startswith(prefix, self.pos)
+                ),
+                None,
+            )
             if feature is None:
-                raise self.error(f"unsupported group syntax {self.pattern[start:start + 3]}", start)
+                raise self.error(
+                    f"unsupported group syntax {self.pattern[start : start + 3]}", start
+                )
             raise self.error(f"{feature} not supported", start)
 
     def parse_class(self, start):
@@ -205,18 +231,22 @@ class _Parser:
         while True:
             if self.pos >= len(self.pattern):
                 raise self.error("unterminated character set", start)
-            if self.peek() == "]" and self.pos != first_item:  # a "]" right after "[" or "[^" is a literal
+            # a "]" right after "[" or "[^" is a literal
+            if self.peek() == "]" and self.pos != first_item:
                 self.pos += 1
                 break
             item_start = self.pos
             item = self.parse_class_item()
-            if self.peek() != "-" or self.pattern[self.pos + 1:self.pos + 2] in ("", "]"):  # not a range
+            # not a range
+            if self.peek() != "-" or self.pattern[self.pos + 1 : self.pos + 2] in ("", "]"):
                 ranges.extend(item)
                 continue
             self.pos += 1
             lo, hi = _single_code(item), _single_code(self.parse_class_item())
             if lo is None or hi is None or lo > hi:
-                raise self.error(f"bad character range {self.pattern[item_start:self.pos]}", item_start)
+                raise self.error(
+                    f"bad character range {self.pattern[item_start : self.pos]}", item_start
+                )
             ranges.append((lo, hi))
         return complement_ranges(normalize_ranges(ranges)) if negate else normalize_ranges(ranges)
 
@@ -239,8 +269,10 @@ class _Parser:
         if char in CHAR_ESCAPES or (char == "b" and in_class):
             code = ord(CHAR_ESCAPES.get(char, "\b"))
         elif char in HEX_ESCAPE_DIGITS:
-            digits = self.pattern[self.pos:self.pos + HEX_ESCAPE_DIGITS[char]]
-            if len(digits) < HEX_ESCAPE_DIGITS[char] or any(c not in "0123456789abcdefABCDEF" for c in digits):
+            digits = self.pattern[self.pos : self.pos + HEX_ESCAPE_DIGITS[char]]
+            if len(digits) < HEX_ESCAPE_DIGITS[char] or any(
+                c not in "0123456789abcdefABCDEF" for c in digits
+            ):
                 raise self.error(f"incomplete escape \\{char}{digits}", start)
             self.pos += len(digits)
             code = int(digits, 16)

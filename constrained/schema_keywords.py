@@ -1,4 +1,5 @@
-"""What a JSON Schema may hold, for `json_schema.py`: keyword tables, value checks, loading, pointers.
+"""What a JSON Schema may hold, for `json_schema.py`: keyword tables, value checks, loading,
+pointers.
 
 Keywords are sorted into annotations (ignored), supported ones (by type) and unsupported ones that
 constrain values (refused with their JSON pointer, never dropped).
@@ -10,28 +11,85 @@ from pathlib import Path
 
 from constrained.regex_parse import RegexError
 
-ANNOTATIONS = {"title", "description", "default", "examples", "$schema", "$id", "id", "$comment", "deprecated",
-               "readOnly", "writeOnly", "definitions", "$defs", "contentMediaType", "contentEncoding", "$anchor"}
+ANNOTATIONS = {
+    "title",
+    "description",
+    "default",
+    "examples",
+    "$schema",
+    "$id",
+    "id",
+    "$comment",
+    "deprecated",
+    "readOnly",
+    "writeOnly",
+    "definitions",
+    "$defs",
+    "contentMediaType",
+    "contentEncoding",
+    "$anchor",
+}
 # Keywords that constrain values and that no branch below implements: refused, never dropped.
-UNSUPPORTED = {"not", "contains", "minContains", "maxContains", "propertyNames", "dependentSchemas",
-               "unevaluatedProperties", "unevaluatedItems", "$dynamicRef", "$recursiveRef", "then", "else"}
+UNSUPPORTED = {
+    "not",
+    "contains",
+    "minContains",
+    "maxContains",
+    "propertyNames",
+    "dependentSchemas",
+    "unevaluatedProperties",
+    "unevaluatedItems",
+    "$dynamicRef",
+    "$recursiveRef",
+    "then",
+    "else",
+}
 # Formats a validator checks that have no regex here; other format names are annotations.
 UNSUPPORTED_FORMATS = {"duration", "regex", "json-pointer", "relative-json-pointer", "uri-template"}
 TYPE_KEYWORDS = {
-    "object": {"properties", "required", "additionalProperties", "patternProperties", "minProperties",
-               "maxProperties", "dependencies", "dependentRequired"},
+    "object": {
+        "properties",
+        "required",
+        "additionalProperties",
+        "patternProperties",
+        "minProperties",
+        "maxProperties",
+        "dependencies",
+        "dependentRequired",
+    },
     "array": {"items", "prefixItems", "additionalItems", "minItems", "maxItems", "uniqueItems"},
     "string": {"minLength", "maxLength", "pattern", "format"},
     "number": {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"},
 }
 # What each keyword's value must be; a schema that breaks this is not a valid schema.
 KEYWORD_TYPES = {
-    "properties": dict, "patternProperties": dict, "required": list, "enum": list, "allOf": list, "anyOf": list,
-    "oneOf": list, "prefixItems": list, "type": (str, list), "pattern": str, "format": str, "$ref": str,
-    "items": (dict, bool, list), "additionalItems": (dict, bool), "additionalProperties": (dict, bool),
-    "minLength": int, "maxLength": int, "minItems": int, "maxItems": int, "minProperties": int,
-    "maxProperties": int, "minimum": (int, float), "maximum": (int, float), "multipleOf": (int, float),
-    "exclusiveMinimum": (int, float, bool), "exclusiveMaximum": (int, float, bool), "uniqueItems": bool,
+    "properties": dict,
+    "patternProperties": dict,
+    "required": list,
+    "enum": list,
+    "allOf": list,
+    "anyOf": list,
+    "oneOf": list,
+    "prefixItems": list,
+    "type": (str, list),
+    "pattern": str,
+    "format": str,
+    "$ref": str,
+    "items": (dict, bool, list),
+    "additionalItems": (dict, bool),
+    "additionalProperties": (dict, bool),
+    "minLength": int,
+    "maxLength": int,
+    "minItems": int,
+    "maxItems": int,
+    "minProperties": int,
+    "maxProperties": int,
+    "minimum": (int, float),
+    "maximum": (int, float),
+    "multipleOf": (int, float),
+    "exclusiveMinimum": (int, float, bool),
+    "exclusiveMaximum": (int, float, bool),
+    "uniqueItems": bool,
 }
 ALL_TYPES = ["object", "array", "string", "number", "integer", "boolean", "null"]
 
@@ -41,13 +99,16 @@ class SchemaError(RegexError):
 
 
 def load_schema(argument: str):
-    """A schema from a file path or inline JSON text (the `--json-schema` argument); SchemaError if invalid."""
+    """A schema from a file path or inline JSON text (the `--json-schema` argument); SchemaError if
+    invalid."""
     text = argument
     if not argument.lstrip().startswith(("{", "[")) and argument.strip() not in ("true", "false"):
         try:
             text = Path(argument).read_text()
         except (OSError, UnicodeDecodeError) as error:
-            raise SchemaError(f"cannot read the schema file {argument}: {getattr(error, 'strerror', None) or error}") from None
+            raise SchemaError(
+                f"cannot read the schema file {argument}: {getattr(error, 'strerror', None) or error}"
+            ) from None
     try:
         schema = json.loads(text)
     except json.JSONDecodeError as error:
@@ -58,23 +119,36 @@ def load_schema(argument: str):
         raise SchemaError("the schema nests too deeply to read") from None
     if not isinstance(schema, (dict, bool)):
         raise SchemaError("the schema must be a JSON object or a boolean")
-    check_finite(schema)  # here, not only in the regex compiler: every engine reads what this returns
+    # here, not only in the regex compiler: every engine reads what this returns
+    check_finite(schema)
     return schema
 
 
 def check_finite(schema):
-    """SchemaError naming the JSON pointer of a NaN or an infinity anywhere in `schema`. Python's json
-    reads `NaN`, `Infinity` and numbers beyond double range (`1e400`) as such floats; they are no JSON a
+    """SchemaError naming the JSON pointer of a NaN or an infinity anywhere in `schema`. Python's
+    json reads `NaN`, `Infinity` and numbers beyond double range (`1e400`) as such floats; they are
+    no JSON a
     validator could compare against. The walk keeps its own stack: no depth limit."""
     stack = [(schema, "#")]
     while stack:
         node, path = stack.pop()
         if isinstance(node, float) and not math.isfinite(node):
-            raise SchemaError(f"a number that is not finite (NaN, Infinity or beyond ±1.8e308) at {path}")
-        children = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+            raise SchemaError(
+                f"a number that is not finite (NaN, Infinity or beyond ±1.8e308) at {path}"
+            )
+        children = (
+            node.items()
+            if isinstance(node, dict)
+            else enumerate(node)
+            if isinstance(node, list)
+            else ()
+        )
         # Only containers and floats can hold a non-finite number: skip the rest without a pointer.
-        stack += [(value, f"{path}/{escape(str(key))}") for key, value in children
-                  if isinstance(value, (dict, list, float))]
+        stack += [
+            (value, f"{path}/{escape(str(key))}")
+            for key, value in children
+            if isinstance(value, (dict, list, float))
+        ]
 
 
 def escape(key: str) -> str:
@@ -113,11 +187,14 @@ def json_type(value) -> str:
         return "boolean"
     if isinstance(value, int) or (isinstance(value, float) and value.is_integer()):
         return "integer"
-    return {float: "number", str: "string", list: "array", dict: "object", type(None): "null"}[type(value)]
+    return {float: "number", str: "string", list: "array", dict: "object", type(None): "null"}[
+        type(value)
+    ]
 
 
 def common_types(first, second) -> list:
     """The types two `type` values share (["__none__"] if none), for allOf."""
+
     def expand(types):
         types = {types} if isinstance(types, str) else set(types)
         return types | ({"integer"} if "number" in types else set())
@@ -127,10 +204,13 @@ def common_types(first, second) -> list:
 
 
 def check_supported(schema, path):
-    """SchemaError for a keyword with an invalid value, or one that constrains values and is not supported."""
+    """SchemaError for a keyword with an invalid value, or one that constrains values and is not
+    supported."""
     for key, value in schema.items():
         if not valid_value(key, value):
-            raise SchemaError(f"{key} has an invalid value {json.dumps(value)[:40]} at {path}/{key}")
+            raise SchemaError(
+                f"{key} has an invalid value {json.dumps(value)[:40]} at {path}/{key}"
+            )
         if key in UNSUPPORTED and not (key in ("then", "else") and "if" not in schema):
             raise SchemaError(f"{key} is not supported at {path}")
     if schema.get("format") in UNSUPPORTED_FORMATS:

@@ -1,19 +1,22 @@
-"""Thinking models: the think block found per tokenizer, bounded by a budget, and constraints that start after it.
+"""Thinking models: the think block found per tokenizer, bounded by a budget, and constraints that
+start after it.
 
-A thinking model writes ``<think> reasoning </think>`` before its answer (Qwen3, DeepSeek R1, GLM, Kimi, ...),
-or its template opens the block in the prompt (Qwen3.5, Qwen3-Thinking-2507). ``ThinkMarkers`` reads the
-markers from mlx-lm's ``TokenizerWrapper`` (``has_thinking``, ``think_start``, ``think_end``) and the separator
-its template writes after the block. ``ThinkingConstraint`` wraps an answer's constraint (a regex, grammar,
-schema or tool grammar; or none) so that the loop needs to know nothing of thinking:
+A thinking model writes ``<think> reasoning </think>`` before its answer (Qwen3, DeepSeek R1, GLM,
+Kimi, ...), or its template opens the block in the prompt (Qwen3.5, Qwen3-Thinking-2507).
+``ThinkMarkers`` reads the markers from mlx-lm's ``TokenizerWrapper`` (``has_thinking``,
+``think_start``, ``think_end``) and the separator its template writes after the block.
+``ThinkingConstraint`` wraps an answer's constraint (a regex, grammar, schema or tool grammar; or
+none) so that the loop needs to know nothing of thinking:
 
-    START     the model may open the block, or answer at once (the inner constraint's first mask, plus the opening)
-    OPENING   the rest of a multi-token opening marker, forced
+    START     the model may open the block, or answer at once (the inner constraint's first mask,
+    plus the opening) OPENING   the rest of a multi-token opening marker, forced
     THINKING  free text; once ``budget`` tokens are spent the closing text is forced
-    CLOSING   the end marker and the template's separator, forced (drafted for free: ``ThinkingForcedSource``)
-    ANSWER    the inner constraint, from its start state
+    CLOSING   the end marker and the template's separator, forced (drafted for free:
+    ``ThinkingForcedSource``) ANSWER    the inner constraint, from its start state
 
-    constraint = ThinkingConstraint(markers, vocab_size, inner=regex, budget=256, phase=markers.phase(prompt))
-    draft_sources = [ThinkingForcedSource(constraint, inner_forced)] + prompt_lookup_sources
+    constraint = ThinkingConstraint(markers, vocab_size, inner=regex, budget=256,
+    phase=markers.phase(prompt)) draft_sources = [ThinkingForcedSource(constraint, inner_forced)] +
+    prompt_lookup_sources
 """
 
 import functools
@@ -36,7 +39,8 @@ class ThinkMarkers:
     end: str
     start_tokens: tuple
     end_tokens: tuple
-    separator_tokens: tuple = ()  # what the template writes between the block and the answer ("\n\n")
+    # what the template writes between the block and the answer ("\n\n")
+    separator_tokens: tuple = ()
     separator: str = ""  # the same as text
 
     @property
@@ -46,12 +50,13 @@ class ThinkMarkers:
 
     def phase(self, prompt: list, decode) -> str:
         """Where the prompt leaves the model: THINKING where the template opened the block (only
-        whitespace after the last opening marker), ANSWER where it wrote a closed block last (thinking
+        whitespace after the last opening marker), ANSWER where it wrote a closed block last
+        (thinking
         turned off), else START. ``decode``: the tokenizer's, for the text after the marker."""
         opened, closed = _rfind(prompt, self.start_tokens), _rfind(prompt, self.end_tokens)
-        if opened > closed and not decode(prompt[opened + len(self.start_tokens):]).strip():
+        if opened > closed and not decode(prompt[opened + len(self.start_tokens) :]).strip():
             return THINKING
-        tail_after_close = prompt[closed + len(self.end_tokens):] if closed >= 0 else None
+        tail_after_close = prompt[closed + len(self.end_tokens) :] if closed >= 0 else None
         if closed > opened >= 0 and not decode(tail_after_close).strip():
             return ANSWER
         return START
@@ -59,28 +64,44 @@ class ThinkMarkers:
 
 def _rfind(tokens: list, sequence: tuple) -> int:
     for i in range(len(tokens) - len(sequence), -1, -1):
-        if tuple(tokens[i:i + len(sequence)]) == sequence:
+        if tuple(tokens[i : i + len(sequence)]) == sequence:
             return i
     return -1
 
 
 # GPT-OSS's harmony format: the analysis channel is the reasoning, the final channel the answer.
-HARMONY = ("<|channel|>analysis<|message|>", "<|end|>", "<|start|>assistant<|channel|>final<|message|>")
+HARMONY = (
+    "<|channel|>analysis<|message|>",
+    "<|end|>",
+    "<|start|>assistant<|channel|>final<|message|>",
+)
 
 
 @functools.lru_cache(maxsize=8)  # asked for every request; a tokenizer's markers never change
 def think_markers(tokenizer) -> Optional[ThinkMarkers]:
     """The markers of a tokenizer that thinks, or None. mlx-lm's ``TokenizerWrapper`` finds them in
-    the vocabulary (``<think>``, ``<longcat_think>``, Gemma's ``<|channel>thought``, ...); the separator is
-    read from the chat template (Qwen3 and DeepSeek write ``</think>\\n\\n``). A harmony template
-    (GPT-OSS) thinks in its analysis channel and answers in its final channel (HARMONY)."""
+    the vocabulary (``<think>``, ``<longcat_think>``, Gemma's ``<|channel>thought``, ...); the
+    separator is read from the chat template (Qwen3 and DeepSeek write ``</think>\\n\\n``). A
+    harmony template (GPT-OSS) thinks in its analysis channel and answers in its final channel
+    (HARMONY)."""
     template = getattr(tokenizer, "chat_template", None)
     template = template if isinstance(template, str) else ""
-    if getattr(tokenizer, "has_thinking", False):  # a plain Hugging Face tokenizer has no such attribute
+    # a plain Hugging Face tokenizer has no such attribute
+    if getattr(tokenizer, "has_thinking", False):
         start, end = tokenizer.think_start, tokenizer.think_end
-        separator = next((sep for sep in ("\n\n", "\n") if end + sep in template
-                          or end + sep.replace("\n", "\\n") in template), "")
-    elif "<|channel|>" in template and "analysis" in template and "<|channel|>" in tokenizer.get_vocab():
+        separator = next(
+            (
+                sep
+                for sep in ("\n\n", "\n")
+                if end + sep in template or end + sep.replace("\n", "\\n") in template
+            ),
+            "",
+        )
+    elif (
+        "<|channel|>" in template
+        and "analysis" in template
+        and "<|channel|>" in tokenizer.get_vocab()
+    ):
         start, end, separator = HARMONY
     else:
         return None
@@ -99,8 +120,10 @@ class ThinkState(NamedTuple):
 
 
 class ThinkingConstraint(Constraint):
-    """A think block of free text (at most ``budget`` tokens, then its closing text forced), followed by
-    ``inner`` (None: free text). ``budget`` 0 with the block not yet open: it never opens; None: no bound.
+    """A think block of free text (at most ``budget`` tokens, then its closing text forced),
+    followed by
+    ``inner`` (None: free text). ``budget`` 0 with the block not yet open: it never opens; None: no
+    bound.
 
     Args:
         markers: ``think_markers(tokenizer)``.
@@ -108,8 +131,14 @@ class ThinkingConstraint(Constraint):
         phase: where the prompt leaves the model (``markers.phase``): START, THINKING or ANSWER.
     """
 
-    def __init__(self, markers: ThinkMarkers, vocab_size: int, inner: Optional[Constraint] = None,
-                 budget: Optional[int] = None, phase: str = START):
+    def __init__(
+        self,
+        markers: ThinkMarkers,
+        vocab_size: int,
+        inner: Optional[Constraint] = None,
+        budget: Optional[int] = None,
+        phase: str = START,
+    ):
         self.markers, self.vocab_size, self.inner, self.budget = markers, vocab_size, inner, budget
         self.first_phase = phase
         self.reset()
@@ -120,7 +149,8 @@ class ThinkingConstraint(Constraint):
         self.state = self._entering(ThinkState(self.first_phase))
 
     def _entering(self, state: ThinkState) -> ThinkState:
-        """``state``, or where it leads at once: a spent budget closes the block, a finished marker ends its phase."""
+        """``state``, or where it leads at once: a spent budget closes the block, a finished marker
+        ends its phase."""
         if state.phase == THINKING and self.budget is not None and state.spent >= self.budget:
             return ThinkState(CLOSING, state.spent, state.matched)
         if state.phase == OPENING and state.matched == len(self.markers.start_tokens):
@@ -130,9 +160,12 @@ class ThinkingConstraint(Constraint):
         return state
 
     def _opens(self, token: int) -> bool:
-        """Whether ``token`` opens the block. With a budget of 0 a one-token marker never opens it; a
-        longer one (harmony's) opens and closes at once, since its first token also starts other text."""
-        return token == self.markers.start_tokens[0] and (self.budget != 0 or len(self.markers.start_tokens) > 1)
+        """Whether ``token`` opens the block. With a budget of 0 a one-token marker never opens it;
+        a longer one (harmony's) opens and closes at once, since its first token also starts other
+        text."""
+        return token == self.markers.start_tokens[0] and (
+            self.budget != 0 or len(self.markers.start_tokens) > 1
+        )
 
     def _step(self, state: ThinkState, token: int) -> Optional[ThinkState]:
         """The state after ``token`` in an own phase (not ANSWER); None where it is forbidden."""
@@ -140,11 +173,18 @@ class ThinkingConstraint(Constraint):
         if state.phase == START:  # only an opening marker reaches here (see walk)
             return self._entering(ThinkState(OPENING, matched=1))
         if state.phase in (OPENING, CLOSING):
-            forced = self.markers.start_tokens if state.phase == OPENING else self.markers.close_tokens
-            return self._entering(state._replace(matched=state.matched + 1)) if token == forced[state.matched] else None
+            forced = (
+                self.markers.start_tokens if state.phase == OPENING else self.markers.close_tokens
+            )
+            return (
+                self._entering(state._replace(matched=state.matched + 1))
+                if token == forced[state.matched]
+                else None
+            )
         matched = state.matched + 1 if token == end[state.matched] else int(token == end[0])
         if matched == len(end):  # the model closed the block itself
-            after = ANSWER if self.inner is None else CLOSING  # a constrained answer gets the separator too
+            # a constrained answer gets the separator too
+            after = ANSWER if self.inner is None else CLOSING
             return self._entering(ThinkState(after, state.spent + 1, matched))
         return self._entering(ThinkState(THINKING, state.spent + 1, matched))
 
@@ -161,14 +201,18 @@ class ThinkingConstraint(Constraint):
         return states + (self._inner_walk(state, []) if state.phase in (START, ANSWER) else [state])
 
     def _inner_walk(self, state: ThinkState, rest: list) -> list:
-        """The inner constraint's states along ``rest`` (from its committed state, which is its start
-        until the answer begins), as ANSWER states; the first keeps a START phase."""
+        """The inner constraint's states along ``rest`` (from its committed state, which is its
+        start until the answer begins), as ANSWER states; the first keeps a START phase."""
         inner = self.inner.walk(rest) if self.inner is not None else [None] * (len(rest) + 1)
-        return [ThinkState(state.phase if i == 0 else ANSWER, state.spent, 0, s) for i, s in enumerate(inner)]
+        return [
+            ThinkState(state.phase if i == 0 else ANSWER, state.spent, 0, s)
+            for i, s in enumerate(inner)
+        ]
 
     def masks(self, states: list) -> mx.array:
         """Own phases' rows (all tokens while thinking, the forced token in a marker); the inner
-        constraint's for a run of START/ANSWER states, one call per run as its ``walk`` gave them."""
+        constraint's for a run of START/ANSWER states, one call per run as its ``walk`` gave
+        them."""
         rows, run = [], []
         for state in states + [None]:
             if state is not None and state.phase in (START, ANSWER):
@@ -181,16 +225,24 @@ class ThinkingConstraint(Constraint):
                 break
             row = np.ones((1, self.vocab_size), dtype=bool)
             if state.phase != THINKING:
-                forced = self.markers.start_tokens if state.phase == OPENING else self.markers.close_tokens
+                forced = (
+                    self.markers.start_tokens
+                    if state.phase == OPENING
+                    else self.markers.close_tokens
+                )
                 row[:] = False
                 row[0, forced[state.matched]] = True
             rows.append(mx.array(row))
         return mx.concatenate(rows) if len(rows) > 1 else rows[0]
 
     def _answer_masks(self, run: list) -> mx.array:
-        masks = (self.inner.masks([s.inner for s in run]) if self.inner is not None
-                 else mx.ones((len(run), self.vocab_size), dtype=mx.bool_))
-        if run[0].phase == START and self._opens(self.markers.start_tokens[0]):  # the model may still open it
+        masks = (
+            self.inner.masks([s.inner for s in run])
+            if self.inner is not None
+            else mx.ones((len(run), self.vocab_size), dtype=mx.bool_)
+        )
+        # the model may still open it
+        if run[0].phase == START and self._opens(self.markers.start_tokens[0]):
             opening = mx.arange(self.vocab_size) == self.markers.start_tokens[0]
             masks = mx.concatenate([masks[:1] | opening, masks[1:]])
         return masks
@@ -207,23 +259,24 @@ class ThinkingConstraint(Constraint):
     def forced_tokens(self) -> list:
         """The marker tokens forced from here (the rest of the opening or of the closing text)."""
         if self.state.phase == OPENING:
-            return list(self.markers.start_tokens[self.state.matched:])
+            return list(self.markers.start_tokens[self.state.matched :])
         if self.state.phase == CLOSING:
-            return list(self.markers.close_tokens[self.state.matched:])
+            return list(self.markers.close_tokens[self.state.matched :])
         return []
 
 
 class ThinkingForcedSource(DraftSource):
-    """Drafts the text a ``ThinkingConstraint`` forces: the rest of a marker (the closing text once the
-    budget is spent), then what the answer's constraint forces (``inner``, its forced-text source), all for
-    free. In the answer it is ``inner``."""
+    """Drafts the text a ``ThinkingConstraint`` forces: the rest of a marker (the closing text once
+    the budget is spent), then what the answer's constraint forces (``inner``, its forced-text
+    source), all for free. In the answer it is ``inner``."""
 
     name = "thinking"
     free = True
 
     def __init__(self, constraint: ThinkingConstraint, inner: Optional[DraftSource] = None):
         self.constraint, self.inner = constraint, inner
-        self.delegated = False  # whether the inner source drafted this step, with nothing forced before it
+        # whether the inner source drafted this step, with nothing forced before it
+        self.delegated = False
 
     def reset(self, cost=None, temp: float = 0.0, top_p: float = 1.0):
         super().reset(cost, temp, top_p)
@@ -250,26 +303,39 @@ class ThinkingForcedSource(DraftSource):
 
 
 def reasoning_token_count(tokens: list, markers: ThinkMarkers, phase: str) -> int:
-    """How many of the generated ``tokens`` lie inside the think block (markers and separator aside),
-    for usage's ``reasoning_tokens``; ``phase``: where the prompt left the model."""
+    """How many of the generated ``tokens`` lie inside the think block (markers and separator
+    aside), for usage's ``reasoning_tokens``; ``phase``: where the prompt left the model."""
     if phase == ANSWER:
         return 0
     begin = 0
     if phase == START:
-        opened = next((i for i in range(len(tokens)) if tuple(tokens[i:i + len(markers.start_tokens)])
-                       == markers.start_tokens), -1)
+        opened = next(
+            (
+                i
+                for i in range(len(tokens))
+                if tuple(tokens[i : i + len(markers.start_tokens)]) == markers.start_tokens
+            ),
+            -1,
+        )
         if opened < 0:
             return 0
         begin = opened + len(markers.start_tokens)
-    end = next((i for i in range(begin, len(tokens)) if tuple(tokens[i:i + len(markers.end_tokens)])
-                == markers.end_tokens), len(tokens))
+    end = next(
+        (
+            i
+            for i in range(begin, len(tokens))
+            if tuple(tokens[i : i + len(markers.end_tokens)]) == markers.end_tokens
+        ),
+        len(tokens),
+    )
     return end - begin
 
 
 class ReasoningSplitter:
-    """Streamed text (its markers as text: special tokens decoded) -> ``("reasoning", text)`` and ``("text", text)`` pieces, split at the think
-    markers. Whitespace around the reasoning and before the answer is dropped; text that may be the
-    start of a marker is held back until it cannot be."""
+    """Streamed text (its markers as text: special tokens decoded) -> ``("reasoning", text)`` and
+    ``("text", text)`` pieces, split at the think markers. Whitespace around the reasoning and
+    before the answer is dropped; text that may be the start of a marker is held back until it
+    cannot be."""
 
     def __init__(self, markers: Optional[ThinkMarkers], phase: str = ANSWER):
         self.markers = markers
@@ -284,7 +350,7 @@ class ReasoningSplitter:
         if self.phase == START:
             text = self.held.lstrip()
             if text.startswith(self.markers.start):
-                self.phase, self.held = THINKING, text[len(self.markers.start):]
+                self.phase, self.held = THINKING, text[len(self.markers.start) :]
             elif self.markers.start.startswith(text):
                 return out  # still may open the block
             else:
@@ -293,17 +359,20 @@ class ReasoningSplitter:
             index = self.held.find(self.markers.end)
             if index < 0:
                 end = self.markers.end
-                keep = max((k for k in range(1, len(end)) if self.held.endswith(end[:k])), default=0)
+                keep = max(
+                    (k for k in range(1, len(end)) if self.held.endswith(end[:k])), default=0
+                )
                 return self._reasoning(len(self.held) - keep)
-            text, rest = self.held[:index], self.held[index + len(self.markers.end):]
+            text, rest = self.held[:index], self.held[index + len(self.markers.end) :]
             self.held = text
             out += self._reasoning(len(text), closing=True)
             self.phase, self.held, self.after_block = ANSWER, rest, True
-        if self.after_block:  # the separator (whitespace, or harmony's final-channel header) is no answer
+        # the separator (whitespace, or harmony's final-channel header) is no answer
+        if self.after_block:
             separator = self.markers.separator.strip()
             self.held = self.held.lstrip()
             if separator and self.held.startswith(separator):
-                self.held = self.held[len(separator):].lstrip()
+                self.held = self.held[len(separator) :].lstrip()
             elif separator and separator.startswith(self.held):
                 return out  # may still be the separator
             self.after_block = not self.held
@@ -313,14 +382,15 @@ class ReasoningSplitter:
         return out
 
     def _reasoning(self, cut: int, closing: bool = False) -> list:
-        """Show ``held[:cut]`` as reasoning, less the whitespace at its start and (held back) at its end."""
+        """Show ``held[:cut]`` as reasoning, less the whitespace at its start and (held back) at its
+        end."""
         body = self.held[:cut]
         if not self.started:
             body = body.lstrip()
-            self.held = self.held[cut - len(body):]
+            self.held = self.held[cut - len(body) :]
             cut = len(body)
         shown = body.rstrip()
-        self.held = "" if closing else self.held[len(shown):]
+        self.held = "" if closing else self.held[len(shown) :]
         self.started = self.started or bool(shown)
         return [("reasoning", shown)] if shown else []
 
@@ -338,5 +408,7 @@ def split_reasoning(text: str, markers: Optional[ThinkMarkers], phase: str = STA
     """``(reasoning, answer)`` of a whole output; ``phase``: where the prompt left the model."""
     splitter = ReasoningSplitter(markers, phase)
     pieces = splitter.add(text) + splitter.finish()
-    return ("".join(t for kind, t in pieces if kind == "reasoning"),
-            "".join(t for kind, t in pieces if kind == "text"))
+    return (
+        "".join(t for kind, t in pieces if kind == "reasoning"),
+        "".join(t for kind, t in pieces if kind == "text"),
+    )

@@ -1,17 +1,26 @@
-"""Speculative decoding for mlx-lm models: one verify-and-accept loop that every draft source plugs into.
+"""Speculative decoding for mlx-lm models: one verify-and-accept loop that every draft source
+plugs into.
 
     from decoder import generate
     result = generate(model, tokenizer, "Hello", draft_sources=[...], max_tokens=64)
 
-``loop.py`` holds the loop (``generate_step -> stream_generate -> generate``), ``draft.py`` the draft
-and constraint protocols and the acceptance math, ``step.py`` one row's step, ``cache.py`` and
-``kinds.py`` a cache whose rows roll back alone, ``cost.py`` the measured cost of a pass.
+``loop.py`` holds the loop (``generate_step -> stream_generate -> generate``), ``draft.py`` the
+draft and constraint protocols and the acceptance math, ``step.py`` one row's step, ``cache.py``
+and ``kinds.py`` a cache whose rows roll back alone, ``cost.py`` the measured cost of a pass.
 """
 
 from .cache import Cache, CacheKindError, adopt, make_cache
 from .cost import PassCost
-from .draft import (Constraint, ConstraintError, Draft, DraftSource, accept_draft, accept_sampled,
-                    mask_logits, sampling_probs)
+from .draft import (
+    Constraint,
+    ConstraintError,
+    Draft,
+    DraftSource,
+    accept_draft,
+    accept_sampled,
+    mask_logits,
+    sampling_probs,
+)
 from .loop import GenerationResult, Response, generate, generate_step, stream_generate
 from .step import TARGET, DecodingStats, SourceStats
 from .text import TextStream, encode, eos_ids_of, plain_chat

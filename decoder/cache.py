@@ -3,18 +3,21 @@
 A verify pass writes ``pending + draft`` into the cache and each row keeps a prefix of its draft.
 One class per kind of layer, as in mlx-lm's ``models/cache.py``; one row is the batch at B = 1:
 
-- ``KVRows``, attention (``KVCache``, latent attention too) and sliding windows (``RotatingKVCache``):
-  row b holds its tokens in slots ``[start_b, end_b)`` of one ``[B, heads, slots, dim]`` buffer, so a
+- ``KVRows``, attention (``KVCache``, latent attention too) and sliding windows
+  (``RotatingKVCache``): row b holds its tokens in slots ``[start_b, end_b)`` of one ``[B, heads,
+  slots, dim]`` buffer, so a
   row drops its rejected tail by moving its end (vLLM's rule: the next pass writes over it). Slots
   outside a row are masked, never zeroed (a zero key still adds e^0 to a softmax). A sliding layer
   keeps each row's window plus ``max_rollback`` positions and drops older slots a block at a time;
   mlx-lm's ``RotatingKVCache`` writes over its oldest slot once full and cannot roll back.
-- ``StateRows``, recurrent layers (``ArraysCache``: conv and SSM states, gated delta) hold one state per
-  row, not an entry per token: ``checkpoint`` keeps the states from before a pass (references, no copy:
-  the layers replace their arrays rather than write into them) and ``restore`` puts rows back to
-  them after a rejection; the row's accepted tokens are then fed again at the front of its next pass.
-- ``ChunkedRows``, attention in chunks (``ChunkedKVCache``): one row only, since the model builds its
-  chunk mask from one scalar offset.
+- ``StateRows``, recurrent layers (``ArraysCache``: conv and SSM states, gated delta) hold one state
+  per
+  row, not an entry per token: ``checkpoint`` keeps the states from before a pass (references, no
+  copy: the layers replace their arrays rather than write into them) and ``restore`` puts rows back
+  to them after a rejection; the row's accepted tokens are then fed again at the front of its next
+  pass.
+- ``ChunkedRows``, attention in chunks (``ChunkedKVCache``): one row only, since the model builds
+  its chunk mask from one scalar offset.
 - ``FeatureRows``, the target's hidden states for a draft source that reads them, kept by the
   model's ``HiddenStateTap`` (speculative/head_source.py) as one more layer (``Cache.features``).
 
@@ -30,8 +33,14 @@ The kinds are in ``kinds.py``; here are the table from mlx-lm's classes to them 
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-import mlx.core as mx
-from mlx_lm.models.cache import ArraysCache, CacheList, ChunkedKVCache, KVCache, RotatingKVCache, make_prompt_cache
+from mlx_lm.models.cache import (
+    ArraysCache,
+    CacheList,
+    ChunkedKVCache,
+    KVCache,
+    RotatingKVCache,
+    make_prompt_cache,
+)
 
 from .kinds import ChunkedRows, FeatureRows, KVRows, StateRows
 
@@ -46,15 +55,18 @@ def architecture(model) -> str:
 
 
 def _kind(layer, rows: int, max_rollback: Optional[int], mask_dims: int):
-    """The form of one ``make_prompt_cache`` layer here: mlx-lm's kinds, told apart by class (a renaming table)."""
+    """The form of one ``make_prompt_cache`` layer here: mlx-lm's kinds, told apart by class (a
+    renaming table)."""
     if isinstance(layer, CacheList):
         return CacheList(*(_kind(child, rows, max_rollback, mask_dims) for child in layer.caches))
     if isinstance(layer, FeatureRows):
         return FeatureRows(rows)
     if isinstance(layer, RotatingKVCache):
         if layer.keep:
-            raise CacheKindError(f"a sliding-window cache that always keeps its first {layer.keep} tokens "
-                                 "cannot be rolled back yet")
+            raise CacheKindError(
+                f"a sliding-window cache that always keeps its first {layer.keep} tokens "
+                "cannot be rolled back yet"
+            )
         return KVRows(rows, layer.max_size, max_rollback, mask_dims)
     if type(layer) is KVCache:
         return KVRows(rows, mask_dims=mask_dims)
@@ -68,22 +80,30 @@ def _kind(layer, rows: int, max_rollback: Optional[int], mask_dims: int):
 
 def layers_of(cache: list) -> list:
     """Every layer cache, with the children of a ``CacheList`` in its place."""
-    return [leaf for layer in cache for leaf in (layers_of(layer.caches) if isinstance(layer, CacheList) else [layer])]
+    return [
+        leaf
+        for layer in cache
+        for leaf in (layers_of(layer.caches) if isinstance(layer, CacheList) else [layer])
+    ]
 
 
 @dataclass(frozen=True)
 class CachedPrefix:
     """One row's cache for the first ``length`` tokens of its text, for a later prompt that extends
     them (a conversation's next turn): each attention layer's ``(keys, values, first)`` of positions
-    ``[first, length)`` (a sliding layer may have dropped the ones before), and each recurrent layer's
-    states after exactly those tokens. A state holds no shorter prefix, so only a prompt that extends
-    all ``length`` tokens can use a prefix with states."""
+    ``[first, length)`` (a sliding layer may have dropped the ones before), and each recurrent
+    layer's states after exactly those tokens. A state holds no shorter prefix, so only a prompt
+    that extends all ``length`` tokens can use a prefix with states."""
 
     length: int
-    attention: list  # per attention layer (keys, values, first), keys and values [1, heads, length - first, dim]
-    states: list  # per recurrent layer, its state arrays, each [1, ...]; empty without recurrent layers
-    shortest: int = 0  # the shortest length it can be cut to (sliding layers need their window's keys)
-    features: Optional[tuple] = None  # the target's hidden states, as an attention entry (``FeatureRows``)
+    # per attention layer (keys, values, first), keys and values [1, heads, length - first, dim]
+    attention: list
+    # per recurrent layer, its state arrays, each [1, ...]; empty without recurrent layers
+    states: list
+    # the shortest length it can be cut to (sliding layers need their window's keys)
+    shortest: int = 0
+    # the target's hidden states, as an attention entry (``FeatureRows``)
+    features: Optional[tuple] = None
 
     def usable(self, common: int) -> int:
         """The longest prefix of at most ``common`` tokens it can serve; 0 for none."""
@@ -95,21 +115,29 @@ class CachedPrefix:
         """The entries of the first ``length`` tokens (``usable`` says which lengths it has)."""
         if length == self.length:
             return self
+
         def head(keys, values, first):  # the entry's positions before ``length``
-            return keys[:, :, : max(length - first, 0)], values[:, :, : max(length - first, 0)], first
+            return (
+                keys[:, :, : max(length - first, 0)],
+                values[:, :, : max(length - first, 0)],
+                first,
+            )
 
         features = head(*self.features) if self.features is not None else None
-        return CachedPrefix(length, [head(*entry) for entry in self.attention], [], self.shortest, features)
+        return CachedPrefix(
+            length, [head(*entry) for entry in self.attention], [], self.shortest, features
+        )
 
     def arrays(self) -> list:
         attention = self.attention + ([self.features] if self.features is not None else [])
-        return [array for keys, values, _ in attention for array in (keys, values)] + \
-               [array for layer in self.states for array in layer]
+        return [array for keys, values, _ in attention for array in (keys, values)] + [
+            array for layer in self.states for array in layer
+        ]
 
 
 class Cache:
-    """A model's cache for ``rows`` rows: ``layers`` (what the model is called with, one per layer in
-    the kind of ``_kind``'s table) and the operations on rows, applied to every layer at once.
+    """A model's cache for ``rows`` rows: ``layers`` (what the model is called with, one per layer
+    in the kind of ``_kind``'s table) and the operations on rows, applied to every layer at once.
     ``make_cache`` (``Cache.of``) builds one for a model; ``adopt`` takes over an mlx-lm cache.
     """
 
@@ -117,24 +145,34 @@ class Cache:
         self.layers, self.rows = layers, rows
         leaves = layers_of(layers)
         self.features = next((layer for layer in leaves if isinstance(layer, FeatureRows)), None)
-        self.attention = [layer for layer in leaves if layer.is_trimmable() and layer is not self.features]
+        self.attention = [
+            layer for layer in leaves if layer.is_trimmable() and layer is not self.features
+        ]
         self.recurrent = [layer for layer in leaves if isinstance(layer, StateRows)]
 
     @classmethod
-    def of(cls, model, rows: int = 1, max_rollback: Optional[int] = None, mask_dims: int = 4) -> "Cache":
+    def of(
+        cls, model, rows: int = 1, max_rollback: Optional[int] = None, mask_dims: int = 4
+    ) -> "Cache":
         """``max_rollback``: how many tokens a sliding row may drop across calls (a draft model's
         one-token drafts; a pass is always undone whole). ``mask_dims``: see ``KVRows``."""
         try:
-            return cls([_kind(layer, rows, max_rollback, mask_dims) for layer in make_prompt_cache(model)], rows)
+            return cls(
+                [_kind(layer, rows, max_rollback, mask_dims) for layer in make_prompt_cache(model)],
+                rows,
+            )
         except CacheKindError as error:
             raise CacheKindError(f"{architecture(model)}: {error}") from None
 
     def held(self, row: int = 0) -> Optional[int]:
-        """How many tokens row ``row`` holds (None for a model of recurrent layers only: no layer counts)."""
+        """How many tokens row ``row`` holds (None for a model of recurrent layers only: no layer
+        counts)."""
         if not self.attention:
             return None
         layer = self.attention[0]
-        return layer.offset if isinstance(layer, ChunkedRows) else layer.ends[row] - layer.origins[row]
+        return (
+            layer.offset if isinstance(layer, ChunkedRows) else layer.ends[row] - layer.origins[row]
+        )
 
     def can_trim(self, row: int = 0) -> int:
         """How many of its last tokens row ``row`` can drop (``rewind``), in every layer."""
@@ -149,8 +187,12 @@ class Cache:
         """Every array the cache holds (to evaluate)."""
         states = [state for layer in self.recurrent for state in layer.cache if state is not None]
         attention = self.attention + ([self.features] if self.features is not None else [])
-        return [array for layer in attention if layer.keys is not None for array in (layer.keys, layer.values)] \
-            + states
+        return [
+            array
+            for layer in attention
+            if layer.keys is not None
+            for array in (layer.keys, layer.values)
+        ] + states
 
     def prepare(self, lengths: Sequence[int], width: int):
         """Before a ``width``-wide pass in which row b feeds ``lengths[b]`` real tokens."""
@@ -168,8 +210,8 @@ class Cache:
             layer.checkpoint()
 
     def rewind(self, trims: Sequence[int], restored: Sequence[int] = ()):
-        """Row b drops the last ``trims[b]`` tokens it holds (raises where it cannot), and the rows in
-        ``restored`` go back to their recurrent states at the checkpoint."""
+        """Row b drops the last ``trims[b]`` tokens it holds (raises where it cannot), and the rows
+        in ``restored`` go back to their recurrent states at the checkpoint."""
         if any(trims):
             for layer in self.attention:
                 layer.trim_rows(trims)
@@ -194,10 +236,22 @@ class Cache:
     def extract(self, row: int, length: int) -> CachedPrefix:
         """Row ``row``'s cache, which holds the first ``length`` tokens of its text (a copy)."""
         attention = [layer.extract(row) for layer in self.attention]
-        shortest = max([first + layer.window - 1 for layer, (_, _, first) in zip(self.attention, attention)
-                        if first > 0] + [0])
-        features = self.features.extract(row) if self.features is not None and self.features.keys is not None else None
-        return CachedPrefix(length, attention, [layer.extract(row) for layer in self.recurrent], shortest, features)
+        shortest = max(
+            [
+                first + layer.window - 1
+                for layer, (_, _, first) in zip(self.attention, attention)
+                if first > 0
+            ]
+            + [0]
+        )
+        features = (
+            self.features.extract(row)
+            if self.features is not None and self.features.keys is not None
+            else None
+        )
+        return CachedPrefix(
+            length, attention, [layer.extract(row) for layer in self.recurrent], shortest, features
+        )
 
     def fill(self, prefixes: Sequence[Optional[CachedPrefix]]):
         """An empty cache whose row b holds ``prefixes[b]`` (None: nothing)."""
@@ -220,8 +274,10 @@ def _adopted(layer):
     if type(layer) is ChunkedKVCache:
         return ChunkedRows.from_state(layer.state)
     if isinstance(layer, RotatingKVCache) and not layer.empty():
-        raise CacheKindError("a RotatingKVCache that already holds tokens cannot be rolled back; "
-                             "build the prompt cache with cache.make_cache(model)")
+        raise CacheKindError(
+            "a RotatingKVCache that already holds tokens cannot be rolled back; "
+            "build the prompt cache with cache.make_cache(model)"
+        )
     adopted = _kind(layer, 1, None, 4)
     if type(layer) is KVCache and layer.keys is not None:
         adopted.fill(0, layer.keys[..., : layer.offset, :], layer.values[..., : layer.offset, :], 0)
@@ -243,7 +299,9 @@ def adopt(cache) -> Cache:
     return Cache(cache, 1)
 
 
-def make_cache(model, rows: int = 1, max_rollback: Optional[int] = None, mask_dims: int = 4) -> Cache:
+def make_cache(
+    model, rows: int = 1, max_rollback: Optional[int] = None, mask_dims: int = 4
+) -> Cache:
     """The model's cache (``make_prompt_cache``) for ``rows`` rows, every layer in a kind that rolls
     back per row; ``CacheKindError`` naming the architecture and the layer kind otherwise."""
     return Cache.of(model, rows, max_rollback, mask_dims)

@@ -35,8 +35,12 @@ class PassCost:
     PRIOR_WEIGHT = 0.5  # the prior counts as half a pass at widths 1 and 2: it sets the slope
     # until a second width is timed, and soon gives way once one is
 
-    def __init__(self, default_token_cost: float = 0.09, forget: float = 0.9,
-                 clock: Callable[[], float] = time.perf_counter):
+    def __init__(
+        self,
+        default_token_cost: float = 0.09,
+        forget: float = 0.9,
+        clock: Callable[[], float] = time.perf_counter,
+    ):
         if not 0 < default_token_cost:
             raise ValueError(f"default_token_cost must be positive, got {default_token_cost}")
         self.default_token_cost = default_token_cost
@@ -134,10 +138,14 @@ class PassCost:
     def summary(self) -> dict:
         """What was measured, for reports: seconds by rows and width, and the fitted token cost."""
         return {
-            "passes": {rows: {width: round(mean, 6) for width, (_, mean) in sorted(widths.items())}
-                       for rows, widths in sorted(self.passes.items())},
+            "passes": {
+                rows: {width: round(mean, 6) for width, (_, mean) in sorted(widths.items())}
+                for rows, widths in sorted(self.passes.items())
+            },
             "token_cost": {rows: round(self.token_cost(rows), 4) for rows in sorted(self.passes)},
-            "draft_seconds_per_token": {name: round(mean, 6) for name, (_, mean) in self.drafting.items()},
+            "draft_seconds_per_token": {
+                name: round(mean, 6) for name, (_, mean) in self.drafting.items()
+            },
         }
 
 

@@ -17,7 +17,8 @@ from .cost import PassCost
 
 
 class ConstraintError(RuntimeError):
-    """The target's scores leave no token the constraint allows (every allowed logit is NaN or -inf)."""
+    """The target's scores leave no token the constraint allows (every allowed logit is NaN or
+    -inf)."""
 
 
 @dataclass
@@ -51,7 +52,8 @@ class DraftSource:
     """
 
     name = "draft"
-    free = False  # True where proposing costs next to nothing (forced text): a batch asks it every step
+    # True where proposing costs next to nothing (forced text): a batch asks it every step
+    free = False
     # Why a batch cannot ask this source, in one sentence; None: it can.
     batch_refusal: Optional[str] = None
     # An object that drafts for every row sharing it in one call per step, before the rows choose:
@@ -85,8 +87,10 @@ class DraftSource:
         """Its row left the batch: let go of what is kept for it (a shared drafter's cache row)."""
 
     def locate(self, cache: Cache, row: int) -> None:
-        """Where its row is in the target's cache (row ``row`` of ``cache``), told before each step's
-        drafting: a source that reads the target's hidden states finds them there (``cache.features``)."""
+        """Where its row is in the target's cache (row ``row`` of ``cache``), told before each
+        step's
+        drafting: a source that reads the target's hidden states finds them there
+        (``cache.features``)."""
 
 
 class Constraint:
@@ -182,8 +186,12 @@ def accept_sampled(logits: mx.array, draft: Draft, sampler: Callable) -> tuple:
     return num_accepted, target[num_accepted]
 
 
-def choose_draft(draft_sources: Sequence[DraftSource], tokens: list, max_draft: int,
-                 cost: Optional[PassCost] = None) -> tuple:
+def choose_draft(
+    draft_sources: Sequence[DraftSource],
+    tokens: list,
+    max_draft: int,
+    cost: Optional[PassCost] = None,
+) -> tuple:
     """Pick this step's draft; returns ``(draft, drafter)``. Sources are in priority order,
     cheap ones first.
 
@@ -199,7 +207,11 @@ def choose_draft(draft_sources: Sequence[DraftSource], tokens: list, max_draft: 
     for source in draft_sources:
         if drafter is not None:
             forecast = source.forecast_speedup()
-            if chosen.expected_speedup is None or forecast is None or forecast <= chosen.expected_speedup:
+            if (
+                chosen.expected_speedup is None
+                or forecast is None
+                or forecast <= chosen.expected_speedup
+            ):
                 break
         tic = cost.clock() if cost is not None else 0.0
         draft = source.propose(tokens, max_draft)
@@ -238,8 +250,10 @@ def constrain_draft(constraint: Constraint, draft: Draft) -> tuple:
 def check_masks(allowed: mx.array, vocab_size: int):
     """Refuse a constraint built for another vocabulary than the model scores."""
     if allowed.shape[-1] != vocab_size:
-        raise ValueError(f"the constraint masks {allowed.shape[-1]} tokens but the model scores "
-                         f"{vocab_size}: build it with this model's tokenizer and vocab_size")
+        raise ValueError(
+            f"the constraint masks {allowed.shape[-1]} tokens but the model scores "
+            f"{vocab_size}: build it with this model's tokenizer and vocab_size"
+        )
 
 
 def mask_logits(logits: mx.array, allowed: mx.array) -> mx.array:

@@ -9,22 +9,31 @@ from mlx_lm.models.cache import ArraysCache, ChunkedKVCache, _BaseCache, dynamic
 class KVRows(_BaseCache):
     """Keys and values of one attention layer for ``B`` rows, each with its own length.
 
-    Per row (host ints): ``starts``/``ends``, the slots it holds, and ``origins``, the slot its position 0
-    would have, so a row's RoPE position is ``end - origin`` and ``start - origin`` positions were dropped.
+    Per row (host ints): ``starts``/``ends``, the slots it holds, and ``origins``, the slot its
+    position 0 would have, so a row's RoPE position is ``end - origin`` and ``start - origin``
+    positions were dropped.
 
     Args:
         rows: how many rows (empty).
         window: a sliding-window layer's window; None for full attention.
-        max_rollback: how far back a sliding row can go across calls (a pass is always undone whole).
-        mask_dims: 4 for ``(B, 1, N, S)`` masks; 5 for ``(B, 1, 1, N, S)`` (gemma2's grouped scores).
+        max_rollback: how far back a sliding row can go across calls (a pass is always undone
+        whole).
+        mask_dims: 4 for ``(B, 1, N, S)`` masks; 5 for ``(B, 1, 1, N, S)`` (gemma2's grouped
+        scores).
     """
 
     step = 256  # slots a full-attention layer grows by
-    window_step = 64  # slots a sliding layer grows and drops by: it holds at most window + max_rollback + this
+    # slots a sliding layer grows and drops by: it holds at most window + max_rollback + this
+    window_step = 64
     max_rollback = 32  # the default: more than a draft's one-token calls span
 
-    def __init__(self, rows: int, window: Optional[int] = None, max_rollback: Optional[int] = None,
-                 mask_dims: int = 4):
+    def __init__(
+        self,
+        rows: int,
+        window: Optional[int] = None,
+        max_rollback: Optional[int] = None,
+        mask_dims: int = 4,
+    ):
         self.keys = self.values = None
         self.window, self.mask_dims = window, mask_dims
         if max_rollback is not None:
@@ -48,7 +57,8 @@ class KVRows(_BaseCache):
         return min(max(start, end - self.window + 1) for start, end in zip(self.starts, self.ends))
 
     def _make_room(self, num_new: int, keys: mx.array, values: mx.array):
-        """A new buffer with room for ``num_new`` more slots, without the slots no row needs any more."""
+        """A new buffer with room for ``num_new`` more slots, without the slots no row needs any
+        more."""
         top = max(self.ends)
         drop = min(self.starts)
         if self.window is not None:  # a sliding row needs its window and the rollback slack
@@ -62,8 +72,11 @@ class KVRows(_BaseCache):
             new_keys[..., : top - drop, :] = self.keys[..., drop:top, :]
             new_values[..., : top - drop, :] = self.values[..., drop:top, :]
         self.keys, self.values = new_keys, new_values
-        self._set([max(s - drop, 0) for s in self.starts], [e - drop for e in self.ends],
-                  [o - drop for o in self.origins])
+        self._set(
+            [max(s - drop, 0) for s in self.starts],
+            [e - drop for e in self.ends],
+            [o - drop for o in self.origins],
+        )
         return drop
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
@@ -76,14 +89,21 @@ class KVRows(_BaseCache):
             self.values[..., end : end + num_new, :] = values
         else:
             slots = (mx.array(self.ends)[:, None] + mx.arange(num_new))[:, None, :, None]
-            self.keys = mx.put_along_axis(self.keys, mx.broadcast_to(slots, keys.shape), keys, axis=2)
-            self.values = mx.put_along_axis(self.values, mx.broadcast_to(slots, values.shape), values, axis=2)
+            self.keys = mx.put_along_axis(
+                self.keys, mx.broadcast_to(slots, keys.shape), keys, axis=2
+            )
+            self.values = mx.put_along_axis(
+                self.values, mx.broadcast_to(slots, values.shape), values, axis=2
+            )
         self._set(self.starts, [end + num_new for end in self.ends], self.origins)
         top = max(self.ends)
         return self.keys[..., first:top, :], self.values[..., first:top, :]
 
-    def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None, **kwargs):
-        """Query q of row b sees its slots up to its own, within its window; keys start at ``_first_seen``."""
+    def make_mask(
+        self, N: int, return_array: bool = False, window_size: Optional[int] = None, **kwargs
+    ):
+        """Query q of row b sees its slots up to its own, within its window; keys start at
+        ``_first_seen``."""
         # A query never sees more than the cache's window, however wide a window the model asks for
         # (plamo3 asks for one more): a verify pass must see what one-token steps see.
         window = min(window_size or self.window, self.window) if self.window else window_size
@@ -95,7 +115,8 @@ class KVRows(_BaseCache):
             if N == 1 and self.ends[0] - first <= window:
                 return None  # one query sees every key it is given
         slots = mx.arange(first, max(self.ends) + N)
-        own = mx.array(self.ends)[:, None, None] + mx.arange(N)[None, :, None]  # each query's own slot
+        # each query's own slot
+        own = mx.array(self.ends)[:, None, None] + mx.arange(N)[None, :, None]
         seen = (slots >= mx.array(self.starts)[:, None, None]) & (slots <= own)
         if window is not None:  # a row's slots are contiguous: slot distance is position distance
             seen = seen & (slots > own - window)
@@ -105,18 +126,22 @@ class KVRows(_BaseCache):
         return mask[:, None] if self.mask_dims == 5 else mask
 
     def can_trim(self, row: int) -> int:
-        """How many of row ``row``'s last tokens it can drop and still hold every key its next query sees."""
+        """How many of row ``row``'s last tokens it can drop and still hold every key its next query
+        sees."""
         held = self.ends[row] - self.starts[row]
         if self.window is None or self.starts[row] == self.origins[row]:  # nothing dropped yet
             return held
         return max(held - self.window + 1, 0)
 
     def trim_rows(self, counts: Sequence[int]):
-        """Drop the last ``counts[b]`` tokens of each row b; raises if a row cannot drop that many."""
+        """Drop the last ``counts[b]`` tokens of each row b; raises if a row cannot drop that
+        many."""
         for row, count in enumerate(counts):
             if count > self.can_trim(row):  # a count that says less was done is never ignored
-                raise RuntimeError(f"row {row} of a {self.window or 'full'}-window attention layer cannot drop "
-                                   f"its last {count} tokens (it holds {self.ends[row] - self.starts[row]})")
+                raise RuntimeError(
+                    f"row {row} of a {self.window or 'full'}-window attention layer cannot drop "
+                    f"its last {count} tokens (it holds {self.ends[row] - self.starts[row]})"
+                )
         self._set(self.starts, [end - count for end, count in zip(self.ends, counts)], self.origins)
 
     def is_trimmable(self) -> bool:
@@ -130,22 +155,33 @@ class KVRows(_BaseCache):
 
     def filter(self, keep: Sequence[int]):
         """Keep rows ``keep`` (in that order) and drop the slots no kept row uses."""
-        starts, ends, origins = ([values[i] for i in keep] for values in (self.starts, self.ends, self.origins))
+        starts, ends, origins = (
+            [values[i] for i in keep] for values in (self.starts, self.ends, self.origins)
+        )
         shift = min(starts, default=0)
         if self.keys is not None:
             rows = mx.array(list(keep), mx.int32)
             self.keys, self.values = self.keys[rows, :, shift:], self.values[rows, :, shift:]
-        self._set([s - shift for s in starts], [e - shift for e in ends], [o - shift for o in origins])
+        self._set(
+            [s - shift for s in starts], [e - shift for e in ends], [o - shift for o in origins]
+        )
 
     def extend(self, other: "KVRows"):
-        """Append ``other``'s rows, right-aligned with these so no row attends over the other's past."""
+        """Append ``other``'s rows, right-aligned with these so no row attends over the other's
+        past."""
         top = max(self.ends + other.ends, default=0)
         shifts = [top - max(cache.ends, default=0) for cache in (self, other)]
-        moved = [[[v + shift for v in values] for values in (cache.starts, cache.ends, cache.origins)]
-                 for cache, shift in zip((self, other), shifts)]
+        moved = [
+            [[v + shift for v in values] for values in (cache.starts, cache.ends, cache.origins)]
+            for cache, shift in zip((self, other), shifts)
+        ]
         filled = [cache for cache in (self, other) if cache.keys is not None]
         if filled:
-            size = max(c.keys.shape[2] + shift for c, shift in zip((self, other), shifts) if c.keys is not None)
+            size = max(
+                c.keys.shape[2] + shift
+                for c, shift in zip((self, other), shifts)
+                if c.keys is not None
+            )
             _, heads, _, key_dim = filled[0].keys.shape
             value_dim, dtype = filled[0].values.shape[3], filled[0].keys.dtype
             keys, values = [], []
@@ -168,16 +204,26 @@ class KVRows(_BaseCache):
             shift = mx.array(shifts)[:, None]
             self.keys = dynamic_roll(self.keys, shift, axis=2)
             self.values = dynamic_roll(self.values, shift, axis=2)
-        self._set(*([v + d for v, d in zip(values, shifts)] for values in (self.starts, self.ends, self.origins)))
+        self._set(
+            *(
+                [v + d for v, d in zip(values, shifts)]
+                for values in (self.starts, self.ends, self.origins)
+            )
+        )
 
     def extract(self, row: int) -> tuple:
-        """Row ``row``'s ``(keys, values, first position held)``, ``[1, heads, n, dim]`` each (a copy)."""
+        """Row ``row``'s ``(keys, values, first position held)``, ``[1, heads, n, dim]`` each (a
+        copy)."""
         start, end = self.starts[row], self.ends[row]
-        return (mx.contiguous(self.keys[row : row + 1, :, start:end]),
-                mx.contiguous(self.values[row : row + 1, :, start:end]), start - self.origins[row])
+        return (
+            mx.contiguous(self.keys[row : row + 1, :, start:end]),
+            mx.contiguous(self.values[row : row + 1, :, start:end]),
+            start - self.origins[row],
+        )
 
     def fill(self, row: int, keys: mx.array, values: mx.array, first: int):
-        """Row ``row`` of an empty cache holds ``keys``/``values`` of positions ``[first, first + n)``."""
+        """Row ``row`` of an empty cache holds ``keys``/``values`` of positions ``[first, first +
+        n)``."""
         n = keys.shape[2]
         if self.keys is None or n > self.keys.shape[2]:
             self._make_room(n, keys, values)
@@ -203,8 +249,9 @@ class KVRows(_BaseCache):
 
 
 class StateRows(ArraysCache):
-    """A recurrent layer's states for ``rows`` rows (mlx-lm's ``ArraysCache``: rows shorter than a pass
-    are kept out of it through ``prepare(lengths=...)``), that can put rows back to a checkpoint."""
+    """A recurrent layer's states for ``rows`` rows (mlx-lm's ``ArraysCache``: rows shorter than a
+    pass are kept out of it through ``prepare(lengths=...)``), that can put rows back to a
+    checkpoint."""
 
     def __init__(self, size: int, rows: int):
         super().__init__(size)
@@ -223,7 +270,8 @@ class StateRows(ArraysCache):
         self.rows += other.rows
 
     def checkpoint(self):
-        self.saved = list(self.cache)  # references: the layers assign new arrays, never write into these
+        # references: the layers assign new arrays, never write into these
+        self.saved = list(self.cache)
 
     def restore(self, rows: Sequence[int]):
         """Put ``rows`` back to their states at the last ``checkpoint``."""
@@ -247,8 +295,9 @@ class StateRows(ArraysCache):
 
 
 class ChunkedRows(ChunkedKVCache):
-    """mlx-lm's ``ChunkedKVCache`` for one row, with the checked rollback of ``KVRows``. One row only:
-    llama4 builds its chunk mask from the first layer's scalar offset and ``start_position``."""
+    """mlx-lm's ``ChunkedKVCache`` for one row, with the checked rollback of ``KVRows``. One row
+    only: llama4 builds its chunk mask from the first layer's scalar offset and
+    ``start_position``."""
 
     rows = 1
 
@@ -266,18 +315,21 @@ class ChunkedRows(ChunkedKVCache):
 
 class FeatureRows(KVRows):
     """The target's hidden states per row and position, for a draft source that reads them (a draft
-    head, MTP layers). ``speculative.head_source.HiddenStateTap`` writes each call's features where the
-    model writes its keys, so they filter, extend, realign and extract with the rows; a rewind leaves
-    them be, since the next write lands at the model's position and drops what lay past it. So the
-    accepted tokens of a pass a recurrent row went back on keep their features until fed again."""
+    head, MTP layers). ``speculative.head_source.HiddenStateTap`` writes each call's features where
+    the model writes its keys, so they filter, extend, realign and extract with the rows; a rewind
+    leaves them be, since the next write lands at the model's position and drops what lay past it.
+    So the accepted tokens of a pass a recurrent row went back on keep their features until fed
+    again."""
 
     def write(self, features: mx.array, positions: Optional[Sequence[int]] = None):
-        """``features`` (B, L, d) at each row's position ``positions[b]`` (the model's; None: at its own end)."""
+        """``features`` (B, L, d) at each row's position ``positions[b]`` (the model's; None: at its
+        own end)."""
         for row, position in enumerate(positions or []):
             first, held = self.available(row)
             if first <= position < held:
                 self.trim_rows([held - position if b == row else 0 for b in range(self.rows)])
-            elif position != held:  # the row holds none of the positions before: it starts again there
+            # the row holds none of the positions before: it starts again there
+            elif position != held:
                 starts, origins = list(self.starts), list(self.origins)
                 starts[row], origins[row] = self.ends[row], self.ends[row] - position
                 self._set(starts, self.ends, origins)
@@ -289,6 +341,7 @@ class FeatureRows(KVRows):
         return self.starts[row] - self.origins[row], self.ends[row] - self.origins[row]
 
     def read(self, row: int, start: int, stop: int) -> mx.array:
-        """Row ``row``'s features at positions ``[start, stop)``, (stop - start, d); ``available`` says which."""
+        """Row ``row``'s features at positions ``[start, stop)``, (stop - start, d); ``available``
+        says which."""
         origin = self.origins[row]
         return self.keys[row, 0, origin + start : origin + stop]

@@ -31,8 +31,8 @@ from .text import TextStream, encode, eos_ids_of
 
 
 def prefill(model, cache: Cache, tokens: list, step_size: int = 512):
-    """Run ``tokens`` through ``model`` into ``cache`` (one row) in chunks (bounded attention memory):
-    ``Prefill`` at one row, on a cache that already holds what comes before them."""
+    """Run ``tokens`` through ``model`` into ``cache`` (one row) in chunks (bounded attention
+    memory): ``Prefill`` at one row, on a cache that already holds what comes before them."""
     Prefill(model, [tokens], step_size, cache=cache).run()
 
 
@@ -45,10 +45,14 @@ def _open_cache(model, prompt: Sequence[int], prompt_cache: Optional[list]) -> t
         raise ValueError("the prompt is empty: give at least one token")
     cached = cache.held() if prompt_cache is not None else 0  # tokens of the prompt the cache holds
     if cached is None:
-        raise ValueError("a prompt_cache of recurrent layers only cannot tell how many tokens it holds; "
-                         "pass none")
+        raise ValueError(
+            "a prompt_cache of recurrent layers only cannot tell how many tokens it holds; "
+            "pass none"
+        )
     if cached >= len(prompt):
-        raise ValueError(f"prompt_cache holds {cached} tokens; it must hold fewer than the prompt's {len(prompt)}")
+        raise ValueError(
+            f"prompt_cache holds {cached} tokens; it must hold fewer than the prompt's {len(prompt)}"
+        )
     return cache, cached
 
 
@@ -74,7 +78,8 @@ def generate_step(
     Args:
         prompt: at least one token id.
         model: an mlx-lm model (``model(inputs, cache=cache) -> logits``).
-        eos_token_ids: stop after emitting one of these (``eos_ids_of(tokenizer)``; ``()`` for none).
+        eos_token_ids: stop after emitting one of these (``eos_ids_of(tokenizer)``; ``()`` for
+        none).
         draft_sources: tried in order each step; the first non-empty draft is verified, or a
             later model's when it forecasts a larger speed-up (see ``choose_draft``).
         constraint: optional logits mask that advances along accepted tokens.
@@ -94,10 +99,21 @@ def generate_step(
         ``(token, source_name)`` for each accepted token; ``source_name`` is
         ``TARGET`` for tokens the target chose itself.
     """
-    row = Row(prompt, eos_token_ids=eos_token_ids, draft_sources=draft_sources, constraint=constraint, temp=temp,
-              top_p=top_p, sampler=sampler, max_tokens=max_tokens, stats=stats)
+    row = Row(
+        prompt,
+        eos_token_ids=eos_token_ids,
+        draft_sources=draft_sources,
+        constraint=constraint,
+        temp=temp,
+        top_p=top_p,
+        sampler=sampler,
+        max_tokens=max_tokens,
+        stats=stats,
+    )
     cost = pass_cost if pass_cost is not None else PassCost()
-    cache, cached = _open_cache(model, prompt, prompt_cache if prompt_cache is not None else kv_cache)
+    cache, cached = _open_cache(
+        model, prompt, prompt_cache if prompt_cache is not None else kv_cache
+    )
     row.reset(cost)
     row.locate(cache, 0)
 
@@ -117,9 +133,12 @@ def generate_step(
         num_accepted, next_token = row.accept(logits, draft)
         # The accept decision synced the pass: its time is the pass's cost at this width.
         cost.record(cost.clock() - tic, width=pass_width)
-        if plan.masks is not None and not plan.masks[num_accepted, next_token].item():  # evaluated with the logits
+        # evaluated with the logits
+        if plan.masks is not None and not plan.masks[num_accepted, next_token].item():
             raise row.forbidden(num_accepted)
-        trim, restore = row.commit(pass_width, len(draft.tokens), num_accepted, bool(cache.recurrent))
+        trim, restore = row.commit(
+            pass_width, len(draft.tokens), num_accepted, bool(cache.recurrent)
+        )
         cache.rewind([trim], [0] if restore else [])
         emitted, sources = row.emit(plan, draft, num_accepted, next_token)
         yield from zip(emitted, sources)
@@ -137,17 +156,24 @@ class Response:
         return self.source != TARGET
 
 
-def stream_generate(model, tokenizer, prompt: Union[str, Sequence[int]], **kwargs) -> Iterator[Response]:
+def stream_generate(
+    model, tokenizer, prompt: Union[str, Sequence[int]], **kwargs
+) -> Iterator[Response]:
     """Like ``generate_step`` but takes a str or token ids and yields text segments
     (``Response``); stops at the tokenizer's EOS unless ``eos_token_ids`` says otherwise."""
     eos = kwargs.pop("eos_token_ids", None)
     eos = eos_ids_of(tokenizer) if eos is None else set(eos)
     text = TextStream(tokenizer)
     last = kwargs.get("max_tokens", 256)  # generate_step's default
-    for count, (token, source) in enumerate(generate_step(encode(tokenizer, prompt), model, eos_token_ids=eos,
-                                                          **kwargs), 1):
+    for count, (token, source) in enumerate(
+        generate_step(encode(tokenizer, prompt), model, eos_token_ids=eos, **kwargs), 1
+    ):
         # The last token (EOS, or the max_tokens-th) also gives what the stream still holds.
-        segment = text.finish() if token in eos else text.add(token) + (text.finish() if count == last else "")
+        segment = (
+            text.finish()
+            if token in eos
+            else text.add(token) + (text.finish() if count == last else "")
+        )
         yield Response(segment, token, source)
 
 
@@ -167,14 +193,18 @@ class GenerationResult:
     def report(self) -> str:
         """mlx-lm's statistics lines, then target passes and drafts."""
         passes = self.stats.target_forward_passes
-        lines = ["=" * 10,
-                 f"Prompt: {self.prompt_tokens} tokens, {self.prompt_tps:.3f} tokens-per-sec",
-                 f"Generation: {self.generation_tokens} tokens, {self.generation_tps:.3f} tokens-per-sec",
-                 f"Peak memory: {self.peak_memory_gb:.3f} GB",
-                 f"Target forward passes: {passes} ({passes / max(self.generation_tokens, 1):.3f} per token)"]
+        lines = [
+            "=" * 10,
+            f"Prompt: {self.prompt_tokens} tokens, {self.prompt_tps:.3f} tokens-per-sec",
+            f"Generation: {self.generation_tokens} tokens, {self.generation_tps:.3f} tokens-per-sec",
+            f"Peak memory: {self.peak_memory_gb:.3f} GB",
+            f"Target forward passes: {passes} ({passes / max(self.generation_tokens, 1):.3f} per token)",
+        ]
         if self.stats.sources:
             proposed, accepted = self.stats.draft_proposed, self.stats.draft_accepted
-            lines.append(f"Drafted: {proposed} tokens, accepted: {accepted} ({accepted / max(proposed, 1):.1%})")
+            lines.append(
+                f"Drafted: {proposed} tokens, accepted: {accepted} ({accepted / max(proposed, 1):.1%})"
+            )
         return "\n".join(lines)
 
     def to_json(self) -> dict:
@@ -184,7 +214,8 @@ class GenerationResult:
             "prompt_tokens": self.prompt_tokens,
             "generation_tokens": self.generation_tokens,
             "target_forward_passes": self.stats.target_forward_passes,
-            "forward_passes_per_token": self.stats.target_forward_passes / max(self.generation_tokens, 1),
+            "forward_passes_per_token": self.stats.target_forward_passes
+            / max(self.generation_tokens, 1),
             "draft_proposed": self.stats.draft_proposed,
             "draft_accepted": self.stats.draft_accepted,
             "acceptance_rate": self.stats.draft_accepted / max(self.stats.draft_proposed, 1),
@@ -197,8 +228,14 @@ class GenerationResult:
         }
 
 
-def generate(model, tokenizer, prompt: Union[str, Sequence[int]], verbose: bool = False, on_token=None,
-             **kwargs) -> GenerationResult:
+def generate(
+    model,
+    tokenizer,
+    prompt: Union[str, Sequence[int]],
+    verbose: bool = False,
+    on_token=None,
+    **kwargs,
+) -> GenerationResult:
     """Run ``stream_generate`` to the end.
 
     Args:
@@ -207,7 +244,8 @@ def generate(model, tokenizer, prompt: Union[str, Sequence[int]], verbose: bool 
         on_token: called with each ``Response``.
         kwargs: ``generate_step``'s (draft_sources, constraint, temp, sampler, max_tokens, ...).
     """
-    prompt = encode(tokenizer, prompt)  # token ids from here on, which stream_generate passes through
+    # token ids from here on, which stream_generate passes through
+    prompt = encode(tokenizer, prompt)
     stats = kwargs.pop("stats", None) or DecodingStats()
     mx.reset_peak_memory()
     tokens, sources, segments = [], [], []
@@ -237,7 +275,9 @@ def generate(model, tokenizer, prompt: Union[str, Sequence[int]], verbose: bool 
         generation_tokens=len(tokens),
         finish_reason=stats.finish_reason,
         prompt_tps=len(prompt) / max(first_token_time - tic, 1e-9),
-        generation_tps=(len(tokens) - 1) / decode_time if len(tokens) > 1 and decode_time > 0 else 0.0,
+        generation_tps=(len(tokens) - 1) / decode_time
+        if len(tokens) > 1 and decode_time > 0
+        else 0.0,
         peak_memory_gb=mx.get_peak_memory() / 1e9,
         stats=stats,
     )

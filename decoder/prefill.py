@@ -4,9 +4,9 @@ them to the end. The cache is a new one, or one whose rows already hold the toke
 prompts (``decoder.generate_step``'s row, a conversation's earlier turns).
 
 Prompts are right-padded, never left-padded: every written token then has a position >= 0 (a model
-may scale by its position: ministral3's log(1 + floor(pos / n)) is -inf below 0, and the NaN it makes
-in a padded slot's values spreads to every row through 0 * NaN). Each row writes its chunk at its own
-end and drops its padding (``Cache.rewind``).
+may scale by its position: ministral3's log(1 + floor(pos / n)) is -inf below 0, and the NaN it
+makes in a padded slot's values spreads to every row through 0 * NaN). Each row writes its chunk at
+its own end and drops its padding (``Cache.rewind``).
 """
 
 from typing import Optional, Sequence
@@ -29,12 +29,24 @@ class Prefill:
     once all are in, the rows are aligned (``realign``) so that decoding starts on the slice path.
     """
 
-    def __init__(self, model, prompts: Sequence[Sequence[int]], step_size: int = 512, cached=None,
-                 mask_dims: int = 4, max_rollback: Optional[int] = None, cache: Optional[Cache] = None):
+    def __init__(
+        self,
+        model,
+        prompts: Sequence[Sequence[int]],
+        step_size: int = 512,
+        cached=None,
+        mask_dims: int = 4,
+        max_rollback: Optional[int] = None,
+        cache: Optional[Cache] = None,
+    ):
         cached = [None] * len(prompts) if cached is None else list(cached)
         self.model, self.step_size = model, step_size
-        self.cache = make_cache(model, len(prompts), max_rollback, mask_dims) if cache is None else cache
-        self.pending = [list(prompt[0 if c is None else c.length :]) for prompt, c in zip(prompts, cached)]
+        self.cache = (
+            make_cache(model, len(prompts), max_rollback, mask_dims) if cache is None else cache
+        )
+        self.pending = [
+            list(prompt[0 if c is None else c.length :]) for prompt, c in zip(prompts, cached)
+        ]
         self.cache.fill(cached)
 
     def step(self) -> bool:
@@ -43,12 +55,16 @@ class Prefill:
         width = max(len(chunk) for chunk in chunks)
         if width:
             self.cache.prepare([len(chunk) for chunk in chunks], width)
-            self.model(mx.array([chunk + [0] * (width - len(chunk)) for chunk in chunks]), cache=self.cache.layers)
+            self.model(
+                mx.array([chunk + [0] * (width - len(chunk)) for chunk in chunks]),
+                cache=self.cache.layers,
+            )
             self.cache.finalize()
             self.cache.rewind([width - len(chunk) for chunk in chunks])
         self.pending = [tokens[self.step_size :] for tokens in self.pending]
         done = not any(self.pending)
-        if done and self.cache.rows > 1:  # one row is aligned already (a chunked layer, one row only, has no realign)
+        # one row is aligned already (a chunked layer, one row only, has no realign)
+        if done and self.cache.rows > 1:
             self.cache.realign()
         mx.eval(self.cache.arrays())
         return done
@@ -60,7 +76,13 @@ class Prefill:
         return self.cache
 
 
-def prefill_rows(model, prompts: Sequence[Sequence[int]], step_size: int = 512, mask_dims: int = 4,
-                 max_rollback: Optional[int] = None) -> Cache:
-    """A new cache holding ``prompts`` (token id lists, any lengths), run through ``model`` in chunks."""
+def prefill_rows(
+    model,
+    prompts: Sequence[Sequence[int]],
+    step_size: int = 512,
+    mask_dims: int = 4,
+    max_rollback: Optional[int] = None,
+) -> Cache:
+    """A new cache holding ``prompts`` (token id lists, any lengths), run through ``model`` in
+    chunks."""
     return Prefill(model, prompts, step_size, mask_dims=mask_dims, max_rollback=max_rollback).run()

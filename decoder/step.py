@@ -1,6 +1,6 @@
-"""One sequence's decoding step, shared by every loop: ``Row`` plans a draft, accepts what the target
-agrees with and emits it; ``verify_pass`` is the target's one pass over many rows' drafts; the
-statistics record how the drafts fared.
+"""One sequence's decoding step, shared by every loop: ``Row`` plans a draft, accepts what the
+target agrees with and emits it; ``verify_pass`` is the target's one pass over many rows' drafts;
+the statistics record how the drafts fared.
 """
 
 from dataclasses import dataclass, field
@@ -11,8 +11,16 @@ from mlx_lm.utils import common_prefix_len
 
 from .cache import Cache
 from .cost import PassCost
-from .draft import (Constraint, ConstraintError, Draft, DraftSource, accept_draft, accept_sampled, choose_draft,
-                   constrain_draft)
+from .draft import (
+    Constraint,
+    ConstraintError,
+    Draft,
+    DraftSource,
+    accept_draft,
+    accept_sampled,
+    choose_draft,
+    constrain_draft,
+)
 
 TARGET = "target"  # the source name of tokens the target model chose itself
 
@@ -70,9 +78,11 @@ class DecodingStats:
 
 
 class Plan(NamedTuple):
-    """A row's step before the pass: its draft, the source that offered it, the constraint's masks."""
+    """A row's step before the pass: its draft, the source that offered it, the constraint's
+    masks."""
 
-    draft: Draft  # cut to what the constraint allows (a batch may cut it further to the pass's width)
+    # cut to what the constraint allows (a batch may cut it further to the pass's width)
+    draft: Draft
     drafter: Optional[DraftSource]
     masks: Optional[mx.array]  # (len(draft) + 1, vocab), or None without a constraint
 
@@ -90,11 +100,21 @@ class Row:
     What differs between them, the cache and the pass, stays with each loop.
     """
 
-    def __init__(self, prompt: Sequence[int], *, eos_token_ids: Sequence[int] = (),
-                 draft_sources: Sequence[DraftSource] = (), constraint: Optional[Constraint] = None,
-                 temp: float = 0.0, top_p: float = 1.0, sampler: Optional[Callable] = None, max_tokens: int = 256,
-                 stats: Optional[DecodingStats] = None):
-        self.tokens = list(prompt)  # prompt and accepted tokens; grown in place (sources follow this list)
+    def __init__(
+        self,
+        prompt: Sequence[int],
+        *,
+        eos_token_ids: Sequence[int] = (),
+        draft_sources: Sequence[DraftSource] = (),
+        constraint: Optional[Constraint] = None,
+        temp: float = 0.0,
+        top_p: float = 1.0,
+        sampler: Optional[Callable] = None,
+        max_tokens: int = 256,
+        stats: Optional[DecodingStats] = None,
+    ):
+        # prompt and accepted tokens; grown in place (sources follow this list)
+        self.tokens = list(prompt)
         self.sources, self.constraint = list(draft_sources), constraint
         self.temp, self.top_p, self.sampler = temp, top_p, sampler
         self.max_tokens, self.eos_token_ids = max_tokens, set(eos_token_ids)
@@ -127,10 +147,13 @@ class Row:
 
     @property
     def max_draft(self) -> int:
-        """The most draft tokens a step can use: the target adds one of its own, within max_tokens."""
+        """The most draft tokens a step can use: the target adds one of its own, within
+        max_tokens."""
         return self.max_tokens - self.num_generated - 1
 
-    def plan(self, cost: Optional[PassCost] = None, sources: Optional[Sequence[DraftSource]] = None) -> Plan:
+    def plan(
+        self, cost: Optional[PassCost] = None, sources: Optional[Sequence[DraftSource]] = None
+    ) -> Plan:
         """This step's draft, cut to what the constraint allows, and the constraint's masks.
         ``sources``: the ones to ask (default: all the row's); ``cost`` times each ``propose``
         (None: not timed)."""
@@ -155,12 +178,14 @@ class Row:
             return num_accepted, argmax[num_accepted]
         return accept_draft(logits, draft, self.temp, self.top_p)
 
-    def commit(self, pass_width: int, num_drafted: int, num_accepted: int, recurrent: bool) -> tuple:
+    def commit(
+        self, pass_width: int, num_drafted: int, num_accepted: int, recurrent: bool
+    ) -> tuple:
         """What this row's cache keeps of a ``pass_width``-wide pass in which it fed its ``pending``
         tokens and ``num_drafted`` draft tokens: returns ``(trim, restore)``, how many of the pass's
         last tokens it drops (``Cache.rewind``) and whether its recurrent layers go back to their
-        checkpoint (a draft token was rejected: the accepted ones are then fed again, as ``pending``).
-        Call it before ``emit``; it counts what the cache then holds (``cached``)."""
+        checkpoint (a draft token was rejected: the accepted ones are then fed again, as
+        ``pending``). Call it before ``emit``; it counts what the cache then holds (``cached``)."""
         fed = len(self.tokens) - self.cached
         if recurrent and num_accepted < num_drafted:
             return pass_width, True
@@ -170,8 +195,10 @@ class Row:
     def forbidden(self, num_accepted: int) -> ConstraintError:
         """The error for a step whose own token the constraint forbids: no allowed token had a
         usable score (the argmax or sample of an all -inf row)."""
-        return ConstraintError(f"the model gave no allowed token a usable score (NaN or -inf) "
-                               f"at generated token {self.num_generated + num_accepted + 1}")
+        return ConstraintError(
+            f"the model gave no allowed token a usable score (NaN or -inf) "
+            f"at generated token {self.num_generated + num_accepted + 1}"
+        )
 
     def emit(self, plan: Plan, draft: Draft, num_accepted: int, next_token: int) -> tuple:
         """Commit a verified step; returns ``(tokens, sources)`` emitted. ``draft`` is what was
@@ -179,8 +206,11 @@ class Row:
         drafter = plan.drafter if draft.tokens else None
         self.stats.target_forward_passes += 1
         emitted = draft.tokens[:num_accepted] + [next_token]
-        # Emit up to EOS or max_tokens; accepted draft tokens past that are neither emitted nor counted.
-        stop = next((i + 1 for i, token in enumerate(emitted) if token in self.eos_token_ids), len(emitted))
+        # Emit up to EOS or max_tokens; accepted draft tokens past that are neither emitted nor
+        # counted.
+        stop = next(
+            (i + 1 for i, token in enumerate(emitted) if token in self.eos_token_ids), len(emitted)
+        )
         emitted = emitted[: min(stop, self.max_tokens - self.num_generated)]
         num_accepted, num_proposed = min(num_accepted, len(emitted)), len(draft.tokens)
         if drafter is not None:
@@ -202,23 +232,33 @@ class Row:
         return emitted, sources
 
 
-def verify_pass(model, cache: Cache, rows: Sequence["Row"], drafts: Sequence[Draft], width: int,
-                slots: Optional[Sequence[int]] = None) -> tuple:
+def verify_pass(
+    model,
+    cache: Cache,
+    rows: Sequence["Row"],
+    drafts: Sequence[Draft],
+    width: int,
+    slots: Optional[Sequence[int]] = None,
+) -> tuple:
     """One pass of the target over each row's ``pending + draft``, right-padded to the longest.
 
     Args:
         cache: holds the rows (row b in cache row ``slots[b]``; the cache rows no row uses are fed
-            padding, scored and never read). Its recurrent layers are checkpointed first when a row drafts.
+            padding, scored and never read). Its recurrent layers are checkpointed first when a row
+            drafts.
         width: how many positions of each row to score: its last pending token and its draft.
 
     Returns:
-        ``(logits, pass_width)``: logits ``(len(rows), width, vocab)``, lazy (the caller's sync runs the pass).
+        ``(logits, pass_width)``: logits ``(len(rows), width, vocab)``, lazy (the caller's sync runs
+        the pass).
     """
     pending = [row.pending for row in rows]
     fed = [len(tokens) + len(draft.tokens) for tokens, draft in zip(pending, drafts)]
     pass_width = max(fed)
     inputs, lengths = [[0] * pass_width for _ in range(cache.rows)], [1] * cache.rows
-    for slot, tokens, draft, count in zip(range(len(rows)) if slots is None else slots, pending, drafts, fed):
+    for slot, tokens, draft, count in zip(
+        range(len(rows)) if slots is None else slots, pending, drafts, fed
+    ):
         inputs[slot], lengths[slot] = tokens + draft.tokens + [0] * (pass_width - count), count
     if any(draft.tokens for draft in drafts):
         cache.checkpoint()
@@ -227,7 +267,10 @@ def verify_pass(model, cache: Cache, rows: Sequence["Row"], drafts: Sequence[Dra
     cache.finalize()
     if cache.rows > len(rows):
         logits = logits[mx.array(slots)]
-    if any(len(tokens) > 1 for tokens in pending):  # each row's draft positions start after its pending tokens
-        positions = mx.minimum(mx.array([len(p) - 1 for p in pending])[:, None] + mx.arange(width), pass_width - 1)
+    # each row's draft positions start after its pending tokens
+    if any(len(tokens) > 1 for tokens in pending):
+        positions = mx.minimum(
+            mx.array([len(p) - 1 for p in pending])[:, None] + mx.arange(width), pass_width - 1
+        )
         logits = mx.take_along_axis(logits, positions[..., None], axis=1)
     return logits, pass_width

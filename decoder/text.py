@@ -40,28 +40,32 @@ class TextStream:
     def add(self, token: int) -> str:
         """The text ``token`` completes ("" while a character is still partial)."""
         self.tokens.append(token)
-        window = self.tokens[self.window_start:]
+        window = self.tokens[self.window_start :]
         text = self.tokenizer.decode(window)
         if text.endswith("\ufffd"):
             return ""
         printed = self.tokenizer.decode(window[: self.printed_end - self.window_start])
         self.window_start, self.printed_end = self.printed_end, len(self.tokens)
-        return text[len(printed):]
+        return text[len(printed) :]
 
     def finish(self) -> str:
         """The text still held at the end (a byte run that never became a character, shown as
         ``decode`` shows it), so that the segments add up to ``decode`` of all the tokens."""
         if self.printed_end == len(self.tokens):
             return ""
-        window = self.tokens[self.window_start:]
+        window = self.tokens[self.window_start :]
         text = self.tokenizer.decode(window)
         printed = self.tokenizer.decode(window[: self.printed_end - self.window_start])
         self.window_start = self.printed_end = len(self.tokens)
-        return text[len(printed):]
+        return text[len(printed) :]
 
 
-def encode(tokenizer, prompt: Union[str, Sequence[int], Sequence[dict]], system: Optional[str] = None,
-           **template_options) -> list:
+def encode(
+    tokenizer,
+    prompt: Union[str, Sequence[int], Sequence[dict]],
+    system: Optional[str] = None,
+    **template_options,
+) -> list:
     """Token ids for ``prompt``, the one place a chat template is applied.
 
     Args:
@@ -76,7 +80,9 @@ def encode(tokenizer, prompt: Union[str, Sequence[int], Sequence[dict]], system:
         if not has_chat_template(tokenizer):
             return tokenizer.encode(prompt)
         prompt = [{"role": "user", "content": prompt}]
-    elif not (isinstance(prompt, (list, tuple)) and len(prompt) > 0 and isinstance(prompt[0], dict)):
+    elif not (
+        isinstance(prompt, (list, tuple)) and len(prompt) > 0 and isinstance(prompt[0], dict)
+    ):
         return list(prompt)  # token ids
     messages = ([{"role": "system", "content": system}] if system else []) + list(prompt)
     if not has_chat_template(tokenizer):
@@ -85,9 +91,12 @@ def encode(tokenizer, prompt: Union[str, Sequence[int], Sequence[dict]], system:
 
 
 def has_chat_template(tokenizer) -> bool:
-    """Whether ``apply_chat_template`` has a template to apply (mlx-lm's wrapper also counts a tokenizer
-    class that renders chats itself; T5's and plain tokenizers may have neither attribute)."""
-    return bool(getattr(tokenizer, "has_chat_template", False) or getattr(tokenizer, "chat_template", None))
+    """Whether ``apply_chat_template`` has a template to apply (mlx-lm's wrapper also counts a
+    tokenizer class that renders chats itself; T5's and plain tokenizers may have neither
+    attribute)."""
+    return bool(
+        getattr(tokenizer, "has_chat_template", False) or getattr(tokenizer, "chat_template", None)
+    )
 
 
 # Roles as mlx_lm.server writes a chat for a tokenizer without a chat template.
@@ -95,7 +104,8 @@ PLAIN_ROLES = {"system": "ASSISTANT's RULE: ", "user": "USER: ", "assistant": "A
 
 
 def plain_chat(messages: Sequence[dict]) -> str:
-    """Chat messages as plain text, for a tokenizer without a chat template (as mlx_lm.server renders
+    """Chat messages as plain text, for a tokenizer without a chat template (as mlx_lm.server
+    renders
     them): a line per message after its role, then ``ASSISTANT:`` for the answer."""
     lines = "".join(f"{PLAIN_ROLES.get(m['role'], '')}{m.get('content') or ''}\n" for m in messages)
     return (lines + PLAIN_ROLES["assistant"]).rstrip()

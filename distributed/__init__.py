@@ -21,12 +21,17 @@ import mlx.core as mx
 
 from decoder.cost import PassCost
 
-from .sharding import MODES, shard_model
+from .sharding import shard_model
 from .watchdog import Watchdog
 
 DEFAULT_TIMEOUT = 120.0  # seconds a rank waits on its peers (connect, each forward pass)
 # Variables that fix a BLAS's thread count when it loads; a user who sets one keeps it.
-THREAD_VARIABLES = ("OPENBLAS_NUM_THREADS", "GOTO_NUM_THREADS", "MKL_NUM_THREADS", "OMP_NUM_THREADS")
+THREAD_VARIABLES = (
+    "OPENBLAS_NUM_THREADS",
+    "GOTO_NUM_THREADS",
+    "MKL_NUM_THREADS",
+    "OMP_NUM_THREADS",
+)
 
 # Set by mlx.launch (ring, jaccl) or mpirun; without them this is a single process.
 RANK_VARIABLES = ("MLX_RANK", "OMPI_COMM_WORLD_RANK")
@@ -70,7 +75,9 @@ def share_cores(local: int, set_blas_threads, environ=os.environ) -> Optional[in
     """
     if local <= 1 or set_blas_threads is None or any(name in environ for name in THREAD_VARIABLES):
         return None
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    cores = (
+        len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    )
     threads = max(1, cores // local)
     return threads if set_blas_threads(threads) else None
 
@@ -102,7 +109,9 @@ class SharedPassCost(PassCost):
         self.group = group
 
     def _shared(self, seconds: float) -> float:
-        return mx.distributed.all_sum(mx.array(seconds), group=self.group).item() / self.group.size()
+        return (
+            mx.distributed.all_sum(mx.array(seconds), group=self.group).item() / self.group.size()
+        )
 
     def record(self, seconds: float, width: int, rows: int = 1):
         super().record(self._shared(seconds), width, rows)
@@ -123,7 +132,8 @@ class Session:
         return SharedPassCost(self.group)
 
     def shard(self, model, mode: str = "auto"):
-        """Shard a lazily loaded mlx-lm model in place; the watchdog restarts at its first forward pass."""
+        """Shard a lazily loaded mlx-lm model in place; the watchdog restarts at its first forward
+        pass."""
         try:
             return shard_model(model, self.group, mode, heartbeat=self.watchdog.beat)
         except ValueError as error:

@@ -15,16 +15,21 @@ import subprocess
 import sys
 from pathlib import Path
 
-# mlx/_distributed_utils/launch.py: log_warning(f"Node with rank {rank} exited with code {code}" or "was killed").
+# mlx/_distributed_utils/launch.py: log_warning(f"Node with rank {rank} exited with code {code}" or
+# "was killed").
 RANK_ENDED = re.compile(r"Node with rank (\d+) (?:exited with code (-?\d+)|was killed)")
 ANSI_COLOUR = re.compile(r"\x1b\[[0-9;]*m")
 
 
 def find_launcher() -> str:
     """`mlx.launch` beside this interpreter (a venv), else on PATH."""
-    found = shutil.which("mlx.launch", path=str(Path(sys.executable).parent)) or shutil.which("mlx.launch")
+    found = shutil.which("mlx.launch", path=str(Path(sys.executable).parent)) or shutil.which(
+        "mlx.launch"
+    )
     if found is None:
-        sys.stderr.write("error: mlx.launch not found (it ships with mlx; activate the environment that has it)\n")
+        sys.stderr.write(
+            "error: mlx.launch not found (it ships with mlx; activate the environment that has it)\n"
+        )
         sys.exit(1)
     return found
 
@@ -42,11 +47,17 @@ def main(arguments=None) -> int:
             sys.stderr.flush()
         else:
             code = ended.group(2)
-            failures.append((ended.group(1), "was stopped" if code is None else f"exited with status {code}"))
+            failures.append(
+                (ended.group(1), "was stopped" if code is None else f"exited with status {code}")
+            )
     status = process.wait()
     if failures:
         rank, how = failures[0]
-        others = f"; mlx.launch then stopped {len(failures) - 1} other rank(s)" if len(failures) > 1 else ""
+        others = (
+            f"; mlx.launch then stopped {len(failures) - 1} other rank(s)"
+            if len(failures) > 1
+            else ""
+        )
         sys.stderr.write(f"error: rank {rank} {how}{others}\n")
         return 1
     return status

@@ -36,7 +36,8 @@ def broadcast(x: mx.array, root: int, group) -> mx.array:
     rounding can creep in, whatever order the backend adds in.
     """
     if group.rank() != root:
-        # Still evaluate x's graph: it holds this rank's sends and its share of the model's all-reduces.
+        # Still evaluate x's graph: it holds this rank's sends and its share of the model's
+        # all-reduces.
         x = mx.depends(mx.zeros_like(x), x)
     return mx.distributed.all_sum(x, group=group)
 
@@ -52,8 +53,10 @@ def tensor_shardable(model, size: int) -> bool:
     args = getattr(model, "args", None)
     if not hasattr(model, "shard") or args is None or not has_body(model):
         return False
-    widths = [getattr(args, name, None) for name in ("num_attention_heads", "num_key_value_heads",
-                                                    "intermediate_size")]
+    widths = [
+        getattr(args, name, None)
+        for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size")
+    ]
     return all(isinstance(width, int) and width % size == 0 for width in widths)
 
 
@@ -64,16 +67,23 @@ def choose_mode(model, size: int, mode: str = "auto") -> str:
     """
     tensor_ok, body_ok = tensor_shardable(model, size), has_body(model)
     if not body_ok:
-        raise ValueError(f"{type(model).__module__} has no Llama-style body (model.model with embed_tokens, "
-                         "layers and norm) to shard")
+        raise ValueError(
+            f"{type(model).__module__} has no Llama-style body (model.model with embed_tokens, "
+            "layers and norm) to shard"
+        )
     if mode == "auto":
         mode = "tensor" if tensor_ok else "pipeline"
     if mode == "tensor" and not tensor_ok:
         args = getattr(model, "args", None)
-        heads = (getattr(args, "num_attention_heads", "?"), getattr(args, "num_key_value_heads", "?"))
-        raise ValueError(f"tensor sharding over {size} ranks needs a model with shard() whose "
-                         f"{heads[0]} query and {heads[1]} key/value heads divide by {size}; "
-                         "use --shard pipeline")
+        heads = (
+            getattr(args, "num_attention_heads", "?"),
+            getattr(args, "num_key_value_heads", "?"),
+        )
+        raise ValueError(
+            f"tensor sharding over {size} ranks needs a model with shard() whose "
+            f"{heads[0]} query and {heads[1]} key/value heads divide by {size}; "
+            "use --shard pipeline"
+        )
     if mode == "pipeline" and size > len(model.model.layers):
         raise ValueError(f"{size} ranks but only {len(model.model.layers)} layers to pipeline")
     return mode
@@ -87,7 +97,8 @@ def layer_range(num_layers: int, rank: int, size: int) -> tuple:
 
 
 class ShardedBody(nn.Module):
-    """Stands in for an mlx-lm model's body: returns its final hidden states, the same on every rank.
+    """Stands in for an mlx-lm model's body: returns its final hidden states, the same on every
+    rank.
 
     Args:
         body: the model's own body (``model.model``), already sharded.
@@ -151,7 +162,7 @@ class Pipeline(ShardedBody):
         super().__init__(body, group, heartbeat)
         self.rank, self.size = group.rank(), group.size()
         self.start, self.end = layer_range(len(body.layers), self.rank, self.size)
-        body.layers = body.layers[self.start:self.end]
+        body.layers = body.layers[self.start : self.end]
 
     def __call__(self, inputs: mx.array, cache=None, input_embeddings=None) -> mx.array:
         if self.heartbeat:
@@ -160,8 +171,10 @@ class Pipeline(ShardedBody):
         cache = cache if cache is not None else [None] * len(self.layers)
         h = input_embeddings if input_embeddings is not None else body.embed_tokens(inputs)
         # The full-attention mask comes from a full-attention layer's cache (as in mlx-lm's llama).
-        full_cache = next((c for layer, c in zip(self.layers, cache) if not getattr(layer, "use_sliding", False)),
-                          cache[0])
+        full_cache = next(
+            (c for layer, c in zip(self.layers, cache) if not getattr(layer, "use_sliding", False)),
+            cache[0],
+        )
         full_mask = create_attention_mask(h, full_cache)
         if self.rank > 0:
             h = mx.distributed.recv_like(h, self.rank - 1, group=group)
@@ -175,7 +188,8 @@ class Pipeline(ShardedBody):
             h = body.norm(h)
         else:
             h = mx.distributed.send(h, self.rank + 1, group=group)
-            # Prefill evaluates only the caches: make them wait for the send, or the next rank hangs.
+            # Prefill evaluates only the caches: make them wait for the send, or the next rank
+            # hangs.
             if cache[-1] is not None:
                 cache[-1].keys = mx.depends(cache[-1].keys, h)
         return broadcast(h, self.size - 1, group)  # other ranks contribute zeros of the same shape
@@ -194,7 +208,8 @@ def same_random_state():
 
 
 def shard_model(model, group, mode: str = "auto", heartbeat: Optional[Callable] = None):
-    """Shard a (lazily loaded) mlx-lm ``model`` over ``group`` in place and load this rank's weights.
+    """Shard a (lazily loaded) mlx-lm ``model`` over ``group`` in place and load this rank's
+    weights.
 
     Returns ``model``, whose body (``model.model``) is now a ``TensorParallel`` or
     ``Pipeline`` and whose ``num_parameters`` is the whole model's size (a draft's
@@ -211,6 +226,8 @@ def shard_model(model, group, mode: str = "auto", heartbeat: Optional[Callable] 
     with same_random_state():
         if mode == "tensor":
             model.shard(group)
-        model.model = (TensorParallel if mode == "tensor" else Pipeline)(model.model, group, heartbeat)
+        model.model = (TensorParallel if mode == "tensor" else Pipeline)(
+            model.model, group, heartbeat
+        )
     mx.eval(model.parameters())
     return model

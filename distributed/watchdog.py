@@ -19,14 +19,17 @@ import sys
 
 class Watchdog:
     """Args:
-        timeout: seconds without a ``beat()`` before this rank is ended.
-        rank: named in the message.
+    timeout: seconds without a ``beat()`` before this rank is ended.
+    rank: named in the message.
     """
 
     def __init__(self, timeout: float, rank: int):
         self.process = subprocess.Popen(
             [sys.executable, os.path.abspath(__file__), str(os.getpid()), str(timeout), str(rank)],
-            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=sys.stderr)
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            stderr=sys.stderr,
+        )
 
     def beat(self):
         self._send(b".")
@@ -50,7 +53,8 @@ def watch(parent: int, timeout: float, rank: int):
         if not ready:
             sys.stderr.write(
                 f"error: rank {rank}: no progress for {timeout:g} s: a peer did not connect or stopped "
-                "answering (check the hostfile and that every rank started; --dist-timeout)\n")
+                "answering (check the hostfile and that every rank started; --dist-timeout)\n"
+            )
             sys.stderr.flush()
             os.kill(parent, signal.SIGKILL)
             sys.exit(1)

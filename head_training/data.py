@@ -16,8 +16,8 @@ import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 from tqdm import tqdm
 
-from speculative.head import logits_from_hidden
 from decoder.text import encode
+from speculative.head import logits_from_hidden
 
 
 def answer_with_features(model, prompts: list, max_tokens: int, eos_ids) -> list:
@@ -50,19 +50,28 @@ def answer_with_features(model, prompts: list, max_tokens: int, eos_ids) -> list
     return out
 
 
-def generate_dataset(model, prompts: list, work: Path, max_tokens: int, batch_size: int, eos_ids,
-                     minutes: float) -> tuple:
+def generate_dataset(
+    model, prompts: list, work: Path, max_tokens: int, batch_size: int, eos_ids, minutes: float
+) -> tuple:
     """Answer ``prompts`` in batches of equal prompt length, each saved to ``work`` as it is done
     (a rerun resumes); starts no new batch after ``minutes``. Returns (sequences, final hidden
     states); ``([], None)`` when nothing is cached and no time is given."""
     by_length = {}
     for prompt in prompts:
         by_length.setdefault(len(prompt), []).append(prompt)
-    batches = [group[i : i + batch_size] for group in by_length.values() for i in range(0, len(group), batch_size)]
-    batches.sort(key=len, reverse=True)  # full batches first: most answers per second within ``minutes``
+    batches = [
+        group[i : i + batch_size]
+        for group in by_length.values()
+        for i in range(0, len(group), batch_size)
+    ]
+    # full batches first: most answers per second within ``minutes``
+    batches.sort(key=len, reverse=True)
     # Named by its content: a changed prompt list never reads a stale batch.
-    paths = [work / f"batch-{hashlib.sha256(json.dumps([batch, max_tokens]).encode()).hexdigest()[:16]}.npz"
-             for batch in batches]
+    paths = [
+        work
+        / f"batch-{hashlib.sha256(json.dumps([batch, max_tokens]).encode()).hexdigest()[:16]}.npz"
+        for batch in batches
+    ]
     if minutes <= 0 and not any(path.exists() for path in paths):
         return [], None  # nothing cached, no time to generate
     tic = time.perf_counter()
@@ -72,8 +81,11 @@ def generate_dataset(model, prompts: list, work: Path, max_tokens: int, batch_si
             if time.perf_counter() - tic > 60 * minutes:
                 continue  # out of time, but batches cached by an earlier run are still used
             answered = answer_with_features(model, batch, max_tokens, eos_ids)
-            np.savez(path.with_suffix(".tmp.npz"), sequences=json.dumps([s for s, _ in answered]),
-                     features=np.concatenate([f for _, f in answered]))
+            np.savez(
+                path.with_suffix(".tmp.npz"),
+                sequences=json.dumps([s for s, _ in answered]),
+                features=np.concatenate([f for _, f in answered]),
+            )
             path.with_suffix(".tmp.npz").replace(path)
         saved = np.load(path)
         answered = json.loads(str(saved["sequences"]))
@@ -84,8 +96,17 @@ def generate_dataset(model, prompts: list, work: Path, max_tokens: int, batch_si
     return sequences, np.concatenate(features)
 
 
-def training_data(target, tokenizer, work: Path, sources, num_instructions: int, seed: int, max_tokens: int,
-                  batch_size: int, minutes: float) -> tuple:
+def training_data(
+    target,
+    tokenizer,
+    work: Path,
+    sources,
+    num_instructions: int,
+    seed: int,
+    max_tokens: int,
+    batch_size: int,
+    minutes: float,
+) -> tuple:
     """Instructions of each source (``self``, ``templates``) and the target's answers, one source
     after the other, each cached in ``work/<source>-seed<seed>``; starts no new batch after
     ``minutes`` (instructions included). Returns (sequences, final hidden states,
@@ -95,12 +116,19 @@ def training_data(target, tokenizer, work: Path, sources, num_instructions: int,
     for source in sources:
         source_dir = work / f"{source}-seed{seed}"
         source_dir.mkdir(parents=True, exist_ok=True)
-        texts[source] = cached_instructions(source_dir / f"instructions-{num_instructions}.json", source, target,
-                                            tokenizer, num_instructions, seed)
+        texts[source] = cached_instructions(
+            source_dir / f"instructions-{num_instructions}.json",
+            source,
+            target,
+            tokenizer,
+            num_instructions,
+            seed,
+        )
         prompts = [encode(tokenizer, text) for text in texts[source]]
         minutes_left = minutes - (time.perf_counter() - tic) / 60
-        answered, answered_features = generate_dataset(target, prompts, source_dir, max_tokens, batch_size, eos_ids,
-                                                       minutes_left)
+        answered, answered_features = generate_dataset(
+            target, prompts, source_dir, max_tokens, batch_size, eos_ids, minutes_left
+        )
         if answered:
             sequences += answered
             features.append(answered_features)
@@ -128,6 +156,6 @@ def sub_vocabulary(sequences: list, size: int, eos_ids, vocab_size: int) -> np.n
     merge frequency). The stop tokens are always in."""
     counts = np.zeros(vocab_size, np.int64)
     for s in sequences:
-        np.add.at(counts, s["tokens"][s["prompt_length"]:], 1)
+        np.add.at(counts, s["tokens"][s["prompt_length"] :], 1)
     ranked = [i for i in np.lexsort((np.arange(vocab_size), -counts)) if i not in eos_ids]
     return np.array(sorted(eos_ids) + ranked[: size - len(eos_ids)], np.int32)

@@ -14,8 +14,16 @@ from mlx_lm.sample_utils import make_sampler
 from tqdm import tqdm
 
 
-def self_instructions(model, tokenizer, count: int, seed: int = 0, batch_size: int = 64, max_tokens: int = 64,
-                      temp: float = 1.0, min_p: float = 0.02) -> list:
+def self_instructions(
+    model,
+    tokenizer,
+    count: int,
+    seed: int = 0,
+    batch_size: int = 64,
+    max_tokens: int = 64,
+    temp: float = 1.0,
+    min_p: float = 0.02,
+) -> list:
     """``count`` distinct instructions sampled from the target (Magpie, arXiv 2406.08464).
 
     The target reads its chat template up to the start of a user turn and writes the turn; a
@@ -27,13 +35,16 @@ def self_instructions(model, tokenizer, count: int, seed: int = 0, batch_size: i
     prefix = tokenizer.encode(text[: text.index(marker)], add_special_tokens=False)
     eos = set(tokenizer.eos_token_ids)
     eos_array = mx.array(sorted(eos))
-    sampler = make_sampler(temp=temp, min_p=min_p)  # min-p: as clean as top-p, without its sort of 49k scores
+    # min-p: as clean as top-p, without its sort of 49k scores
+    sampler = make_sampler(temp=temp, min_p=min_p)
     mx.random.seed(seed)
     seen, out, empty_rounds = set(), [], 0
     bar = tqdm(total=count, desc="instructions", unit="instr")
     while len(out) < count:
         if empty_rounds == 3:
-            raise ValueError(f"the model wrote no complete user turn in {3 * batch_size} tries; is it a chat model?")
+            raise ValueError(
+                f"the model wrote no complete user turn in {3 * batch_size} tries; is it a chat model?"
+            )
         cache = make_prompt_cache(model)
         logits = model(mx.array([prefix] * batch_size), cache=cache)[:, -1]
         rows, ended = [], mx.zeros(batch_size, dtype=mx.bool_)
@@ -58,21 +69,86 @@ def self_instructions(model, tokenizer, count: int, seed: int = 0, batch_size: i
 
 
 TOPICS = [
-    "volcanoes", "the water cycle", "black holes", "honeybees", "the Roman Empire", "photosynthesis",
-    "electric cars", "the stock market", "chess openings", "jazz music", "machine learning",
-    "the human heart", "climate change", "the French Revolution", "coral reefs", "vaccines",
-    "solar panels", "the printing press", "sleep", "coffee", "the moon landing", "earthquakes",
-    "recycling plastic", "the Great Wall of China", "octopuses", "compound interest", "rainbows",
-    "the internet", "ancient Egypt", "tea ceremonies", "bicycles", "the immune system",
-    "rivers and deltas", "origami", "the Olympic Games", "glaciers", "bread baking", "DNA",
-    "renewable energy", "penguins", "the Renaissance", "public libraries", "wind turbines",
-    "meditation", "the periodic table", "hurricanes", "sourdough starters", "the speed of light",
-    "video game design", "urban gardening", "migratory birds", "the Silk Road", "gravity",
-    "spreadsheets", "dinosaurs", "time zones", "the violin", "rain forests", "password security",
-    "the metric system", "deserts", "cheese making", "Mars rovers", "first aid", "the Moon's phases",
-    "electric circuits", "composting", "sharks", "the history of money", "lighthouses",
-    "public speaking", "knitting", "the Amazon river", "magnets", "email etiquette", "tides",
-    "the Python programming language", "sorting algorithms", "databases", "probability",
+    "volcanoes",
+    "the water cycle",
+    "black holes",
+    "honeybees",
+    "the Roman Empire",
+    "photosynthesis",
+    "electric cars",
+    "the stock market",
+    "chess openings",
+    "jazz music",
+    "machine learning",
+    "the human heart",
+    "climate change",
+    "the French Revolution",
+    "coral reefs",
+    "vaccines",
+    "solar panels",
+    "the printing press",
+    "sleep",
+    "coffee",
+    "the moon landing",
+    "earthquakes",
+    "recycling plastic",
+    "the Great Wall of China",
+    "octopuses",
+    "compound interest",
+    "rainbows",
+    "the internet",
+    "ancient Egypt",
+    "tea ceremonies",
+    "bicycles",
+    "the immune system",
+    "rivers and deltas",
+    "origami",
+    "the Olympic Games",
+    "glaciers",
+    "bread baking",
+    "DNA",
+    "renewable energy",
+    "penguins",
+    "the Renaissance",
+    "public libraries",
+    "wind turbines",
+    "meditation",
+    "the periodic table",
+    "hurricanes",
+    "sourdough starters",
+    "the speed of light",
+    "video game design",
+    "urban gardening",
+    "migratory birds",
+    "the Silk Road",
+    "gravity",
+    "spreadsheets",
+    "dinosaurs",
+    "time zones",
+    "the violin",
+    "rain forests",
+    "password security",
+    "the metric system",
+    "deserts",
+    "cheese making",
+    "Mars rovers",
+    "first aid",
+    "the Moon's phases",
+    "electric circuits",
+    "composting",
+    "sharks",
+    "the history of money",
+    "lighthouses",
+    "public speaking",
+    "knitting",
+    "the Amazon river",
+    "magnets",
+    "email etiquette",
+    "tides",
+    "the Python programming language",
+    "sorting algorithms",
+    "databases",
+    "probability",
 ]
 
 TASKS = [
@@ -103,8 +179,16 @@ TASKS = [
 ]
 
 STYLES = [
-    "", "", "", " Keep it brief.", " Use simple words.", " Use bullet points.", " Be enthusiastic.",
-    " Answer formally.", " Include an example.", " Use a numbered list.",
+    "",
+    "",
+    "",
+    " Keep it brief.",
+    " Use simple words.",
+    " Use bullet points.",
+    " Be enthusiastic.",
+    " Answer formally.",
+    " Include an example.",
+    " Use a numbered list.",
 ]
 
 

@@ -1,4 +1,5 @@
-"""Train a draft head for a target by self-distillation, on a CPU (benchmarks/results/draft_head.md).
+"""Train a draft head for a target by self-distillation, on a CPU
+(benchmarks/results/draft_head.md).
 
     python -m head_training.train --out speculative/heads/smollm2-135m
 
@@ -24,7 +25,8 @@ import sys
 import time
 from pathlib import Path
 
-from loading import fast_blas  # this is an entry point: a fast BLAS must load before mlx.core (fast_blas.py)
+# this is an entry point: a fast BLAS must load before mlx.core (fast_blas.py)
+from loading import fast_blas
 
 fast_blas.load()
 
@@ -36,7 +38,15 @@ from tqdm import tqdm
 
 from cli import CliError, Parser, check_finite
 from head_training.data import sub_vocabulary, training_data
-from speculative.head import SHIPPED_HEAD, DraftHead, HeadMismatch, head_args, output_rows, output_weight, save_head
+from speculative.head import (
+    SHIPPED_HEAD,
+    DraftHead,
+    HeadMismatch,
+    head_args,
+    output_rows,
+    output_weight,
+    save_head,
+)
 from speculative.head_loading import load_head
 
 
@@ -70,8 +80,13 @@ def batch_arrays(sequences, features, offsets, batch, sub_index):
         valid[row, : len(seq)] = True
         answer[row, sequences[i]["prompt_length"] : len(seq)] = True
     labels = sub_index[tokens]
-    return (mx.array(tokens), mx.array(feats).astype(mx.float32), mx.array(valid), mx.array(answer),
-            mx.array(labels))
+    return (
+        mx.array(tokens),
+        mx.array(feats).astype(mx.float32),
+        mx.array(valid),
+        mx.array(answer),
+        mx.array(labels),
+    )
 
 
 class UnrolledCache:
@@ -91,8 +106,10 @@ class UnrolledCache:
         self.keys.append(keys)
         self.values.append(values)
         length = keys.shape[2]  # each step is one shorter: keep the indices every step has
-        return (mx.concatenate([k[:, :, :length] for k in self.keys], axis=2),
-                mx.concatenate([v[:, :, :length] for v in self.values], axis=2))
+        return (
+            mx.concatenate([k[:, :, :length] for k in self.keys], axis=2),
+            mx.concatenate([v[:, :, :length] for v in self.values], axis=2),
+        )
 
 
 def unrolled_mask(length: int, step: int) -> mx.array:
@@ -113,7 +130,9 @@ def unrolled_predictions(head, features, embeddings, steps: int) -> list:
     for step in range(1, steps + 1):
         for cache in caches:
             cache.offset = step - 1
-        predicted = head(inputs, embeddings[:, step:], cache=caches, mask=unrolled_mask(inputs.shape[1], step))
+        predicted = head(
+            inputs, embeddings[:, step:], cache=caches, mask=unrolled_mask(inputs.shape[1], step)
+        )
         out.append(predicted)
         inputs = predicted[:, :-1]
     return out
@@ -127,11 +146,14 @@ def head_losses(head, embed, out_rows, tokens, feats, valid, answer, labels, unr
     """
     inputs = feats + noise * mx.random.normal(feats.shape) if noise > 0 else feats
     total_reg = total_ce = total_acc = 0.0
-    for shift, pred in enumerate(unrolled_predictions(head, inputs, embed(tokens), unroll), start=1):
+    for shift, pred in enumerate(
+        unrolled_predictions(head, inputs, embed(tokens), unroll), start=1
+    ):
         reg_mask = valid[:, shift:]
         reg = nn.losses.smooth_l1_loss(pred, feats[:, shift:], reduction="none").mean(-1)
         total_reg += (reg * reg_mask).sum() / mx.maximum(reg_mask.sum(), 1)
-        # pred at row t scores the token at t + shift + 1 (labels are -1 outside the sub-vocabulary).
+        # pred at row t scores the token at t + shift + 1 (labels are -1 outside the
+        # sub-vocabulary).
         logits = pred[:, :-1] @ out_rows.T
         label = labels[:, shift + 1 :]
         ce_mask = answer[:, shift + 1 :] & (label >= 0)
@@ -142,22 +164,47 @@ def head_losses(head, embed, out_rows, tokens, feats, valid, answer, labels, unr
     return total_reg / unroll, total_ce / unroll, total_acc / unroll
 
 
-def train(target, sequences, features, offsets, vocab_ids, *, steps_limit=None, minutes=20.0, epochs=4,
-          batch_tokens=2048, lr=1e-3, unroll=3, depth1_fraction=0.0,
-          noise=0.05, token_weight=0.5, seed=0, validation=0.05, init=None, log=print):
-    """Train a head (fresh, or ``init`` further); returns ``(head, report)``. Stops after ``epochs``,
-    ``steps_limit`` or ``minutes``; ``features`` are the target's final hidden states, row by row
-    of ``sequences`` (``offsets``). The first ``depth1_fraction`` of training (by steps or time,
-    whichever is further along) trains draft depth 1 only, then ``unroll`` steps."""
+def train(
+    target,
+    sequences,
+    features,
+    offsets,
+    vocab_ids,
+    *,
+    steps_limit=None,
+    minutes=20.0,
+    epochs=4,
+    batch_tokens=2048,
+    lr=1e-3,
+    unroll=3,
+    depth1_fraction=0.0,
+    noise=0.05,
+    token_weight=0.5,
+    seed=0,
+    validation=0.05,
+    init=None,
+    log=print,
+):
+    """Train a head (fresh, or ``init`` further); returns ``(head, report)``. Stops after
+    ``epochs``, ``steps_limit`` or ``minutes``; ``features`` are the target's final hidden states,
+    row by row of ``sequences`` (``offsets``). The first ``depth1_fraction`` of training (by steps
+    or time, whichever is further along) trains draft depth 1 only, then ``unroll`` steps."""
     mx.random.seed(seed)
     rng = np.random.default_rng(seed)
-    # A fresh head gets the target's rows for its sub-vocabulary, so the trained head drafts as it is.
-    head = init if init is not None else DraftHead(head_args(target.args), output_rows(target, mx.array(vocab_ids)))
+    # A fresh head gets the target's rows for its sub-vocabulary, so the trained head drafts as it
+    # is.
+    head = (
+        init
+        if init is not None
+        else DraftHead(head_args(target.args), output_rows(target, mx.array(vocab_ids)))
+    )
     embed = target.model.embed_tokens
     out_rows = mx.take(output_weight(target), mx.array(vocab_ids), axis=0).astype(mx.float32)
     sub_index = np.full(target.args.vocab_size, -1, np.int32)
     sub_index[vocab_ids] = np.arange(len(vocab_ids))
-    held_out = set(rng.choice(len(sequences), max(1, int(validation * len(sequences))), replace=False).tolist())
+    held_out = set(
+        rng.choice(len(sequences), max(1, int(validation * len(sequences))), replace=False).tolist()
+    )
     train_ids = [i for i in range(len(sequences)) if i not in held_out]
     train_seqs = [sequences[i] for i in train_ids]
     batches = make_batches(train_seqs, batch_tokens, rng)
@@ -166,7 +213,9 @@ def train(target, sequences, features, offsets, vocab_ids, *, steps_limit=None, 
 
     def learning_rate(step, progress):
         """Warm up for 20 steps, then cosine decay to lr / 20 by whichever limit comes first."""
-        return min((step + 1) / 20, 1.0) * (lr / 20 + (lr - lr / 20) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
+        return min((step + 1) / 20, 1.0) * (
+            lr / 20 + (lr - lr / 20) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+        )
 
     def loss_fn(head, depth, *arrays):
         reg, ce, acc = head_losses(head, embed, out_rows, *arrays, unroll=depth, noise=noise)
@@ -178,7 +227,9 @@ def train(target, sequences, features, offsets, vocab_ids, *, steps_limit=None, 
     step = 0
     while step < total_steps and time.perf_counter() - tic < 60 * minutes:
         batch = batches[step % len(batches)]
-        arrays = batch_arrays(sequences, features, offsets, [train_ids[i] for i in batch], sub_index)
+        arrays = batch_arrays(
+            sequences, features, offsets, [train_ids[i] for i in batch], sub_index
+        )
         progress = max(step / total_steps, (time.perf_counter() - tic) / (60 * minutes))
         optimizer.learning_rate = learning_rate(step, progress)
         # Depth 1 first: it learns faster per second unrolled alone, and decides most acceptance.
@@ -189,15 +240,25 @@ def train(target, sequences, features, offsets, vocab_ids, *, steps_limit=None, 
         mx.eval(head.parameters(), optimizer.state, loss)
         if step == 0:
             first_loss = loss.item()
-        bar.set_postfix(depth=depth, loss=f"{loss.item():.3f}", reg=f"{reg.item():.3f}", ce=f"{ce.item():.2f}",
-                        acc=f"{acc.item():.2f}")
+        bar.set_postfix(
+            depth=depth,
+            loss=f"{loss.item():.3f}",
+            reg=f"{reg.item():.3f}",
+            ce=f"{ce.item():.2f}",
+            acc=f"{acc.item():.2f}",
+        )
         bar.update(1)
         step += 1
     bar.close()
-    report = {"steps": step, "first_loss": first_loss, "last_loss": loss.item(),
-              "minutes": round((time.perf_counter() - tic) / 60, 2),
-              "held_out": evaluate(head, embed, out_rows, sequences, features, offsets, sorted(held_out),
-                                   sub_index)}
+    report = {
+        "steps": step,
+        "first_loss": first_loss,
+        "last_loss": loss.item(),
+        "minutes": round((time.perf_counter() - tic) / 60, 2),
+        "held_out": evaluate(
+            head, embed, out_rows, sequences, features, offsets, sorted(held_out), sub_index
+        ),
+    }
     log(f"trained {step} steps: {json.dumps(report)}")
     return head, report
 
@@ -208,7 +269,9 @@ def evaluate(head, embed, out_rows, sequences, features, offsets, indices, sub_i
     for unroll in (1, 2):
         hits = count = 0.0
         for start in range(0, len(indices), 8):
-            arrays = batch_arrays(sequences, features, offsets, indices[start : start + 8], sub_index)
+            arrays = batch_arrays(
+                sequences, features, offsets, indices[start : start + 8], sub_index
+            )
             _, _, acc = head_losses(head, embed, out_rows, *arrays, unroll=unroll, noise=0.0)
             hits += acc.item()
             count += 1
@@ -218,35 +281,89 @@ def evaluate(head, embed, out_rows, sequences, features, offsets, indices, sub_i
 
 def main():
     parser = Parser(description="Train a draft head for a target model by self-distillation.")
-    parser.add_argument("--model", default=None, help="Target model (default: the embedded SmolLM2-135M-Instruct).")
-    parser.add_argument("--out", default=None,
-                        help="Head directory to write (default: speculative/heads/smollm2-135m for the embedded "
-                             "model, else speculative/heads/<the model's name>).")
-    parser.add_argument("--work-dir", default=None,
-                        help="Cache of the generated data (default: ~/.cache/mlx-decoding/draft-head-data, "
-                             "in a subdirectory named after --model when given).")
-    parser.add_argument("--instructions", nargs="+", choices=["self", "templates"],
-                        default=["self", "templates"],
-                        help="Where instructions come from: written by the target itself, or topic templates; "
-                             "several are answered one after the other (default: self templates).")
-    parser.add_argument("--num-instructions", type=int, default=1000, help="Instructions per source (default: 1000).")
-    parser.add_argument("--max-tokens", type=int, default=128, help="Longest answer (default: 128).")
-    parser.add_argument("--batch-size", type=int, default=48, help="Answers generated at once (default: 48).")
-    parser.add_argument("--generate-minutes", type=float, default=45.0,
-                        help="Start no new batch after this long (instructions included) and train on what is "
-                             "done (default: 45; ~20 minutes are enough on 2 idle cores).")
-    parser.add_argument("--sub-vocab", type=int, default=8192, help="Sub-vocabulary size (default: 8192).")
-    parser.add_argument("--epochs", type=int, default=10, help="Passes over the data at most (default: 10).")
-    parser.add_argument("--minutes", type=float, default=30.0, help="Stop training after this long (default: 30).")
-    parser.add_argument("--unroll", type=int, default=3, help="Training-time unrolled draft steps (default: 3).")
-    parser.add_argument("--depth1-fraction", type=float, default=0.5,
-                        help="Share of training spent on draft depth 1 alone before unrolling (default: 0.5).")
-    parser.add_argument("--noise", type=float, default=0.05, help="Gaussian noise on input features (default: 0.05).")
-    parser.add_argument("--lr", type=float, default=1e-3, help="Peak learning rate (default: 1e-3).")
-    parser.add_argument("--token-weight", type=float, default=0.5,
-                        help="Weight of the token loss against the feature regression (default: 0.5).")
-    parser.add_argument("--init", default=None, help="Continue training this head directory (default: a fresh head).")
-    parser.add_argument("--seed", type=int, default=0, help="Seed for the instructions and training (default: 0).")
+    parser.add_argument(
+        "--model", default=None, help="Target model (default: the embedded SmolLM2-135M-Instruct)."
+    )
+    parser.add_argument(
+        "--out",
+        default=None,
+        help="Head directory to write (default: speculative/heads/smollm2-135m for the embedded "
+        "model, else speculative/heads/<the model's name>).",
+    )
+    parser.add_argument(
+        "--work-dir",
+        default=None,
+        help="Cache of the generated data (default: ~/.cache/mlx-decoding/draft-head-data, "
+        "in a subdirectory named after --model when given).",
+    )
+    parser.add_argument(
+        "--instructions",
+        nargs="+",
+        choices=["self", "templates"],
+        default=["self", "templates"],
+        help="Where instructions come from: written by the target itself, or topic templates; "
+        "several are answered one after the other (default: self templates).",
+    )
+    parser.add_argument(
+        "--num-instructions",
+        type=int,
+        default=1000,
+        help="Instructions per source (default: 1000).",
+    )
+    parser.add_argument(
+        "--max-tokens", type=int, default=128, help="Longest answer (default: 128)."
+    )
+    parser.add_argument(
+        "--batch-size", type=int, default=48, help="Answers generated at once (default: 48)."
+    )
+    parser.add_argument(
+        "--generate-minutes",
+        type=float,
+        default=45.0,
+        help="Start no new batch after this long (instructions included) and train on what is "
+        "done (default: 45; ~20 minutes are enough on 2 idle cores).",
+    )
+    parser.add_argument(
+        "--sub-vocab", type=int, default=8192, help="Sub-vocabulary size (default: 8192)."
+    )
+    parser.add_argument(
+        "--epochs", type=int, default=10, help="Passes over the data at most (default: 10)."
+    )
+    parser.add_argument(
+        "--minutes", type=float, default=30.0, help="Stop training after this long (default: 30)."
+    )
+    parser.add_argument(
+        "--unroll", type=int, default=3, help="Training-time unrolled draft steps (default: 3)."
+    )
+    parser.add_argument(
+        "--depth1-fraction",
+        type=float,
+        default=0.5,
+        help="Share of training spent on draft depth 1 alone before unrolling (default: 0.5).",
+    )
+    parser.add_argument(
+        "--noise",
+        type=float,
+        default=0.05,
+        help="Gaussian noise on input features (default: 0.05).",
+    )
+    parser.add_argument(
+        "--lr", type=float, default=1e-3, help="Peak learning rate (default: 1e-3)."
+    )
+    parser.add_argument(
+        "--token-weight",
+        type=float,
+        default=0.5,
+        help="Weight of the token loss against the feature regression (default: 0.5).",
+    )
+    parser.add_argument(
+        "--init",
+        default=None,
+        help="Continue training this head directory (default: a fresh head).",
+    )
+    parser.add_argument(
+        "--seed", type=int, default=0, help="Seed for the instructions and training (default: 0)."
+    )
     args = parser.parse_args()
     if args.out is None:  # never the shipped head's directory for another model
         args.out = str(SHIPPED_HEAD.parent / model_name(args.model))
@@ -267,41 +384,80 @@ def check_arguments(args):
     check_finite(args)
     for name in ("num_instructions", "max_tokens", "batch_size", "sub_vocab", "epochs", "unroll"):
         if getattr(args, name) < 1:
-            raise CliError(f"--{name.replace('_', '-')} must be at least 1, not {getattr(args, name)}")
+            raise CliError(
+                f"--{name.replace('_', '-')} must be at least 1, not {getattr(args, name)}"
+            )
     if args.generate_minutes < 0 or args.minutes <= 0 or not 0 <= args.depth1_fraction <= 1:
-        raise CliError("--generate-minutes must be >= 0, --minutes > 0 and --depth1-fraction within 0 to 1")
+        raise CliError(
+            "--generate-minutes must be >= 0, --minutes > 0 and --depth1-fraction within 0 to 1"
+        )
 
 
 def run(args):
     from loading.load import load_model
     from loading.store import cache_dir
+
     target, tokenizer, _ = load_model(args.model)
     init = None
     if args.init:  # before generating, so a wrong head directory costs seconds, not an hour
         init, init_ids = load_head(args.init, target)
         if not isinstance(init, DraftHead):
-            raise CliError(f"--init {args.init}: a published EAGLE head cannot be trained further here")
+            raise CliError(
+                f"--init {args.init}: a published EAGLE head cannot be trained further here"
+            )
     # Another model's answers and self-written instructions are its own: a directory per model.
-    work = Path(args.work_dir) if args.work_dir else cache_dir() / "draft-head-data" / (
-        "" if args.model is None else model_name(args.model))
+    work = (
+        Path(args.work_dir)
+        if args.work_dir
+        else cache_dir()
+        / "draft-head-data"
+        / ("" if args.model is None else model_name(args.model))
+    )
     eos_ids = set(tokenizer.eos_token_ids)
-    sequences, features, texts = training_data(target, tokenizer, work, args.instructions, args.num_instructions,
-                                               args.seed, args.max_tokens, args.batch_size, args.generate_minutes)
+    sequences, features, texts = training_data(
+        target,
+        tokenizer,
+        work,
+        args.instructions,
+        args.num_instructions,
+        args.seed,
+        args.max_tokens,
+        args.batch_size,
+        args.generate_minutes,
+    )
     if not sequences:
-        raise CliError(f"no answers to train on: none is cached in {work} and no time was left to generate "
-                       "(raise --generate-minutes)")
+        raise CliError(
+            f"no answers to train on: none is cached in {work} and no time was left to generate "
+            "(raise --generate-minutes)"
+        )
     self_written = texts.get("self")
     offsets = np.cumsum([0] + [len(s["tokens"]) for s in sequences])
     print(f"{len(sequences)} answers, {features.shape[0]} positions")
     vocab_ids = sub_vocabulary(sequences, args.sub_vocab, eos_ids, target.args.vocab_size)
     if init is not None:
         vocab_ids = np.array(init_ids)  # the head's scores are tied to its sub-vocabulary
-    head, report = train(target, sequences, features, offsets, vocab_ids, minutes=args.minutes, epochs=args.epochs,
-                         lr=args.lr, unroll=args.unroll, depth1_fraction=args.depth1_fraction, noise=args.noise,
-                         token_weight=args.token_weight, seed=args.seed, init=init)
-    report.update(vars(args), answer_tokens=int(sum(len(s["tokens"]) - s["prompt_length"] for s in sequences)))
+    head, report = train(
+        target,
+        sequences,
+        features,
+        offsets,
+        vocab_ids,
+        minutes=args.minutes,
+        epochs=args.epochs,
+        lr=args.lr,
+        unroll=args.unroll,
+        depth1_fraction=args.depth1_fraction,
+        noise=args.noise,
+        token_weight=args.token_weight,
+        seed=args.seed,
+        init=init,
+    )
+    report.update(
+        vars(args), answer_tokens=int(sum(len(s["tokens"]) - s["prompt_length"] for s in sequences))
+    )
     save_head(args.out, head, mx.array(vocab_ids), target, training=report)
-    if self_written:  # what the target wrote itself, kept with the head (the templates are in the code)
+    # what the target wrote itself, kept with the head (the templates are in the code)
+    if self_written:
         path = Path(args.out) / "instructions.json"
         path.with_suffix(".tmp").write_text(json.dumps(self_written, indent=0))
         path.with_suffix(".tmp").replace(path)

@@ -66,15 +66,22 @@ def read_gguf(gguf_path: str):
         raise ConversionError(f"cannot read GGUF file {gguf_path}: {error}") from None
     arch = _meta(metadata, "general.architecture")
     if arch != "llama":
-        raise ConversionError(f"{gguf_path} is a '{arch}' GGUF; only Llama-family GGUF files are supported")
+        raise ConversionError(
+            f"{gguf_path} is a '{arch}' GGUF; only Llama-family GGUF files are supported"
+        )
     if _meta(metadata, "tokenizer.ggml.model") != "gpt2":
-        raise ConversionError(f"{gguf_path} has a non byte-level BPE tokenizer, which is not supported")
+        raise ConversionError(
+            f"{gguf_path} has a non byte-level BPE tokenizer, which is not supported"
+        )
     try:
         weights, config, tokenizer = _llama_from_gguf(tensors, metadata)
         mx.eval(weights)  # dequantize here, so that a malformed tensor is reported as one
-    except Exception as error:  # missing keys, odd shapes, a broken vocabulary: the file is at fault
+    # missing keys, odd shapes, a broken vocabulary: the file is at fault
+    except Exception as error:
         reason = str(error).splitlines()[0] if str(error) else type(error).__name__
-        raise ConversionError(f"{gguf_path} is not a Llama GGUF this converter can read: {reason}") from None
+        raise ConversionError(
+            f"{gguf_path} is not a Llama GGUF this converter can read: {reason}"
+        ) from None
     return weights, config, tokenizer
 
 
@@ -128,14 +135,18 @@ def gguf_tokenizer(metadata: dict):
     merges = [tuple(merge.split(" ", 1)) for merge in metadata["tokenizer.ggml.merges"]]
     tokenizer = Tokenizer(models.BPE({token: i for i, token in enumerate(vocab)}, merges))
     # StarCoder-style split (every digit alone) before the GPT-2 byte-level split.
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Digits(individual_digits=True),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-    ])
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ]
+    )
     tokenizer.decoder = decoders.ByteLevel()
     token_types = metadata["tokenizer.ggml.token_type"].tolist()
     control = [vocab[i] for i, kind in enumerate(token_types) if kind == 3]  # 3 = control
-    tokenizer.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in control])
+    tokenizer.add_special_tokens(
+        [AddedToken(token, special=True, normalized=False) for token in control]
+    )
 
     def token(key):
         index = _meta(metadata, key)
@@ -152,8 +163,13 @@ def gguf_tokenizer(metadata: dict):
     )
 
 
-def check_options(dtype: str = "float32", quantize: bool = False, q_bits: int = 4, q_group_size: int = 64,
-                  num_layers: int = None):
+def check_options(
+    dtype: str = "float32",
+    quantize: bool = False,
+    q_bits: int = 4,
+    q_group_size: int = 64,
+    num_layers: int = None,
+):
     """Refuse options the conversion cannot honour, before any work."""
     if dtype not in DTYPES:
         raise ConversionError(f"--dtype must be one of {', '.join(DTYPES)}")
@@ -162,13 +178,16 @@ def check_options(dtype: str = "float32", quantize: bool = False, q_bits: int = 
     if quantize:
         # A group size below 1 crashes MLX (SIGFPE); past that, ask MLX itself what it supports.
         if not 1 <= q_group_size <= 4096 or not 1 <= q_bits <= 32:
-            raise ConversionError(f"cannot quantize with --q-bits {q_bits} --q-group-size {q_group_size}")
+            raise ConversionError(
+                f"cannot quantize with --q-bits {q_bits} --q-group-size {q_group_size}"
+            )
         try:
             mx.eval(mx.quantize(mx.zeros((1, q_group_size)), group_size=q_group_size, bits=q_bits))
         except ValueError as error:
             reason = str(error).replace("[quantize] ", "")
-            raise ConversionError(f"cannot quantize with --q-bits {q_bits} --q-group-size {q_group_size}: "
-                                  f"{reason}") from None
+            raise ConversionError(
+                f"cannot quantize with --q-bits {q_bits} --q-group-size {q_group_size}: {reason}"
+            ) from None
 
 
 def convert(mlx_path: str, gguf: str = None, hf_path: str = None, **options) -> Path:
@@ -180,7 +199,8 @@ def convert(mlx_path: str, gguf: str = None, hf_path: str = None, **options) -> 
     Args:
         mlx_path: The output directory.
         gguf, hf_path: The source: a GGUF file, or a local directory or Hugging Face repo.
-        options: ``dtype``, ``quantize``, ``q_bits``, ``q_group_size``, ``num_layers`` (see convert.py).
+        options: ``dtype``, ``quantize``, ``q_bits``, ``q_group_size``, ``num_layers`` (see
+        convert.py).
     """
     output = Path(mlx_path)
     check_options(**options)
@@ -209,19 +229,25 @@ def convert_into(
     q_group_size: int = 64,
     num_layers: int = None,
 ):
-    """Convert into the existing, empty directory ``output`` (see ``convert`` for the atomic version)."""
+    """Convert into the existing, empty directory ``output`` (see ``convert`` for the atomic
+    version)."""
     from mlx_lm.utils import _download, quantize_model, save
+    from tqdm import tqdm
 
     from loading.target import load_mlx_lm
-    from tqdm import tqdm
 
     if (gguf is None) == (hf_path is None):
         raise ConversionError("give exactly one of --gguf and --hf-path")
     check_options(dtype, quantize, q_bits, q_group_size, num_layers)
     output = Path(output)
     # Converting takes a while: show the stage (on a terminal only).
-    progress = tqdm(total=4, desc=f"Converting {Path(gguf or hf_path).name}", unit="step", disable=None,
-                    leave=False)
+    progress = tqdm(
+        total=4,
+        desc=f"Converting {Path(gguf or hf_path).name}",
+        unit="step",
+        disable=None,
+        leave=False,
+    )
 
     @contextmanager
     def stage(label):
@@ -245,15 +271,22 @@ def convert_into(
                 source = _download(str(source))  # a local directory as is, a repo id downloaded
                 model, tokenizer, config = load_mlx_lm(source, lazy=True)
             except Exception as error:
-                raise ConversionError(f"cannot load {source}: {str(error).splitlines()[0]}") from None
+                raise ConversionError(
+                    f"cannot load {source}: {str(error).splitlines()[0]}"
+                ) from None
 
         with stage("casting"):
             if num_layers is not None:
                 _keep_first_layers(model, config, num_layers)
             model.update(_cast(model.parameters(), getattr(mx, dtype)))
             config["torch_dtype"] = dtype
-            # Early exit (--num-layers) feeds the MTP layer hidden states it was not trained on: dropped.
-            mtp = None if num_layers is not None else convert_mtp(model, config, Path(source), getattr(mx, dtype))
+            # Early exit (--num-layers) feeds the MTP layer hidden states it was not trained on:
+            # dropped.
+            mtp = (
+                None
+                if num_layers is not None
+                else convert_mtp(model, config, Path(source), getattr(mx, dtype))
+            )
             if quantize:
                 model, config = quantize_model(model, config, q_group_size, q_bits)
                 if mtp is not None:  # as the target's layers are, so that a 4-bit conversion drafts
@@ -304,14 +337,16 @@ def convert_mtp(model, config: dict, source: Path, dtype):
     except NoMTPWeights:
         return None
     except (MTPError, ValueError) as error:
-        raise ConversionError(f"the MTP weights of {source} cannot be converted ({str(error).splitlines()[0]})") \
-            from None
+        raise ConversionError(
+            f"the MTP weights of {source} cannot be converted ({str(error).splitlines()[0]})"
+        ) from None
     cast(mtp, dtype, getattr(model, "cast_predicate", None))
     return mtp
 
 
 def save_mtp(mtp, output: Path):
-    """Beside the target's weights, in a file of its own: mlx-lm reads only ``model*.safetensors``."""
+    """Beside the target's weights, in a file of its own: mlx-lm reads only
+    ``model*.safetensors``."""
     from mlx.utils import tree_flatten
 
     from speculative.mtp import MTP_FILE

@@ -41,8 +41,10 @@ SYSTEM_LIBRARIES = (
 # Substrings that identify a fast BLAS in /proc/self/maps (loaded by us or by LD_PRELOAD).
 FAST_BLAS_NAMES = ("openblas", "libmkl_rt", "libblis")
 
-INSTALL_HINT = ("no fast BLAS found, so matmuls run ~20x slower: pip install ngsolve-openblas "
-                "(or sudo apt-get install libopenblas0-pthread)")
+INSTALL_HINT = (
+    "no fast BLAS found, so matmuls run ~20x slower: pip install ngsolve-openblas "
+    "(or sudo apt-get install libopenblas0-pthread)"
+)
 SLOWER = "MLX keeps its reference BLAS (matmuls ~20x slower)"
 _warned = False  # one warning line per process, however often load() is called
 
@@ -67,8 +69,11 @@ def wheel_libraries() -> List[Path]:
     requirements.txt; pip's ``mkl`` (about 1 GB) is used when it is installed.
     ``scipy-openblas32/64`` are not usable: their symbols are prefixed.
     """
-    found = [path for path in _distribution_files("ngsolve-openblas", "ngsolve_openblas")
-             if path.name.startswith("libopenblas") and ".so" in path.name]
+    found = [
+        path
+        for path in _distribution_files("ngsolve-openblas", "ngsolve_openblas")
+        if path.name.startswith("libopenblas") and ".so" in path.name
+    ]
     mkl = Path(sys.prefix) / "lib" / "libmkl_rt.so.2"
     if mkl.exists():
         found.append(mkl)
@@ -102,7 +107,11 @@ def link_mlx_gfortran(library: Path) -> Optional[Path]:
     gfortran = [path for path in bundled if path.name.startswith("libgfortran-")]
     if not gfortran:
         return None
-    links = {path.name: path for path in bundled if path.name.startswith(("libgfortran-", "libquadmath-"))}
+    links = {
+        path.name: path
+        for path in bundled
+        if path.name.startswith(("libgfortran-", "libquadmath-"))
+    }
     links.update({"libgfortran.so.5": gfortran[0], library.name: library})
     # Keyed by both files, so a new MLX or wheel gets a new directory, never a stale link.
     key = hashlib.sha256(f"{library.resolve()}:{gfortran[0].resolve()}".encode()).hexdigest()[:16]
@@ -167,7 +176,8 @@ def _exports_cblas(path: str) -> bool:
 
 
 def _load_global(path: Path) -> str:
-    """dlopen ``path`` into the global scope (retrying beside MLX's libgfortran); OSError says why not."""
+    """dlopen ``path`` into the global scope (retrying beside MLX's libgfortran); OSError says why
+    not."""
     try:
         ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
         return str(path)
@@ -176,7 +186,9 @@ def _load_global(path: Path) -> str:
             raise
     linked = link_mlx_gfortran(path)
     if linked is None:
-        raise OSError(f"{path} needs libgfortran.so.5, which neither the system nor MLX's wheel has")
+        raise OSError(
+            f"{path} needs libgfortran.so.5, which neither the system nor MLX's wheel has"
+        )
     ctypes.CDLL(str(linked), mode=ctypes.RTLD_GLOBAL)
     return str(path.resolve())
 
@@ -216,11 +228,18 @@ def load(system: bool = True, warn: bool = True) -> Optional[str]:
 
 
 # Variables that fix a BLAS's thread count when the library loads; a user who sets one keeps it.
-THREAD_VARIABLES = ("OPENBLAS_NUM_THREADS", "GOTO_NUM_THREADS", "MKL_NUM_THREADS", "OMP_NUM_THREADS")
+THREAD_VARIABLES = (
+    "OPENBLAS_NUM_THREADS",
+    "GOTO_NUM_THREADS",
+    "MKL_NUM_THREADS",
+    "OMP_NUM_THREADS",
+)
 # Each library's run-time (setter, getter): they change the count after loading, when the
 # variables above no longer act.
-THREAD_FUNCTIONS = {"openblas": ("openblas_set_num_threads", "openblas_get_num_threads"),
-                    "mkl": ("MKL_Set_Num_Threads", "MKL_Get_Max_Threads")}
+THREAD_FUNCTIONS = {
+    "openblas": ("openblas_set_num_threads", "openblas_get_num_threads"),
+    "mkl": ("MKL_Set_Num_Threads", "MKL_Get_Max_Threads"),
+}
 
 
 def _thread_functions():
@@ -270,31 +289,44 @@ def _got_target(data, path: str, rows: list, symbol: str) -> Optional[str]:
     """Find `symbol`'s relocation in the ELF file `data` and read the address its GOT slot holds."""
     if data[:6] != b"\x7fELF\x02\x01":  # 64-bit little-endian (x86-64, aarch64) only
         return None
-    section_offset, = struct.unpack_from("<Q", data, 0x28)
+    (section_offset,) = struct.unpack_from("<Q", data, 0x28)
     entry_size, count = struct.unpack_from("<HH", data, 0x3A)
-    header_offset, = struct.unpack_from("<Q", data, 0x20)
+    (header_offset,) = struct.unpack_from("<Q", data, 0x20)
     header_size, header_count = struct.unpack_from("<HH", data, 0x36)
     # Section header: name, type, flags, addr, offset, size, link, info, addralign, entsize.
-    sections = [struct.unpack_from("<IIQQQQIIQQ", data, section_offset + i * entry_size) for i in range(count)]
-    # Load bias: where the file's offset 0 is mapped, less its first PT_LOAD's (page-aligned) address.
-    headers = [struct.unpack_from("<IIQQ", data, header_offset + i * header_size) for i in range(header_count)]
+    sections = [
+        struct.unpack_from("<IIQQQQIIQQ", data, section_offset + i * entry_size)
+        for i in range(count)
+    ]
+    # Load bias: where the file's offset 0 is mapped, less its first PT_LOAD's (page-aligned)
+    # address.
+    headers = [
+        struct.unpack_from("<IIQQ", data, header_offset + i * header_size)
+        for i in range(header_count)
+    ]
     first_load = min(vaddr for kind, _, _, vaddr in headers if kind == 1) & ~0xFFF
-    bias = min(start for start, _, offset, mapped in rows if mapped == path and offset == 0) - first_load
+    bias = (
+        min(start for start, _, offset, mapped in rows if mapped == path and offset == 0)
+        - first_load
+    )
     for _, kind, _, _, file_offset, size, link, *_ in sections:
         if kind != 4:  # SHT_RELA: .rela.plt and .rela.dyn
             continue
         symbols, strings = sections[link][4], sections[sections[link][6]][4]
         for index in range(size // 24):
             got_offset, info, _ = struct.unpack_from("<QQq", data, file_offset + 24 * index)
-            name, = struct.unpack_from("<I", data, symbols + 24 * (info >> 32))
-            if data[strings + name:data.find(b"\0", strings + name)] == symbol.encode():
+            (name,) = struct.unpack_from("<I", data, symbols + 24 * (info >> 32))
+            if data[strings + name : data.find(b"\0", strings + name)] == symbol.encode():
                 target = ctypes.c_uint64.from_address(bias + got_offset).value
-                return next((mapped for start, end, _, mapped in rows if start <= target < end), None)
+                return next(
+                    (mapped for start, end, _, mapped in rows if start <= target < end), None
+                )
     return None
 
 
 def describe() -> str:
-    """The BLAS MLX's CPU matmuls use, in words (before ``import mlx.core``: the one they will use)."""
+    """The BLAS MLX's CPU matmuls use, in words (before ``import mlx.core``: the one they will
+    use)."""
     if sys.platform == "darwin":
         return "Accelerate"
     try:

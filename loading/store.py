@@ -32,7 +32,8 @@ LEFTOVER = re.compile(r"\.(converting|removing)-(\d+)$")  # group 2: the PID tha
 
 
 def cache_dir() -> Path:
-    """Where this tool keeps what it makes once and reuses: converted models, regex indexes, the history store."""
+    """Where this tool keeps what it makes once and reuses: converted models, regex indexes, the
+    history store."""
     root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(root) / "mlx-decoding"
 
@@ -62,12 +63,18 @@ def sweep(parent: Path, pattern: re.Pattern = LEFTOVER):
         return
     for entry in entries:
         match = pattern.search(entry.name)
-        if match and entry.is_dir() and not entry.is_symlink() and not _process_alive(int(match[2])):
+        if (
+            match
+            and entry.is_dir()
+            and not entry.is_symlink()
+            and not _process_alive(int(match[2]))
+        ):
             shutil.rmtree(entry, ignore_errors=True)
 
 
 def make_staging_dir(path: Path) -> Path:
-    """Create ``path``'s empty staging directory; raises OSError when ``path``'s parent is not writable."""
+    """Create ``path``'s empty staging directory; raises OSError when ``path``'s parent is not
+    writable."""
     path = Path(path)
     staging = path.with_name(f"{path.name}.converting-{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)  # our PID's, from a process that died before us
@@ -84,7 +91,8 @@ def make_staging_dir(path: Path) -> Path:
 @contextmanager
 def removed_on_exit(staging: Path, keep: bool = False):
     """Remove ``staging`` when the block ends (unless it was renamed away, or ``keep`` and the block
-    succeeded). SIGTERM and SIGHUP become SystemExit meanwhile, so killing a conversion cleans up too."""
+    succeeded). SIGTERM and SIGHUP become SystemExit meanwhile, so killing a conversion cleans up
+    too."""
     with _exit_on_termination():
         try:
             yield staging
@@ -106,7 +114,8 @@ def _exit_on_termination():
 
     previous = {}
     for sig in (signal.SIGTERM, signal.SIGHUP):
-        if signal.getsignal(sig) is signal.SIG_DFL:  # leave `nohup`'s SIG_IGN and callers' handlers alone
+        # leave `nohup`'s SIG_IGN and callers' handlers alone
+        if signal.getsignal(sig) is signal.SIG_DFL:
             previous[sig] = signal.signal(sig, exit_now)
     try:
         yield
@@ -116,7 +125,8 @@ def _exit_on_termination():
 
 
 def publish(staging: Path, path: Path) -> bool:
-    """Rename the finished ``staging`` to ``path``; False when another process put a copy there first."""
+    """Rename the finished ``staging`` to ``path``; False when another process put a copy there
+    first."""
     try:
         os.rename(staging, path)
     except OSError as error:
@@ -127,7 +137,8 @@ def publish(staging: Path, path: Path) -> bool:
 
 
 def discard(path: Path):
-    """Remove a damaged directory: rename it out of the way first, so no reader sees it half deleted."""
+    """Remove a damaged directory: rename it out of the way first, so no reader sees it half
+    deleted."""
     doomed = path.with_name(f"{path.name}.removing-{os.getpid()}")
     try:
         os.rename(path, doomed)
@@ -163,7 +174,11 @@ def write_checksums(directory: Path):
     for file in sorted(directory.iterdir()):
         if file.is_file() and file.name != CHECKSUMS:
             stat = file.stat()
-            files[file.name] = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "sha256": _sha256(file)}
+            files[file.name] = {
+                "size": stat.st_size,
+                "mtime_ns": stat.st_mtime_ns,
+                "sha256": _sha256(file),
+            }
     _write_json_atomically(directory / CHECKSUMS, {"version": CHECKSUMS_VERSION, "files": files})
 
 

@@ -1,4 +1,5 @@
-"""mlx-lm's loader for a target whose checkpoint also holds MTP layers (speculative/mtp.py reads those)."""
+"""mlx-lm's loader for a target whose checkpoint also holds MTP layers (speculative/mtp.py reads
+those)."""
 
 from pathlib import Path
 
@@ -7,7 +8,8 @@ def load_mlx_lm(path: Path, lazy: bool = False) -> tuple:
     """mlx-lm's ``load`` of a local directory, returning ``(model, tokenizer, config)``, with the
     checkpoint's MTP weights left out of the target: mlx-lm's ``sanitize`` drops them only where it
     knows their place (DeepSeek-V3's at layer 61 alone). speculative/mtp.py reads them itself."""
-    from mlx_lm.utils import _get_classes, load_model as load_mlx_model, load_tokenizer
+    from mlx_lm.utils import _get_classes, load_tokenizer
+    from mlx_lm.utils import load_model as load_mlx_model
 
     from speculative.mtp import NoMTPWeights, mtp_prefix
 
@@ -19,7 +21,9 @@ def load_mlx_lm(path: Path, lazy: bool = False) -> tuple:
             return model_class, args_class
 
         def sanitize(self, weights):
-            return model_class.sanitize(self, {k: v for k, v in weights.items() if not k.startswith(prefix)})
+            return model_class.sanitize(
+                self, {k: v for k, v in weights.items() if not k.startswith(prefix)}
+            )
 
         return type(model_class.__name__, (model_class,), {"sanitize": sanitize}), args_class
 

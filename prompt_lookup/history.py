@@ -59,7 +59,11 @@ def load_history(path) -> np.ndarray:
             tokens = data["tokens"]
     except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as error:
         raise HistoryError(f"{path} is not a history store ({error})") from None
-    if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer) or (tokens.size and tokens.min() < SEPARATOR):
+    if (
+        tokens.ndim != 1
+        or not np.issubdtype(tokens.dtype, np.integer)
+        or (tokens.size and tokens.min() < SEPARATOR)
+    ):
         raise HistoryError(f"{path} is not a history store (it must hold one array of token ids)")
     return tokens.astype(np.int32)
 
@@ -80,14 +84,19 @@ def save_history(path, history: np.ndarray):
         temporary.unlink(missing_ok=True)
 
 
-def append_history(path, outputs: Sequence[Sequence[int]], max_tokens: int = DEFAULT_MAX_HISTORY_TOKENS):
-    """Add ``outputs`` (token id lists) to the store at ``path``, keeping at most ``max_tokens``. Writers
-    take turns on a lock file, so no run's outputs are lost to another's write."""
+def append_history(
+    path, outputs: Sequence[Sequence[int]], max_tokens: int = DEFAULT_MAX_HISTORY_TOKENS
+):
+    """Add ``outputs`` (token id lists) to the store at ``path``, keeping at most ``max_tokens``.
+    Writers take turns on a lock file, so no run's outputs are lost to another's write."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.with_name(path.name + ".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-        save_history(path, bound_history(np.concatenate([load_history(path), join_outputs(outputs)]), max_tokens))
+        save_history(
+            path,
+            bound_history(np.concatenate([load_history(path), join_outputs(outputs)]), max_tokens),
+        )
 
 
 class HistoryLookupSource(PromptLookupSource):
@@ -99,19 +108,26 @@ class HistoryLookupSource(PromptLookupSource):
 
     Args:
         history: a store array (``load_history``) or token ids of one output.
-        max_history_tokens: drop the oldest outputs beyond this many tokens (it bounds a search's cost).
+        max_history_tokens: drop the oldest outputs beyond this many tokens (it bounds a search's
+        cost).
         options: ``PromptLookupSource``'s (``ngram_max``, ``num_draft``, ``extra_context``, ...).
     """
 
     name = "history_lookup"
 
-    def __init__(self, history: Sequence[int] = (), max_history_tokens: int = DEFAULT_MAX_HISTORY_TOKENS,
-                 **options):
+    def __init__(
+        self,
+        history: Sequence[int] = (),
+        max_history_tokens: int = DEFAULT_MAX_HISTORY_TOKENS,
+        **options,
+    ):
         if max_history_tokens < 1:
             raise ValueError(f"max_history_tokens must be at least 1, got {max_history_tokens}.")
         history = np.asarray(history, np.int32)
         if history.size and history.min() < SEPARATOR:
-            raise ValueError("history must hold token ids (non-negative integers) and separators (-1).")
+            raise ValueError(
+                "history must hold token ids (non-negative integers) and separators (-1)."
+            )
         if history.size and history[-1] != SEPARATOR:
             history = np.append(history, SEPARATOR)
         self.max_history_tokens = max_history_tokens
@@ -120,8 +136,9 @@ class HistoryLookupSource(PromptLookupSource):
 
     def remember(self, tokens: Sequence[int]):
         """Add a finished output to the in-memory store (from the next generation on)."""
-        self.history = bound_history(np.concatenate([self.history, join_outputs([tokens])]),
-                                     self.max_history_tokens)
+        self.history = bound_history(
+            np.concatenate([self.history, join_outputs([tokens])]), self.max_history_tokens
+        )
 
     def reset(self, cost=None, temp: float = 0.0, top_p: float = 1.0):
         super().reset(cost, temp, top_p)

@@ -1,5 +1,5 @@
-"""Prompt lookup decoding: draft by copying what followed an earlier occurrence of the current suffix
-(Saxena, 2023; ``prompt_lookup_num_tokens`` in transformers).
+"""Prompt lookup decoding: draft by copying what followed an earlier occurrence of the current
+suffix (Saxena, 2023; ``prompt_lookup_num_tokens`` in transformers).
 
 ``find_draft`` is the search as a pure function; ``PromptLookupSource`` plugs it into
 ``decoder.generate_step`` and decides how much to draft from how its past drafts fared.
@@ -28,15 +28,22 @@ def check_search_args(ngram_max: int, ngram_min: int, num_draft: int):
         raise ValueError(f"num_draft must be at least 1, got {num_draft}.")
 
 
-def find_draft(tokens: Sequence[int], *, extra_context: Sequence[int] = (), ngram_max: int = 3, ngram_min: int = 1,
-               num_draft: int = 8) -> list:
+def find_draft(
+    tokens: Sequence[int],
+    *,
+    extra_context: Sequence[int] = (),
+    ngram_max: int = 3,
+    ngram_min: int = 1,
+    num_draft: int = 8,
+) -> list:
     """Tokens that followed an earlier occurrence of the end of ``tokens``.
 
     Tries n-grams of ``ngram_max`` down to ``ngram_min`` tokens; the largest size that occurs
     earlier in ``tokens`` or anywhere in ``extra_context`` (e.g. an encoder input) wins. Among its
     occurrences, the one that agrees with the context furthest back (up to ``LONGEST_LOOKBACK``
     tokens) is copied, the most recent on a tie: the same as the most recent match with a larger
-    ``ngram_max``. Occurrences with nothing after them are skipped, so the suffix never matches itself.
+    ``ngram_max``. Occurrences with nothing after them are skipped, so the suffix never matches
+    itself.
 
     Args:
         tokens: prompt + generated tokens (non-negative ids).
@@ -51,12 +58,16 @@ def find_draft(tokens: Sequence[int], *, extra_context: Sequence[int] = (), ngra
     return search(mx.array(context, mx.int32), len(tokens), ngram_max, ngram_min, num_draft)[0]
 
 
-def search(context: mx.array, num_tokens: int, ngram_max: int, ngram_min: int, num_draft: int) -> tuple:
-    """``find_draft`` on a ready context: an int32 array whose last ``num_tokens`` entries are the tokens,
-    preceded by ``extra_context + [SEPARATOR]`` if any. Returns ``(draft, ngram, start)``: the draft, the size
-    of the n-gram it matched and where in ``context`` the copied tokens start."""
+def search(
+    context: mx.array, num_tokens: int, ngram_max: int, ngram_min: int, num_draft: int
+) -> tuple:
+    """``find_draft`` on a ready context: an int32 array whose last ``num_tokens`` entries are the
+    tokens, preceded by ``extra_context + [SEPARATOR]`` if any. Returns ``(draft, ngram, start)``:
+    the draft, the size of the n-gram it matched and where in ``context`` the copied tokens
+    start."""
     length = context.shape[0]
-    window = min(max(ngram_max, LONGEST_LOOKBACK), num_tokens)  # the suffix comes from the tokens alone
+    # the suffix comes from the tokens alone
+    window = min(max(ngram_max, LONGEST_LOOKBACK), num_tokens)
     if window == 0:
         return [], 0, 0
     # windows[j]: the `window` tokens right before position j, newest first, so that match_length[j]
@@ -71,9 +82,13 @@ def search(context: mx.array, num_tokens: int, ngram_max: int, ngram_min: int, n
     best = match_length.max()
     start = mx.argmax(mx.where(match_length == best, mx.arange(length), -1))
     follow = start + mx.arange(num_draft)
-    draft = mx.where((follow < length) & (best >= ngram_min), context[mx.minimum(follow, length - 1)], SEPARATOR)
+    draft = mx.where(
+        (follow < length) & (best >= ngram_min), context[mx.minimum(follow, length - 1)], SEPARATOR
+    )
     # The one host sync of a search: the loop needs the draft as Python ints.
-    *draft, ngram, start = mx.concatenate([draft, mx.stack([best, start]).astype(mx.int32)]).tolist()
+    *draft, ngram, start = mx.concatenate(
+        [draft, mx.stack([best, start]).astype(mx.int32)]
+    ).tolist()
     return (draft[: draft.index(SEPARATOR)] if SEPARATOR in draft else draft), ngram, start
 
 
@@ -103,8 +118,14 @@ class PromptLookupSource(DraftSource):
     FORGET = 0.8  # weight of the past in the acceptance estimate: about the last 5 drafts count
     MAX_PROBE_GAP = 64
 
-    def __init__(self, ngram_max: int = 3, ngram_min: int = 1, num_draft: int = 8, extra_context: Sequence[int] = (),
-                 adaptive: bool = True):
+    def __init__(
+        self,
+        ngram_max: int = 3,
+        ngram_min: int = 1,
+        num_draft: int = 8,
+        extra_context: Sequence[int] = (),
+        adaptive: bool = True,
+    ):
         check_search_args(ngram_max, ngram_min, num_draft)
         if any(token < 0 for token in extra_context):
             raise ValueError("extra_context must hold token ids (non-negative integers).")
@@ -115,10 +136,13 @@ class PromptLookupSource(DraftSource):
         self.reset()
 
     def reset(self, cost: Optional[PassCost] = None, temp: float = 0.0, top_p: float = 1.0):
-        """Forget the followed sequence and the drafting history (the loop calls this per generation)."""
+        """Forget the followed sequence and the drafting history (the loop calls this per
+        generation)."""
         super().reset(cost, temp, top_p)
         self._tokens = None  # the list being followed
-        self._context = mx.array(self.extra_context + [SEPARATOR] if self.extra_context else [], mx.int32)
+        self._context = mx.array(
+            self.extra_context + [SEPARATOR] if self.extra_context else [], mx.int32
+        )
         self._num_seen = 0  # how many of the tokens are in self._context
         # Per kind of match: [continued, stopped] pseudo-counts of draft tokens, a prior
         # worth two drafts whose best length is num_draft.
@@ -161,11 +185,14 @@ class PromptLookupSource(DraftSource):
             self._tokens = tokens
         if len(tokens) > self._num_seen:
             # Lazy: computed by the search's one sync below, so the graph never grows.
-            self._context = mx.concatenate([self._context, mx.array(tokens[self._num_seen :], mx.int32)])
+            self._context = mx.concatenate(
+                [self._context, mx.array(tokens[self._num_seen :], mx.int32)]
+            )
             self._num_seen = len(tokens)
         longest = self.max_draft_length if self.adaptive else self.num_draft
-        draft, ngram, start = search(self._context, len(tokens), self.ngram_max, self.ngram_min,
-                                     min(max_draft, longest))
+        draft, ngram, start = search(
+            self._context, len(tokens), self.ngram_max, self.ngram_min, min(max_draft, longest)
+        )
         if not draft:
             return None
         kind = self._kind = self.match_kind(ngram, start)
@@ -176,11 +203,15 @@ class PromptLookupSource(DraftSource):
             self._skipped[kind] += 1
             if self._skipped[kind] <= self._probe_gap[kind]:
                 return None
-            self._skipped[kind], self._probe_gap[kind] = 0, min(2 * self._probe_gap[kind], self.MAX_PROBE_GAP)
+            self._skipped[kind], self._probe_gap[kind] = (
+                0,
+                min(2 * self._probe_gap[kind], self.MAX_PROBE_GAP),
+            )
             length = 1
         draft = draft[:length]
         self._offered = (len(tokens), draft)
-        # With it, the loop can hand the step to a model source that expects more (draft.choose_draft).
+        # With it, the loop can hand the step to a model source that expects more
+        # (draft.choose_draft).
         return Draft(draft, expected_speedup=self.expected_speedup(kind, len(draft)))
 
     def update(self, tokens: list, num_proposed: int, num_accepted: int) -> None:
@@ -191,14 +222,19 @@ class PromptLookupSource(DraftSource):
         if num_proposed == 0:  # another source drafted this step
             if offered is None:
                 return
-            # Score the copy against what the step emitted, as if it had been verified: greedy, it would
-            # have been accepted exactly as far as it agrees; sampling, a copied token x is accepted with
-            # p(x), the chance the emitted token is x. So the estimates learn on every step. A copy longer
-            # than what was emitted and agreeing with all of it is censored: its tokens count, not its end.
+            # Score the copy against what the step emitted, as if it had been verified: greedy, it
+            # would have been accepted exactly as far as it agrees; sampling, a copied token x is
+            # accepted with p(x), the chance the emitted token is x. So the estimates learn on every
+            # step. A copy longer
+            # than what was emitted and agreeing with all of it is censored: its tokens count, not
+            # its end.
             start, draft = offered
             num_accepted = common_prefix_len(draft, tokens[start:])
             stopped = num_accepted < min(len(draft), len(tokens) - start)
         continued, ended = self._counts[self._kind]
-        self._counts[self._kind] = [self.FORGET * continued + num_accepted, self.FORGET * ended + stopped]
+        self._counts[self._kind] = [
+            self.FORGET * continued + num_accepted,
+            self.FORGET * ended + stopped,
+        ]
         if num_accepted:
             self._probe_gap[self._kind] = 1

@@ -1,7 +1,8 @@
 """A server of three APIs -- OpenAI chat completions, OpenAI Responses and Anthropic Messages -- on
 one engine: structured outputs, tool calls, lossless speculation.
 
-    python -m server [--prompt-lookup] [--draft-model DIR] [--draft-head [DIR_OR_REPO]] [--api-key KEY]
+    python -m server [--prompt-lookup] [--draft-model DIR] [--draft-head [DIR_OR_REPO]] [--api-key
+    KEY]
 
 - ``protocol.py``: request bodies -> a checked ``GenerationRequest`` (``prepare_chat``: messages and
   tools -> prompt and constraint, for every API); OpenAI-shaped ``ApiError``.
@@ -13,7 +14,8 @@ one engine: structured outputs, tool calls, lossless speculation.
 - ``engine.py``: one worker thread decodes every request in one batch (``batch.BatchGenerator``)
   from a bounded queue, and keeps the KV cache across turns.
 - ``constraints.py``: each request's constraint, built on the HTTP side, each pattern once.
-- ``app.py``: the routes, JSON answers and server-sent events. docs/server.md says what each API takes.
+- ``app.py``: the routes, JSON answers and server-sent events. docs/server.md says what each API
+  takes.
 
 ``logprobs`` (chat: ``logprobs``/``top_logprobs`` up to 20; completions: legacy ``logprobs: N``)
 are the target's log-softmax at temperature 1 before top_p, as ``mlx_lm.server`` reports them,

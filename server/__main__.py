@@ -1,9 +1,11 @@
-"""Serve the model over three HTTP APIs: OpenAI chat completions, OpenAI Responses and Anthropic Messages.
+"""Serve the model over three HTTP APIs: OpenAI chat completions, OpenAI Responses and Anthropic
+Messages.
 
-    python -m server                                  # embedded SmolLM2-135M-Instruct on 127.0.0.1:8080
-    python -m server --prompt-lookup --port 8000 --api-key secret
+    python -m server                                  # embedded SmolLM2-135M-Instruct on
+    127.0.0.1:8080 python -m server --prompt-lookup --port 8000 --api-key secret
     python -m server --model DIR --draft-model DRAFT_DIR
-    python -m server --model DIR --mtp                # the model's own MTP layers, one request at a time
+    python -m server --model DIR --mtp                # the model's own MTP layers, one request at a
+    time
 
 Endpoints: GET /v1/models, POST /v1/chat/completions, /v1/completions, /v1/responses (OpenAI),
 POST /v1/messages, /v1/messages/count_tokens (Anthropic); see docs/server.md.
@@ -14,30 +16,67 @@ import asyncio
 import socket
 import sys
 
-from loading import fast_blas
 from cli import CliError, Parser, flags
+from loading import fast_blas
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = Parser(description="An OpenAI-compatible server for fast, structured generation with MLX.")
-    parser.add_argument("--model", default=None,
-                        help="Local mlx-lm directory or Hugging Face repo (default: embedded SmolLM2-135M-Instruct).")
-    parser.add_argument("--host", default="127.0.0.1", help="Address to bind (default: 127.0.0.1, this machine only).")
-    parser.add_argument("--port", type=int, default=8080, help="Port to bind (default: 8080; 0 picks a free one).")
-    parser.add_argument("--api-key", default=None, help="Require 'Authorization: Bearer KEY' on every request.")
-    parser.add_argument("--max-tokens", type=int, default=512,
-                        help="max_tokens for requests that do not set it (default: 512).")
-    parser.add_argument("--max-batch", type=int, default=8,
-                        help="Requests decoded together (continuous batching; 1: one at a time; default: 8).")
-    parser.add_argument("--max-queue", type=int, default=8,
-                        help="Requests waiting beyond the running ones; more get HTTP 503 (default: 8).")
-    parser.add_argument("--prompt-cache-bytes", type=int, default=2**30,
-                        help="KV entries kept of earlier conversations, least recently used out (default: 1 GiB).")
-    parser.add_argument("--stored-responses", type=int, default=256,
-                        help="Responses API answers kept for previous_response_id, oldest out (default: 256).")
-    parser.add_argument("--effort-budgets", default="", metavar="EFFORT=TOKENS,...",
-                        help="Think-block budgets of the effort levels, over the table in docs/server.md, e.g. "
-                             "'low=512,high=8192' ('none' as a budget: unbounded).")
+    parser = Parser(
+        description="An OpenAI-compatible server for fast, structured generation with MLX."
+    )
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="Local mlx-lm directory or Hugging Face repo (default: embedded SmolLM2-135M-Instruct).",
+    )
+    parser.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="Address to bind (default: 127.0.0.1, this machine only).",
+    )
+    parser.add_argument(
+        "--port", type=int, default=8080, help="Port to bind (default: 8080; 0 picks a free one)."
+    )
+    parser.add_argument(
+        "--api-key", default=None, help="Require 'Authorization: Bearer KEY' on every request."
+    )
+    parser.add_argument(
+        "--max-tokens",
+        type=int,
+        default=512,
+        help="max_tokens for requests that do not set it (default: 512).",
+    )
+    parser.add_argument(
+        "--max-batch",
+        type=int,
+        default=8,
+        help="Requests decoded together (continuous batching; 1: one at a time; default: 8).",
+    )
+    parser.add_argument(
+        "--max-queue",
+        type=int,
+        default=8,
+        help="Requests waiting beyond the running ones; more get HTTP 503 (default: 8).",
+    )
+    parser.add_argument(
+        "--prompt-cache-bytes",
+        type=int,
+        default=2**30,
+        help="KV entries kept of earlier conversations, least recently used out (default: 1 GiB).",
+    )
+    parser.add_argument(
+        "--stored-responses",
+        type=int,
+        default=256,
+        help="Responses API answers kept for previous_response_id, oldest out (default: 256).",
+    )
+    parser.add_argument(
+        "--effort-budgets",
+        default="",
+        metavar="EFFORT=TOKENS,...",
+        help="Think-block budgets of the effort levels, over the table in docs/server.md, e.g. "
+        "'low=512,high=8192' ('none' as a budget: unbounded).",
+    )
     # main.py's flags, built by the same code; requests set the sampling, and no history is kept.
     flags.add_arguments(parser, history=False)
     return parser
@@ -46,10 +85,17 @@ def build_parser() -> argparse.ArgumentParser:
 def validate(args):
     if not 0 <= args.port < 65536:
         raise CliError("--port must be in [0, 65536)")
-    if args.max_tokens < 1 or args.max_queue < 0 or args.max_batch < 1 or args.prompt_cache_bytes < 0 \
-            or args.stored_responses < 0:
-        raise CliError("--max-tokens and --max-batch must be >= 1, --max-queue, --prompt-cache-bytes and "
-                       "--stored-responses >= 0")
+    if (
+        args.max_tokens < 1
+        or args.max_queue < 0
+        or args.max_batch < 1
+        or args.prompt_cache_bytes < 0
+        or args.stored_responses < 0
+    ):
+        raise CliError(
+            "--max-tokens and --max-batch must be >= 1, --max-queue, --prompt-cache-bytes and "
+            "--stored-responses >= 0"
+        )
     if args.api_key is not None and not args.api_key.strip():
         raise CliError("--api-key must not be empty")
     flags.check(args)
@@ -64,10 +110,10 @@ def validate(args):
 def build_engine(args):
     """Load the model and draft sources; returns (engine, model id, context length)."""
     from cli import sources
+    from decoder.cache import CacheKindError, make_cache
     from decoder.text import output_size
     from loading.load import context_length, load_model
     from loading.store import cache_dir
-    from decoder.cache import CacheKindError, make_cache
     from server.engine import Engine
     from t5 import is_encoder_decoder
 
@@ -79,13 +125,24 @@ def build_engine(args):
     try:
         make_cache(model, rows=2)  # CacheKindError: a layer kind the batch cannot hold
     except CacheKindError as error:
-        make_cache(model)  # one at a time needs it to be rolled back, at least (CacheKindError: exit 2)
-        sys.stderr.write(f"note: {error}, so requests are decoded one at a time, without a prompt cache\n")
+        # one at a time needs it to be rolled back, at least (CacheKindError: exit 2)
+        make_cache(model)
+        sys.stderr.write(
+            f"note: {error}, so requests are decoded one at a time, without a prompt cache\n"
+        )
         max_batch, keep_caches = 1, False
     model, make = sources.build_sources(args, model, tokenizer)
-    engine = Engine(model, tokenizer, vocab_size, make, max_batch=max_batch, max_queue=args.max_queue,
-                    cache_dir=cache_dir() / "regex-index", prompt_cache_bytes=args.prompt_cache_bytes,
-                    keep_caches=keep_caches)
+    engine = Engine(
+        model,
+        tokenizer,
+        vocab_size,
+        make,
+        max_batch=max_batch,
+        max_queue=args.max_queue,
+        cache_dir=cache_dir() / "regex-index",
+        prompt_cache_bytes=args.prompt_cache_bytes,
+        keep_caches=keep_caches,
+    )
     model_id = "SmolLM2-135M-Instruct" if args.model is None else args.model.rstrip("/")
     return engine, model_id, context_length(path)
 
@@ -104,8 +161,8 @@ def main():
     fast_blas.load()  # before anything imports mlx.core (Linux: MLX's own BLAS is far slower)
     import uvicorn
 
-    from loading.load import ModelError
     from decoder.cache import CacheKindError
+    from loading.load import ModelError
     from server.app import build_app
     from server.harmony import chat_tool_syntax
     from speculative import VocabularyMismatch
@@ -115,18 +172,30 @@ def main():
         validate(args)
         sock = listen(args.host, args.port)
         engine, model_id, limit = build_engine(args)
-    except (CacheKindError, NoMTPWeights) as error:  # a cache drafts cannot roll back in, or no MTP layers
+    # a cache drafts cannot roll back in, or no MTP layers
+    except (CacheKindError, NoMTPWeights) as error:
         sys.stderr.write(f"error: not supported: {error}\n")
         sys.exit(2)
     except (CliError, ModelError, VocabularyMismatch) as error:
         sys.stderr.write(f"error: {error}\n")
         sys.exit(1)
-    app = build_app(engine, model_id, limit, args.api_key, args.max_tokens, args.stored_responses, args.effort_table)
+    app = build_app(
+        engine,
+        model_id,
+        limit,
+        args.api_key,
+        args.max_tokens,
+        args.stored_responses,
+        args.effort_table,
+    )
     if chat_tool_syntax(engine.tokenizer) is None:
-        sys.stderr.write("note: the chat template writes no tool calls this server knows, so tool_choice auto gets "
-                         "text answers (forced calls are JSON; see docs/server.md)\n")
+        sys.stderr.write(
+            "note: the chat template writes no tool calls this server knows, so tool_choice auto gets "
+            "text answers (forced calls are JSON; see docs/server.md)\n"
+        )
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    # Connections wait in the socket's backlog until uvicorn accepts them; tests read this line for --port 0.
+    # Connections wait in the socket's backlog until uvicorn accepts them; tests read this line for
+    # --port 0.
     print(f"serving {model_id} on http://{args.host}:{sock.getsockname()[1]}/v1", flush=True)
     try:
         asyncio.run(server.serve(sockets=[sock]))

@@ -3,15 +3,16 @@
 A Messages body becomes OpenAI-style chat messages (``tool_use`` blocks an assistant's
 ``tool_calls``, ``tool_result`` blocks ``tool`` messages) and goes through ``prepare_chat`` as a
 chat completion does, so the prompt, the tool constraint and the prompt cache are the same.
-``output_config.format`` (a JSON schema) constrains the text as ``response_format`` does, after the think
-block on a thinking model. ``thinking`` is honoured: ``{"type": "enabled", "budget_tokens": N}`` bounds
-the block (any N >= 1), ``disabled`` renders the template with thinking off, ``adaptive`` (and no
-``thinking``) leaves the template's default; ``output_config.effort`` maps to a budget
-(server/reasoning.py). Replies start with ``thinking`` blocks (their ``signature`` a digest of the text,
-which this server does not check when it comes back); thinking blocks in the history are given to the
-template as the turn's ``reasoning_content``. Unknown top-level fields (``metadata``, ...) are ignored;
-``top_k`` 1 is greedy, other values are accepted and not applied (the engine samples with temperature
-and top_p only).
+``output_config.format`` (a JSON schema) constrains the text as ``response_format`` does, after the
+think
+block on a thinking model. ``thinking`` is honoured: ``{"type": "enabled", "budget_tokens": N}``
+bounds the block (any N >= 1), ``disabled`` renders the template with thinking off, ``adaptive``
+(and no ``thinking``) leaves the template's default; ``output_config.effort`` maps to a budget
+(server/reasoning.py). Replies start with ``thinking`` blocks (their ``signature`` a digest of the
+text, which this server does not check when it comes back); thinking blocks in the history are given
+to the template as the turn's ``reasoning_content``. Unknown top-level fields (``metadata``, ...)
+are ignored; ``top_k`` 1 is greedy, other values are accepted and not applied (the engine samples
+with temperature and top_p only).
 
 Usage follows Anthropic: ``input_tokens`` are the prompt tokens decoded now, and
 ``cache_read_input_tokens`` those whose KV entries came from the prompt cache (together, the
@@ -25,15 +26,33 @@ import uuid
 
 from server.engine import Outcome
 from server.formats import Format, Reasoning, sse
-from server.protocol import (ApiError, GenerationRequest, budget_field, effort_request, function_of, invalid,
-                             named_choice, number, prepare_chat, response_schema, typed)
+from server.protocol import (
+    ApiError,
+    GenerationRequest,
+    budget_field,
+    effort_request,
+    function_of,
+    invalid,
+    named_choice,
+    number,
+    prepare_chat,
+    response_schema,
+    typed,
+)
 from server.reasoning import EFFORT_BUDGETS, ThinkingRequest
 from server.tools import Call
 
 PING_S = 5.0  # a stream with nothing to say for this long sends a ping (a long prompt's prefill)
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-               404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
-               529: "overloaded_error"}
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    529: "overloaded_error",
+}
 ANTHROPIC_STATUS = {503: 529}  # our status -> Anthropic's, where they differ
 
 
@@ -43,12 +62,20 @@ def anthropic_error(error: ApiError) -> dict:
     return {"type": "error", "error": {"type": kind, "message": error.message}}
 
 
-def parse_messages(body: dict, tokenizer, model_id: str, default_max_tokens: int, counting: bool = False,
-                   effort_budgets: dict = EFFORT_BUDGETS) -> GenerationRequest:
+def parse_messages(
+    body: dict,
+    tokenizer,
+    model_id: str,
+    default_max_tokens: int,
+    counting: bool = False,
+    effort_budgets: dict = EFFORT_BUDGETS,
+) -> GenerationRequest:
     """A /v1/messages body (``counting``: a count_tokens body, which has no max_tokens)."""
     model = typed(body, "model", (str,), model_id, "a string")
     if model != model_id:
-        raise ApiError(404, f"model: '{model}' does not exist; this server serves '{model_id}'", param="model")
+        raise ApiError(
+            404, f"model: '{model}' does not exist; this server serves '{model_id}'", param="model"
+        )
     max_tokens = 1 if counting else typed(body, "max_tokens", (int,), None, "an integer")
     if max_tokens is None or max_tokens < 1:
         raise invalid("max_tokens: a positive integer is required", param="max_tokens")
@@ -60,29 +87,45 @@ def parse_messages(body: dict, tokenizer, model_id: str, default_max_tokens: int
     if not all(isinstance(s, str) and s for s in stop):
         raise invalid("stop_sequences: each must be a non-empty string", param="stop_sequences")
     request = GenerationRequest(
-        prompt=[], max_tokens=max_tokens, temp=0.0 if top_k == 1 or temp < 1e-6 else temp, stop=stop,
+        prompt=[],
+        max_tokens=max_tokens,
+        temp=0.0 if top_k == 1 or temp < 1e-6 else temp,
+        stop=stop,
         top_p=max(float(number(body, "top_p", 1.0, 0.0, 1.0)), 1e-9),
-        stream=typed(body, "stream", (bool,), False, "a boolean"))
+        stream=typed(body, "stream", (bool,), False, "a boolean"),
+    )
     messages = typed(body, "messages", (list,), None, "a list of messages")
     if not messages:
         raise invalid("messages: at least one message is required", param="messages")
-    functions = [_function(tool, i) for i, tool in enumerate(typed(body, "tools", (list,), [], "a list of tools"))]
-    choice, parallel = _tool_choice(typed(body, "tool_choice", (dict,), {"type": "auto"}, "an object"), functions)
+    functions = [
+        _function(tool, i)
+        for i, tool in enumerate(typed(body, "tools", (list,), [], "a list of tools"))
+    ]
+    choice, parallel = _tool_choice(
+        typed(body, "tool_choice", (dict,), {"type": "auto"}, "an object"), functions
+    )
     config = typed(body, "output_config", (dict,), {}, "an object")
-    thinking = _thinking(typed(body, "thinking", (dict,), None, "an object"), config.get("effort"), effort_budgets)
+    thinking = _thinking(
+        typed(body, "thinking", (dict,), None, "an object"), config.get("effort"), effort_budgets
+    )
     output = typed(config, "format", (dict,), None, "an object")
     if output is not None:  # structured output: {"type": "json_schema", "schema": {...}}
         if output.get("type") != "json_schema" or not isinstance(output.get("schema"), dict):
-            raise invalid("output_config.format: must be {'type': 'json_schema', 'schema': {...}}",
-                          param="output_config")
-        request.schema = response_schema({"type": "json_schema", "json_schema": {"schema": output["schema"]}},
-                                         "output_config.format")
+            raise invalid(
+                "output_config.format: must be {'type': 'json_schema', 'schema': {...}}",
+                param="output_config",
+            )
+        request.schema = response_schema(
+            {"type": "json_schema", "json_schema": {"schema": output["schema"]}},
+            "output_config.format",
+        )
     chat = _system(body.get("system")) + _chat_messages(messages)
     return prepare_chat(request, chat, functions, choice, parallel, tokenizer, thinking)
 
 
 def _thinking(thinking, effort, budgets: dict) -> ThinkingRequest:
-    """``thinking`` (enabled with budget_tokens, adaptive, disabled) and ``output_config.effort``."""
+    """``thinking`` (enabled with budget_tokens, adaptive, disabled) and
+    ``output_config.effort``."""
     asked = effort_request(effort, "output_config.effort", budgets)
     if thinking is None:
         return asked
@@ -92,7 +135,9 @@ def _thinking(thinking, effort, budgets: dict) -> ThinkingRequest:
     if kind == "enabled":
         budget = budget_field(thinking.get("budget_tokens"), "thinking.budget_tokens")
         if budget is None:
-            raise invalid("thinking.budget_tokens: a positive integer is required", param="thinking")
+            raise invalid(
+                "thinking.budget_tokens: a positive integer is required", param="thinking"
+            )
         return ThinkingRequest(enabled=True, budget=budget)
     if kind == "adaptive":
         return asked
@@ -103,8 +148,10 @@ def _text(blocks, where: str) -> str:
     """A string, or text blocks joined; anything else is refused."""
     if isinstance(blocks, str):
         return blocks
-    if isinstance(blocks, list) and all(isinstance(b, dict) and b.get("type") == "text" and
-                                        isinstance(b.get("text"), str) for b in blocks):
+    if isinstance(blocks, list) and all(
+        isinstance(b, dict) and b.get("type") == "text" and isinstance(b.get("text"), str)
+        for b in blocks
+    ):
         return "\n\n".join(b["text"] for b in blocks)
     raise invalid(f"{where}: only a string or text blocks are supported here", param=where)
 
@@ -128,7 +175,9 @@ def _chat_messages(messages: list) -> list:
         content = message.get("content")
         blocks = [{"type": "text", "text": content}] if isinstance(content, str) else content
         if not isinstance(blocks, list):
-            raise invalid(f"{where}.content: must be a string or a list of content blocks", param=where)
+            raise invalid(
+                f"{where}.content: must be a string or a list of content blocks", param=where
+            )
         texts, calls, results, thoughts = [], [], [], []
         for j, block in enumerate(blocks):
             kind = block.get("type") if isinstance(block, dict) else None
@@ -136,24 +185,49 @@ def _chat_messages(messages: list) -> list:
             if kind == "text" and isinstance(block.get("text"), str):
                 texts.append(block["text"])
             elif kind == "tool_use" and role == "assistant":
-                name, call_id, arguments = block.get("name"), block.get("id"), block.get("input", {})
-                if not isinstance(name, str) or not isinstance(call_id, str) or not isinstance(arguments, dict):
-                    raise invalid(f"{place}: a tool_use block needs an 'id', a 'name' and an 'input' object",
-                                  param=place)
+                name, call_id, arguments = (
+                    block.get("name"),
+                    block.get("id"),
+                    block.get("input", {}),
+                )
+                if (
+                    not isinstance(name, str)
+                    or not isinstance(call_id, str)
+                    or not isinstance(arguments, dict)
+                ):
+                    raise invalid(
+                        f"{place}: a tool_use block needs an 'id', a 'name' and an 'input' object",
+                        param=place,
+                    )
                 names[call_id] = name
-                calls.append({"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}})
+                calls.append(
+                    {
+                        "id": call_id,
+                        "type": "function",
+                        "function": {"name": name, "arguments": arguments},
+                    }
+                )
             elif kind == "tool_result" and role == "user":
                 result = _text(block.get("content", ""), f"{place}.content")
                 if block.get("is_error"):
                     result = f"Error: {result}"
                 call_id = block.get("tool_use_id")
-                results.append({"role": "tool", "tool_call_id": call_id, "name": names.get(call_id, ""),
-                                "content": result})
+                results.append(
+                    {
+                        "role": "tool",
+                        "tool_call_id": call_id,
+                        "name": names.get(call_id, ""),
+                        "content": result,
+                    }
+                )
             elif kind == "thinking" and isinstance(block.get("thinking"), str):
                 thoughts.append(block["thinking"])
             elif kind not in ("thinking", "redacted_thinking"):
-                raise invalid(f"{place}: '{kind}' blocks are not supported here (text, tool_use from the "
-                              "assistant and tool_result from the user are)", param=place)
+                raise invalid(
+                    f"{place}: '{kind}' blocks are not supported here (text, tool_use from the "
+                    "assistant and tool_result from the user are)",
+                    param=place,
+                )
         if role == "assistant":
             answer = {"role": "assistant", "content": "\n\n".join(texts)}
             if thoughts and role == "assistant":
@@ -169,8 +243,10 @@ def _chat_messages(messages: list) -> list:
 def _function(tool, index: int):
     where = f"tools[{index}]"
     if not isinstance(tool, dict) or tool.get("type", "custom") != "custom":
-        raise invalid(f"{where}: only custom tools ({{'name', 'description', 'input_schema'}}) are supported",
-                      param=where)
+        raise invalid(
+            f"{where}: only custom tools ({{'name', 'description', 'input_schema'}}) are supported",
+            param=where,
+        )
     return function_of(tool.get("name"), tool.get("input_schema"), tool.get("description"), where)
 
 
@@ -185,12 +261,15 @@ def _tool_choice(choice: dict, functions: list) -> tuple:
             raise invalid("tool_choice: 'any' needs tools", param="tool_choice")
         return "required", parallel
     if kind == "tool":
-        return named_choice(choice.get("name"), functions, "tool_choice: 'name' must be one of the tools"), parallel
+        return named_choice(
+            choice.get("name"), functions, "tool_choice: 'name' must be one of the tools"
+        ), parallel
     raise invalid("tool_choice.type: must be 'auto', 'any', 'tool' or 'none'", param="tool_choice")
 
 
 def signature(thinking: str) -> str:
-    """A thinking block's signature: a digest of its text (Anthropic's is opaque; clients send it back)."""
+    """A thinking block's signature: a digest of its text (Anthropic's is opaque; clients send it
+    back)."""
     return hashlib.sha256(thinking.encode()).hexdigest()
 
 
@@ -206,19 +285,31 @@ class MessagesFormat(Format):
         super().__init__(model_id, request)
         self.id = f"msg_{uuid.uuid4().hex[:24]}"
         self.cached = 0  # prompt tokens found in the prompt cache
-        self.blocks, self.text_open, self.called = 0, False, False  # content blocks started; the last open
+        # content blocks started; the last open
+        self.blocks, self.text_open, self.called = 0, False, False
         self.thinking = None  # the open thinking block's text so far
 
     def _message(self, content: list, outcome: Outcome = None) -> dict:
         stop_reason = None if outcome is None else self._stop_reason(outcome)
-        return {"id": self.id, "type": "message", "role": "assistant", "model": self.model_id, "content": content,
-                "stop_reason": stop_reason, "stop_sequence": None if outcome is None else outcome.stop_sequence,
-                "usage": self._usage(outcome)}
+        return {
+            "id": self.id,
+            "type": "message",
+            "role": "assistant",
+            "model": self.model_id,
+            "content": content,
+            "stop_reason": stop_reason,
+            "stop_sequence": None if outcome is None else outcome.stop_sequence,
+            "usage": self._usage(outcome),
+        }
 
     def _usage(self, outcome: Outcome = None) -> dict:
         cached = self.cached if outcome is None else outcome.cached_tokens
-        return {"input_tokens": len(self.request.prompt) - cached, "cache_creation_input_tokens": 0,
-                "cache_read_input_tokens": cached, "output_tokens": 0 if outcome is None else outcome.completion_tokens}
+        return {
+            "input_tokens": len(self.request.prompt) - cached,
+            "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": cached,
+            "output_tokens": 0 if outcome is None else outcome.completion_tokens,
+        }
 
     def _stop_reason(self, outcome: Outcome) -> str:
         if outcome.finish_reason == "length":
@@ -229,16 +320,28 @@ class MessagesFormat(Format):
 
     @staticmethod
     def _tool_use(call: Call) -> dict:
-        return {"type": "tool_use", "id": call.id or f"toolu_{uuid.uuid4().hex[:24]}", "name": call.name,
-                "input": json.loads(call.arguments)}
+        return {
+            "type": "tool_use",
+            "id": call.id or f"toolu_{uuid.uuid4().hex[:24]}",
+            "name": call.name,
+            "input": json.loads(call.arguments),
+        }
 
     def full(self, outcome: Outcome) -> dict:
         text, calls = self.split(outcome)
         self.called = bool(calls)
         reasoning = self.reasoning(outcome)
-        thinking = [{"type": "thinking", "thinking": reasoning, "signature": signature(reasoning)}] if reasoning else []
-        return self._message(thinking + ([{"type": "text", "text": text}] if text else [])
-                             + [self._tool_use(c) for c in calls], outcome)
+        thinking = (
+            [{"type": "thinking", "thinking": reasoning, "signature": signature(reasoning)}]
+            if reasoning
+            else []
+        )
+        return self._message(
+            thinking
+            + ([{"type": "text", "text": text}] if text else [])
+            + [self._tool_use(c) for c in calls],
+            outcome,
+        )
 
     def _event(self, kind: str, **fields) -> str:
         return sse({"type": kind, **fields}, kind)
@@ -246,9 +349,14 @@ class MessagesFormat(Format):
     def _close_text(self) -> list:
         if self.thinking is not None:
             thinking, self.thinking, self.blocks = self.thinking, None, self.blocks + 1
-            return [self._event("content_block_delta", index=self.blocks - 1,
-                                delta={"type": "signature_delta", "signature": signature(thinking)}),
-                    self._event("content_block_stop", index=self.blocks - 1)]
+            return [
+                self._event(
+                    "content_block_delta",
+                    index=self.blocks - 1,
+                    delta={"type": "signature_delta", "signature": signature(thinking)},
+                ),
+                self._event("content_block_stop", index=self.blocks - 1),
+            ]
         if not self.text_open:
             return []
         self.text_open, self.blocks = False, self.blocks + 1
@@ -259,29 +367,56 @@ class MessagesFormat(Format):
         for item in items:
             if isinstance(item, Reasoning):
                 if self.thinking is None:
-                    events.append(self._event("content_block_start", index=self.blocks,
-                                              content_block={"type": "thinking", "thinking": "", "signature": ""}))
+                    events.append(
+                        self._event(
+                            "content_block_start",
+                            index=self.blocks,
+                            content_block={"type": "thinking", "thinking": "", "signature": ""},
+                        )
+                    )
                     self.thinking = ""
                 self.thinking += item.text
-                events.append(self._event("content_block_delta", index=self.blocks,
-                                          delta={"type": "thinking_delta", "thinking": item.text}))
+                events.append(
+                    self._event(
+                        "content_block_delta",
+                        index=self.blocks,
+                        delta={"type": "thinking_delta", "thinking": item.text},
+                    )
+                )
                 continue
             if self.thinking is not None:
                 events += self._close_text()
             if isinstance(item, str):
                 if not self.text_open:
-                    events.append(self._event("content_block_start", index=self.blocks,
-                                              content_block={"type": "text", "text": ""}))
+                    events.append(
+                        self._event(
+                            "content_block_start",
+                            index=self.blocks,
+                            content_block={"type": "text", "text": ""},
+                        )
+                    )
                     self.text_open = True
-                events.append(self._event("content_block_delta", index=self.blocks,
-                                          delta={"type": "text_delta", "text": item}))
+                events.append(
+                    self._event(
+                        "content_block_delta",
+                        index=self.blocks,
+                        delta={"type": "text_delta", "text": item},
+                    )
+                )
                 continue
             events += self._close_text()
             block = self._tool_use(item)
-            events += [self._event("content_block_start", index=self.blocks, content_block={**block, "input": {}}),
-                       self._event("content_block_delta", index=self.blocks,
-                                   delta={"type": "input_json_delta", "partial_json": item.arguments}),
-                       self._event("content_block_stop", index=self.blocks)]
+            events += [
+                self._event(
+                    "content_block_start", index=self.blocks, content_block={**block, "input": {}}
+                ),
+                self._event(
+                    "content_block_delta",
+                    index=self.blocks,
+                    delta={"type": "input_json_delta", "partial_json": item.arguments},
+                ),
+                self._event("content_block_stop", index=self.blocks),
+            ]
             self.blocks, self.called = self.blocks + 1, True
         return events
 
@@ -295,8 +430,10 @@ class MessagesFormat(Format):
     def done(self, outcome: Outcome) -> list:
         events = self._items(self.read("", finish=True)) + self._close_text()
         delta = {"stop_reason": self._stop_reason(outcome), "stop_sequence": outcome.stop_sequence}
-        return events + [self._event("message_delta", delta=delta, usage=self._usage(outcome)),
-                         self._event("message_stop")]
+        return events + [
+            self._event("message_delta", delta=delta, usage=self._usage(outcome)),
+            self._event("message_stop"),
+        ]
 
     def failed(self, error: ApiError) -> list:
         return [sse(anthropic_error(error), "error")]

@@ -30,29 +30,54 @@ from server.reasoning import EFFORT_BUDGETS
 from server.responses import ResponsesFormat, ResponseStore, parse_responses
 
 DISCONNECT_POLL_S = 0.25  # how often a waiting handler checks that its client is still there
-MAX_BODY_BYTES = 16 * 2**20  # a context of 8k tokens is ~50 KB of text; this leaves room for tools and schemas
+# a context of 8k tokens is ~50 KB of text; this leaves room for tools and schemas
+MAX_BODY_BYTES = 16 * 2**20
 
 
 class ClientGone(Exception):
     pass
 
 
-def build_app(engine: Engine, model_id: str, context_length=None, api_key=None,
-              default_max_tokens: int = 512, stored_responses: int = 256, effort_budgets: dict = EFFORT_BUDGETS
-              ) -> Starlette:
+def build_app(
+    engine: Engine,
+    model_id: str,
+    context_length=None,
+    api_key=None,
+    default_max_tokens: int = 512,
+    stored_responses: int = 256,
+    effort_budgets: dict = EFFORT_BUDGETS,
+) -> Starlette:
     """Routes: GET /v1/models, POST /v1/chat/completions, /v1/completions, /v1/messages (Anthropic),
     /v1/messages/count_tokens, /v1/responses (OpenAI), GET /health. ``stored_responses``: how many
-    Responses answers are kept for ``previous_response_id`` (the oldest go first); ``effort_budgets``:
-    the think-block budget of each effort level (server/reasoning.py)."""
-    service = Service(engine, model_id, context_length, api_key, default_max_tokens, {"effort_budgets": effort_budgets})
+    Responses answers are kept for ``previous_response_id`` (the oldest go first);
+    ``effort_budgets``: the think-block budget of each effort level (server/reasoning.py)."""
+    service = Service(
+        engine,
+        model_id,
+        context_length,
+        api_key,
+        default_max_tokens,
+        {"effort_budgets": effort_budgets},
+    )
 
     async def health(request: Request):
         return JSONResponse({"status": "ok"})
 
-    routes = [*openai_routes(service), Route("/health", health), *anthropic_routes(service),
-              *responses_routes(service, ResponseStore(stored_responses))]
-    return Starlette(routes=routes, exception_handlers={ApiError: api_error, HTTPException: http_error,
-                                                       ClientGone: client_gone, Exception: server_error})
+    routes = [
+        *openai_routes(service),
+        Route("/health", health),
+        *anthropic_routes(service),
+        *responses_routes(service, ResponseStore(stored_responses)),
+    ]
+    return Starlette(
+        routes=routes,
+        exception_handlers={
+            ApiError: api_error,
+            HTTPException: http_error,
+            ClientGone: client_gone,
+            Exception: server_error,
+        },
+    )
 
 
 @dataclass
@@ -70,19 +95,27 @@ class Service:
     def authorize(self, request: Request):
         if self.api_key is None:
             return
-        # OpenAI's SDK sends a bearer token; Anthropic's x-api-key (or a bearer token, as an auth token).
-        given = request.headers.get("x-api-key") or request.headers.get("authorization", "").removeprefix("Bearer ")
+        # OpenAI's SDK sends a bearer token; Anthropic's x-api-key (or a bearer token, as an auth
+        # token).
+        given = request.headers.get("x-api-key") or request.headers.get(
+            "authorization", ""
+        ).removeprefix("Bearer ")
         if not hmac.compare_digest(given.strip().encode(), self.api_key.encode()):
-            raise ApiError(401, "invalid or missing API key (Authorization: Bearer <key>, or x-api-key: <key>)",
-                           code="invalid_api_key")
+            raise ApiError(
+                401,
+                "invalid or missing API key (Authorization: Bearer <key>, or x-api-key: <key>)",
+                code="invalid_api_key",
+            )
 
     async def generate(self, request: Request, parse, make_format):
-        """One generating request of any API: ``parse`` reads its body, ``make_format`` answers in its terms."""
+        """One generating request of any API: ``parse`` reads its body, ``make_format`` answers in
+        its terms."""
         self.authorize(request)
         body = parse_body(await read_body(request))
         engine = self.engine
 
-        # Tokenizing and compiling a schema take a while: neither on the event loop nor on the worker.
+        # Tokenizing and compiling a schema take a while: neither on the event loop nor on the
+        # worker.
         def parse_and_prepare():
             generation = parse(body, engine.tokenizer, self.model_id, self.default_max_tokens)
             check_prompt(generation, self.context_length, engine.vocab_size)
@@ -92,7 +125,8 @@ class Service:
         fmt = make_format(self.model_id, generation)
         job = engine.submit(generation, asyncio.get_running_loop(), prepared)
         try:
-            _, cached = await next_event(request, job)  # "start" and the prompt tokens found cached, or an error
+            # "start" and the prompt tokens found cached, or an error
+            _, cached = await next_event(request, job)
             if generation.stream:
                 return EventStream(job, fmt, cached or 0)
             _, outcome = await next_event(request, job, skip_text=True)
@@ -107,42 +141,73 @@ def openai_routes(service: Service) -> list:
 
     async def models(request: Request):
         service.authorize(request)
-        return JSONResponse({"object": "list", "data": [
-            {"id": service.model_id, "object": "model", "created": int(time.time()), "owned_by": "mlx-decoding"}]})
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": service.model_id,
+                        "object": "model",
+                        "created": int(time.time()),
+                        "owned_by": "mlx-decoding",
+                    }
+                ],
+            }
+        )
 
     async def chat_completions(request: Request):
-        return await service.generate(request, functools.partial(parse_chat, **service.efforts), ChatFormat)
+        return await service.generate(
+            request, functools.partial(parse_chat, **service.efforts), ChatFormat
+        )
 
     async def completions(request: Request):
         return await service.generate(request, parse_completion, CompletionFormat)
 
-    return [Route("/v1/models", models), Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-            Route("/v1/completions", completions, methods=["POST"])]
+    return [
+        Route("/v1/models", models),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+    ]
 
 
 def anthropic_routes(service: Service) -> list:
     """POST /v1/messages and /v1/messages/count_tokens."""
 
     async def messages(request: Request):
-        return await service.generate(request, functools.partial(parse_messages, **service.efforts), MessagesFormat)
+        return await service.generate(
+            request, functools.partial(parse_messages, **service.efforts), MessagesFormat
+        )
 
     async def count_tokens(request: Request):
         service.authorize(request)
         body = parse_body(await read_body(request))
-        generation = await run_in_threadpool(parse_messages, body, service.engine.tokenizer, service.model_id, 1,
-                                             counting=True, **service.efforts)
+        generation = await run_in_threadpool(
+            parse_messages,
+            body,
+            service.engine.tokenizer,
+            service.model_id,
+            1,
+            counting=True,
+            **service.efforts,
+        )
         return JSONResponse({"input_tokens": len(generation.prompt)})
 
-    return [Route("/v1/messages", messages, methods=["POST"]),
-            Route("/v1/messages/count_tokens", count_tokens, methods=["POST"])]
+    return [
+        Route("/v1/messages", messages, methods=["POST"]),
+        Route("/v1/messages/count_tokens", count_tokens, methods=["POST"]),
+    ]
 
 
 def responses_routes(service: Service, store: ResponseStore) -> list:
-    """POST /v1/responses, with the ``store`` of answers a later request continues (``previous_response_id``)."""
+    """POST /v1/responses, with the ``store`` of answers a later request continues
+    (``previous_response_id``)."""
 
     async def responses(request: Request):
-        return await service.generate(request, functools.partial(parse_responses, store=store, **service.efforts),
-                                      functools.partial(ResponsesFormat, store=store))
+        return await service.generate(
+            request,
+            functools.partial(parse_responses, store=store, **service.efforts),
+            functools.partial(ResponsesFormat, store=store),
+        )
 
     return [Route("/v1/responses", responses, methods=["POST"])]
 
@@ -154,7 +219,9 @@ async def read_body(request: Request) -> bytes:
         async for chunk in request.stream():
             size += len(chunk)
             if size > MAX_BODY_BYTES:
-                raise ApiError(413, f"the request body is larger than {MAX_BODY_BYTES // 2**20} MiB")
+                raise ApiError(
+                    413, f"the request body is larger than {MAX_BODY_BYTES // 2**20} MiB"
+                )
             chunks.append(chunk)
     except ClientDisconnect:  # the client left while sending: nothing to answer, nothing to log
         raise ClientGone() from None
@@ -187,8 +254,11 @@ class EventStream(StreamingResponse):
     first byte, when a ``finally`` in the generator would not run."""
 
     def __init__(self, job: Job, fmt, cached: int):
-        super().__init__(events(job, fmt, cached), media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache"})
+        super().__init__(
+            events(job, fmt, cached),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache"},
+        )
         self.job = job
 
     async def __call__(self, scope, receive, send):
@@ -209,7 +279,13 @@ async def events(job: Job, fmt, cached: int):
             for event in fmt.ping():
                 yield event
             continue
-        answer = fmt.text(*payload) if kind == "text" else fmt.failed(payload) if kind == "error" else fmt.done(payload)
+        answer = (
+            fmt.text(*payload)
+            if kind == "text"
+            else fmt.failed(payload)
+            if kind == "error"
+            else fmt.done(payload)
+        )
         for event in answer:
             yield event
         if kind != "text":
@@ -219,8 +295,11 @@ async def events(job: Job, fmt, cached: int):
 def error_response(request: Request, error: ApiError) -> JSONResponse:
     """The error in the shape of the API the request called."""
     if request.url.path.startswith("/v1/messages"):
-        return JSONResponse(anthropic_error(error), status_code=ANTHROPIC_STATUS.get(error.status, error.status),
-                            headers=error.headers)
+        return JSONResponse(
+            anthropic_error(error),
+            status_code=ANTHROPIC_STATUS.get(error.status, error.status),
+            headers=error.headers,
+        )
     return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
 
 
@@ -230,8 +309,14 @@ async def api_error(request: Request, error: ApiError):
 
 async def http_error(request: Request, error: HTTPException):
     kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
-    return error_response(request, ApiError(error.status_code, f"{request.method} {request.url.path}: {error.detail}",
-                                            error_type=kind))
+    return error_response(
+        request,
+        ApiError(
+            error.status_code,
+            f"{request.method} {request.url.path}: {error.detail}",
+            error_type=kind,
+        ),
+    )
 
 
 async def client_gone(request: Request, error: ClientGone):
@@ -239,4 +324,6 @@ async def client_gone(request: Request, error: ClientGone):
 
 
 async def server_error(request: Request, error: Exception):
-    return error_response(request, ApiError(500, f"internal error: {type(error).__name__}: {error}"))
+    return error_response(
+        request, ApiError(500, f"internal error: {type(error).__name__}: {error}")
+    )

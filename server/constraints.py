@@ -22,26 +22,42 @@ class RequestConstraints:
     """The built constraints of one model's vocabulary, shared by every HTTP thread.
 
     Args:
-        vocab_size: the model's (the masks' width); ``cache_dir``: where regex token indexes are kept.
+        vocab_size: the model's (the masks' width); ``cache_dir``: where regex token indexes are
+        kept.
     """
 
     def __init__(self, tokenizer, vocab_size: int, cache_dir=None):
         self.tokenizer, self.vocab_size, self.cache_dir = tokenizer, vocab_size, cache_dir
         self.built = OrderedDict()  # (kind, pattern) -> (kind, token index or compiled grammar)
-        self.building = {}  # (kind, pattern) -> Future, while the first request that needs it builds it
+        # (kind, pattern) -> Future, while the first request that needs it builds it
+        self.building = {}
         self.lock = threading.Lock()  # HTTP threads build constraints side by side
-        self.splits = None  # a constrained.TokenSplits: how the model writes forced text, learned by every request
+        # a constrained.TokenSplits: how the model writes forced text, learned by every request
+        self.splits = None
 
     def for_request(self, request: GenerationRequest) -> tuple:
         """A fresh (constraint, forced-text source) for the request's regex, schema or grammar, or
         (None, None). The first request that needs a pattern builds it while later ones wait for
         it. On a thinking model it starts after the think block, which a budget bounds
-        (server/reasoning.py). Safe from any thread, and no MLX call: the HTTP side calls it off the worker."""
-        return around_thinking(request.thinking, *self._answer_constraint_for(request), self.vocab_size)
+        (server/reasoning.py). Safe from any thread, and no MLX call: the HTTP side calls it off the
+        worker."""
+        return around_thinking(
+            request.thinking, *self._answer_constraint_for(request), self.vocab_size
+        )
 
     def _answer_constraint_for(self, request: GenerationRequest) -> tuple:
-        key = next(((kind, pattern) for kind, pattern in (("regex", request.regex), ("schema", request.schema),
-                   ("tools", request.tool_grammar)) if pattern is not None), ("grammar", request.grammar))
+        key = next(
+            (
+                (kind, pattern)
+                for kind, pattern in (
+                    ("regex", request.regex),
+                    ("schema", request.schema),
+                    ("tools", request.tool_grammar),
+                )
+                if pattern is not None
+            ),
+            ("grammar", request.grammar),
+        )
         if key[1] is None:
             return None, None
         kind, built = self._built(key)
@@ -56,7 +72,8 @@ class RequestConstraints:
 
     def _built(self, key: tuple) -> tuple:
         """``self.built[key]``, building it (or waiting for the thread that builds it) if missing.
-        A refusal is not kept: the requests waiting for that build get it, a later one tries again."""
+        A refusal is not kept: the requests waiting for that build get it, a later one tries
+        again."""
         with self.lock:
             if key in self.built:
                 self.built.move_to_end(key)
@@ -83,20 +100,28 @@ class RequestConstraints:
         return built
 
     def build(self, kind: str, pattern: str) -> tuple:
-        """``("regex", (constraint, forced))`` or ``("grammar", compiled grammar)``, built as main.py
-        builds --regex, --grammar and --json-schema (constrained/build.py); a refusal is a 400 naming the field."""
+        """``("regex", (constraint, forced))`` or ``("grammar", compiled grammar)``, built as
+        main.py builds --regex, --grammar and --json-schema (constrained/build.py); a refusal is a
+        400 naming the field."""
         from constrained import GrammarError, RegexError
         from constrained.grammar import compile_grammar
 
-        what, param = {"regex": ("regex", "guided_regex"), "grammar": ("grammar", "guided_grammar"),
-                       "schema": ("JSON schema", "response_format"), "tools": ("tools' schemas", "tools")}[kind]
+        what, param = {
+            "regex": ("regex", "guided_regex"),
+            "grammar": ("grammar", "guided_grammar"),
+            "schema": ("JSON schema", "response_format"),
+            "tools": ("tools' schemas", "tools"),
+        }[kind]
         try:
-            if kind == "schema":  # llguidance, else the built-in compiler (a note in the log says so)
+            # llguidance, else the built-in compiler (a note in the log says so)
+            if kind == "schema":
                 kind, pattern = compile_schema(json.loads(pattern))
-            elif kind in ("grammar", "tools"):  # tools: text and calls in the template's syntax (tools.py)
+            # tools: text and calls in the template's syntax (tools.py)
+            elif kind in ("grammar", "tools"):
                 kind, pattern = "grammar", compile_grammar(pattern)
             if kind == "grammar":
-                grammar_constraint(pattern, self.tokenizer, self.vocab_size)  # refused now, not at the first step
+                # refused now, not at the first step
+                grammar_constraint(pattern, self.tokenizer, self.vocab_size)
                 return kind, pattern
             return kind, regex_constraint(pattern, self.tokenizer, self.vocab_size, self.cache_dir)
         except (GrammarError, RegexError) as error:

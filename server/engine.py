@@ -1,5 +1,7 @@
-"""Continuous batching on one worker thread, fed by a bounded first-in-first-out queue, for all three
-APIs (chat completions, Responses, Messages): their requests are the same jobs, decoded in one batch.
+"""Continuous batching on one worker thread, fed by a bounded first-in-first-out queue, for all
+three
+APIs (chat completions, Responses, Messages): their requests are the same jobs, decoded in one
+batch.
 
 MLX is not thread-safe for concurrent generation on one model, so every MLX call happens on the
 worker. The HTTP side tokenizes, builds each request's constraint (``constraint_for``, in
@@ -58,12 +60,14 @@ class Outcome:
     stop_sequence: Optional[str] = None  # the stop string that ended it, if one did
     stats: DecodingStats = field(default_factory=DecodingStats)
     logprobs: Optional[list] = None  # with request.logprobs: a TokenLogprob per generated token
-    tokens: list = field(default_factory=list)  # the generated tokens (reasoning_tokens counts some of them)
+    # the generated tokens (reasoning_tokens counts some of them)
+    tokens: list = field(default_factory=list)
 
 
 @dataclass
 class TokenLogprob:
-    """One generated token as OpenAI reports it: its text and bytes, its logprob and the top ones."""
+    """One generated token as OpenAI reports it: its text and bytes, its logprob and the top
+    ones."""
 
     token: str
     bytes: list
@@ -72,12 +76,18 @@ class TokenLogprob:
 
 
 class Job:
-    """A queued request and the events its handler awaits: ("start", None), ("text", (str, logprobs)),
-    then ("done", Outcome) or ("error", ApiError). A text event's logprobs are None when the request
-    did not ask, else the TokenLogprobs of the tokens since the last text event."""
+    """A queued request and the events its handler awaits: ("start", None), ("text", (str,
+    logprobs)), then ("done", Outcome) or ("error", ApiError). A text event's logprobs are None when
+    the request did not ask, else the TokenLogprobs of the tokens since the last text event."""
 
-    def __init__(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop, constraint=None, forced=None,
-                 release=None):
+    def __init__(
+        self,
+        request: GenerationRequest,
+        loop: asyncio.AbstractEventLoop,
+        constraint=None,
+        forced=None,
+        release=None,
+    ):
         self.request = request
         self.loop = loop
         self.constraint, self.forced = constraint, forced  # the request's own, or None
@@ -112,8 +122,10 @@ class StopText:
             index, self.found = min(found)
             text, self.held = self.held[:index], ""
             return text, True
-        keep = max((k for s in self.stop for k in range(1, len(s)) if self.held.endswith(s[:k])), default=0)
-        text, self.held = self.held[: len(self.held) - keep], self.held[len(self.held) - keep:]
+        keep = max(
+            (k for s in self.stop for k in range(1, len(s)) if self.held.endswith(s[:k])), default=0
+        )
+        text, self.held = self.held[: len(self.held) - keep], self.held[len(self.held) - keep :]
         return text, False
 
     def flush(self) -> str:
@@ -124,18 +136,24 @@ class StopText:
 class PromptCache:
     """The caches of finished sequences (``cache.CachedPrefix``), least recently used first out,
     at most ``max_bytes``. Attention entries serve any prefix of their tokens long enough for the
-    keys a sliding layer kept; an entry with recurrent states only a prompt that extends all of its tokens."""
+    keys a sliding layer kept; an entry with recurrent states only a prompt that extends all of its
+    tokens."""
 
     def __init__(self, max_bytes: int):
-        self.max_bytes, self.entries = max_bytes, OrderedDict()  # tuple(tokens) -> (CachedPrefix, nbytes)
+        # tuple(tokens) -> (CachedPrefix, nbytes)
+        self.max_bytes, self.entries = max_bytes, OrderedDict()
         self.nbytes = 0  # of all entries
 
     def add(self, tokens: list, prefix: CachedPrefix):
         tokens = tuple(tokens[: prefix.length])
         mx.eval(prefix.arrays())
-        if not prefix.states:  # prefixes of this one say nothing more (with states, they still might)
-            for key in [k for k, (old, _) in self.entries.items()
-                        if tokens[: len(k)] == k and prefix.shortest <= old.shortest]:
+        # prefixes of this one say nothing more (with states, they still might)
+        if not prefix.states:
+            for key in [
+                k
+                for k, (old, _) in self.entries.items()
+                if tokens[: len(k)] == k and prefix.shortest <= old.shortest
+            ]:
                 self._drop(key)
         self.entries[tokens] = (prefix, sum(array.nbytes for array in prefix.arrays()))
         self.nbytes += self.entries[tokens][1]
@@ -180,24 +198,39 @@ class Reply:
 
 
 class Engine:
-    """The model, a factory of per-row draft sources and the prompt cache, driven by one worker thread.
+    """The model, a factory of per-row draft sources and the prompt cache, driven by one worker
+    thread.
 
     Args:
         make_sources: returns fresh draft sources for one request (``cli.sources.row_sources``).
-        keep_caches: keep finished requests' caches for later prompts that extend them (``PromptCache``).
-        max_batch: requests decoded together; max_queue: requests waiting beyond them before HTTP 503.
+        keep_caches: keep finished requests' caches for later prompts that extend them
+        (``PromptCache``).
+        max_batch: requests decoded together; max_queue: requests waiting beyond them before HTTP
+        503.
         pass_cost: the timings the width policy reads (``cost.PassCost``); tests pass a fixed clock.
     """
 
-    def __init__(self, model, tokenizer, vocab_size: int, make_sources=list, max_batch: int = 8, max_queue: int = 8,
-                 cache_dir=None, prompt_cache_bytes: int = 2**30, prefill_step_size: int = 256,
-                 pass_cost: Optional[PassCost] = None, keep_caches: bool = True):
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        vocab_size: int,
+        make_sources=list,
+        max_batch: int = 8,
+        max_queue: int = 8,
+        cache_dir=None,
+        prompt_cache_bytes: int = 2**30,
+        prefill_step_size: int = 256,
+        pass_cost: Optional[PassCost] = None,
+        keep_caches: bool = True,
+    ):
         self.model, self.tokenizer, self.vocab_size = model, tokenizer, vocab_size
         self.make_sources, self.keep_caches = make_sources, keep_caches
         self.max_batch = max_batch
         self.eos = eos_ids_of(tokenizer)
         self.jobs = queue.Queue()
-        # A place for each request decoding or waiting: refused only when rows and queue are all taken.
+        # A place for each request decoding or waiting: refused only when rows and queue are all
+        # taken.
         self.places = threading.BoundedSemaphore(max_batch + max_queue)
         self.constraints = RequestConstraints(tokenizer, vocab_size, cache_dir)
         self.prompt_cache = PromptCache(prompt_cache_bytes)
@@ -205,29 +238,46 @@ class Engine:
         self.prefill_step_size = prefill_step_size
         self.generator = self._new_generator()
         self.replies = {}  # uid -> Reply, for every running job
-        self.token_bytes = None  # per token id, its bytes (for logprobs; read from the vocabulary once)
+        # per token id, its bytes (for logprobs; read from the vocabulary once)
+        self.token_bytes = None
         self.worker = threading.Thread(target=self._work, name="generation", daemon=True)
         self.worker.start()
 
     def _new_generator(self) -> BatchGenerator:
-        return BatchGenerator(self.model, eos_token_ids=self.eos, prefill_step_size=self.prefill_step_size,
-                              prefill_batch_size=self.max_batch, max_batch=self.max_batch, interleave_prefill=True,
-                              keep_caches=self.keep_caches, pass_cost=self.pass_cost)  # its timings outlive a failed step
+        return BatchGenerator(
+            self.model,
+            eos_token_ids=self.eos,
+            prefill_step_size=self.prefill_step_size,
+            prefill_batch_size=self.max_batch,
+            max_batch=self.max_batch,
+            interleave_prefill=True,
+            # its timings outlive a failed step
+            keep_caches=self.keep_caches,
+            pass_cost=self.pass_cost,
+        )
 
-    def submit(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop, prepared=None) -> Job:
-        """Queue ``request`` (HTTP 503 when the queue is full). ``prepared`` is ``constraint_for(request)``,
-        built beforehand in a thread of the caller's; None builds it here."""
+    def submit(
+        self, request: GenerationRequest, loop: asyncio.AbstractEventLoop, prepared=None
+    ) -> Job:
+        """Queue ``request`` (HTTP 503 when the queue is full). ``prepared`` is
+        ``constraint_for(request)``, built beforehand in a thread of the caller's; None builds it
+        here."""
         constraint, forced = prepared if prepared is not None else self.constraint_for(request)
         if not self.places.acquire(blocking=False):
-            raise ApiError(503, "the server is busy: too many requests are queued; retry shortly",
-                           code="server_busy", headers={"Retry-After": "1"})
+            raise ApiError(
+                503,
+                "the server is busy: too many requests are queued; retry shortly",
+                code="server_busy",
+                headers={"Retry-After": "1"},
+            )
         job = Job(request, loop, constraint, forced, release=self.places.release)
         self.jobs.put(job)
         return job
 
     def _work(self):
         while True:
-            waiting = [] if self.replies or len(self.generator) else [self.jobs.get()]  # idle: block, not spin
+            # idle: block, not spin
+            waiting = [] if self.replies or len(self.generator) else [self.jobs.get()]
             while len(self.replies) + len(waiting) < self.max_batch and not self.jobs.empty():
                 waiting.append(self.jobs.get_nowait())
             for job in waiting:
@@ -242,7 +292,10 @@ class Engine:
             except Exception as error:  # a fault in the step: its rows fail, the worker goes on
                 traceback.print_exc(file=sys.stderr)
                 for reply in self.replies.values():
-                    reply.job.send("error", ApiError(500, f"generation failed: {type(error).__name__}: {error}"))
+                    reply.job.send(
+                        "error",
+                        ApiError(500, f"generation failed: {type(error).__name__}: {error}"),
+                    )
                 self.replies, self.generator = {}, self._new_generator()
                 continue
             for response in responses:
@@ -269,15 +322,22 @@ class Engine:
         if request.seed is not None:
             mx.random.seed(request.seed)  # repeatable when the request decodes alone
         layers, cached = self.prompt_cache.lookup(request.prompt)
-        uid, = self.generator.insert([request.prompt], draft_sources=[([forced] if forced else []) + self.make_sources()],
-                                     constraint=[job.constraint], temp=request.temp, top_p=request.top_p,
-                                     max_tokens=request.max_tokens, prompt_cache=[layers],
-                                     logprobs=[request.logprobs])
+        (uid,) = self.generator.insert(
+            [request.prompt],
+            draft_sources=[([forced] if forced else []) + self.make_sources()],
+            constraint=[job.constraint],
+            temp=request.temp,
+            top_p=request.top_p,
+            max_tokens=request.max_tokens,
+            prompt_cache=[layers],
+            logprobs=[request.logprobs],
+        )
         self.replies[uid] = Reply(job, self.tokenizer, cached)
         job.send("start", cached)
 
     def _respond(self, response: RowResponse):
-        """Send a step's text to its job, and the outcome once the row finishes (or hits a stop string)."""
+        """Send a step's text to its job, and the outcome once the row finishes (or hits a stop
+        string)."""
         row = self.replies.get(response.uid)
         if row is None:
             return
@@ -296,7 +356,11 @@ class Engine:
                 break
         if response.finish_reason == "error":
             del self.replies[response.uid]
-            kind = "constrained decoding" if response.error.startswith("ConstraintError") else "generation"
+            kind = (
+                "constrained decoding"
+                if response.error.startswith("ConstraintError")
+                else "generation"
+            )
             job.send("error", ApiError(500, f"{kind} failed: {response.error}"))
             return
         if not stopped and response.finish_reason is None:
@@ -307,7 +371,8 @@ class Engine:
                 self.generator.remove([response.uid])
         else:
             outcome.finish_reason = response.finish_reason
-            piece, _ = row.stopper.add(row.text.finish())  # the text of a byte run that never became a character
+            # the text of a byte run that never became a character
+            piece, _ = row.stopper.add(row.text.finish())
             if piece:
                 row.send(piece)
             if rest := row.stopper.flush():  # text held back for a stop string that never came
@@ -318,7 +383,11 @@ class Engine:
         if response.cache is not None:
             self.prompt_cache.add(job.request.prompt + row.generated, response.cache)
         del self.replies[response.uid]
-        outcome.text, outcome.completion_tokens, outcome.tokens = "".join(row.pieces), len(row.generated), row.generated
+        outcome.text, outcome.completion_tokens, outcome.tokens = (
+            "".join(row.pieces),
+            len(row.generated),
+            row.generated,
+        )
         job.send("done", outcome)
 
     def _token_logprob(self, token: int, found) -> TokenLogprob:
@@ -334,10 +403,15 @@ class Engine:
 
         def describe(token_id: int) -> tuple:
             raw = self.token_bytes[token_id] if token_id < len(self.token_bytes) else None
-            raw = raw if raw is not None else self.tokenizer.decode([token_id]).encode()  # special tokens
+            # special tokens
+            raw = raw if raw is not None else self.tokenizer.decode([token_id]).encode()
             return raw.decode("utf-8", errors="replace"), list(raw)
 
-        top = [(*describe(i), value) for i, value in zip(found.top_ids, found.top_logprobs) if math.isfinite(value)]
+        top = [
+            (*describe(i), value)
+            for i, value in zip(found.top_ids, found.top_logprobs)
+            if math.isfinite(value)
+        ]
         logprob = found.logprob if math.isfinite(found.logprob) else -9999.0
         return TokenLogprob(*describe(token), logprob, top)
 

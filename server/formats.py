@@ -1,4 +1,5 @@
-"""How an engine job's events read in OpenAI's chat and completions APIs, and what every API's format does.
+"""How an engine job's events read in OpenAI's chat and completions APIs, and what every API's
+format does.
 
 A format is made per request. ``full(outcome)`` is the JSON answer; a stream is ``start(cached)``,
 ``text(piece, logprobs)`` per text event, then ``done(outcome)`` or ``failed(error)``, each a list
@@ -19,7 +20,8 @@ from server.tools import Call, reader_for, split
 
 
 def sse(data: dict, event: str = None) -> str:
-    """One server-sent event; ``event`` names it (Anthropic and Responses do, chat completions not)."""
+    """One server-sent event; ``event`` names it (Anthropic and Responses do, chat completions
+    not)."""
     return (f"event: {event}\n" if event else "") + f"data: {json.dumps(data)}\n\n"
 
 
@@ -38,8 +40,11 @@ class Format:
 
     def __init__(self, model_id: str, request: GenerationRequest):
         self.model_id, self.request = model_id, request
-        self.reader = reader_for(request.tools)  # the stream's; ``full`` reads the whole text afresh
-        self.splitter = ReasoningSplitter(None) if request.thinking is None else request.thinking.splitter()
+        # the stream's; ``full`` reads the whole text afresh
+        self.reader = reader_for(request.tools)
+        self.splitter = (
+            ReasoningSplitter(None) if request.thinking is None else request.thinking.splitter()
+        )
 
     def _split_reasoning(self, outcome: Outcome) -> tuple:
         thinking = self.request.thinking
@@ -58,7 +63,8 @@ class Format:
         return 0 if thinking is None else thinking.reasoning_tokens(outcome.tokens)
 
     def read(self, piece: str, finish: bool = False) -> list:
-        """A streamed piece as ``Reasoning``, text (str) and ``Call`` items; ``finish``: and what was held."""
+        """A streamed piece as ``Reasoning``, text (str) and ``Call`` items; ``finish``: and what
+        was held."""
         items = []
         for kind, text in self.splitter.add(piece) + (self.splitter.finish() if finish else []):
             items += [Reasoning(text)] if kind == "reasoning" else self.reader.add(text)
@@ -69,15 +75,22 @@ class Format:
 
 
 def usage(outcome: Outcome, reasoning_tokens: int = 0) -> dict:
-    """OpenAI's token counts; ``decoding`` is our extension: the target's forward passes and the drafts."""
+    """OpenAI's token counts; ``decoding`` is our extension: the target's forward passes and the
+    drafts."""
     stats = outcome.stats
-    return {"prompt_tokens": outcome.prompt_tokens, "completion_tokens": outcome.completion_tokens,
-            "total_tokens": outcome.prompt_tokens + outcome.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": outcome.cached_tokens},
-            "completion_tokens_details": {"reasoning_tokens": reasoning_tokens},
-            "decoding": {"target_forward_passes": stats.target_forward_passes,
-                         "draft_proposed": stats.draft_proposed, "draft_accepted": stats.draft_accepted,
-                         "prompt_time_s": round(stats.prompt_time, 4)}}
+    return {
+        "prompt_tokens": outcome.prompt_tokens,
+        "completion_tokens": outcome.completion_tokens,
+        "total_tokens": outcome.prompt_tokens + outcome.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": outcome.cached_tokens},
+        "completion_tokens_details": {"reasoning_tokens": reasoning_tokens},
+        "decoding": {
+            "target_forward_passes": stats.target_forward_passes,
+            "draft_proposed": stats.draft_proposed,
+            "draft_accepted": stats.draft_accepted,
+            "prompt_time_s": round(stats.prompt_time, 4),
+        },
+    }
 
 
 class ChatFormat(Format):
@@ -91,13 +104,22 @@ class ChatFormat(Format):
         self.calls = 0  # tool calls streamed so far
 
     def _object(self, kind: str, choices: list, **extra) -> dict:
-        return {"id": self.id, "object": kind, "created": self.created, "model": self.model_id,
-                "choices": choices, **extra}
+        return {
+            "id": self.id,
+            "object": kind,
+            "created": self.created,
+            "model": self.model_id,
+            "choices": choices,
+            **extra,
+        }
 
     @staticmethod
     def _call(call: Call) -> dict:
-        return {"id": call.id or f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                "function": {"name": call.name, "arguments": call.arguments}}
+        return {
+            "id": call.id or f"call_{uuid.uuid4().hex[:24]}",
+            "type": "function",
+            "function": {"name": call.name, "arguments": call.arguments},
+        }
 
     @staticmethod
     def _finish_reason(outcome: Outcome, called: bool) -> str:
@@ -110,9 +132,15 @@ class ChatFormat(Format):
             message["reasoning"] = message["reasoning_content"] = reasoning
         if calls:
             message["tool_calls"] = [self._call(call) for call in calls]
-        choice = {"index": 0, "message": message, "finish_reason": self._finish_reason(outcome, bool(calls)),
-                  "logprobs": self._logprobs(outcome.logprobs)}
-        return self._object("chat.completion", [choice], usage=usage(outcome, self.reasoning_tokens(outcome)))
+        choice = {
+            "index": 0,
+            "message": message,
+            "finish_reason": self._finish_reason(outcome, bool(calls)),
+            "logprobs": self._logprobs(outcome.logprobs),
+        }
+        return self._object(
+            "chat.completion", [choice], usage=usage(outcome, self.reasoning_tokens(outcome))
+        )
 
     @staticmethod
     def _logprobs(entries) -> dict:
@@ -122,16 +150,35 @@ class ChatFormat(Format):
         def described(token, raw, logprob):
             return {"token": token, "logprob": logprob, "bytes": raw}
 
-        return {"content": [{**described(e.token, e.bytes, e.logprob), "top_logprobs": [described(*t) for t in e.top]}
-                            for e in entries], "refusal": None}
+        return {
+            "content": [
+                {
+                    **described(e.token, e.bytes, e.logprob),
+                    "top_logprobs": [described(*t) for t in e.top],
+                }
+                for e in entries
+            ],
+            "refusal": None,
+        }
 
     def _chunk(self, delta: dict, finish_reason: str = None, logprobs=None) -> str:
-        return sse(self._object("chat.completion.chunk", [{"index": 0, "delta": delta, "finish_reason": finish_reason,
-                                                           "logprobs": self._logprobs(logprobs)}]))
+        return sse(
+            self._object(
+                "chat.completion.chunk",
+                [
+                    {
+                        "index": 0,
+                        "delta": delta,
+                        "finish_reason": finish_reason,
+                        "logprobs": self._logprobs(logprobs),
+                    }
+                ],
+            )
+        )
 
     def _items(self, items: list, logprobs=None) -> list:
-        """The chunks for what the reader let out: reasoning first, then text and calls (none if nothing,
-        logprobs aside)."""
+        """The chunks for what the reader let out: reasoning first, then text and calls (none if
+        nothing, logprobs aside)."""
         chunks = []
         if reasoning := "".join(item.text for item in items if isinstance(item, Reasoning)):
             delta = {"reasoning": reasoning, "reasoning_content": reasoning}
@@ -142,7 +189,9 @@ class ChatFormat(Format):
         if text := "".join(item for item in items if isinstance(item, str)):
             delta["content"] = text
         if calls := [item for item in items if isinstance(item, Call)]:
-            delta["tool_calls"] = [{"index": self.calls + i, **self._call(call)} for i, call in enumerate(calls)]
+            delta["tool_calls"] = [
+                {"index": self.calls + i, **self._call(call)} for i, call in enumerate(calls)
+            ]
             self.calls += len(calls)
         if not delta and logprobs is None:
             return chunks
@@ -158,11 +207,19 @@ class ChatFormat(Format):
         events = self._items(self.read("", finish=True))
         events.append(self._chunk({}, self._finish_reason(outcome, self.calls > 0)))
         if self.request.include_usage:
-            events.append(sse(self._object("chat.completion.chunk", [],
-                                           usage=usage(outcome, self.reasoning_tokens(outcome)))))
+            events.append(
+                sse(
+                    self._object(
+                        "chat.completion.chunk",
+                        [],
+                        usage=usage(outcome, self.reasoning_tokens(outcome)),
+                    )
+                )
+            )
         return events + ["data: [DONE]\n\n"]
 
-    def failed(self, error: ApiError) -> list:  # the status line is sent already: say it in the stream
+    # the status line is sent already: say it in the stream
+    def failed(self, error: ApiError) -> list:
         return [sse(error.body()), "data: [DONE]\n\n"]
 
 
@@ -178,12 +235,27 @@ class CompletionFormat(Format):
         self.text_offset = 0
 
     def _object(self, choices: list, **extra) -> dict:
-        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model_id,
-                "choices": choices, **extra}
+        return {
+            "id": self.id,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.model_id,
+            "choices": choices,
+            **extra,
+        }
 
     def full(self, outcome: Outcome) -> dict:
-        return self._object([{"index": 0, "text": outcome.text, "finish_reason": outcome.finish_reason,
-                              "logprobs": self._logprobs(outcome.logprobs)}], usage=usage(outcome))
+        return self._object(
+            [
+                {
+                    "index": 0,
+                    "text": outcome.text,
+                    "finish_reason": outcome.finish_reason,
+                    "logprobs": self._logprobs(outcome.logprobs),
+                }
+            ],
+            usage=usage(outcome),
+        )
 
     def _logprobs(self, entries) -> dict:
         if entries is None:
@@ -192,14 +264,29 @@ class CompletionFormat(Format):
         for entry in entries:
             offsets.append(self.text_offset)
             self.text_offset += len(entry.token)
-        return {"tokens": [e.token for e in entries], "token_logprobs": [e.logprob for e in entries],
-                "top_logprobs": [{**{token: logprob for token, _, logprob in e.top},
-                                  e.token: e.logprob} for e in entries],
-                "text_offset": offsets}
+        return {
+            "tokens": [e.token for e in entries],
+            "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [
+                {**{token: logprob for token, _, logprob in e.top}, e.token: e.logprob}
+                for e in entries
+            ],
+            "text_offset": offsets,
+        }
 
     def _chunk(self, text: str, finish_reason: str = None, logprobs=None) -> str:
-        return sse(self._object([{"index": 0, "text": text, "finish_reason": finish_reason,
-                                  "logprobs": self._logprobs(logprobs)}]))
+        return sse(
+            self._object(
+                [
+                    {
+                        "index": 0,
+                        "text": text,
+                        "finish_reason": finish_reason,
+                        "logprobs": self._logprobs(logprobs),
+                    }
+                ]
+            )
+        )
 
     def start(self, cached: int) -> list:
         return [self._chunk("")]

@@ -14,37 +14,88 @@ import json
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-from server.harmony import chat_tool_syntax
-from server.reasoning import EFFORT_BUDGETS, Thinking, ThinkingRequest, template_options, thinking_of
-from server.tools import Function, ToolUse
 from decoder.text import encode
+from server.harmony import chat_tool_syntax
+from server.reasoning import (
+    EFFORT_BUDGETS,
+    Thinking,
+    ThinkingRequest,
+    template_options,
+    thinking_of,
+)
+from server.tools import Function, ToolUse
 
 MAX_STOP_STRINGS = 4  # as OpenAI
 MAX_TOP_LOGPROBS = 20  # as OpenAI's chat API (its legacy completions allow 5; 20 here too, as vLLM)
 
 # Accepted and ignored: they change nothing here (or only bookkeeping on OpenAI's side).
-IGNORED = {"user", "store", "metadata", "service_tier", "stream_options",
-           "frequency_penalty", "presence_penalty", "logit_bias", "modalities"}
-COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "stream", "stream_options",
-          "guided_regex", "guided_grammar"}
-CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "response_format", "tools", "tool_choice", "logprobs",
-                        "top_logprobs", "parallel_tool_calls", "chat_template_kwargs", "reasoning_effort",
-                        "thinking_token_budget"}
+IGNORED = {
+    "user",
+    "store",
+    "metadata",
+    "service_tier",
+    "stream_options",
+    "frequency_penalty",
+    "presence_penalty",
+    "logit_bias",
+    "modalities",
+}
+COMMON = {
+    "model",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "seed",
+    "stop",
+    "n",
+    "stream",
+    "stream_options",
+    "guided_regex",
+    "guided_grammar",
+}
+CHAT_FIELDS = COMMON | {
+    "messages",
+    "max_completion_tokens",
+    "response_format",
+    "tools",
+    "tool_choice",
+    "logprobs",
+    "top_logprobs",
+    "parallel_tool_calls",
+    "chat_template_kwargs",
+    "reasoning_effort",
+    "thinking_token_budget",
+}
 COMPLETION_FIELDS = COMMON | {"prompt", "echo", "suffix", "best_of", "logprobs"}
 
 
 class ApiError(Exception):
-    """An OpenAI-shaped error: HTTP ``status`` and ``{"error": {"message", "type", "param", "code"}}``."""
+    """An OpenAI-shaped error: HTTP ``status`` and ``{"error": {"message", "type", "param",
+    "code"}}``."""
 
-    def __init__(self, status: int, message: str, param: Optional[str] = None, code: Optional[str] = None,
-                 error_type: Optional[str] = None, headers: Optional[dict] = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: Optional[str] = None,
+        code: Optional[str] = None,
+        error_type: Optional[str] = None,
+        headers: Optional[dict] = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.type = error_type or ("invalid_request_error" if status < 500 else "server_error")
         self.headers = headers or {}
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
 
 
 def invalid(message: str, param: Optional[str] = None, code: Optional[str] = None) -> ApiError:
@@ -62,15 +113,20 @@ class GenerationRequest:
     seed: Optional[int] = None
     stop: list = field(default_factory=list)
     regex: Optional[str] = None  # the output must fully match it (guided_regex)
-    schema: Optional[str] = None  # JSON text of the schema the output must follow (response_format, forced tools)
+    # JSON text of the schema the output must follow (response_format, forced tools)
+    schema: Optional[str] = None
     grammar: Optional[str] = None  # guided_grammar, when constrained/grammar.py is present
-    tool_grammar: Optional[str] = None  # Lark for text and tool calls in the template's syntax (tools.py)
-    tools: Optional[ToolUse] = None  # how tool calls are read out of the output; None: it is all text
+    # Lark for text and tool calls in the template's syntax (tools.py)
+    tool_grammar: Optional[str] = None
+    # how tool calls are read out of the output; None: it is all text
+    tools: Optional[ToolUse] = None
     messages: Optional[list] = None  # the chat messages the prompt came from (Responses keeps them)
     stream: bool = False
     include_usage: bool = False
-    logprobs: Optional[int] = None  # None: none; k: each token's logprob and the k most likely tokens
-    thinking: Optional[Thinking] = None  # on a thinking model: its markers, where the prompt left it, the budget
+    # None: none; k: each token's logprob and the k most likely tokens
+    logprobs: Optional[int] = None
+    # on a thinking model: its markers, where the prompt left it, the budget
+    thinking: Optional[Thinking] = None
 
 
 def parse_body(raw: bytes) -> dict:
@@ -103,18 +159,28 @@ def number(body: dict, name: str, default: float, low: float, high: float) -> fl
 
 
 def check_fields_and_model(body: dict, allowed: set, model_id: str, ignored: set = IGNORED):
-    """Refuse a field the API does not know (OpenAI refuses them too; ``ignored`` ones are accepted) and a
-    model this server does not serve."""
+    """Refuse a field the API does not know (OpenAI refuses them too; ``ignored`` ones are accepted)
+    and a model this server does not serve."""
     unknown = sorted(set(body) - allowed - ignored)
     if unknown:
         raise invalid(f"unrecognized request argument: {unknown[0]}", param=unknown[0])
     model = typed(body, "model", (str,), model_id, "a string")
     if model != model_id:
-        raise ApiError(404, f"the model '{model}' does not exist; this server serves '{model_id}'",
-                       param="model", code="model_not_found")
+        raise ApiError(
+            404,
+            f"the model '{model}' does not exist; this server serves '{model_id}'",
+            param="model",
+            code="model_not_found",
+        )
 
 
-def _common(body: dict, allowed: set, model_id: str, max_tokens_field: Optional[int], default_max_tokens: int):
+def _common(
+    body: dict,
+    allowed: set,
+    model_id: str,
+    max_tokens_field: Optional[int],
+    default_max_tokens: int,
+):
     check_fields_and_model(body, allowed, model_id)
     if typed(body, "n", (int,), 1, "an integer") != 1:
         raise invalid("only n=1 is supported", param="n")
@@ -131,10 +197,16 @@ def _common(body: dict, allowed: set, model_id: str, max_tokens_field: Optional[
     stream = typed(body, "stream", (bool,), False, "a boolean")
     options = typed(body, "stream_options", (dict,), {}, "an object")
     request = GenerationRequest(
-        prompt=[], max_tokens=max_tokens, temp=temp,
-        top_p=max(float(number(body, "top_p", 1.0, 0.0, 1.0)), 1e-9),  # 0 keeps the top token, as in OpenAI's API
-        seed=typed(body, "seed", (int,), None, "an integer"), stop=stop, stream=stream,
-        include_usage=stream and bool(options.get("include_usage")))
+        prompt=[],
+        max_tokens=max_tokens,
+        temp=temp,
+        # 0 keeps the top token, as in OpenAI's API
+        top_p=max(float(number(body, "top_p", 1.0, 0.0, 1.0)), 1e-9),
+        seed=typed(body, "seed", (int,), None, "an integer"),
+        stop=stop,
+        stream=stream,
+        include_usage=stream and bool(options.get("include_usage")),
+    )
     request.regex = typed(body, "guided_regex", (str,), None, "a string")
     request.grammar = typed(body, "guided_grammar", (str,), None, "a string")
     if request.seed is not None and not 0 <= request.seed < 2**64:
@@ -144,8 +216,13 @@ def _common(body: dict, allowed: set, model_id: str, max_tokens_field: Optional[
     return request
 
 
-def parse_chat(body: dict, tokenizer, model_id: str, default_max_tokens: int,
-               effort_budgets: dict = EFFORT_BUDGETS) -> GenerationRequest:
+def parse_chat(
+    body: dict,
+    tokenizer,
+    model_id: str,
+    default_max_tokens: int,
+    effort_budgets: dict = EFFORT_BUDGETS,
+) -> GenerationRequest:
     """A /v1/chat/completions body; ``tokenizer`` applies the chat template. ``effort_budgets``: the
     think-block budget of each ``reasoning_effort`` (server/reasoning.py)."""
     limit = body.get("max_completion_tokens", body.get("max_tokens"))
@@ -161,15 +238,26 @@ def parse_chat(body: dict, tokenizer, model_id: str, default_max_tokens: int,
         raise invalid("'messages' must be a non-empty list", param="messages")
     messages = [_message(m, i) for i, m in enumerate(messages)]
     functions = _chat_tools(typed(body, "tools", (list,), [], "a list of tools"))
-    choice = tool_choice(body.get("tool_choice"), functions, lambda choice: choice.get("function", {}).get("name"),
-                         "{'type': 'function', 'function': {'name': <one of tools>}}")
-    request.schema = response_schema(typed(body, "response_format", (dict,), {"type": "text"}, "an object"),
-                                      "response_format")
+    choice = tool_choice(
+        body.get("tool_choice"),
+        functions,
+        lambda choice: choice.get("function", {}).get("name"),
+        "{'type': 'function', 'function': {'name': <one of tools>}}",
+    )
+    request.schema = response_schema(
+        typed(body, "response_format", (dict,), {"type": "text"}, "an object"), "response_format"
+    )
     parallel = typed(body, "parallel_tool_calls", (bool,), True, "a boolean")
-    thinking = effort_request(body.get("reasoning_effort"), "reasoning_effort", effort_budgets,
-                              body.get("thinking_token_budget"))
+    thinking = effort_request(
+        body.get("reasoning_effort"),
+        "reasoning_effort",
+        effort_budgets,
+        body.get("thinking_token_budget"),
+    )
     thinking.template_options = typed(body, "chat_template_kwargs", (dict,), {}, "an object")
-    if thinking.enabled is None and isinstance(thinking.template_options.get("enable_thinking"), bool):
+    if thinking.enabled is None and isinstance(
+        thinking.template_options.get("enable_thinking"), bool
+    ):
         thinking.enabled = thinking.template_options["enable_thinking"]
     return prepare_chat(request, messages, functions, choice, parallel, tokenizer, thinking)
 
@@ -179,7 +267,9 @@ def budget_field(value, param: str) -> Optional[int]:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise invalid(f"'{param}' must be a positive integer (tokens inside the think block)", param=param)
+        raise invalid(
+            f"'{param}' must be a positive integer (tokens inside the think block)", param=param
+        )
     return value
 
 
@@ -196,8 +286,15 @@ def effort_request(effort, param: str, budgets: dict, budget=None) -> ThinkingRe
     return ThinkingRequest(enabled=True, budget=budget if budget is not None else budgets[effort])
 
 
-def prepare_chat(request: GenerationRequest, messages: list, functions: list, choice: str, parallel: bool,
-                 tokenizer, thinking: Optional[ThinkingRequest] = None) -> GenerationRequest:
+def prepare_chat(
+    request: GenerationRequest,
+    messages: list,
+    functions: list,
+    choice: str,
+    parallel: bool,
+    tokenizer,
+    thinking: Optional[ThinkingRequest] = None,
+) -> GenerationRequest:
     """The prompt and the tool constraint of a chat request, whichever API it came in.
 
     Args:
@@ -211,23 +308,33 @@ def prepare_chat(request: GenerationRequest, messages: list, functions: list, ch
     if functions and choice != "none":
         tools = ToolUse(functions, choice, parallel, chat_tool_syntax(tokenizer))
         request.tool_grammar, schema = tools.grammar(), tools.json_schema()
-        request.tools = None if tools.syntax is None and choice == "auto" else tools  # no syntax: text only
+        # no syntax: text only
+        request.tools = None if tools.syntax is None and choice == "auto" else tools
         if request.schema is not None and (schema is not None or request.tool_grammar is not None):
-            raise invalid("give a response format or tools the model may call, not both", param="tools")
+            raise invalid(
+                "give a response format or tools the model may call, not both", param="tools"
+            )
         if schema is not None:
             request.schema = json.dumps(schema)
     elif (syntax := chat_tool_syntax(tokenizer)) is not None and syntax.reader is not None:
-        request.tools = ToolUse([], "auto", parallel, syntax)  # harmony's headers are markup, tools or not
+        # harmony's headers are markup, tools or not
+        request.tools = ToolUse([], "auto", parallel, syntax)
     given = [request.regex, request.grammar, request.schema, request.tool_grammar]
     if sum(constraint is not None for constraint in given) > 1:
-        raise invalid("give one of a response format, a forced tool call, guided_regex and guided_grammar")
-    options = {"tools": [f.for_template() for f in functions]} if functions and choice != "none" else {}
+        raise invalid(
+            "give one of a response format, a forced tool call, guided_regex and guided_grammar"
+        )
+    options = (
+        {"tools": [f.for_template() for f in functions]} if functions and choice != "none" else {}
+    )
     options |= template_options(thinking, tokenizer)
     request.messages = messages
     try:
         request.prompt = encode(tokenizer, _for_template(messages, tokenizer), **options)
     except Exception as error:  # the template's own checks (jinja raise_exception, a missing key)
-        raise invalid(f"the chat template rejected the messages: {error}", param="messages") from None
+        raise invalid(
+            f"the chat template rejected the messages: {error}", param="messages"
+        ) from None
     request.thinking = thinking_of(thinking, tokenizer, request.prompt)
     return request
 
@@ -235,16 +342,34 @@ def prepare_chat(request: GenerationRequest, messages: list, functions: list, ch
 def _for_template(messages: list, tokenizer) -> list:
     """Messages as a template takes them: a call's arguments as an object (templates write them with
     ``tojson``); a template that writes no calls sees each as its JSON in the content."""
-    template = getattr(tokenizer, "chat_template", None)  # as text.encode: not every tokenizer has one
+    # as text.encode: not every tokenizer has one
+    template = getattr(tokenizer, "chat_template", None)
     template = template if isinstance(template, str) else ""
     shown = []
     for message in messages:
-        calls = [{**call, "function": {**call["function"], "arguments": _arguments(call["function"]["arguments"])}}
-                 for call in message.get("tool_calls") or []]
+        calls = [
+            {
+                **call,
+                "function": {
+                    **call["function"],
+                    "arguments": _arguments(call["function"]["arguments"]),
+                },
+            }
+            for call in message.get("tool_calls") or []
+        ]
         if calls and "tool_calls" not in template:
-            written = "\n".join(json.dumps({"name": c["function"]["name"], "arguments": c["function"]["arguments"]},
-                                           separators=(",", ":"), ensure_ascii=False) for c in calls)
-            message = {**message, "content": "\n".join(filter(None, [message.get("content"), written]))}
+            written = "\n".join(
+                json.dumps(
+                    {"name": c["function"]["name"], "arguments": c["function"]["arguments"]},
+                    separators=(",", ":"),
+                    ensure_ascii=False,
+                )
+                for c in calls
+            )
+            message = {
+                **message,
+                "content": "\n".join(filter(None, [message.get("content"), written])),
+            }
         shown.append({**message, "tool_calls": calls} if calls else message)
     return shown
 
@@ -264,16 +389,26 @@ def _message(message, index: int) -> dict:
         raise invalid(f"{param} must be an object with a 'role'", param=param)
     content = message.get("content")
     if isinstance(content, list):  # content parts: only text is understood
-        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                   for p in content):
+        if not all(
+            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+            for p in content
+        ):
             raise invalid(f"{param}.content: only text parts are supported", param=param)
         content = "".join(p["text"] for p in content)
     calls = message.get("tool_calls")
-    if calls is not None and not (isinstance(calls, list) and all(
-            isinstance(c, dict) and isinstance(c.get("function"), dict) and isinstance(c["function"].get("name"), str)
-            for c in calls)):
-        raise invalid(f"{param}.tool_calls must be a list of {{'function': {{'name': ..., 'arguments': ...}}}}",
-                      param=param)
+    if calls is not None and not (
+        isinstance(calls, list)
+        and all(
+            isinstance(c, dict)
+            and isinstance(c.get("function"), dict)
+            and isinstance(c["function"].get("name"), str)
+            for c in calls
+        )
+    ):
+        raise invalid(
+            f"{param}.tool_calls must be a list of {{'function': {{'name': ..., 'arguments': ...}}}}",
+            param=param,
+        )
     if content is None and calls:
         content = ""
     if not isinstance(content, str):
@@ -282,18 +417,34 @@ def _message(message, index: int) -> dict:
     if reasoning is not None and not isinstance(reasoning, str):
         raise invalid(f"{param}.reasoning must be a string", param=param)
     message = {key: value for key, value in message.items() if key != "reasoning"}
-    return {**message, "content": content, **({"reasoning_content": reasoning} if reasoning else {})}
+    return {
+        **message,
+        "content": content,
+        **({"reasoning_content": reasoning} if reasoning else {}),
+    }
 
 
 def _chat_tools(tools: list) -> list:
     functions = []
     for i, tool in enumerate(tools):
-        function = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
+        function = (
+            tool.get("function")
+            if isinstance(tool, dict) and tool.get("type") == "function"
+            else None
+        )
         if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-            raise invalid(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ...}}}}",
-                          param=f"tools[{i}]")
-        functions.append(function_of(function.get("name"), function.get("parameters"), function.get("description"),
-                                     f"tools[{i}]"))
+            raise invalid(
+                f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ...}}}}",
+                param=f"tools[{i}]",
+            )
+        functions.append(
+            function_of(
+                function.get("name"),
+                function.get("parameters"),
+                function.get("description"),
+                f"tools[{i}]",
+            )
+        )
     return functions
 
 
@@ -303,7 +454,9 @@ def function_of(name, parameters, description, param: str) -> Function:
         raise invalid(f"{param} needs a 'name'", param=param)
     if parameters is not None and not isinstance(parameters, dict):
         raise invalid(f"{param}: the parameters must be a JSON Schema object", param=param)
-    return Function(name, parameters or {"type": "object"}, description if isinstance(description, str) else "")
+    return Function(
+        name, parameters or {"type": "object"}, description if isinstance(description, str) else ""
+    )
 
 
 def tool_choice(choice, functions: list, name_of: Callable, shape: str) -> str:
@@ -316,7 +469,9 @@ def tool_choice(choice, functions: list, name_of: Callable, shape: str) -> str:
             raise invalid("'tool_choice' needs 'tools'", param="tool_choice")
         return choice
     name = name_of(choice) if isinstance(choice, dict) else None
-    return named_choice(name, functions, f"'tool_choice' must be 'none', 'auto', 'required' or {shape}")
+    return named_choice(
+        name, functions, f"'tool_choice' must be 'none', 'auto', 'required' or {shape}"
+    )
 
 
 def named_choice(name, functions: list, message: str) -> str:
@@ -338,7 +493,9 @@ def response_schema(response_format: dict, param: str) -> Optional[str]:
     if kind == "json_schema":
         spec = response_format.get("json_schema")
         if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), (dict, bool)):
-            raise invalid(f"{param}.json_schema must be {{'name': ..., 'schema': {{...}}}}", param=param)
+            raise invalid(
+                f"{param}.json_schema must be {{'name': ..., 'schema': {{...}}}}", param=param
+            )
         _known_keys(spec, {"name", "schema", "strict", "description"}, f"{param}.json_schema")
         return json.dumps(spec.get("schema", {}))  # the engine compiles each distinct schema once
     raise invalid(f"{param}.type must be 'text', 'json_object' or 'json_schema'", param=param)
@@ -357,7 +514,9 @@ def _top_logprobs(body: dict, name: str) -> Optional[int]:
     return top
 
 
-def parse_completion(body: dict, tokenizer, model_id: str, default_max_tokens: int) -> GenerationRequest:
+def parse_completion(
+    body: dict, tokenizer, model_id: str, default_max_tokens: int
+) -> GenerationRequest:
     """A /v1/completions body: the prompt is raw text (no chat template) or token ids."""
     max_tokens = typed(body, "max_tokens", (int,), None, "an integer")
     request = _common(body, COMPLETION_FIELDS, model_id, max_tokens, default_max_tokens)
@@ -370,10 +529,16 @@ def parse_completion(body: dict, tokenizer, model_id: str, default_max_tokens: i
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str) and prompt:
         request.prompt = tokenizer.encode(prompt)
-    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+    elif (
+        isinstance(prompt, list)
+        and prompt
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+    ):
         request.prompt = prompt
     else:
-        raise invalid("'prompt' must be a non-empty string or list of token ids (one prompt)", param="prompt")
+        raise invalid(
+            "'prompt' must be a non-empty string or list of token ids (one prompt)", param="prompt"
+        )
     return request
 
 
@@ -383,6 +548,10 @@ def check_prompt(request: GenerationRequest, context_length: Optional[int], voca
         raise invalid(f"token ids must be in [0, {vocab_size})", param="prompt")
     if context_length is not None:
         if len(request.prompt) + 1 > context_length:
-            raise invalid(f"the prompt has {len(request.prompt)} tokens; the model's context is {context_length} "
-                          "tokens", param="messages", code="context_length_exceeded")
+            raise invalid(
+                f"the prompt has {len(request.prompt)} tokens; the model's context is {context_length} "
+                "tokens",
+                param="messages",
+                code="context_length_exceeded",
+            )
         request.max_tokens = min(request.max_tokens, context_length - len(request.prompt))

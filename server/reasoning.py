@@ -1,33 +1,51 @@
-"""Reasoning in every API: what a request asks of the think block, and the answer's text split from it.
+"""Reasoning in every API: what a request asks of the think block, and the answer's text split from
+it.
 
 Each API says it its own way (chat: ``reasoning_effort``, ``thinking_token_budget``,
 ``chat_template_kwargs``; Responses: ``reasoning.effort``; Messages: ``thinking`` and
 ``output_config.effort``); each becomes a ``ThinkingRequest``, and ``Thinking`` is what the engine
 and the formats need once the prompt is rendered. Effort levels map to budgets through
 ``EFFORT_BUDGETS`` (``python -m server --effort-budgets`` changes it). A budget bounds the tokens
-inside the block; the block's closing text is then forced (constrained/thinking.py). Reasoning counts
-against max_tokens, as in Anthropic's API.
+inside the block; the block's closing text is then forced (constrained/thinking.py). Reasoning
+counts against max_tokens, as in Anthropic's API.
 """
 
 from dataclasses import dataclass, field
 from typing import Optional
 
-from constrained.thinking import (ANSWER, ReasoningSplitter, ThinkingConstraint, ThinkingForcedSource, ThinkMarkers,
-                                  reasoning_token_count, split_reasoning, think_markers)
+from constrained.thinking import (
+    ANSWER,
+    ReasoningSplitter,
+    ThinkingConstraint,
+    ThinkingForcedSource,
+    ThinkMarkers,
+    reasoning_token_count,
+    split_reasoning,
+    think_markers,
+)
 
 # Effort -> the most tokens inside the think block (None: unbounded). "none" turns thinking off.
-EFFORT_BUDGETS = {"minimal": 256, "low": 1024, "medium": 4096, "high": 16384, "xhigh": 32768, "max": None}
+EFFORT_BUDGETS = {
+    "minimal": 256,
+    "low": 1024,
+    "medium": 4096,
+    "high": 16384,
+    "xhigh": 32768,
+    "max": None,
+}
 
 
 def parse_effort_budgets(text: str, table: Optional[dict] = None) -> dict:
-    """``"low=512,high=8192"`` over ``table`` (default EFFORT_BUDGETS); ``none`` as a value: unbounded.
-    ValueError names a bad entry."""
+    """``"low=512,high=8192"`` over ``table`` (default EFFORT_BUDGETS); ``none`` as a value:
+    unbounded. ValueError names a bad entry."""
     budgets = dict(EFFORT_BUDGETS if table is None else table)
     for entry in filter(None, (part.strip() for part in text.split(","))):
         name, _, value = entry.partition("=")
         name, value = name.strip(), value.strip()
         if not name or name == "none" or not value:
-            raise ValueError(f"'{entry}': give effort=tokens, e.g. low=512 (the effort 'none' turns thinking off)")
+            raise ValueError(
+                f"'{entry}': give effort=tokens, e.g. low=512 (the effort 'none' turns thinking off)"
+            )
         if value.lower() == "none":
             budgets[name] = None
         elif value.isdigit() and int(value) > 0:
@@ -39,7 +57,8 @@ def parse_effort_budgets(text: str, table: Optional[dict] = None) -> dict:
 
 @dataclass
 class ThinkingRequest:
-    """What a request asks: thinking on (True), off (False) or as the template has it (None), a budget
+    """What a request asks: thinking on (True), off (False) or as the template has it (None), a
+    budget
     (None: none), and options for the chat template (``chat_template_kwargs``)."""
 
     enabled: Optional[bool] = None
@@ -49,8 +68,10 @@ class ThinkingRequest:
 
 @dataclass(frozen=True)
 class Thinking:
-    """A request on a thinking model, once its prompt is rendered: the markers, where the prompt leaves the
-    model (START, THINKING or ANSWER) and the budget (None: none; 0: the block never opens or closes at once)."""
+    """A request on a thinking model, once its prompt is rendered: the markers, where the prompt
+    leaves the
+    model (START, THINKING or ANSWER) and the budget (None: none; 0: the block never opens or closes
+    at once)."""
 
     markers: ThinkMarkers
     phase: str
@@ -68,17 +89,24 @@ class Thinking:
 
 
 def around_thinking(thinking: Optional[Thinking], constraint, forced, vocab_size: int) -> tuple:
-    """``(constraint, forced)`` for the answer, put after the think block (with its budget) on a thinking
-    model; as they are where nothing bounds the block or follows it (no cost for such a request)."""
-    if thinking is None or thinking.phase == ANSWER or (constraint is None and thinking.budget is None):
+    """``(constraint, forced)`` for the answer, put after the think block (with its budget) on a
+    thinking model; as they are where nothing bounds the block or follows it (no cost for such a
+    request)."""
+    if (
+        thinking is None
+        or thinking.phase == ANSWER
+        or (constraint is None and thinking.budget is None)
+    ):
         return constraint, forced
-    wrapped = ThinkingConstraint(thinking.markers, vocab_size, constraint, thinking.budget, thinking.phase)
+    wrapped = ThinkingConstraint(
+        thinking.markers, vocab_size, constraint, thinking.budget, thinking.phase
+    )
     return wrapped, ThinkingForcedSource(wrapped, forced)
 
 
 def template_options(asked: ThinkingRequest, tokenizer) -> dict:
-    """Options for the chat template: the request's own, and ``enable_thinking`` when it says on or off
-    (mlx-lm's wrapper passes it under the name the template reads)."""
+    """Options for the chat template: the request's own, and ``enable_thinking`` when it says on or
+    off (mlx-lm's wrapper passes it under the name the template reads)."""
     options = dict(asked.template_options)
     if asked.enabled is not None and think_markers(tokenizer) is not None:
         options.setdefault("enable_thinking", asked.enabled)
@@ -86,8 +114,9 @@ def template_options(asked: ThinkingRequest, tokenizer) -> dict:
 
 
 def thinking_of(asked: ThinkingRequest, tokenizer, prompt: list) -> Optional[Thinking]:
-    """The request's ``Thinking`` (None for a model without think markers: it answers as it is, which
-    docs/server.md says). Thinking off where the template still opened the block (or may let the model
+    """The request's ``Thinking`` (None for a model without think markers: it answers as it is,
+    which docs/server.md says). Thinking off where the template still opened the block (or may let
+    the model
     open it): a budget of 0, so the block closes at once or never opens."""
     markers = think_markers(tokenizer)
     if markers is None:

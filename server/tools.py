@@ -1,4 +1,5 @@
-"""Tool calls in the model's own syntax: read out of its text, their arguments held to their schemas.
+"""Tool calls in the model's own syntax: read out of its text, their arguments held to their
+schemas.
 
 A chat template that knows tools writes a call its own way: Hermes and Qwen
 ``<tool_call>\\n{"name": ..., "arguments": ...}\\n</tool_call>``, Mistral ``[TOOL_CALLS] [{...}]``,
@@ -23,7 +24,12 @@ from typing import Callable, Optional
 
 # json.dumps' separators, as templates write a call (``tojson``). Lenient: a keyword llguidance does
 # not implement is left unchecked rather than refusing the request (an agent sends dozens of tools).
-CALL_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ", "lenient": True}
+CALL_JSON = {
+    "whitespace_flexible": False,
+    "item_separator": ", ",
+    "key_separator": ": ",
+    "lenient": True,
+}
 TEXT = r"/(.|\n)*/"
 
 
@@ -37,8 +43,14 @@ class Function:
 
     def for_template(self) -> dict:
         """The tool as chat templates and mlx-lm's parsers read it (OpenAI's chat form)."""
-        return {"type": "function", "function": {"name": self.name, "description": self.description,
-                                                 "parameters": self.parameters}}
+        return {
+            "type": "function",
+            "function": {
+                "name": self.name,
+                "description": self.description,
+                "parameters": self.parameters,
+            },
+        }
 
 
 @dataclass(frozen=True)
@@ -53,16 +65,20 @@ class Call:
 @dataclass(frozen=True)
 class ToolSyntax:
     """How a template writes a call: ``start`` BODY ``end`` (an empty ``end``: the call runs to the
-    end of the output; ``at_start``: a call can only open the output, its marker part of its body)."""
+    end of the output; ``at_start``: a call can only open the output, its marker part of its
+    body)."""
 
     name: str
     start: str
     end: str
-    parse: Callable  # mlx-lm's parse_tool_call(body, tools) -> {"name", "arguments"} or a list of them
-    body: Optional[Callable] = None  # (functions, parallel, literal) -> Lark for BODY; None: unconstrained
+    # mlx-lm's parse_tool_call(body, tools) -> {"name", "arguments"} or a list of them
+    parse: Callable
+    # (functions, parallel, literal) -> Lark for BODY; None: unconstrained
+    body: Optional[Callable] = None
     at_start: bool = False
     special: tuple = ()  # (marker, token id) for markers that are special tokens
-    reader: Optional[Callable] = None  # its own reader class, (syntax, tools) -> TextReader; None: CallReader
+    # its own reader class, (syntax, tools) -> TextReader; None: CallReader
+    reader: Optional[Callable] = None
 
     def literal(self, marker: str) -> str:
         """``marker`` in Lark: a special token by id (text cannot spell one), else a string."""
@@ -80,11 +96,15 @@ class ToolSyntax:
         lines = ["%llguidance {}"]
         if forced:
             repeat = parallel and self.end  # without an end marker, one body holds every call
-            lines += ['start: call ("\\n" call)*' if repeat else "start: call", f"call: {opening} {body} {end}"]
+            lines += [
+                'start: call ("\\n" call)*' if repeat else "start: call",
+                f"call: {opening} {body} {end}",
+            ]
         elif self.at_start:  # text that does not open like a call, or a call
             lines += ["start: FREE | call", f"FREE: /([^{self.start}](.|\\n)*)?/", f"call: {body}"]
         else:
-            if opening.startswith("<["):  # a special token: the text cannot spell it, so no trigger is needed
+            # a special token: the text cannot spell it, so no trigger is needed
+            if opening.startswith("<["):
                 lines.append(f"call: TEXT {opening} {body} {end}")
             else:  # the text ends at the first marker (lazy), then the body starts
                 lines += [f"opening[lazy]: TEXT {opening}", f"call: opening {body} {end}"]
@@ -97,29 +117,47 @@ def _json(schema: dict) -> str:
     return "%json " + json.dumps({**schema, "x-guidance": CALL_JSON})
 
 
-def _call_schema(functions: list, arguments: str = "arguments", extra: Optional[dict] = None) -> dict:
+def _call_schema(
+    functions: list, arguments: str = "arguments", extra: Optional[dict] = None
+) -> dict:
     """One call object: ``{"name": <a tool>, <arguments>: <its schema>}``."""
-    return {"anyOf": [{"type": "object", "required": ["name", arguments], "additionalProperties": False,
-                       "properties": {"name": {"const": f.name}, arguments: f.parameters or {"type": "object"},
-                                      **(extra or {})}} for f in functions]}
+    return {
+        "anyOf": [
+            {
+                "type": "object",
+                "required": ["name", arguments],
+                "additionalProperties": False,
+                "properties": {
+                    "name": {"const": f.name},
+                    arguments: f.parameters or {"type": "object"},
+                    **(extra or {}),
+                },
+            }
+            for f in functions
+        ]
+    }
 
 
 def _hermes_body(functions, parallel, literal) -> str:
-    # Qwen 2.5/3 and Hermes: '<tool_call>\n{"name": "' + name + '", "arguments": ' + tojson + '}\n</tool_call>'
+    # Qwen 2.5/3 and Hermes: '<tool_call>\n{"name": "' + name + '", "arguments": ' + tojson +
+    # '}\n</tool_call>'
     return f'"\\n" {_json(_call_schema(functions))} "\\n"'
 
 
 def _mistral_body(functions, parallel, literal) -> str:
-    # v0.3 templates: '[TOOL_CALLS] [' + calls + ']', each with a 9-character id the model may write too.
+    # v0.3 templates: '[TOOL_CALLS] [' + calls + ']', each with a 9-character id the model may write
+    # too.
     calls = _call_schema(functions, extra={"id": {"type": "string", "pattern": "^[a-zA-Z0-9]{9}$"}})
     return f'" "? {_json({"type": "array", "items": calls, "minItems": 1, "maxItems": 64 if parallel else 1})}'
 
 
 def _mistral_args_body(functions, parallel, literal) -> str:
     # Newer templates: '[TOOL_CALLS]' + name + '[ARGS]' + tojson, once per call.
-    one = " | ".join(f'{json.dumps(f.name)} {literal("[ARGS]")} {_json(f.parameters or {"type": "object"})}'
-                     for f in functions)
-    return f"({one})" + (f' ({literal("[TOOL_CALLS]")} ({one}))*' if parallel else "")
+    one = " | ".join(
+        f"{json.dumps(f.name)} {literal('[ARGS]')} {_json(f.parameters or {'type': 'object'})}"
+        for f in functions
+    )
+    return f"({one})" + (f" ({literal('[TOOL_CALLS]')} ({one}))*" if parallel else "")
 
 
 def _llama3_body(functions, parallel, literal) -> str:
@@ -137,24 +175,31 @@ BODIES = {"json_tools": _hermes_body, "mistral": _mistral_body}
 
 @functools.lru_cache(maxsize=8)
 def tool_syntax(tokenizer) -> Optional[ToolSyntax]:
-    """The syntax the tokenizer's chat template writes calls in, or None when it has none we know."""
+    """The syntax the tokenizer's chat template writes calls in, or None when it has none we
+    know."""
     # mlx-lm's TokenizerWrapper has a parser once it has recognised the template; others have none.
     parser = getattr(tokenizer, "tool_parser", None)
-    template = getattr(tokenizer, "chat_template", None)  # as text.encode: not every tokenizer has one
+    # as text.encode: not every tokenizer has one
+    template = getattr(tokenizer, "chat_template", None)
     template = template if isinstance(template, str) else ""
     if parser is not None:
         name = parser.__module__.rsplit(".", 1)[-1]  # mlx_lm.tool_parsers.<name>
-        body = _mistral_args_body if name == "mistral" and "[ARGS]" in template else BODIES.get(name)
+        body = (
+            _mistral_args_body if name == "mistral" and "[ARGS]" in template else BODIES.get(name)
+        )
         start, end = tokenizer.tool_call_start, tokenizer.tool_call_end
         markers = [start, end] + (["[ARGS]"] if body is _mistral_args_body else [])
-        return ToolSyntax(name, start, end, parser, body, special=_special_tokens(tokenizer, markers))
+        return ToolSyntax(
+            name, start, end, parser, body, special=_special_tokens(tokenizer, markers)
+        )
     if '"parameters": ' in template and "tool_call" in template:
         return ToolSyntax("llama3_json", "{", "", _parse_llama3, _llama3_body, at_start=True)
     return None
 
 
 def _special_tokens(tokenizer, markers: list) -> tuple:
-    """(marker, id) for each marker that is one special token (llguidance's view of the vocabulary)."""
+    """(marker, id) for each marker that is one special token (llguidance's view of the
+    vocabulary)."""
     from constrained.grammar import GrammarError, ll_tokenizer_of
 
     try:
@@ -174,7 +219,9 @@ def calls_of(parsed) -> list:
     result = []
     for call in parsed if isinstance(parsed, list) else [parsed]:
         arguments = call.get("arguments", {})
-        arguments = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+        arguments = (
+            arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+        )
         result.append(Call(call["name"], arguments, call.get("id")))
     return result
 
@@ -213,7 +260,11 @@ class CallReader(TextReader):
                 if not self.syntax.end or (index := self.body.find(self.syntax.end)) < 0:
                     return out
                 out += self._parsed(self.body[:index])
-                self.pending, self.body, self.after_call = self.body[index + len(self.syntax.end):], None, True
+                self.pending, self.body, self.after_call = (
+                    self.body[index + len(self.syntax.end) :],
+                    None,
+                    True,
+                )
             if self.after_call:
                 self.pending = self.pending.lstrip()
             if not self.pending:
@@ -225,28 +276,36 @@ class CallReader(TextReader):
             if index < 0:
                 if self.syntax.at_start and not self.opened and start.startswith(self.pending):
                     return out  # still may open as a call
-                keep = 0 if self.syntax.at_start else max(
-                    (k for k in range(1, len(start)) if self.pending.endswith(start[:k])), default=0)
+                keep = (
+                    0
+                    if self.syntax.at_start
+                    else max(
+                        (k for k in range(1, len(start)) if self.pending.endswith(start[:k])),
+                        default=0,
+                    )
+                )
                 shown = self.pending[: len(self.pending) - keep].rstrip()
                 if shown:
                     out.append(shown)
                     self.opened, self.after_call = True, False
-                self.pending = self.pending[len(shown):]
+                self.pending = self.pending[len(shown) :]
                 return out
             if text := self.pending[:index].rstrip():
                 out.append(text)
-            self.body, self.pending, self.opened = self.pending[index + len(start):], "", True
+            self.body, self.pending, self.opened = self.pending[index + len(start) :], "", True
 
     def finish(self) -> list:
         if self.body is not None:
             return [] if self.syntax.end else self._parsed(self.body)
-        text, self.pending = self.pending, ""  # held whitespace or a marker's start that never finished
+        # held whitespace or a marker's start that never finished
+        text, self.pending = self.pending, ""
         return [text] if text else []
 
     def _parsed(self, body: str) -> list:
         try:
             return calls_of(self.syntax.parse(body, self.tools))
-        except (ValueError, KeyError, TypeError, AttributeError):  # mlx-lm's parsers raise these on bad text
+        # mlx-lm's parsers raise these on bad text
+        except (ValueError, KeyError, TypeError, AttributeError):
             return []
 
 
@@ -294,8 +353,11 @@ class ToolUse:
 
     def grammar(self) -> Optional[str]:
         """Lark for the output, or None (no syntax, or one whose body is not constrained)."""
-        return None if self.syntax is None else self.syntax.grammar(self.functions, self.choice != "auto",
-                                                                    self.parallel)
+        return (
+            None
+            if self.syntax is None
+            else self.syntax.grammar(self.functions, self.choice != "auto", self.parallel)
+        )
 
     def json_schema(self) -> Optional[dict]:
         """The bare-JSON forced call's schema (no syntax), or None."""
@@ -307,7 +369,9 @@ class ToolUse:
 
     def reader(self) -> TextReader:
         if self.syntax is not None:
-            return (self.syntax.reader or CallReader)(self.syntax, [f.for_template() for f in self.functions])
+            return (self.syntax.reader or CallReader)(
+                self.syntax, [f.for_template() for f in self.functions]
+            )
         if self.choice == "auto":
             return TextReader()
         return JsonCallReader(None if self.choice == "required" else self.choice)
@@ -320,4 +384,6 @@ def reader_for(tools: Optional[ToolUse]) -> TextReader:
 def split(reader: TextReader, text: str) -> tuple:
     """``(text, calls)`` of a whole output."""
     items = reader.add(text) + reader.finish()
-    return "".join(i for i in items if isinstance(i, str)), [i for i in items if isinstance(i, Call)]
+    return "".join(i for i in items if isinstance(i, str)), [
+        i for i in items if isinstance(i, Call)
+    ]

@@ -1,5 +1,6 @@
 """Speculative decoding with a draft model (Llama family, or T5 with t5/), a draft head (trained
-here, or a published EAGLE-1/2 or EAGLE-3 head: ``load_head`` reads both) or a model's own MTP layers."""
+here, or a published EAGLE-1/2 or EAGLE-3 head: ``load_head`` reads both) or a model's own MTP
+layers."""
 
 from speculative.draft_model import DraftModel, DraftModelSource, VocabularyMismatch
 from speculative.head import HeadMismatch
@@ -7,5 +8,14 @@ from speculative.head_loading import load_head
 from speculative.head_source import DraftHeadSource, HeadDrafter, HiddenStateTap
 from speculative.mtp_source import MTPSource
 
-__all__ = ["DraftHeadSource", "DraftModel", "DraftModelSource", "HeadDrafter", "HeadMismatch", "HiddenStateTap", "MTPSource",
-           "VocabularyMismatch", "load_head"]
+__all__ = [
+    "DraftHeadSource",
+    "DraftModel",
+    "DraftModelSource",
+    "HeadDrafter",
+    "HeadMismatch",
+    "HiddenStateTap",
+    "MTPSource",
+    "VocabularyMismatch",
+    "load_head",
+]

@@ -16,19 +16,22 @@ def weight_bytes(model) -> int:
     ratio of their step times, until the loop has timed both (``cost.PassCost``)."""
     leaves = [value for _, value in tree_flatten(model.parameters())]
     nbytes = sum(value.nbytes for value in leaves)
-    whole = getattr(model, "num_parameters", None)  # set by distributed/sharding.py: the whole model's count
+    # set by distributed/sharding.py: the whole model's count
+    whole = getattr(model, "num_parameters", None)
     return nbytes * whole // max(sum(value.size for value in leaves), 1) if whole else nbytes
 
 
 class AdaptiveLength:
     """How many tokens to draft next, learned from how the last drafts fared.
 
-    +2 after a fully accepted draft, -1 otherwise, within [1, max_draft]. Drafting pauses while the recent
-    drafts gave fewer tokens than they cost (``token_cost`` per drafted token, as a fraction of a target step,
-    from the loop's measurements), probing with one token after 1, 2, 4 ... skipped steps.
+    +2 after a fully accepted draft, -1 otherwise, within [1, max_draft]. Drafting pauses while the
+    recent drafts gave fewer tokens than they cost (``token_cost`` per drafted token, as a fraction
+    of a target step, from the loop's measurements), probing with one token after 1, 2, 4 ...
+    skipped steps.
 
     Args:
-        num_draft, max_draft: the length to start with (the fixed one when not ``enabled``), the longest.
+        num_draft, max_draft: the length to start with (the fixed one when not ``enabled``), the
+        longest.
         enabled: False keeps ``num_draft`` fixed and never pauses.
     """
 
@@ -44,7 +47,8 @@ class AdaptiveLength:
     def reset(self):
         """Start over, as for a new generation."""
         self.num_draft = self.initial_num_draft
-        self.drafts, self.accepted, self.proposed = 2.0, 1.0, 2.0  # prior: two one-token drafts, one accepted
+        # prior: two one-token drafts, one accepted
+        self.drafts, self.accepted, self.proposed = 2.0, 1.0, 2.0
         self.skipped, self.probe_gap = 0, 1
 
     def next_length(self, token_cost: float) -> int:
@@ -66,11 +70,14 @@ class AdaptiveLength:
         self.accepted = self.FORGET * self.accepted + num_accepted
         self.proposed = self.FORGET * self.proposed + num_proposed
         full = num_accepted == num_proposed
-        self.num_draft = min(self.num_draft + 2, self.max_draft) if full else max(self.num_draft - 1, 1)
+        self.num_draft = (
+            min(self.num_draft + 2, self.max_draft) if full else max(self.num_draft - 1, 1)
+        )
 
     def expected_speedup(self, token_cost: float) -> float:
         """What the next draft is expected to give, from the recent ones: tokens emitted per
-        plain step's time, (1 + accepted per draft) / (1 + token_cost * tokens drafted per draft)."""
+        plain step's time, (1 + accepted per draft) / (1 + token_cost * tokens drafted per
+        draft)."""
         accepted, proposed = self.accepted / self.drafts, self.proposed / self.drafts
         return (1 + accepted) / (1 + token_cost * proposed)
 
@@ -82,7 +89,8 @@ class AdaptiveSource(DraftSource):
     Args:
         num_draft, max_draft, adaptive: its ``AdaptiveLength``.
         draft_cost_prior: drafting one token as a fraction of a target step, until the loop has
-            timed it (``PassCost.draft_cost``); the sources' ``create`` sets it from the weight bytes.
+            timed it (``PassCost.draft_cost``); the sources' ``create`` sets it from the weight
+            bytes.
     """
 
     def __init__(self, num_draft: int, max_draft: int, adaptive: bool, draft_cost_prior: float):
@@ -98,7 +106,8 @@ class AdaptiveSource(DraftSource):
         return self.length.num_draft
 
     def token_cost(self) -> float:
-        """Drafting and verifying one token, as a fraction of a target step (measured by the loop)."""
+        """Drafting and verifying one token, as a fraction of a target step (measured by the
+        loop)."""
         return self.cost.draft_cost(self.name, self.draft_cost_prior) + self.cost.token_cost()
 
     def forecast_speedup(self) -> Optional[float]:
@@ -171,8 +180,9 @@ class DrafterHandle(DraftSource):
 
 class Drafter:
     """What every batched drafter shares: its handles' options, and the time of one draft position
-    over all its rows, kept in the loop's ``PassCost`` (``record_draft`` as "NAME position", NAME the
-    handles' name, so that ranks decoding in lockstep agree on it), as a fraction of the target's plain pass (``draft_cost``).
+    over all its rows, kept in the loop's ``PassCost`` (``record_draft`` as "NAME position", NAME
+    the handles' name, so that ranks decoding in lockstep agree on it), as a fraction of the
+    target's plain pass (``draft_cost``).
 
     Args:
         handle_class: the ``DrafterHandle`` subclass ``source`` makes.
@@ -194,13 +204,17 @@ class Drafter:
     def draft_cost(self, cost: PassCost) -> float:
         """One draft position (a pass over all its rows) as a fraction of the target's plain pass
         over the batch: both measured, or the prior until they are."""
-        target, drafted = cost.seconds(1, self.batch_rows), cost.draft_seconds(f"{self.handle_class.name} position")
+        target, drafted = (
+            cost.seconds(1, self.batch_rows),
+            cost.draft_seconds(f"{self.handle_class.name} position"),
+        )
         if drafted is None or not target:
             return self.draft_cost_prior
         return drafted / target
 
     def _begin(self, requests: list, batch_rows: int):
-        """A step's drafting starts: last step's untaken drafts are stale, and the asking rows are drafted for."""
+        """A step's drafting starts: last step's untaken drafts are stale, and the asking rows are
+        drafted for."""
         self.batch_rows = batch_rows
         for handle in self.rows:
             handle.draft = None

@@ -1,8 +1,8 @@
 """A draft source backed by a small model that shares the target's vocabulary, for one row or many.
 
-One ``DraftModel`` holds the draft model's cache (``cache.Cache``) for every row that drafts with it,
-and each row gets a ``DraftModelSource``, its handle, for its list of sources. One row is the batch
-at B = 1: ``DraftModelSource(model, vocab_size)`` makes its own ``DraftModel``.
+One ``DraftModel`` holds the draft model's cache (``cache.Cache``) for every row that drafts with
+it, and each row gets a ``DraftModelSource``, its handle, for its list of sources. One row is the
+batch at B = 1: ``DraftModelSource(model, vocab_size)`` makes its own ``DraftModel``.
 
     source = DraftModelSource.create(small, small_tokenizer, target, tokenizer)   # one row
     drafter = DraftModel.create(small, small_tokenizer, target, tokenizer)         # a batch
@@ -22,12 +22,12 @@ import mlx.core as mx
 from mlx_lm.utils import common_prefix_len
 
 from decoder.cache import CacheKindError, architecture, make_cache
-from decoder.prefill import prefill_rows
 from decoder.cost import PassCost
 from decoder.draft import Draft
+from decoder.prefill import prefill_rows
+from decoder.text import output_size
 from speculative.adaptive import Drafter, DrafterHandle, draw_rows, weight_bytes
 from t5 import T5Decoder, is_encoder_decoder
-from decoder.text import output_size
 
 
 class VocabularyMismatch(ValueError):
@@ -39,46 +39,75 @@ def check_same_vocabulary(draft_tokenizer, target_tokenizer, draft_size: int, ta
     # token string -> id: Hugging Face tokenizers and our T5Tokenizer both offer it.
     draft_vocab, target_vocab = draft_tokenizer.get_vocab(), target_tokenizer.get_vocab()
     if len(draft_vocab) != len(target_vocab):
-        raise VocabularyMismatch(f"the draft tokenizer has {len(draft_vocab)} tokens, the target's "
-                                 f"{len(target_vocab)}; a draft model must share the target's vocabulary")
+        raise VocabularyMismatch(
+            f"the draft tokenizer has {len(draft_vocab)} tokens, the target's "
+            f"{len(target_vocab)}; a draft model must share the target's vocabulary"
+        )
     differing = [token for token, index in target_vocab.items() if draft_vocab.get(token) != index]
     if differing:
         raise VocabularyMismatch(
             f"the draft and target tokenizers disagree on {len(differing)} tokens (e.g. {differing[0]!r}); "
-            "a draft model must share the target's vocabulary")
-    # Embedding tables may be padded past the tokenizer (Qwen2.5-7B vs -0.5B): those rows are never text.
+            "a draft model must share the target's vocabulary"
+        )
+    # Embedding tables may be padded past the tokenizer (Qwen2.5-7B vs -0.5B): those rows are never
+    # text.
     if min(draft_size, target_size) < len(target_vocab):
-        raise VocabularyMismatch(f"the draft model has {draft_size} output tokens and the target {target_size}, "
-                                 f"fewer than the {len(target_vocab)} tokens of their tokenizer")
+        raise VocabularyMismatch(
+            f"the draft model has {draft_size} output tokens and the target {target_size}, "
+            f"fewer than the {len(target_vocab)} tokens of their tokenizer"
+        )
 
 
 class DraftModelSource(DrafterHandle):
     """One row's handle on a ``DraftModel`` (``DrafterHandle``).
 
     Args:
-        model: the draft (mlx-lm model, or ``T5Decoder``): a one-row source with its own ``DraftModel``.
-        vocab_size, num_draft, adaptive, max_draft, min_confidence, draft_cost_prior: ``DraftModel``'s.
+        model: the draft (mlx-lm model, or ``T5Decoder``): a one-row source with its own
+        ``DraftModel``.
+        vocab_size, num_draft, adaptive, max_draft, min_confidence, draft_cost_prior:
+        ``DraftModel``'s.
     """
 
     name = "draft_model"
 
-    def __init__(self, model, vocab_size: int, num_draft: int = 4, adaptive: bool = True, max_draft: int = 12,
-                 min_confidence: float = 0.5, draft_cost_prior: float = 0.1):
-        drafter = DraftModel(model, vocab_size, num_draft, max_draft, adaptive, min_confidence, draft_cost_prior)
+    def __init__(
+        self,
+        model,
+        vocab_size: int,
+        num_draft: int = 4,
+        adaptive: bool = True,
+        max_draft: int = 12,
+        min_confidence: float = 0.5,
+        draft_cost_prior: float = 0.1,
+    ):
+        drafter = DraftModel(
+            model, vocab_size, num_draft, max_draft, adaptive, min_confidence, draft_cost_prior
+        )
         self._bind(drafter, num_draft, max_draft, adaptive)
 
     @classmethod
-    def create(cls, draft_model, draft_tokenizer, target_model, target_tokenizer,
-               encoder_input: Optional[list] = None, **kwargs) -> "DraftModelSource":
-        """A one-row source: ``DraftModel.create``'s checks, and a T5 draft wrapped for a T5 target."""
+    def create(
+        cls,
+        draft_model,
+        draft_tokenizer,
+        target_model,
+        target_tokenizer,
+        encoder_input: Optional[list] = None,
+        **kwargs,
+    ) -> "DraftModelSource":
+        """A one-row source: ``DraftModel.create``'s checks, and a T5 draft wrapped for a T5
+        target."""
         if is_encoder_decoder(draft_model):
             if encoder_input is None:
                 raise VocabularyMismatch("a T5 draft model needs a T5 target model")
             draft_model = T5Decoder(draft_model, encoder_input)
-        return DraftModel.create(draft_model, draft_tokenizer, target_model, target_tokenizer, **kwargs).source()
+        return DraftModel.create(
+            draft_model, draft_tokenizer, target_model, target_tokenizer, **kwargs
+        ).source()
 
     def reset(self, cost: Optional[PassCost] = None, temp: float = 0.0, top_p: float = 1.0):
-        """A new generation: its cache row is kept, and reused up to what it shares with the new prompt."""
+        """A new generation: its cache row is kept, and reused up to what it shares with the new
+        prompt."""
         super().reset(cost, temp, top_p)
         self.fresh = True
 
@@ -95,13 +124,28 @@ class DraftModel(Drafter):
             (``create`` sets it from the weight bytes).
     """
 
-    def __init__(self, model, vocab_size: int, num_draft: int = 4, max_draft: int = 12, adaptive: bool = True,
-                 min_confidence: float = 0.5, draft_cost_prior: float = 0.1, prefill_step_size: int = 512):
-        if make_cache(model).recurrent:  # its rows roll back by trimming, which a recurrent state cannot
-            raise CacheKindError(f"{architecture(model)}: a draft model with recurrent layers cannot roll back "
-                                 "its drafts")
-        super().__init__(DraftModelSource, dict(num_draft=num_draft, max_draft=max(max_draft, num_draft),
-                                                adaptive=adaptive), draft_cost_prior)
+    def __init__(
+        self,
+        model,
+        vocab_size: int,
+        num_draft: int = 4,
+        max_draft: int = 12,
+        adaptive: bool = True,
+        min_confidence: float = 0.5,
+        draft_cost_prior: float = 0.1,
+        prefill_step_size: int = 512,
+    ):
+        # its rows roll back by trimming, which a recurrent state cannot
+        if make_cache(model).recurrent:
+            raise CacheKindError(
+                f"{architecture(model)}: a draft model with recurrent layers cannot roll back "
+                "its drafts"
+            )
+        super().__init__(
+            DraftModelSource,
+            dict(num_draft=num_draft, max_draft=max(max_draft, num_draft), adaptive=adaptive),
+            draft_cost_prior,
+        )
         self.model, self.vocab_size = model, vocab_size
         self.min_confidence = min_confidence
         self.prefill_step_size = prefill_step_size
@@ -110,12 +154,20 @@ class DraftModel(Drafter):
         self.cache = None
 
     @classmethod
-    def create(cls, draft_model, draft_tokenizer, target_model, target_tokenizer, **kwargs) -> "DraftModel":
+    def create(
+        cls, draft_model, draft_tokenizer, target_model, target_tokenizer, **kwargs
+    ) -> "DraftModel":
         """Check the pair shares a vocabulary (``VocabularyMismatch`` otherwise) and build it."""
         target_size = output_size(target_model, target_tokenizer)
-        check_same_vocabulary(draft_tokenizer, target_tokenizer, output_size(draft_model, draft_tokenizer),
-                              target_size)
-        kwargs.setdefault("draft_cost_prior", weight_bytes(draft_model) / weight_bytes(target_model))
+        check_same_vocabulary(
+            draft_tokenizer,
+            target_tokenizer,
+            output_size(draft_model, draft_tokenizer),
+            target_size,
+        )
+        kwargs.setdefault(
+            "draft_cost_prior", weight_bytes(draft_model) / weight_bytes(target_model)
+        )
         return cls(draft_model, target_size, **kwargs)
 
     def remove(self, handle: DraftModelSource):
@@ -136,7 +188,9 @@ class DraftModel(Drafter):
             return
         prompts = [tokens[:-1] for _, tokens in joining]
         # Drafts are one-token calls rolled back together: a sliding layer keeps that many more.
-        cache = prefill_rows(self.model, prompts, self.prefill_step_size, max_rollback=self.options["max_draft"] + 1)
+        cache = prefill_rows(
+            self.model, prompts, self.prefill_step_size, max_rollback=self.options["max_draft"] + 1
+        )
         if self.cache is None:
             self.cache = cache
         else:
@@ -146,10 +200,10 @@ class DraftModel(Drafter):
         self.counts += [len(prompt) for prompt in prompts]
 
     def _sync(self, tokens_of: dict) -> list:
-        """Each drafting row's cache back to the longest prefix it shares with its tokens, less the last
-        token where it holds them all (fed again for its logits); returns what each row feeds. Only a
-        handle reset for a new generation may hold another text; where a sliding window dropped what
-        it would go back to, its row is prefilled again."""
+        """Each drafting row's cache back to the longest prefix it shares with its tokens, less the
+        last token where it holds them all (fed again for its logits); returns what each row feeds.
+        Only a handle reset for a new generation may hold another text; where a sliding window
+        dropped what it would go back to, its row is prefilled again."""
         for handle in [h for h in self.rows if h.fresh and id(h) in tokens_of]:
             row, tokens = self.rows.index(handle), tokens_of[id(handle)]
             common = common_prefix_len(self.texts[row][: self.counts[row]], tokens)
@@ -163,7 +217,8 @@ class DraftModel(Drafter):
                 trims.append(0)
                 pending.append([])
                 continue
-            # The row's tokens list only grows while it decodes: what the cache holds is a prefix of it.
+            # The row's tokens list only grows while it decodes: what the cache holds is a prefix of
+            # it.
             keep = common_prefix_len(self.texts[row][:count], tokens) if handle.fresh else count
             handle.fresh, keep = False, min(keep, len(tokens) - 1)
             trims.append(count - keep)
@@ -173,7 +228,8 @@ class DraftModel(Drafter):
         return pending
 
     def _distributions(self, logits: mx.array) -> tuple:
-        """Per row: the token drawn, its confidence, and q (None for greedy rows), from (R, V) logits."""
+        """Per row: the token drawn, its confidence, and q (None for greedy rows), from (R, V)
+        logits."""
         size = logits.shape[-1]
         if size > self.vocab_size:
             logits = logits[:, : self.vocab_size]
@@ -189,8 +245,12 @@ class DraftModel(Drafter):
         tokens_of = {id(handle): tokens for handle, tokens, _ in requests}
         limits = {id(handle): max_draft for handle, _, max_draft in requests}
         # next_length counts a paused step, so it is asked once per step.
-        lengths = [min(h.length.next_length(h.token_cost()), limits[id(h)]) if limits.get(id(h), 0) > 0 else 0
-                   for h in self.rows]
+        lengths = [
+            min(h.length.next_length(h.token_cost()), limits[id(h)])
+            if limits.get(id(h), 0) > 0
+            else 0
+            for h in self.rows
+        ]
         if not any(lengths):
             return  # the caches catch up at the next draft
         tic = cost.clock()
@@ -200,14 +260,20 @@ class DraftModel(Drafter):
         for start in range(0, longest, self.prefill_step_size):  # catch up, chunked like a prefill
             chunk = [p[start : start + self.prefill_step_size] for p in pending]
             width = max(len(c) for c in chunk)
-            out = self.model(mx.array([c + [0] * (width - len(c)) for c in chunk]), cache=self.cache.layers)
+            out = self.model(
+                mx.array([c + [0] * (width - len(c)) for c in chunk]), cache=self.cache.layers
+            )
             self.cache.rewind([width - len(c) for c in chunk])
             last = mx.array([max(len(c) - 1, 0) for c in chunk])
             step_logits = out[mx.arange(len(chunk)), last]
             has = mx.array([len(c) > 0 for c in chunk])[:, None]
             logits = step_logits if logits is None else mx.where(has, step_logits, logits)
 
-        drafts, rows, alive = [[] for _ in self.rows], [[] for _ in self.rows], [n > 0 for n in lengths]
+        drafts, rows, alive = (
+            [[] for _ in self.rows],
+            [[] for _ in self.rows],
+            [n > 0 for n in lengths],
+        )
         fed = 0
         for position in range(max(lengths)):
             tokens, confidence, probs = self._distributions(logits)

@@ -1,16 +1,19 @@
 """Published EAGLE draft heads (SafeAILab/EAGLE layouts) as MLX modules for mlx-lm targets.
 
 Both published layouts plug into ``DraftHeadSource`` like our own head (head.py); ``load_head``
-(head_loading.py) reads their directories: ``config.json``, a Llama config of the head, and the weights.
+(head_loading.py) reads their directories: ``config.json``, a Llama config of the head, and the
+weights.
 
-- **EAGLE-1/2** (arXiv 2401.15077, 2406.16858): ``fc`` maps [embedding; h_t] (2d -> d, with bias) where
-  h_t is the target's last hidden state after its final norm; then Llama decoder layers ``layers.N`` (the
-  first has no input norm, its input is already mixed); the prediction goes to the target's own LM head.
-- **EAGLE-3** (arXiv 2503.01840; config has ``draft_vocab_size``): the target's features are the inputs of
-  its layers 2, L//2 and L-3 (low, middle, top), concatenated; ``fc`` reduces them (3d -> d, no bias). One
-  decoder layer ``midlayer`` attends over [input_layernorm(embedding); hidden_norm(h)] (q, k and v read 2d),
-  its residual is h. The head scores ``lm_head(norm(h))`` over a pruned draft vocabulary; draft index i is
-  target token ``i + d2t[i]``. Its own predictions (d wide) skip ``fc``.
+- **EAGLE-1/2** (arXiv 2401.15077, 2406.16858): ``fc`` maps [embedding; h_t] (2d -> d, with bias)
+  where h_t is the target's last hidden state after its final norm; then Llama decoder layers
+  ``layers.N`` (the first has no input norm, its input is already mixed); the prediction goes to the
+  target's own LM head.
+- **EAGLE-3** (arXiv 2503.01840; config has ``draft_vocab_size``): the target's features are the
+  inputs of its layers 2, L//2 and L-3 (low, middle, top), concatenated; ``fc`` reduces them (3d ->
+  d, no bias). One decoder layer ``midlayer`` attends over [input_layernorm(embedding);
+  hidden_norm(h)] (q, k and v read 2d), its residual is h. The head scores ``lm_head(norm(h))`` over
+  a pruned draft vocabulary; draft index i is target token ``i + d2t[i]``. Its own predictions (d
+  wide) skip ``fc``.
 """
 
 from typing import Callable
@@ -32,13 +35,18 @@ def eagle3_feature_layers(num_layers: int) -> list:
 
 class Eagle1Head(nn.Module):
     """EAGLE-1/2: fc over [embedding; h] and Llama decoder layers; the target's LM head scores.
-    ``target_logits`` is that LM head as a function (hidden states -> logits over the whole vocabulary,
-    quantized or not), and ``output_bytes`` what it reads; ``load_head`` hands both."""
+    ``target_logits`` is that LM head as a function (hidden states -> logits over the whole
+    vocabulary, quantized or not), and ``output_bytes`` what it reads; ``load_head`` hands both."""
 
     feature_layers = [FINAL]
 
-    def __init__(self, args: llama.ModelArgs, bias: bool = True, target_logits: Callable = None,
-                 output_bytes: int = 0):
+    def __init__(
+        self,
+        args: llama.ModelArgs,
+        bias: bool = True,
+        target_logits: Callable = None,
+        output_bytes: int = 0,
+    ):
         super().__init__()
         self.args = args
         self.fc = nn.Linear(2 * args.hidden_size, args.hidden_size, bias=bias)
@@ -71,8 +79,11 @@ class Eagle3Layer(nn.Module):
         super().__init__()
         size = args.hidden_size
         self.self_attn = attention = llama.Attention(args)
-        for name, heads in (("q_proj", attention.n_heads), ("k_proj", attention.n_kv_heads),
-                            ("v_proj", attention.n_kv_heads)):
+        for name, heads in (
+            ("q_proj", attention.n_heads),
+            ("k_proj", attention.n_kv_heads),
+            ("v_proj", attention.n_kv_heads),
+        ):
             setattr(attention, name, nn.Linear(2 * size, heads * attention.head_dim, bias=False))
         self.mlp = llama.MLP(args)
         self.input_layernorm = nn.RMSNorm(size, eps=args.rms_norm_eps)
@@ -80,7 +91,9 @@ class Eagle3Layer(nn.Module):
         self.post_attention_layernorm = nn.RMSNorm(size, eps=args.rms_norm_eps)
 
     def __call__(self, embeddings, hidden, mask=None, cache=None):
-        mixed = mx.concatenate([self.input_layernorm(embeddings), self.hidden_norm(hidden)], axis=-1)
+        mixed = mx.concatenate(
+            [self.input_layernorm(embeddings), self.hidden_norm(hidden)], axis=-1
+        )
         hidden = hidden + self.self_attn(mixed, mask, cache)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 

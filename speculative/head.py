@@ -1,10 +1,11 @@
 """A feature-level draft head (EAGLE style) for a Llama-family target.
 
-The head reads the target's last hidden state h_t (after the final norm) and the embedding of the token
-x_{t+1} that follows it, fuses them with one linear layer, runs one Llama decoder layer and predicts h_{t+1}.
-From its second draft step on, it reads its own prediction in place of h_t. Tokens are scored with the
-target's own output matrix restricted to a frequency-ranked sub-vocabulary (FR-Spec), so a draft step reads
-~4M head weights plus 8k output rows instead of the whole 135M-parameter target.
+The head reads the target's last hidden state h_t (after the final norm) and the embedding of the
+token x_{t+1} that follows it, fuses them with one linear layer, runs one Llama decoder layer and
+predicts h_{t+1}. From its second draft step on, it reads its own prediction in place of h_t. Tokens
+are scored with the target's own output matrix restricted to a frequency-ranked sub-vocabulary
+(FR-Spec), so a draft step reads ~4M head weights plus 8k output rows instead of the whole
+135M-parameter target.
 
 A head directory holds ``model.safetensors`` (float16 head weights and the sub-vocabulary
 ids) and ``config.json`` (the target's args and fingerprint), written by ``save_head``;
@@ -51,14 +52,19 @@ class DraftHead(nn.Module):
         self.fuse = nn.Linear(2 * args.hidden_size, args.hidden_size)
         self.layer = llama.TransformerBlock(args)
         self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
-        # The leading underscore keeps the target's rows out of parameters(): never trained or saved.
+        # The leading underscore keeps the target's rows out of parameters(): never trained or
+        # saved.
         self._out_rows = out_rows
-        self.output_bytes = 0 if out_rows is None else out_rows.nbytes  # what scoring reads beyond the head
+        # what scoring reads beyond the head
+        self.output_bytes = 0 if out_rows is None else out_rows.nbytes
 
-    def __call__(self, features: mx.array, next_embeddings: mx.array, cache=None, mask=None) -> mx.array:
+    def __call__(
+        self, features: mx.array, next_embeddings: mx.array, cache=None, mask=None
+    ) -> mx.array:
         """(B, L, d) target features at t (or the head's predictions) and embeddings of x_{t+1}
-        -> predicted h_{t+1}. ``cache`` is the list from ``make_cache``, as for mlx-lm models; ``mask`` overrides the
-        causal mask (training unrolls drafting with its own, see head_training/train.py)."""
+        -> predicted h_{t+1}. ``cache`` is the list from ``make_cache``, as for mlx-lm models;
+        ``mask`` overrides the causal mask (training unrolls drafting with its own, see
+        head_training/train.py)."""
         layer_cache = cache[0] if cache else None
         x = self.fuse(mx.concatenate([features, next_embeddings], axis=-1))
         mask = create_attention_mask(x, layer_cache) if mask is None else mask
@@ -92,10 +98,15 @@ def check_layers_exposed(target, feature_layers) -> None:
     with ``exposes_layer_outputs = False``."""
     body, inner = target.model, [i for i in feature_layers if i != FINAL]
     layers = getattr(body, "layers", None)
-    if inner and (not isinstance(layers, list) or not getattr(body, "exposes_layer_outputs", True)
-                  or max(inner) >= len(layers)):
-        raise HeadMismatch(f"this draft head reads layers {inner} of the target, whose body does not "
-                           "expose them (a sharded target gives only its last hidden states)")
+    if inner and (
+        not isinstance(layers, list)
+        or not getattr(body, "exposes_layer_outputs", True)
+        or max(inner) >= len(layers)
+    ):
+        raise HeadMismatch(
+            f"this draft head reads layers {inner} of the target, whose body does not "
+            "expose them (a sharded target gives only its last hidden states)"
+        )
 
 
 def body_with_features(target, inputs: mx.array, feature_layers, cache=None) -> tuple:
@@ -126,13 +137,15 @@ def output_weight(target) -> mx.array:
     """The target's (vocab, d) output matrix (dequantized if need be)."""
     layer = output_layer(target)
     if hasattr(layer, "scales"):  # a quantized table: dequantize once
-        return mx.dequantize(layer.weight, layer.scales, getattr(layer, "biases", None), layer.group_size, layer.bits)
+        return mx.dequantize(
+            layer.weight, layer.scales, getattr(layer, "biases", None), layer.group_size, layer.bits
+        )
     return layer.weight
 
 
 def output_rows(target, vocab_ids: mx.array) -> mx.array:
-    """The target's output rows for ``vocab_ids``, (len(vocab_ids), d), computed now: MLX runs a lazy
-    array on the stream of the thread that made it, and a server drafts on a worker thread."""
+    """The target's output rows for ``vocab_ids``, (len(vocab_ids), d), computed now: MLX runs a
+    lazy array on the stream of the thread that made it, and a server drafts on a worker thread."""
     rows = mx.take(output_weight(target), vocab_ids, axis=0)
     mx.eval(rows)
     return rows
@@ -140,15 +153,27 @@ def output_rows(target, vocab_ids: mx.array) -> mx.array:
 
 def logits_from_hidden(target, hidden: mx.array) -> mx.array:
     """The target's logits from its final hidden states (what its ``__call__`` returns)."""
-    return target.lm_head(hidden) if hasattr(target, "lm_head") else target.model.embed_tokens.as_linear(hidden)
+    return (
+        target.lm_head(hidden)
+        if hasattr(target, "lm_head")
+        else target.model.embed_tokens.as_linear(hidden)
+    )
 
 
 def fingerprint(target) -> dict:
     """What identifies the target: its shape and a few weights (compared with a tolerance,
     so the float32 and float16 conversions of one model match and other models do not)."""
-    shape = {key: getattr(target.args, key, None) for key in (
-        "hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads",
-        "num_key_value_heads", "vocab_size")}
+    shape = {
+        key: getattr(target.args, key, None)
+        for key in (
+            "hidden_size",
+            "num_hidden_layers",
+            "intermediate_size",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "vocab_size",
+        )
+    }
     weight = output_weight(target)
     rows = np.linspace(0, weight.shape[0] - 1, 8).astype(np.int64)
     probe = weight[mx.array(rows), :4].astype(mx.float32).reshape(-1)
@@ -164,8 +189,13 @@ def save_head(head_dir, head: DraftHead, vocab_ids: mx.array, target, training: 
     weights["vocab_ids"] = vocab_ids.astype(mx.int32)
     mx.save_safetensors(str(head_dir / "model.tmp.safetensors"), weights)
     (head_dir / "model.tmp.safetensors").replace(head_dir / "model.safetensors")
-    config = {"target_args": {k: v for k, v in vars(target.args).items() if not k.startswith("_")},
-              "fingerprint": fingerprint(target), "sub_vocab_size": int(vocab_ids.size),
-              "feature_layers": head.feature_layers, "num_layers": 1, "training": training or {}}
+    config = {
+        "target_args": {k: v for k, v in vars(target.args).items() if not k.startswith("_")},
+        "fingerprint": fingerprint(target),
+        "sub_vocab_size": int(vocab_ids.size),
+        "feature_layers": head.feature_layers,
+        "num_layers": 1,
+        "training": training or {},
+    }
     (head_dir / "config.tmp.json").write_text(json.dumps(config, indent=1, default=str))
     (head_dir / "config.tmp.json").replace(head_dir / "config.json")

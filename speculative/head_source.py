@@ -2,14 +2,14 @@
 (mtp_source.py), for one row or many.
 
 The head reads the target's hidden states at the accepted positions. ``HiddenStateTap`` wraps the
-target so the loops run it like any mlx-lm model; on every call it writes the features the head reads
-into one more layer of the cache (``cache.FeatureRows``), so they roll back, join and leave with the
-rows, and the loop tells each row's source where its row is (``DraftSource.locate``).
+target so the loops run it like any mlx-lm model; on every call it writes the features the head
+reads into one more layer of the cache (``cache.FeatureRows``), so they roll back, join and leave
+with the rows, and the loop tells each row's source where its row is (``DraftSource.locate``).
 
 One ``HeadDrafter`` holds the head's cache for every row that drafts with it, and each row gets a
-``DraftHeadSource``, its handle (as ``DraftModel`` and ``DraftModelSource``). Each step ``draft_all``
-feeds every drafting row the positions it has not read (right-padded to the longest; each row then
-drops its padding), then drafts all rows together, one head call per draft position.
+``DraftHeadSource``, its handle (as ``DraftModel`` and ``DraftModelSource``). Each step
+``draft_all`` feeds every drafting row the positions it has not read (right-padded to the longest;
+each row then drops its padding), then drafts all rows together, one head call per draft position.
 
     tap, source = DraftHeadSource.create(target)           # one row: run the loop on tap
     generate(tap, tokenizer, prompt, draft_sources=[source])
@@ -34,8 +34,9 @@ CATCH_UP_CHUNK = 512  # positions per head call when reading a prompt (as the ta
 
 class HiddenStateTap:
     """The target, writing the features a head reads into the cache's ``FeatureRows`` layer on every
-    call: its final hidden states, or the outputs of the layers in ``feature_layers``. Looks like the
-    wrapped mlx-lm model (``layers``, ``args`` are the target's); ``make_cache`` adds the feature layer."""
+    call: its final hidden states, or the outputs of the layers in ``feature_layers``. Looks like
+    the wrapped mlx-lm model (``layers``, ``args`` are the target's); ``make_cache`` adds the
+    feature layer."""
 
     def __init__(self, target, feature_layers=(FINAL,)):
         self.target, self.feature_layers = target, feature_layers
@@ -78,11 +79,30 @@ class DraftHeadSource(DrafterHandle):
 
     name = "draft_head"
 
-    def __init__(self, tap: HiddenStateTap, head, vocab_ids: mx.array, num_draft: int = 4, adaptive: bool = True,
-                 max_draft: int = 8, min_confidence: float = 0.0, draft_cost_prior: float = 0.06,
-                 min_path_confidence: Optional[float] = None):
-        drafter = HeadDrafter(tap, head, vocab_ids, type(self), num_draft, adaptive, max_draft, min_confidence,
-                              draft_cost_prior, min_path_confidence)
+    def __init__(
+        self,
+        tap: HiddenStateTap,
+        head,
+        vocab_ids: mx.array,
+        num_draft: int = 4,
+        adaptive: bool = True,
+        max_draft: int = 8,
+        min_confidence: float = 0.0,
+        draft_cost_prior: float = 0.06,
+        min_path_confidence: Optional[float] = None,
+    ):
+        drafter = HeadDrafter(
+            tap,
+            head,
+            vocab_ids,
+            type(self),
+            num_draft,
+            adaptive,
+            max_draft,
+            min_confidence,
+            draft_cost_prior,
+            min_path_confidence,
+        )
         self._bind(drafter, num_draft, max_draft, adaptive)
 
     @classmethod
@@ -135,31 +155,50 @@ class HeadDrafter(Drafter):
             adaptive (a further token is then worth less than it costs), else 0 (off).
     """
 
-    def __init__(self, tap: HiddenStateTap, head, vocab_ids: mx.array, handle_class=DraftHeadSource,
-                 num_draft: int = 4, adaptive: bool = True, max_draft: int = 8, min_confidence: float = 0.0,
-                 draft_cost_prior: float = 0.06, min_path_confidence: Optional[float] = None):
-        super().__init__(handle_class, dict(num_draft=num_draft, max_draft=max(max_draft, num_draft),
-                                            adaptive=adaptive), draft_cost_prior)
+    def __init__(
+        self,
+        tap: HiddenStateTap,
+        head,
+        vocab_ids: mx.array,
+        handle_class=DraftHeadSource,
+        num_draft: int = 4,
+        adaptive: bool = True,
+        max_draft: int = 8,
+        min_confidence: float = 0.0,
+        draft_cost_prior: float = 0.06,
+        min_path_confidence: Optional[float] = None,
+    ):
+        super().__init__(
+            handle_class,
+            dict(num_draft=num_draft, max_draft=max(max_draft, num_draft), adaptive=adaptive),
+            draft_cost_prior,
+        )
         self.tap, self.head = tap, head
         self.vocab_ids, self.vocab_list = vocab_ids, vocab_ids.tolist()
         self.vocab_size = tap.target.args.vocab_size
         self.embed = tap.target.model.embed_tokens
         self.min_confidence, self.path_confidence_option = min_confidence, min_path_confidence
-        self.rows, self.committed = [], []  # handles in cache order; per row, positions its cache holds
+        # handles in cache order; per row, positions its cache holds
+        self.rows, self.committed = [], []
         self.cache = None
 
     @classmethod
     def create(cls, target, head_dir=None, handle_class=DraftHeadSource, **kwargs):
-        """Load a head for ``target`` (``load_head``); returns ``(tap, drafter)``: run the loop on ``tap``."""
+        """Load a head for ``target`` (``load_head``); returns ``(tap, drafter)``: run the loop on
+        ``tap``."""
         head, vocab_ids = load_head(head_dir, target)
         return cls.around(target, head, vocab_ids, handle_class, **kwargs)
 
     @classmethod
     def around(cls, target, head, vocab_ids: mx.array, handle_class=DraftHeadSource, **kwargs):
-        """``(tap, drafter)`` for a loaded ``head``. A draft step reads the head and the target's output
-        rows it scores with (``output_bytes``), in bytes: a 4-bit target reads less than its parameters say."""
+        """``(tap, drafter)`` for a loaded ``head``. A draft step reads the head and the target's
+        output
+        rows it scores with (``output_bytes``), in bytes: a 4-bit target reads less than its
+        parameters say."""
         tap = HiddenStateTap(target, head.feature_layers)
-        kwargs.setdefault("draft_cost_prior", (weight_bytes(head) + head.output_bytes) / weight_bytes(target))
+        kwargs.setdefault(
+            "draft_cost_prior", (weight_bytes(head) + head.output_bytes) / weight_bytes(target)
+        )
         return tap, cls(tap, head, vocab_ids, handle_class, **kwargs)
 
     def remove(self, handle: DraftHeadSource):
@@ -175,8 +214,10 @@ class HeadDrafter(Drafter):
 
     def _sync(self, requests: list) -> list:
         """Rows drafting for the first time join (empty); a handle reset for a new generation starts
-        over. Returns, per row, the positions ``(start, stop)`` of features it reads now (None where it
-        does not draft): position p reads (h_p, x_{p+1}), and the target has run up to len(tokens) - 2."""
+        over. Returns, per row, the positions ``(start, stop)`` of features it reads now (None where
+        it
+        does not draft): position p reads (h_p, x_{p+1}), and the target has run up to len(tokens) -
+        2."""
         joining = [handle for handle, _, _ in requests if handle not in self.rows]
         if joining:
             new = make_cache(self.head, len(joining))
@@ -189,36 +230,59 @@ class HeadDrafter(Drafter):
         reads = [None] * len(self.rows)
         for handle, tokens, _ in requests:
             if handle.features is None:
-                raise ValueError("the draft head has no hidden states: run the loop on the HiddenStateTap from "
-                                 "DraftHeadSource.create (not the bare model), with a cache it made")
+                raise ValueError(
+                    "the draft head has no hidden states: run the loop on the HiddenStateTap from "
+                    "DraftHeadSource.create (not the bare model), with a cache it made"
+                )
             row, stop = self.rows.index(handle), len(tokens) - 1
             committed = 0 if handle.fresh else self.committed[row]
             handle.fresh = False
             # Nothing new since the last draft: read the last position again. Positions the target's
-            # cache has no features for (a prompt cache made without them) are skipped: drafts suffer.
+            # cache has no features for (a prompt cache made without them) are skipped: drafts
+            # suffer.
             start = max(min(committed, stop - 1), handle.features.available(handle.row)[0])
             if start < stop:
                 reads[row] = (start, stop)
-        self.cache.rewind([self.cache.held(row) - read[0] if read else 0 for row, read in enumerate(reads)])
+        self.cache.rewind(
+            [self.cache.held(row) - read[0] if read else 0 for row, read in enumerate(reads)]
+        )
         self.committed = [read[0] if read else held for read, held in zip(reads, self.committed)]
         return reads
 
     def _catch_up(self, requests: list, reads: list) -> mx.array:
-        """Feed each drafting row the positions it has not read; returns each row's last prediction (R, d)."""
+        """Feed each drafting row the positions it has not read; returns each row's last prediction
+        (R, d)."""
         tokens_of = {id(handle): tokens for handle, tokens, _ in requests}
         longest = max(stop - start for start, stop in filter(None, reads))
         predicted = None
         for offset in range(0, longest, CATCH_UP_CHUNK):
-            spans = [None if read is None or read[0] + offset >= read[1] else
-                     (read[0] + offset, min(read[1], read[0] + offset + CATCH_UP_CHUNK)) for read in reads]
-            found = {row: handle.features.read(handle.row, *span)
-                     for row, (handle, span) in enumerate(zip(self.rows, spans)) if span}
+            spans = [
+                None
+                if read is None or read[0] + offset >= read[1]
+                else (read[0] + offset, min(read[1], read[0] + offset + CATCH_UP_CHUNK))
+                for read in reads
+            ]
+            found = {
+                row: handle.features.read(handle.row, *span)
+                for row, (handle, span) in enumerate(zip(self.rows, spans))
+                if span
+            }
             lengths = [span[1] - span[0] if span else 0 for span in spans]
             width, example = max(lengths), next(iter(found.values()))
-            features = mx.stack([mx.pad(found[row], [(0, width - n), (0, 0)]) if n else
-                                 mx.zeros((width, example.shape[-1]), example.dtype) for row, n in enumerate(lengths)])
-            tokens = [tokens_of[id(handle)][span[0] + 1 : span[1] + 1] + [0] * (width - n) if span else [0] * width
-                      for handle, span, n in zip(self.rows, spans, lengths)]
+            features = mx.stack(
+                [
+                    mx.pad(found[row], [(0, width - n), (0, 0)])
+                    if n
+                    else mx.zeros((width, example.shape[-1]), example.dtype)
+                    for row, n in enumerate(lengths)
+                ]
+            )
+            tokens = [
+                tokens_of[id(handle)][span[0] + 1 : span[1] + 1] + [0] * (width - n)
+                if span
+                else [0] * width
+                for handle, span, n in zip(self.rows, spans, lengths)
+            ]
             out = self.head(features, self.embed(mx.array(tokens)), cache=self.cache.layers)
             self.cache.rewind([width - n for n in lengths])
             last = out[mx.arange(len(self.rows)), mx.array([max(n - 1, 0) for n in lengths])]
@@ -231,10 +295,16 @@ class HeadDrafter(Drafter):
         """Draft for every row: ``requests`` holds ``(handle, tokens, max_draft)`` for each of the
         target's rows that drafts with this head; ``batch_rows`` is the target's batch size."""
         self._begin(requests, batch_rows)
-        limits = {id(handle): max_draft if len(tokens) >= 2 else 0 for handle, tokens, max_draft in requests}
+        limits = {
+            id(handle): max_draft if len(tokens) >= 2 else 0
+            for handle, tokens, max_draft in requests
+        }
         # next_length counts a paused step, so it is asked once per step.
-        requests = [(h, t, m) for h, t, m in requests
-                    if limits[id(h)] > 0 and min(h.length.next_length(h.token_cost()), m) > 0]
+        requests = [
+            (h, t, m)
+            for h, t, m in requests
+            if limits[id(h)] > 0 and min(h.length.next_length(h.token_cost()), m) > 0
+        ]
         if not requests:
             return  # the head catches up in one call when drafting resumes
         tic = cost.clock()
@@ -243,8 +313,9 @@ class HeadDrafter(Drafter):
             return
         lengths = {id(h): min(h.num_draft, m) for h, _, m in requests}
         predicted = self._catch_up(requests, reads)
-        drafts, positions = self._chain(predicted, [lengths.get(id(h), 0) if read else 0
-                                                    for h, read in zip(self.rows, reads)])
+        drafts, positions = self._chain(
+            predicted, [lengths.get(id(h), 0) if read else 0 for h, read in zip(self.rows, reads)]
+        )
         self._time(cost, cost.clock() - tic, positions)
         for handle, (tokens, rows) in zip(self.rows, drafts):
             if not tokens:
@@ -257,8 +328,9 @@ class HeadDrafter(Drafter):
                 handle.draft = Draft(tokens, probs)
 
     def _chain(self, predicted: mx.array, lengths: list) -> tuple:
-        """Draft up to ``lengths[r]`` tokens per row from its prediction, the head reading its own output
-        after the first; returns per row ``(tokens, q rows)`` and the positions drafted. One sync per
+        """Draft up to ``lengths[r]`` tokens per row from its prediction, the head reading its own
+        output after the first; returns per row ``(tokens, q rows)`` and the positions drafted. One
+        sync per
         position: the confidence stops need the values, and the next call the tokens."""
         drafts = [([], []) for _ in self.rows]
         alive, path = [n > 0 for n in lengths], [1.0] * len(self.rows)
@@ -272,7 +344,11 @@ class HeadDrafter(Drafter):
                 # The top probability, not the drawn token's: whether to draft position i must not
                 # depend on the token drawn there, or sampling would no longer be exact.
                 path[row] *= confidence_list[row]
-                if alive[row] and position and (path[row] < stops[row] or confidence_list[row] < self.min_confidence):
+                if (
+                    alive[row]
+                    and position
+                    and (path[row] < stops[row] or confidence_list[row] < self.min_confidence)
+                ):
                     alive[row] = False
                 if alive[row] and position < lengths[row]:
                     tokens.append(self.vocab_list[index_list[row]])
@@ -280,7 +356,9 @@ class HeadDrafter(Drafter):
             if position + 1 == max(lengths) or not any(alive):
                 break
             next_embeddings = self.embed(self.vocab_ids[indices])[:, None]
-            predicted = self.head(predicted[:, None], next_embeddings, cache=self.cache.layers)[:, -1]
+            predicted = self.head(predicted[:, None], next_embeddings, cache=self.cache.layers)[
+                :, -1
+            ]
             fed += 1
         self.cache.rewind([fed] * len(self.rows))
         return drafts, fed + 1

@@ -22,8 +22,9 @@ Qwen hybrids' stacks, with experts where the target has them):
   target's LM head scores, and the next step reads the normed output. Position 0's embedding is
   zeroed, as vLLM's ``mimo_mtp.py`` does.
 
-Each module has the draft head's interface (``__call__(features, next_embeddings, cache)``, ``logits``,
-``make_cache``), so ``DraftHeadSource`` drafts with it (mtp_source.py). ``load_mtp`` reads the weights
+Each module has the draft head's interface (``__call__(features, next_embeddings, cache)``,
+``logits``, ``make_cache``), so ``DraftHeadSource`` drafts with it (mtp_source.py). ``load_mtp``
+reads the weights
 from the checkpoint the target came from: a Hugging Face directory (its safetensors shards), or an
 mlx-lm directory written by convert.py, which keeps them in ``mtp.safetensors`` (mlx-lm reads only
 ``model*.safetensors``, so the target loads as before).
@@ -51,7 +52,8 @@ MTP_ARCHITECTURES = DEEPSEEK_LAYOUT + QWEN_LAYOUT + MIMO_LAYOUT
 
 
 class MTPError(ValueError):
-    """MTP weights that cannot be used (damaged, or for another model); the message is shown to the user."""
+    """MTP weights that cannot be used (damaged, or for another model); the message is shown to the
+    user."""
 
 
 class NoMTPWeights(MTPError):
@@ -64,10 +66,17 @@ def text_model(target) -> nn.Module:
     return getattr(target, "language_model", target)
 
 
-def fuse(projection, embedding_norm, hidden_norm, embeddings: mx.array, features: mx.array,
-         hidden_first: bool = False) -> mx.array:
+def fuse(
+    projection,
+    embedding_norm,
+    hidden_norm,
+    embeddings: mx.array,
+    features: mx.array,
+    hidden_first: bool = False,
+) -> mx.array:
     """An MTP layer's input: ``projection(cat[embedding_norm(e), hidden_norm(h)])``, 2d -> d; MiMo
-    concatenates the hidden state first. The order is the checkpoint's: the other one drafts noise."""
+    concatenates the hidden state first. The order is the checkpoint's: the other one drafts
+    noise."""
     parts = [embedding_norm(embeddings), hidden_norm(features)]
     return projection(mx.concatenate(parts[::-1] if hidden_first else parts, axis=-1))
 
@@ -82,8 +91,8 @@ def zero_first_embedding(next_embeddings: mx.array, layer_cache) -> mx.array:
 
 class MTPModule(nn.Module):
     """What every MTP module shares: it reads the target's final hidden states, keeps one KV cache,
-    and scores with ``scorer``'s LM head (a function: the target's weights stay out of its parameters),
-    or with its own (``scorer`` None, ``logits`` overridden)."""
+    and scores with ``scorer``'s LM head (a function: the target's weights stay out of its
+    parameters), or with its own (``scorer`` None, ``logits`` overridden)."""
 
     feature_layers = [FINAL]
     own_weights = ()  # checkpoint names beside the decoder layer's (``block.*`` in the module)
@@ -91,9 +100,13 @@ class MTPModule(nn.Module):
     def __init__(self, scorer=None):
         super().__init__()
         self.target_logits = None if scorer is None else partial(logits_from_hidden, scorer)
-        # What a draft step reads beyond the module: the target's output matrix, where it scores with it.
-        self.output_bytes = 0 if scorer is None else \
-            sum(v.nbytes for _, v in tree_flatten(output_layer(scorer).parameters()))
+        # What a draft step reads beyond the module: the target's output matrix, where it scores
+        # with it.
+        self.output_bytes = (
+            0
+            if scorer is None
+            else sum(v.nbytes for _, v in tree_flatten(output_layer(scorer).parameters()))
+        )
 
     def logits(self, predicted: mx.array) -> mx.array:
         return self.target_logits(predicted)
@@ -120,10 +133,18 @@ class DeepSeekMTP(MTPModule):
         self.shared_head.head = nn.Linear(size, args.vocab_size, bias=False)
 
     def __call__(self, features: mx.array, next_embeddings: mx.array, cache=None) -> mx.array:
-        """(B, L, d) target features at t (or its own outputs) and embeddings of x_{t+1} -> (B, L, d)."""
+        """(B, L, d) target features at t (or its own outputs) and embeddings of x_{t+1} -> (B, L,
+        d)."""
         layer_cache = cache[0] if cache else None
-        x = fuse(self.eh_proj, self.enorm, self.hnorm, zero_first_embedding(next_embeddings, layer_cache), features)
-        mask = create_attention_mask(x, layer_cache, return_array=True)  # MLA adds its scores to an array
+        x = fuse(
+            self.eh_proj,
+            self.enorm,
+            self.hnorm,
+            zero_first_embedding(next_embeddings, layer_cache),
+            features,
+        )
+        # MLA adds its scores to an array
+        mask = create_attention_mask(x, layer_cache, return_array=True)
         return self.block(x, mask, layer_cache)
 
     def logits(self, predicted: mx.array) -> mx.array:
@@ -131,7 +152,8 @@ class DeepSeekMTP(MTPModule):
 
 
 class QwenMTP(MTPModule):
-    """Qwen3-Next's and Qwen3.5's MTP module: a full-attention decoder layer of the target's kind."""
+    """Qwen3-Next's and Qwen3.5's MTP module: a full-attention decoder layer of the target's
+    kind."""
 
     def __init__(self, target):
         language = text_model(target)
@@ -140,13 +162,16 @@ class QwenMTP(MTPModule):
         self.pre_fc_norm_embedding = nn.RMSNorm(size, eps=args.rms_norm_eps)
         self.pre_fc_norm_hidden = nn.RMSNorm(size, eps=args.rms_norm_eps)
         self.fc = nn.Linear(2 * size, size, bias=False)
-        # Index 0 with an interval of 1: full attention, and experts where the target's layer 0 has them.
+        # Index 0 with an interval of 1: full attention, and experts where the target's layer 0 has
+        # them.
         self.layers = [type(language.model.layers[0])(replace(args, full_attention_interval=1), 0)]
         self.norm = nn.RMSNorm(size, eps=args.rms_norm_eps)
 
     def __call__(self, features: mx.array, next_embeddings: mx.array, cache=None) -> mx.array:
         layer_cache = cache[0] if cache else None
-        x = fuse(self.fc, self.pre_fc_norm_embedding, self.pre_fc_norm_hidden, next_embeddings, features)
+        x = fuse(
+            self.fc, self.pre_fc_norm_embedding, self.pre_fc_norm_hidden, next_embeddings, features
+        )
         x = self.layers[0](x, create_attention_mask(x, layer_cache), layer_cache)
         return self.norm(x)
 
@@ -167,13 +192,24 @@ class MiMoMTP(MTPModule):
 
     def __call__(self, features: mx.array, next_embeddings: mx.array, cache=None) -> mx.array:
         layer_cache = cache[0] if cache else None
-        x = fuse(self.input_proj, self.token_layernorm, self.hidden_layernorm,
-                 zero_first_embedding(next_embeddings, layer_cache), features, hidden_first=True)
-        return self.final_layernorm(self.block(x, create_attention_mask(x, layer_cache), layer_cache))
+        x = fuse(
+            self.input_proj,
+            self.token_layernorm,
+            self.hidden_layernorm,
+            zero_first_embedding(next_embeddings, layer_cache),
+            features,
+            hidden_first=True,
+        )
+        return self.final_layernorm(
+            self.block(x, create_attention_mask(x, layer_cache), layer_cache)
+        )
 
 
-MTP_CLASSES = {**dict.fromkeys(DEEPSEEK_LAYOUT, DeepSeekMTP), **dict.fromkeys(QWEN_LAYOUT, QwenMTP),
-               **dict.fromkeys(MIMO_LAYOUT, MiMoMTP)}
+MTP_CLASSES = {
+    **dict.fromkeys(DEEPSEEK_LAYOUT, DeepSeekMTP),
+    **dict.fromkeys(QWEN_LAYOUT, QwenMTP),
+    **dict.fromkeys(MIMO_LAYOUT, MiMoMTP),
+}
 
 
 def mtp_prefix(config: dict) -> str:
@@ -186,21 +222,26 @@ def mtp_prefix(config: dict) -> str:
         return "mtp."
     if model_type in MIMO_LAYOUT:
         return "model.mtp_layers.0."  # MiMo-7B ships one; vLLM drafts with the first alone too
-    raise NoMTPWeights(f"{model_type}: no MTP layers are read for this architecture (only "
-                       f"{', '.join(MTP_ARCHITECTURES)})")
+    raise NoMTPWeights(
+        f"{model_type}: no MTP layers are read for this architecture (only "
+        f"{', '.join(MTP_ARCHITECTURES)})"
+    )
 
 
 def hf_to_module(target, config: dict, weights: dict) -> dict:
-    """A checkpoint's MTP weights (``prefix``-named, as Hugging Face ships them) -> the module's names,
-    in mlx-lm's layout: for DeepSeek/GLM and MiMo, the target's own ``sanitize`` treats the decoder
-    layer as it would layer 0 (stacks the experts, splits DeepSeek's ``kv_b_proj``, dequantizes FP8)."""
+    """A checkpoint's MTP weights (``prefix``-named, as Hugging Face ships them) -> the module's
+    names, in mlx-lm's layout: for DeepSeek/GLM and MiMo, the target's own ``sanitize`` treats the
+    decoder layer as it would layer 0 (stacks the experts, splits DeepSeek's ``kv_b_proj``,
+    dequantizes FP8)."""
     prefix = mtp_prefix(config)
-    weights = {k[len(prefix):]: v for k, v in weights.items() if k.startswith(prefix)}
+    weights = {k[len(prefix) :]: v for k, v in weights.items() if k.startswith(prefix)}
     if config["model_type"] in QWEN_LAYOUT:
         return _qwen_layout(weights, text_model(target).args.num_experts)
     own = tuple(f"{name}." for name in MTP_CLASSES[config["model_type"]].own_weights)
     # DeepSeek's copy of the embedding is the target's: the target's own is used.
-    weights = {f"model.layers.0.{k}": v for k, v in weights.items() if not k.startswith("embed_tokens.")}
+    weights = {
+        f"model.layers.0.{k}": v for k, v in weights.items() if not k.startswith("embed_tokens.")
+    }
     sanitized = {k.removeprefix("model.layers.0."): v for k, v in target.sanitize(weights).items()}
     return {(k if k.startswith(own) else f"block.{k}"): v for k, v in sanitized.items()}
 
@@ -245,15 +286,18 @@ def read_hf_mtp(model_dir: Path, config: dict) -> dict:
         files = sorted(model_dir.glob("model*.safetensors"))
     weights = {}
     for path in files:
-        weights.update({k: v for k, v in read_safetensors(path, MTPError).items() if k.startswith(prefix)})
+        weights.update(
+            {k: v for k, v in read_safetensors(path, MTPError).items() if k.startswith(prefix)}
+        )
     return weights
 
 
 def load_mtp(model_dir, target) -> nn.Module:
-    """The MTP module of the model in ``model_dir`` (``target`` loaded from it, or its ``text_model``),
+    """The MTP module of the model in ``model_dir`` (``target`` loaded from it, or its
+    ``text_model``),
     ready to draft: ``mtp.safetensors`` of a convert.py directory, else the Hugging Face shards.
-    ``NoMTPWeights`` for a model without them, ``MTPError`` for weights that do not fit (both name the
-    directory)."""
+    ``NoMTPWeights`` for a model without them, ``MTPError`` for weights that do not fit (both name
+    the directory)."""
     model_dir = Path(model_dir)
     config = json.loads((model_dir / "config.json").read_text())
     try:
@@ -263,32 +307,54 @@ def load_mtp(model_dir, target) -> nn.Module:
     module = build_mtp(target, config)
     converted = model_dir / MTP_FILE
     source = converted if converted.is_file() else model_dir
-    weights = read_safetensors(converted, MTPError) if converted.is_file() else read_hf_mtp(model_dir, config)
+    weights = (
+        read_safetensors(converted, MTPError)
+        if converted.is_file()
+        else read_hf_mtp(model_dir, config)
+    )
     if not weights:
-        raise NoMTPWeights(f"{model_dir} ({config['model_type']}) has no MTP weights ({prefix}*); convert.py keeps "
-                           "them when it converts from Hugging Face, other conversions drop them")
+        raise NoMTPWeights(
+            f"{model_dir} ({config['model_type']}) has no MTP weights ({prefix}*); convert.py keeps "
+            "them when it converts from Hugging Face, other conversions drop them"
+        )
     try:
         if not converted.is_file():
             weights = hf_to_module(target, config, weights)
         if any(k.endswith(".scales") for k in weights):
             from mlx_lm.utils import infer_quant_config
 
-            nn.quantize(module, class_predicate=lambda path, m: f"{path}.scales" in weights
-                        and infer_quant_config(path, m, weights))
+            nn.quantize(
+                module,
+                class_predicate=lambda path, m: (
+                    f"{path}.scales" in weights and infer_quant_config(path, m, weights)
+                ),
+            )
         module.load_weights(list(weights.items()), strict=True)
     except ValueError as error:
-        raise MTPError(f"the MTP weights in {source} do not fit {config['model_type']} "
-                       f"({str(error).splitlines()[0]})") from None
+        raise MTPError(
+            f"the MTP weights in {source} do not fit {config['model_type']} "
+            f"({str(error).splitlines()[0]})"
+        ) from None
     cast(module, target.model.norm.weight.dtype, getattr(target, "cast_predicate", None))
     try:
         mx.eval(module.parameters())  # read now: a file cut short fails here, not while drafting
     except (RuntimeError, ValueError) as error:
-        raise MTPError(f"the MTP weights in {source} cannot be read ({str(error).splitlines()[0]})") from None
+        raise MTPError(
+            f"the MTP weights in {source} cannot be read ({str(error).splitlines()[0]})"
+        ) from None
     return module
 
 
 def cast(module: nn.Module, dtype, keep=None):
     """Cast ``module``'s float weights to ``dtype`` (the target's), but those the model's
-    ``cast_predicate`` keeps as they are (DeepSeek's expert-score bias), as mlx-lm's convert does."""
-    module.update(tree_unflatten([(k, v.astype(dtype)) for k, v in tree_flatten(module.parameters())
-                                  if mx.issubdtype(v.dtype, mx.floating) and (keep is None or keep(k))]))
+    ``cast_predicate`` keeps as they are (DeepSeek's expert-score bias), as mlx-lm's convert
+    does."""
+    module.update(
+        tree_unflatten(
+            [
+                (k, v.astype(dtype))
+                for k, v in tree_flatten(module.parameters())
+                if mx.issubdtype(v.dtype, mx.floating) and (keep is None or keep(k))
+            ]
+        )
+    )

@@ -27,10 +27,12 @@ class MTPSource(DraftHeadSource):
     @classmethod
     def drafter(cls, target, model_dir, **kwargs):
         """Load the MTP layer of the model in ``model_dir`` (``target`` is that model); returns
-        ``(tap, drafter)``: run the loop on ``tap``. ``NoMTPWeights``/``MTPError`` as ``load_mtp`` says."""
+        ``(tap, drafter)``: run the loop on ``tap``. ``NoMTPWeights``/``MTPError`` as ``load_mtp``
+        says."""
         target = text_model(target)  # Qwen3.5's language model, out of mlx-lm's multimodal wrapper
         mtp = load_mtp(model_dir, target)
-        # A draft step reads the MTP layer and the output matrix it scores with (the target's, for Qwen3-Next).
+        # A draft step reads the MTP layer and the output matrix it scores with (the target's, for
+        # Qwen3-Next).
         return HeadDrafter.around(target, mtp, mx.arange(target.args.vocab_size), cls, **kwargs)
 
     @classmethod

@@ -18,10 +18,14 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.base import BaseModelArgs
 from mlx_lm.models.cache import KVCache
 
-
 # feed_forward_proj -> activation; transformers runs "gated-gelu" with the tanh
 # approximation (gelu_new), which is nn.gelu_approx.
-ACTIVATIONS = {"relu": nn.relu, "gelu": nn.gelu, "gated-gelu": nn.gelu_approx, "gated-silu": nn.silu}
+ACTIVATIONS = {
+    "relu": nn.relu,
+    "gelu": nn.gelu,
+    "gated-gelu": nn.gelu_approx,
+    "gated-silu": nn.silu,
+}
 
 
 @dataclass
@@ -46,8 +50,10 @@ class ModelArgs(BaseModelArgs):
 
     def __post_init__(self):
         if self.feed_forward_proj not in ACTIVATIONS:
-            raise ValueError(f"unsupported feed_forward_proj {self.feed_forward_proj!r}; "
-                             f"expected one of {', '.join(ACTIVATIONS)}")
+            raise ValueError(
+                f"unsupported feed_forward_proj {self.feed_forward_proj!r}; "
+                f"expected one of {', '.join(ACTIVATIONS)}"
+            )
         if self.num_decoder_layers is None:
             self.num_decoder_layers = self.num_layers
         if self.scale_decoder_outputs is None:
@@ -178,7 +184,9 @@ class Encoder(nn.Module):
     def __init__(self, args: ModelArgs, layers: list = None, bidirectional: bool = True):
         super().__init__()
         self.position_bias = RelativePositionBias(args, bidirectional=bidirectional)
-        self.layers = [EncoderLayer(args) for _ in range(args.num_layers)] if layers is None else layers
+        self.layers = (
+            [EncoderLayer(args) for _ in range(args.num_layers)] if layers is None else layers
+        )
         self.final_norm = nn.RMSNorm(args.d_model, eps=args.layer_norm_epsilon)
 
     def __call__(self, x):
@@ -193,7 +201,9 @@ class Decoder(Encoder):
     """The encoder's stack with decoder layers, whose position biases look only back."""
 
     def __init__(self, args: ModelArgs):
-        super().__init__(args, [DecoderLayer(args) for _ in range(args.num_decoder_layers)], bidirectional=False)
+        super().__init__(
+            args, [DecoderLayer(args) for _ in range(args.num_decoder_layers)], bidirectional=False
+        )
 
     def __call__(self, x, memory, cache):
         # New tokens sit at offset..offset+T-1 and see keys 0..offset+T-1, so a
@@ -345,7 +355,9 @@ def load_t5_model(path) -> Model:
         raise ValueError(f"{path} is not a T5 directory (no config.json with model_type 't5')")
     files = sorted(path.glob("*.safetensors"))
     if not files:
-        raise ValueError(f"no *.safetensors in {path}; re-save the checkpoint with save_pretrained.")
+        raise ValueError(
+            f"no *.safetensors in {path}; re-save the checkpoint with save_pretrained."
+        )
     args = ModelArgs.from_dict(json.loads((path / "config.json").read_text()))
     weights = {name: w for file in files for name, w in mx.load(str(file)).items()}
     if args.tie_word_embeddings and "lm_head.weight" in weights:

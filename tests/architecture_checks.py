@@ -41,14 +41,18 @@ def mlx_lm_greedy(model, prompt: list, max_tokens: int) -> list:
     tokens = [token for token, _ in generate_step(mx.array(prompt), model, max_tokens=max_tokens)]
     # One token over and over (NaN logits, or a tied embedding predicting its input) would make
     # any rollback look right.
-    assert len(set(tokens)) > 1 or max_tokens < 2, f"the model repeats token {tokens[0]}: nothing to check"
+    assert len(set(tokens)) > 1 or max_tokens < 2, (
+        f"the model repeats token {tokens[0]}: nothing to check"
+    )
     return tokens
 
 
 def near_copy(tokens: list, every: int = 6) -> list:
     """``tokens`` with every ``every``-th one changed: prompt lookup copying from it has its
     drafts accepted up to a changed token and rejected there."""
-    return [(token + 1) % VOCAB if i % every == every // 2 else token for i, token in enumerate(tokens)]
+    return [
+        (token + 1) % VOCAB if i % every == every // 2 else token for i, token in enumerate(tokens)
+    ]
 
 
 def lookup_source(prompt: list, output: list):
@@ -74,12 +78,16 @@ def assert_same_tokens(model, prompt: list, got: list, want: list, what: str):
     logits = model(mx.array([prompt + want[:at]]))[0, -1]
     gap = abs(logits[got[at]].item() - logits[want[at]].item())
     if gap >= 1e-4:
-        raise AssertionError(f"{what} differs from mlx-lm at token {at} of {len(want)}: {got[at]} for {want[at]} "
-                             f"(logit gap {gap:.3g})")
+        raise AssertionError(
+            f"{what} differs from mlx-lm at token {at} of {len(want)}: {got[at]} for {want[at]} "
+            f"(logit gap {gap:.3g})"
+        )
 
 
 def assert_accepted_and_rejected(proposed: int, accepted: int, what: str):
-    assert 0 < accepted < proposed, f"{what}: {accepted} of {proposed} drafted tokens accepted, want some of each"
+    assert 0 < accepted < proposed, (
+        f"{what}: {accepted} of {proposed} drafted tokens accepted, want some of each"
+    )
 
 
 def check_plain(model):
@@ -88,8 +96,12 @@ def check_plain(model):
 
     length, _, max_tokens = lengths(model)
     prompt = prompt_tokens(length)
-    got = [token for token, _ in generate_step(prompt, model, eos_token_ids=(), max_tokens=max_tokens)]
-    assert_same_tokens(model, prompt, got, mlx_lm_greedy(model, prompt, max_tokens), "plain decoding")
+    got = [
+        token for token, _ in generate_step(prompt, model, eos_token_ids=(), max_tokens=max_tokens)
+    ]
+    assert_same_tokens(
+        model, prompt, got, mlx_lm_greedy(model, prompt, max_tokens), "plain decoding"
+    )
 
 
 def check_prompt_lookup(model):
@@ -99,8 +111,17 @@ def check_prompt_lookup(model):
     length, _, max_tokens = lengths(model)
     prompt = prompt_tokens(length, seed=1)
     want, stats = mlx_lm_greedy(model, prompt, max_tokens), DecodingStats()
-    got = [token for token, _ in generate_step(prompt, model, eos_token_ids=(), max_tokens=max_tokens,
-                                               draft_sources=[lookup_source(prompt, want)], stats=stats)]
+    got = [
+        token
+        for token, _ in generate_step(
+            prompt,
+            model,
+            eos_token_ids=(),
+            max_tokens=max_tokens,
+            draft_sources=[lookup_source(prompt, want)],
+            stats=stats,
+        )
+    ]
     assert_same_tokens(model, prompt, got, want, "prompt lookup")
     assert_accepted_and_rejected(stats.draft_proposed, stats.draft_accepted, "prompt lookup")
 
@@ -109,7 +130,9 @@ def regex_for(model) -> tuple:
     """JSON-like text with forced parts and free ones (digits, words), longer than two windows, and
     a max_tokens it always fits in (a tag is at most 10 tokens: `, "`, six letters, `"`)."""
     tags = max(3, window(model) // 2)
-    return r'\{"id": \d{3}, "tags": \["[a-z]{2,6}"(, "[a-z]{2,6}"){%d}\]\}' % tags, 10 * (tags + 1) + 32
+    return r'\{"id": \d{3}, "tags": \["[a-z]{2,6}"(, "[a-z]{2,6}"){%d}\]\}' % tags, 10 * (
+        tags + 1
+    ) + 32
 
 
 def check_regex(model, tokenizer):
@@ -124,17 +147,31 @@ def check_regex(model, tokenizer):
     prompt = prompt_tokens(length, seed=2)
 
     def run(sources, stats=None):
-        return [token for token, _ in generate_step(prompt, model, eos_token_ids=eos, max_tokens=max_tokens,
-                                                    constraint=constraint, draft_sources=sources, stats=stats)]
+        return [
+            token
+            for token, _ in generate_step(
+                prompt,
+                model,
+                eos_token_ids=eos,
+                max_tokens=max_tokens,
+                constraint=constraint,
+                draft_sources=sources,
+                stats=stats,
+            )
+        ]
 
     want, stats = run([]), DecodingStats()
     text = tokenizer.decode([token for token in want if token not in eos])
-    assert want[-1] in eos and re.fullmatch(pattern, text), f"the constrained text {text!r} does not match"
+    assert want[-1] in eos and re.fullmatch(pattern, text), (
+        f"the constrained text {text!r} does not match"
+    )
     got = run([ForcedTextSource(constraint, tokenizer), lookup_source(prompt, want)], stats)
     if got != want:
         at = first_difference(got, want)
-        raise AssertionError(f"with drafts the constrained text differs at token {at}: "
-                             f"{tokenizer.decode(got[:at + 1])!r} for {tokenizer.decode(want[:at + 1])!r}")
+        raise AssertionError(
+            f"with drafts the constrained text differs at token {at}: "
+            f"{tokenizer.decode(got[: at + 1])!r} for {tokenizer.decode(want[: at + 1])!r}"
+        )
     assert stats.draft_accepted > 0, "no draft was accepted under the regex"
 
 
@@ -147,7 +184,9 @@ def check_batch(model, lookup: bool = False):
     _, row_lengths, max_tokens = lengths(model)
     prompts = [prompt_tokens(length, seed=10 + row) for row, length in enumerate(row_lengths)]
     wants = [mlx_lm_greedy(model, prompt, max_tokens) for prompt in prompts]
-    sources = [[lookup_source(prompt, want)] if lookup else [] for prompt, want in zip(prompts, wants)]
+    sources = [
+        [lookup_source(prompt, want)] if lookup else [] for prompt, want in zip(prompts, wants)
+    ]
     generator = BatchGenerator(model, eos_token_ids=())
     uids = generator.insert(prompts, draft_sources=sources, max_tokens=max_tokens)
     tokens, finished = {uid: [] for uid in uids}, {}
@@ -157,10 +196,16 @@ def check_batch(model, lookup: bool = False):
             if response.finish_reason is not None:
                 finished[response.uid] = response
     for row, (uid, prompt, want) in enumerate(zip(uids, prompts, wants)):
-        assert finished[uid].error is None, f"row {row} ({len(prompt)} tokens) failed: {finished[uid].error}"
-        assert_same_tokens(model, prompt, tokens[uid], want, f"batch row {row} ({len(prompt)} prompt tokens)")
+        assert finished[uid].error is None, (
+            f"row {row} ({len(prompt)} tokens) failed: {finished[uid].error}"
+        )
+        assert_same_tokens(
+            model, prompt, tokens[uid], want, f"batch row {row} ({len(prompt)} prompt tokens)"
+        )
     if lookup:
-        counts = [(finished[uid].stats.draft_proposed, finished[uid].stats.draft_accepted) for uid in uids]
+        counts = [
+            (finished[uid].stats.draft_proposed, finished[uid].stats.draft_accepted) for uid in uids
+        ]
         assert_accepted_and_rejected(*map(sum, zip(*counts)), "batched prompt lookup")
 
 
@@ -185,12 +230,23 @@ def check_mtp(model_type: str):
 
     prompt, max_tokens, stats = [5, 6, 7, 8], 40, DecodingStats()
     with tempfile.TemporaryDirectory() as directory:
-        write_checkpoint(directory, model_type, seed=1, exact=True, noise=0.08, tokenizer=tiny_byte_tokenizer())
+        write_checkpoint(
+            directory, model_type, seed=1, exact=True, noise=0.08, tokenizer=tiny_byte_tokenizer()
+        )
         target, _, _ = load_mlx_lm(Path(directory))
         # A fixed draft length: an adaptive one may pause a drafter that is often wrong.
         tap, source = MTPSource.create(target, directory, num_draft=3, adaptive=False)
-        got = [token for token, _ in generate_step(prompt, tap, eos_token_ids=(), max_tokens=max_tokens,
-                                                   draft_sources=[source], stats=stats)]
+        got = [
+            token
+            for token, _ in generate_step(
+                prompt,
+                tap,
+                eos_token_ids=(),
+                max_tokens=max_tokens,
+                draft_sources=[source],
+                stats=stats,
+            )
+        ]
     assert_same_tokens(target, prompt, got, mlx_lm_greedy(target, prompt, max_tokens), "MTP drafts")
     assert_accepted_and_rejected(stats.draft_proposed, stats.draft_accepted, "MTP drafts")
 
@@ -210,16 +266,30 @@ def check_main(model, directory, tokenizer):
     from decoder import eos_ids_of
 
     _, _, max_tokens = lengths(model)
-    command = [sys.executable, "main.py", "--model", str(directory), "--json", "--prompt-lookup",
-               "--max-tokens", str(max_tokens), "--prompt", MAIN_PROMPT]
+    command = [
+        sys.executable,
+        "main.py",
+        "--model",
+        str(directory),
+        "--json",
+        "--prompt-lookup",
+        "--max-tokens",
+        str(max_tokens),
+        "--prompt",
+        MAIN_PROMPT,
+    ]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
     if done.returncode != 0:
         raise MainError(done.returncode, done.stderr.replace(str(directory), "DIR"))
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": MAIN_PROMPT}], add_generation_prompt=True)
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": MAIN_PROMPT}], add_generation_prompt=True
+    )
     from mlx_lm import load
 
-    saved, _ = load(str(directory))  # what main.py reads: the weights as saved and sanitized (baichuan_m1
-    want = mlx_lm_greedy(saved, prompt, max_tokens)  # normalizes its head on load, a near tie apart)
+    # what main.py reads: the weights as saved and sanitized (baichuan_m1
+    saved, _ = load(str(directory))
+    # normalizes its head on load, a near tie apart)
+    want = mlx_lm_greedy(saved, prompt, max_tokens)
     eos = eos_ids_of(tokenizer)
     want = want[: next((i + 1 for i, token in enumerate(want) if token in eos), len(want))]
     assert_same_tokens(model, prompt, json.loads(done.stdout)["tokens"], want, "main.py")

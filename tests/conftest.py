@@ -9,7 +9,9 @@ fast_blas.load()  # before any test module imports mlx.core
 
 # The processes the tests start (main.py, the server, ranks) run without torch, as a user's do.
 _WITHOUT_TORCH = str(Path(__file__).parent / "without_torch")
-os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [_WITHOUT_TORCH, os.environ.get("PYTHONPATH")]))
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    filter(None, [_WITHOUT_TORCH, os.environ.get("PYTHONPATH")])
+)
 
 
 @pytest.fixture(scope="session")
@@ -24,6 +26,8 @@ def embedded():
 def chat_prompt(embedded):
     def encode(text):
         _, tokenizer, _ = embedded
-        return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+        return tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True
+        )
 
     return encode

@@ -21,12 +21,13 @@ import mlx.core as mx  # noqa: E402
 
 import distributed  # noqa: E402
 import main  # noqa: E402
-from decoder.cost import PassCost  # noqa: E402
 from decoder import generate  # noqa: E402
+from decoder.cost import PassCost  # noqa: E402
 
 
 def run_cases(cases, session=None):
-    """Yields ``{"argv", "tokens", "passes", "accepted", "mode", "blas_threads"}`` for each argv list in ``cases``."""
+    """Yields ``{"argv", "tokens", "passes", "accepted", "mode", "blas_threads"}`` for each argv
+    list in ``cases``."""
     for argv in cases:
         args = main.build_parser().parse_args(argv)
         mx.random.seed(args.seed)
@@ -36,27 +37,38 @@ def run_cases(cases, session=None):
         kwargs["pass_cost"] = PassCost(clock=lambda: 0.0)
         with distributed.reporting_faults():
             result = generate(model, tokenizer, prompt, **kwargs)
-        yield {"argv": argv, "tokens": result.tokens, "passes": result.stats.target_forward_passes,
-               "accepted": result.stats.draft_accepted,
-               "mode": getattr(model.model, "mode", "single"), "blas_threads": fast_blas.num_threads()}
+        yield {
+            "argv": argv,
+            "tokens": result.tokens,
+            "passes": result.stats.target_forward_passes,
+            "accepted": result.stats.draft_accepted,
+            "mode": getattr(model.model, "mode", "single"),
+            "blas_threads": fast_blas.num_threads(),
+        }
 
 
 def tiny_logits_match(mode: str) -> dict:
     """Prefill and one decode pass of a tiny random Llama, sharded vs whole, on every rank."""
+    from helpers import tiny_llama
     from mlx_lm.models.cache import make_prompt_cache
 
     from distributed.sharding import shard_model
-    from helpers import tiny_llama
 
     tokens = mx.array([[1, 2, 3, 4, 5, 6, 7]])
-    whole, sharded = tiny_llama(num_layers=5), shard_model(tiny_llama(num_layers=5), mx.distributed.init(), mode)
+    whole, sharded = (
+        tiny_llama(num_layers=5),
+        shard_model(tiny_llama(num_layers=5), mx.distributed.init(), mode),
+    )
     outputs = []
     for model in (whole, sharded):
         cache = make_prompt_cache(model)
         outputs.append([model(tokens[:, :5], cache=cache), model(tokens[:, 5:], cache=cache)])
     pairs = list(zip(*outputs))
-    return {"rank": mx.distributed.init().rank(), "equal": all(mx.array_equal(a, b).item() for a, b in pairs),
-            "max_diff": max(mx.abs(a - b).max().item() for a, b in pairs)}
+    return {
+        "rank": mx.distributed.init().rank(),
+        "equal": all(mx.array_equal(a, b).item() for a, b in pairs),
+        "max_diff": max(mx.abs(a - b).max().item() for a, b in pairs),
+    }
 
 
 if __name__ == "__main__":

@@ -11,15 +11,22 @@ import math
 import torch
 from torch import nn
 from transformers import LlamaConfig
-from transformers.models.llama.modeling_llama import (LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding,
-                                                      apply_rotary_pos_emb, repeat_kv)
+from transformers.models.llama.modeling_llama import (
+    LlamaMLP,
+    LlamaRMSNorm,
+    LlamaRotaryEmbedding,
+    apply_rotary_pos_emb,
+    repeat_kv,
+)
 
 
 def eagle3_layer_inputs(layer_inputs: list) -> torch.Tensor:
     """The reference's choice of target features: the inputs of layers 2, L//2 and L-3
     (``modeling_llama_kv.py``), concatenated in layer order."""
     count = len(layer_inputs)
-    chosen = [h for idx, h in enumerate(layer_inputs) if idx == count - 3 or idx == count // 2 or idx == 2]
+    chosen = [
+        h for idx, h in enumerate(layer_inputs) if idx == count - 3 or idx == count // 2 or idx == 2
+    ]
     return torch.cat(chosen, dim=-1)
 
 
@@ -54,7 +61,9 @@ class Attention(nn.Module):
         allowed = torch.arange(k.shape[2])[None, :] <= positions[0][:, None]
         # softmax(q k^T / sqrt(head_dim)) v, by PyTorch's kernel (as transformers' default "sdpa";
         # a batched matmul here crashes when the tests have loaded OpenBLAS into the process).
-        out = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=1 / math.sqrt(self.head_dim))
+        out = nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=allowed, scale=1 / math.sqrt(self.head_dim)
+        )
         return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1)), present
 
 
@@ -72,7 +81,9 @@ class Eagle3MidLayer(nn.Module):
 
     def forward(self, input_emb, hidden_states, past=None):
         residual = hidden_states
-        mixed = torch.cat((self.input_layernorm(input_emb), self.hidden_norm(hidden_states)), dim=-1)
+        mixed = torch.cat(
+            (self.input_layernorm(input_emb), self.hidden_norm(hidden_states)), dim=-1
+        )
         attended, present = self.self_attn(mixed, past)
         hidden_states = residual + attended
         hidden_states = hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
@@ -80,7 +91,8 @@ class Eagle3MidLayer(nn.Module):
 
 
 class Eagle3Reference(nn.Module):
-    """cnets.py ``Model``: fc over three target layers, one midlayer, norm and a draft-vocabulary head."""
+    """cnets.py ``Model``: fc over three target layers, one midlayer, norm and a draft-vocabulary
+    head."""
 
     def __init__(self, config: LlamaConfig):
         super().__init__()
@@ -131,12 +143,15 @@ class Eagle1DecoderLayer(nn.Module):
 
 
 class Eagle1Reference(nn.Module):
-    """cnets1.py ``Model``: fc over [embedding; hidden] and decoder layers; the target's LM head scores."""
+    """cnets1.py ``Model``: fc over [embedding; hidden] and decoder layers; the target's LM head
+    scores."""
 
     def __init__(self, config: LlamaConfig, bias: bool = True):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList([Eagle1DecoderLayer(config, i) for i in range(config.num_hidden_layers)])
+        self.layers = nn.ModuleList(
+            [Eagle1DecoderLayer(config, i) for i in range(config.num_hidden_layers)]
+        )
         self.fc = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=bias)
 
     def forward(self, hidden_states, input_ids, past=None):

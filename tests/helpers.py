@@ -14,9 +14,16 @@ def tiny_llama(vocab_size=64, num_layers=2, hidden_size=32, seed=0, sharp=4.0):
     """
     mx.random.seed(seed)
     args = llama.ModelArgs(
-        model_type="llama", hidden_size=hidden_size, num_hidden_layers=num_layers,
-        intermediate_size=2 * hidden_size, num_attention_heads=4, num_key_value_heads=2,
-        rms_norm_eps=1e-5, vocab_size=vocab_size, rope_theta=10000.0, tie_word_embeddings=False,
+        model_type="llama",
+        hidden_size=hidden_size,
+        num_hidden_layers=num_layers,
+        intermediate_size=2 * hidden_size,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-5,
+        vocab_size=vocab_size,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
     )
     model = llama.Model(args)
     model.lm_head.weight = model.lm_head.weight * sharp
@@ -86,7 +93,9 @@ def chi_square_p_value(counts, probs):
     return chisquare(observed_cells, expected_cells).pvalue
 
 
-def assert_sampling_keeps_the_target_distribution(target, make_run, temp, top_p, runs=2000, stats=None):
+def assert_sampling_keeps_the_target_distribution(
+    target, make_run, temp, top_p, runs=2000, stats=None
+):
     """Sample two tokens ``runs`` times through the loop and chi-square them against the target's
     own joint distribution. ``make_run() -> (model, draft_sources)`` builds fresh sources per run;
     ``stats`` collects the runs' decoding statistics."""
@@ -105,8 +114,19 @@ def assert_sampling_keeps_the_target_distribution(target, make_run, temp, top_p,
     counts = np.zeros(vocab * vocab, dtype=np.int64)
     for _ in range(runs):
         model, sources = make_run()
-        out = [t for t, _ in generate_step(prompt, model, draft_sources=sources, temp=temp, top_p=top_p, eos_token_ids=(),
-                                           max_tokens=2, stats=stats)]
+        out = [
+            t
+            for t, _ in generate_step(
+                prompt,
+                model,
+                draft_sources=sources,
+                temp=temp,
+                top_p=top_p,
+                eos_token_ids=(),
+                max_tokens=2,
+                stats=stats,
+            )
+        ]
         counts[out[0] * vocab + out[1]] += 1
     assert chi_square_p_value(counts, joint) > 1e-3
     assert 0 < stats.draft_accepted < stats.draft_proposed
@@ -138,13 +158,27 @@ def assert_constrained_sampling_is_exact(model, constraint, temp=1.0, runs=1500)
     q[[ord(c) for c in "abcx"]] += 0.2  # mostly allowed letters, some forbidden tokens
     q = q / q.sum()
     rng = np.random.default_rng(0)
-    drafter = ScriptedSource(lambda tokens, k: rng.choice(vocab, size=min(k, 2), p=q).tolist(), name="random",
-                             probs_fn=lambda tokens, draft: mx.array(np.tile(q, (len(draft), 1)), mx.float32))
+    drafter = ScriptedSource(
+        lambda tokens, k: rng.choice(vocab, size=min(k, 2), p=q).tolist(),
+        name="random",
+        probs_fn=lambda tokens, draft: mx.array(np.tile(q, (len(draft), 1)), mx.float32),
+    )
     mx.random.seed(5)
     counts, stats = np.zeros(vocab * vocab, dtype=np.int64), DecodingStats()
     for _ in range(runs):
-        out = [token for token, _ in generate_step(prompt, model, draft_sources=[drafter], constraint=constraint,
-                                                   temp=temp, max_tokens=2, stats=stats, eos_token_ids=())]
+        out = [
+            token
+            for token, _ in generate_step(
+                prompt,
+                model,
+                draft_sources=[drafter],
+                constraint=constraint,
+                temp=temp,
+                max_tokens=2,
+                stats=stats,
+                eos_token_ids=(),
+            )
+        ]
         counts[out[0] * vocab + out[1]] += 1
     assert chi_square_p_value(counts, joint.reshape(-1)) > 1e-3
     assert 0 < stats.draft_accepted < stats.draft_proposed
@@ -164,7 +198,7 @@ def tiny_byte_tokenizer(thinking: bool = False):
 
     alphabet = {byte: char for char, byte in gpt2_unicode_to_byte().items()}
     vocab = {alphabet[byte]: byte for byte in range(256)}
-    pairs = ["1 2", "2 0", "- 0", "a b", "\" :", "a m", "e :", "n a", "na m", "nam e:"]
+    pairs = ["1 2", "2 0", "- 0", "a b", '" :', "a m", "e :", "n a", "na m", "nam e:"]
     merges = []
     for pair in pairs:
         left, right = (("".join(alphabet[b] for b in part.encode())) for part in pair.split(" "))
@@ -175,14 +209,16 @@ def tiny_byte_tokenizer(thinking: bool = False):
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.add_special_tokens([AddedToken("<eos>", special=True)])
     if thinking:
-        tokenizer.add_special_tokens([AddedToken("<think>", special=True), AddedToken("</think>", special=True)])
+        tokenizer.add_special_tokens(
+            [AddedToken("<think>", special=True), AddedToken("</think>", special=True)]
+        )
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<eos>")
 
 
 def qwen3_small_tokenizer(opens: bool = False):
-    """Qwen3's tokenizer and shipped chat template (tests/data/qwen3-small: its first 4096 tokens and every
-    added token), as mlx-lm wraps it; ``opens``: the template's generation prompt opens the think block, as
-    Qwen3.5's and Qwen3-Thinking-2507's do."""
+    """Qwen3's tokenizer and shipped chat template (tests/data/qwen3-small: its first 4096 tokens
+    and every added token), as mlx-lm wraps it; ``opens``: the template's generation prompt opens
+    the think block, as Qwen3.5's and Qwen3-Thinking-2507's do."""
     from pathlib import Path
 
     from mlx_lm.tokenizer_utils import TokenizerWrapper
@@ -191,6 +227,7 @@ def qwen3_small_tokenizer(opens: bool = False):
     tokenizer = AutoTokenizer.from_pretrained(Path(__file__).parent / "data" / "qwen3-small")
     if opens:
         tokenizer.chat_template = tokenizer.chat_template.replace(
-            "{{- '<|im_start|>assistant\\n' }}", "{{- '<|im_start|>assistant\\n<think>\\n' }}")
+            "{{- '<|im_start|>assistant\\n' }}", "{{- '<|im_start|>assistant\\n<think>\\n' }}"
+        )
         assert "assistant\\n<think>\\n' }}" in tokenizer.chat_template
     return TokenizerWrapper(tokenizer)

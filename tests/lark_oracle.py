@@ -11,12 +11,15 @@ import re
 
 import lark
 
-TOKEN = re.compile(r'(?P<comment>//[^\n]*)|(?P<string>"(?:[^"\\]|\\.)*"i?)|(?P<regex>/(?:[^/\\\n]|\\.)+/[imsx]*)'
-                   r'|(?P<repeat>\{\s*(\d+)\s*(?:,\s*(\d+)\s*)?\})|(?P<name>[A-Za-z_]\w*)|(?P<other>[\s\S])')
+TOKEN = re.compile(
+    r'(?P<comment>//[^\n]*)|(?P<string>"(?:[^"\\]|\\.)*"i?)|(?P<regex>/(?:[^/\\\n]|\\.)+/[imsx]*)'
+    r"|(?P<repeat>\{\s*(\d+)\s*(?:,\s*(\d+)\s*)?\})|(?P<name>[A-Za-z_]\w*)|(?P<other>[\s\S])"
+)
 
 
 def lark_parser(lark_text: str) -> lark.Lark:
-    """A `lark.Lark` Earley parser (start rule `start`) for a grammar in llguidance's Lark dialect."""
+    """A `lark.Lark` Earley parser (start rule `start`) for a grammar in llguidance's Lark
+    dialect."""
     out = []
     for match in TOKEN.finditer(lark_text):
         kind, value = match.lastgroup, match.group()
@@ -28,7 +31,9 @@ def lark_parser(lark_text: str) -> lark.Lark:
             low, high = match.group(5), match.group(6)
             value = f" ~ {low}" if high is None else f" ~ {low}..{high}"
         out.append(value)
-    text = "\n".join(line for line in "".join(out).splitlines() if not line.startswith("%llguidance"))
+    text = "\n".join(
+        line for line in "".join(out).splitlines() if not line.startswith("%llguidance")
+    )
     return lark.Lark(text, start="start", parser="earley", lexer="dynamic")
 
 

@@ -1,8 +1,8 @@
 """Tiny random T5 checkpoints in the Hugging Face layout, built without torch.
 
-    spiece = train_tiny_spiece(tmp_path / "spiece.model")
-    large = make_tiny_t5_dir(tmp_path / "large", num_layers=3, spiece_model=spiece)
-    small = make_tiny_t5_dir(tmp_path / "small", num_layers=1, seed=1, spiece_model=spiece)
+spiece = train_tiny_spiece(tmp_path / "spiece.model")
+large = make_tiny_t5_dir(tmp_path / "large", num_layers=3, spiece_model=spiece)
+small = make_tiny_t5_dir(tmp_path / "small", num_layers=1, seed=1, spiece_model=spiece)
 """
 
 import json
@@ -104,7 +104,9 @@ def tiny_hf_weights(config, seed: int):
             block = f"{stack}.block.{i}.layer"
             for j, name in enumerate(attentions):
                 # q carries T5's folded-in 1/sqrt(d_kv) attention scale.
-                weights[f"{block}.{j}.{name}.q.weight"] = linear(inner, d_model, config["d_kv"] ** -0.5)
+                weights[f"{block}.{j}.{name}.q.weight"] = linear(
+                    inner, d_model, config["d_kv"] ** -0.5
+                )
                 for proj in "kv":
                     weights[f"{block}.{j}.{name}.{proj}.weight"] = linear(inner, d_model)
                 weights[f"{block}.{j}.{name}.o.weight"] = linear(d_model, inner)
@@ -114,18 +116,22 @@ def tiny_hf_weights(config, seed: int):
                 weights[f"{ff}.DenseReluDense.{wi}.weight"] = linear(d_ff, d_model)
             weights[f"{ff}.DenseReluDense.wo.weight"] = linear(d_model, d_ff)
             weights[f"{ff}.layer_norm.weight"] = norm()
-        weights[f"{stack}.block.0.layer.0.SelfAttention.relative_attention_bias.weight"] = rng.normal(
-            size=(config["relative_attention_num_buckets"], config["num_heads"])
+        weights[f"{stack}.block.0.layer.0.SelfAttention.relative_attention_bias.weight"] = (
+            rng.normal(size=(config["relative_attention_num_buckets"], config["num_heads"]))
         )
         weights[f"{stack}.final_layer_norm.weight"] = norm()
 
     if config.get("tie_word_embeddings", True):
         # Old checkpoints also store copies of the tied embedding and an unused
         # cross-attention bias table; the loader must drop them.
-        for copy in ["encoder.embed_tokens.weight", "decoder.embed_tokens.weight", "lm_head.weight"]:
+        for copy in [
+            "encoder.embed_tokens.weight",
+            "decoder.embed_tokens.weight",
+            "lm_head.weight",
+        ]:
             weights[copy] = weights["shared.weight"]
-        weights["decoder.block.0.layer.1.EncDecAttention.relative_attention_bias.weight"] = rng.normal(
-            size=(config["relative_attention_num_buckets"], config["num_heads"])
+        weights["decoder.block.0.layer.1.EncDecAttention.relative_attention_bias.weight"] = (
+            rng.normal(size=(config["relative_attention_num_buckets"], config["num_heads"]))
         )
     else:
         weights["lm_head.weight"] = linear(config["vocab_size"], d_model)

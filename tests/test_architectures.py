@@ -18,13 +18,30 @@ from tests.architectures import build, save, tokenizer
 TESTED = [
     # full attention, with experts, with latent attention (deepseek_v32 in CacheLists); mistral3
     # scales attention by position
-    "llama", "qwen3", "qwen3_moe", "deepseek_v3", "deepseek_v32", "gemma2", "mistral3",
+    "llama",
+    "qwen3",
+    "qwen3_moe",
+    "deepseek_v3",
+    "deepseek_v32",
+    "gemma2",
+    "mistral3",
     # sliding windows, gemma4_text with layers sharing their KV caches
-    "gemma3_text", "gemma4_text", "gpt_oss", "cohere2", "exaone4",
+    "gemma3_text",
+    "gemma4_text",
+    "gpt_oss",
+    "cohere2",
+    "exaone4",
     # attention chunks
     "llama4",
     # recurrent layers beside attention, beside sliding windows, in CacheLists, alone
-    "qwen3_next", "qwen3_5", "lfm2", "nemotron_h", "falcon_h1", "recurrent_gemma", "baichuan_m1", "mamba2",
+    "qwen3_next",
+    "qwen3_5",
+    "lfm2",
+    "nemotron_h",
+    "falcon_h1",
+    "recurrent_gemma",
+    "baichuan_m1",
+    "mamba2",
 ]
 THROUGH_MAIN = ["llama", "mistral3", "gemma3_text", "qwen3_next"]
 # What a batch cannot hold, and the one line that says so: llama4 builds its chunk mask from one

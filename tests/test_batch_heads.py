@@ -1,6 +1,6 @@
 """Draft heads and MTP layers per row in a batch: each row reads its own hidden states from the
-target's cache (``cache.FeatureRows``) while rows of different lengths join and leave, under a regex,
-with a prompt cache, and sampling keeps each row's distribution."""
+target's cache (``cache.FeatureRows``) while rows of different lengths join and leave, under a
+regex, with a prompt cache, and sampling keeps each row's distribution."""
 
 import random
 
@@ -25,40 +25,70 @@ from tests.test_batch import alone, assert_same_or_near_tie, run
 
 @pytest.fixture(scope="module", params=["deepseek_v3", "qwen3_next"])
 def mtp_model(request, tmp_path_factory):
-    """``(directory, target)``: an MTP layer that is right often, not always; qwen3_next is hybrid."""
+    """``(directory, target)``: an MTP layer that is right often, not always; qwen3_next is
+    hybrid."""
     path = tmp_path_factory.mktemp(request.param)
-    write_checkpoint(path, request.param, seed=1, exact=True, noise=0.08, tokenizer=tiny_byte_tokenizer())
+    write_checkpoint(
+        path, request.param, seed=1, exact=True, noise=0.08, tokenizer=tiny_byte_tokenizer()
+    )
     return path, load_mlx_lm(path)[0]
 
 
 def check_rows(target, tap, drafter, rows, remove_at=None):
-    """Every row of ``rows`` (prompt, max_tokens, join, with_lookup) gives its greedy output alone."""
-    specs = [dict(prompt=prompt, max_tokens=max_tokens, join=join,
-                  draft_sources=([PromptLookupSource()] if lookup else []) + [drafter.source()])
-             for prompt, max_tokens, join, lookup in rows]
+    """Every row of ``rows`` (prompt, max_tokens, join, with_lookup) gives its greedy output
+    alone."""
+    specs = [
+        dict(
+            prompt=prompt,
+            max_tokens=max_tokens,
+            join=join,
+            draft_sources=([PromptLookupSource()] if lookup else []) + [drafter.source()],
+        )
+        for prompt, max_tokens, join, lookup in rows
+    ]
     out, finish, errors, sources = run(BatchGenerator(tap, eos_token_ids=()), specs, remove_at)
     for index, (prompt, max_tokens, _, _) in enumerate(rows):
         assert errors[index] is None
         if finish[index] != "removed":
-            assert_same_or_near_tie(target, prompt, out[index], alone(target, prompt, max_tokens, eos=()))
+            assert_same_or_near_tie(
+                target, prompt, out[index], alone(target, prompt, max_tokens, eos=())
+            )
     return sources
 
 
 def test_mtp_rows_give_their_own_output_while_rows_join_and_leave(mtp_model):
     path, target = mtp_model
     tap, drafter = MTPSource.drafter(target, path, num_draft=3, adaptive=False)
-    rows = [([5, 6, 7, 8], 30, 0, False), ([1], 25, 0, True), (list(range(2, 32, 2)), 30, 2, False),
-            ([9, 9, 9, 9, 9, 9], 20, 5, True), ([4, 4], 30, 1, False)]
+    rows = [
+        ([5, 6, 7, 8], 30, 0, False),
+        ([1], 25, 0, True),
+        (list(range(2, 32, 2)), 30, 2, False),
+        ([9, 9, 9, 9, 9, 9], 20, 5, True),
+        ([4, 4], 30, 1, False),
+    ]
     sources = check_rows(target, tap, drafter, rows, remove_at={4: 6})
     assert sum(row.count("mtp") for row in sources) > 20  # the rows' MTP drafts were accepted
     assert len(drafter.rows) == 0  # every row left the drafter with its batch row
 
 
-@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow,
-                                                                 HealthCheck.function_scoped_fixture])
-@given(rows=st.lists(st.tuples(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=20), st.integers(1, 20),
-                               st.integers(0, 4), st.booleans()), min_size=1, max_size=4),
-       num_draft=st.integers(1, 4))
+@settings(
+    max_examples=8,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+@given(
+    rows=st.lists(
+        st.tuples(
+            st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=20),
+            st.integers(1, 20),
+            st.integers(0, 4),
+            st.booleans(),
+        ),
+        min_size=1,
+        max_size=4,
+    ),
+    num_draft=st.integers(1, 4),
+)
 def test_mtp_rows_are_lossless_for_any_prompts_and_joins(mtp_model, rows, num_draft):
     path, target = mtp_model
     tap, drafter = MTPSource.drafter(target, path, num_draft=num_draft, adaptive=False)
@@ -77,8 +107,16 @@ def test_mtp_rows_under_a_regex_give_the_constrained_output(tmp_path, model_type
     def constraint(pattern):
         return RegexConstraint.from_regex(pattern, tokenizer, vocab_size=vocab)
 
-    specs = [dict(prompt=[1 + i, 2, 3], join=i, max_tokens=12, draft_sources=[drafter.source()],
-                  constraint=constraint(pattern)) for i, pattern in enumerate(patterns)]
+    specs = [
+        dict(
+            prompt=[1 + i, 2, 3],
+            join=i,
+            max_tokens=12,
+            draft_sources=[drafter.source()],
+            constraint=constraint(pattern),
+        )
+        for i, pattern in enumerate(patterns)
+    ]
     out, _, errors, _ = run(BatchGenerator(tap, eos_token_ids=()), specs)
     for spec, pattern, tokens in zip(specs, patterns, out):
         assert tokens == alone(target, spec["prompt"], 12, constraint=constraint(pattern), eos=())
@@ -98,7 +136,9 @@ def test_a_finished_mtp_rows_cache_keeps_its_hidden_states_for_the_next_turn(mtp
             prefix = response.cache or prefix
     assert prefix.features is not None and prefix.features[0].shape[2] == prefix.length
     second = first + tokens + [3, 4]
-    generator.insert([second], max_tokens=16, draft_sources=[[drafter.source()]], prompt_cache=[prefix])
+    generator.insert(
+        [second], max_tokens=16, draft_sources=[[drafter.source()]], prompt_cache=[prefix]
+    )
     out, drafted = [], []
     while responses := generator.next():
         for response in responses:
@@ -115,26 +155,36 @@ def test_head_rows_give_their_own_output_while_rows_join_and_leave():
     head = DraftHead(head_args(target.args), output_rows(target, vocab_ids))
     tap, drafter = HeadDrafter.around(target, head, vocab_ids, num_draft=3, adaptive=False)
     rng = random.Random(0)
-    rows = [([rng.randrange(64) for _ in range(n)], 20, join, join % 2 == 1) for n, join in
-            ((3, 0), (17, 0), (1, 1), (30, 3))]
+    rows = [
+        ([rng.randrange(64) for _ in range(n)], 20, join, join % 2 == 1)
+        for n, join in ((3, 0), (17, 0), (1, 1), (30, 3))
+    ]
     check_rows(target, tap, drafter, rows, remove_at={1: 4})
 
 
 def test_sampling_with_mtp_rows_keeps_each_rows_distribution(tmp_path):
-    """Two tokens sampled by 1200 rows, 100 at a time, chi-squared against the target's joint distribution."""
+    """Two tokens sampled by 1200 rows, 100 at a time, chi-squared against the target's joint
+    distribution."""
     write_checkpoint(tmp_path, "deepseek_v3", seed=4, vocab_size=8, tokenizer=tiny_byte_tokenizer())
     target, _, _ = load_mlx_lm(tmp_path)
     temp, top_p, vocab, prompt = 1.0, 0.9, 8, [1, 2, 3]
     p1 = np.array(sampling_probs(target(mx.array([prompt]))[0, -1:], temp, top_p)[0])
-    p2 = np.array(sampling_probs(target(mx.array([prompt + [t] for t in range(vocab)]))[:, -1], temp, top_p))
+    p2 = np.array(
+        sampling_probs(target(mx.array([prompt + [t] for t in range(vocab)]))[:, -1], temp, top_p)
+    )
     joint = (p1[:, None] * p2).reshape(-1)
     mx.random.seed(3)
     counts, proposed, accepted = np.zeros(vocab * vocab, np.int64), 0, 0
     for _ in range(12):
         tap, drafter = MTPSource.drafter(target, tmp_path, num_draft=2, adaptive=False)
         generator = BatchGenerator(tap, max_width=3, prefill_batch_size=128)
-        uids = generator.insert([prompt] * 100, temp=temp, top_p=top_p, max_tokens=2,
-                                draft_sources=[[drafter.source()] for _ in range(100)])
+        uids = generator.insert(
+            [prompt] * 100,
+            temp=temp,
+            top_p=top_p,
+            max_tokens=2,
+            draft_sources=[[drafter.source()] for _ in range(100)],
+        )
         out = {uid: [] for uid in uids}
         while responses := generator.next():
             for response in responses:

@@ -12,9 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from mlx_lm.models.cache import ChunkedKVCache, KVCache, RotatingKVCache, _BaseCache
 
-from decoder import step
+from decoder import DecodingStats, generate_step, step
 from decoder.cache import CacheKindError, KVRows, adopt, make_cache
-from decoder import DecodingStats, generate_step
 from tests.architectures import build
 from tests.helpers import ScriptedSource, tiny_llama
 
@@ -44,13 +43,20 @@ def attend(layer: KVRows, new: mx.array, window) -> np.ndarray:
 def pass_of(layer: KVRows, rows: list, width: int, window, rng: random.Random, trim: bool = True):
     """Every row writes ``width`` keys and must see what it would with nothing dropped; then each
     drops a tail of its own, as far back as ``can_trim`` says it may (across calls too)."""
-    new = mx.array(np.random.default_rng(rng.randrange(2**31)).normal(size=(len(rows), 1, width, DIM)),
-                   mx.float32)
+    new = mx.array(
+        np.random.default_rng(rng.randrange(2**31)).normal(size=(len(rows), 1, width, DIM)),
+        mx.float32,
+    )
     got = attend(layer, new, window)
     for row, history in enumerate(rows):
         history += list(np.array(new[row, 0]))
-        assert np.allclose(got[row, 0], reference(history, np.array(new[row, 0]), window), atol=1e-4)
-    trims = [rng.randrange(layer.can_trim(row) + 1) if trim and rng.random() < 0.5 else 0 for row in range(len(rows))]
+        assert np.allclose(
+            got[row, 0], reference(history, np.array(new[row, 0]), window), atol=1e-4
+        )
+    trims = [
+        rng.randrange(layer.can_trim(row) + 1) if trim and rng.random() < 0.5 else 0
+        for row in range(len(rows))
+    ]
     layer.trim_rows(trims)
     for history, trim in zip(rows, trims):
         del history[len(history) - trim :]
@@ -64,9 +70,16 @@ def small(rows: int, window) -> KVRows:
 
 
 @settings(max_examples=60, deadline=None)
-@given(ops=st.lists(st.sampled_from(["pass", "pass", "pass", "leave", "join", "realign", "move"]), min_size=1,
-                    max_size=30),
-       window=st.one_of(st.none(), st.integers(1, 9)), rows=st.integers(1, 3), seed=st.integers(0, 10**6))
+@given(
+    ops=st.lists(
+        st.sampled_from(["pass", "pass", "pass", "leave", "join", "realign", "move"]),
+        min_size=1,
+        max_size=30,
+    ),
+    window=st.one_of(st.none(), st.integers(1, 9)),
+    rows=st.integers(1, 3),
+    seed=st.integers(0, 10**6),
+)
 def test_every_row_attends_as_a_cache_that_never_drops_anything(ops, window, rows, seed):
     rng = random.Random(seed)
     layer, histories = small(rows, window), [[] for _ in range(rows)]
@@ -86,7 +99,8 @@ def test_every_row_attends_as_a_cache_that_never_drops_anything(ops, window, row
                 histories += history
         elif op == "realign":
             layer.realign()
-        elif op == "move" and any(histories):  # a row's prefix out and back in, at the end (a prompt cache)
+        # a row's prefix out and back in, at the end (a prompt cache)
+        elif op == "move" and any(histories):
             row = rng.choice([i for i, history in enumerate(histories) if history])
             keys, values, first = layer.extract(row)
             assert np.allclose(np.array(keys[0, 0]), np.stack(histories[row][first:]))
@@ -100,7 +114,8 @@ def test_every_row_attends_as_a_cache_that_never_drops_anything(ops, window, row
             histories.append(histories.pop(row))
     if window is not None:  # lean: once aligned, each row keeps its window and the slack, in blocks
         layer.realign()
-        for _ in range(layer.keys.shape[2] + 1):  # fills the buffer: the next one holds only what rows need
+        # fills the buffer: the next one holds only what rows need
+        for _ in range(layer.keys.shape[2] + 1):
             pass_of(layer, histories, 1, window, rng, trim=False)
         assert layer.keys.shape[2] <= window + layer.max_rollback + layer.window_step
 
@@ -140,7 +155,8 @@ def test_kinds_that_cannot_be_rolled_back_are_refused_in_one_line():
 def test_rejections_on_a_recurrent_model_feed_again_but_never_more_than_max_pending(monkeypatch):
     """A source whose drafts are always rejected after their first token: each rejection sends the
     recurrent layers back to their checkpoint, so the pass's tokens wait to be fed again; past
-    MAX_PENDING the row drafts nothing until they are in. The text is plain decoding's throughout."""
+    MAX_PENDING the row drafts nothing until they are in. The text is plain decoding's
+    throughout."""
     model, _ = build("qwen3_next")
     prompt = [3, 14, 15, 92, 65]
     plain = [token for token, _ in generate_step(prompt, model, eos_token_ids=(), max_tokens=40)]
@@ -156,11 +172,22 @@ def test_rejections_on_a_recurrent_model_feed_again_but_never_more_than_max_pend
 
     def right_then_wrong(tokens, max_draft):
         position = len(tokens) - len(prompt)
-        return ([plain[position], (plain[position + 1] + 1) % 1000] if position + 2 < len(plain) else [])
+        return (
+            [plain[position], (plain[position + 1] + 1) % 1000] if position + 2 < len(plain) else []
+        )
 
     stats = DecodingStats()
-    got = [token for token, _ in generate_step(prompt, model, eos_token_ids=(), max_tokens=40, stats=stats,
-                                               draft_sources=[ScriptedSource(right_then_wrong)])]
+    got = [
+        token
+        for token, _ in generate_step(
+            prompt,
+            model,
+            eos_token_ids=(),
+            max_tokens=40,
+            stats=stats,
+            draft_sources=[ScriptedSource(right_then_wrong)],
+        )
+    ]
     assert got == plain
     assert 0 < stats.draft_accepted < stats.draft_proposed
     passes = widths[1:]  # after the prefill
@@ -169,8 +196,13 @@ def test_rejections_on_a_recurrent_model_feed_again_but_never_more_than_max_pend
 
 
 def test_make_cache_has_one_kind_per_kind_of_layer():
-    for name, kinds in (("gemma3_text", {(4, "KVRows"), (None, "KVRows")}), ("qwen3_next", {(None, "StateRows"),
-                                                                                         (None, "KVRows")})):
+    for name, kinds in (
+        ("gemma3_text", {(4, "KVRows"), (None, "KVRows")}),
+        ("qwen3_next", {(None, "StateRows"), (None, "KVRows")}),
+    ):
         model, config = build(name)
-        got = {(getattr(layer, "window", None), type(layer).__name__) for layer in make_cache(model).layers}
+        got = {
+            (getattr(layer, "window", None), type(layer).__name__)
+            for layer in make_cache(model).layers
+        }
         assert got == {(config.get("sliding_window") if w else None, kind) for w, kind in kinds}

@@ -11,13 +11,31 @@ import pytest
 pytestmark = pytest.mark.slow  # every test here starts processes
 
 ROOT = Path(__file__).resolve().parent.parent
-JSON_FIELDS = {"text", "tokens", "prompt_tokens", "generation_tokens", "target_forward_passes", "draft_proposed",
-               "draft_accepted", "generation_tps", "prompt_tps", "peak_memory_gb", "finish_reason"}
+JSON_FIELDS = {
+    "text",
+    "tokens",
+    "prompt_tokens",
+    "generation_tokens",
+    "target_forward_passes",
+    "draft_proposed",
+    "draft_accepted",
+    "generation_tps",
+    "prompt_tps",
+    "peak_memory_gb",
+    "finish_reason",
+}
 
 
 def cli(*args, script="main.py", stdin=""):
-    return subprocess.run([sys.executable, str(ROOT / script), *args], input=stdin, capture_output=True,
-                          text=True, cwd=ROOT, env=os.environ.copy(), timeout=600)
+    return subprocess.run(
+        [sys.executable, str(ROOT / script), *args],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=os.environ.copy(),
+        timeout=600,
+    )
 
 
 def assert_one_line_error(result, fragment):
@@ -41,44 +59,64 @@ def test_prompt_from_stdin_and_length_finish(embedded):
     assert data["generation_tokens"] == 3 and data["finish_reason"] == "length"
 
 
-@pytest.mark.parametrize("args,fragment", [
-    (["--model", "/no/such/model"], "model not found"),
-    (["--model", "no-such-org/no-such-model-xyz"], "cannot download"),
-    (["--prompt-file", "/no/such/prompt.txt"], "prompt file not found"),
-    (["--max-tokens", "-1"], "--max-tokens"),
-    (["--temp", "-0.5"], "--temp"),
-    (["--top-p", "0"], "--top-p"),
-    (["--top-p", "1.5"], "--top-p"),
-    (["--num-draft", "0"], "--num-draft"),
-    (["--ngram-min", "4", "--ngram-max", "2"], "--ngram-min"),
-    (["--bogus-flag"], "unrecognized arguments"),
-    (["--max-tokens", "ten"], "invalid int value"),
-    (["--regex", "(abc"], "position"),
-    (["--regex", "a{3,1}"], "position"),
-    (["--regex", "(?=a)b"], "position"),
-    (["--regex", "[^\\s\\S]"], "matches no string"),
-])
+@pytest.mark.parametrize(
+    "args,fragment",
+    [
+        (["--model", "/no/such/model"], "model not found"),
+        (["--model", "no-such-org/no-such-model-xyz"], "cannot download"),
+        (["--prompt-file", "/no/such/prompt.txt"], "prompt file not found"),
+        (["--max-tokens", "-1"], "--max-tokens"),
+        (["--temp", "-0.5"], "--temp"),
+        (["--top-p", "0"], "--top-p"),
+        (["--top-p", "1.5"], "--top-p"),
+        (["--num-draft", "0"], "--num-draft"),
+        (["--ngram-min", "4", "--ngram-max", "2"], "--ngram-min"),
+        (["--bogus-flag"], "unrecognized arguments"),
+        (["--max-tokens", "ten"], "invalid int value"),
+        (["--regex", "(abc"], "position"),
+        (["--regex", "a{3,1}"], "position"),
+        (["--regex", "(?=a)b"], "position"),
+        (["--regex", "[^\\s\\S]"], "matches no string"),
+    ],
+)
 def test_bad_input_is_one_line(args, fragment):
     assert_one_line_error(cli(*args), fragment)
 
 
 def test_json_schema_true_falls_back_to_the_built_in_compiler_and_gives_json(embedded):
-    result = cli("--prompt", "Three prime numbers as a JSON array.", "--json-schema", "true", "--json",
-                 "--max-tokens", "40")
+    result = cli(
+        "--prompt",
+        "Three prime numbers as a JSON array.",
+        "--json-schema",
+        "true",
+        "--json",
+        "--max-tokens",
+        "40",
+    )
     assert result.returncode == 0, result.stderr
-    assert result.stderr == ("note: llguidance refused the schema (Expecting object schema to apply options); "
-                             "using the built-in compiler\n")
+    assert result.stderr == (
+        "note: llguidance refused the schema (Expecting object schema to apply options); "
+        "using the built-in compiler\n"
+    )
     data = json.loads(result.stdout)
     assert data["finish_reason"] == "stop"
     json.loads(data["text"])  # any JSON value
 
 
-@pytest.mark.parametrize("args,fragment", [
-    (["--json-schema", '{"type": "string", "not": {"const": "a"}}'],
-     'llguidance refused the schema: Unimplemented keys: ["not"]; the built-in compiler refused it too: not is'),
-    (["--json-schema", "true", "--json-schema-engine", "llguidance"],  # asked for by name: no fallback
-     "error: llguidance refused the schema: Expecting object schema"),
-])
+@pytest.mark.parametrize(
+    "args,fragment",
+    [
+        (
+            ["--json-schema", '{"type": "string", "not": {"const": "a"}}'],
+            'llguidance refused the schema: Unimplemented keys: ["not"]; the built-in compiler refused it too: not is',
+        ),
+        # asked for by name: no fallback
+        (
+            ["--json-schema", "true", "--json-schema-engine", "llguidance"],
+            "error: llguidance refused the schema: Expecting object schema",
+        ),
+    ],
+)
 def test_refused_json_schemas_are_one_line(args, fragment):
     assert_one_line_error(cli(*args), fragment)
 
@@ -94,11 +132,16 @@ def test_convert_refuses_non_llama_gguf_and_existing_output(tmp_path):
 
     fake = tmp_path / "gpt2.gguf"
     mx.save_gguf(str(fake), {"w": mx.zeros((2, 2))}, {"general.architecture": "gpt2"})
-    assert_one_line_error(cli("--gguf", str(fake), "--mlx-path", str(tmp_path / "out"), script="convert.py"),
-                          "only Llama-family GGUF")
+    assert_one_line_error(
+        cli("--gguf", str(fake), "--mlx-path", str(tmp_path / "out"), script="convert.py"),
+        "only Llama-family GGUF",
+    )
     not_gguf = tmp_path / "junk.gguf"
     not_gguf.write_text("not a gguf")
-    assert_one_line_error(cli("--gguf", str(not_gguf), "--mlx-path", str(tmp_path / "out"), script="convert.py"),
-                          "cannot read GGUF")
-    assert_one_line_error(cli("--gguf", str(fake), "--mlx-path", str(tmp_path), script="convert.py"),
-                          "already exists")
+    assert_one_line_error(
+        cli("--gguf", str(not_gguf), "--mlx-path", str(tmp_path / "out"), script="convert.py"),
+        "cannot read GGUF",
+    )
+    assert_one_line_error(
+        cli("--gguf", str(fake), "--mlx-path", str(tmp_path), script="convert.py"), "already exists"
+    )

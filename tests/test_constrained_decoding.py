@@ -1,4 +1,5 @@
-"""Regex-constrained decoding in the loop: outputs match, forced drafts and other sources stay lossless."""
+"""Regex-constrained decoding in the loop: outputs match, forced drafts and other sources stay
+lossless."""
 
 import re
 
@@ -23,11 +24,21 @@ REGEXES = [
 ]
 
 
-def constrained(pattern, prompt, sources=(), model=MODEL, tokenizer=TOKENIZER, max_tokens=48, **kwargs):
+def constrained(
+    pattern, prompt, sources=(), model=MODEL, tokenizer=TOKENIZER, max_tokens=48, **kwargs
+):
     constraint = RegexConstraint.from_regex(pattern, tokenizer, vocab_size=model.args.vocab_size)
     sources = [s(constraint) if callable(s) and not hasattr(s, "propose") else s for s in sources]
-    return generate(model, tokenizer, prompt, constraint=constraint, draft_sources=sources,
-                    max_tokens=max_tokens, stats=DecodingStats(), **kwargs)
+    return generate(
+        model,
+        tokenizer,
+        prompt,
+        constraint=constraint,
+        draft_sources=sources,
+        max_tokens=max_tokens,
+        stats=DecodingStats(),
+        **kwargs,
+    )
 
 
 def forced(constraint, tokenizer=TOKENIZER):
@@ -42,8 +53,11 @@ def forced_shared(constraint):
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(pattern=st.sampled_from(REGEXES), prompt=st.lists(st.integers(0, 255), min_size=1, max_size=8),
-       seed=st.integers(0, 1000))
+@given(
+    pattern=st.sampled_from(REGEXES),
+    prompt=st.lists(st.integers(0, 255), min_size=1, max_size=8),
+    seed=st.integers(0, 1000),
+)
 def test_forced_drafts_and_random_drafts_give_plain_constrained_output(pattern, prompt, seed):
     import random
 
@@ -75,20 +89,22 @@ def test_token_splits_learn_the_pieces_the_target_writes_and_forget_them():
     assert splits.apply(quote_colon + quote) == quote_colon + quote
     splits.learn(quote_colon[0], quote[0])  # the target wrote '"' where '":' was drafted
     assert splits.apply(quote + quote_colon) == quote + quote + colon
-    splits.learn(quote[0], quote_colon[0])  # then it wrote the whole token where the piece was drafted
+    # then it wrote the whole token where the piece was drafted
+    splits.learn(quote[0], quote_colon[0])
     assert splits.apply(quote_colon) == quote_colon
 
 
 def test_token_splits_follow_the_token_before():
     """A model may split a token after one token and write it whole after another (SmolLM2 writes an
-    object's first ``{"`` as ``{`` then ``"``, a nested one whole): each context keeps its own habit,
-    and a context not seen yet gets the latest seen anywhere."""
+    object's first ``{"`` as ``{`` then ``"``, a nested one whole): each context keeps its own
+    habit, and a context not seen yet gets the latest seen anywhere."""
     quote_colon, quote, colon = TOKENIZER.encode('":'), TOKENIZER.encode('"'), TOKENIZER.encode(":")
     assert len(quote_colon) == 1
     after_a, after_b, unseen = TOKENIZER.encode("a")[0], TOKENIZER.encode("b")[0], 6
     splits = TokenSplits(TOKENIZER)
     splits.learn(quote_colon[0], quote[0], after_a)  # '"' then ':' after 'a'
-    assert splits.apply(quote_colon, after_b) == quote + colon  # not seen after 'b': the latest habit
+    # not seen after 'b': the latest habit
+    assert splits.apply(quote_colon, after_b) == quote + colon
     splits.learn(quote[0], quote_colon[0], after_b)  # but after 'b' it wrote '":' whole
     assert splits.apply(quote_colon, after_a) == quote + colon
     assert splits.apply(quote_colon, after_b) == quote_colon
@@ -98,12 +114,17 @@ def test_token_splits_follow_the_token_before():
 def test_forced_text_is_drafted_the_way_the_target_wrote_it_before():
     pattern = '"name": "ab"'
     splits, prompt = TokenSplits(TOKENIZER), [5, 6]
-    first = ForcedTextSource(RegexConstraint.from_regex(pattern, TOKENIZER, VOCAB), TOKENIZER, splits)
+    first = ForcedTextSource(
+        RegexConstraint.from_regex(pattern, TOKENIZER, VOCAB), TOKENIZER, splits
+    )
     draft = first.propose(prompt, 32).tokens
     assert TOKENIZER.decode(draft) == pattern
     at = draft.index(TOKENIZER.encode('":')[0])
-    first.update(prompt + draft[:at] + TOKENIZER.encode('"'), len(draft), at)  # the target wrote '"' there
-    second = ForcedTextSource(RegexConstraint.from_regex(pattern, TOKENIZER, VOCAB), TOKENIZER, splits)
+    # the target wrote '"' there
+    first.update(prompt + draft[:at] + TOKENIZER.encode('"'), len(draft), at)
+    second = ForcedTextSource(
+        RegexConstraint.from_regex(pattern, TOKENIZER, VOCAB), TOKENIZER, splits
+    )
     again = second.propose(prompt, 32).tokens
     assert TOKENIZER.decode(again) == pattern
     assert again[: at + 2] == draft[:at] + TOKENIZER.encode('"') + TOKENIZER.encode(":")
@@ -136,12 +157,19 @@ EMBEDDED_CASES = [
 
 
 @pytest.mark.parametrize("question,pattern", EMBEDDED_CASES)
-def test_embedded_model_output_matches_and_drafts_are_lossless(embedded, chat_prompt, question, pattern, tmp_path):
+def test_embedded_model_output_matches_and_drafts_are_lossless(
+    embedded, chat_prompt, question, pattern, tmp_path
+):
     from prompt_lookup import PromptLookupSource
 
     model, tokenizer, _ = embedded
     prompt = chat_prompt(question)
-    run = lambda sources: constrained(pattern, prompt, sources, model=model, tokenizer=tokenizer, max_tokens=64)
+
+    def run(sources):
+        return constrained(
+            pattern, prompt, sources, model=model, tokenizer=tokenizer, max_tokens=64
+        )
+
     plain = run([])
     assert plain.finish_reason == "stop" and re.fullmatch(pattern, plain.text, re.ASCII), plain.text
     with_forced = run([lambda c: ForcedTextSource(c, tokenizer)])
@@ -153,4 +181,6 @@ def test_embedded_model_output_matches_and_drafts_are_lossless(embedded, chat_pr
 def test_sampling_with_a_drafter_that_ignores_the_regex_keeps_the_masked_distribution():
     from tests.helpers import assert_constrained_sampling_is_exact
 
-    assert_constrained_sampling_is_exact(MODEL, RegexConstraint.from_regex("[a-e]{2}", TOKENIZER, vocab_size=VOCAB))
+    assert_constrained_sampling_is_exact(
+        MODEL, RegexConstraint.from_regex("[a-e]{2}", TOKENIZER, vocab_size=VOCAB)
+    )

@@ -4,8 +4,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from decoder.cost import PassCost
 from decoder import DecodingStats, generate_step
+from decoder.cost import PassCost
 from prompt_lookup import PromptLookupSource
 from speculative import DraftModelSource
 from tests.helpers import tiny_llama
@@ -61,7 +61,8 @@ def test_the_fit_recovers_a_measured_line_and_starts_from_the_prior():
     cost.record(0.2, 1, rows=8)
     assert cost.relative(5, rows=8) == pytest.approx(1 + 4 * 0.3, rel=0.02)
     assert cost.summary()["token_cost"][1] == pytest.approx(0.3, abs=0.01)
-    # The nearest size with a measured slope lends it: 8 rows' timings alone (1.5 a width) to 9 rows.
+    # The nearest size with a measured slope lends it: 8 rows' timings alone (1.5 a width) to 9
+    # rows.
     for _ in range(30):
         cost.record(0.2 * (1 + 1.5 * 4), 5, rows=8)
     cost.record(0.25, 1, rows=9)
@@ -92,9 +93,18 @@ def test_drafting_cost_is_measured_against_a_step():
 def run_simulated(base, per_token, sources, prompt, max_tokens=48, target=TARGET):
     model = SimulatedCost(target, base, per_token)
     stats = DecodingStats()
-    tokens = [t for t, _ in generate_step(prompt, model, draft_sources=sources, eos_token_ids=(),
-                                          max_tokens=max_tokens, stats=stats,
-                                          pass_cost=PassCost(clock=model.time))]
+    tokens = [
+        t
+        for t, _ in generate_step(
+            prompt,
+            model,
+            draft_sources=sources,
+            eos_token_ids=(),
+            max_tokens=max_tokens,
+            stats=stats,
+            pass_cost=PassCost(clock=model.time),
+        )
+    ]
     return tokens, stats
 
 
@@ -113,11 +123,13 @@ def test_cheap_verification_drafts_longer_copies_and_takes_fewer_passes():
     assert plain == cycle[:30].tolist()  # the model follows its cycle
     outputs, passes, longest = {}, {}, {}
     for name, per_token in (("gpu-like", 0.005), ("costly", 0.5)):
-        tokens, stats = run_simulated(1.0, per_token, [PromptLookupSource(num_draft=4)], prompt, max_tokens=30,
-                                      target=target)
+        tokens, stats = run_simulated(
+            1.0, per_token, [PromptLookupSource(num_draft=4)], prompt, max_tokens=30, target=target
+        )
         outputs[name], passes[name] = tokens, stats.target_forward_passes / len(tokens)
         longest[name] = len(stats.source("prompt_lookup").proposed_at)
-        assert stats.pass_cost.token_cost() == pytest.approx(per_token, rel=0.3)  # measured, with its prior
+        # measured, with its prior
+        assert stats.pass_cost.token_cost() == pytest.approx(per_token, rel=0.3)
     assert outputs["gpu-like"] == outputs["costly"] == plain
     assert longest["gpu-like"] > longest["costly"]
     assert passes["gpu-like"] < passes["costly"]
@@ -134,8 +146,19 @@ def test_a_draft_model_pauses_when_its_measured_drafting_does_not_pay():
         draft = SimulatedCost(TARGET, draft_step, 0.0, clock=model)
         source = DraftModelSource(draft, 32, num_draft=3, min_confidence=0.0)
         stats = DecodingStats()
-        tokens = [t for t, _ in generate_step(prompt, model, draft_sources=[source], eos_token_ids=(), max_tokens=48,
-                                              stats=stats, pass_cost=PassCost(clock=model.time))]
+        tokens = [
+            t
+            for t, _ in generate_step(
+                prompt,
+                model,
+                draft_sources=[source],
+                eos_token_ids=(),
+                max_tokens=48,
+                stats=stats,
+                pass_cost=PassCost(clock=model.time),
+            )
+        ]
         assert tokens == plain
         passes[name] = stats.target_forward_passes
-    assert passes["cheap"] < 12 and passes["slow"] > 30  # of 48 tokens: long drafts, or mostly plain steps
+    # of 48 tokens: long drafts, or mostly plain steps
+    assert passes["cheap"] < 12 and passes["slow"] > 30

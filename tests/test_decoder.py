@@ -7,8 +7,21 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from mlx_lm.models.cache import make_prompt_cache
 
-from decoder import TARGET, Constraint, DecodingStats, Draft, accept_draft, generate_step, sampling_probs
-from tests.helpers import ScriptedSource, assert_constrained_sampling_is_exact, chi_square_p_value, tiny_llama
+from decoder import (
+    TARGET,
+    Constraint,
+    DecodingStats,
+    Draft,
+    accept_draft,
+    generate_step,
+    sampling_probs,
+)
+from tests.helpers import (
+    ScriptedSource,
+    assert_constrained_sampling_is_exact,
+    chi_square_p_value,
+    tiny_llama,
+)
 
 VOCAB = 64
 MODEL = tiny_llama(vocab_size=VOCAB)
@@ -20,8 +33,16 @@ def plain_greedy(prompt, max_tokens, eos=()):
 
 
 def run(prompt, sources, max_tokens, eos=(), stats=None):
-    steps = list(generate_step(prompt, MODEL, draft_sources=sources, max_tokens=max_tokens,
-                               eos_token_ids=eos, stats=stats))
+    steps = list(
+        generate_step(
+            prompt,
+            MODEL,
+            draft_sources=sources,
+            max_tokens=max_tokens,
+            eos_token_ids=eos,
+            stats=stats,
+        )
+    )
     return [t for t, _ in steps], [s for _, s in steps]
 
 
@@ -29,9 +50,15 @@ prompts = st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=12)
 
 
 @SETTINGS
-@given(prompt=prompts, max_tokens=st.integers(1, 24), corrupt=st.lists(st.integers(0, 30), max_size=4),
-       num_draft=st.integers(1, 6))
-def test_greedy_output_is_identical_for_oracle_random_and_partly_right_drafts(prompt, max_tokens, corrupt, num_draft):
+@given(
+    prompt=prompts,
+    max_tokens=st.integers(1, 24),
+    corrupt=st.lists(st.integers(0, 30), max_size=4),
+    num_draft=st.integers(1, 6),
+)
+def test_greedy_output_is_identical_for_oracle_random_and_partly_right_drafts(
+    prompt, max_tokens, corrupt, num_draft
+):
     reference = plain_greedy(prompt, max_tokens)
     start = len(prompt)
 
@@ -101,20 +128,25 @@ class Modeller(ScriptedSource):
         return super().propose(tokens, max_draft)
 
 
-@pytest.mark.parametrize("copy_expects,model_forecasts,drafter", [
-    (1.2, 1.5, "modeller"),  # the model expects more: it drafts
-    (1.5, 1.2, "copier"),  # the copy expects more: the model is not even run
-    (1.5, 1.5, "copier"),  # a tie keeps the cheap copy
-    (None, 9.0, "copier"),  # a copy without an estimate wins as before
-    (1.2, None, "copier"),  # so does any copy when the model cannot forecast
-])
-def test_the_loop_lets_a_model_draft_only_when_it_expects_more(copy_expects, model_forecasts, drafter):
+@pytest.mark.parametrize(
+    "copy_expects,model_forecasts,drafter",
+    [
+        (1.2, 1.5, "modeller"),  # the model expects more: it drafts
+        (1.5, 1.2, "copier"),  # the copy expects more: the model is not even run
+        (1.5, 1.5, "copier"),  # a tie keeps the cheap copy
+        (None, 9.0, "copier"),  # a copy without an estimate wins as before
+        (1.2, None, "copier"),  # so does any copy when the model cannot forecast
+    ],
+)
+def test_the_loop_lets_a_model_draft_only_when_it_expects_more(
+    copy_expects, model_forecasts, drafter
+):
     prompt = [3, 1, 4, 1, 5, 9, 2, 6]
     reference = plain_greedy(prompt, 20)
     start = len(prompt)
 
     def right(tokens, k):  # both propose the right tokens, so the chosen one is always accepted
-        return reference[len(tokens) - start:][:2]
+        return reference[len(tokens) - start :][:2]
 
     copier, modeller = Copier(right, copy_expects), Modeller(right, model_forecasts)
     stats = DecodingStats()
@@ -130,7 +162,7 @@ def test_the_loop_lets_a_model_draft_only_when_it_expects_more(copy_expects, mod
 def test_a_chosen_model_with_no_draft_leaves_the_step_to_the_copy():
     prompt = [3, 1, 4, 1, 5, 9, 2, 6]
     reference = plain_greedy(prompt, 12)
-    copier = Copier(lambda tokens, k: reference[len(tokens) - len(prompt):][:1], 1.1)
+    copier = Copier(lambda tokens, k: reference[len(tokens) - len(prompt) :][:1], 1.1)
     paused = Modeller(lambda tokens, k: [], 2.0)
     stats = DecodingStats()
     assert run(prompt, [copier, paused], 12, stats=stats)[0] == reference
@@ -143,7 +175,9 @@ def test_stops_at_eos_inside_an_accepted_draft():
     eos = reference[5]
     expected = reference[: reference.index(eos) + 1]
     start = len(prompt)
-    oracle = ScriptedSource(lambda tokens, k: reference[len(tokens) - start : len(tokens) - start + k])
+    oracle = ScriptedSource(
+        lambda tokens, k: reference[len(tokens) - start : len(tokens) - start + k]
+    )
     stats = DecodingStats()
     tokens, sources = run(prompt, [oracle], 20, eos=[eos], stats=stats)
     assert tokens == expected == plain_greedy(prompt, 20, eos=[eos])
@@ -166,8 +200,18 @@ def test_rejected_drafts_leave_the_cache_as_a_plain_run_would():
     wrong = ScriptedSource(lambda tokens, k: rng.integers(0, 64, size=min(k, 3)).tolist())
     cache = make_prompt_cache(MODEL)
     stats = DecodingStats()
-    out = [t for t, _ in generate_step(prompt, MODEL, draft_sources=[wrong], max_tokens=12, eos_token_ids=(),
-                                       prompt_cache=cache, stats=stats)]
+    out = [
+        t
+        for t, _ in generate_step(
+            prompt,
+            MODEL,
+            draft_sources=[wrong],
+            max_tokens=12,
+            eos_token_ids=(),
+            prompt_cache=cache,
+            stats=stats,
+        )
+    ]
     assert stats.draft_accepted < stats.draft_proposed  # some drafts were rolled back
     text = prompt + out
     assert cache[0].offset == len(text) - 1
@@ -195,7 +239,9 @@ class ResidueConstraint(Constraint):
         return states
 
     def masks(self, states):
-        return mx.array([[token % 4 == state % 4 for token in range(self.vocab_size)] for state in states])
+        return mx.array(
+            [[token % 4 == state % 4 for token in range(self.vocab_size)] for state in states]
+        )
 
     def advance(self, tokens):
         self.position += len(tokens)
@@ -209,6 +255,7 @@ def test_sampling_stays_exact_under_a_constraint_that_follows_the_protocol():
 
 
 # --- exact sampling ------------------------------------------------------------------
+
 
 def _first_token_counts(logits, make_draft, trials, temp=1.0, top_p=1.0):
     counts = np.zeros(logits.shape[-1], dtype=np.int64)
@@ -254,7 +301,8 @@ def test_the_sampling_test_can_fail():
 
 
 def test_loop_sampling_with_a_random_draft_model_keeps_the_joint_distribution():
-    """Two generated tokens, a draft with its own random distribution, vs. the exact p(t1) p(t2 | t1)."""
+    """Two generated tokens, a draft with its own random distribution, vs. the exact p(t1) p(t2 |
+    t1)."""
     vocab = 8
     model = tiny_llama(vocab_size=vocab, seed=3, sharp=2.0)
     prompt = [1, 2, 3]
@@ -269,12 +317,24 @@ def test_loop_sampling_with_a_random_draft_model_keeps_the_joint_distribution():
     def propose(tokens, k):
         return mx.random.categorical(mx.log(q_table), shape=(min(k, 2),)).tolist()
 
-    source = ScriptedSource(propose, probs_fn=lambda tokens, draft: mx.broadcast_to(q_table, (len(draft), vocab)))
+    source = ScriptedSource(
+        propose, probs_fn=lambda tokens, draft: mx.broadcast_to(q_table, (len(draft), vocab))
+    )
     counts = np.zeros(vocab * vocab, dtype=np.int64)
     stats = DecodingStats()
     for _ in range(2500):
-        out = [t for t, _ in generate_step(prompt, model, draft_sources=[source], temp=1.0, max_tokens=2, eos_token_ids=(),
-                                           stats=stats)]
+        out = [
+            t
+            for t, _ in generate_step(
+                prompt,
+                model,
+                draft_sources=[source],
+                temp=1.0,
+                max_tokens=2,
+                eos_token_ids=(),
+                stats=stats,
+            )
+        ]
         counts[out[0] * vocab + out[1]] += 1
     assert chi_square_p_value(counts, joint) > 1e-3
     assert 0 < stats.draft_accepted < stats.draft_proposed

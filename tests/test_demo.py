@@ -1,4 +1,5 @@
-"""`make demo`'s commands stay valid main.py commands (flags, files, regexes), without running a model."""
+"""`make demo`'s commands stay valid main.py commands (flags, files, regexes), without running a
+model."""
 
 from pathlib import Path
 

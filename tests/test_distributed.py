@@ -1,4 +1,5 @@
-"""A target sharded over 2 and 3 local ranks (mlx.launch, ring backend) decodes what one process does.
+"""A target sharded over 2 and 3 local ranks (mlx.launch, ring backend) decodes what one process
+does.
 
 Each launch loads the embedded model on every rank (lazily, once per case), so
 the cases are few and short: this machine has 2 cores, and 3 ranks on them wait
@@ -14,33 +15,66 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-
 import mlx.core as mx
+import pytest
 
 import distributed
 from loading import fast_blas
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "tests" / "distributed_worker.py"
-LAUNCH = shutil.which("mlx.launch", path=str(Path(sys.executable).parent)) or shutil.which("mlx.launch")
+LAUNCH = shutil.which("mlx.launch", path=str(Path(sys.executable).parent)) or shutil.which(
+    "mlx.launch"
+)
 
 pytestmark = [
     pytest.mark.slow,  # launches ranks
     pytest.mark.skipif(LAUNCH is None, reason="mlx.launch is not installed"),
-    pytest.mark.skipif(not mx.distributed.is_available(backend="ring"), reason="MLX has no ring backend"),
+    pytest.mark.skipif(
+        not mx.distributed.is_available(backend="ring"), reason="MLX has no ring backend"
+    ),
 ]
 
 GREEDY = ["--prompt", "Name three colours.", "--max-tokens", "8"]
-SAMPLED = ["--prompt", "Write a haiku about rain.", "--max-tokens", "8", "--temp", "0.9", "--seed", "7"]
-LOOKUP = ["--prompt", "Repeat this line twice: the quick brown fox jumps over the lazy dog.",
-          "--prompt-lookup", "--max-tokens", "16"]
-REGEX = ["--prompt", "When did the Berlin wall fall?", "--regex", r"[0-9]{4}-[0-9]{2}-[0-9]{2}", "--max-tokens", "12"]
+SAMPLED = [
+    "--prompt",
+    "Write a haiku about rain.",
+    "--max-tokens",
+    "8",
+    "--temp",
+    "0.9",
+    "--seed",
+    "7",
+]
+LOOKUP = [
+    "--prompt",
+    "Repeat this line twice: the quick brown fox jumps over the lazy dog.",
+    "--prompt-lookup",
+    "--max-tokens",
+    "16",
+]
+REGEX = [
+    "--prompt",
+    "When did the Berlin wall fall?",
+    "--regex",
+    r"[0-9]{4}-[0-9]{2}-[0-9]{2}",
+    "--max-tokens",
+    "12",
+]
 HEAD = [*GREEDY, "--draft-head"]  # the shipped head reads the sharded target's hidden states
 SAMPLED_HEAD = [*SAMPLED, "--draft-head"]
 SELF_DRAFT = "<self-draft>"  # replaced by the path of the embedded model's first 24 layers
-DRAFT = ["--prompt", "List three fruits.", "--max-tokens", "12", "--draft-model", SELF_DRAFT,
-         "--no-adaptive", "--num-draft", "3"]  # accepts some drafts and rejects others
+DRAFT = [
+    "--prompt",
+    "List three fruits.",
+    "--max-tokens",
+    "12",
+    "--draft-model",
+    SELF_DRAFT,
+    "--no-adaptive",
+    "--num-draft",
+    "3",
+]  # accepts some drafts and rejects others
 
 
 def free_port(count: int) -> int:
@@ -61,11 +95,30 @@ def free_port(count: int) -> int:
 
 def launch(ranks: int, *command, timeout=300):
     # The ranks choose their own BLAS thread count (distributed.share_cores) unless told.
-    env = {name: value for name, value in os.environ.items() if name not in fast_blas.THREAD_VARIABLES}
+    env = {
+        name: value for name, value in os.environ.items() if name not in fast_blas.THREAD_VARIABLES
+    }
     # stdin stays an open pipe: mlx.launch busy-polls a closed one.
-    return subprocess.run([LAUNCH, "-n", str(ranks), "--backend", "ring", "-p", str(free_port(ranks)), "--",
-                           sys.executable, *command], stdin=subprocess.PIPE, capture_output=True, text=True,
-                          cwd=ROOT, env=env, timeout=timeout)
+    return subprocess.run(
+        [
+            LAUNCH,
+            "-n",
+            str(ranks),
+            "--backend",
+            "ring",
+            "-p",
+            str(free_port(ranks)),
+            "--",
+            sys.executable,
+            *command,
+        ],
+        stdin=subprocess.PIPE,
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=timeout,
+    )
 
 
 def single_process(cases):
@@ -88,20 +141,26 @@ def self_draft(embedded, tmp_path_factory):
     from loading.conversion import convert
     from loading.load import embedded_gguf
 
-    return convert(str(tmp_path_factory.mktemp("draft") / "draft"), gguf=str(embedded_gguf()), num_layers=24)
+    return convert(
+        str(tmp_path_factory.mktemp("draft") / "draft"), gguf=str(embedded_gguf()), num_layers=24
+    )
 
 
 def expected_blas_threads(ranks: int):
-    """What ``distributed.share_cores`` should set on ranks sharing this host (None without a fast BLAS)."""
+    """What ``distributed.share_cores`` should set on ranks sharing this host (None without a fast
+    BLAS)."""
     return max(1, len(os.sched_getaffinity(0)) // ranks) if fast_blas.loaded() else None
 
 
-@pytest.mark.parametrize("ranks, mode, cases", [
-    # 60 all-reduces per pass: the slow one on 2 cores. Plain one-token passes run in LOOKUP's steps
-    # without a match, and HEAD decodes GREEDY's prompt.
-    (3, "tensor", [LOOKUP, HEAD]),
-    (2, "pipeline", [SAMPLED, REGEX, HEAD, SAMPLED_HEAD, DRAFT]),
-])
+@pytest.mark.parametrize(
+    "ranks, mode, cases",
+    [
+        # 60 all-reduces per pass: the slow one on 2 cores. Plain one-token passes run in LOOKUP's
+        # steps without a match, and HEAD decodes GREEDY's prompt.
+        (3, "tensor", [LOOKUP, HEAD]),
+        (2, "pipeline", [SAMPLED, REGEX, HEAD, SAMPLED_HEAD, DRAFT]),
+    ],
+)
 def test_sharded_tokens_equal_one_process(embedded, self_draft, ranks, mode, cases):
     cases = [[str(self_draft) if arg == SELF_DRAFT else arg for arg in case] for case in cases]
     expected = single_process(cases)
@@ -138,8 +197,15 @@ def test_cli_under_mlx_launch(embedded):
 
 def run_rank(rank, hostfile, *command):
     env = dict(os.environ, MLX_HOSTFILE=str(hostfile), MLX_RANK=str(rank))
-    return subprocess.Popen([sys.executable, *command], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+    return subprocess.Popen(
+        [sys.executable, *command],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        env=env,
+    )
 
 
 @pytest.fixture
@@ -151,23 +217,32 @@ def hostfile(tmp_path):
 
 
 # A stand-in rank 1: says it has imported MLX, joins the group, then lives this long.
-PEER = ("import sys, time, mlx.core as mx; print('ready', flush=True); "
-        "mx.distributed.init(strict=True); time.sleep(float(sys.argv[1]))")
+PEER = (
+    "import sys, time, mlx.core as mx; print('ready', flush=True); "
+    "mx.distributed.init(strict=True); time.sleep(float(sys.argv[1]))"
+)
 
 
 STUCK = "no progress for 10 s"
 LOST = "lost the connection to a peer"
 
 
-@pytest.mark.parametrize("peer_lifetime, fragments", [
-    (None, [STUCK]),  # the peer never starts (joining alone takes ~4 s)
-    # It joins, then dies: an all-reduce notices at once, a failed send leaves the next one waiting.
-    (0, [LOST, STUCK]),
-    (600, [STUCK]),  # it joins, then stops answering
-])
-def test_missing_dead_or_stuck_peer_ends_with_one_line(embedded, hostfile, peer_lifetime, fragments):
+@pytest.mark.parametrize(
+    "peer_lifetime, fragments",
+    [
+        (None, [STUCK]),  # the peer never starts (joining alone takes ~4 s)
+        # It joins, then dies: an all-reduce notices at once, a failed send leaves the next one
+        # waiting.
+        (0, [LOST, STUCK]),
+        (600, [STUCK]),  # it joins, then stops answering
+    ],
+)
+def test_missing_dead_or_stuck_peer_ends_with_one_line(
+    embedded, hostfile, peer_lifetime, fragments
+):
     peer = None
-    if peer_lifetime is not None:  # started first so that joining takes rank 0 well under the timeout
+    # started first so that joining takes rank 0 well under the timeout
+    if peer_lifetime is not None:
         peer = run_rank(1, hostfile, "-c", PEER, str(peer_lifetime))
         assert peer.stdout.readline() == "ready\n"
     tic = time.perf_counter()
@@ -180,16 +255,31 @@ def test_missing_dead_or_stuck_peer_ends_with_one_line(embedded, hostfile, peer_
             peer.kill()
             peer.wait()
     assert rank0.returncode != 0
-    assert stderr.count("\n") == 1 and stderr.startswith("error: rank 0: ") and any(f in stderr for f in fragments), stderr
+    assert (
+        stderr.count("\n") == 1
+        and stderr.startswith("error: rank 0: ")
+        and any(f in stderr for f in fragments)
+    ), stderr
     assert time.perf_counter() - tic < 100
 
 
-@pytest.mark.parametrize("hosts, rank, local", [
-    ([["127.0.0.1:5000"], ["127.0.0.1:5001"], ["127.0.0.1:5002"]], 1, 3),  # mlx.launch -n 3
-    ([["192.168.2.1:5000"], ["192.168.2.2:5001"]], 0, 1),  # two Macs
-    ([["10.0.0.1:5000", "10.0.1.1:5001"], ["10.0.0.1:5002", "10.0.1.1:5003"], ["10.0.0.2:5004"]], 0, 2),
-    ([["10.0.0.1:5000"], ["10.0.0.1:5001"], ["10.0.0.2:5002"]], 2, 1),
-])
+@pytest.mark.parametrize(
+    "hosts, rank, local",
+    [
+        ([["127.0.0.1:5000"], ["127.0.0.1:5001"], ["127.0.0.1:5002"]], 1, 3),  # mlx.launch -n 3
+        ([["192.168.2.1:5000"], ["192.168.2.2:5001"]], 0, 1),  # two Macs
+        (
+            [
+                ["10.0.0.1:5000", "10.0.1.1:5001"],
+                ["10.0.0.1:5002", "10.0.1.1:5003"],
+                ["10.0.0.2:5004"],
+            ],
+            0,
+            2,
+        ),
+        ([["10.0.0.1:5000"], ["10.0.0.1:5001"], ["10.0.0.2:5002"]], 2, 1),
+    ],
+)
 def test_local_ranks_from_the_ring_hostfile(tmp_path, hosts, rank, local):
     path = tmp_path / "hosts.json"
     path.write_text(json.dumps(hosts))
@@ -202,8 +292,15 @@ def test_local_ranks_from_the_ring_hostfile(tmp_path, hosts, rank, local):
 def test_ranks_sharing_a_host_split_its_cores_unless_told():
     before = fast_blas.num_threads()
     try:
-        assert distributed.share_cores(1, fast_blas.set_num_threads, {}) is None and fast_blas.num_threads() == before
-        assert distributed.share_cores(2, fast_blas.set_num_threads, {"OPENBLAS_NUM_THREADS": "2"}) is None and fast_blas.num_threads() == before
+        assert (
+            distributed.share_cores(1, fast_blas.set_num_threads, {}) is None
+            and fast_blas.num_threads() == before
+        )
+        assert (
+            distributed.share_cores(2, fast_blas.set_num_threads, {"OPENBLAS_NUM_THREADS": "2"})
+            is None
+            and fast_blas.num_threads() == before
+        )
         threads = distributed.share_cores(2, fast_blas.set_num_threads, {})
         assert threads == expected_blas_threads(2) and fast_blas.num_threads() == threads
     finally:

@@ -22,14 +22,21 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PAGES = sorted([ROOT / "README.md", *ROOT.glob("docs/*.md"), *ROOT.glob("*/README.md"),
-                ROOT / "benchmarks/results/README.md"])
+PAGES = sorted(
+    [
+        ROOT / "README.md",
+        *ROOT.glob("docs/*.md"),
+        *ROOT.glob("*/README.md"),
+        ROOT / "benchmarks/results/README.md",
+    ]
+)
 PYTHON = {"python", "python3", ".venv/bin/python"}
 COMMAND = r"(?:(?:\.venv/bin/)?python3? |make |mlx\.launch |bash )"
 
 
 def command_lines(text: str) -> list:
-    """Shell lines shown on a page: fenced and indented blocks (continuations joined), inline code."""
+    """Shell lines shown on a page: fenced and indented blocks (continuations joined), inline
+    code."""
     lines = []
     for block in re.findall(r"^```(?:|sh|bash|shell|console)\n(.*?)^```", text, flags=re.S | re.M):
         lines += block.replace("\\\n", " ").splitlines()
@@ -52,9 +59,17 @@ def commands(text: str) -> list:
         part = []
         for word in words + ["|"]:
             if word in ("|", "&&", ";", "||"):
-                if "--" in part and part[0] in ("mlx.launch", "python") and part[:3] != ["python", "-m", "distributed.launch"]:
-                    part = part[part.index("--") + 1:]  # mlx.launch ... -- python main.py ...
-                if len(part) > 1 and (part[0] in PYTHON or part[0] in ("make", "bash")) and part[1] != "-":
+                if (
+                    "--" in part
+                    and part[0] in ("mlx.launch", "python")
+                    and part[:3] != ["python", "-m", "distributed.launch"]
+                ):
+                    part = part[part.index("--") + 1 :]  # mlx.launch ... -- python main.py ...
+                if (
+                    len(part) > 1
+                    and (part[0] in PYTHON or part[0] in ("make", "bash"))
+                    and part[1] != "-"
+                ):
                     found.append(part)
                 part = []
             else:
@@ -67,7 +82,8 @@ class Parsed(Exception):
 
 
 def parses(argv: list, page: str = "") -> str:
-    """Run the entry point in ``argv`` until its arguments are parsed; "" if they parse, else why not.
+    """Run the entry point in ``argv`` until its arguments are parsed; "" if they parse, else why
+    not.
     ``page``: the text that shows it (a removed script it says how to restore, or one to save)."""
     if argv[0] == "make":
         targets = set(re.findall(r"^([\w-]+):", (ROOT / "Makefile").read_text(), flags=re.M))
@@ -81,7 +97,9 @@ def parses(argv: list, page: str = "") -> str:
         spec = importlib.util.find_spec(module)
         if spec is None:
             path = module.replace(".", "/") + ".py"
-            restored = re.search(rf"git\s+(checkout\s+\S+\s+--\s+|show\s+\S+:){re.escape(path)}", page)
+            restored = re.search(
+                rf"git\s+(checkout\s+\S+\s+--\s+|show\s+\S+:){re.escape(path)}", page
+            )
             return "" if restored else f"no module {module}"
         origin = Path(spec.origin)
         if ROOT not in origin.parents or ROOT / ".venv" in origin.parents:
@@ -127,20 +145,30 @@ def stop_after_parsing(monkeypatch):
 @pytest.mark.parametrize("page", PAGES, ids=lambda page: str(page.relative_to(ROOT)))
 def test_every_command_shown_parses(page, stop_after_parsing):
     shown = commands(page.read_text())
-    failures = [f"{shlex.join(argv)}: {why}" for argv in shown if (why := parses(argv, page.read_text()))]
+    failures = [
+        f"{shlex.join(argv)}: {why}" for argv in shown if (why := parses(argv, page.read_text()))
+    ]
     assert not failures, "\n".join(failures)
 
 
 def test_the_check_finds_commands_and_can_fail(stop_after_parsing):
-    page = ("```\npython main.py --prompt-lookup --ngram-max 2   # fine\n"
-            "echo hi | python main.py --no-such-flag\nmake demo\n```\n"
-            "    python -m benchmarks.batch --workloads chat\n"
-            "Inline: `python -m server --port 0` and `make no-such-target`.\n")
+    page = (
+        "```\npython main.py --prompt-lookup --ngram-max 2   # fine\n"
+        "echo hi | python main.py --no-such-flag\nmake demo\n```\n"
+        "    python -m benchmarks.batch --workloads chat\n"
+        "Inline: `python -m server --port 0` and `make no-such-target`.\n"
+    )
     shown = commands(page)
-    assert [argv[:3] for argv in shown] == [["python", "main.py", "--prompt-lookup"],
-                                             ["python", "main.py", "--no-such-flag"], ["make", "demo"],
-                                             ["python", "-m", "benchmarks.batch"], ["python", "-m", "server"],
-                                             ["make", "no-such-target"]]
+    assert [argv[:3] for argv in shown] == [
+        ["python", "main.py", "--prompt-lookup"],
+        ["python", "main.py", "--no-such-flag"],
+        ["make", "demo"],
+        ["python", "-m", "benchmarks.batch"],
+        ["python", "-m", "server"],
+        ["make", "no-such-target"],
+    ]
     verdicts = [parses(argv) for argv in shown]
     assert verdicts[0] == verdicts[2] == verdicts[3] == verdicts[4] == ""
-    assert "unrecognized arguments: --no-such-flag" in verdicts[1] and "no make target" in verdicts[5]
+    assert (
+        "unrecognized arguments: --no-such-flag" in verdicts[1] and "no make target" in verdicts[5]
+    )

@@ -12,8 +12,16 @@ from hypothesis import strategies as st
 from decoder import DecodingStats, generate_step
 from head_training.data import answer_with_features, sub_vocabulary
 from head_training.train import train, unrolled_predictions
-from speculative.head import (FINAL, SHIPPED_HEAD, DraftHead, HeadMismatch, body_with_features, head_args, output_rows,
-                              save_head)
+from speculative.head import (
+    FINAL,
+    SHIPPED_HEAD,
+    DraftHead,
+    HeadMismatch,
+    body_with_features,
+    head_args,
+    output_rows,
+    save_head,
+)
 from speculative.head_loading import load_head
 from speculative.head_source import DraftHeadSource, HiddenStateTap
 from tests.helpers import assert_sampling_keeps_the_target_distribution, tiny_llama
@@ -28,23 +36,41 @@ FUSED = [0, 1, FINAL]  # the tiny target's low and middle layers, and its last h
 def random_head(target, seed, vocab_ids=None):
     """A random head that scores ``vocab_ids`` (default: none, for training-only checks)."""
     mx.random.seed(seed)
-    head = DraftHead(head_args(target.args), None if vocab_ids is None else output_rows(target, vocab_ids))
+    head = DraftHead(
+        head_args(target.args), None if vocab_ids is None else output_rows(target, vocab_ids)
+    )
     mx.eval(head.parameters())
     return head
 
 
 def train_on_own_text(target, vocab_size):
-    """A head trained for a few steps on ``target``'s own greedy text; returns (head, vocab_ids, report)."""
+    """A head trained for a few steps on ``target``'s own greedy text; returns (head, vocab_ids,
+    report)."""
     prompts = np.random.default_rng(0).integers(0, vocab_size, size=(24, 4)).tolist()
     answered = answer_with_features(target, prompts, max_tokens=24, eos_ids={0})
     sequences = [s for s, _ in answered]
-    for sequence, prompt in zip(sequences, prompts):  # the batched answers are plain greedy decoding
-        assert sequence["tokens"][4:] == tokens_of(prompt, target, max_tokens=24)[: len(sequence["tokens"]) - 4]
+    # the batched answers are plain greedy decoding
+    for sequence, prompt in zip(sequences, prompts):
+        assert (
+            sequence["tokens"][4:]
+            == tokens_of(prompt, target, max_tokens=24)[: len(sequence["tokens"]) - 4]
+        )
     features = np.concatenate([f for _, f in answered])
     offsets = np.cumsum([0] + [len(s["tokens"]) for s in sequences])
     vocab_ids = sub_vocabulary(sequences, 48, eos_ids={0}, vocab_size=vocab_size)
-    head, report = train(target, sequences, features, offsets, vocab_ids, steps_limit=60, epochs=60, lr=3e-3,
-                         depth1_fraction=0.5, batch_tokens=4096, log=lambda *_: None)
+    head, report = train(
+        target,
+        sequences,
+        features,
+        offsets,
+        vocab_ids,
+        steps_limit=60,
+        epochs=60,
+        lr=3e-3,
+        depth1_fraction=0.5,
+        batch_tokens=4096,
+        log=lambda *_: None,
+    )
     return head, mx.array(vocab_ids), report
 
 
@@ -60,10 +86,21 @@ def test_a_head_trains_for_a_qwen2_target(tmp_path):
     from mlx_lm.models import qwen2
 
     mx.random.seed(1)
-    target = qwen2.Model(qwen2.ModelArgs(model_type="qwen2", hidden_size=32, num_hidden_layers=2,
-                                         intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
-                                         rms_norm_eps=1e-6, vocab_size=VOCAB, tie_word_embeddings=True))
-    target.model.embed_tokens.weight = target.model.embed_tokens.weight * 4  # sharper than flat (tied)
+    target = qwen2.Model(
+        qwen2.ModelArgs(
+            model_type="qwen2",
+            hidden_size=32,
+            num_hidden_layers=2,
+            intermediate_size=64,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            rms_norm_eps=1e-6,
+            vocab_size=VOCAB,
+            tie_word_embeddings=True,
+        )
+    )
+    # sharper than flat (tied)
+    target.model.embed_tokens.weight = target.model.embed_tokens.weight * 4
     mx.eval(target.parameters())
     head, vocab_ids, report = train_on_own_text(target, VOCAB)
     assert report["last_loss"] < 0.8 * report["first_loss"], report
@@ -71,7 +108,9 @@ def test_a_head_trains_for_a_qwen2_target(tmp_path):
     stats = DecodingStats()
     for prompt in ([5, 6, 7, 8], [1, 2]):
         tap, source = DraftHeadSource.create(target, tmp_path / "head", num_draft=3, adaptive=False)
-        assert tokens_of(prompt, tap, [source], max_tokens=30, stats=stats) == tokens_of(prompt, target, max_tokens=30)
+        assert tokens_of(prompt, tap, [source], max_tokens=30, stats=stats) == tokens_of(
+            prompt, target, max_tokens=30
+        )
     assert stats.draft_accepted > 0
 
 
@@ -84,9 +123,12 @@ def test_body_with_features_reads_the_layers_and_puts_them_back():
         outputs.append(h)
     hidden, features = body_with_features(TARGET, tokens, FUSED)
     assert mx.allclose(hidden, body.norm(h), atol=1e-5)
-    assert mx.allclose(features, mx.concatenate([outputs[0], outputs[1], hidden], axis=-1), atol=1e-5)
+    assert mx.allclose(
+        features, mx.concatenate([outputs[0], outputs[1], hidden], axis=-1), atol=1e-5
+    )
     assert mx.array_equal(body_with_features(TARGET, tokens, [FINAL])[1], hidden)
-    assert all(type(layer) is type(body.layers[0]) for layer in body.layers)  # no recorder left behind
+    # no recorder left behind
+    assert all(type(layer) is type(body.layers[0]) for layer in body.layers)
 
 
 def test_a_fused_head_is_refused_where_only_the_last_hidden_states_are_shared():
@@ -105,18 +147,23 @@ def test_our_head_drafts_on_a_sharded_target(trained, tmp_path, mode):
 
     head, vocab_ids, _ = trained
     save_head(tmp_path / "head", head, vocab_ids, TARGET)
-    # A one-rank group: the body runs the sharded code (its own layer loop, the broadcast) in one process.
-    sharded = shard_model(tiny_llama(vocab_size=VOCAB, num_layers=3, seed=0), mx.distributed.init(), mode)
+    # A one-rank group: the body runs the sharded code (its own layer loop, the broadcast) in one
+    # process.
+    sharded = shard_model(
+        tiny_llama(vocab_size=VOCAB, num_layers=3, seed=0), mx.distributed.init(), mode
+    )
     assert isinstance(sharded.model, ShardedBody)
     prompt, drafted = [5, 6, 7, 8], {}
     for name, target in (("sharded", sharded), ("whole", TARGET)):
         stats = DecodingStats()
         tap, source = DraftHeadSource.create(target, tmp_path / "head", num_draft=3, adaptive=False)
-        assert tokens_of(prompt, tap, [source], max_tokens=40, stats=stats) == tokens_of(prompt, target, max_tokens=40)
+        assert tokens_of(prompt, tap, [source], max_tokens=40, stats=stats) == tokens_of(
+            prompt, target, max_tokens=40
+        )
         drafted[name] = (stats.draft_proposed, stats.draft_accepted)
-    # The tap reads the sharded body's final hidden states, the ones the head was trained on: it drafts
-    # and is accepted there exactly as on the whole target, about 1 token in 3 here. Reading wrong
-    # ones (zeros, noise, one position late) it was accepted 1 in 100 to 1 in 9, by chance.
+    # The tap reads the sharded body's final hidden states, the ones the head was trained on: it
+    # drafts and is accepted there exactly as on the whole target, about 1 token in 3 here. Reading
+    # wrong ones (zeros, noise, one position late) it was accepted 1 in 100 to 1 in 9, by chance.
     proposed, accepted = drafted["sharded"]
     assert accepted >= proposed / 5
     assert drafted["sharded"] == drafted["whole"]
@@ -139,25 +186,48 @@ def test_unrolled_training_steps_see_what_drafting_sees():
 
 
 def tokens_of(prompt, model, sources=(), **kwargs):
-    return [t for t, _ in generate_step(prompt, model, draft_sources=list(sources), eos_token_ids=(), **kwargs)]
+    return [
+        t
+        for t, _ in generate_step(
+            prompt, model, draft_sources=list(sources), eos_token_ids=(), **kwargs
+        )
+    ]
 
 
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(prompt=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=8), num_draft=st.integers(1, 5),
-       adaptive=st.booleans(), copier=st.sampled_from([None, "lookup", "history"]),
-       min_confidence=st.sampled_from([0.0, 0.3]), max_tokens=st.integers(1, 30))
-def test_greedy_output_with_the_head_equals_plain(trained, prompt, num_draft, adaptive, copier, min_confidence,
-                                                  max_tokens):
+@given(
+    prompt=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=8),
+    num_draft=st.integers(1, 5),
+    adaptive=st.booleans(),
+    copier=st.sampled_from([None, "lookup", "history"]),
+    min_confidence=st.sampled_from([0.0, 0.3]),
+    max_tokens=st.integers(1, 30),
+)
+def test_greedy_output_with_the_head_equals_plain(
+    trained, prompt, num_draft, adaptive, copier, min_confidence, max_tokens
+):
     from prompt_lookup import HistoryLookupSource, PromptLookupSource
 
     reference = tokens_of(prompt, TARGET, max_tokens=max_tokens)
     # With a copier first, the loop picks per step which of the two drafts (draft.choose_draft).
-    copiers = {None: [], "lookup": [PromptLookupSource()],
-               "history": [HistoryLookupSource(reference[: max_tokens // 2] + [1, 2, 3] + reference)]}
-    for head, vocab_ids in ((trained[0], trained[1]), (random_head(TARGET, 7, SUB_VOCAB), SUB_VOCAB)):
+    copiers = {
+        None: [],
+        "lookup": [PromptLookupSource()],
+        "history": [HistoryLookupSource(reference[: max_tokens // 2] + [1, 2, 3] + reference)],
+    }
+    for head, vocab_ids in (
+        (trained[0], trained[1]),
+        (random_head(TARGET, 7, SUB_VOCAB), SUB_VOCAB),
+    ):
         tap = HiddenStateTap(TARGET, head.feature_layers)
-        source = DraftHeadSource(tap, head, vocab_ids, num_draft=num_draft, adaptive=adaptive,
-                                 min_confidence=min_confidence)
+        source = DraftHeadSource(
+            tap,
+            head,
+            vocab_ids,
+            num_draft=num_draft,
+            adaptive=adaptive,
+            min_confidence=min_confidence,
+        )
         sources = copiers[copier] + [source]
         assert tokens_of(prompt, tap, sources, max_tokens=max_tokens) == reference
         # The head never reads past the features the target's cache holds.
@@ -191,11 +261,15 @@ def test_greedy_with_the_head_under_a_regex_equals_constrained_plain():
         return tokens_of([1, 2, 3], model, sources, constraint=constraint, max_tokens=12)
 
     tap = HiddenStateTap(target)
-    head = DraftHeadSource(tap, random_head(target, 3, mx.arange(vocab)), mx.arange(vocab), num_draft=3, adaptive=False)
+    head = DraftHeadSource(
+        tap, random_head(target, 3, mx.arange(vocab)), mx.arange(vocab), num_draft=3, adaptive=False
+    )
     assert run([head], tap) == run([], target)
 
 
-@pytest.mark.parametrize("temp,top_p,min_path_confidence", [(1.0, 1.0, 0.0), (0.8, 0.9, 0.0), (1.0, 1.0, 0.25)])
+@pytest.mark.parametrize(
+    "temp,top_p,min_path_confidence", [(1.0, 1.0, 0.0), (0.8, 0.9, 0.0), (1.0, 1.0, 0.25)]
+)
 def test_sampling_with_the_head_keeps_the_target_distribution(temp, top_p, min_path_confidence):
     target = tiny_llama(vocab_size=8, num_layers=2, seed=3, sharp=2.0)
     head = random_head(target, 5, mx.arange(6))
@@ -204,14 +278,24 @@ def test_sampling_with_the_head_keeps_the_target_distribution(temp, top_p, min_p
         tap = HiddenStateTap(target)
         # A sub-vocabulary of 6: q is zero on two tokens the target can still choose. With a
         # path-confidence stop, the draft length varies with the head's confidence.
-        return tap, [DraftHeadSource(tap, head, mx.arange(6), num_draft=3, adaptive=False,
-                                     min_path_confidence=min_path_confidence)]
+        return tap, [
+            DraftHeadSource(
+                tap,
+                head,
+                mx.arange(6),
+                num_draft=3,
+                adaptive=False,
+                min_path_confidence=min_path_confidence,
+            )
+        ]
 
     assert_sampling_keeps_the_target_distribution(target, make_run, temp, top_p)
 
 
 @pytest.mark.parametrize("copier", ["lookup", "history"])
-def test_sampling_with_a_copier_and_the_head_choosing_per_step_keeps_the_target_distribution(copier):
+def test_sampling_with_a_copier_and_the_head_choosing_per_step_keeps_the_target_distribution(
+    copier,
+):
     from prompt_lookup import HistoryLookupSource, PromptLookupSource
 
     target = tiny_llama(vocab_size=8, num_layers=2, seed=3, sharp=2.0)
@@ -225,7 +309,11 @@ def test_sampling_with_a_copier_and_the_head_choosing_per_step_keeps_the_target_
         source.forecast_speedup = lambda: float(rng.uniform(1.0, 2.0))
         # Something to copy from in a two-token run (the prompt alone has no repeats).
         older = rng.integers(0, 8, size=40).tolist()
-        first = PromptLookupSource(extra_context=older) if copier == "lookup" else HistoryLookupSource(older)
+        first = (
+            PromptLookupSource(extra_context=older)
+            if copier == "lookup"
+            else HistoryLookupSource(older)
+        )
         return tap, [first, source]
 
     stats = DecodingStats()
@@ -243,7 +331,9 @@ def test_a_head_for_another_target_is_refused(trained, tmp_path):
     assert mx.allclose(loaded.fuse.weight, head.fuse.weight, atol=1e-2).item()
     prompt = [5, 6, 7, 8]
     tap, source = DraftHeadSource.create(TARGET, tmp_path / "head", num_draft=3, adaptive=False)
-    assert tokens_of(prompt, tap, [source], max_tokens=20) == tokens_of(prompt, TARGET, max_tokens=20)
+    assert tokens_of(prompt, tap, [source], max_tokens=20) == tokens_of(
+        prompt, TARGET, max_tokens=20
+    )
     same_shape = tiny_llama(vocab_size=VOCAB, num_layers=3, seed=1)
     with pytest.raises(HeadMismatch, match="same shape, different weights"):
         load_head(tmp_path / "head", same_shape)
@@ -263,7 +353,9 @@ def damage(head_dir, how: str):
         weights_path.write_bytes(weights_path.read_bytes()[: weights_path.stat().st_size // 2])
         return weights_path
     if how == "weights of another head":
-        mx.save_safetensors(str(weights_path), {"vocab_ids": mx.arange(4), "head.fuse.weight": mx.zeros((2, 2))})
+        mx.save_safetensors(
+            str(weights_path), {"vocab_ids": mx.arange(4), "head.fuse.weight": mx.zeros((2, 2))}
+        )
         return weights_path
     if how == "config not JSON":
         config_path.write_text(config_path.read_text()[:40])
@@ -283,8 +375,16 @@ def damage(head_dir, how: str):
     return config_path
 
 
-DAMAGES = ["truncated weights", "weights of another head", "config not JSON", "config not an object",
-           "no fingerprint", "malformed fingerprint", "another num_layers", "another feature_layers"]
+DAMAGES = [
+    "truncated weights",
+    "weights of another head",
+    "config not JSON",
+    "config not an object",
+    "no fingerprint",
+    "malformed fingerprint",
+    "another num_layers",
+    "another feature_layers",
+]
 
 
 @pytest.mark.parametrize("how", DAMAGES)
@@ -298,7 +398,9 @@ def test_a_damaged_head_is_one_error_that_names_the_file(trained, tmp_path, how)
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not (SHIPPED_HEAD / "config.json").exists(), reason="the head has not been trained yet")
+@pytest.mark.skipif(
+    not (SHIPPED_HEAD / "config.json").exists(), reason="the head has not been trained yet"
+)
 def test_a_damaged_head_from_the_command_line(embedded, tmp_path):
     import shutil
 
@@ -309,7 +411,9 @@ def test_a_damaged_head_from_the_command_line(embedded, tmp_path):
         assert_one_line_error(cli("--max-tokens", "2", "--draft-head", str(head_dir)), str(named))
 
 
-@pytest.mark.skipif(not (SHIPPED_HEAD / "config.json").exists(), reason="the head has not been trained yet")
+@pytest.mark.skipif(
+    not (SHIPPED_HEAD / "config.json").exists(), reason="the head has not been trained yet"
+)
 def test_the_shipped_head_is_lossless_and_accepted_on_the_embedded_model(embedded, chat_prompt):
     model, tokenizer, _ = embedded
     prompt = chat_prompt("Why do cats purr, and what does it mean when they do?")
@@ -320,7 +424,9 @@ def test_the_shipped_head_is_lossless_and_accepted_on_the_embedded_model(embedde
     assert stats.draft_accepted > 0 and stats.target_forward_passes < 48
 
 
-@pytest.mark.skipif(not (SHIPPED_HEAD / "config.json").exists(), reason="the head has not been trained yet")
+@pytest.mark.skipif(
+    not (SHIPPED_HEAD / "config.json").exists(), reason="the head has not been trained yet"
+)
 def test_draft_head_from_the_command_line(embedded, tmp_path):
     args = ["--prompt", "Name three colours.", "--max-tokens", "20", "--json"]
     plain = json.loads(cli(*args).stdout)
@@ -344,8 +450,18 @@ def test_the_benchmark_prompts_are_held_out_from_training():
     # The instructions the target wrote itself for the shipped head share no sentence with them.
     written = SHIPPED_HEAD / "instructions.json"
     if written.exists():
-        sentences = {s.strip().lower() for text in json.loads(written.read_text()) for s in text.split(".") if s.strip()}
-        ours = {s.strip().lower() for text in heldout + benchmark for s in text.split(".") if len(s.split()) > 3}
+        sentences = {
+            s.strip().lower()
+            for text in json.loads(written.read_text())
+            for s in text.split(".")
+            if s.strip()
+        }
+        ours = {
+            s.strip().lower()
+            for text in heldout + benchmark
+            for s in text.split(".")
+            if len(s.split()) > 3
+        }
         assert len(sentences) > 1000 and not sentences & ours
     # The held-out chat prompts do not even mention a training topic.
     assert not [topic for topic in TOPICS for line in heldout if topic.lower() in line.lower()]
@@ -357,26 +473,33 @@ def test_the_target_writes_its_own_instructions(embedded):
     model, tokenizer, _ = embedded
     first = self_instructions(model, tokenizer, 3, seed=1, batch_size=8)
     assert first == self_instructions(model, tokenizer, 3, seed=1, batch_size=8)  # seeded
-    assert len(set(first)) == 3 and all(len(text.split()) >= 3 and "<|im" not in text for text in first), first
+    assert len(set(first)) == 3 and all(
+        len(text.split()) >= 3 and "<|im" not in text for text in first
+    ), first
 
 
 def test_a_model_that_never_ends_a_user_turn_is_refused(embedded):
     from head_training.instructions import self_instructions
 
     _, tokenizer, _ = embedded
-    babbler = tiny_llama(vocab_size=tokenizer.vocab_size, num_layers=1, seed=0)  # random: never writes <|im_end|>
+    # random: never writes <|im_end|>
+    babbler = tiny_llama(vocab_size=tokenizer.vocab_size, num_layers=1, seed=0)
     with pytest.raises(ValueError, match="no complete user turn"):
         self_instructions(babbler, tokenizer, 1, batch_size=4, max_tokens=4)
 
 
-@pytest.mark.parametrize("args,fragment", [
-    (["--instructions", "bogus"], "invalid choice: 'bogus'"),
-    (["--num-instructions", "0"], "--num-instructions must be at least 1"),
-    (["--minutes", "nan"], "--minutes must be a finite number"),
-    (["--init", "{tmp}", "--generate-minutes", "0"], "is not a draft head directory"),
-    (["--feature-layers", "1", "14", "-1"], "unrecognized arguments: --feature-layers"),  # fused heads lost
-    (["--head-layers", "2"], "unrecognized arguments: --head-layers"),
-])
+@pytest.mark.parametrize(
+    "args,fragment",
+    [
+        (["--instructions", "bogus"], "invalid choice: 'bogus'"),
+        (["--num-instructions", "0"], "--num-instructions must be at least 1"),
+        (["--minutes", "nan"], "--minutes must be a finite number"),
+        (["--init", "{tmp}", "--generate-minutes", "0"], "is not a draft head directory"),
+        # fused heads lost
+        (["--feature-layers", "1", "14", "-1"], "unrecognized arguments: --feature-layers"),
+        (["--head-layers", "2"], "unrecognized arguments: --head-layers"),
+    ],
+)
 def test_bad_training_input_is_one_line_before_generating(args, fragment, embedded, tmp_path):
     import subprocess
     import sys
@@ -384,12 +507,24 @@ def test_bad_training_input_is_one_line_before_generating(args, fragment, embedd
     from tests.test_cli import ROOT
 
     args = [a.replace("{tmp}", str(tmp_path)) for a in args]
-    result = subprocess.run([sys.executable, "-m", "head_training.train", "--out", str(tmp_path / "head"),
-                             "--work-dir", str(tmp_path / "work"), *args], capture_output=True, text=True,
-                            cwd=ROOT, timeout=300)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "head_training.train",
+            "--out",
+            str(tmp_path / "head"),
+            "--work-dir",
+            str(tmp_path / "work"),
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
     assert_one_line_error(result, fragment)
     assert not (tmp_path / "work").exists()  # refused before any instruction was written
-
 
 
 def test_no_time_to_generate_and_nothing_cached_is_one_line(embedded, tmp_path):
@@ -400,10 +535,29 @@ def test_no_time_to_generate_and_nothing_cached_is_one_line(embedded, tmp_path):
 
     written = tmp_path / "work" / "templates-seed0" / "instructions-4.json"
     written.parent.mkdir(parents=True)
-    written.write_text(json.dumps(["Name a colour.", "Name a fruit.", "Name a city.", "Name a tree."]))
-    result = subprocess.run([sys.executable, "-m", "head_training.train", "--out", str(tmp_path / "head"),
-                             "--work-dir", str(tmp_path / "work"), "--instructions", "templates",
-                             "--num-instructions", "4", "--generate-minutes", "0"], capture_output=True, text=True,
-                            cwd=ROOT, timeout=300)
+    written.write_text(
+        json.dumps(["Name a colour.", "Name a fruit.", "Name a city.", "Name a tree."])
+    )
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "head_training.train",
+            "--out",
+            str(tmp_path / "head"),
+            "--work-dir",
+            str(tmp_path / "work"),
+            "--instructions",
+            "templates",
+            "--num-instructions",
+            "4",
+            "--generate-minutes",
+            "0",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
     assert_one_line_error(result, "no answers to train on")
     assert not (tmp_path / "head").exists()

@@ -26,11 +26,22 @@ def head_config(target, draft_vocab_size=None, num_layers=1) -> dict:
     """A head config as SafeAILab publishes it (the head's own shape: here a narrower MLP and
     another RoPE base than the target's, so the head must read its own config)."""
     args = target.args
-    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
-              "hidden_size": args.hidden_size, "intermediate_size": 48, "num_attention_heads": 4,
-              "num_key_value_heads": 2, "num_hidden_layers": num_layers, "rms_norm_eps": 1e-5,
-              "rope_theta": 5000.0, "max_position_embeddings": 2048, "vocab_size": args.vocab_size,
-              "tie_word_embeddings": False, "torch_dtype": "float32"}
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_act": "silu",
+        "hidden_size": args.hidden_size,
+        "intermediate_size": 48,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "num_hidden_layers": num_layers,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 5000.0,
+        "max_position_embeddings": 2048,
+        "vocab_size": args.vocab_size,
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",
+    }
     if draft_vocab_size is not None:
         config["draft_vocab_size"] = draft_vocab_size
     return config
@@ -70,7 +81,11 @@ def write_head(path, config: dict, head, with_embeddings=False, pickled=False):
     from safetensors.torch import save_file
 
     path.mkdir(parents=True, exist_ok=True)
-    weights = {k: v.contiguous() for k, v in head.state_dict().items() if with_embeddings or k != "embed_tokens.weight"}
+    weights = {
+        k: v.contiguous()
+        for k, v in head.state_dict().items()
+        if with_embeddings or k != "embed_tokens.weight"
+    }
     if pickled:
         torch.save(weights, path / "pytorch_model.bin")
     else:
@@ -85,12 +100,21 @@ def hf_target(target):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     args = target.args
-    config = LlamaConfig(vocab_size=args.vocab_size, hidden_size=args.hidden_size,
-                         intermediate_size=args.intermediate_size, num_hidden_layers=args.num_hidden_layers,
-                         num_attention_heads=args.num_attention_heads, num_key_value_heads=args.num_key_value_heads,
-                         rms_norm_eps=args.rms_norm_eps, rope_theta=args.rope_theta, tie_word_embeddings=False)
+    config = LlamaConfig(
+        vocab_size=args.vocab_size,
+        hidden_size=args.hidden_size,
+        intermediate_size=args.intermediate_size,
+        num_hidden_layers=args.num_hidden_layers,
+        num_attention_heads=args.num_attention_heads,
+        num_key_value_heads=args.num_key_value_heads,
+        rms_norm_eps=args.rms_norm_eps,
+        rope_theta=args.rope_theta,
+        tie_word_embeddings=False,
+    )
     model = LlamaForCausalLM(config).eval()
-    model.load_state_dict({k: to_torch(v) for k, v in tree_flatten(target.parameters())}, strict=True)
+    model.load_state_dict(
+        {k: to_torch(v) for k, v in tree_flatten(target.parameters())}, strict=True
+    )
     return model
 
 
@@ -102,18 +126,25 @@ TARGET = tiny_llama(vocab_size=VOCAB, num_layers=LAYERS, hidden_size=WIDTH, seed
 TOKENS = [[5, 17, 3, 42, 8, 8, 61, 0, 33, 12, 7]]
 
 
-@pytest.mark.parametrize("with_embeddings,pickled", [(False, False), (True, False), (False, True)],
-                         ids=["safetensors", "with-embeddings", "pytorch_model.bin"])
+@pytest.mark.parametrize(
+    "with_embeddings,pickled",
+    [(False, False), (True, False), (False, True)],
+    ids=["safetensors", "with-embeddings", "pytorch_model.bin"],
+)
 def test_eagle3_draft_logits_match_the_reference(tmp_path, with_embeddings, pickled):
     draft_ids = sorted(np.random.default_rng(1).choice(VOCAB, 24, replace=False).tolist())
     config = head_config(TARGET, draft_vocab_size=len(draft_ids))
     reference = reference_head(TARGET, config, seed=2, draft_ids=draft_ids)
-    head, vocab_ids = load_head(write_head(tmp_path, config, reference, with_embeddings, pickled), TARGET)
+    head, vocab_ids = load_head(
+        write_head(tmp_path, config, reference, with_embeddings, pickled), TARGET
+    )
     assert isinstance(head, Eagle3Head) and vocab_ids.tolist() == draft_ids
 
     # The target features: the inputs of layers 2, L//2 and L-3, which the tap records as outputs.
     with torch.no_grad():
-        layer_inputs = hf_target(TARGET)(torch.tensor(TOKENS), output_hidden_states=True).hidden_states[:LAYERS]
+        layer_inputs = hf_target(TARGET)(
+            torch.tensor(TOKENS), output_hidden_states=True
+        ).hidden_states[:LAYERS]
         expected = eagle3_layer_inputs(list(layer_inputs))
     assert head.feature_layers == eagle3_feature_layers(LAYERS) == [1, 3, 4]
     _, features = body_with_features(TARGET, mx.array(TOKENS), head.feature_layers)
@@ -126,7 +157,9 @@ def test_eagle3_draft_logits_match_the_reference(tmp_path, with_embeddings, pick
         assert vocab_ids[index].item() == token  # d2t: draft index -> target token
         return token
 
-    draft_steps_agree(reference, head, expected, features, reference.logits, head.logits, next_token)
+    draft_steps_agree(
+        reference, head, expected, features, reference.logits, head.logits, next_token
+    )
 
 
 def draft_steps_agree(reference, head, expected, features, their_scores, my_scores, next_token):
@@ -157,15 +190,24 @@ def test_eagle1_draft_logits_match_the_reference(tmp_path):
     assert close(features, expected)
 
     # EAGLE-1 scores with the target's own LM head.
-    draft_steps_agree(reference, head, expected, features, oracle.lm_head, head.logits,
-                      lambda mine, theirs: int(theirs[0, -1].argmax()))
+    draft_steps_agree(
+        reference,
+        head,
+        expected,
+        features,
+        oracle.lm_head,
+        head.logits,
+        lambda mine, theirs: int(theirs[0, -1].argmax()),
+    )
 
 
 def bigram_target(vocab_size, hidden_size=64, num_layers=LAYERS, seed=0):
     """A Llama whose blocks add nothing (zero output projections), so every layer's output is
     the token's embedding and the greedy next token is ``successor[x_t]``: row j of the LM head
     is the embedding of the token whose successor is j. Returns ``(target, successor)``."""
-    target = tiny_llama(vocab_size=vocab_size, num_layers=num_layers, hidden_size=hidden_size, seed=seed, sharp=1.0)
+    target = tiny_llama(
+        vocab_size=vocab_size, num_layers=num_layers, hidden_size=hidden_size, seed=seed, sharp=1.0
+    )
     for layer in target.model.layers:
         layer.self_attn.o_proj.weight = mx.zeros_like(layer.self_attn.o_proj.weight)
         layer.mlp.down_proj.weight = mx.zeros_like(layer.mlp.down_proj.weight)
@@ -184,7 +226,9 @@ def good_heads(target, successor, tmp_path, draft_ids) -> tuple:
     its first draft token is right whenever it is in the draft vocabulary."""
     size, zero = target.args.hidden_size, torch.zeros
     eagle1 = reference_head(target, head_config(target), seed=5)
-    eagle3 = reference_head(target, head_config(target, len(draft_ids)), seed=6, draft_ids=draft_ids)
+    eagle3 = reference_head(
+        target, head_config(target, len(draft_ids)), seed=6, draft_ids=draft_ids
+    )
     embeddings = to_torch(target.model.embed_tokens.weight)
     predecessor = np.argsort(successor)
     with torch.no_grad():
@@ -196,12 +240,21 @@ def good_heads(target, successor, tmp_path, draft_ids) -> tuple:
         eagle3.fc.weight.copy_(torch.cat([torch.eye(size), zero(size, 2 * size)], dim=1))
         eagle3.norm.weight.fill_(1.0)
         eagle3.lm_head.weight.copy_(embeddings[torch.tensor(predecessor[predecessor[draft_ids]])])
-    return (write_head(tmp_path / "eagle1", head_config(target), eagle1),
-            write_head(tmp_path / "eagle3", head_config(target, len(draft_ids)), eagle3, with_embeddings=True))
+    return (
+        write_head(tmp_path / "eagle1", head_config(target), eagle1),
+        write_head(
+            tmp_path / "eagle3", head_config(target, len(draft_ids)), eagle3, with_embeddings=True
+        ),
+    )
 
 
 def tokens_of(prompt, model, sources=(), **kwargs):
-    return [t for t, _ in generate_step(prompt, model, draft_sources=list(sources), eos_token_ids=(), **kwargs)]
+    return [
+        t
+        for t, _ in generate_step(
+            prompt, model, draft_sources=list(sources), eos_token_ids=(), **kwargs
+        )
+    ]
 
 
 @pytest.mark.parametrize("bits", [None, 4], ids=["float32", "4-bit"])
@@ -216,9 +269,12 @@ def test_published_heads_are_lossless_and_accepted_through_the_library(tmp_path,
     for head_dir in (eagle1_dir, eagle3_dir):
         stats = DecodingStats()
         for prompt in ([1, 2, 3], [40], [9, 9, 9, 9, 30]):
-            tap, source = DraftHeadSource.create(target, head_dir, num_draft=3, adaptive=bits is not None)
-            assert tokens_of(prompt, tap, [source], max_tokens=24, stats=stats) == tokens_of(prompt, target,
-                                                                                           max_tokens=24)
+            tap, source = DraftHeadSource.create(
+                target, head_dir, num_draft=3, adaptive=bits is not None
+            )
+            assert tokens_of(prompt, tap, [source], max_tokens=24, stats=stats) == tokens_of(
+                prompt, target, max_tokens=24
+            )
         if head_dir == eagle1_dir:
             assert stats.draft_accepted == stats.draft_proposed > 0
         else:
@@ -237,7 +293,9 @@ def test_published_heads_from_the_command_line(tmp_path):
     target, successor = bigram_target(vocab, num_layers=LAYERS)
     model_dir = tmp_path / "target"
     tokenizer.save_pretrained(str(model_dir))
-    mx.save_safetensors(str(model_dir / "model.safetensors"), dict(tree_flatten(target.parameters())))
+    mx.save_safetensors(
+        str(model_dir / "model.safetensors"), dict(tree_flatten(target.parameters()))
+    )
     config = {k: v for k, v in vars(target.args).items() if not k.startswith("_") and v is not None}
     (model_dir / "config.json").write_text(json.dumps(config))
     draft_ids = sorted(np.random.default_rng(3).choice(vocab, vocab - 16, replace=False).tolist())
@@ -249,19 +307,37 @@ def test_published_heads_from_the_command_line(tmp_path):
         fast = json.loads(result.stdout)
         assert fast["tokens"] == plain["tokens"] and fast["draft_accepted"] > 0
     (head_dir / "config.json").write_text("{draft_vocab_size")
-    assert_one_line_error(cli(*args, "--draft-head", str(head_dir)), f"{head_dir / 'config.json'} is not valid JSON")
+    assert_one_line_error(
+        cli(*args, "--draft-head", str(head_dir)), f"{head_dir / 'config.json'} is not valid JSON"
+    )
 
 
 def test_heads_that_do_not_fit_the_target_are_refused_in_one_line(tmp_path):
     draft_ids = list(range(0, VOCAB, 2))
     config = head_config(TARGET, draft_vocab_size=len(draft_ids))
-    head_dir = write_head(tmp_path / "eagle3", config, reference_head(TARGET, config, seed=2, draft_ids=draft_ids),
-                          with_embeddings=True)
+    head_dir = write_head(
+        tmp_path / "eagle3",
+        config,
+        reference_head(TARGET, config, seed=2, draft_ids=draft_ids),
+        with_embeddings=True,
+    )
     cases = [
-        (tiny_llama(vocab_size=VOCAB, num_layers=LAYERS, hidden_size=64), "is 32 wide, the target 64"),
-        (tiny_llama(vocab_size=2 * VOCAB, num_layers=LAYERS, hidden_size=WIDTH), "a vocabulary of 64, the target 128"),
-        (tiny_llama(vocab_size=VOCAB, num_layers=5, hidden_size=WIDTH), "the target has only 5 layers"),
-        (tiny_llama(vocab_size=VOCAB, num_layers=LAYERS, hidden_size=WIDTH, seed=9), "trained for another model"),
+        (
+            tiny_llama(vocab_size=VOCAB, num_layers=LAYERS, hidden_size=64),
+            "is 32 wide, the target 64",
+        ),
+        (
+            tiny_llama(vocab_size=2 * VOCAB, num_layers=LAYERS, hidden_size=WIDTH),
+            "a vocabulary of 64, the target 128",
+        ),
+        (
+            tiny_llama(vocab_size=VOCAB, num_layers=5, hidden_size=WIDTH),
+            "the target has only 5 layers",
+        ),
+        (
+            tiny_llama(vocab_size=VOCAB, num_layers=LAYERS, hidden_size=WIDTH, seed=9),
+            "trained for another model",
+        ),
     ]
     for target, fragment in cases:
         with pytest.raises(HeadMismatch, match=fragment):
@@ -285,19 +361,29 @@ def test_heads_that_do_not_fit_the_target_are_refused_in_one_line(tmp_path):
         load_head(head_dir, TARGET)
 
 
-@pytest.mark.parametrize("change,fragment", [
-    ({"intermediate_size": None}, "is not a complete Llama config"),
-    ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
-    ({"draft_vocab_size": "many"}, "draft_vocab_size must be a count of tokens"),
-    ({"norm_before_residual": True}, "norm_before_residual and eagle_aux_hidden_state_layer_ids are not supported"),
-    ({"num_key_value_heads": 4}, "does not match"),  # the weights have 2
-])
+@pytest.mark.parametrize(
+    "change,fragment",
+    [
+        ({"intermediate_size": None}, "is not a complete Llama config"),
+        ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
+        ({"draft_vocab_size": "many"}, "draft_vocab_size must be a count of tokens"),
+        (
+            {"norm_before_residual": True},
+            "norm_before_residual and eagle_aux_hidden_state_layer_ids are not supported",
+        ),
+        ({"num_key_value_heads": 4}, "does not match"),  # the weights have 2
+    ],
+)
 def test_an_eagle3_config_that_does_not_match_is_one_line(tmp_path, change, fragment):
     draft_ids = list(range(0, VOCAB, 2))
     config = head_config(TARGET, draft_vocab_size=len(draft_ids))
-    head_dir = write_head(tmp_path, config, reference_head(TARGET, config, seed=2, draft_ids=draft_ids))
+    head_dir = write_head(
+        tmp_path, config, reference_head(TARGET, config, seed=2, draft_ids=draft_ids)
+    )
     config.update(change)
-    (head_dir / "config.json").write_text(json.dumps({k: v for k, v in config.items() if v is not None}))
+    (head_dir / "config.json").write_text(
+        json.dumps({k: v for k, v in config.items() if v is not None})
+    )
     with pytest.raises(HeadMismatch, match=fragment) as error:
         load_head(head_dir, TARGET)
     assert str(head_dir / "config.json") in str(error.value) and "\n" not in str(error.value)
@@ -313,8 +399,14 @@ def test_an_eagle3_head_is_refused_on_a_sharded_target(tmp_path):
     head_dir.mkdir()
     from safetensors.torch import save_file
 
-    save_file({k: v.contiguous() for k, v in state.items() if k not in ("d2t", "t2d", "embed_tokens.weight")},
-              str(head_dir / "model.safetensors"))
+    save_file(
+        {
+            k: v.contiguous()
+            for k, v in state.items()
+            if k not in ("d2t", "t2d", "embed_tokens.weight")
+        },
+        str(head_dir / "model.safetensors"),
+    )
     (head_dir / "config.json").write_text(json.dumps(config))
     assert load_head(head_dir, TARGET)[1].tolist() == draft_ids
     sharded = tiny_llama(vocab_size=VOCAB, num_layers=LAYERS, hidden_size=WIDTH, seed=0)
@@ -331,7 +423,9 @@ def test_sampling_with_an_eagle3_head_keeps_the_target_distribution(tmp_path):
     target = tiny_llama(vocab_size=8, num_layers=LAYERS, hidden_size=WIDTH, seed=3, sharp=2.0)
     draft_ids = [0, 2, 3, 5, 6, 7]  # q is zero on two tokens the target can still choose
     config = head_config(target, draft_vocab_size=len(draft_ids))
-    head, vocab_ids = load_head(write_head(tmp_path, config, reference_head(target, config, 7, draft_ids)), target)
+    head, vocab_ids = load_head(
+        write_head(tmp_path, config, reference_head(target, config, 7, draft_ids)), target
+    )
 
     def make_run():
         tap = HiddenStateTap(target, head.feature_layers)

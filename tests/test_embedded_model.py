@@ -76,8 +76,10 @@ def test_prompt_lookup_is_lossless_on_the_embedded_model(embedded, chat_prompt):
     from prompt_lookup import PromptLookupSource
 
     model, tokenizer, _ = embedded
-    document = ("Repeat this list exactly: apples, pears, plums, cherries, apricots, peaches, grapes, "
-                "lemons, limes, oranges.")
+    document = (
+        "Repeat this list exactly: apples, pears, plums, cherries, apricots, peaches, grapes, "
+        "lemons, limes, oranges."
+    )
     prompt = chat_prompt(document)
     plain = generate(model, tokenizer, prompt, max_tokens=40)
     fast = generate(model, tokenizer, prompt, max_tokens=40, draft_sources=[PromptLookupSource()])

@@ -32,16 +32,31 @@ print(json.dumps({"loaded": path, "mapped": fast_blas.loaded(), "description": f
 
 def run_child(mode, tmp_path, code=CHILD, cwd=ROOT, **env):
     """Returns the child's JSON report and the library libmlx.so's cblas_sgemm was bound to."""
-    env = {**os.environ, "LD_DEBUG": "bindings", "LD_DEBUG_OUTPUT": str(tmp_path / "ld"),
-           "XDG_CACHE_HOME": str(tmp_path / "cache"), **env}
+    env = {
+        **os.environ,
+        "LD_DEBUG": "bindings",
+        "LD_DEBUG_OUTPUT": str(tmp_path / "ld"),
+        "XDG_CACHE_HOME": str(tmp_path / "cache"),
+        **env,
+    }
     env.pop("LD_PRELOAD", None)
-    result = subprocess.run([sys.executable, "-c", code, mode], cwd=cwd, env=env, capture_output=True,
-                            text=True, timeout=120, check=True)
+    result = subprocess.run(
+        [sys.executable, "-c", code, mode],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
     assert result.stderr == "", result.stderr  # no warning: a fast BLAS was found
     # One log per process: "binding file <user> [0] to <definer> [0]: normal symbol `cblas_sgemm'".
-    bound = [line.split(" to ")[1].split(" [")[0]
-             for log in tmp_path.glob("ld.*") for line in log.read_text(errors="replace").splitlines()
-             if "libmlx.so" in line.split(" to ")[0] and "`cblas_sgemm'" in line]
+    bound = [
+        line.split(" to ")[1].split(" [")[0]
+        for log in tmp_path.glob("ld.*")
+        for line in log.read_text(errors="replace").splitlines()
+        if "libmlx.so" in line.split(" to ")[0] and "`cblas_sgemm'" in line
+    ]
     assert len(set(bound)) == 1, bound
     return json.loads(result.stdout.splitlines()[-1]), os.path.realpath(bound[0])
 
@@ -119,7 +134,9 @@ def test_one_warning_line_when_nothing_fast_is_found(nothing_loaded, monkeypatch
     assert err.count("\n") == 1 and "pip install ngsolve-openblas" in err  # once per process
 
 
-def test_a_library_that_fails_to_load_is_named_not_reinstalled(nothing_loaded, monkeypatch, capsys, tmp_path):
+def test_a_library_that_fails_to_load_is_named_not_reinstalled(
+    nothing_loaded, monkeypatch, capsys, tmp_path
+):
     broken = tmp_path / "libopenblas.so.0"
     broken.write_bytes(b"not an ELF file")
     monkeypatch.setattr(fast_blas, "candidates", lambda system=True: [broken])
@@ -149,11 +166,14 @@ print(json.dumps({"late": late, "mapped": fast_blas.loaded(), "description": fas
 
 
 def test_an_empty_mlx_folder_first_on_the_path_does_not_hide_mlx(tmp_path):
-    # `mlx` is a namespace package: an empty mlx/ in the working directory becomes its first portion.
+    # `mlx` is a namespace package: an empty mlx/ in the working directory becomes its first
+    # portion.
     if not fast_blas.wheel_libraries():
         pytest.skip("pip install ngsolve-openblas (requirements.txt)")
     (tmp_path / "work" / "mlx").mkdir(parents=True)
-    report, bound = run_child("wheel", tmp_path, cwd=tmp_path / "work", PYTHONPATH=f"{tmp_path / 'work'}:{ROOT}")
+    report, bound = run_child(
+        "wheel", tmp_path, cwd=tmp_path / "work", PYTHONPATH=f"{tmp_path / 'work'}:{ROOT}"
+    )
     assert report["loaded"] is not None and "site-packages" in bound and "mlx_cpu.libs" not in bound
     assert report["description"].startswith("OpenBLAS")
 
@@ -163,8 +183,12 @@ def test_an_unwritable_cache_links_in_a_temporary_directory(tmp_path):
         pytest.skip("pip install ngsolve-openblas (requirements.txt)")
     (tmp_path / "a-file").write_text("")
     (tmp_path / "tmp").mkdir()
-    report, bound = run_child("wheel", tmp_path, XDG_CACHE_HOME=str(tmp_path / "a-file" / "cache"),
-                              TMPDIR=str(tmp_path / "tmp"))
+    report, bound = run_child(
+        "wheel",
+        tmp_path,
+        XDG_CACHE_HOME=str(tmp_path / "a-file" / "cache"),
+        TMPDIR=str(tmp_path / "tmp"),
+    )
     # The linker names the symlink it opened, which is gone by now: compare names.
     assert report["loaded"] is not None and Path(bound).name == Path(report["mapped"]).name
     assert "mlx_cpu.libs" not in bound and report["description"].startswith("OpenBLAS")

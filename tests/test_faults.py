@@ -32,11 +32,16 @@ def write_tiny_gguf(path: Path):
     tokens = [alphabet[byte] for byte in range(256)] + ["ab", "<eos>"]
     hidden, intermediate, vocab = 32, 64, len(tokens)
     shapes = {
-        "token_embd.weight": (vocab, hidden), "output_norm.weight": (hidden,),
-        "blk.0.attn_norm.weight": (hidden,), "blk.0.ffn_norm.weight": (hidden,),
-        "blk.0.attn_q.weight": (hidden, hidden), "blk.0.attn_k.weight": (16, hidden),
-        "blk.0.attn_v.weight": (16, hidden), "blk.0.attn_output.weight": (hidden, hidden),
-        "blk.0.ffn_gate.weight": (intermediate, hidden), "blk.0.ffn_up.weight": (intermediate, hidden),
+        "token_embd.weight": (vocab, hidden),
+        "output_norm.weight": (hidden,),
+        "blk.0.attn_norm.weight": (hidden,),
+        "blk.0.ffn_norm.weight": (hidden,),
+        "blk.0.attn_q.weight": (hidden, hidden),
+        "blk.0.attn_k.weight": (16, hidden),
+        "blk.0.attn_v.weight": (16, hidden),
+        "blk.0.attn_output.weight": (hidden, hidden),
+        "blk.0.ffn_gate.weight": (intermediate, hidden),
+        "blk.0.ffn_up.weight": (intermediate, hidden),
         "blk.0.ffn_down.weight": (hidden, intermediate),
     }
     mx.random.seed(0)
@@ -46,14 +51,21 @@ def write_tiny_gguf(path: Path):
         return mx.array(value, dtype=mx.uint32)
 
     metadata = {
-        "general.architecture": "llama", "tokenizer.ggml.model": "gpt2",
-        "llama.attention.head_count": integer(4), "llama.attention.head_count_kv": integer(2),
-        "llama.embedding_length": integer(hidden), "llama.feed_forward_length": integer(intermediate),
-        "llama.block_count": integer(1), "llama.context_length": integer(4096),
-        "llama.attention.layer_norm_rms_epsilon": mx.array(1e-5), "llama.rope.freq_base": mx.array(10000.0),
-        "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.merges": [f"{alphabet[97]} {alphabet[98]}"],
+        "general.architecture": "llama",
+        "tokenizer.ggml.model": "gpt2",
+        "llama.attention.head_count": integer(4),
+        "llama.attention.head_count_kv": integer(2),
+        "llama.embedding_length": integer(hidden),
+        "llama.feed_forward_length": integer(intermediate),
+        "llama.block_count": integer(1),
+        "llama.context_length": integer(4096),
+        "llama.attention.layer_norm_rms_epsilon": mx.array(1e-5),
+        "llama.rope.freq_base": mx.array(10000.0),
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.merges": [f"{alphabet[97]} {alphabet[98]}"],
         "tokenizer.ggml.token_type": mx.array([1] * 257 + [3], dtype=mx.int32),
-        "tokenizer.ggml.bos_token_id": integer(257), "tokenizer.ggml.eos_token_id": integer(257),
+        "tokenizer.ggml.bos_token_id": integer(257),
+        "tokenizer.ggml.eos_token_id": integer(257),
     }
     mx.save_gguf(str(path), weights, metadata)
     return path
@@ -73,12 +85,22 @@ def tiny_model(tiny_gguf, tmp_path_factory):
 
 
 def run(args, script="main.py", stdout=subprocess.PIPE):
-    return subprocess.run([sys.executable, str(ROOT / script), *args], stdin=subprocess.DEVNULL, stdout=stdout,
-                          stderr=subprocess.PIPE, cwd=ROOT, timeout=300)
+    return subprocess.run(
+        [sys.executable, str(ROOT / script), *args],
+        stdin=subprocess.DEVNULL,
+        stdout=stdout,
+        stderr=subprocess.PIPE,
+        cwd=ROOT,
+        timeout=300,
+    )
 
 
 def assert_one_line_error(result, fragment):
-    stderr = result.stderr.decode(errors="replace") if isinstance(result.stderr, bytes) else result.stderr
+    stderr = (
+        result.stderr.decode(errors="replace")
+        if isinstance(result.stderr, bytes)
+        else result.stderr
+    )
     assert result.returncode not in (0, None), stderr
     assert stderr.count("\n") == 1 and "Traceback" not in stderr, stderr
     assert fragment in stderr, stderr
@@ -116,15 +138,24 @@ def cache_env(tmp_path, tiny_gguf):
     """A private cache and temporary directory; returns (env, models_dir, tmp_dir, hold_dir)."""
     (tmp_path / "tmp").mkdir()
     (tmp_path / "hold").mkdir()
-    env = {"XDG_CACHE_HOME": str(tmp_path / "cache"), "TMPDIR": str(tmp_path / "tmp"),
-           "TINY_GGUF": str(tiny_gguf), "PYTHONPATH": str(ROOT)}
+    env = {
+        "XDG_CACHE_HOME": str(tmp_path / "cache"),
+        "TMPDIR": str(tmp_path / "tmp"),
+        "TINY_GGUF": str(tiny_gguf),
+        "PYTHONPATH": str(ROOT),
+    }
     return env, tmp_path / "cache" / "mlx-decoding" / "models", tmp_path / "tmp", tmp_path / "hold"
 
 
 def start_cache_run(env, hold=None):
     env = {**os.environ, **env, **({"HOLD": str(hold)} if hold else {})}
-    return subprocess.Popen([sys.executable, "-c", CACHE_RUN], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    return subprocess.Popen(
+        [sys.executable, "-c", CACHE_RUN],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
 
 
 def wait_for(condition, timeout=120):
@@ -135,8 +166,13 @@ def wait_for(condition, timeout=120):
 
 
 def leftovers(*directories):
-    return [entry.name for directory in directories if directory.exists() for entry in directory.iterdir()
-            if ".converting-" in entry.name or ".removing-" in entry.name]
+    return [
+        entry.name
+        for directory in directories
+        if directory.exists()
+        for entry in directory.iterdir()
+        if ".converting-" in entry.name or ".removing-" in entry.name
+    ]
 
 
 def test_concurrent_first_use_shares_one_copy(cache_env):
@@ -191,7 +227,9 @@ def test_unwritable_cache_converts_into_a_temporary_directory(cache_env, tmp_pat
 
 
 def dead_pid() -> int:
-    process = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    process = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
     return int(process.stdout)
 
 
@@ -270,22 +308,28 @@ def test_stale_staging_of_a_dead_process_is_swept(tmp_path):
     (tmp_path / f"model.converting-{os.getpid()}").mkdir()  # alive: ours
     (tmp_path / f"notes.converting-{dead}.txt").write_text("not ours")
     sweep(tmp_path)
-    assert sorted(p.name for p in tmp_path.iterdir()) == [f"model.converting-{os.getpid()}",
-                                                          f"notes.converting-{dead}.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        f"model.converting-{os.getpid()}",
+        f"notes.converting-{dead}.txt",
+    ]
 
 
 # ---------------------------------------------------------------------------------------------
 # convert.py: everything it cannot do is refused before any work, in one line.
 
-@pytest.mark.parametrize("args,fragment", [
-    (["--mlx-path", "/proc/no-such-dir/out"], "cannot write /proc/no-such-dir/out"),
-    (["--mlx-path", "{file}/out"], "Not a directory"),
-    (["--mlx-path", "{tmp}/q7", "-q", "--q-bits", "7"], "--q-bits 7"),
-    (["--mlx-path", "{tmp}/g0", "-q", "--q-group-size", "0"], "--q-group-size 0"),
-    (["--mlx-path", "{tmp}/l0", "--num-layers", "0"], "--num-layers"),
-    (["--mlx-path", "{tmp}/o", "--bogus"], "unrecognized arguments"),
-    (["--mlx-path", "{tmp}/o", "--q-bits", "four"], "invalid int value"),
-])
+
+@pytest.mark.parametrize(
+    "args,fragment",
+    [
+        (["--mlx-path", "/proc/no-such-dir/out"], "cannot write /proc/no-such-dir/out"),
+        (["--mlx-path", "{file}/out"], "Not a directory"),
+        (["--mlx-path", "{tmp}/q7", "-q", "--q-bits", "7"], "--q-bits 7"),
+        (["--mlx-path", "{tmp}/g0", "-q", "--q-group-size", "0"], "--q-group-size 0"),
+        (["--mlx-path", "{tmp}/l0", "--num-layers", "0"], "--num-layers"),
+        (["--mlx-path", "{tmp}/o", "--bogus"], "unrecognized arguments"),
+        (["--mlx-path", "{tmp}/o", "--q-bits", "four"], "invalid int value"),
+    ],
+)
 def test_convert_refuses_in_one_line(args, fragment, tiny_gguf, tmp_path):
     (tmp_path / "file").write_text("")
     args = [arg.format(file=tmp_path / "file", tmp=tmp_path) for arg in args]
@@ -296,6 +340,7 @@ def test_convert_refuses_in_one_line(args, fragment, tiny_gguf, tmp_path):
 # ---------------------------------------------------------------------------------------------
 # main.py input: bytes that are not UTF-8, non-finite and out-of-range numbers (in process: main()
 # is what a subprocess would run, minus the seconds of imports).
+
 
 def run_main(monkeypatch, capsys, args, stdin_bytes=None):
     import main
@@ -310,32 +355,42 @@ def run_main(monkeypatch, capsys, args, stdin_bytes=None):
     return exit_info.value.code, capsys.readouterr().err
 
 
-@pytest.mark.parametrize("args,stdin,fragment", [
-    (["--prompt-file", "{latin1}"], None, "is not UTF-8 text: byte 0xe9 at offset 3"),
-    (["--prompt-file", "/bin/ls"], None, "is not UTF-8 text: byte 0x"),
-    (["--prompt-file", "{tmp}"], None, "is a directory"),
-    (["--prompt-file", "{tmp}/missing.txt"], None, "prompt file not found"),
-    (["--prompt", "caf\udce9"], None, "--prompt is not UTF-8 text: byte 0xe9 at offset 3"),
-    (["--system", "\udcff"], None, "--system is not UTF-8 text: byte 0xff at offset 0"),
-    (["--regex", "a\udcc3"], None, "--regex is not UTF-8 text"),
-    (["--json-schema", '{"const": "caf\udce9"}'], None, "--json-schema is not UTF-8 text: byte 0xe9"),
-    ([], b"caf\xe9 au lait", "stdin is not UTF-8 text: byte 0xe9 at offset 3"),
-    (["--temp", "nan"], None, "--temp must be a finite number"),
-    (["--temp", "inf"], None, "--temp must be a finite number"),
-    (["--temp", "1e-40"], None, "--temp must be 0"),
-    (["--top-p", "nan"], None, "--top-p must be a finite number"),
-    (["--seed", "-1"], None, "--seed must be in [0, 2**64)"),
-    (["--seed", "99999999999999999999"], None, "--seed must be in [0, 2**64)"),
-    (["--num-draft", "99999999999"], None, "--num-draft must be between"),
-    (["--ngram-max", "99999999999"], None, "ngram-max <= 256"),
-    (["--grammar", "{tmp}"], None, "is a directory; give a file path"),
-    (["--lookup-history", "{latin1}/store.npz"], None, "latin1.txt is not a directory"),
-])
+@pytest.mark.parametrize(
+    "args,stdin,fragment",
+    [
+        (["--prompt-file", "{latin1}"], None, "is not UTF-8 text: byte 0xe9 at offset 3"),
+        (["--prompt-file", "/bin/ls"], None, "is not UTF-8 text: byte 0x"),
+        (["--prompt-file", "{tmp}"], None, "is a directory"),
+        (["--prompt-file", "{tmp}/missing.txt"], None, "prompt file not found"),
+        (["--prompt", "caf\udce9"], None, "--prompt is not UTF-8 text: byte 0xe9 at offset 3"),
+        (["--system", "\udcff"], None, "--system is not UTF-8 text: byte 0xff at offset 0"),
+        (["--regex", "a\udcc3"], None, "--regex is not UTF-8 text"),
+        (
+            ["--json-schema", '{"const": "caf\udce9"}'],
+            None,
+            "--json-schema is not UTF-8 text: byte 0xe9",
+        ),
+        ([], b"caf\xe9 au lait", "stdin is not UTF-8 text: byte 0xe9 at offset 3"),
+        (["--temp", "nan"], None, "--temp must be a finite number"),
+        (["--temp", "inf"], None, "--temp must be a finite number"),
+        (["--temp", "1e-40"], None, "--temp must be 0"),
+        (["--top-p", "nan"], None, "--top-p must be a finite number"),
+        (["--seed", "-1"], None, "--seed must be in [0, 2**64)"),
+        (["--seed", "99999999999999999999"], None, "--seed must be in [0, 2**64)"),
+        (["--num-draft", "99999999999"], None, "--num-draft must be between"),
+        (["--ngram-max", "99999999999"], None, "ngram-max <= 256"),
+        (["--grammar", "{tmp}"], None, "is a directory; give a file path"),
+        (["--lookup-history", "{latin1}/store.npz"], None, "latin1.txt is not a directory"),
+    ],
+)
 def test_bad_input_is_one_line_before_loading(args, stdin, fragment, tmp_path, monkeypatch, capsys):
     import loading.load as loading
 
     (tmp_path / "latin1.txt").write_bytes("café\n".encode("latin-1"))
-    args = [arg.replace("{latin1}", str(tmp_path / "latin1.txt")).replace("{tmp}", str(tmp_path)) for arg in args]
+    args = [
+        arg.replace("{latin1}", str(tmp_path / "latin1.txt")).replace("{tmp}", str(tmp_path))
+        for arg in args
+    ]
     monkeypatch.setattr(loading, "load_model", lambda *a: pytest.fail("loaded the model"))
     code, stderr = run_main(monkeypatch, capsys, args, stdin)
     assert code == 1 and stderr.count("\n") == 1 and fragment in stderr, stderr
@@ -343,6 +398,7 @@ def test_bad_input_is_one_line_before_loading(args, stdin, fragment, tmp_path, m
 
 # Paths the user gave are theirs: refused in one line that never says to delete them, and left as
 # they were. Only a file the tool made in its own cache may be called deletable.
+
 
 def test_a_folder_for_lookup_history_is_one_line_and_left_alone(tmp_path, monkeypatch, capsys):
     import loading.load as loading
@@ -353,26 +409,41 @@ def test_a_folder_for_lookup_history_is_one_line_and_left_alone(tmp_path, monkey
     monkeypatch.setattr(loading, "load_model", lambda *a, **k: pytest.fail("loaded the model"))
     code, stderr = run_main(monkeypatch, capsys, ["--lookup-history", str(folder)])
     assert code == 1 and stderr.count("\n") == 1, stderr
-    assert f"--lookup-history {folder} is a directory; give a file path" in stderr and "delete" not in stderr
-    assert [p.name for p in folder.iterdir()] == ["notes.txt"] and (folder / "notes.txt").read_text() == "mine"
+    assert (
+        f"--lookup-history {folder} is a directory; give a file path" in stderr
+        and "delete" not in stderr
+    )
+    assert [p.name for p in folder.iterdir()] == ["notes.txt"] and (
+        folder / "notes.txt"
+    ).read_text() == "mine"
 
 
-def test_a_users_file_that_is_not_a_store_is_not_called_deletable(tiny_model, tmp_path, monkeypatch, capsys):
+def test_a_users_file_that_is_not_a_store_is_not_called_deletable(
+    tiny_model, tmp_path, monkeypatch, capsys
+):
     notes = tmp_path / "notes.npz"
     notes.write_bytes(b"my own notes")
     args = ["--model", str(tiny_model), "--prompt", "hi", "--lookup-history", str(notes)]
     code, stderr = run_main(monkeypatch, capsys, args)
     assert code == 1 and stderr.count("\n") == 1, stderr
-    assert "is not a history store" in stderr and "give another path" in stderr and "delete" not in stderr
+    assert (
+        "is not a history store" in stderr
+        and "give another path" in stderr
+        and "delete" not in stderr
+    )
     assert notes.read_bytes() == b"my own notes"
 
 
-def test_a_damaged_store_in_the_tools_own_cache_may_be_deleted(tiny_model, tmp_path, monkeypatch, capsys):
+def test_a_damaged_store_in_the_tools_own_cache_may_be_deleted(
+    tiny_model, tmp_path, monkeypatch, capsys
+):
     store = tmp_path / "mlx-decoding" / "history" / "store.npz"
     store.parent.mkdir(parents=True)
     store.write_bytes(b"damaged")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    code, stderr = run_main(monkeypatch, capsys, ["--model", str(tiny_model), "--prompt", "hi", "--lookup-history"])
+    code, stderr = run_main(
+        monkeypatch, capsys, ["--model", str(tiny_model), "--prompt", "hi", "--lookup-history"]
+    )
     assert code == 1 and stderr.count("\n") == 1, stderr
     assert f"{store} is not a history store" in stderr and "delete it to start a new one" in stderr
 
@@ -398,6 +469,7 @@ def test_constraint_error_is_one_line(monkeypatch, capsys):
 # ---------------------------------------------------------------------------------------------
 # main.py output: a reader that went away, a full disk.
 
+
 def test_closed_pipe_exits_quietly(tiny_model):
     read_end, write_end = os.pipe()
     os.close(read_end)  # like `| head -c 10` once head has exited
@@ -417,6 +489,7 @@ def test_full_disk_is_one_line(tiny_model):
 
 # ---------------------------------------------------------------------------------------------
 # The constrained loop under any logits: only allowed tokens, or a clean ConstraintError.
+
 
 class ScoresModel:
     """A stand-in target that returns whatever rows of scores it is given, in turn."""
@@ -444,7 +517,9 @@ def constraint_for(pattern, cache_dir):
     from constrained import RegexConstraint
 
     _tokenizer = _tokenizer or tiny_byte_tokenizer()
-    return RegexConstraint.from_regex(pattern, _tokenizer, vocab_size=len(_tokenizer), cache_dir=cache_dir)
+    return RegexConstraint.from_regex(
+        pattern, _tokenizer, vocab_size=len(_tokenizer), cache_dir=cache_dir
+    )
 
 
 @st.composite
@@ -452,18 +527,24 @@ def score_rows(draw, vocab_size):
     """Rows of logits: finite noise, with some rows or entries NaN, -inf or +inf."""
     count = draw(st.integers(1, 6))
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
-    rows = rng.normal(scale=draw(st.sampled_from([0.1, 3.0, 30.0])), size=(count, vocab_size)).astype(np.float32)
+    rows = rng.normal(
+        scale=draw(st.sampled_from([0.1, 3.0, 30.0])), size=(count, vocab_size)
+    ).astype(np.float32)
     for row in rows:
         kind = draw(st.sampled_from(["finite", "nan", "-inf", "spotted"]))
         if kind in ("nan", "-inf"):
             row[:] = float(kind)
         elif kind == "spotted":
             spots = rng.random(vocab_size) < draw(st.sampled_from([0.1, 0.5, 0.95]))
-            row[spots] = rng.choice(np.array([np.nan, -np.inf, np.inf], dtype=np.float32), spots.sum())
+            row[spots] = rng.choice(
+                np.array([np.nan, -np.inf, np.inf], dtype=np.float32), spots.sum()
+            )
     return rows
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(data=st.data())
 def test_constrained_loop_emits_only_allowed_tokens_or_fails_cleanly(data, tmp_path):
     from constrained import ForcedTextSource
@@ -473,17 +554,30 @@ def test_constrained_loop_emits_only_allowed_tokens_or_fails_cleanly(data, tmp_p
     constraint = constraint_for(pattern, tmp_path)
     vocab_size = len(_tokenizer)
     rows = data.draw(score_rows(vocab_size))
-    drafts = data.draw(st.lists(st.lists(st.integers(0, vocab_size - 1), max_size=4), min_size=1, max_size=4))
-    scripted = ScriptedSource(lambda tokens, max_draft: drafts[len(tokens) % len(drafts)][:max_draft])
-    sources = data.draw(st.sampled_from([[], [scripted], [ForcedTextSource(constraint, _tokenizer), scripted]]))
+    drafts = data.draw(
+        st.lists(st.lists(st.integers(0, vocab_size - 1), max_size=4), min_size=1, max_size=4)
+    )
+    scripted = ScriptedSource(
+        lambda tokens, max_draft: drafts[len(tokens) % len(drafts)][:max_draft]
+    )
+    sources = data.draw(
+        st.sampled_from([[], [scripted], [ForcedTextSource(constraint, _tokenizer), scripted]])
+    )
     temp, top_p = data.draw(st.sampled_from([(0.0, 1.0), (1.0, 1.0), (0.7, 0.9)]))
     mx.random.seed(data.draw(st.integers(0, 2**32 - 1)))
 
     emitted = []
     try:
-        for token, _ in generate_step([0], ScoresModel(rows), draft_sources=sources, constraint=constraint,
-                                      temp=temp, top_p=top_p, max_tokens=12,
-                                      eos_token_ids=[_tokenizer.eos_token_id]):
+        for token, _ in generate_step(
+            [0],
+            ScoresModel(rows),
+            draft_sources=sources,
+            constraint=constraint,
+            temp=temp,
+            top_p=top_p,
+            max_tokens=12,
+            eos_token_ids=[_tokenizer.eos_token_id],
+        ):
             emitted.append(token)
     except ConstraintError:
         assert not np.isfinite(rows).all(), "failed although every score was finite"
@@ -504,6 +598,15 @@ def test_nan_scores_do_not_hide_a_finite_allowed_token(tmp_path):
     row[ord("z")] = 50.0  # the best score, but forbidden
     mx.random.seed(0)
     for temp in (0.0, 1.0):
-        tokens = [token for token, _ in generate_step([0], ScoresModel(row[None]), constraint=constraint_for(
-            r"[ab]", tmp_path), temp=temp, max_tokens=1, eos_token_ids=())]
+        tokens = [
+            token
+            for token, _ in generate_step(
+                [0],
+                ScoresModel(row[None]),
+                constraint=constraint,
+                temp=temp,
+                max_tokens=1,
+                eos_token_ids=(),
+            )
+        ]
         assert tokens == [ord("b")]

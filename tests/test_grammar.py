@@ -18,19 +18,29 @@ pytest.importorskip("llguidance")
 pytest.importorskip("lark")
 
 from constrained import RegexConstraint  # noqa: E402
-from constrained.grammar import (GrammarConstraint, GrammarError, GrammarForcedSource,  # noqa: E402
-                                compile_grammar)
+from constrained.grammar import (
+    GrammarConstraint,
+    GrammarError,
+    GrammarForcedSource,  # noqa: E402
+    compile_grammar,
+)
 from decoder import DecodingStats, generate  # noqa: E402
 from prompt_lookup import PromptLookupSource  # noqa: E402
 from speculative import DraftModelSource  # noqa: E402
-from tests.helpers import ScriptedSource, assert_constrained_sampling_is_exact, tiny_byte_tokenizer, tiny_llama  # noqa: E402
+from tests.helpers import (
+    ScriptedSource,
+    assert_constrained_sampling_is_exact,
+    tiny_byte_tokenizer,
+    tiny_llama,
+)  # noqa: E402
 from tests.lark_oracle import lark_parser, parses  # noqa: E402
 from tests.test_cli import ROOT, assert_one_line_error, cli  # noqa: E402
 
 GBNF_DIR = Path(__file__).parent / "data" / "gbnf"
 TOKENIZER = tiny_byte_tokenizer()
 EOS = TOKENIZER.eos_token_id
-VOCAB = len(TOKENIZER) + 5  # logits wider than the tokenizer, as SmolLM2's may be: masks pad with False
+# logits wider than the tokenizer, as SmolLM2's may be: masks pad with False
+VOCAB = len(TOKENIZER) + 5
 MODEL = tiny_llama(vocab_size=VOCAB, num_layers=2, hidden_size=32, seed=7, sharp=3.0)
 DRAFT_MODEL = tiny_llama(vocab_size=VOCAB, num_layers=1, hidden_size=32, seed=8, sharp=3.0)
 
@@ -45,9 +55,15 @@ LARK_GRAMMARS = [
     EXPRESSION,
     'start: "{\\"name\\": \\"" /[a-z]{1,8}/ "\\", \\"tags\\": [" (TAG ("," TAG)*)? "]}"\nTAG: /"[a-c]{1,3}"/',
 ]
-SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
-                                           "age": {"type": "integer", "minimum": 0, "maximum": 120}},
-          "required": ["name", "age"], "additionalProperties": False}
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    },
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
 
 
 def grammar_constraint(grammar, tokenizer=TOKENIZER, vocab_size=VOCAB):
@@ -59,8 +75,16 @@ def grammar_constraint(grammar, tokenizer=TOKENIZER, vocab_size=VOCAB):
 def run(grammar, prompt, sources=(), model=MODEL, max_tokens=40, **kwargs):
     constraint = grammar_constraint(grammar)
     sources = [source(constraint) if callable(source) else source for source in sources]
-    return generate(model, TOKENIZER, prompt, constraint=constraint, draft_sources=sources,
-                    max_tokens=max_tokens, stats=DecodingStats(), **kwargs)
+    return generate(
+        model,
+        TOKENIZER,
+        prompt,
+        constraint=constraint,
+        draft_sources=sources,
+        max_tokens=max_tokens,
+        stats=DecodingStats(),
+        **kwargs,
+    )
 
 
 def forced(constraint):
@@ -69,6 +93,7 @@ def forced(constraint):
 
 # --- losslessness --------------------------------------------------------------------------------
 
+
 def noise_source(seed):
     rng = random.Random(seed)
     # Ids past the tokenizer's vocabulary too: the walk must cut them, not break the matcher.
@@ -76,16 +101,26 @@ def noise_source(seed):
 
 
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(grammar=st.sampled_from(LARK_GRAMMARS + [SCHEMA]), prompt=st.lists(st.integers(0, 255), min_size=1, max_size=6),
-       seed=st.integers(0, 1000))
+@given(
+    grammar=st.sampled_from(LARK_GRAMMARS + [SCHEMA]),
+    prompt=st.lists(st.integers(0, 255), min_size=1, max_size=6),
+    seed=st.integers(0, 1000),
+)
 def test_greedy_output_is_the_same_with_every_draft_source(grammar, prompt, seed):
     reference = run(grammar, prompt)
     assert reference.stats.target_forward_passes == reference.generation_tokens
+
     def lookup():
         return PromptLookupSource(ngram_max=2, num_draft=4, adaptive=False)
 
     draft_model = DraftModelSource(DRAFT_MODEL, VOCAB, num_draft=3, adaptive=False)
-    for sources in ([forced], [noise_source(seed)], [lookup()], [draft_model], [forced, lookup(), noise_source(seed)]):
+    for sources in (
+        [forced],
+        [noise_source(seed)],
+        [lookup()],
+        [draft_model],
+        [forced, lookup(), noise_source(seed)],
+    ):
         result = run(grammar, prompt, sources)
         assert result.tokens == reference.tokens, list(result.stats.sources)
 
@@ -100,8 +135,14 @@ def test_forced_text_saves_target_steps_and_names_its_source():
 
 def test_the_same_constraint_is_reusable_after_reset():
     constraint = grammar_constraint(EXPRESSION)
-    first = generate(MODEL, TOKENIZER, [3, 4], constraint=constraint, draft_sources=[forced(constraint)],
-                     max_tokens=30)
+    first = generate(
+        MODEL,
+        TOKENIZER,
+        [3, 4],
+        constraint=constraint,
+        draft_sources=[forced(constraint)],
+        max_tokens=30,
+    )
     constraint.reset()
     again = generate(MODEL, TOKENIZER, [3, 4], constraint=constraint, max_tokens=30)
     assert again.tokens == first.tokens
@@ -109,14 +150,19 @@ def test_the_same_constraint_is_reusable_after_reset():
 
 # --- masks ---------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("lark_grammar, regex", [
-    ("start: /[0-9]{4}-[0-9]{2}-[0-9]{2}/", r"\d{4}-\d{2}-\d{2}"),
-    ("start: /(ab)+/", r"(ab)+"),
-    ('start: /[a-c]+/ "@example.com"', r"[a-c]+@example\.com"),
-    ('start: "name" | "names: " /[a-z]{0,3}/', r"name|names: [a-z]{0,3}"),
-])
+
+@pytest.mark.parametrize(
+    "lark_grammar, regex",
+    [
+        ("start: /[0-9]{4}-[0-9]{2}-[0-9]{2}/", r"\d{4}-\d{2}-\d{2}"),
+        ("start: /(ab)+/", r"(ab)+"),
+        ('start: /[a-c]+/ "@example.com"', r"[a-c]+@example\.com"),
+        ('start: "name" | "names: " /[a-z]{0,3}/', r"name|names: [a-z]{0,3}"),
+    ],
+)
 def test_masks_equal_the_regex_engines_masks(lark_grammar, regex, tmp_path):
-    """Two engines, one language: llguidance's masks equal the hand-written DFA's token index at every
+    """Two engines, one language: llguidance's masks equal the hand-written DFA's token index at
+    every
     position of random walks, EOS and padding included, except one documented difference: inside
     text the grammar forces, llguidance also drops tokens that split it non-canonically (only "ab",
     not "a", when "ab" is forced and is a token)."""
@@ -133,7 +179,10 @@ def test_masks_equal_the_regex_engines_masks(lark_grammar, regex, tmp_path):
             assert (allowed <= expected).all()
             for token in np.flatnonzero(expected & ~allowed):
                 token_text = TOKENIZER.decode([int(token)]).encode()
-                assert forced_text.startswith(token_text) and token_text != forced_text, (token_text, forced_text)
+                assert forced_text.startswith(token_text) and token_text != forced_text, (
+                    token_text,
+                    forced_text,
+                )
             token = rng.choice(np.flatnonzero(allowed).tolist())
             if token == EOS:
                 break
@@ -148,11 +197,13 @@ def test_draft_masks_equal_step_by_step_masks_and_rollback_is_exact():
     assert len(states) == len(draft) + 1
     masks = np.array(constraint.masks(states))
     for position, token in enumerate(draft):
-        assert np.array_equal(masks[position], np.array(stepper.masks(stepper.walk([])))[0]), position
+        assert np.array_equal(masks[position], np.array(stepper.masks(stepper.walk([])))[0]), (
+            position
+        )
         if token != EOS:
             stepper.advance([token])
     assert masks[-1].tolist() == [token == EOS for token in range(VOCAB)]  # after EOS, only EOS
-    assert not masks[:, len(TOKENIZER):].any()  # padding past the tokenizer
+    assert not masks[:, len(TOKENIZER) :].any()  # padding past the tokenizer
     # The matcher is back where it started: the same walk gives the same masks.
     assert np.array_equal(np.array(constraint.masks(constraint.walk(draft))), masks)
 
@@ -171,24 +222,28 @@ def test_walk_keeps_the_first_forbidden_or_out_of_vocabulary_token_to_be_rejecte
 
 # --- sampling ------------------------------------------------------------------------------------
 
+
 def test_sampling_keeps_the_masked_target_distribution():
     """Two sampled tokens under a grammar, with a random drafter that has its own distribution,
     against the target's masked joint distribution computed by brute force."""
     assert_constrained_sampling_is_exact(MODEL, grammar_constraint("start: /[a-e]{2}/"))
 
 
-# --- outputs an independent parser accepts ----------------------------------------------------------
+# --- outputs an independent parser accepts
+# ----------------------------------------------------------
+
 
 class EndsSoon:
-    """The tiny model with bonuses, after `min_tokens` generated tokens, on EOS and on characters that
-    close things (quotes, brackets, newlines, "="), so sampled outputs end soon after a grammar
+    """The tiny model with bonuses, after `min_tokens` generated tokens, on EOS and on characters
+    that close things (quotes, brackets, newlines, "="), so sampled outputs end soon after a grammar
     allows it: a random model rarely closes a JSON string or picks EOS by itself."""
 
     CLOSERS = {'"': 5.0, "}": 3.0, "]": 3.0, "\n": 3.0, "=": 2.0}
 
     def __init__(self, model, prompt_length, min_tokens=6):
         self.model, self.layers, self.args = model, model.layers, model.args
-        self.start = prompt_length - 1 + min_tokens  # cache position of the first token given the bonus
+        # cache position of the first token given the bonus
+        self.start = prompt_length - 1 + min_tokens
         bonus = np.zeros(model.args.vocab_size, dtype=np.float32)
         bonus[EOS] = 6.0
         for char, value in self.CLOSERS.items():
@@ -202,12 +257,19 @@ class EndsSoon:
 
 
 def finished_samples(grammar, wanted=2, max_seeds=8, max_tokens=60):
-    """Texts of up to `wanted` sampled outputs that ended with EOS (a random model may not end one)."""
+    """Texts of up to `wanted` sampled outputs that ended with EOS (a random model may not end
+    one)."""
     prompt, texts = [7, 8, 9], []
     for seed in range(max_seeds):
         mx.random.seed(seed)
-        result = run(grammar, prompt, [forced], model=EndsSoon(MODEL, len(prompt)), max_tokens=max_tokens,
-                     temp=1.0)
+        result = run(
+            grammar,
+            prompt,
+            [forced],
+            model=EndsSoon(MODEL, len(prompt)),
+            max_tokens=max_tokens,
+            temp=1.0,
+        )
         if result.finish_reason == "stop":
             texts.append(result.text)
             if len(texts) == wanted:
@@ -223,13 +285,29 @@ def test_lark_outputs_parse_with_the_lark_package(grammar):
 
 
 def test_json_schema_outputs_validate_where_the_regex_engine_refuses():
-    """Recursion and patternProperties: the regex compiler cuts or refuses these, llguidance does not."""
-    tree = {"$defs": {"node": {"type": "object", "properties": {
-        "v": {"type": "integer", "minimum": 0, "maximum": 9},
-        "kids": {"type": "array", "items": {"$ref": "#/$defs/node"}, "maxItems": 2}},
-        "required": ["v"], "additionalProperties": False}}, "$ref": "#/$defs/node"}
-    pattern_keys = {"type": "object", "patternProperties": {"^x_[a-c]{1,2}$": {"type": "boolean"}},
-                    "additionalProperties": False, "minProperties": 1, "maxProperties": 2}
+    """Recursion and patternProperties: the regex compiler cuts or refuses these, llguidance does
+    not."""
+    tree = {
+        "$defs": {
+            "node": {
+                "type": "object",
+                "properties": {
+                    "v": {"type": "integer", "minimum": 0, "maximum": 9},
+                    "kids": {"type": "array", "items": {"$ref": "#/$defs/node"}, "maxItems": 2},
+                },
+                "required": ["v"],
+                "additionalProperties": False,
+            }
+        },
+        "$ref": "#/$defs/node",
+    }
+    pattern_keys = {
+        "type": "object",
+        "patternProperties": {"^x_[a-c]{1,2}$": {"type": "boolean"}},
+        "additionalProperties": False,
+        "minProperties": 1,
+        "maxProperties": 2,
+    }
     for schema in (tree, pattern_keys, SCHEMA):
         finished = finished_samples(schema, max_tokens=80)
         assert finished, schema
@@ -238,18 +316,20 @@ def test_json_schema_outputs_validate_where_the_regex_engine_refuses():
 
 
 GBNF_FILES = sorted(GBNF_DIR.glob("*.gbnf"))
-# Grammars that load but cannot generate a finished output, with the reason (tests/data/gbnf/README.md).
+# Grammars that load but cannot generate a finished output, with the reason
+# (tests/data/gbnf/README.md).
 UNFINISHABLE = {
-    # NUM and IDENT become lexemes ending in WS ([ \t\n]*), and llguidance lexes greedily: the root's
-    # final "\n" is always taken as more whitespace, so EOS is never allowed. A CFG parser accepts "1=2\n".
-    "arithmetic": "1=2\n",
+    # NUM and IDENT become lexemes ending in WS ([ \t\n]*), and llguidance lexes greedily: the
+    # root's final "\n" is always taken as more whitespace, so EOS is never allowed. A CFG parser
+    # accepts "1=2\n".
+    "arithmetic": "1=2\n"
 }
 
 
 @pytest.mark.parametrize("path", GBNF_FILES, ids=lambda path: path.stem)
 def test_llama_cpp_grammars_load_and_generate_output_lark_accepts(path):
-    """llama.cpp's grammars/*.gbnf: every one loads in llguidance, and every finished sample parses with
-    the `lark` package on the converted grammar; the unfinishable ones are checked to be so."""
+    """llama.cpp's grammars/*.gbnf: every one loads in llguidance, and every finished sample parses
+    with the `lark` package on the converted grammar; the unfinishable ones are checked to be so."""
     from llguidance.gbnf_to_lark import gbnf_to_lark
 
     text = path.read_text()
@@ -258,7 +338,9 @@ def test_llama_cpp_grammars_load_and_generate_output_lark_accepts(path):
         example = UNFINISHABLE[path.stem]
         constraint = grammar_constraint(text)
         tokens = TOKENIZER.encode(example, add_special_tokens=False)
-        assert parses(parser, example) and constraint.matcher.validate_tokens(tokens + [EOS]) == len(tokens)
+        assert parses(parser, example) and constraint.matcher.validate_tokens(
+            tokens + [EOS]
+        ) == len(tokens)
         return
     finished = finished_samples(text)
     assert finished, f"no sample of {path.name} finished"
@@ -274,26 +356,42 @@ def test_gbnf_is_detected_and_bad_grammars_raise_one_clear_error():
     with pytest.raises(GrammarError, match="GBNF"):
         compile_grammar('root ::= ( "a"')
     with pytest.raises(GrammarError, match="Unimplemented keys"):
-        GrammarConstraint.from_json_schema({"if": {"type": "integer"}, "then": {"minimum": 1}}, TOKENIZER, VOCAB)
+        GrammarConstraint.from_json_schema(
+            {"if": {"type": "integer"}, "then": {"minimum": 1}}, TOKENIZER, VOCAB
+        )
 
 
 # --- the command line ----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("args, fragment", [
-    (["--grammar", "start: missing"], "llguidance refused the grammar: "),
-    (["--grammar", 'root ::= "a"', "--regex", "a"], "give --grammar alone"),
-    (["--grammar", "missing.gbnf"], "grammar file not found: missing.gbnf"),
-    (["--json-schema", '{"type": "object", "propertyNames": {"maxLength": 3}}'], "Unimplemented keys"),
-])
+
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (["--grammar", "start: missing"], "llguidance refused the grammar: "),
+        (["--grammar", 'root ::= "a"', "--regex", "a"], "give --grammar alone"),
+        (["--grammar", "missing.gbnf"], "grammar file not found: missing.gbnf"),
+        (
+            ["--json-schema", '{"type": "object", "propertyNames": {"maxLength": 3}}'],
+            "Unimplemented keys",
+        ),
+    ],
+)
 def test_cli_refusals_are_one_line(args, fragment):
     assert_one_line_error(cli(*args), fragment)
 
 
 def test_cli_without_llguidance_says_what_to_install():
-    block = "import runpy, sys; sys.modules['llguidance'] = None; sys.argv = ['main.py'] + sys.argv[1:]; " \
-            "runpy.run_path('main.py', run_name='__main__')"
-    result = subprocess.run([sys.executable, "-c", block, "--grammar", 'root ::= "a"'], capture_output=True,
-                            text=True, cwd=ROOT, timeout=300)
+    block = (
+        "import runpy, sys; sys.modules['llguidance'] = None; sys.argv = ['main.py'] + sys.argv[1:]; "
+        "runpy.run_path('main.py', run_name='__main__')"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", block, "--grammar", 'root ::= "a"'],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
     assert_one_line_error(result, "pip install llguidance")
 
 
@@ -303,8 +401,10 @@ def test_the_library_without_llguidance_says_what_to_install(monkeypatch):
         GrammarConstraint.from_grammar('start: "a"', TOKENIZER, VOCAB)
 
 
-ONLY_LLGUIDANCE = {"type": "integer", "multipleOf": 7, "minimum": 0, "maximum": 99}  # regex: "multipleOf 7"
-NEITHER = {"type": "string", "not": {"const": "a"}}  # llguidance: "Unimplemented keys"; regex: "not"
+# regex: "multipleOf 7"
+ONLY_LLGUIDANCE = {"type": "integer", "multipleOf": 7, "minimum": 0, "maximum": 99}
+# llguidance: "Unimplemented keys"; regex: "not"
+NEITHER = {"type": "string", "not": {"const": "a"}}
 
 
 def test_compile_schema_prefers_llguidance_and_falls_back_in_one_line(monkeypatch, capsys):
@@ -313,14 +413,20 @@ def test_compile_schema_prefers_llguidance_and_falls_back_in_one_line(monkeypatc
 
     assert compile_schema(ONLY_LLGUIDANCE)[0] == "grammar" and capsys.readouterr().err == ""
     assert compile_schema(True) == ("regex", schema_to_regex(True))  # any JSON value
-    assert capsys.readouterr().err == ("note: llguidance refused the schema (Expecting object schema to apply "
-                                       "options); using the built-in compiler\n")
-    with pytest.raises(GrammarError, match="Expecting object schema"):  # asked for by name: no fallback
+    assert capsys.readouterr().err == (
+        "note: llguidance refused the schema (Expecting object schema to apply "
+        "options); using the built-in compiler\n"
+    )
+    # asked for by name: no fallback
+    with pytest.raises(GrammarError, match="Expecting object schema"):
         compile_schema(True, "llguidance")
     with pytest.raises(SchemaError) as caught:
         compile_schema(NEITHER)
     message = str(caught.value)
-    assert "Unimplemented keys" in message and "the built-in compiler refused it too: not is not supported" in message
+    assert (
+        "Unimplemented keys" in message
+        and "the built-in compiler refused it too: not is not supported" in message
+    )
     assert "\n" not in message and capsys.readouterr().err == ""
     monkeypatch.setitem(sys.modules, "llguidance", None)
     assert compile_schema({"type": "boolean"}) == ("regex", schema_to_regex({"type": "boolean"}))
@@ -351,8 +457,13 @@ def test_cli_gbnf_and_lark_grammars_with_the_embedded_model(embedded):
     gbnf = 'root ::= "The answer is " ("yes" | "no") "."'
     lark_grammar = 'start: "The answer is " ANSWER "."\nANSWER: "yes" | "no"'
     for grammar in (gbnf, lark_grammar):
-        result = cli("--prompt", "Is Paris in France?", "--grammar", grammar, "--json", "--prompt-lookup")
+        result = cli(
+            "--prompt", "Is Paris in France?", "--grammar", grammar, "--json", "--prompt-lookup"
+        )
         assert result.returncode == 0, result.stderr
         data = json.loads(result.stdout)
-        assert data["finish_reason"] == "stop" and data["text"] in ("The answer is yes.", "The answer is no.")
+        assert data["finish_reason"] == "stop" and data["text"] in (
+            "The answer is yes.",
+            "The answer is no.",
+        )
         assert data["draft_sources"]["grammar"]["accepted"] > 0

@@ -13,8 +13,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from decoder.cost import PassCost
 from decoder import DecodingStats, generate_step
+from decoder.cost import PassCost
 from prompt_lookup import PromptLookupSource
 from prompt_lookup.history import (
     HistoryError,
@@ -45,14 +45,27 @@ def plain(prompt, max_tokens):
     num_draft=st.integers(1, 8),
     max_history_tokens=st.integers(1, 64),
 )
-def test_greedy_decoding_is_lossless(prompt, outputs, include_plain, max_tokens, num_draft, max_history_tokens):
+def test_greedy_decoding_is_lossless(
+    prompt, outputs, include_plain, max_tokens, num_draft, max_history_tokens
+):
     reference = plain(prompt, max_tokens)
     # The model's own output in the store is the case that drafts the most.
     history = join_outputs(outputs + ([reference] if include_plain else []))
-    source = HistoryLookupSource(history, max_history_tokens=max_history_tokens, num_draft=num_draft)
+    source = HistoryLookupSource(
+        history, max_history_tokens=max_history_tokens, num_draft=num_draft
+    )
     stats = DecodingStats()
-    drafted = [t for t, _ in generate_step(prompt, MODEL, draft_sources=[source], max_tokens=max_tokens,
-                                           stats=stats, eos_token_ids=())]
+    drafted = [
+        t
+        for t, _ in generate_step(
+            prompt,
+            MODEL,
+            draft_sources=[source],
+            max_tokens=max_tokens,
+            stats=stats,
+            eos_token_ids=(),
+        )
+    ]
     assert drafted == reference
     assert stats.target_forward_passes == len(drafted) - stats.draft_accepted
 
@@ -62,10 +75,18 @@ def test_a_remembered_output_is_drafted_next_time():
     reference = plain(prompt, 30)
     source = HistoryLookupSource(num_draft=8)
     first, second = DecodingStats(), DecodingStats()
-    list(generate_step(prompt, MODEL, draft_sources=[source], max_tokens=30, stats=first, eos_token_ids=()))
+    list(
+        generate_step(
+            prompt, MODEL, draft_sources=[source], max_tokens=30, stats=first, eos_token_ids=()
+        )
+    )
     source.remember(reference)
-    again = [t for t, _ in generate_step(prompt, MODEL, draft_sources=[source], max_tokens=30, stats=second,
-                                         eos_token_ids=())]
+    again = [
+        t
+        for t, _ in generate_step(
+            prompt, MODEL, draft_sources=[source], max_tokens=30, stats=second, eos_token_ids=()
+        )
+    ]
     assert again == reference
     # The whole answer is in the store: drafts cover nearly all of it.
     assert second.target_forward_passes <= 6
@@ -94,10 +115,14 @@ def test_store_round_trip_and_bound(tmp_path):
     assert load_history(path).size == 0
     append_history(path, [[1, 2, 3]], max_tokens=10)
     append_history(path, [[4, 5], [6, 7, 8]], max_tokens=10)
-    assert load_history(path).tolist() == [1, 2, 3, SEPARATOR, 4, 5, SEPARATOR, 6, 7, 8, SEPARATOR][-7:]
+    assert (
+        load_history(path).tolist()
+        == [1, 2, 3, SEPARATOR, 4, 5, SEPARATOR, 6, 7, 8, SEPARATOR][-7:]
+    )
     append_history(path, [list(range(20, 26))], max_tokens=10)
     assert load_history(path).tolist() == [20, 21, 22, 23, 24, 25, SEPARATOR]
-    assert sorted(p.name for p in path.parent.iterdir()) == ["store.npz", "store.npz.lock"]  # no temp file left
+    # no temp file left
+    assert sorted(p.name for p in path.parent.iterdir()) == ["store.npz", "store.npz.lock"]
 
 
 def test_a_failed_write_leaves_the_old_store(tmp_path, monkeypatch):
@@ -155,12 +180,25 @@ def test_bad_arguments_raise(kwargs):
 @pytest.mark.slow
 def test_cli_flag_end_to_end(tmp_path):
     store = tmp_path / "store.npz"
-    command = [sys.executable, str(ROOT / "main.py"), "--prompt", "Name three colours.", "--max-tokens", "24",
-               "--json", "--lookup-history", str(store)]
+    command = [
+        sys.executable,
+        str(ROOT / "main.py"),
+        "--prompt",
+        "Name three colours.",
+        "--max-tokens",
+        "24",
+        "--json",
+        "--lookup-history",
+        str(store),
+    ]
     env = {**os.environ, "OPENBLAS_NUM_THREADS": "1"}
-    first = json.loads(subprocess.run(command, capture_output=True, text=True, check=True, env=env).stdout)
+    first = json.loads(
+        subprocess.run(command, capture_output=True, text=True, check=True, env=env).stdout
+    )
     assert load_history(store).tolist() == first["tokens"] + [SEPARATOR]
-    second = json.loads(subprocess.run(command, capture_output=True, text=True, check=True, env=env).stdout)
+    second = json.loads(
+        subprocess.run(command, capture_output=True, text=True, check=True, env=env).stdout
+    )
     assert second["tokens"] == first["tokens"]
     # The same request again: its first answer is in the store, so nearly every token is drafted.
     assert second["draft_sources"]["history_lookup"]["accepted"] >= len(second["tokens"]) - 4
@@ -168,7 +206,9 @@ def test_cli_flag_end_to_end(tmp_path):
     assert json.loads(plain_run.stdout)["tokens"] == first["tokens"]
     bad = tmp_path / "bad.npz"
     bad.write_text("garbage")
-    failed = subprocess.run(command[:-1] + [str(bad)], check=False, capture_output=True, text=True, env=env)
+    failed = subprocess.run(
+        command[:-1] + [str(bad)], check=False, capture_output=True, text=True, env=env
+    )
     assert failed.returncode == 1
     assert failed.stderr.startswith("error: ") and failed.stderr.count("\n") == 1
 
@@ -187,9 +227,19 @@ def test_the_replay_study_counts_the_loops_passes(prompt, outputs, max_tokens):
     answer = plain(prompt, max_tokens)
     for source in (PromptLookupSource(), HistoryLookupSource(join_outputs(outputs + [answer[:5]]))):
         stats = DecodingStats()
-        # The replay prices passes at the cost model's prior; a clock that stands still keeps the loop there too.
-        list(generate_step(prompt, MODEL, draft_sources=[source], max_tokens=max_tokens, stats=stats,
-                           eos_token_ids=(), pass_cost=PassCost(clock=lambda: 0.0)))
+        # The replay prices passes at the cost model's prior; a clock that stands still keeps the
+        # loop there too.
+        list(
+            generate_step(
+                prompt,
+                MODEL,
+                draft_sources=[source],
+                max_tokens=max_tokens,
+                stats=stats,
+                eos_token_ids=(),
+                pass_cost=PassCost(clock=lambda: 0.0),
+            )
+        )
         replayed = replay(source, prompt, answer, max_tokens)
         assert replayed["passes"] == stats.target_forward_passes
         assert replayed["drafted"] == stats.draft_proposed
@@ -201,19 +251,30 @@ def test_copies_from_the_store_and_from_the_answer_keep_separate_estimates():
     source.reset()
     from_store, from_answer = (2, True), (2, False)
     assert source.match_kind(2, 0) == from_store
-    assert source.match_kind(9, len(store) + 3) == (3, False)  # from the generation; long counts as ngram_max
-    assert source.draft_length(from_store) == source.draft_length(from_answer) == source.num_draft  # the prior
+    # from the generation; long counts as ngram_max
+    assert source.match_kind(9, len(store) + 3) == (3, False)
+    # the prior
+    assert source.draft_length(from_store) == source.draft_length(from_answer) == source.num_draft
     tokens = [1, 2, 7, 8]  # "7 8" occurs only in the store
     for _ in range(3):  # the store's copies are rejected
         draft = source.propose(tokens, 8)
-        assert draft.tokens[0] == 9 and draft.expected_speedup == source.expected_speedup(from_store, len(draft.tokens))
+        assert draft.tokens[0] == 9 and draft.expected_speedup == source.expected_speedup(
+            from_store, len(draft.tokens)
+        )
         source.update(tokens, len(draft.tokens), 0)
-    assert 0 < source.draft_length(from_store) < source.draft_length(from_answer) == source.num_draft
-    # A 2-gram of the answer itself ("5 6", after 0 there and 4 here) is still copied at full length.
+    assert (
+        0 < source.draft_length(from_store) < source.draft_length(from_answer) == source.num_draft
+    )
+    # A 2-gram of the answer itself ("5 6", after 0 there and 4 here) is still copied at full
+    # length.
     tokens += [0, 5, 6, *range(20, 30), 4, 5, 6]
     draft = source.propose(tokens, 8)
     assert draft.tokens == list(range(20, 28))
-    assert draft.expected_speedup == source.expected_speedup(from_answer, 8) > source.expected_speedup(from_store, 8)
+    assert (
+        draft.expected_speedup
+        == source.expected_speedup(from_answer, 8)
+        > source.expected_speedup(from_store, 8)
+    )
 
 
 def test_a_draft_says_what_it_expects_and_longer_agreement_expects_more():
@@ -223,7 +284,8 @@ def test_a_draft_says_what_it_expects_and_longer_agreement_expects_more():
         end_with_a_match(tokens, ngram)
         target_accepts(source, tokens, num_accepted)
     assert source.expected_speedup(3, 4) > source.expected_speedup(2, 1) > 1.0
-    assert source.expected_speedup(1, 8) < 1.0  # a long copy of a poor match costs more than it gives
+    # a long copy of a poor match costs more than it gives
+    assert source.expected_speedup(1, 8) < 1.0
     draft = source.propose(tokens, 8)  # after the 3-gram match
     assert draft.expected_speedup == source.expected_speedup(3, len(draft.tokens))
     assert PromptLookupSource(adaptive=False).propose(tokens, 8).expected_speedup is None
@@ -234,6 +296,7 @@ def test_the_head_ships_a_seed_that_is_read_but_never_written(tmp_path):
     """``--draft-head --lookup-history PATH``: the store starts with the seed shipped with the
     head, and the run appends its output to PATH only."""
     import hashlib
+
     import main
 
     seed = ROOT / "speculative" / "heads" / "smollm2-135m" / "history.npz"
@@ -241,11 +304,23 @@ def test_the_head_ships_a_seed_that_is_read_but_never_written(tmp_path):
     assert seed_tokens.size > 10_000 and seed_tokens[-1] == SEPARATOR
     before = hashlib.sha256(seed.read_bytes()).hexdigest()
     store = tmp_path / "fresh.npz"
-    args = main.build_parser().parse_args(["--draft-head", "--lookup-history", str(store), "--max-tokens", "12",
-                                           "--json", "--prompt", "Name three colours."])
+    args = main.build_parser().parse_args(
+        [
+            "--draft-head",
+            "--lookup-history",
+            str(store),
+            "--max-tokens",
+            "12",
+            "--json",
+            "--prompt",
+            "Name three colours.",
+        ]
+    )
     _, _, _, kwargs = main.build_run(args)
     source = kwargs["draft_sources"][0]
-    assert isinstance(source, HistoryLookupSource) and source.history.tolist() == seed_tokens.tolist()
+    assert (
+        isinstance(source, HistoryLookupSource) and source.history.tolist() == seed_tokens.tolist()
+    )
     result = main.run(args)
     assert load_history(store).tolist() == result.tokens + [SEPARATOR]
     assert hashlib.sha256(seed.read_bytes()).hexdigest() == before

@@ -1,4 +1,5 @@
-"""The lazy token index: same masks as a dense index, bounded memory and disk, and a cache that heals."""
+"""The lazy token index: same masks as a dense index, bounded memory and disk, and a cache that
+heals."""
 
 import os
 import re
@@ -10,8 +11,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from constrained.regex_dfa import RegexError, compile_regex, states_reaching
-from constrained.token_index import (TokenIndex, TokenTable, load_or_build_index, token_byte_strings,
-                                     walk_tokens)
+from constrained.token_index import (
+    TokenIndex,
+    TokenTable,
+    load_or_build_index,
+    token_byte_strings,
+    walk_tokens,
+)
 from tests.helpers import tiny_byte_tokenizer
 
 TOKENIZER = tiny_byte_tokenizer()
@@ -20,8 +26,10 @@ EOS = TOKENIZER.eos_token_id
 TOKEN_BYTES = token_byte_strings(TOKENIZER, VOCAB)
 # The same vocabulary without a few one-byte tokens: the up-front token-level check must run.
 MISSING = {ord("b"), ord("1"), ord(":")}
-GAPPY_BYTES = [None if token is not None and len(token) == 1 and token[0] in MISSING else token
-               for token in TOKEN_BYTES]
+GAPPY_BYTES = [
+    None if token is not None and len(token) == 1 and token[0] in MISSING else token
+    for token in TOKEN_BYTES
+]
 
 
 def dense_rows(dfa, token_bytes):
@@ -35,10 +43,17 @@ def dense_rows(dfa, token_bytes):
 
 
 atoms = st.sampled_from(["a", "b", "1", ":", "[ab]", "[^a]", r"\d", ".", "é", "(ab|b1)", "日"])
-regexes = st.recursive(atoms, lambda inner: st.one_of(
-    st.tuples(inner, inner).map("".join), st.tuples(inner, inner).map(lambda p: f"(?:{p[0]}|{p[1]})"),
-    st.tuples(inner, st.sampled_from(["*", "+", "?", "{2}", "{1,3}"])).map(lambda p: f"(?:{p[0]}){p[1]}")),
-    max_leaves=6)
+regexes = st.recursive(
+    atoms,
+    lambda inner: st.one_of(
+        st.tuples(inner, inner).map("".join),
+        st.tuples(inner, inner).map(lambda p: f"(?:{p[0]}|{p[1]})"),
+        st.tuples(inner, st.sampled_from(["*", "+", "?", "{2}", "{1,3}"])).map(
+            lambda p: f"(?:{p[0]}){p[1]}"
+        ),
+    ),
+    max_leaves=6,
+)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -51,12 +66,14 @@ def test_lazy_rows_equal_the_dense_index(pattern, gappy):
         with pytest.raises(RegexError, match="the vocabulary cannot spell the regex"):
             TokenIndex.build(dfa, token_bytes, [EOS])
         return
-    index = TokenIndex.build(dfa, token_bytes, [EOS], row_cache_bytes=0)  # the smallest cache: rows get evicted
+    # the smallest cache: rows get evicted
+    index = TokenIndex.build(dfa, token_bytes, [EOS], row_cache_bytes=0)
     for state in list(range(dfa.num_states)) * 2:
         assert np.array_equal(index.row(state), rows[state]), (pattern, state)
     states = list(range(dfa.num_states))
     assert np.array_equal(np.array(index.masks(states)), rows >= 0)
-    # A cached row is (V,) int32 next states and a (V,) bool mask: the cache holds max_cached_rows at most.
+    # A cached row is (V,) int32 next states and a (V,) bool mask: the cache holds max_cached_rows
+    # at most.
     assert index.cached_bytes <= index.max_cached_rows * 5 * len(token_bytes)
 
 
@@ -117,10 +134,14 @@ def test_an_unwritable_cache_only_warns(tmp_path, capfd):
     try:
         if os.access(readonly, os.W_OK):
             pytest.skip("running as a user who can write anywhere (root)")
-        index = load_or_build_index(r"\d+", TOKENIZER, VOCAB, [EOS], cache_dir=readonly / "regex-index")
+        index = load_or_build_index(
+            r"\d+", TOKENIZER, VOCAB, [EOS], cache_dir=readonly / "regex-index"
+        )
         assert index.next_state(index.start, TOKENIZER.convert_tokens_to_ids("7")) >= 0
         err = capfd.readouterr().err
-        assert err.count("\n") == 1 and err.startswith("warning: cannot write the regex index cache")
+        assert err.count("\n") == 1 and err.startswith(
+            "warning: cannot write the regex index cache"
+        )
     finally:
         readonly.chmod(0o700)
 

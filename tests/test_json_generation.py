@@ -15,14 +15,33 @@ TOKENIZER = tiny_byte_tokenizer()
 MODEL = tiny_llama(vocab_size=len(TOKENIZER), num_layers=2, hidden_size=32, seed=3, sharp=3.0)
 # Bounded strings and arrays: every walk ends, so a random model reaches EOS.
 TINY_SCHEMAS = [
-    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6}, "age": {"type": "integer",
-     "minimum": 18, "maximum": 99}, "admin": {"type": "boolean"}}, "required": ["name", "age"]},
+    {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 6},
+            "age": {"type": "integer", "minimum": 18, "maximum": 99},
+            "admin": {"type": "boolean"},
+        },
+        "required": ["name", "age"],
+    },
     {"type": "array", "items": {"enum": ["red", "green", 7, None]}, "minItems": 1, "maxItems": 3},
-    {"oneOf": [{"type": "object", "properties": {"op": {"const": "add"}, "x": {"type": "integer", "maximum": 99,
-                                                                                "minimum": -9}},
-                "required": ["op", "x"]},
-               {"type": "object", "properties": {"op": {"const": "date"}, "d": {"type": "string", "format": "date"}},
-                "required": ["op", "d"]}]},
+    {
+        "oneOf": [
+            {
+                "type": "object",
+                "properties": {
+                    "op": {"const": "add"},
+                    "x": {"type": "integer", "maximum": 99, "minimum": -9},
+                },
+                "required": ["op", "x"],
+            },
+            {
+                "type": "object",
+                "properties": {"op": {"const": "date"}, "d": {"type": "string", "format": "date"}},
+                "required": ["op", "d"],
+            },
+        ]
+    },
 ]
 
 
@@ -32,10 +51,20 @@ def validate(schema, text):
 
 
 def run(schema, prompt, model, tokenizer, forced, max_tokens, **kwargs):
-    constraint = RegexConstraint.from_json_schema(schema, tokenizer, vocab_size=model.args.vocab_size)
+    constraint = RegexConstraint.from_json_schema(
+        schema, tokenizer, vocab_size=model.args.vocab_size
+    )
     sources = [ForcedTextSource(constraint, tokenizer)] if forced else []
-    return generate(model, tokenizer, prompt, constraint=constraint, draft_sources=sources,
-                    max_tokens=max_tokens, stats=DecodingStats(), **kwargs)
+    return generate(
+        model,
+        tokenizer,
+        prompt,
+        constraint=constraint,
+        draft_sources=sources,
+        max_tokens=max_tokens,
+        stats=DecodingStats(),
+        **kwargs,
+    )
 
 
 @pytest.mark.parametrize("schema", TINY_SCHEMAS)
@@ -60,11 +89,16 @@ WEATHER_CALL = {
     "type": "object",
     "properties": {
         "name": {"const": "get_weather"},
-        "arguments": {"type": "object", "properties": {
-            "city": {"type": "string", "minLength": 1, "maxLength": 30},
-            "unit": {"enum": ["celsius", "fahrenheit"]},
-            "days": {"type": "integer", "minimum": 1, "maximum": 7}},
-            "required": ["city", "unit"], "additionalProperties": False},
+        "arguments": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "minLength": 1, "maxLength": 30},
+                "unit": {"enum": ["celsius", "fahrenheit"]},
+                "days": {"type": "integer", "minimum": 1, "maximum": 7},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
     },
     "required": ["name", "arguments"],
 }
@@ -72,7 +106,9 @@ WEATHER_CALL = {
 
 def test_embedded_model_function_call_validates(embedded, chat_prompt):
     model, tokenizer, _ = embedded
-    prompt = chat_prompt("Call the weather tool for Paris in celsius for 3 days. Reply with JSON only.")
+    prompt = chat_prompt(
+        "Call the weather tool for Paris in celsius for 3 days. Reply with JSON only."
+    )
     plain = run(WEATHER_CALL, prompt, model, tokenizer, False, 80)
     fast = run(WEATHER_CALL, prompt, model, tokenizer, True, 80)
     assert plain.finish_reason == "stop" and fast.tokens == plain.tokens
@@ -80,10 +116,13 @@ def test_embedded_model_function_call_validates(embedded, chat_prompt):
     assert fast.stats.target_forward_passes < 0.8 * plain.stats.target_forward_passes
 
 
-@pytest.mark.parametrize("args, fragment", [
-    (["--json-schema", "{not json"], "the schema is not valid JSON"),
-    (["--json-schema", "{}", "--regex", "a"], "give --regex or --json-schema, not both"),
-])
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (["--json-schema", "{not json"], "the schema is not valid JSON"),
+        (["--json-schema", "{}", "--regex", "a"], "give --regex or --json-schema, not both"),
+    ],
+)
 @pytest.mark.slow
 def test_cli_bad_schemas_are_one_line(args, fragment):
     assert_one_line_error(cli(*args), fragment)
@@ -93,8 +132,15 @@ def test_cli_bad_schemas_are_one_line(args, fragment):
 def test_cli_json_schema_output_validates(embedded, tmp_path):
     path = tmp_path / "schema.json"
     path.write_text(json.dumps(WEATHER_CALL))
-    result = cli("--prompt", "Weather in Oslo, in fahrenheit? JSON only.", "--json-schema", str(path), "--json",
-                 "--max-tokens", "80")
+    result = cli(
+        "--prompt",
+        "Weather in Oslo, in fahrenheit? JSON only.",
+        "--json-schema",
+        str(path),
+        "--json",
+        "--max-tokens",
+        "80",
+    )
     assert result.returncode == 0, result.stderr
     data = json.loads(result.stdout)
     assert data["finish_reason"] == "stop"

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 from mlx_lm.sample_utils import make_sampler
 
-from decoder.cost import PassCost
 from decoder import DecodingStats, Draft, accept_sampled, generate, generate_step
+from decoder.cost import PassCost
 from tests.helpers import ScriptedSource, chi_square_p_value, tiny_byte_tokenizer, tiny_llama
 
 VOCAB = 64
@@ -14,7 +14,11 @@ TARGET = tiny_llama(vocab_size=VOCAB, num_layers=3, seed=0)
 DRAFT = tiny_llama(vocab_size=VOCAB, num_layers=1, seed=5)
 # A first prompt, then a shorter and a longer one: a source that keeps state from the run before
 # drafts from a stale cache (shorter: positions past the end; longer: the old text).
-PROMPTS = [[5, 9, 2, 7, 5, 9, 2, 7, 5, 9, 11, 3], [4, 8], [1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2, 3, 40, 41, 42, 1, 2]]
+PROMPTS = [
+    [5, 9, 2, 7, 5, 9, 2, 7, 5, 9, 11, 3],
+    [4, 8],
+    [1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2, 3, 40, 41, 42, 1, 2],
+]
 
 
 def lookup():
@@ -47,8 +51,9 @@ BYTE_MODEL = tiny_llama(vocab_size=len(BYTE_TOKENIZER), num_layers=2, seed=4)
 def regex():
     from constrained import ForcedTextSource, RegexConstraint
 
-    constraint = RegexConstraint.from_regex(r'\{"name": "[a-z]{1,8}", "n": \d{1,3}\}', BYTE_TOKENIZER,
-                                            vocab_size=len(BYTE_TOKENIZER))
+    constraint = RegexConstraint.from_regex(
+        r'\{"name": "[a-z]{1,8}", "n": \d{1,3}\}', BYTE_TOKENIZER, vocab_size=len(BYTE_TOKENIZER)
+    )
     return BYTE_MODEL, [ForcedTextSource(constraint, BYTE_TOKENIZER)], constraint
 
 
@@ -59,9 +64,20 @@ def test_a_reused_source_gives_what_a_fresh_one_gives(make, temp):
         mx.random.seed(seed)
         stats = DecodingStats()
         # Timings differ between runs; a clock that stands still keeps the cost model at its prior.
-        tokens = [t for t, _ in generate_step(prompt, model, draft_sources=sources, constraint=constraint,
-                                              temp=temp, max_tokens=24, eos_token_ids=(), stats=stats,
-                                              pass_cost=PassCost(clock=lambda: 0.0))]
+        tokens = [
+            t
+            for t, _ in generate_step(
+                prompt,
+                model,
+                draft_sources=sources,
+                constraint=constraint,
+                temp=temp,
+                max_tokens=24,
+                eos_token_ids=(),
+                stats=stats,
+                pass_cost=PassCost(clock=lambda: 0.0),
+            )
+        ]
         return tokens, stats.target_forward_passes, stats.draft_accepted
 
     reused = make()
@@ -87,7 +103,9 @@ def test_the_loop_resets_every_source_and_the_constraint_once_per_generation():
 def test_the_bare_model_with_a_head_source_is_one_clear_error():
     tap, sources, _ = draft_head()
     with pytest.raises(ValueError, match="HiddenStateTap"):
-        list(generate_step([1, 2, 3], TARGET, draft_sources=sources, max_tokens=4, eos_token_ids=()))
+        list(
+            generate_step([1, 2, 3], TARGET, draft_sources=sources, max_tokens=4, eos_token_ids=())
+        )
 
 
 def test_a_constraint_for_another_vocabulary_is_one_clear_error():
@@ -103,7 +121,9 @@ def test_a_kv_cache_is_continued_not_refilled():
     plain = [t for t, _ in generate_step(prompt, TARGET, max_tokens=8, eos_token_ids=())]
     cache = make_prompt_cache(TARGET)
     TARGET(mx.array(prompt[:10])[None], cache=cache)
-    reused = [t for t, _ in generate_step(prompt, TARGET, max_tokens=8, eos_token_ids=(), kv_cache=cache)]
+    reused = [
+        t for t, _ in generate_step(prompt, TARGET, max_tokens=8, eos_token_ids=(), kv_cache=cache)
+    ]
     assert reused == plain and cache[0].offset == len(prompt) + 8 - 1
     with pytest.raises(ValueError, match="prompt_cache holds"):
         list(generate_step(prompt[:3], TARGET, max_tokens=1, eos_token_ids=(), kv_cache=cache))
@@ -114,8 +134,17 @@ def test_a_greedy_sampler_gives_greedy_output_with_drafts():
 
     for prompt in PROMPTS:
         plain = [t for t, _ in generate_step(prompt, TARGET, max_tokens=20, eos_token_ids=())]
-        sampled = [t for t, _ in generate_step(prompt, TARGET, draft_sources=[PromptLookupSource()], max_tokens=20,
-                                               eos_token_ids=(), sampler=make_sampler(temp=0.0))]
+        sampled = [
+            t
+            for t, _ in generate_step(
+                prompt,
+                TARGET,
+                draft_sources=[PromptLookupSource()],
+                max_tokens=20,
+                eos_token_ids=(),
+                sampler=make_sampler(temp=0.0),
+            )
+        ]
         assert sampled == plain
 
 
@@ -136,8 +165,18 @@ def test_an_mlx_lm_sampler_keeps_its_distribution_under_drafts():
     mx.random.seed(7)
     stats, counts = DecodingStats(), np.zeros(vocab * vocab, dtype=np.int64)
     for _ in range(1500):
-        out = [t for t, _ in generate_step(prompt, TARGET, draft_sources=[source], sampler=sampler, max_tokens=2,
-                                           eos_token_ids=(), stats=stats)]
+        out = [
+            t
+            for t, _ in generate_step(
+                prompt,
+                TARGET,
+                draft_sources=[source],
+                sampler=sampler,
+                max_tokens=2,
+                eos_token_ids=(),
+                stats=stats,
+            )
+        ]
         counts[out[0] * vocab + out[1]] += 1
     assert chi_square_p_value(counts, joint) > 1e-3
     assert 0 < stats.draft_accepted < stats.draft_proposed
@@ -163,10 +202,15 @@ def test_encode_takes_text_a_system_message_chat_messages_or_token_ids(embedded)
     from decoder import encode
 
     _, tokenizer, _ = embedded
-    messages = [{"role": "system", "content": "Answer in French."}, {"role": "user", "content": "Hi"}]
+    messages = [
+        {"role": "system", "content": "Answer in French."},
+        {"role": "user", "content": "Hi"},
+    ]
     expected = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     assert encode(tokenizer, "Hi", system="Answer in French.") == expected
     assert encode(tokenizer, messages[1:], system="Answer in French.") == expected
     assert encode(tokenizer, messages) == expected
-    assert encode(tokenizer, "Hi") == tokenizer.apply_chat_template(messages[1:], add_generation_prompt=True)
+    assert encode(tokenizer, "Hi") == tokenizer.apply_chat_template(
+        messages[1:], add_generation_prompt=True
+    )
     assert encode(tokenizer, [5, 6]) == [5, 6] and encode(tokenizer, []) == []

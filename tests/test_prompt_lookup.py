@@ -5,8 +5,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from decoder.cost import PassCost
 from decoder import DecodingStats, generate_step
+from decoder.cost import PassCost
 from prompt_lookup import PromptLookupSource, find_draft
 from prompt_lookup.ngram import LONGEST_LOOKBACK
 from tests.helpers import end_with_a_match, target_accepts, tiny_llama
@@ -125,8 +125,7 @@ def test_the_occurrence_that_agrees_furthest_back_is_copied():
 
 
 @pytest.mark.parametrize(
-    "kwargs",
-    [dict(ngram_min=0), dict(ngram_min=4, ngram_max=3), dict(num_draft=0)],
+    "kwargs", [dict(ngram_min=0), dict(ngram_min=4, ngram_max=3), dict(num_draft=0)]
 )
 def test_bad_arguments_raise(kwargs):
     with pytest.raises(ValueError):
@@ -173,7 +172,8 @@ def test_adaptive_shrinks_after_a_partial_acceptance():
 
 def test_draft_length_follows_the_cost_model():
     source = PromptLookupSource(num_draft=8, ngram_max=4)
-    source.reset(PassCost(default_token_cost=0.1))  # nothing timed: one more token costs 0.1 of a step
+    # nothing timed: one more token costs 0.1 of a step
+    source.reset(PassCost(default_token_cost=0.1))
     tokens = []  # one sequence, so that the source keeps what it learns about each size of match
     for ngram, num_accepted in ((4, 9), (3, 4), (2, 1), (1, 0)):
         end_with_a_match(tokens, ngram)
@@ -188,12 +188,18 @@ def estimates(source, kind):
     return [source.expected_speedup(kind, length) for length in range(1, 9)]
 
 
-@pytest.mark.parametrize("emitted,num_accepted", [
-    ([3, 9], 1),  # agrees with the first emitted token, then not: one accepted, then a rejection
-    ([3], 1),  # agrees with all that was emitted, and is longer: censored, no rejection known
-    ([3, 4, 1, 2, 5], 4),  # all of it agrees: a fully accepted copy
-    ([7, 3], 0),
-])
+@pytest.mark.parametrize(
+    "emitted,num_accepted",
+    [
+        (
+            [3, 9],
+            1,
+        ),  # agrees with the first emitted token, then not: one accepted, then a rejection
+        ([3], 1),  # agrees with all that was emitted, and is longer: censored, no rejection known
+        ([3, 4, 1, 2, 5], 4),  # all of it agrees: a fully accepted copy
+        ([7, 3], 0),
+    ],
+)
 def test_a_copy_another_source_drafted_over_is_scored_as_if_verified(emitted, num_accepted):
     tokens = [1, 2, 3, 4, 1, 2]  # a 2-gram match
     scored, verified = PromptLookupSource(), PromptLookupSource()
@@ -236,7 +242,7 @@ def test_adaptive_backs_off_exponentially_and_resumes():
     first_probe = next(i for i, length in enumerate(hits) if length)
     resumed = hits[first_probe:]
     assert resumed[0] == 1 and max(resumed) == source.max_draft_length
-    assert 0 not in resumed[resumed.index(source.max_draft_length):]
+    assert 0 not in resumed[resumed.index(source.max_draft_length) :]
 
     never_pauses = drive(PromptLookupSource(num_draft=4, adaptive=False), [False] * 20)
     assert never_pauses == [4] * 20
@@ -264,7 +270,9 @@ def test_greedy_decoding_is_lossless():
     )
     def check(pattern, repeats, tail, extra_context, max_tokens, num_draft, adaptive):
         prompt = pattern * repeats + tail
-        plain = [t for t, _ in generate_step(prompt, MODEL, max_tokens=max_tokens, eos_token_ids=())]
+        plain = [
+            t for t, _ in generate_step(prompt, MODEL, max_tokens=max_tokens, eos_token_ids=())
+        ]
         stats = DecodingStats()
         source = PromptLookupSource(
             num_draft=num_draft, extra_context=extra_context, adaptive=adaptive
@@ -272,7 +280,12 @@ def test_greedy_decoding_is_lossless():
         drafted = [
             t
             for t, _ in generate_step(
-                prompt, MODEL, draft_sources=[source], max_tokens=max_tokens, stats=stats, eos_token_ids=()
+                prompt,
+                MODEL,
+                draft_sources=[source],
+                max_tokens=max_tokens,
+                stats=stats,
+                eos_token_ids=(),
             )
         ]
         assert drafted == plain

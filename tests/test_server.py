@@ -25,17 +25,37 @@ ROOT = Path(__file__).resolve().parent.parent
 API_KEY = "test-key"
 MODEL = "SmolLM2-135M-Instruct"
 QUESTION = "What is the capital of France? Answer in one sentence."
-USER_SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
-                                                "age": {"type": "integer", "minimum": 0, "maximum": 120}},
-               "required": ["name", "age"], "additionalProperties": False}  # closed, as OpenAI's strict mode asks
-WEATHER_TOOL = {"type": "function", "function": {
-    "name": "get_weather", "description": "Current weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
-                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
-                   "required": ["city", "unit"], "additionalProperties": False}}}
+USER_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    },
+    # closed, as OpenAI's strict mode asks
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 20},
+                "unit": {"enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
 
 
-# ---- without a model -------------------------------------------------------------------------------
+# ---- without a model
+# -------------------------------------------------------------------------------
+
 
 class FakeTokenizer:
     chat_template = "one token per message: its length"
@@ -48,29 +68,47 @@ class FakeTokenizer:
 
 
 def chat(**body):
-    return parse_chat({"messages": [{"role": "user", "content": "hi"}], **body}, FakeTokenizer(), MODEL, 64)
+    return parse_chat(
+        {"messages": [{"role": "user", "content": "hi"}], **body}, FakeTokenizer(), MODEL, 64
+    )
 
 
-@pytest.mark.parametrize("body, fragment", [
-    ({"temperature": "hot"}, "'temperature' must be a number"),
-    ({"temperature": 3}, "'temperature' must be between"),
-    ({"temperature": 10**400}, "'temperature' must be between"),
-    ({"top_p": float("nan")}, "'top_p' must be between"),
-    ({"guided_regex": "a", "guided_grammar": "start: 'a'"}, "not both"),
-    ({"max_tokens": True}, "'max_tokens' must be an integer"),
-    ({"max_tokens": 0}, "at least 1"),
-    ({"n": 2}, "n=1"),
-    ({"stop": ["a", "b", "c", "d", "e"]}, "up to 4"),
-    ({"temperatur": 0}, "unrecognized request argument: temperatur"),
-    ({"messages": []}, "non-empty list"),
-    ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
-    ({"response_format": {"type": "xml"}}, "response_format.type"),
-    ({"tool_choice": "required"}, "'tool_choice' needs 'tools'"),
-    ({"tools": [WEATHER_TOOL], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
-    ({"logprobs": True, "top_logprobs": 30}, "'top_logprobs' must be between 0 and 20"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {}, "stric": True}}},
-     "unrecognized argument response_format.json_schema.stric"),
-])
+@pytest.mark.parametrize(
+    "body, fragment",
+    [
+        ({"temperature": "hot"}, "'temperature' must be a number"),
+        ({"temperature": 3}, "'temperature' must be between"),
+        ({"temperature": 10**400}, "'temperature' must be between"),
+        ({"top_p": float("nan")}, "'top_p' must be between"),
+        ({"guided_regex": "a", "guided_grammar": "start: 'a'"}, "not both"),
+        ({"max_tokens": True}, "'max_tokens' must be an integer"),
+        ({"max_tokens": 0}, "at least 1"),
+        ({"n": 2}, "n=1"),
+        ({"stop": ["a", "b", "c", "d", "e"]}, "up to 4"),
+        ({"temperatur": 0}, "unrecognized request argument: temperatur"),
+        ({"messages": []}, "non-empty list"),
+        ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+        ({"response_format": {"type": "xml"}}, "response_format.type"),
+        ({"tool_choice": "required"}, "'tool_choice' needs 'tools'"),
+        (
+            {
+                "tools": [WEATHER_TOOL],
+                "tool_choice": {"type": "function", "function": {"name": "nope"}},
+            },
+            "tool_choice",
+        ),
+        ({"logprobs": True, "top_logprobs": 30}, "'top_logprobs' must be between 0 and 20"),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"schema": {}, "stric": True},
+                }
+            },
+            "unrecognized argument response_format.json_schema.stric",
+        ),
+    ],
+)
 def test_bad_chat_requests_are_400_with_the_field_named(body, fragment):
     with pytest.raises(ApiError) as caught:
         chat(**body)
@@ -89,14 +127,26 @@ def test_unknown_model_is_404_and_malformed_json_400():
 
 
 def test_requests_become_generation_options():
-    request = chat(temperature=0, max_completion_tokens=7, stop="\n", seed=3,
-                   response_format={"type": "json_schema", "json_schema": {"name": "u", "schema": USER_SCHEMA}})
+    request = chat(
+        temperature=0,
+        max_completion_tokens=7,
+        stop="\n",
+        seed=3,
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "u", "schema": USER_SCHEMA},
+        },
+    )
     assert (request.temp, request.max_tokens, request.stop, request.seed) == (0.0, 7, ["\n"], 3)
-    assert json.loads(request.schema) == USER_SCHEMA and request.regex is None  # compiled by the engine
+    # compiled by the engine
+    assert json.loads(request.schema) == USER_SCHEMA and request.regex is None
     forced = chat(tools=[WEATHER_TOOL], tool_choice="required")
-    assert forced.tools.choice == "required" and forced.tools.syntax is None  # no template syntax: bare JSON
+    # no template syntax: bare JSON
+    assert forced.tools.choice == "required" and forced.tools.syntax is None
     regex = schema_to_regex(json.loads(forced.schema))
-    assert re.fullmatch(regex, '{"name":"get_weather","arguments":{"city":"Oslo","unit":"celsius"}}')
+    assert re.fullmatch(
+        regex, '{"name":"get_weather","arguments":{"city":"Oslo","unit":"celsius"}}'
+    )
     completion = parse_completion({"prompt": "ab", "max_tokens": 3}, FakeTokenizer(), MODEL, 64)
     assert completion.prompt == [97, 98] and completion.max_tokens == 3
 
@@ -119,7 +169,15 @@ def test_draft_source_flags_mean_the_same_in_main_py_and_the_server(embedded, mo
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", download)
     monkeypatch.setattr(loading, "load_model", lambda *args, **kwargs: embedded)
-    flags = ["--draft-head", "someone/smollm2-head", "--prompt-lookup", "--num-draft", "3", "--ngram-max", "2"]
+    flags = [
+        "--draft-head",
+        "someone/smollm2-head",
+        "--prompt-lookup",
+        "--num-draft",
+        "3",
+        "--ngram-max",
+        "2",
+    ]
     main_args = main.build_parser().parse_args(flags + ["--prompt", "hi"])
     main.validate(main_args)
     _, _, _, kwargs = main.build_run(main_args)
@@ -137,23 +195,32 @@ def test_main_py_and_the_server_template_a_system_message_alike(embedded, monkey
     import main
 
     _, tokenizer, _ = embedded
-    messages = [{"role": "system", "content": "Answer in French."}, {"role": "user", "content": QUESTION}]
-    expected = tokenizer.apply_chat_template(messages, add_generation_prompt=True)  # the oracle, written out
+    messages = [
+        {"role": "system", "content": "Answer in French."},
+        {"role": "user", "content": QUESTION},
+    ]
+    # the oracle, written out
+    expected = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     monkeypatch.setattr(loading, "load_model", lambda *args, **kwargs: embedded)
-    _, _, prompt, _ = main.build_run(main.build_parser().parse_args(["--system", messages[0]["content"],
-                                                                     "--prompt", QUESTION]))
+    _, _, prompt, _ = main.build_run(
+        main.build_parser().parse_args(["--system", messages[0]["content"], "--prompt", QUESTION])
+    )
     request = parse_chat({"messages": messages}, tokenizer, MODEL, 64)
     assert prompt == request.prompt == expected
     _, _, plain, _ = main.build_run(main.build_parser().parse_args(["--prompt", QUESTION]))
     assert plain != expected  # the system message made a difference
 
 
-@pytest.mark.parametrize("pieces, stop, expected_sent, stopped", [
-    (["Hel", "lo\nWor", "ld"], ["\n"], ["Hel", "lo"], True),
-    (["a<", "/", "b>c"], ["</b>"], ["a", "", ""], True),  # held back while it may start a stop string
-    (["a<", "x"], ["</b>"], ["a", "<x"], False),
-    (["abc"], [], ["abc"], False),
-])
+@pytest.mark.parametrize(
+    "pieces, stop, expected_sent, stopped",
+    [
+        (["Hel", "lo\nWor", "ld"], ["\n"], ["Hel", "lo"], True),
+        # held back while it may start a stop string
+        (["a<", "/", "b>c"], ["</b>"], ["a", "", ""], True),
+        (["a<", "x"], ["</b>"], ["a", "<x"], False),
+        (["abc"], [], ["abc"], False),
+    ],
+)
 def test_stop_text_holds_back_possible_stop_prefixes(pieces, stop, expected_sent, stopped):
     stopper, sent, found = StopText(stop), [], False
     for piece in pieces:
@@ -164,10 +231,13 @@ def test_stop_text_holds_back_possible_stop_prefixes(pieces, stop, expected_sent
     assert sent == expected_sent and found == stopped
 
 
-# ---- the engine with a tiny random model: how JSON schemas compile ------------------------------------
+# ---- the engine with a tiny random model: how JSON schemas compile
+# ------------------------------------
 
-ONLY_LLGUIDANCE = {"type": "integer", "multipleOf": 7, "minimum": 0, "maximum": 99}  # regex: "multipleOf 7"
-NEITHER = {"type": "string", "not": {"const": "a"}}  # llguidance: "Unimplemented keys"; regex: "not"
+# regex: "multipleOf 7"
+ONLY_LLGUIDANCE = {"type": "integer", "multipleOf": 7, "minimum": 0, "maximum": 99}
+# llguidance: "Unimplemented keys"; regex: "not"
+NEITHER = {"type": "string", "not": {"const": "a"}}
 FALLBACK_NOTE = "note: llguidance refused the schema (Expecting object schema to apply options); using the built-in compiler\n"
 
 
@@ -181,14 +251,25 @@ def tiny_engine():
     tokenizer = tiny_byte_tokenizer()
     tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
     vocab_size = len(tokenizer) + 5
-    return Engine(tiny_llama(vocab_size=vocab_size, seed=7, sharp=3.0), TokenizerWrapper(tokenizer), vocab_size)
+    return Engine(
+        tiny_llama(vocab_size=vocab_size, seed=7, sharp=3.0),
+        TokenizerWrapper(tokenizer),
+        vocab_size,
+    )
 
 
 def chat_request(engine, schema=None, max_tokens=8):
     """A greedy chat request, with ``schema`` as its response_format when one is given."""
-    body = {"messages": [{"role": "user", "content": "a number"}], "temperature": 0, "max_tokens": max_tokens}
+    body = {
+        "messages": [{"role": "user", "content": "a number"}],
+        "temperature": 0,
+        "max_tokens": max_tokens,
+    }
     if schema is not None:
-        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
+        body["response_format"] = {
+            "type": "json_schema",
+            "json_schema": {"name": "s", "schema": schema},
+        }
     return parse_chat(body, engine.tokenizer, MODEL, 64)
 
 
@@ -203,7 +284,8 @@ async def outcome_of(job):
 
 
 def schema_outcome(engine, schema, max_tokens=8):
-    """A chat request with ``schema`` as its response_format, through the engine's queue: its Outcome."""
+    """A chat request with ``schema`` as its response_format, through the engine's queue: its
+    Outcome."""
     request = chat_request(engine, schema, max_tokens)
 
     async def run():
@@ -224,7 +306,8 @@ def test_the_server_compiles_json_schemas_with_llguidance(tiny_engine):
 def test_the_server_falls_back_to_the_built_in_compiler_once_per_schema(tiny_engine, capsys):
     for _ in range(2):
         schema_outcome(tiny_engine, True, max_tokens=3)
-    assert capsys.readouterr().err == FALLBACK_NOTE  # in the log, once: the compiled schema is cached
+    # in the log, once: the compiled schema is cached
+    assert capsys.readouterr().err == FALLBACK_NOTE
     assert tiny_engine.constraints.built[("schema", "true")][0] == "regex"
 
 
@@ -232,8 +315,10 @@ def test_a_schema_both_compilers_refuse_is_a_400(tiny_engine):
     with pytest.raises(ApiError) as caught:
         schema_outcome(tiny_engine, NEITHER)
     assert caught.value.status == 400 and caught.value.param == "response_format"
-    assert caught.value.message == ('the JSON schema is not supported: llguidance refused the schema: Unimplemented '
-                                    'keys: ["not"]; the built-in compiler refused it too: not is not supported at #')
+    assert caught.value.message == (
+        "the JSON schema is not supported: llguidance refused the schema: Unimplemented "
+        'keys: ["not"]; the built-in compiler refused it too: not is not supported at #'
+    )
 
 
 def test_a_new_schema_is_compiled_off_the_worker_while_other_rows_decode(tiny_engine, monkeypatch):
@@ -250,13 +335,18 @@ def test_a_new_schema_is_compiled_off_the_worker_while_other_rows_decode(tiny_en
 
     async def run():
         loop = asyncio.get_running_loop()
-        pending = loop.run_in_executor(None, tiny_engine.constraint_for, chat_request(tiny_engine, schema))
+        pending = loop.run_in_executor(
+            None, tiny_engine.constraint_for, chat_request(tiny_engine, schema)
+        )
         await loop.run_in_executor(None, building.wait, 60)
-        await outcome_of(tiny_engine.submit(chat_request(tiny_engine, max_tokens=4), loop))  # nothing to build
+        # nothing to build
+        await outcome_of(tiny_engine.submit(chat_request(tiny_engine, max_tokens=4), loop))
         assert not pending.done()  # the plain request finished while the schema was still compiling
         release.set()
         prepared = await pending
-        outcome = await outcome_of(tiny_engine.submit(chat_request(tiny_engine, schema), loop, prepared))
+        outcome = await outcome_of(
+            tiny_engine.submit(chat_request(tiny_engine, schema), loop, prepared)
+        )
         assert outcome.finish_reason == "stop" and int(outcome.text) <= 12345
 
     try:
@@ -283,7 +373,8 @@ def test_requests_that_need_the_same_new_schema_build_it_once(tiny_engine, monke
         others = [pool.submit(tiny_engine.constraint_for, request) for _ in range(3)]
         built = [future.result(timeout=60) for future in [first] + others]
     assert len(calls) == 1
-    assert len({id(constraint) for constraint, _ in built}) == 4  # each request its own, from one build
+    # each request its own, from one build
+    assert len({id(constraint) for constraint, _ in built}) == 4
 
 
 def test_a_request_is_refused_only_when_every_row_and_queue_place_is_taken():
@@ -296,9 +387,18 @@ def test_a_request_is_refused_only_when_every_row_and_queue_place_is_taken():
 
     tokenizer = tiny_byte_tokenizer()
     tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
-    engine = Engine(tiny_llama(vocab_size=len(tokenizer), seed=7), TokenizerWrapper(tokenizer), len(tokenizer),
-                    max_batch=2, max_queue=1)
-    body = {"messages": [{"role": "user", "content": "a"}], "max_tokens": 9000, "guided_regex": "a{8000}"}
+    engine = Engine(
+        tiny_llama(vocab_size=len(tokenizer), seed=7),
+        TokenizerWrapper(tokenizer),
+        len(tokenizer),
+        max_batch=2,
+        max_queue=1,
+    )
+    body = {
+        "messages": [{"role": "user", "content": "a"}],
+        "max_tokens": 9000,
+        "guided_regex": "a{8000}",
+    }
     request = parse_chat(body, engine.tokenizer, MODEL, 64)  # cannot end before 8000 tokens
 
     async def run():
@@ -328,14 +428,33 @@ def test_a_request_is_refused_only_when_every_row_and_queue_place_is_taken():
     asyncio.run(run())
 
 
-# ---- one server for the slow tests ------------------------------------------------------------------
+# ---- one server for the slow tests
+# ------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def server():
-    process = subprocess.Popen([sys.executable, "-m", "server", "--port", "0", "--api-key", API_KEY,
-                                "--max-queue", "4", "--max-tokens", "32"],
-                               cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    line = process.stdout.readline()  # "serving MODEL on http://127.0.0.1:PORT/v1", or EOF on failure
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "server",
+            "--port",
+            "0",
+            "--api-key",
+            API_KEY,
+            "--max-queue",
+            "4",
+            "--max-tokens",
+            "32",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    # "serving MODEL on http://127.0.0.1:PORT/v1", or EOF on failure
+    line = process.stdout.readline()
     if not line.startswith("serving"):
         process.kill()
         pytest.fail(f"the server did not start: {line}{process.stderr.read()[-2000:]}")
@@ -353,18 +472,33 @@ def client(server):
 
 
 def main_py_text(*args):
-    output = subprocess.run([sys.executable, "main.py", "--json", *args], cwd=ROOT, capture_output=True,
-                            text=True, timeout=300, check=True).stdout
+    output = subprocess.run(
+        [sys.executable, "main.py", "--json", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    ).stdout
     return json.loads(output)["text"]
 
 
 @pytest.mark.slow
 def test_greedy_chat_equals_main_py(client):
-    answer = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": QUESTION}],
-                                            temperature=0, max_tokens=24, logprobs=True, top_logprobs=2)
-    assert answer.choices[0].message.content == main_py_text("--prompt", QUESTION, "--max-tokens", "24")
+    answer = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": QUESTION}],
+        temperature=0,
+        max_tokens=24,
+        logprobs=True,
+        top_logprobs=2,
+    )
+    assert answer.choices[0].message.content == main_py_text(
+        "--prompt", QUESTION, "--max-tokens", "24"
+    )
     assert answer.usage.completion_tokens <= 24 and answer.usage.prompt_tokens > 20
-    content = answer.choices[0].logprobs.content  # the real tokenizer's token strings spell the answer
+    # the real tokenizer's token strings spell the answer
+    content = answer.choices[0].logprobs.content
     assert "".join(entry.token for entry in content) == answer.choices[0].message.content
     assert all(entry.top_logprobs[0].token == entry.token for entry in content)  # greedy
 
@@ -376,26 +510,50 @@ def test_a_longer_prompt_reuses_the_cache_and_decodes_the_same(client):
     second = first + "The quick brown"
     answer = client.completions.create(model=MODEL, prompt=second, max_tokens=12, temperature=0)
     assert answer.usage.prompt_tokens_details.cached_tokens >= 40  # of 44 + 3 prompt tokens
-    assert answer.choices[0].text == main_py_text("--no-chat-template", "--prompt", second, "--max-tokens", "12")
+    assert answer.choices[0].text == main_py_text(
+        "--no-chat-template", "--prompt", second, "--max-tokens", "12"
+    )
 
 
 @pytest.mark.slow
 def test_streaming_sends_the_same_text_and_usage_last(client):
     messages = [{"role": "user", "content": QUESTION}]
-    whole = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=16)
-    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=16,
-                                                 stream=True, stream_options={"include_usage": True}))
+    whole = client.chat.completions.create(
+        model=MODEL, messages=messages, temperature=0, max_tokens=16
+    )
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            temperature=0,
+            max_tokens=16,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == whole.choices[0].message.content
-    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert (
+        chunks[-1].choices == []
+        and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    )
     decoding = chunks[-1].usage.model_extra["decoding"]
-    assert decoding["target_forward_passes"] >= 1 and decoding["draft_proposed"] >= decoding["draft_accepted"]
+    assert (
+        decoding["target_forward_passes"] >= 1
+        and decoding["draft_proposed"] >= decoding["draft_accepted"]
+    )
 
 
 @pytest.mark.slow
 def test_a_seed_makes_sampling_repeatable(client):
-    texts = [client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=12, temperature=1.0,
-                                       seed=seed).choices[0].text for seed in (7, 7, 8)]
+    texts = [
+        client.completions.create(
+            model=MODEL, prompt="Once upon a time", max_tokens=12, temperature=1.0, seed=seed
+        )
+        .choices[0]
+        .text
+        for seed in (7, 7, 8)
+    ]
     assert texts[0] == texts[1] != texts[2]
 
 
@@ -404,11 +562,18 @@ def test_json_schema_output_validates(client):
     import jsonschema
 
     answer = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "Give me a user as JSON."}], max_tokens=40, seed=1,
-        response_format={"type": "json_schema", "json_schema": {"name": "user", "schema": USER_SCHEMA,
-                                                                "strict": True}})
+        model=MODEL,
+        messages=[{"role": "user", "content": "Give me a user as JSON."}],
+        max_tokens=40,
+        seed=1,
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "user", "schema": USER_SCHEMA, "strict": True},
+        },
+    )
     jsonschema.validate(json.loads(answer.choices[0].message.content), USER_SCHEMA)
-    assert answer.usage.model_extra["decoding"]["draft_accepted"] > 0  # the forced '{"name":"' and '","age":'
+    # the forced '{"name":"' and '","age":'
+    assert answer.usage.model_extra["decoding"]["draft_accepted"] > 0
 
 
 @pytest.mark.slow
@@ -419,24 +584,44 @@ def test_json_schemas_llguidance_serves_or_the_built_in_compiler_or_neither(clie
     messages = [{"role": "user", "content": "Three prime numbers as a JSON array."}]
     for schema in (True, ONLY_LLGUIDANCE):  # the built-in compiler (a note in the log), llguidance
         answer = client.chat.completions.create(
-            model=MODEL, messages=messages, temperature=0, max_tokens=40,
-            response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}})
+            model=MODEL,
+            messages=messages,
+            temperature=0,
+            max_tokens=40,
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "answer", "schema": schema},
+            },
+        )
         assert answer.choices[0].finish_reason == "stop"
         jsonschema.validate(json.loads(answer.choices[0].message.content), schema)
     with pytest.raises(openai.BadRequestError) as caught:
-        client.chat.completions.create(model=MODEL, messages=messages, response_format={
-            "type": "json_schema", "json_schema": {"name": "answer", "schema": NEITHER}})
+        client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "answer", "schema": NEITHER},
+            },
+        )
     assert "the built-in compiler refused it too" in caught.value.body["message"]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+@pytest.mark.parametrize(
+    "tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}]
+)
 def test_forced_tool_call_arguments_validate(client, tool_choice):
     import jsonschema
 
     answer = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "What is the weather in Paris?"}], temperature=0,
-        max_tokens=60, tools=[WEATHER_TOOL], tool_choice=tool_choice)
+        model=MODEL,
+        messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+        temperature=0,
+        max_tokens=60,
+        tools=[WEATHER_TOOL],
+        tool_choice=tool_choice,
+    )
     choice = answer.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
     call = choice.message.tool_calls[0]
@@ -446,10 +631,16 @@ def test_forced_tool_call_arguments_validate(client, tool_choice):
 
 @pytest.mark.slow
 def test_guided_regex_and_stop(client):
-    answer = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "A date?"}],
-                                            temperature=0, extra_body={"guided_regex": r"\d{4}-\d{2}-\d{2}"})
+    answer = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "A date?"}],
+        temperature=0,
+        extra_body={"guided_regex": r"\d{4}-\d{2}-\d{2}"},
+    )
     assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", answer.choices[0].message.content)
-    answer = client.completions.create(model=MODEL, prompt="1, 2, 3, 4,", temperature=0, max_tokens=20, stop=[" 7"])
+    answer = client.completions.create(
+        model=MODEL, prompt="1, 2, 3, 4,", temperature=0, max_tokens=20, stop=[" 7"]
+    )
     assert answer.choices[0].finish_reason == "stop" and " 7" not in answer.choices[0].text
 
 
@@ -458,12 +649,22 @@ def test_guided_grammar_output_is_in_the_language_and_a_bad_one_is_400(client):
     import openai
 
     grammar = 'start: "The capital of France is " CITY "."\nCITY: /[A-Z][a-z]+/'
-    answer = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Capital of France?"}],
-                                            temperature=0, max_tokens=16, extra_body={"guided_grammar": grammar})
-    assert re.fullmatch(r"The capital of France is [A-Z][a-z]+\.", answer.choices[0].message.content)
+    answer = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Capital of France?"}],
+        temperature=0,
+        max_tokens=16,
+        extra_body={"guided_grammar": grammar},
+    )
+    assert re.fullmatch(
+        r"The capital of France is [A-Z][a-z]+\.", answer.choices[0].message.content
+    )
     with pytest.raises(openai.BadRequestError) as caught:
-        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
-                                       extra_body={"guided_grammar": "start: undefined_rule"})
+        client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "hi"}],
+            extra_body={"guided_grammar": "start: undefined_rule"},
+        )
     assert caught.value.body["type"] == "invalid_request_error"
 
 
@@ -472,8 +673,12 @@ def test_guided_grammar_output_is_in_the_language_and_a_bad_one_is_400(client):
 def test_the_docs_server_examples_print_what_they_say(server, page):
     code = re.search(r"^```py\n(.*?)^```", (ROOT / page).read_text(), flags=re.S | re.M).group(1)
     expected = re.search(r"# ([{\[].*[}\]])$", code, flags=re.M).group(1)
-    code = code.replace("http://127.0.0.1:8080/v1", server[1]).replace('api_key="none"', f'api_key="{API_KEY}"')
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    code = code.replace("http://127.0.0.1:8080/v1", server[1]).replace(
+        'api_key="none"', f'api_key="{API_KEY}"'
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120
+    )
     assert result.stdout.strip() == expected, result.stdout + result.stderr[-2000:]
 
 
@@ -484,14 +689,26 @@ def test_errors_are_openai_shaped_and_the_server_keeps_serving(server, client):
     messages = [{"role": "user", "content": "hi"}]
     cases = [
         (openai.NotFoundError, "model_not_found", dict(model="gpt-4", messages=messages)),
-        (openai.BadRequestError, "context_length_exceeded",
-         dict(model=MODEL, messages=[{"role": "user", "content": "word " * 9000}])),
-        (openai.BadRequestError, None, dict(model=MODEL, messages=messages, extra_body={"guided_regex": "(a"})),
+        (
+            openai.BadRequestError,
+            "context_length_exceeded",
+            dict(model=MODEL, messages=[{"role": "user", "content": "word " * 9000}]),
+        ),
+        (
+            openai.BadRequestError,
+            None,
+            dict(model=MODEL, messages=messages, extra_body={"guided_regex": "(a"}),
+        ),
         (openai.BadRequestError, None, dict(model=MODEL, messages=messages, n=2)),
     ]
     if importlib.util.find_spec("constrained.grammar") is None:  # else another test's business
-        cases.append((openai.BadRequestError, None,
-                      dict(model=MODEL, messages=messages, extra_body={"guided_grammar": "start: 'a'"})))
+        cases.append(
+            (
+                openai.BadRequestError,
+                None,
+                dict(model=MODEL, messages=messages, extra_body={"guided_grammar": "start: 'a'"}),
+            )
+        )
     for error, code, request in cases:
         with pytest.raises(error) as caught:
             client.chat.completions.create(**request)
@@ -514,8 +731,12 @@ def post(base_url: str, path: str, body: bytes, read: bool = True):
 
     url = urlsplit(base_url)
     connection = HTTPConnection(url.hostname, url.port, timeout=60)
-    connection.request("POST", url.path + path, body, {"Authorization": f"Bearer {API_KEY}",
-                                                        "Content-Type": "application/json"})
+    connection.request(
+        "POST",
+        url.path + path,
+        body,
+        {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"},
+    )
     return connection.getresponse() if read else connection
 
 
@@ -526,8 +747,13 @@ def rss_kib(pid: int) -> int:
 
 @pytest.mark.slow
 def test_disconnect_mid_stream_stops_the_generation(server, client):
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "Write a long story."}],
-            "max_tokens": 4000, "temperature": 0, "stream": True}
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Write a long story."}],
+        "max_tokens": 4000,
+        "temperature": 0,
+        "stream": True,
+    }
     response = post(server[1], "/chat/completions", json.dumps(body).encode())
     received = [response.readline() for _ in range(6)]
     response.close()  # and the connection with it
@@ -558,7 +784,9 @@ def test_load_16_clients_64_requests_none_lost(server, client):
 
     def one(index):
         try:
-            answer = client.completions.create(model=MODEL, prompt=f"Count: {index},", max_tokens=3, temperature=0)
+            answer = client.completions.create(
+                model=MODEL, prompt=f"Count: {index},", max_tokens=3, temperature=0
+            )
             result = ("ok", answer.usage.completion_tokens)
         except openai.APIStatusError as error:
             result = (error.status_code, error.response.headers.get("retry-after"))
@@ -582,12 +810,22 @@ def test_load_16_clients_64_requests_none_lost(server, client):
 def test_requests_decoded_together_each_get_the_text_they_get_alone(client):
     """Continuous batching: four requests of different lengths, one with a schema, sent at once
     (they join one batch as they arrive) give exactly what each gives alone."""
-    requests = [dict(messages=[{"role": "user", "content": QUESTION}], max_tokens=24),
-                dict(messages=[{"role": "user", "content": "Name three colours."}], max_tokens=9),
-                dict(messages=[{"role": "user", "content": "Anna, 34. Give her as JSON."}], max_tokens=30,
-                     response_format={"type": "json_schema", "json_schema": {"name": "u", "schema": USER_SCHEMA}}),
-                dict(messages=[{"role": "user", "content": "Repeat: red, green, blue, red, green, blue."}],
-                     max_tokens=16)]
+    requests = [
+        dict(messages=[{"role": "user", "content": QUESTION}], max_tokens=24),
+        dict(messages=[{"role": "user", "content": "Name three colours."}], max_tokens=9),
+        dict(
+            messages=[{"role": "user", "content": "Anna, 34. Give her as JSON."}],
+            max_tokens=30,
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "u", "schema": USER_SCHEMA},
+            },
+        ),
+        dict(
+            messages=[{"role": "user", "content": "Repeat: red, green, blue, red, green, blue."}],
+            max_tokens=16,
+        ),
+    ]
 
     def ask(request):
         answer = client.chat.completions.create(model=MODEL, temperature=0, **request)
@@ -606,40 +844,69 @@ def test_interleaved_conversations_each_reuse_their_own_cached_prefix(client):
     """The prompt cache keeps several conversations: turns of two conversations in turn each
     prefill only their new message."""
     document = (ROOT / "demo" / "museum.txt").read_text()
-    conversations = [[{"role": "system", "content": f"Conversation {c}: answer briefly."},
-                      {"role": "user", "content": document}] for c in range(2)]
+    conversations = [
+        [
+            {"role": "system", "content": f"Conversation {c}: answer briefly."},
+            {"role": "user", "content": document},
+        ]
+        for c in range(2)
+    ]
     cached = {}
     for turn, question in enumerate(["When did the museum open?", "Who founded it?"]):
         for c, messages in enumerate(conversations):
             if turn:
                 messages.append({"role": "user", "content": question})
-            answer = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=8)
+            answer = client.chat.completions.create(
+                model=MODEL, messages=messages, temperature=0, max_tokens=8
+            )
             messages.append({"role": "assistant", "content": answer.choices[0].message.content})
-            cached[turn, c] = (answer.usage.prompt_tokens, answer.usage.prompt_tokens_details.cached_tokens)
+            cached[turn, c] = (
+                answer.usage.prompt_tokens,
+                answer.usage.prompt_tokens_details.cached_tokens,
+            )
     for c in range(2):
         first_prompt, _ = cached[0, c]
         prompt, hit = cached[1, c]
-        assert hit >= first_prompt and prompt - hit < 40  # only the last answer and the new question
+        # only the last answer and the new question
+        assert hit >= first_prompt and prompt - hit < 40
 
 
 @pytest.mark.slow
 def test_draft_sources_keep_the_greedy_output(client):
-    """A second server with prompt lookup and the draft head: the same text and logprobs, fewer target passes."""
-    import openai
+    """A second server with prompt lookup and the draft head: the same text and logprobs, fewer
+    target passes."""
     from openai import OpenAI
 
-    process = subprocess.Popen([sys.executable, "-m", "server", "--port", "0", "--prompt-lookup", "--draft-head"],
-                               cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "server", "--port", "0", "--prompt-lookup", "--draft-head"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         line = process.stdout.readline()
         assert line.startswith("serving"), process.stderr.read()[-2000:]
         drafted = OpenAI(base_url=line.split()[-1], api_key="none", max_retries=0, timeout=120)
         prompt = (ROOT / "demo" / "museum.txt").read_text()
-        answers = [c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}],
-                                             temperature=0, max_tokens=32) for c in (client, drafted)]
+        answers = [
+            c.chat.completions.create(
+                model=MODEL,
+                messages=[{"role": "user", "content": prompt}],
+                temperature=0,
+                max_tokens=32,
+            )
+            for c in (client, drafted)
+        ]
         # Rows drafting with the head report logprobs as any row does (read from the verify pass).
-        logprobs = [c.completions.create(model=MODEL, prompt="Hi there", max_tokens=4, logprobs=2, temperature=0)
-                    .choices[0].logprobs for c in (client, drafted)]
+        logprobs = [
+            c.completions.create(
+                model=MODEL, prompt="Hi there", max_tokens=4, logprobs=2, temperature=0
+            )
+            .choices[0]
+            .logprobs
+            for c in (client, drafted)
+        ]
     finally:
         process.terminate()
         process.wait(timeout=30)
@@ -647,7 +914,10 @@ def test_draft_sources_keep_the_greedy_output(client):
     assert logprobs[1].tokens == logprobs[0].tokens
     assert logprobs[1].token_logprobs == pytest.approx(logprobs[0].token_logprobs, abs=1e-3)
     plain, fast = (a.usage.model_extra["decoding"] for a in answers)
-    assert fast["draft_accepted"] > 0 and fast["target_forward_passes"] < plain["target_forward_passes"]
+    assert (
+        fast["draft_accepted"] > 0
+        and fast["target_forward_passes"] < plain["target_forward_passes"]
+    )
 
 
 @pytest.mark.slow
@@ -656,29 +926,46 @@ def test_a_taken_port_or_bad_flag_is_one_line_before_the_model_loads():
 
     with socket.create_server(("127.0.0.1", 0)) as taken:
         port = str(taken.getsockname()[1])
-        for argv, message in ((["--port", port], "cannot listen on 127.0.0.1:"),
-                              (["--max-queue", "-1"], "--max-queue")):
-            result = subprocess.run([sys.executable, "-m", "server", *argv], cwd=ROOT, capture_output=True,
-                                    text=True, timeout=120)
-            assert result.returncode == 1 and result.stderr.startswith("error: ") and message in result.stderr
+        for argv, message in (
+            (["--port", port], "cannot listen on 127.0.0.1:"),
+            (["--max-queue", "-1"], "--max-queue"),
+        ):
+            result = subprocess.run(
+                [sys.executable, "-m", "server", *argv],
+                cwd=ROOT,
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
+            assert (
+                result.returncode == 1
+                and result.stderr.startswith("error: ")
+                and message in result.stderr
+            )
             assert len(result.stderr.strip().splitlines()) == 1
 
 
 @pytest.mark.slow
 def test_the_server_docs_examples_run(server):
-    """docs/server.md's Python examples: chat completions with response_format (it prints what its comment
-    says), Responses with text.format, a Messages tool round trip."""
+    """docs/server.md's Python examples: chat completions with response_format (it prints what its
+    comment says), Responses with text.format, a Messages tool round trip."""
     docs = (ROOT / "docs" / "server.md").read_text()
     blocks = re.findall(r"^```py\n(.*?)^```", docs, flags=re.S | re.M)
     outputs = []
     for code in blocks:
-        code = code.replace("http://127.0.0.1:8080/v1", server[1]).replace(
-            "http://127.0.0.1:8080", server[1].removesuffix("/v1")).replace('api_key="none"', f'api_key="{API_KEY}"')
-        result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+        code = (
+            code.replace("http://127.0.0.1:8080/v1", server[1])
+            .replace("http://127.0.0.1:8080", server[1].removesuffix("/v1"))
+            .replace('api_key="none"', f'api_key="{API_KEY}"')
+        )
+        result = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, timeout=300
+        )
         assert result.returncode == 0, result.stderr[-2000:]
         outputs.append(result.stdout.strip())
     assert len(outputs) == 3
     assert outputs[0] == re.search(r"# ([{\[].*[}\]])$", blocks[0], flags=re.M).group(1)
     person, cached = outputs[1].rsplit(" ", 1)
     assert set(json.loads(person)) == {"name", "age"} and int(cached) >= 0
-    assert int(outputs[2].rsplit(" ", 1)[1]) > 0  # the tool result's turn read the first turn from the cache
+    # the tool result's turn read the first turn from the cache
+    assert int(outputs[2].rsplit(" ", 1)[1]) > 0

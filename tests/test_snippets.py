@@ -1,8 +1,10 @@
 """The READMEs' Python snippets run as written, and each folder works when copied alone.
 
-A folder's snippet runs in a temporary directory that holds only the core (``CORE``: ``decoder/``), that
-folder and the folders it needs (``NEEDS``), as in a user's project with ``mlx``, ``mlx-lm`` and numpy
-installed: an import of ``loading`` or ``cli`` there fails the test. The model id in the snippets is swapped for the embedded model's converted directory (no download here).
+A folder's snippet runs in a temporary directory that holds only the core (``CORE``: ``decoder/``),
+that folder and the folders it needs (``NEEDS``), as in a user's project with ``mlx``, ``mlx-lm``
+and numpy
+installed: an import of ``loading`` or ``cli`` there fails the test. The model id in the snippets is
+swapped for the embedded model's converted directory (no download here).
 """
 
 import ast
@@ -17,8 +19,10 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 FOLDERS = ["prompt_lookup", "constrained", "speculative", "distributed"]
 CORE = ["decoder/"]  # what every copied folder needs beside it
-NEEDS = {"speculative": ["t5"]}  # T5 drafts (t5/README.md); its README has no mlx-lm snippet to run here
-EXTRAS = {"constrained": ["llguidance"]}  # packages a folder's README lists beyond mlx, mlx-lm and numpy
+# T5 drafts (t5/README.md); its README has no mlx-lm snippet to run here
+NEEDS = {"speculative": ["t5"]}
+# packages a folder's README lists beyond mlx, mlx-lm and numpy
+EXTRAS = {"constrained": ["llguidance"]}
 MODEL_ID = "mlx-community/SmolLM2-135M-Instruct"
 # Modules of the application (main.py's side) that no copied folder may need.
 APPLICATION_MODULES = {"loading", "cli", "main", "convert", "head_training", "batch"}
@@ -80,18 +84,23 @@ def installed_closure(names, extras=("cpu",)) -> list:
             continue
         for spec in dist.requires or []:
             requirement = Requirement(spec)
-            if requirement.marker is None or any(requirement.marker.evaluate({"extra": extra})
-                                                 for extra in wanted | {""}):
+            if requirement.marker is None or any(
+                requirement.marker.evaluate({"extra": extra}) for extra in wanted | {""}
+            ):
                 todo.append((requirement.name, set(requirement.extras)))
     return list(found.values())
 
 
 def restricted_site(folder: Path, extras=()) -> Path:
-    """A folder of links to the installed files of ``mlx``, ``mlx-lm`` and numpy (and ``extras``) and
-    what they require, and nothing else (no torch, scipy, ...): a user's environment for copied code."""
+    """A folder of links to the installed files of ``mlx``, ``mlx-lm`` and numpy (and ``extras``)
+    and
+    what they require, and nothing else (no torch, scipy, ...): a user's environment for copied
+    code."""
     folder.mkdir()
     for dist in installed_closure(["mlx", "mlx-lm", "numpy", *extras]):
-        for top in {Path(str(file)).parts[0] for file in dist.files or [] if not str(file).startswith("..")}:
+        for top in {
+            Path(str(file)).parts[0] for file in dist.files or [] if not str(file).startswith("..")
+        }:
             target = Path(dist.locate_file(top))
             if target.exists() and not (folder / top).exists():
                 (folder / top).symlink_to(target)
@@ -102,36 +111,58 @@ def run_snippet(code: str, cwd: Path, model_path: Path, extras=()) -> subprocess
     """Run ``code`` in ``cwd`` with only mlx, mlx-lm, numpy and what they require importable. The
     runner loads a fast BLAS first, as a user's entry point would, from the repository's
     loading/fast_blas.py under another module name, so an import of ``loading`` in the copied code
-    still fails; then it leaves on the path only the copy, those packages (and ``extras``, what a folder's
-    README lists) and the standard library. The snippet is unchanged apart from the model id."""
+    still fails; then it leaves on the path only the copy, those packages (and ``extras``, what a
+    folder's README lists) and the standard library. The snippet is unchanged apart from the model
+    id."""
     script = cwd / "snippet.py"
     script.write_text(code.replace(MODEL_ID, str(model_path)))
     site = cwd.parent / f"{cwd.name}-site"
     if not site.exists():
         restricted_site(site, extras)
-    runner = ("import importlib, importlib.util, runpy, sys\n"
-              "spec = importlib.util.spec_from_file_location('blas_for_the_test', sys.argv[1])\n"
-              "blas = importlib.util.module_from_spec(spec); spec.loader.exec_module(blas); blas.load()\n"
-              "sys.path[:] = [sys.argv[2], sys.argv[3]] + [p for p in sys.path if p and 'site-packages' not in p]\n"
-              "sys.path_importer_cache.clear(); importlib.invalidate_caches()\n"
-              "runpy.run_path('snippet.py', run_name='__main__')\n")
+    runner = (
+        "import importlib, importlib.util, runpy, sys\n"
+        "spec = importlib.util.spec_from_file_location('blas_for_the_test', sys.argv[1])\n"
+        "blas = importlib.util.module_from_spec(spec); spec.loader.exec_module(blas); blas.load()\n"
+        "sys.path[:] = [sys.argv[2], sys.argv[3]] + [p for p in sys.path if p and 'site-packages' not in p]\n"
+        "sys.path_importer_cache.clear(); importlib.invalidate_caches()\n"
+        "runpy.run_path('snippet.py', run_name='__main__')\n"
+    )
     # -E: no PYTHONPATH.
-    return subprocess.run([sys.executable, "-E", "-c", runner, str(ROOT / "loading" / "fast_blas.py"), str(cwd), str(site)],
-                          cwd=cwd, capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-E",
+            "-c",
+            runner,
+            str(ROOT / "loading" / "fast_blas.py"),
+            str(cwd),
+            str(site),
+        ],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def test_only_mlx_mlx_lm_and_numpy_are_importable_where_copied_code_runs(tmp_path):
     (tmp_path / "copy").mkdir()
-    code = ("import importlib.util\n"
-            "print([name for name in ('mlx', 'mlx_lm', 'numpy', 'transformers', 'torch', 'llguidance', "
-            "'scipy', 'hypothesis', 'starlette') if importlib.util.find_spec(name)])")
+    code = (
+        "import importlib.util\n"
+        "print([name for name in ('mlx', 'mlx_lm', 'numpy', 'transformers', 'torch', 'llguidance', "
+        "'scipy', 'hypothesis', 'starlette') if importlib.util.find_spec(name)])"
+    )
     result = run_snippet(code, tmp_path / "copy", Path("unused"))
-    assert result.stdout.strip() == "['mlx', 'mlx_lm', 'numpy', 'transformers']", result.stderr[-2000:]
+    assert result.stdout.strip() == "['mlx', 'mlx_lm', 'numpy', 'transformers']", result.stderr[
+        -2000:
+    ]
 
 
 def test_the_readme_says_to_copy_what_the_copy_tests_copy():
     readme = (ROOT / "README.md").read_text()
-    assert "Copy " + " and ".join(f"`{name}`" for name in CORE) + " and the folders you use" in readme
+    assert (
+        "Copy " + " and ".join(f"`{name}`" for name in CORE) + " and the folders you use" in readme
+    )
 
 
 @pytest.mark.parametrize("folder", FOLDERS + ["t5"])
@@ -147,7 +178,9 @@ def test_each_folder_readme_names_what_the_copy_test_copies(folder):
 def copy_core(target: Path):
     for core in CORE:
         if core.endswith("/"):
-            shutil.copytree(ROOT / core, target / core, ignore=shutil.ignore_patterns("__pycache__"))
+            shutil.copytree(
+                ROOT / core, target / core, ignore=shutil.ignore_patterns("__pycache__")
+            )
         else:
             shutil.copy(ROOT / core, target)
 
@@ -169,10 +202,15 @@ def test_a_copied_folder_runs_its_readme_snippets(folder, embedded, tmp_path):
 def test_the_top_readme_snippets_run(embedded, tmp_path):
     _, _, model_path = embedded
     for folder in FOLDERS + ["t5", "batch"]:  # batch/: the batching page's example
-        shutil.copytree(ROOT / folder, tmp_path / folder, ignore=shutil.ignore_patterns("__pycache__"))
+        shutil.copytree(
+            ROOT / folder, tmp_path / folder, ignore=shutil.ignore_patterns("__pycache__")
+        )
     copy_core(tmp_path)
-    for code in [block for page in ("README.md", "docs/library.md", "docs/batching.md")
-                 for block in python_blocks(ROOT / page)]:
+    for code in [
+        block
+        for page in ("README.md", "docs/library.md", "docs/batching.md")
+        for block in python_blocks(ROOT / page)
+    ]:
         result = run_snippet(code, tmp_path, model_path)
         assert result.returncode == 0, result.stderr[-3000:]
         assert result.stdout.strip()

@@ -1,4 +1,5 @@
-"""Speculative decoding with a draft model: lossless greedy, exact sampling, T5 pairs, vocabulary checks."""
+"""Speculative decoding with a draft model: lossless greedy, exact sampling, T5 pairs, vocabulary
+checks."""
 
 import json
 
@@ -6,8 +7,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from decoder.cost import PassCost
 from decoder import DecodingStats, generate_step
+from decoder.cost import PassCost
 from speculative import DraftModelSource, VocabularyMismatch
 from t5 import T5Decoder, load_t5
 from tests.helpers import assert_sampling_keeps_the_target_distribution, tiny_llama
@@ -20,25 +21,52 @@ DRAFT = tiny_llama(vocab_size=VOCAB, num_layers=1, seed=5)
 
 
 def tokens_of(prompt, model, sources=(), **kwargs):
-    return [t for t, _ in generate_step(prompt, model, draft_sources=list(sources), eos_token_ids=(), **kwargs)]
+    return [
+        t
+        for t, _ in generate_step(
+            prompt, model, draft_sources=list(sources), eos_token_ids=(), **kwargs
+        )
+    ]
 
 
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(prompt=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=10), num_draft=st.integers(1, 6),
-       adaptive=st.booleans(), min_confidence=st.sampled_from([0.0, 0.3, 0.9]), max_tokens=st.integers(1, 30))
-def test_greedy_draft_model_output_equals_plain(prompt, num_draft, adaptive, min_confidence, max_tokens):
+@given(
+    prompt=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=10),
+    num_draft=st.integers(1, 6),
+    adaptive=st.booleans(),
+    min_confidence=st.sampled_from([0.0, 0.3, 0.9]),
+    max_tokens=st.integers(1, 30),
+)
+def test_greedy_draft_model_output_equals_plain(
+    prompt, num_draft, adaptive, min_confidence, max_tokens
+):
     reference = tokens_of(prompt, TARGET, max_tokens=max_tokens)
     for draft_model in (DRAFT, TARGET):  # a weak draft and a perfect one
-        source = DraftModelSource(draft_model, VOCAB, num_draft=num_draft, adaptive=adaptive,
-                                  min_confidence=min_confidence)
+        source = DraftModelSource(
+            draft_model,
+            VOCAB,
+            num_draft=num_draft,
+            adaptive=adaptive,
+            min_confidence=min_confidence,
+        )
         assert tokens_of(prompt, TARGET, [source], max_tokens=max_tokens) == reference
 
 
 def test_a_perfect_draft_is_always_accepted_and_grows():
     stats = DecodingStats()
-    source = DraftModelSource(TARGET, VOCAB, num_draft=2, adaptive=True, max_draft=8, min_confidence=0.0)
-    # A clock that stands still: the costs stay at their priors (a self-draft costs a whole step here).
-    tokens_of([1, 2, 3], TARGET, [source], max_tokens=40, stats=stats, pass_cost=PassCost(clock=lambda: 0.0))
+    source = DraftModelSource(
+        TARGET, VOCAB, num_draft=2, adaptive=True, max_draft=8, min_confidence=0.0
+    )
+    # A clock that stands still: the costs stay at their priors (a self-draft costs a whole step
+    # here).
+    tokens_of(
+        [1, 2, 3],
+        TARGET,
+        [source],
+        max_tokens=40,
+        stats=stats,
+        pass_cost=PassCost(clock=lambda: 0.0),
+    )
     assert stats.draft_accepted == stats.draft_proposed > 0
     assert source.num_draft == 8
     assert stats.target_forward_passes < 40 / 4
@@ -47,7 +75,8 @@ def test_a_perfect_draft_is_always_accepted_and_grows():
 def test_draft_cache_follows_the_accepted_tokens():
     source = DraftModelSource(DRAFT, VOCAB, num_draft=4)
     out = tokens_of([4, 5, 6], TARGET, [source], max_tokens=25)
-    # After the last update the draft cache holds a prefix of the accepted text, never rejected tokens.
+    # After the last update the draft cache holds a prefix of the accepted text, never rejected
+    # tokens.
     accepted = [4, 5, 6] + out
     drafter = source.drafter
     held = drafter.texts[0][: drafter.counts[0]]
@@ -66,6 +95,7 @@ def test_sampling_with_a_draft_model_keeps_the_target_distribution(temp, top_p):
 
 
 # --- T5 ------------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def t5_pair(tmp_path_factory):
@@ -87,8 +117,16 @@ def test_t5_speculative_greedy_equals_plain_greedy(t5_pair):
     for draft_model in (draft, target):
         for with_lookup in (False, True):
             # Sources follow one generation, so each run gets fresh ones.
-            sources = [DraftModelSource.create(draft_model, draft_tokenizer, target, tokenizer,
-                                               encoder_input=encoder_input, num_draft=3)]
+            sources = [
+                DraftModelSource.create(
+                    draft_model,
+                    draft_tokenizer,
+                    target,
+                    tokenizer,
+                    encoder_input=encoder_input,
+                    num_draft=3,
+                )
+            ]
             if with_lookup:
                 sources.insert(0, PromptLookupSource(extra_context=encoder_input))
             assert tokens_of(decoder.prompt_tokens(), decoder, sources, max_tokens=30) == reference
@@ -97,10 +135,22 @@ def test_t5_speculative_greedy_equals_plain_greedy(t5_pair):
 @pytest.mark.slow
 def test_t5_pair_from_the_command_line(t5_pair):
     large, small = t5_pair
-    plain = cli("--model", str(large), "--prompt", "the quick brown fox", "--max-tokens", "20", "--json")
+    plain = cli(
+        "--model", str(large), "--prompt", "the quick brown fox", "--max-tokens", "20", "--json"
+    )
     assert plain.returncode == 0, plain.stderr
-    fast = cli("--model", str(large), "--draft-model", str(small), "--prompt-lookup", "--prompt",
-               "the quick brown fox", "--max-tokens", "20", "--json")
+    fast = cli(
+        "--model",
+        str(large),
+        "--draft-model",
+        str(small),
+        "--prompt-lookup",
+        "--prompt",
+        "the quick brown fox",
+        "--max-tokens",
+        "20",
+        "--json",
+    )
     assert fast.returncode == 0, fast.stderr
     plain, fast = json.loads(plain.stdout), json.loads(fast.stdout)
     assert fast["tokens"] == plain["tokens"]
@@ -109,8 +159,13 @@ def test_t5_pair_from_the_command_line(t5_pair):
 
 @pytest.mark.slow
 def test_vocabulary_mismatch_is_refused(t5_pair, tmp_path):
-    other = make_tiny_t5_dir(tmp_path / "other", "v1.1", seed=3, num_layers=1,
-                             spiece_model=train_tiny_spiece(tmp_path / "other.model", vocab_size=80))
+    other = make_tiny_t5_dir(
+        tmp_path / "other",
+        "v1.1",
+        seed=3,
+        num_layers=1,
+        spiece_model=train_tiny_spiece(tmp_path / "other.model", vocab_size=80),
+    )
     (target, tokenizer), (draft, draft_tokenizer) = load_t5(t5_pair[0]), load_t5(other)
     with pytest.raises(VocabularyMismatch):
         DraftModelSource.create(draft, draft_tokenizer, target, tokenizer, encoder_input=[1])
@@ -119,7 +174,8 @@ def test_vocabulary_mismatch_is_refused(t5_pair, tmp_path):
 
 
 def test_a_draft_that_never_pays_is_paused_and_probed():
-    """A draft whose tokens are never accepted stops costing steps: it is probed ever more rarely."""
+    """A draft whose tokens are never accepted stops costing steps: it is probed ever more
+    rarely."""
     stats = DecodingStats()
     source = DraftModelSource(DRAFT, VOCAB, num_draft=4, draft_cost_prior=0.3)
     reference = tokens_of([1, 2, 3], TARGET, max_tokens=120)
@@ -131,13 +187,22 @@ def test_a_draft_that_never_pays_is_paused_and_probed():
 
 @pytest.mark.slow
 def test_self_draft_pair_from_the_command_line(embedded, tmp_path):
-    """The README's offline pair: the embedded model and its first layers (convert.py --num-layers)."""
+    """The README's offline pair: the embedded model and its first layers (convert.py
+    --num-layers)."""
     from loading.conversion import convert
     from loading.load import embedded_gguf
 
     _, _, target = embedded
     draft = convert(str(tmp_path / "draft"), gguf=str(embedded_gguf()), num_layers=6)
-    args = ["--model", str(target), "--prompt", "List three fruits.", "--max-tokens", "24", "--json"]
+    args = [
+        "--model",
+        str(target),
+        "--prompt",
+        "List three fruits.",
+        "--max-tokens",
+        "24",
+        "--json",
+    ]
     plain = json.loads(cli(*args).stdout)
     result = cli(*args[:-1], "--draft-model", str(draft), "--color", "always", "--verbose")
     assert result.returncode == 0, result.stderr
@@ -147,12 +212,15 @@ def test_self_draft_pair_from_the_command_line(embedded, tmp_path):
 
 
 @pytest.mark.parametrize("shared", [3, 40])
-def test_a_reused_source_with_a_sliding_draft_goes_back_or_starts_over_losslessly(shared, monkeypatch):
+def test_a_reused_source_with_a_sliding_draft_goes_back_or_starts_over_losslessly(
+    shared, monkeypatch
+):
     """A source kept across generations keeps its cache row and goes back to what the new prompt
     shares with the old text; where its sliding layers dropped those positions (a short shared
     prefix, drops every few tokens here) the row is prefilled again. Either way: plain's tokens."""
     from decoder.cache import KVRows
-    from tests.architectures import VOCAB as ARCH_VOCAB, build
+    from tests.architectures import VOCAB as ARCH_VOCAB
+    from tests.architectures import build
 
     monkeypatch.setattr(KVRows, "window_step", 4)
     model, _ = build("gemma3_text")

@@ -9,7 +9,15 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 
-from t5 import ModelArgs, T5Decoder, convert_t5, is_encoder_decoder, is_t5_dir, load_t5, load_t5_model
+from t5 import (
+    ModelArgs,
+    T5Decoder,
+    convert_t5,
+    is_encoder_decoder,
+    is_t5_dir,
+    load_t5,
+    load_t5_model,
+)
 from t5.t5 import relative_position_bucket
 from tests.helpers import tiny_llama
 from tests.t5_fixtures import VOCAB_SIZE, make_tiny_t5_dir, train_tiny_spiece
@@ -67,7 +75,9 @@ def test_relative_position_bucket_matches_transformers():
             expected = T5Attention._relative_position_bucket(
                 torch.tensor(relative), bidirectional, num_buckets, max_distance
             )
-            ours = relative_position_bucket(mx.array(relative), bidirectional, num_buckets, max_distance)
+            ours = relative_position_bucket(
+                mx.array(relative), bidirectional, num_buckets, max_distance
+            )
             np.testing.assert_array_equal(np.array(ours), expected.numpy())
 
 
@@ -85,7 +95,9 @@ def test_matches_transformers(t5_dir, tmp_path):
             decoder_input_ids=torch.tensor(np.array(target)),
             use_cache=False,
         )
-    np.testing.assert_allclose(np.array(encoder_output), out.encoder_last_hidden_state.numpy(), atol=1e-4)
+    np.testing.assert_allclose(
+        np.array(encoder_output), out.encoder_last_hidden_state.numpy(), atol=1e-4
+    )
     np.testing.assert_allclose(np.array(logits), out.logits.numpy(), atol=1e-4)
 
     # transformers 5 re-saves every T5 with tie_word_embeddings=true and
@@ -206,7 +218,9 @@ def test_what_t5_does_not_support_is_refused_in_one_line(t5_dir):
     from server.__main__ import build_engine
     from server.__main__ import build_parser as server_parser
 
-    args = main.build_parser().parse_args(["--model", str(t5_dir), "--prompt", "hi", "--draft-head"])
+    args = main.build_parser().parse_args(
+        ["--model", str(t5_dir), "--prompt", "hi", "--draft-head"]
+    )
     with pytest.raises(CliError, match="--draft-head needs a decoder-only model"):
         main.build_run(args)
     args = main.build_parser().parse_args(["--model", str(t5_dir), "--prompt", "hi"])

@@ -30,8 +30,17 @@ def byte_tokens(embedded):
     return [i for i in range(tokenizer.vocab_size) if tokenizer.decode([i]) == "\ufffd"]
 
 
-TRICKY = ["héllo wörld", "日本語のテキスト", "emoji 🤖🎉 mixed", "a\u0301 combining", " leading  spaces ",
-          "don't it's", "tabs\tand\nnewlines\n\n", "Ωμέγα", "𝔘𝔫𝔦𝔠𝔬𝔡𝔢"]
+TRICKY = [
+    "héllo wörld",
+    "日本語のテキスト",
+    "emoji 🤖🎉 mixed",
+    "a\u0301 combining",
+    " leading  spaces ",
+    "don't it's",
+    "tabs\tand\nnewlines\n\n",
+    "Ωμέγα",
+    "𝔘𝔫𝔦𝔠𝔬𝔡𝔢",
+]
 
 
 @pytest.mark.parametrize("text", TRICKY)

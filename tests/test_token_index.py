@@ -7,8 +7,7 @@ import pytest
 from tokenizers import AddedToken, Tokenizer, decoders, models
 
 from constrained.regex_dfa import RegexError, compile_regex
-from constrained.token_index import (TokenIndex, load_or_build_index,
-                                     token_byte_strings)
+from constrained.token_index import TokenIndex, load_or_build_index, token_byte_strings
 
 VOCAB_SIZE = 49152
 EOS = 2  # <|im_end|>
@@ -30,7 +29,8 @@ REGEXES = [
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    """SmolLM2's tokenizer as `conversion.gguf_tokenizer` builds it for the embedded model (a HF fast tokenizer)."""
+    """SmolLM2's tokenizer as `conversion.gguf_tokenizer` builds it for the embedded model (a HF
+    fast tokenizer)."""
     import mlx.core as mx
 
     from loading.conversion import gguf_tokenizer
@@ -47,7 +47,9 @@ def token_bytes(tokenizer):
 
 @pytest.fixture(scope="module")
 def indexes(token_bytes):
-    return {pattern: TokenIndex.build(compile_regex(pattern), token_bytes, [EOS]) for pattern in REGEXES}
+    return {
+        pattern: TokenIndex.build(compile_regex(pattern), token_bytes, [EOS]) for pattern in REGEXES
+    }
 
 
 def brute_force_next_states(dfa, state, token_bytes):
@@ -64,7 +66,9 @@ def brute_force_next_states(dfa, state, token_bytes):
     return np.array(result)
 
 
-@pytest.mark.parametrize("text", ["Hello, world!", " 日本語 😀 éé\n\ttabs", "2024-02-29 12:30", "  two  spaces "])
+@pytest.mark.parametrize(
+    "text", ["Hello, world!", " 日本語 😀 éé\n\ttabs", "2024-02-29 12:30", "  two  spaces "]
+)
 def test_token_bytes_concatenate_to_the_text(tokenizer, token_bytes, text):
     ids = tokenizer.encode(text)
     assert b"".join(token_bytes[i] for i in ids) == text.encode()
@@ -74,7 +78,8 @@ def test_token_bytes_of_special_tokens_and_padding(tokenizer, token_bytes):
     assert token_bytes[EOS] is None and token_bytes[0] is None  # <|im_end|>, <|endoftext|>
     assert token_bytes[tokenizer.convert_tokens_to_ids("Ġthe")] == b" the"
     assert sum(token is None for token in token_bytes) == 17  # the GGUF's control tokens
-    # Single-byte tokens include lone UTF-8 continuation bytes, but a few bytes are not in the vocabulary.
+    # Single-byte tokens include lone UTF-8 continuation bytes, but a few bytes are not in the
+    # vocabulary.
     single_bytes = {token[0] for token in token_bytes if token is not None and len(token) == 1}
     assert set(range(0x80, 0xC0)) <= single_bytes
     missing = {0x04, 0x06, 0x13, 0x14, 0x16, 0x1D, 0xC0, 0xC1, 0xF1, 0xF2, *range(0xF5, 0x100)}
@@ -95,16 +100,32 @@ def test_token_bytes_through_wrappers(tokenizer, token_bytes):
 def test_token_bytes_of_a_sentencepiece_vocabulary():
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "<0x0A>": 3, "<0xE6>": 4, "▁hi": 5, "é": 6, "▁": 7}
     tokenizer = Tokenizer(models.BPE(vocab, [], unk_token="<unk>", byte_fallback=True))
-    tokenizer.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
-    tokenizer.add_special_tokens([AddedToken(text, special=True) for text in ["<unk>", "<s>", "</s>"]])
-    assert token_byte_strings(tokenizer, 9) == [None, None, None, b"\n", b"\xe6", b" hi", "é".encode(), b" ", None]
+    tokenizer.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    )
+    tokenizer.add_special_tokens(
+        [AddedToken(text, special=True) for text in ["<unk>", "<s>", "</s>"]]
+    )
+    assert token_byte_strings(tokenizer, 9) == [
+        None,
+        None,
+        None,
+        b"\n",
+        b"\xe6",
+        b" hi",
+        "é".encode(),
+        b" ",
+        None,
+    ]
 
 
 @pytest.mark.parametrize("pattern", REGEXES)
 def test_masks_match_brute_force(indexes, token_bytes, pattern):
     index = indexes[pattern]
     spellable = np.array([token is not None for token in token_bytes])
-    states = [index.start] + random.Random(pattern).sample(range(index.num_states), min(3, index.num_states))
+    states = [index.start] + random.Random(pattern).sample(
+        range(index.num_states), min(3, index.num_states)
+    )
     for state in states:
         expected = brute_force_next_states(index.dfa, state, token_bytes)
         # These regexes never need a byte the vocabulary lacks, so no token is pruned.
@@ -112,7 +133,9 @@ def test_masks_match_brute_force(indexes, token_bytes, pattern):
         mask = np.array(index.allowed_mask(state))
         assert np.array_equal(mask[spellable], expected[spellable] >= 0)
         assert not mask[~spellable & (np.arange(VOCAB_SIZE) != EOS)].any()
-    assert np.array_equal(np.array(index.masks(states)), np.stack([index.row(s) for s in states]) >= 0)
+    assert np.array_equal(
+        np.array(index.masks(states)), np.stack([index.row(s) for s in states]) >= 0
+    )
 
 
 @pytest.mark.parametrize("pattern", REGEXES)
@@ -123,9 +146,10 @@ def test_eos_allowed_exactly_in_accepting_states(indexes, pattern):
         assert index.next_state(state, EOS) == (state if index.is_accepting(state) else -1)
 
 
-@pytest.mark.parametrize("pattern, text", [
-    ("[^a]+", " 日本 😀 éé"), ("é+", "éééé"), ("(日本)+", "日本日本日本"), (".+", "😀👍🏽"),
-])
+@pytest.mark.parametrize(
+    "pattern, text",
+    [("[^a]+", " 日本 😀 éé"), ("é+", "éééé"), ("(日本)+", "日本日本日本"), (".+", "😀👍🏽")],
+)
 def test_tokens_that_split_characters_walk_to_acceptance(tokenizer, token_bytes, pattern, text):
     index = TokenIndex.build(compile_regex(pattern), token_bytes, [EOS])
     state = index.start
@@ -141,7 +165,10 @@ def test_partial_character_tokens_only_where_the_character_is_allowed(token_byte
     ri = TokenIndex.build(compile_regex("日+"), token_bytes, [EOS])
     hon = TokenIndex.build(compile_regex("本+"), token_bytes, [EOS])
     e_acute = TokenIndex.build(compile_regex("é+"), token_bytes, [EOS])
-    assert ri.allowed_mask(ri.start)[lead_byte].item() and hon.allowed_mask(hon.start)[lead_byte].item()
+    assert (
+        ri.allowed_mask(ri.start)[lead_byte].item()
+        and hon.allowed_mask(hon.start)[lead_byte].item()
+    )
     assert not e_acute.allowed_mask(e_acute.start)[lead_byte].item()
     assert ri.allowed_mask(ri.next_state(ri.start, lead_byte))[middle_of_ri].item()
     assert not hon.allowed_mask(hon.next_state(hon.start, lead_byte))[middle_of_ri].item()
@@ -158,7 +185,12 @@ def test_tokens_into_unfinishable_states_are_pruned():
     index = TokenIndex.build(compile_regex("ab|abc"), token_bytes, [3])
     assert index.row(index.start).tolist() == [-1, index.next_state(index.start, 1), -1, -1]
     after_ab = index.next_state(index.start, 1)
-    assert index.is_accepting(after_ab) and index.allowed_mask(after_ab).tolist() == [False, False, True, True]
+    assert index.is_accepting(after_ab) and index.allowed_mask(after_ab).tolist() == [
+        False,
+        False,
+        True,
+        True,
+    ]
     with pytest.raises(RegexError, match="the vocabulary cannot spell the regex from state 0"):
         TokenIndex.build(compile_regex("b+"), token_bytes, [3])
 

@@ -13,20 +13,34 @@ from hypothesis import strategies as st
 from server.tools import Call, CallReader, Function, ToolUse, split, tool_syntax
 from tests import tiny_server
 
-WEATHER = Function("get_weather", {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
-                                   "required": ["city"], "additionalProperties": False}, "Current weather")
-TIME = Function("get_time", {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"]})
+WEATHER = Function(
+    "get_weather",
+    {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 12}},
+        "required": ["city"],
+        "additionalProperties": False,
+    },
+    "Current weather",
+)
+TIME = Function(
+    "get_time",
+    {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"]},
+)
 PARIS = {"city": "Paris"}
 
-# Tool calls as Llama 3.1 and Mistral v0.3 templates write them (the rest of those templates left out).
+# Tool calls as Llama 3.1 and Mistral v0.3 templates write them (the rest of those templates left
+# out).
 LLAMA3_TEMPLATE = (
     "{% for m in messages %}<|{{ m.role }}|>{% if m.tool_calls %}{% set tool_call = m.tool_calls[0].function %}"
     "{{- '{\"name\": \"' + tool_call.name + '\", ' }}{{- '\"parameters\": ' }}{{- tool_call.arguments | tojson }}"
-    "{{- '}' }}{% else %}{{ m.content }}{% endif %}{% endfor %}<|assistant|>")
+    "{{- '}' }}{% else %}{{ m.content }}{% endif %}{% endfor %}<|assistant|>"
+)
 MISTRAL_TEMPLATE = (
     "{% for m in messages %}{% if m.tool_calls %}[TOOL_CALLS] [{% for tool_call in m.tool_calls %}"
     "{% set out = tool_call.function | tojson %}{{ out[:-1] }}{{ ', \"id\": \"' + tool_call.id + '\"}' }}"
-    "{% endfor %}]{% else %}[INST] {{ m.content }}[/INST]{% endif %}{% endfor %}")
+    "{% endfor %}]{% else %}[INST] {{ m.content }}[/INST]{% endif %}{% endfor %}"
+)
 
 
 def tokenizer(family: str):
@@ -42,21 +56,32 @@ def tokenizer(family: str):
     if family == "llama3":  # mlx-lm has no parser for it: recognised by tools.py
         byte_tokenizer.chat_template = LLAMA3_TEMPLATE
         return TokenizerWrapper(byte_tokenizer)
-    byte_tokenizer.add_special_tokens({"additional_special_tokens": ["[TOOL_CALLS]"]})  # one token, as in Mistral's
+    # one token, as in Mistral's
+    byte_tokenizer.add_special_tokens({"additional_special_tokens": ["[TOOL_CALLS]"]})
     byte_tokenizer.chat_template = MISTRAL_TEMPLATE
-    return TokenizerWrapper(byte_tokenizer, tool_parser=mistral.parse_tool_call,
-                            tool_call_start=mistral.tool_call_start, tool_call_end=mistral.tool_call_end)
+    return TokenizerWrapper(
+        byte_tokenizer,
+        tool_parser=mistral.parse_tool_call,
+        tool_call_start=mistral.tool_call_start,
+        tool_call_end=mistral.tool_call_end,
+    )
 
 
 def written_call(tok, arguments: dict, call_id: str = "abc123XYZ") -> str:
     """What the template writes for the assistant's call of get_weather(arguments)."""
     user = [{"role": "user", "content": "Weather in Paris?"}]
-    call = {"id": call_id, "type": "function", "function": {"name": "get_weather", "arguments": arguments}}
+    call = {
+        "id": call_id,
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": arguments},
+    }
     prompt = tok.apply_chat_template(user, tokenize=False, add_generation_prompt=True)
-    whole = tok.apply_chat_template(user + [{"role": "assistant", "content": "", "tool_calls": [call]}],
-                                    tokenize=False)
+    whole = tok.apply_chat_template(
+        user + [{"role": "assistant", "content": "", "tool_calls": [call]}], tokenize=False
+    )
     common = next(i for i, (a, b) in enumerate(zip(prompt + "\0", whole)) if a != b)
-    return whole[common:].split("<|assistant|>")[0].split("\nassistant:")[0].strip()  # up to the next turn
+    # up to the next turn
+    return whole[common:].split("<|assistant|>")[0].split("\nassistant:")[0].strip()
 
 
 def accepts(tok, grammar: str, text: str) -> bool:
@@ -66,11 +91,15 @@ def accepts(tok, grammar: str, text: str) -> bool:
     from constrained.grammar import compile_grammar, ll_tokenizer_of
 
     matcher = llguidance.LLMatcher(ll_tokenizer_of(tok), compile_grammar(grammar), log_level=0)
-    return matcher.consume_tokens(tok.encode(text, add_special_tokens=False)) and matcher.is_accepting()
+    return (
+        matcher.consume_tokens(tok.encode(text, add_special_tokens=False))
+        and matcher.is_accepting()
+    )
 
 
-@pytest.mark.parametrize("family, syntax", [("hermes", "json_tools"), ("llama3", "llama3_json"),
-                                            ("mistral", "mistral")])
+@pytest.mark.parametrize(
+    "family, syntax", [("hermes", "json_tools"), ("llama3", "llama3_json"), ("mistral", "mistral")]
+)
 def test_each_family_writes_calls_its_grammar_accepts_and_its_parser_reads_back(family, syntax):
     tok = tokenizer(family)
     found = tool_syntax(tok)
@@ -82,7 +111,9 @@ def test_each_family_writes_calls_its_grammar_accepts_and_its_parser_reads_back(
         assert accepts(tok, tools.grammar(), written), (choice, written)
         assert not accepts(tok, tools.grammar(), bad), (choice, bad)
         text, calls = split(tools.reader(), written)
-        assert text == "" and [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", PARIS)]
+        assert text == "" and [(c.name, json.loads(c.arguments)) for c in calls] == [
+            ("get_weather", PARIS)
+        ]
     auto = ToolUse([WEATHER], "auto", syntax=found)
     assert accepts(tok, auto.grammar(), "No call needed.")  # free text, no call
     assert split(auto.reader(), "No call needed.") == ("No call needed.", [])
@@ -93,7 +124,7 @@ def test_each_family_writes_calls_its_grammar_accepts_and_its_parser_reads_back(
 def test_a_special_token_marker_is_written_as_that_token():
     tok = tokenizer("mistral")
     found = tool_syntax(tok)
-    (marker, token), = found.special
+    ((marker, token),) = found.special
     assert marker == "[TOOL_CALLS]" and tok.encode(marker, add_special_tokens=False) == [token]
     assert f"<[{token}]>" in ToolUse([WEATHER], "auto", syntax=found).grammar()
 
@@ -104,15 +135,20 @@ def test_once_a_call_opens_the_grammar_forces_its_json_up_to_the_arguments():
     from constrained.grammar import compile_grammar, ll_tokenizer_of
 
     tok = tokenizer("hermes")
-    matcher = llguidance.LLMatcher(ll_tokenizer_of(tok), compile_grammar(
-        ToolUse([WEATHER], "auto", syntax=tool_syntax(tok)).grammar()), log_level=0)
+    matcher = llguidance.LLMatcher(
+        ll_tokenizer_of(tok),
+        compile_grammar(ToolUse([WEATHER], "auto", syntax=tool_syntax(tok)).grammar()),
+        log_level=0,
+    )
     assert matcher.consume_tokens(tok.encode("Let me look.\n<tool_call>"))
     # What the forced-text source drafts for free: the one tool's name and its first key.
     assert matcher.compute_ff_bytes() == b'\n{"name": "get_weather", "arguments": {"city": "'
 
 
-CALLS_TEXT = ('Let me check both.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
-              '\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>\nDone: 3 < 4.')
+CALLS_TEXT = (
+    'Let me check both.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    '\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>\nDone: 3 < 4.'
+)
 
 
 @settings(max_examples=60, deadline=None)
@@ -122,47 +158,68 @@ def test_the_reader_never_shows_markup_however_the_text_is_cut(cuts):
     reader = ToolUse([WEATHER, TIME], "auto", syntax=tool_syntax(tok)).reader()
     items, start = [], 0
     for cut in cuts + [len(CALLS_TEXT)]:
-        items += reader.add(CALLS_TEXT[start: start + cut])
+        items += reader.add(CALLS_TEXT[start : start + cut])
         start += cut
     items += reader.finish()
     texts = [item for item in items if isinstance(item, str)]
-    assert texts and not any("<" in t and "tool" in t for t in texts) and not any("/tool" in t for t in texts)
+    assert (
+        texts
+        and not any("<" in t and "tool" in t for t in texts)
+        and not any("/tool" in t for t in texts)
+    )
     assert "".join(texts) == "Let me check both.Done: 3 < 4."
     assert [item for item in items if isinstance(item, Call)] == [
-        Call("get_weather", '{"city": "Paris"}'), Call("get_time", '{"zone": "CET"}')]
+        Call("get_weather", '{"city": "Paris"}'),
+        Call("get_time", '{"zone": "CET"}'),
+    ]
 
 
 def test_a_call_cut_short_is_dropped_and_a_lone_marker_prefix_is_text():
     syntax = tool_syntax(tokenizer("hermes"))
-    assert split(CallReader(syntax, []), 'Hi <tool_call>\n{"name": "get_weather", "argum') == ("Hi", [])
+    assert split(CallReader(syntax, []), 'Hi <tool_call>\n{"name": "get_weather", "argum') == (
+        "Hi",
+        [],
+    )
     assert split(CallReader(syntax, []), "a <tool") == ("a <tool", [])
 
 
 def test_without_a_template_syntax_a_forced_call_is_bare_json_and_auto_is_text():
     required = ToolUse([WEATHER, TIME], "required", syntax=None)
-    assert required.grammar() is None and [o["properties"]["name"] for o in required.json_schema()["anyOf"]] == [
-        {"const": "get_weather"}, {"const": "get_time"}]
+    assert required.grammar() is None and [
+        o["properties"]["name"] for o in required.json_schema()["anyOf"]
+    ] == [{"const": "get_weather"}, {"const": "get_time"}]
     assert split(required.reader(), '{"name":"get_time","arguments":{"zone":"UTC"}}') == (
-        "", [Call("get_time", '{"zone": "UTC"}')])
+        "",
+        [Call("get_time", '{"zone": "UTC"}')],
+    )
     named = ToolUse([WEATHER, TIME], "get_weather", syntax=None)
     assert named.json_schema() == WEATHER.parameters
-    assert split(named.reader(), '{"city":"Oslo"}') == ("", [Call("get_weather", '{"city":"Oslo"}')])
+    assert split(named.reader(), '{"city":"Oslo"}') == (
+        "",
+        [Call("get_weather", '{"city":"Oslo"}')],
+    )
     assert split(named.reader(), '{"city":"Os') == ('{"city":"Os', [])  # cut short: shown as it is
     assert split(ToolUse([WEATHER], "auto").reader(), "<tool_call>") == ("<tool_call>", [])
 
 
 def test_a_syntax_without_a_grammar_is_parsed_but_not_constrained():
-    """mlx-lm's pythonic parser (LFM2): calls are read out; a forced call falls back to bare JSON."""
+    """mlx-lm's pythonic parser (LFM2): calls are read out; a forced call falls back to bare
+    JSON."""
     from mlx_lm.tokenizer_utils import TokenizerWrapper
     from mlx_lm.tool_parsers import pythonic
 
     from tests.helpers import tiny_byte_tokenizer
 
-    tok = TokenizerWrapper(tiny_byte_tokenizer(), tool_parser=pythonic.parse_tool_call,
-                           tool_call_start=pythonic.tool_call_start, tool_call_end=pythonic.tool_call_end)
+    tok = TokenizerWrapper(
+        tiny_byte_tokenizer(),
+        tool_parser=pythonic.parse_tool_call,
+        tool_call_start=pythonic.tool_call_start,
+        tool_call_end=pythonic.tool_call_end,
+    )
     auto = ToolUse([WEATHER], "auto", syntax=tool_syntax(tok))
     assert auto.grammar() is None
-    assert split(auto.reader(), 'Sure.<|tool_call_start|>[get_weather(city="Paris")]<|tool_call_end|>') == (
-        "Sure.", [Call("get_weather", '{"city": "Paris"}')])
+    assert split(
+        auto.reader(), 'Sure.<|tool_call_start|>[get_weather(city="Paris")]<|tool_call_end|>'
+    ) == ("Sure.", [Call("get_weather", '{"city": "Paris"}')])
     forced = ToolUse([WEATHER], "required", syntax=tool_syntax(tok))
     assert forced.syntax is None and forced.json_schema() is not None

@@ -1,6 +1,7 @@
 """The server on a tiny random model, for tests that need many requests fast (no model to load).
 
-    python -m tests.tiny_server [--prompt-lookup] [--max-batch N] [--max-queue N] [--prompt-cache-bytes N] [--hermes]
+    python -m tests.tiny_server [--prompt-lookup] [--max-batch N] [--max-queue N]
+    [--prompt-cache-bytes N] [--hermes]
         [--thinking optional|opens] [--harmony]
 
 Prints "serving tiny on http://127.0.0.1:PORT/v1" once it listens, as ``python -m server`` does.
@@ -13,19 +14,24 @@ import asyncio
 from loading import fast_blas
 
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
-# Tool calls as Hermes and Qwen templates write them (mlx-lm reads "<tool_call>" and "tool_call.name" as json_tools).
+# Tool calls as Hermes and Qwen templates write them (mlx-lm reads "<tool_call>" and
+# "tool_call.name" as json_tools).
 HERMES_TEMPLATE = (
     "{% if tools %}tools: {{ tools | map(attribute='function') | map(attribute='name') | join(', ') }}{{ '\\n' }}{% endif %}"
     "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}"
     "{% for call in m.get('tool_calls') or [] %}{% set tool_call = call['function'] %}"
-    "<tool_call>\n{\"name\": \"{{ tool_call.name }}\", \"arguments\": {{ tool_call.arguments | tojson }}}\n</tool_call>"
-    "{% endfor %}{{ '\\n' }}{% endfor %}assistant:")  # HF templates trim a newline after a tag
+    '<tool_call>\n{"name": "{{ tool_call.name }}", "arguments": {{ tool_call.arguments | tojson }}}\n</tool_call>'
+    "{% endfor %}{{ '\\n' }}{% endfor %}assistant:"
+)  # HF templates trim a newline after a tag
 
 
-# Thinking templates: Qwen3's leaves the block to the model ("optional"), Qwen3.5's opens it ("opens");
-# both write an empty closed block when thinking is turned off.
+# Thinking templates: Qwen3's leaves the block to the model ("optional"), Qwen3.5's opens it
+# ("opens"); both write an empty closed block when thinking is turned off.
 THINK_OFF = "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n"
-THINKING_TEMPLATES = {"optional": THINK_OFF + "{% endif %}", "opens": THINK_OFF + "{% else %}<think>\n{% endif %}"}
+THINKING_TEMPLATES = {
+    "optional": THINK_OFF + "{% endif %}",
+    "opens": THINK_OFF + "{% else %}<think>\n{% endif %}",
+}
 
 
 def tokenizer(hermes: bool = False, thinking: str = None):
@@ -44,31 +50,53 @@ def tokenizer(hermes: bool = False, thinking: str = None):
         byte_tokenizer.chat_template += THINKING_TEMPLATES[thinking]
     if not hermes:
         return TokenizerWrapper(byte_tokenizer)
-    return TokenizerWrapper(byte_tokenizer, tool_parser=json_tools.parse_tool_call,
-                            tool_call_start=json_tools.tool_call_start, tool_call_end=json_tools.tool_call_end)
+    return TokenizerWrapper(
+        byte_tokenizer,
+        tool_parser=json_tools.parse_tool_call,
+        tool_call_start=json_tools.tool_call_start,
+        tool_call_end=json_tools.tool_call_end,
+    )
 
 
 # As GPT-OSS's template writes a call: to a function, in the commentary channel, ended by <|call|>.
-HARMONY_CALL = ("{% set call = m.tool_calls[0].function %}<|start|>assistant to=functions.{{ call.name }}"
-                "<|channel|>commentary json<|message|>{{ call.arguments | tojson }}<|call|>")
-HARMONY_TEMPLATE = ("{% for m in messages %}{% if m.get('tool_calls') %}" + HARMONY_CALL + "{% else %}"
-                    "<|start|>{{ m['role'] }}{% if m.get('reasoning_content') %}"
-                    "<|channel|>analysis<|message|>{{ m['reasoning_content'] }}<|end|><|start|>assistant"
-                    "<|channel|>final{% endif %}<|message|>{{ m['content'] }}<|end|>{% endif %}{% endfor %}"
-                    "<|start|>assistant")
+HARMONY_CALL = (
+    "{% set call = m.tool_calls[0].function %}<|start|>assistant to=functions.{{ call.name }}"
+    "<|channel|>commentary json<|message|>{{ call.arguments | tojson }}<|call|>"
+)
+HARMONY_TEMPLATE = (
+    "{% for m in messages %}{% if m.get('tool_calls') %}" + HARMONY_CALL + "{% else %}"
+    "<|start|>{{ m['role'] }}{% if m.get('reasoning_content') %}"
+    "<|channel|>analysis<|message|>{{ m['reasoning_content'] }}<|end|><|start|>assistant"
+    "<|channel|>final{% endif %}<|message|>{{ m['content'] }}<|end|>{% endif %}{% endfor %}"
+    "<|start|>assistant"
+)
 
 
 def harmony_tokenizer():
-    """tests.helpers' byte-level tokenizer with harmony's special tokens and HARMONY_TEMPLATE, as GPT-OSS's."""
+    """tests.helpers' byte-level tokenizer with harmony's special tokens and HARMONY_TEMPLATE, as
+    GPT-OSS's."""
     from mlx_lm.tokenizer_utils import TokenizerWrapper
     from tokenizers import AddedToken
 
     from tests.helpers import tiny_byte_tokenizer
 
     tokenizer = tiny_byte_tokenizer()
-    tokenizer.add_special_tokens({"additional_special_tokens": [
-        AddedToken(t, special=True) for t in ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>",
-                                                 "<|call|>", "<|constrain|>"]]})
+    tokenizer.add_special_tokens(
+        {
+            "additional_special_tokens": [
+                AddedToken(t, special=True)
+                for t in [
+                    "<|start|>",
+                    "<|channel|>",
+                    "<|message|>",
+                    "<|end|>",
+                    "<|return|>",
+                    "<|call|>",
+                    "<|constrain|>",
+                ]
+            ]
+        }
+    )
     tokenizer.chat_template = HARMONY_TEMPLATE
     return TokenizerWrapper(tokenizer)
 
@@ -82,7 +110,9 @@ def vocab_size(thinking: bool = False) -> int:
 def model(thinking: bool = False):
     from tests.helpers import tiny_llama
 
-    return tiny_llama(vocab_size=vocab_size(thinking), num_layers=2, hidden_size=32, seed=3, sharp=3.0)
+    return tiny_llama(
+        vocab_size=vocab_size(thinking), num_layers=2, hidden_size=32, seed=3, sharp=3.0
+    )
 
 
 def main():
@@ -91,11 +121,21 @@ def main():
     parser.add_argument("--max-batch", type=int, default=8)
     parser.add_argument("--max-queue", type=int, default=8)
     parser.add_argument("--prompt-cache-bytes", type=int, default=2**20)
-    parser.add_argument("--hermes", action="store_true", help="A chat template that writes Hermes tool calls.")
-    parser.add_argument("--thinking", choices=["optional", "opens"], default=None,
-                        help="A thinking model's template (THINKING_TEMPLATES).")
+    parser.add_argument(
+        "--hermes", action="store_true", help="A chat template that writes Hermes tool calls."
+    )
+    parser.add_argument(
+        "--thinking",
+        choices=["optional", "opens"],
+        default=None,
+        help="A thinking model's template (THINKING_TEMPLATES).",
+    )
     parser.add_argument("--effort-budgets", default=None, help="As python -m server's.")
-    parser.add_argument("--harmony", action="store_true", help="GPT-OSS's harmony template (tests/test_thinking.py).")
+    parser.add_argument(
+        "--harmony",
+        action="store_true",
+        help="GPT-OSS's harmony template (tests/test_thinking.py).",
+    )
     args = parser.parse_args()
     fast_blas.load()
     import uvicorn
@@ -107,22 +147,39 @@ def main():
     from server.engine import Engine
 
     sources = (lambda: [PromptLookupSource()]) if args.prompt_lookup else list
-    # Passes timed at zero seconds: rows draft whenever their sources do, however loaded the machine.
+    # Passes timed at zero seconds: rows draft whenever their sources do, however loaded the
+    # machine.
     thinking = args.thinking is not None
-    model_, tokenizer_, vocab = model(thinking), tokenizer(args.hermes, args.thinking), vocab_size(thinking)
+    model_, tokenizer_, vocab = (
+        model(thinking),
+        tokenizer(args.hermes, args.thinking),
+        vocab_size(thinking),
+    )
     if args.harmony:
         from tests.helpers import tiny_llama
 
         tokenizer_ = harmony_tokenizer()
         vocab = len(tokenizer_)
         model_ = tiny_llama(vocab_size=vocab, num_layers=2, hidden_size=32, seed=3, sharp=3.0)
-    engine = Engine(model_, tokenizer_, vocab, sources, max_batch=args.max_batch,
-                    max_queue=args.max_queue, prompt_cache_bytes=args.prompt_cache_bytes,
-                    pass_cost=PassCost(clock=lambda: 0.0))
+    engine = Engine(
+        model_,
+        tokenizer_,
+        vocab,
+        sources,
+        max_batch=args.max_batch,
+        max_queue=args.max_queue,
+        prompt_cache_bytes=args.prompt_cache_bytes,
+        pass_cost=PassCost(clock=lambda: 0.0),
+    )
     sock = listen("127.0.0.1", 0)
     from server.reasoning import parse_effort_budgets
 
-    app = build_app(engine, "tiny", context_length=4096, effort_budgets=parse_effort_budgets(args.effort_budgets or ""))
+    app = build_app(
+        engine,
+        "tiny",
+        context_length=4096,
+        effort_budgets=parse_effort_budgets(args.effort_budgets or ""),
+    )
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
     print(f"serving tiny on http://127.0.0.1:{sock.getsockname()[1]}/v1", flush=True)
     asyncio.run(server.serve(sockets=[sock]))
