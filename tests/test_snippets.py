@@ -214,3 +214,36 @@ def test_the_top_readme_snippets_run(embedded, tmp_path):
         result = run_snippet(code, tmp_path, model_path)
         assert result.returncode == 0, result.stderr[-3000:]
         assert result.stdout.strip()
+
+
+LOOKUP_IS_LOSSLESS = """
+import sys
+from mlx_lm import load
+
+from decoder import generate
+from prompt_lookup import PromptLookupSource
+
+model, tokenizer = load("mlx-community/SmolLM2-135M-Instruct")
+text = "Copy these lines: " + ", ".join(f"row {i} holds {i * 7 % 13} parcels" for i in range(12))
+plain = generate(model, tokenizer, text, max_tokens=60)
+lookup = generate(model, tokenizer, text, max_tokens=60, draft_sources=[PromptLookupSource()])
+assert lookup.tokens == plain.tokens, (plain.text, lookup.text)
+assert lookup.stats.draft_accepted > 0, "lookup drafted nothing"
+assert "prompt_lookup.history" not in sys.modules, "history lookup imported, though unused"
+print(plain.generation_tokens, lookup.stats.target_forward_passes)
+"""
+
+
+@pytest.mark.slow
+def test_decoder_and_prompt_lookup_alone_decode_losslessly(embedded, tmp_path):
+    # The smallest copy the README promises: two folders in an empty project.
+    _, _, model_path = embedded
+    for folder in ["decoder", "prompt_lookup"]:
+        shutil.copytree(
+            ROOT / folder, tmp_path / folder, ignore=shutil.ignore_patterns("__pycache__")
+        )
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["decoder", "prompt_lookup"]
+    result = run_snippet(LOOKUP_IS_LOSSLESS, tmp_path, model_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    tokens, passes = map(int, result.stdout.split())
+    assert passes < tokens
