@@ -181,6 +181,18 @@ def test_the_library_never_imports_the_application():
     assert not {name: others for name, others in offending.items() if others}
 
 
+def test_the_core_imports_only_itself():
+    # decoder/ is copied with one technique folder: it may not need any other folder.
+    graph = import_graph(ROOT)
+    core = {name: graph[name] for name in graph if name.split(".")[0] == "decoder"}
+    assert {"decoder", "decoder.loop", "decoder.cache"} <= set(core)
+    outside = {
+        name: sorted(o for o in others if o.split(".")[0] != "decoder")
+        for name, others in core.items()
+    }
+    assert not {name: others for name, others in outside.items() if others}
+
+
 def test_files_and_functions_are_a_size_a_reader_can_hold():
     over = oversized(ROOT)
     assert sorted(over - KNOWN_OVER) == [], "over the size limits"
