@@ -188,8 +188,8 @@ class Backoff:
     repetitive): ``probe``, asked on each step it pauses, says yes after 1, 2, 4 ... ``MAX_GAP``
     skipped steps; ``reset`` once drafting pays again."""
 
-    # A paused source is blind to a change of text for at most 16 steps, while a probe costs at
-    # most one drafted token: under a sixteenth of one per paused step.
+    # A paused source misses text that turns repetitive for at most 16 steps (about a line), and
+    # its probes cost one drafted token (or search) per 17 steps: both small, wherever it runs.
     MAX_GAP = 16
 
     def __init__(self):
