@@ -8,42 +8,28 @@ another row, on a GPU nearly nothing. So the generator times its own passes into
 with each row's expected acceptance from ``Acceptance``.
 """
 
+from collections import defaultdict
 from typing import Optional, Sequence
 
-from decoder.cost import PassCost
+from decoder.cost import AcceptanceEstimate, Backoff, PassCost
 
 # Waiting prompts are prefilled together while the padding stays within this share of their tokens.
 MAX_PREFILL_PADDING = 0.15
 
 
 class Acceptance:
-    """A row's running estimate, per source, of the chance a drafted token is accepted once the one
-    before it was (as ``PromptLookupSource`` keeps per kind of match).
-
-    Every offered draft is scored against what the step emitted, verified or not: greedy, a draft
-    would have been accepted exactly as far as it agrees; a point-mass draft token x is accepted
-    with p(x), the chance that the emitted token is x. So rows whose drafts the policy skips still
-    learn. A draft agreeing with all that was emitted is censored: its end is unknown.
-    """
-
-    FORGET = 0.8  # about the last 5 drafts count
-    PRIOR = 0.5  # worth two drafts
+    """A row's ``AcceptanceEstimate`` per source, each offered draft scored against what the step
+    emitted, verified or not (``AcceptanceEstimate.score``): so rows whose drafts the policy skips
+    still learn."""
 
     def __init__(self):
-        self.counts = {}
+        self.by_source = defaultdict(AcceptanceEstimate)
 
     def rate(self, name: str) -> float:
-        continued, stopped = self.counts.get(name, (2 * self.PRIOR, 2 * (1 - self.PRIOR)))
-        return continued / (continued + stopped)
+        return self.by_source[name].rate
 
     def record(self, name: str, offered: list, emitted: list):
-        compared = min(len(offered), len(emitted))
-        agree = next((i for i in range(compared) if offered[i] != emitted[i]), compared)
-        continued, stopped = self.counts.get(name, (2 * self.PRIOR, 2 * (1 - self.PRIOR)))
-        self.counts[name] = (
-            self.FORGET * continued + agree,
-            self.FORGET * stopped + (agree < compared),
-        )
+        self.by_source[name].score(offered, emitted)
 
 
 class DraftGate:
@@ -52,34 +38,26 @@ class DraftGate:
     Asking costs every row a search (a measurable share of a step on a CPU, where the policy then
     often verifies no draft anyway), and it pays only when it changes the pass.
     So the gate asks while the last step it asked for drafted (``choose_width`` chose W > 1); after
-    a step that drafted nothing it skips 1, 2, 4, then ``MAX_PROBE_GAP`` steps between probes, so a
-    row whose text turns repetitive is drafted for again within a few steps. New rows reset it.
+    a step that drafted nothing it asks only to probe (``Backoff``), so a row whose text turns
+    repetitive is drafted for again. New rows reset it.
     Sources that are free to ask (``DraftSource.free``: text a constraint forces) are asked on every
     step all the same. Like the width, this depends on past steps only, so sampling stays exact.
     """
-
-    MAX_PROBE_GAP = 8
 
     def __init__(self):
         self.reset()
 
     def reset(self):
-        self.skipped, self.probe_gap, self.drafted = 0, 1, True
+        self.backoff, self.drafted = Backoff(), True
 
     def ask(self) -> bool:
-        if self.drafted:
-            return True
-        self.skipped += 1
-        if self.skipped <= self.probe_gap:
-            return False
-        self.skipped, self.probe_gap = 0, min(2 * self.probe_gap, self.MAX_PROBE_GAP)
-        return True
+        return self.drafted or self.backoff.probe()
 
     def record(self, width: int):
         """The width chosen on a step the gate asked for."""
         self.drafted = width > 1
         if self.drafted:
-            self.probe_gap = 1
+            self.backoff.reset()
 
 
 def choose_width(

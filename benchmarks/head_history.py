@@ -32,7 +32,8 @@ from benchmarks.harness import (
 from benchmarks.history_tasks import requests
 from decoder.text import eos_ids_of
 from loading import fast_blas
-from prompt_lookup import HistoryLookupSource, PromptLookupSource, load_history
+from prompt_lookup import PromptLookupSource
+from prompt_lookup.history import HistoryLookupSource, load_history
 from speculative.head import SHIPPED_HEAD
 from speculative.head_source import DraftHeadSource
 

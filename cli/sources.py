@@ -19,7 +19,6 @@ from cli import CliError
 from cli.flags import default_history_path, history_path
 from loading.load import load_model, resolve_model_path
 from prompt_lookup import PromptLookupSource
-from prompt_lookup.history import HistoryError, HistoryLookupSource, load_history
 from speculative import DraftModel, HeadDrafter
 from speculative.head import SHIPPED_HEAD, HeadMismatch
 from speculative.mtp import MTPError, NoMTPWeights
@@ -58,7 +57,8 @@ def build_sources(args, model, tokenizer, encoder_input=None) -> tuple:
         if is_encoder_decoder(draft_model):
             if encoder_input is None:
                 raise CliError(
-                    "--draft-model: a T5 draft model needs a T5 target, which batching does not serve"
+                    "--draft-model: a T5 draft model needs a T5 target, "
+                    "which batching does not serve"
                 )
             draft_model = T5Decoder(draft_model, encoder_input)
         drafters.append(
@@ -119,6 +119,9 @@ def lookup_maker(args, encoder_input: list, head_dir=None):
         options["num_draft"] = args.num_draft
     if args.lookup_history is None:
         return lambda: PromptLookupSource(**options)
+    # opt-in: plain lookup never imports the store's code
+    from prompt_lookup.history import HistoryError, HistoryLookupSource, load_history
+
     seed = np.zeros(0, np.int32)
     if head_dir is not None:
         try:

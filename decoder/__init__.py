@@ -6,7 +6,8 @@ plugs into.
 
 ``loop.py`` holds the loop (``generate_step -> stream_generate -> generate``), ``draft.py`` the
 draft and constraint protocols and the acceptance math, ``step.py`` one row's step, ``cache.py``
-and ``kinds.py`` a cache whose rows roll back alone, ``cost.py`` the measured cost of a pass.
+and ``kinds.py`` a cache whose rows roll back alone, ``cost.py`` the measured cost of a pass
+and what drafts win.
 """
 
 from .cache import Cache, CacheKindError, adopt, make_cache

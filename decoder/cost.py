@@ -1,4 +1,5 @@
-"""What a verification pass costs, measured by the loop that runs it.
+"""What a verification pass costs, measured by the loop that runs it, and what a source's drafts
+win (``AcceptanceEstimate``), with the backoff of a source whose drafts do not pay (``Backoff``).
 
 Every adaptive choice (how long a copy, a draft model's or a head's draft should be, and
 which source drafts a step) weighs the tokens a draft may win against what scoring it
@@ -19,7 +20,9 @@ had one row, where on a CPU a token of width costs several times more at 8 rows.
 """
 
 import time
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
+
+from mlx_lm.utils import common_prefix_len
 
 
 class PassCost:
@@ -147,6 +150,60 @@ class PassCost:
                 name: round(mean, 6) for name, (_, mean) in self.drafting.items()
             },
         }
+
+
+class AcceptanceEstimate:
+    """What a source's recent drafts gave, each draft weighing ``FORGET`` times the next (about the
+    last 5 count). ``rate``: the chance a draft token is accepted once the one before it was,
+    accepted tokens over those and rejections; a draft accepted whole counts its tokens, not its
+    end (censored). The prior is two one-token drafts accepted with chance ``prior``."""
+
+    FORGET = 0.8
+
+    def __init__(self, prior: float = 0.5):
+        self.drafts, self.proposed = 2.0, 2.0
+        self.accepted, self.rejected = 2 * prior, 2 * (1 - prior)
+
+    @property
+    def rate(self) -> float:
+        return self.accepted / (self.accepted + self.rejected)
+
+    def record(self, num_proposed: int, num_accepted: int):
+        self.drafts = self.FORGET * self.drafts + 1
+        self.proposed = self.FORGET * self.proposed + num_proposed
+        self.accepted = self.FORGET * self.accepted + num_accepted
+        self.rejected = self.FORGET * self.rejected + (num_accepted < num_proposed)
+
+    def score(self, offered: Sequence[int], emitted: Sequence[int]) -> int:
+        """Record a draft the target did not verify as if it had, and return its accepted count:
+        greedy, it is accepted as far as it agrees with what was emitted; sampling, a point-mass
+        token x is accepted with p(x), the chance the emitted token is x."""
+        num_accepted = common_prefix_len(offered, emitted)
+        self.record(min(len(offered), len(emitted)), num_accepted)
+        return num_accepted
+
+
+class Backoff:
+    """Skip-and-probe for a source whose drafts do not pay now but may later (text that turns
+    repetitive): ``probe``, asked on each step it pauses, says yes after 1, 2, 4 ... ``MAX_GAP``
+    skipped steps; ``reset`` once drafting pays again."""
+
+    # A paused source misses text that turns repetitive for at most 16 steps (about a line), and
+    # its probes cost one drafted token (or search) per 17 steps: both small, wherever it runs.
+    MAX_GAP = 16
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self):
+        self.skipped, self.gap = 0, 1
+
+    def probe(self) -> bool:
+        self.skipped += 1
+        if self.skipped <= self.gap:
+            return False
+        self.skipped, self.gap = 0, min(2 * self.gap, self.MAX_GAP)
+        return True
 
 
 def _line(points: list) -> tuple:

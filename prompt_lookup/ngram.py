@@ -10,9 +10,8 @@ from collections import defaultdict
 from typing import Optional, Sequence
 
 import mlx.core as mx
-from mlx_lm.utils import common_prefix_len
 
-from decoder.cost import PassCost
+from decoder.cost import AcceptanceEstimate, Backoff, PassCost
 from decoder.draft import Draft, DraftSource
 
 # Never a token id: stops matches and continuations at the edges of the context.
@@ -103,11 +102,10 @@ class PromptLookupSource(DraftSource):
     is ``log(c) / log(a)``, capped at ``2 * num_draft``.
 
     ``a`` is estimated for each kind of match apart (``match_kind``: a 3-gram match is a safer copy
-    than a 1-gram one) from its recent drafts, forgetting old ones by ``FORGET`` per draft. It
-    starts where the best length is ``num_draft``. A size whose copies do not pay (best length 0) is
-    skipped, but probed with a one-token draft after 1, 2, 4, ... ``MAX_PROBE_GAP`` skipped matches,
-    so text that turns repetitive is picked up again for at most a few percent of a step. With
-    ``adaptive=False`` it always drafts ``num_draft`` tokens when it finds a match.
+    than a 1-gram one) from its recent drafts (``AcceptanceEstimate``). It starts where the best
+    length is ``num_draft``. A kind whose copies do not pay (best length 0) is skipped, but probed
+    with a one-token draft now and then (``Backoff``), so text that turns repetitive is picked up
+    again. With ``adaptive=False`` it always drafts ``num_draft`` tokens when it finds a match.
 
     The context (``extra_context`` and ``tokens``) is kept as one MLX array that grows by the
     newly accepted tokens, so each step costs one vectorized search and no list conversion.
@@ -115,8 +113,6 @@ class PromptLookupSource(DraftSource):
     """
 
     name = "prompt_lookup"
-    FORGET = 0.8  # weight of the past in the acceptance estimate: about the last 5 drafts count
-    MAX_PROBE_GAP = 64
 
     def __init__(
         self,
@@ -144,12 +140,10 @@ class PromptLookupSource(DraftSource):
             self.extra_context + [SEPARATOR] if self.extra_context else [], mx.int32
         )
         self._num_seen = 0  # how many of the tokens are in self._context
-        # Per kind of match: [continued, stopped] pseudo-counts of draft tokens, a prior
-        # worth two drafts whose best length is num_draft.
+        # Per kind of match, with a prior whose best length is num_draft.
         prior = self.cost.token_cost() ** (1 / (self.num_draft + 0.5))
-        self._counts = defaultdict(lambda: [2 * prior, 2 * (1 - prior)])
-        self._skipped = defaultdict(int)  # matches skipped since the last probe
-        self._probe_gap = defaultdict(lambda: 1)
+        self._estimates = defaultdict(lambda: AcceptanceEstimate(prior))
+        self._backoffs = defaultdict(Backoff)
         self._kind = None  # the kind of match of the last draft
         self._offered = None  # (len(tokens), draft) of the last draft proposed
 
@@ -158,20 +152,15 @@ class PromptLookupSource(DraftSource):
         longer than ``ngram_max`` count as one size (they are all long)."""
         return min(ngram, self.ngram_max)
 
-    def _accept(self, kind) -> float:
-        """The estimated chance that a copied token is accepted once the one before it was."""
-        continued, stopped = self._counts[kind]
-        return continued / (continued + stopped)
-
     def expected_speedup(self, kind, length: int) -> float:
         """Tokens a ``length``-token copy after a match of ``kind`` is expected to give, per
         plain step's time: (1 + a + a^2 + ... + a^length) / (a pass of 1 + length tokens)."""
-        accept = self._accept(kind)
+        accept = self._estimates[kind].rate
         return (1 + sum(accept**i for i in range(1, length + 1))) / self.cost.relative(1 + length)
 
     def draft_length(self, kind) -> int:
         """The draft length that pays best for a match of ``kind`` (``match_kind``)."""
-        accept, token_cost = self._accept(kind), self.cost.token_cost()
+        accept, token_cost = self._estimates[kind].rate, self.cost.token_cost()
         if accept <= token_cost:
             return 0
         if accept >= 1.0:
@@ -200,13 +189,8 @@ class PromptLookupSource(DraftSource):
             return Draft(draft)
         length = self.draft_length(kind)
         if length == 0:  # copies from this kind of match do not pay: skip, probing now and then
-            self._skipped[kind] += 1
-            if self._skipped[kind] <= self._probe_gap[kind]:
+            if not self._backoffs[kind].probe():
                 return None
-            self._skipped[kind], self._probe_gap[kind] = (
-                0,
-                min(2 * self._probe_gap[kind], self.MAX_PROBE_GAP),
-            )
             length = 1
         draft = draft[:length]
         self._offered = (len(tokens), draft)
@@ -216,25 +200,13 @@ class PromptLookupSource(DraftSource):
 
     def update(self, tokens: list, num_proposed: int, num_accepted: int) -> None:
         offered, self._offered = self._offered, None
-        if not self.adaptive:
+        if not self.adaptive or (num_proposed == 0 and offered is None):
             return
-        stopped = num_accepted < num_proposed
-        if num_proposed == 0:  # another source drafted this step
-            if offered is None:
-                return
-            # Score the copy against what the step emitted, as if it had been verified: greedy, it
-            # would have been accepted exactly as far as it agrees; sampling, a copied token x is
-            # accepted with p(x), the chance the emitted token is x. So the estimates learn on every
-            # step. A copy longer
-            # than what was emitted and agreeing with all of it is censored: its tokens count, not
-            # its end.
+        estimate = self._estimates[self._kind]
+        if num_proposed == 0:  # another source drafted over the copy: score it as if verified
             start, draft = offered
-            num_accepted = common_prefix_len(draft, tokens[start:])
-            stopped = num_accepted < min(len(draft), len(tokens) - start)
-        continued, ended = self._counts[self._kind]
-        self._counts[self._kind] = [
-            self.FORGET * continued + num_accepted,
-            self.FORGET * ended + stopped,
-        ]
+            num_accepted = estimate.score(draft, tokens[start:])
+        else:
+            estimate.record(num_proposed, num_accepted)
         if num_accepted:
-            self._probe_gap[self._kind] = 1
+            self._backoffs[self._kind].reset()

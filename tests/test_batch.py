@@ -16,7 +16,7 @@ from batch import BatchGenerator, batch_generate
 from batch.policy import DraftGate, choose_width, prefill_group
 from constrained import ForcedTextSource, RegexConstraint
 from decoder import TARGET, generate_step, sampling_probs
-from decoder.cost import PassCost
+from decoder.cost import Backoff, PassCost
 from prompt_lookup.history import HistoryLookupSource
 from prompt_lookup.ngram import PromptLookupSource
 from speculative import DraftModel as BatchDraftModel
@@ -568,11 +568,14 @@ def test_the_gate_asks_while_drafting_pays_and_probes_now_and_then():
     assert gate.ask()
     gate.record(1)  # the step drafted nothing
     asked = []
-    for _ in range(40):
+    for _ in range(8 * Backoff.MAX_GAP):
         asked.append(gate.ask())
         if asked[-1]:
             gate.record(1)
-    assert [i for i, a in enumerate(asked) if a] == [1, 4, 9, 18, 27, 36]  # skips 1, 2, 4, then 8
+    probes = [i for i, a in enumerate(asked) if a]
+    skips = [later - earlier - 1 for earlier, later in zip([-1] + probes, probes)]
+    assert skips == [min(2**i, Backoff.MAX_GAP) for i in range(len(skips))]  # 1, 2, 4 ... the cap
+    assert skips.count(Backoff.MAX_GAP) >= 3
     gate.record(3)  # a probe that drafted
     assert all(gate.ask() for _ in range(5))
     gate.record(1)

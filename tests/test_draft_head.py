@@ -206,7 +206,8 @@ def tokens_of(prompt, model, sources=(), **kwargs):
 def test_greedy_output_with_the_head_equals_plain(
     trained, prompt, num_draft, adaptive, copier, min_confidence, max_tokens
 ):
-    from prompt_lookup import HistoryLookupSource, PromptLookupSource
+    from prompt_lookup import PromptLookupSource
+    from prompt_lookup.history import HistoryLookupSource
 
     reference = tokens_of(prompt, TARGET, max_tokens=max_tokens)
     # With a copier first, the loop picks per step which of the two drafts (draft.choose_draft).
@@ -296,7 +297,8 @@ def test_sampling_with_the_head_keeps_the_target_distribution(temp, top_p, min_p
 def test_sampling_with_a_copier_and_the_head_choosing_per_step_keeps_the_target_distribution(
     copier,
 ):
-    from prompt_lookup import HistoryLookupSource, PromptLookupSource
+    from prompt_lookup import PromptLookupSource
+    from prompt_lookup.history import HistoryLookupSource
 
     target = tiny_llama(vocab_size=8, num_layers=2, seed=3, sharp=2.0)
     head = random_head(target, 5, mx.arange(6))

@@ -177,6 +177,21 @@ def test_bad_arguments_raise(kwargs):
         HistoryLookupSource(**kwargs)
 
 
+def test_plain_lookup_never_imports_history_lookup():
+    """The store's code is opt-in: importing prompt_lookup, or building plain lookup from the
+    CLI's flags, leaves it out (in a fresh interpreter, apart from this suite's imports)."""
+    script = (
+        "import sys, argparse, prompt_lookup, cli.sources\n"
+        "args = argparse.Namespace(ngram_max=3, ngram_min=1, no_adaptive=False, num_draft=None,"
+        " lookup_history=None)\n"
+        "cli.sources.lookup_maker(args, [])()\n"
+        "print('prompt_lookup.history' in sys.modules)"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "False"
+
+
 @pytest.mark.slow
 def test_cli_flag_end_to_end(tmp_path):
     store = tmp_path / "store.npz"

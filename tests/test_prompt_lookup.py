@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from decoder import DecodingStats, generate_step
-from decoder.cost import PassCost
+from decoder.cost import Backoff, PassCost
 from prompt_lookup import PromptLookupSource, find_draft
 from prompt_lookup.ngram import LONGEST_LOOKBACK
 from tests.helpers import end_with_a_match, target_accepts, tiny_llama
@@ -233,9 +233,9 @@ def test_adaptive_backs_off_exponentially_and_resumes():
     drafted = [m for m in misses if m]
     assert drafted == sorted(drafted, reverse=True)
     pauses = gaps(misses)
-    assert pauses[:7] == [1, 2, 4, 8, 16, 32, 64]
-    assert set(pauses[7:]) == {source.MAX_PROBE_GAP}
-    assert sum(misses[100:]) <= 300 / source.MAX_PROBE_GAP + 1  # probing is rare once paused
+    assert pauses == [min(2**i, Backoff.MAX_GAP) for i in range(len(pauses))]
+    assert pauses.count(Backoff.MAX_GAP) >= 3  # reached the cap and stayed there
+    assert sum(misses[100:]) <= 300 / Backoff.MAX_GAP + 1  # probing is rare once paused
 
     # Accepted probes resume drafting and grow it again.
     hits = drive(source, [True] * 120, tokens)
