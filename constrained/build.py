@@ -5,6 +5,8 @@ the one way main.py and the server build them, in three stages.
     builder = ConstraintBuilder(tokenizer, vocab_size)
     built = builder.index(form, compiled)                # the costly part: keep it per pattern
     constraint, forced = builder.fresh(built, thinking)  # every sequence its own
+
+    constraint, forced = regex_constraint(regex, tokenizer, vocab_size)  # all at once, for one
 """
 
 import json
@@ -78,6 +80,13 @@ class ConstraintBuilder:
         if thinking is None:
             return constraint, forced
         return thinking.around(constraint, forced, self.vocab_size)
+
+
+def regex_constraint(regex: str, tokenizer, vocab_size: int, cache_dir=None) -> tuple:
+    """``(constraint, forced-text source)`` for output that fully matches ``regex``, from a
+    one-off ``ConstraintBuilder`` (RegexError for a regex it cannot serve)."""
+    builder = ConstraintBuilder(tokenizer, vocab_size, cache_dir)
+    return builder.fresh(builder.index("regex", regex))
 
 
 def compile_schema(schema, engine=None) -> tuple:

@@ -7,7 +7,7 @@ import re
 import mlx.core as mx
 import pytest
 
-from constrained.build import ConstraintBuilder
+from constrained.build import regex_constraint
 from constrained.thinking import (
     ANSWER,
     START,
@@ -62,8 +62,7 @@ def test_a_regex_answer_after_a_bounded_block(opens):
     tokens = prompt(tokenizer)
     phase = MARKERS.phase(tokens, tokenizer.decode)
     for seed in range(4):
-        builder = ConstraintBuilder(tokenizer, VOCAB)
-        inner, forced = builder.fresh(builder.index("regex", r"(Paris|Rome|Oslo)\."))
+        inner, forced = regex_constraint(r"(Paris|Rome|Oslo)\.", tokenizer, VOCAB)
         constraint = ThinkingConstraint(MARKERS, VOCAB, inner, budget=6, phase=phase)
         mx.random.seed(seed)
         result = generate(
