@@ -11,8 +11,6 @@ python main.py --model Qwen3-Next-DIR --mtp --num-draft 2 --color
 
 import argparse
 import json
-import os
-import re
 import signal
 import sys
 
@@ -28,6 +26,8 @@ from cli import (
     reopen_closed_std_streams,
     writing_output,
 )
+from cli.constraints import add_arguments as add_constraint_arguments
+from cli.constraints import check as check_constraint_arguments
 from cli.flags import add_arguments as add_source_arguments
 from cli.flags import check as check_source_arguments
 from loading import fast_blas
@@ -53,7 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--model",
         default=None,
-        help="Local mlx-lm/T5 directory or Hugging Face repo (default: embedded SmolLM2-135M-Instruct).",
+        help="Local mlx-lm/T5 directory or Hugging Face repo "
+        "(default: embedded SmolLM2-135M-Instruct).",
     )
     parser.add_argument(
         "--prompt", default=None, help="The prompt (default: stdin if piped, else a demo question)."
@@ -89,56 +90,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     # --prompt-lookup, --draft-model, --draft-head, ... (shared with the server)
     add_source_arguments(parser)
-    constrained = parser.add_argument_group("constrained decoding")
-    constrained.add_argument(
-        "--regex", default=None, help="The output must fully match this regex (re.ASCII)."
-    )
-    constrained.add_argument(
-        "--json-schema",
-        default=None,
-        metavar="FILE_OR_JSON",
-        help="The output must be JSON valid under this JSON Schema (a file or inline JSON).",
-    )
-    constrained.add_argument(
-        "--json-schema-engine",
-        choices=["llguidance", "regex"],
-        default=None,
-        help="Compile --json-schema with llguidance (full JSON Schema) or the built-in regex "
-        "compiler, and only it (default: llguidance if installed, the built-in compiler "
-        "for a schema llguidance refuses).",
-    )
-    constrained.add_argument(
-        "--grammar",
-        default=None,
-        metavar="FILE_OR_TEXT",
-        help="The output must be in this grammar's language: Lark (llguidance's dialect) or "
-        "GBNF (llama.cpp), a file or inline text; needs llguidance.",
-    )
-    constrained.add_argument(
-        "--grammar-format",
-        choices=["auto", "lark", "gbnf"],
-        default="auto",
-        help="The --grammar syntax (default: auto, GBNF when rules are written 'name ::= ...').",
-    )
-    thinking = parser.add_argument_group(
-        "thinking models",
-        "A model that thinks (<think> ... </think>) gets its constraint after the think block.",
-    )
-    thinking.add_argument(
-        "--thinking-budget",
-        type=int,
-        default=None,
-        metavar="N",
-        help="At most N tokens inside the think block; then its closing text is forced.",
-    )
-    thinking.add_argument(
-        "--no-thinking",
-        action="store_true",
-        help="Render the chat template with thinking off; a block it still opens is closed at once.",
-    )
+    # --regex, --json-schema, --grammar, --thinking-budget, ...
+    add_constraint_arguments(parser)
     distributed = parser.add_argument_group(
         "distributed (under mlx.launch; see distributed/README.md)",
-        "Ranks on one host split its cores between their BLAS threads unless OPENBLAS_NUM_THREADS is set.",
+        "Ranks on one host split its cores between their BLAS threads unless "
+        "OPENBLAS_NUM_THREADS is set.",
     )
     distributed.add_argument(
         "--shard",
@@ -157,24 +114,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def validate(args):
     check_finite(args)
-    for flag in ("prompt", "system", "regex"):
+    for flag in ("prompt", "system"):
         check_text_argument(getattr(args, flag), f"--{flag}")
-    # inline JSON, not a file name
-    if args.json_schema is not None and not os.path.exists(args.json_schema):
-        check_text_argument(args.json_schema, "--json-schema")
-    for flag in ("json_schema", "grammar"):  # a folder would be read as inline text: say what it is
-        if getattr(args, flag) is not None and os.path.isdir(getattr(args, flag)):
-            raise CliError(
-                f"--{flag.replace('_', '-')} {getattr(args, flag)} is a directory; give a file path"
-            )
     if not 0 <= args.seed < 2**64:
         raise CliError("--seed must be in [0, 2**64)")
     if args.max_tokens < 0:
         raise CliError("--max-tokens must be >= 0")
-    if args.thinking_budget is not None and args.thinking_budget < 1:
-        raise CliError("--thinking-budget must be >= 1 (--no-thinking turns thinking off)")
-    if args.thinking_budget is not None and args.no_thinking:
-        raise CliError("give --thinking-budget or --no-thinking, not both")
     if args.temp != 0 and not 1e-6 <= args.temp <= 1e6:
         # Outside this range float32 logits / temp overflow to inf or NaN.
         raise CliError("--temp must be 0 (greedy) or between 1e-6 and 1e6")
@@ -185,36 +130,7 @@ def validate(args):
         raise CliError("--dist-timeout must be > 0")
     if args.prompt is not None and args.prompt_file is not None:
         raise CliError("give --prompt or --prompt-file, not both")
-    if args.regex is not None and args.json_schema is not None:
-        raise CliError("give --regex or --json-schema, not both")
-    if args.grammar is not None and (args.regex is not None or args.json_schema is not None):
-        raise CliError("give --grammar alone, not with --regex or --json-schema")
-    # Compiled here, before the model loads: a refused grammar or schema costs no wait.
-    args.llguidance_grammar = None
-    if args.grammar is not None:
-        from constrained.grammar import compile_grammar
-
-        looks_like_a_file = re.fullmatch(r"\S+\.(gbnf|lark|ebnf|txt)", args.grammar) is not None
-        # a missing file: "not found", not a parse error
-        is_file = os.path.isfile(args.grammar) or looks_like_a_file
-        text = read_text_file(args.grammar, "grammar file") if is_file else args.grammar
-        check_text_argument(text, "--grammar")
-        args.llguidance_grammar = compile_grammar(text, args.grammar_format)  # GrammarError
-    if args.json_schema is not None:
-        from constrained import load_schema
-        from constrained.build import compile_schema
-
-        schema = load_schema(args.json_schema)  # SchemaError
-        # a RegexError, GrammarError
-        kind, compiled = compile_schema(schema, args.json_schema_engine)
-        if kind == "grammar":
-            args.llguidance_grammar = compiled
-        else:
-            args.regex = compiled
-    elif args.regex is not None:
-        from constrained import compile_regex
-
-        compile_regex(args.regex)  # fail on a bad regex before loading the model (RegexError)
+    check_constraint_arguments(args)  # last: it compiles the pattern
 
 
 def read_prompt(args) -> str:
@@ -237,14 +153,14 @@ def read_prompt(args) -> str:
 def build_run(args, session=None):
     """Load models and draft sources; returns (target, tokenizer, prompt_tokens, loop kwargs).
 
-    ``session`` (from ``distributed.start``) shards the target over the launched ranks.
+    ``args``: ``validate``d (it compiles the constraint's pattern). ``session`` (from
+    ``distributed.start``) shards the target over the launched ranks.
     """
+    from cli import constraints
     from cli.sources import draft_sources
-    from constrained.build import grammar_constraint, regex_constraint
     from decoder.step import DecodingStats
     from decoder.text import encode, output_size
     from loading.load import context_length, load_model
-    from loading.store import cache_dir
     from t5 import T5Decoder, is_encoder_decoder
 
     text = read_prompt(args)  # bad prompt bytes fail before the model loads
@@ -276,30 +192,8 @@ def build_run(args, session=None):
         )
     max_tokens = args.max_tokens if limit is None else min(args.max_tokens, limit - len(prompt))
 
-    forced, constraint = [], None
-    if args.regex is not None:
-        if encoder_input is not None:
-            raise CliError(
-                "--regex needs a byte-level or sentencepiece Hugging Face tokenizer; T5 is not supported"
-            )
-        constraint, source = regex_constraint(
-            args.regex,
-            tokenizer,
-            output_size(model, tokenizer),
-            cache_dir=cache_dir() / "regex-index",
-        )
-        forced.append(source)
-    if getattr(args, "llguidance_grammar", None) is not None:
-        if encoder_input is not None:
-            raise CliError(
-                "--grammar and --json-schema need a Hugging Face tokenizer; T5 is not supported"
-            )
-        constraint, source = grammar_constraint(
-            args.llguidance_grammar, tokenizer, output_size(model, tokenizer)
-        )
-        forced.append(source)
-    constraint, forced = after_thinking(
-        args, tokenizer, prompt, constraint, forced, output_size(model, tokenizer)
+    constraint, forced = constraints.build(
+        args, tokenizer, output_size(model, tokenizer), prompt, encoder_input is not None
     )
     model, drafts = draft_sources(args, model, tokenizer, encoder_input)
     kwargs = dict(
@@ -315,31 +209,6 @@ def build_run(args, session=None):
     return model, tokenizer, prompt, kwargs
 
 
-def thinking_of(tokenizer, prompt: list) -> tuple:
-    """``(markers, phase)`` of a thinking model's prompt (constrained/thinking.py), or ``(None,
-    ANSWER)``."""
-    from constrained.thinking import ANSWER, think_markers
-
-    markers = think_markers(tokenizer)
-    return (None, ANSWER) if markers is None else (markers, markers.phase(prompt, tokenizer.decode))
-
-
-def after_thinking(
-    args, tokenizer, prompt: list, constraint, forced: list, vocab_size: int
-) -> tuple:
-    """The constraint and forced-text sources put after the think block of a thinking model, with
-    the budget (--thinking-budget; 0 for --no-thinking); as they are for other models or with
-    nothing to do."""
-    from constrained.thinking import ANSWER, ThinkingConstraint, ThinkingForcedSource
-
-    markers, phase = thinking_of(tokenizer, prompt)
-    budget = 0 if args.no_thinking else args.thinking_budget
-    if markers is None or phase == ANSWER or (constraint is None and budget is None):
-        return constraint, forced
-    wrapped = ThinkingConstraint(markers, vocab_size, constraint, budget, phase)
-    return wrapped, [ThinkingForcedSource(wrapped, forced[0] if forced else None)]
-
-
 def print_stats(result, verbose: bool, use_color: bool):
     stats = result.stats
     if use_color and stats.sources:
@@ -352,7 +221,8 @@ def print_stats(result, verbose: bool, use_color: bool):
             by_position = ", ".join(f"{r:.2f}" for r in summary["acceptance_by_position"][:16])
             print(
                 f"  {name}: proposed {summary['proposed']}, accepted {summary['accepted']} "
-                f"({summary['acceptance_rate']:.1%}), mean accepted length {summary['mean_accepted_length']:.2f}, "
+                f"({summary['acceptance_rate']:.1%}), "
+                f"mean accepted length {summary['mean_accepted_length']:.2f}, "
                 f"acceptance by position [{by_position}]"
             )
 
@@ -362,7 +232,8 @@ def run(args):
     import mlx.core as mx
 
     import distributed
-    from constrained.thinking import CLOSING, OPENING, THINKING, ThinkingConstraint, split_reasoning
+    from cli.constraints import thinking_budget
+    from constrained.thinking import CLOSING, OPENING, THINKING, ThinkingConstraint, thinking_of
     from decoder import generate
 
     validate(args)
@@ -371,9 +242,11 @@ def run(args):
     mx.random.seed(args.seed)
     model, tokenizer, prompt, kwargs = build_run(args, session)
     use_color = args.color == "always" or (args.color == "auto" and sys.stdout.isatty())
-    markers, phase = thinking_of(tokenizer, prompt)
+    thinking = thinking_of(tokenizer, prompt, thinking_budget(args))
     # follows where the text is
-    block = None if markers is None else ThinkingConstraint(markers, 0, phase=phase)
+    block = (
+        None if thinking is None else ThinkingConstraint(thinking.markers, 0, phase=thinking.phase)
+    )
 
     def show(response):
         color = COLORS.get(response.source, "") if use_color else ""
@@ -393,16 +266,10 @@ def run(args):
                 model, tokenizer, prompt, on_token=None if args.json else show, **kwargs
             )
         if args.json:
-            reasoning, answer = split_reasoning(result.text, markers, phase)
-            print(
-                json.dumps(
-                    {
-                        **result.to_json(),
-                        "reasoning": reasoning if markers else None,
-                        "answer": answer,
-                    }
-                )
+            reasoning, answer = (
+                (None, result.text) if thinking is None else thinking.split(result.text)
             )
+            print(json.dumps({**result.to_json(), "reasoning": reasoning, "answer": answer}))
         else:
             print()
             print_stats(result, args.verbose, use_color)

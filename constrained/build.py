@@ -1,38 +1,92 @@
-"""Constraints and their forced-text sources, built from a regex, a JSON Schema or a grammar: the
-one way main.py and the server build them.
+"""Constraints from a regex, a JSON Schema or a grammar, put after a thinking model's think block:
+the one way main.py and the server build them, in three stages.
 
-    constraint, forced = regex_constraint(regex, tokenizer, vocab_size)
-    kind, compiled = compile_schema(schema)   # llguidance, else the built-in regex compiler
+    form, compiled = compile_pattern("schema", schema)   # no tokenizer: before the model loads
+    builder = ConstraintBuilder(tokenizer, vocab_size)
+    built = builder.index(form, compiled)                # the costly part: keep it per pattern
+    constraint, forced = builder.fresh(built, thinking)  # every sequence its own
+
+    constraint, forced = regex_constraint(regex, tokenizer, vocab_size)  # all at once, for one
 """
 
+import json
 import sys
 
-from constrained.constraint import ForcedTextSource, RegexConstraint
+from constrained.constraint import ForcedTextSource, RegexConstraint, TokenSplits
 from constrained.grammar import (
     GrammarConstraint,
     GrammarError,
     GrammarForcedSource,
+    compile_grammar,
     compile_json_schema,
 )
 from constrained.json_schema import SchemaError, schema_to_regex
 from constrained.regex_dfa import RegexError, compile_regex
 
 
+def compile_pattern(kind: str, pattern, schema_engine=None, grammar_format: str = "auto") -> tuple:
+    """``("regex", regex)`` or ``("grammar", llguidance's grammar)`` for a "regex", a JSON "schema"
+    (loaded, or as JSON text; ``schema_engine``: see ``compile_schema``) or a "grammar" (Lark or
+    GBNF text; ``grammar_format``: see ``compile_grammar``). Checked without a tokenizer, so a
+    refusal comes before a model loads: RegexError, SchemaError (a RegexError) or GrammarError."""
+    if kind == "schema":
+        schema = json.loads(pattern) if isinstance(pattern, str) else pattern
+        return compile_schema(schema, schema_engine)
+    if kind == "grammar":
+        return "grammar", compile_grammar(pattern, grammar_format)
+    compile_regex(pattern)
+    return "regex", pattern
+
+
+class ConstraintBuilder:
+    """Constraints on one model's vocabulary, from ``compile_pattern``'s output. No MLX call, and
+    safe from any thread: the server builds each request's constraint off its worker.
+
+    Args:
+        vocab_size: the model's (the masks' width); ``cache_dir``: where regex token indexes are
+            kept.
+    """
+
+    def __init__(self, tokenizer, vocab_size: int, cache_dir=None):
+        self.tokenizer, self.vocab_size, self.cache_dir = tokenizer, vocab_size, cache_dir
+        # how the model writes forced text, learned by every sequence built here
+        self.splits = TokenSplits(tokenizer)
+
+    def index(self, form: str, compiled: str) -> tuple:
+        """``("regex", token index)`` or ``("grammar", llguidance's grammar)``: the pattern over
+        the vocabulary, the part worth keeping per pattern. A grammar the vocabulary cannot serve
+        is refused here (GrammarError), not at the first step."""
+        if form == "grammar":
+            GrammarConstraint.from_llguidance(compiled, self.tokenizer, self.vocab_size)
+            return form, compiled
+        constraint = RegexConstraint.from_regex(
+            compiled, self.tokenizer, self.vocab_size, self.cache_dir
+        )
+        return form, constraint.index
+
+    def fresh(self, built=None, thinking=None) -> tuple:
+        """A new ``(constraint, forced-text source)`` on ``built`` (``index``'s; None: any output),
+        after the think block of ``thinking`` (``constrained.thinking.thinking_of``'s; None: the
+        model does not think). ``(None, None)`` where nothing constrains the output."""
+        constraint = forced = None
+        if built is not None and built[0] == "regex":
+            constraint = RegexConstraint(built[1])
+            forced = ForcedTextSource(constraint, self.tokenizer, self.splits)
+        elif built is not None:
+            constraint = GrammarConstraint.from_llguidance(
+                built[1], self.tokenizer, self.vocab_size
+            )
+            forced = GrammarForcedSource(constraint, self.tokenizer, self.splits)
+        if thinking is None:
+            return constraint, forced
+        return thinking.around(constraint, forced, self.vocab_size)
+
+
 def regex_constraint(regex: str, tokenizer, vocab_size: int, cache_dir=None) -> tuple:
-    """``(constraint, forced-text source)`` for output that fully matches ``regex``; the token
-    index is kept in ``cache_dir`` (RegexError for a regex it cannot serve)."""
-    constraint = RegexConstraint.from_regex(
-        regex, tokenizer, vocab_size=vocab_size, cache_dir=cache_dir
-    )
-    return constraint, ForcedTextSource(constraint, tokenizer)
-
-
-def grammar_constraint(grammar: str, tokenizer, vocab_size: int, splits=None) -> tuple:
-    """``(constraint, forced-text source)`` for output in the language of ``grammar``, llguidance's
-    compiled form (``compile_grammar``, ``compile_json_schema``; GrammarError if refused).
-    ``splits``: a ``TokenSplits`` to share with other requests' forced-text sources."""
-    constraint = GrammarConstraint.from_llguidance(grammar, tokenizer, vocab_size=vocab_size)
-    return constraint, GrammarForcedSource(constraint, tokenizer, splits)
+    """``(constraint, forced-text source)`` for output that fully matches ``regex``, from a
+    one-off ``ConstraintBuilder`` (RegexError for a regex it cannot serve)."""
+    builder = ConstraintBuilder(tokenizer, vocab_size, cache_dir)
+    return builder.fresh(builder.index("regex", regex))
 
 
 def compile_schema(schema, engine=None) -> tuple:

@@ -9,14 +9,15 @@ Kimi, ...), or its template opens the block in the prompt (Qwen3.5, Qwen3-Thinki
 none) so that the loop needs to know nothing of thinking:
 
     START     the model may open the block, or answer at once (the inner constraint's first mask,
-    plus the opening) OPENING   the rest of a multi-token opening marker, forced
+              plus the opening)
+    OPENING   the rest of a multi-token opening marker, forced
     THINKING  free text; once ``budget`` tokens are spent the closing text is forced
     CLOSING   the end marker and the template's separator, forced (drafted for free:
-    ``ThinkingForcedSource``) ANSWER    the inner constraint, from its start state
+              ``ThinkingForcedSource``)
+    ANSWER    the inner constraint, from its start state
 
-    constraint = ThinkingConstraint(markers, vocab_size, inner=regex, budget=256,
-    phase=markers.phase(prompt)) draft_sources = [ThinkingForcedSource(constraint, inner_forced)] +
-    prompt_lookup_sources
+    thinking = thinking_of(tokenizer, prompt, budget=256)   # None: the model does not think
+    constraint, forced = thinking.around(inner, inner_forced, vocab_size)
 """
 
 import functools
@@ -51,8 +52,8 @@ class ThinkMarkers:
     def phase(self, prompt: list, decode) -> str:
         """Where the prompt leaves the model: THINKING where the template opened the block (only
         whitespace after the last opening marker), ANSWER where it wrote a closed block last
-        (thinking
-        turned off), else START. ``decode``: the tokenizer's, for the text after the marker."""
+        (thinking turned off), else START. ``decode``: the tokenizer's, for the text after the
+        marker."""
         opened, closed = _rfind(prompt, self.start_tokens), _rfind(prompt, self.end_tokens)
         if opened > closed and not decode(prompt[opened + len(self.start_tokens) :]).strip():
             return THINKING
@@ -121,9 +122,8 @@ class ThinkState(NamedTuple):
 
 class ThinkingConstraint(Constraint):
     """A think block of free text (at most ``budget`` tokens, then its closing text forced),
-    followed by
-    ``inner`` (None: free text). ``budget`` 0 with the block not yet open: it never opens; None: no
-    bound.
+    followed by ``inner`` (None: free text). ``budget`` 0 with the block not yet open: it never
+    opens; None: no bound.
 
     Args:
         markers: ``think_markers(tokenizer)``.
@@ -412,3 +412,41 @@ def split_reasoning(text: str, markers: Optional[ThinkMarkers], phase: str = STA
         "".join(t for kind, t in pieces if kind == "reasoning"),
         "".join(t for kind, t in pieces if kind == "text"),
     )
+
+
+@dataclass(frozen=True)
+class Thinking:
+    """A thinking model's prompt: its markers, where the prompt leaves the model (START, THINKING or
+    ANSWER) and the block's budget (None: none; 0: the block never opens, or closes at once)."""
+
+    markers: ThinkMarkers
+    phase: str
+    budget: Optional[int] = None
+
+    def around(self, constraint, forced, vocab_size: int) -> tuple:
+        """``(constraint, forced)`` put after the think block, with the budget; as they are where
+        the prompt left the block already or nothing bounds it or follows it (no cost then)."""
+        if self.phase == ANSWER or (constraint is None and self.budget is None):
+            return constraint, forced
+        wrapped = ThinkingConstraint(self.markers, vocab_size, constraint, self.budget, self.phase)
+        return wrapped, ThinkingForcedSource(wrapped, forced)
+
+    def reasoning_tokens(self, tokens: list) -> int:
+        return reasoning_token_count(tokens, self.markers, self.phase)
+
+    def splitter(self) -> ReasoningSplitter:
+        return ReasoningSplitter(self.markers, self.phase)
+
+    def split(self, text: str) -> tuple:
+        """``(reasoning, answer)`` of a whole output."""
+        return split_reasoning(text, self.markers, self.phase)
+
+
+def thinking_of(tokenizer, prompt: list, budget: Optional[int] = None) -> Optional[Thinking]:
+    """The ``Thinking`` of a rendered ``prompt``, or None for a model without think markers (it
+    answers as it is). ``budget`` 0 turns thinking off where the template still opened the block
+    (or may let the model open it)."""
+    markers = think_markers(tokenizer)
+    if markers is None:
+        return None
+    return Thinking(markers, markers.phase(prompt, tokenizer.decode), budget)

@@ -1,4 +1,5 @@
-"""Each request's constraint (its regex, JSON schema, grammar or tools), built on the HTTP side.
+"""Each request's constraint (its regex, JSON schema, grammar or tools), built on the HTTP side by
+constrained/build.py, as main.py builds its flags'.
 
 Compiling a new schema takes long enough that, on the worker, it would stall every running stream,
 so the HTTP side builds each request's constraint before it queues the request. The costly part,
@@ -6,14 +7,12 @@ the token index or compiled grammar, is built once per distinct pattern and kept
 used first out); every request gets fresh constraint objects on it, as rows never share one.
 """
 
-import json
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future
 
-from constrained.build import compile_schema, grammar_constraint, regex_constraint
+from constrained.build import ConstraintBuilder, compile_pattern
 from server.protocol import GenerationRequest, invalid
-from server.reasoning import around_thinking
 
 MAX_CACHED_CONSTRAINTS = 32  # token indexes are ~1 MB each; a client reuses few schemas
 
@@ -27,13 +26,12 @@ class RequestConstraints:
     """
 
     def __init__(self, tokenizer, vocab_size: int, cache_dir=None):
-        self.tokenizer, self.vocab_size, self.cache_dir = tokenizer, vocab_size, cache_dir
-        self.built = OrderedDict()  # (kind, pattern) -> (kind, token index or compiled grammar)
+        self.builder = ConstraintBuilder(tokenizer, vocab_size, cache_dir)
+        # (kind, pattern) -> ("regex", token index) or ("grammar", compiled grammar)
+        self.built = OrderedDict()
         # (kind, pattern) -> Future, while the first request that needs it builds it
         self.building = {}
         self.lock = threading.Lock()  # HTTP threads build constraints side by side
-        # a constrained.TokenSplits: how the model writes forced text, learned by every request
-        self.splits = None
 
     def for_request(self, request: GenerationRequest) -> tuple:
         """A fresh (constraint, forced-text source) for the request's regex, schema or grammar, or
@@ -41,34 +39,14 @@ class RequestConstraints:
         it. On a thinking model it starts after the think block, which a budget bounds
         (server/reasoning.py). Safe from any thread, and no MLX call: the HTTP side calls it off the
         worker."""
-        return around_thinking(
-            request.thinking, *self._answer_constraint_for(request), self.vocab_size
-        )
-
-    def _answer_constraint_for(self, request: GenerationRequest) -> tuple:
-        key = next(
-            (
-                (kind, pattern)
-                for kind, pattern in (
-                    ("regex", request.regex),
-                    ("schema", request.schema),
-                    ("tools", request.tool_grammar),
-                )
-                if pattern is not None
-            ),
+        given = [
+            ("regex", request.regex),
+            ("schema", request.schema),
+            ("tools", request.tool_grammar),
             ("grammar", request.grammar),
-        )
-        if key[1] is None:
-            return None, None
-        kind, built = self._built(key)
-        from constrained import ForcedTextSource, RegexConstraint, TokenSplits
-
-        with self.lock:
-            self.splits = self.splits if self.splits is not None else TokenSplits(self.tokenizer)
-        if kind == "regex":
-            constraint = RegexConstraint(built[0].index)
-            return constraint, ForcedTextSource(constraint, self.tokenizer, self.splits)
-        return grammar_constraint(built, self.tokenizer, self.vocab_size, self.splits)
+        ]
+        key = next(((kind, pattern) for kind, pattern in given if pattern is not None), None)
+        return self.builder.fresh(None if key is None else self._built(key), request.thinking)
 
     def _built(self, key: tuple) -> tuple:
         """``self.built[key]``, building it (or waiting for the thread that builds it) if missing.
@@ -100,29 +78,19 @@ class RequestConstraints:
         return built
 
     def build(self, kind: str, pattern: str) -> tuple:
-        """``("regex", (constraint, forced))`` or ``("grammar", compiled grammar)``, built as
-        main.py builds --regex, --grammar and --json-schema (constrained/build.py); a refusal is a
-        400 naming the field."""
+        """``ConstraintBuilder.index`` of the pattern, compiled as main.py compiles --regex,
+        --json-schema and --grammar; a refusal is a 400 naming the field."""
         from constrained import GrammarError, RegexError
-        from constrained.grammar import compile_grammar
 
         what, param = {
             "regex": ("regex", "guided_regex"),
             "grammar": ("grammar", "guided_grammar"),
             "schema": ("JSON schema", "response_format"),
-            "tools": ("tools' schemas", "tools"),
+            "tools": ("tools' schemas", "tools"),  # text and calls in the template's syntax
         }[kind]
         try:
-            # llguidance, else the built-in compiler (a note in the log says so)
-            if kind == "schema":
-                kind, pattern = compile_schema(json.loads(pattern))
-            # tools: text and calls in the template's syntax (tools.py)
-            elif kind in ("grammar", "tools"):
-                kind, pattern = "grammar", compile_grammar(pattern)
-            if kind == "grammar":
-                # refused now, not at the first step
-                grammar_constraint(pattern, self.tokenizer, self.vocab_size)
-                return kind, pattern
-            return kind, regex_constraint(pattern, self.tokenizer, self.vocab_size, self.cache_dir)
+            # a schema: llguidance, else the built-in compiler (a note in the log says so)
+            compiled = compile_pattern("grammar" if kind == "tools" else kind, pattern)
+            return self.builder.index(*compiled)
         except (GrammarError, RegexError) as error:
             raise invalid(f"the {what} is not supported: {error}", param) from None

@@ -14,15 +14,10 @@ import json
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
+from constrained.thinking import Thinking, thinking_of
 from decoder.text import encode
 from server.harmony import chat_tool_syntax
-from server.reasoning import (
-    EFFORT_BUDGETS,
-    Thinking,
-    ThinkingRequest,
-    template_options,
-    thinking_of,
-)
+from server.reasoning import EFFORT_BUDGETS, ThinkingRequest, template_options
 from server.tools import Function, ToolUse
 
 MAX_STOP_STRINGS = 4  # as OpenAI
@@ -335,7 +330,7 @@ def prepare_chat(
         raise invalid(
             f"the chat template rejected the messages: {error}", param="messages"
         ) from None
-    request.thinking = thinking_of(thinking, tokenizer, request.prompt)
+    request.thinking = thinking_of(tokenizer, request.prompt, thinking.block_budget())
     return request
 
 
@@ -406,7 +401,8 @@ def _message(message, index: int) -> dict:
         )
     ):
         raise invalid(
-            f"{param}.tool_calls must be a list of {{'function': {{'name': ..., 'arguments': ...}}}}",
+            f"{param}.tool_calls must be a list of "
+            "{'function': {'name': ..., 'arguments': ...}}",
             param=param,
         )
     if content is None and calls:
@@ -549,8 +545,8 @@ def check_prompt(request: GenerationRequest, context_length: Optional[int], voca
     if context_length is not None:
         if len(request.prompt) + 1 > context_length:
             raise invalid(
-                f"the prompt has {len(request.prompt)} tokens; the model's context is {context_length} "
-                "tokens",
+                f"the prompt has {len(request.prompt)} tokens; "
+                f"the model's context is {context_length} tokens",
                 param="messages",
                 code="context_length_exceeded",
             )

@@ -3,8 +3,9 @@ it.
 
 Each API says it its own way (chat: ``reasoning_effort``, ``thinking_token_budget``,
 ``chat_template_kwargs``; Responses: ``reasoning.effort``; Messages: ``thinking`` and
-``output_config.effort``); each becomes a ``ThinkingRequest``, and ``Thinking`` is what the engine
-and the formats need once the prompt is rendered. Effort levels map to budgets through
+``output_config.effort``); each becomes a ``ThinkingRequest``, and ``constrained.thinking.Thinking``
+(``thinking_of``, as in main.py) is what the engine and the formats need once the prompt is
+rendered. Effort levels map to budgets through
 ``EFFORT_BUDGETS`` (``python -m server --effort-budgets`` changes it). A budget bounds the tokens
 inside the block; the block's closing text is then forced (constrained/thinking.py). Reasoning
 counts against max_tokens, as in Anthropic's API.
@@ -13,16 +14,7 @@ counts against max_tokens, as in Anthropic's API.
 from dataclasses import dataclass, field
 from typing import Optional
 
-from constrained.thinking import (
-    ANSWER,
-    ReasoningSplitter,
-    ThinkingConstraint,
-    ThinkingForcedSource,
-    ThinkMarkers,
-    reasoning_token_count,
-    split_reasoning,
-    think_markers,
-)
+from constrained.thinking import think_markers
 
 # Effort -> the most tokens inside the think block (None: unbounded). "none" turns thinking off.
 EFFORT_BUDGETS = {
@@ -44,7 +36,8 @@ def parse_effort_budgets(text: str, table: Optional[dict] = None) -> dict:
         name, value = name.strip(), value.strip()
         if not name or name == "none" or not value:
             raise ValueError(
-                f"'{entry}': give effort=tokens, e.g. low=512 (the effort 'none' turns thinking off)"
+                f"'{entry}': give effort=tokens, e.g. low=512 "
+                "(the effort 'none' turns thinking off)"
             )
         if value.lower() == "none":
             budgets[name] = None
@@ -58,50 +51,16 @@ def parse_effort_budgets(text: str, table: Optional[dict] = None) -> dict:
 @dataclass
 class ThinkingRequest:
     """What a request asks: thinking on (True), off (False) or as the template has it (None), a
-    budget
-    (None: none), and options for the chat template (``chat_template_kwargs``)."""
+    budget (None: none), and options for the chat template (``chat_template_kwargs``)."""
 
     enabled: Optional[bool] = None
     budget: Optional[int] = None
     template_options: dict = field(default_factory=dict)
 
-
-@dataclass(frozen=True)
-class Thinking:
-    """A request on a thinking model, once its prompt is rendered: the markers, where the prompt
-    leaves the
-    model (START, THINKING or ANSWER) and the budget (None: none; 0: the block never opens or closes
-    at once)."""
-
-    markers: ThinkMarkers
-    phase: str
-    budget: Optional[int] = None
-
-    def reasoning_tokens(self, tokens: list) -> int:
-        return reasoning_token_count(tokens, self.markers, self.phase)
-
-    def splitter(self) -> ReasoningSplitter:
-        return ReasoningSplitter(self.markers, self.phase)
-
-    def split(self, text: str) -> tuple:
-        """``(reasoning, answer)`` of a whole output."""
-        return split_reasoning(text, self.markers, self.phase)
-
-
-def around_thinking(thinking: Optional[Thinking], constraint, forced, vocab_size: int) -> tuple:
-    """``(constraint, forced)`` for the answer, put after the think block (with its budget) on a
-    thinking model; as they are where nothing bounds the block or follows it (no cost for such a
-    request)."""
-    if (
-        thinking is None
-        or thinking.phase == ANSWER
-        or (constraint is None and thinking.budget is None)
-    ):
-        return constraint, forced
-    wrapped = ThinkingConstraint(
-        thinking.markers, vocab_size, constraint, thinking.budget, thinking.phase
-    )
-    return wrapped, ThinkingForcedSource(wrapped, forced)
+    def block_budget(self) -> Optional[int]:
+        """The think block's budget: 0 with thinking off, as the template may still open the
+        block (or let the model open it), which then closes at once or never opens."""
+        return 0 if self.enabled is False else self.budget
 
 
 def template_options(asked: ThinkingRequest, tokenizer) -> dict:
@@ -111,16 +70,3 @@ def template_options(asked: ThinkingRequest, tokenizer) -> dict:
     if asked.enabled is not None and think_markers(tokenizer) is not None:
         options.setdefault("enable_thinking", asked.enabled)
     return options
-
-
-def thinking_of(asked: ThinkingRequest, tokenizer, prompt: list) -> Optional[Thinking]:
-    """The request's ``Thinking`` (None for a model without think markers: it answers as it is,
-    which docs/server.md says). Thinking off where the template still opened the block (or may let
-    the model
-    open it): a budget of 0, so the block closes at once or never opens."""
-    markers = think_markers(tokenizer)
-    if markers is None:
-        return None
-    phase = markers.phase(prompt, tokenizer.decode)
-    budget = 0 if asked.enabled is False else asked.budget
-    return Thinking(markers, phase, budget)

@@ -30,6 +30,7 @@ def run_cases(cases, session=None):
     list in ``cases``."""
     for argv in cases:
         args = main.build_parser().parse_args(argv)
+        main.validate(args)  # compiles --regex
         mx.random.seed(args.seed)
         model, tokenizer, prompt, kwargs = main.build_run(args, session)
         # Passes are compared step for step with one process, whose timings differ: decide from the

@@ -437,18 +437,21 @@ def test_compile_schema_prefers_llguidance_and_falls_back_in_one_line(monkeypatc
 
 def test_main_py_compiles_the_schema_with_compile_schema(capsys):
     import main
+    from constrained import schema_to_regex
 
     def validated(*flags):
         args = main.build_parser().parse_args(list(flags))
         main.validate(args)
         return args
 
-    args = validated("--json-schema", json.dumps(ONLY_LLGUIDANCE))
-    assert args.llguidance_grammar is not None and args.regex is None
-    args = validated("--json-schema", "true")
-    assert args.llguidance_grammar is None and args.regex is not None
+    form, grammar = validated("--json-schema", json.dumps(ONLY_LLGUIDANCE)).compiled_pattern
+    assert form == "grammar" and grammar
+    compiled = validated("--json-schema", "true").compiled_pattern
+    assert compiled == ("regex", schema_to_regex(True))
     assert capsys.readouterr().err.startswith("note: llguidance refused the schema (")
-    assert validated("--json-schema", "true", "--json-schema-engine", "regex").regex == args.regex
+    assert validated("--json-schema", "true", "--json-schema-engine", "regex").compiled_pattern == (
+        compiled
+    )
     assert capsys.readouterr().err == ""
 
 

@@ -46,8 +46,6 @@ KNOWN_OVER = {  # issue 48: the formatter's one argument a line
     "benchmarks/server_load.py:main",
     "head_training/train.py:main",
     "head_training/train.py:train",
-    "main.py:build_parser",
-    "main.py:build_run",
     "server/protocol.py",
     "server/responses.py",
 }

@@ -13,10 +13,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from constrained.thinking import ANSWER, START, THINKING
+from constrained.thinking import ANSWER, START, THINKING, Thinking
 from server.anthropic import parse_messages
 from server.protocol import ApiError, parse_chat
-from server.reasoning import EFFORT_BUDGETS, Thinking, parse_effort_budgets
+from server.reasoning import EFFORT_BUDGETS, parse_effort_budgets
 from server.responses import ResponseStore, parse_responses
 from tests import tiny_server
 from tests.test_server_tiny import start
