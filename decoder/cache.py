@@ -46,28 +46,25 @@ from .kinds import ChunkedRows, KVRows, StateRows
 
 
 class ExtraRows:
-    """A per-row layer that a wrapper of the model keeps after the model's own layers; ``Cache``
-    filters and extends it with the rows (it implements ``filter``/``extend``) and asks it the
-    rest, with these defaults: a rewind leaves it be, and it has nothing to realign, extract or
-    fill."""
+    """A per-row layer that a wrapper of the model keeps after the model's own layers. ``Cache``
+    filters and extends it with the rows and asks it the rest, with these defaults: a rewind leaves
+    it be, and it has nothing to realign, extract (a ``CachedPrefix`` entry, as ``KVRows.extract``
+    gives) or fill."""
 
-    def for_rows(self, rows: int) -> "ExtraRows":
-        """An empty one for ``rows`` rows (``make_cache``)."""
+    def for_rows(self, rows: int) -> "ExtraRows":  # an empty one for ``make_cache``
         raise NotImplementedError
 
     def rewind(self, trims: Sequence[int]):
-        """Row b drops the last ``trims[b]`` tokens of a pass."""
+        pass
 
     def realign(self):
-        """The rows are rolled to end at the same slot, as ``KVRows.realign``."""
+        pass
 
     def extract(self, row: int) -> Optional[tuple]:
-        """Row ``row``'s entry in a ``CachedPrefix``: ``(keys, values, first)``, cut like an
-        attention layer's (``KVRows.extract``), or None."""
         return None
 
     def fill(self, row: int, keys, values, first: int):
-        """Row ``row`` of an empty one holds an entry ``extract`` gave."""
+        pass
 
     def arrays(self) -> list:
         return []

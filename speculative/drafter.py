@@ -122,6 +122,7 @@ class SharedDrafter:
         return source
 
     def owns(self, source: DraftSource) -> bool:
+        """Whether ``source`` is one of its own (made by ``source()``)."""
         return source in self.sources
 
     def draft_cost(self, cost: PassCost) -> float:
