@@ -11,8 +11,9 @@ constraint and sampling, verified together in one ``[B, W]`` pass per step.
 - ``policy.py``: how many draft tokens the pass verifies (``choose_width``), from measured pass
   costs, and which waiting prompts prefill together (``prefill_group``).
 
-A draft model drafts for all its rows in one call: ``speculative.DraftModel`` (one class for one row
-and many; ``BatchDraftModel`` is its name here, kept for callers that import it from batch).
+A model that drafts (``speculative.SharedDrafter``: a draft model, a head, MTP layers) drafts for
+all its rows in one call when the generator is handed it (``BatchGenerator(drafters=[...])``);
+``BatchDraftModel`` is ``speculative.DraftModel``'s name here, kept for callers that import it.
 """
 
 from batch.generate import BatchResult, batch_generate

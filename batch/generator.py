@@ -38,6 +38,7 @@ from batch.verify import accept, score
 from decoder.cost import PassCost
 from decoder.prefill import Prefill
 from decoder.step import verify_pass
+from speculative.drafter import DraftRequest
 
 # Rows whose ends drift further apart than this are rolled back into line (one copy of the cache),
 # so that no row attends over many slots that hold nothing of its own.
@@ -78,6 +79,19 @@ def _per_row(name: str, value, count: int) -> list:
     return [value] * count
 
 
+def _check_row(prompt: list, options: dict):
+    """Refuse a row's bad options in one sentence."""
+    if len(prompt) == 0:
+        raise ValueError("a prompt is empty: give at least one token")
+    if options["max_tokens"] < 1:
+        raise ValueError(f"max_tokens must be at least 1, got {options['max_tokens']}")
+    temp, top_p, logprobs = options["temp"], options["top_p"], options["logprobs"]
+    if temp < 0 or not 0 < top_p <= 1:
+        raise ValueError(f"need temp >= 0 and 0 < top_p <= 1, got {temp} and {top_p}")
+    if logprobs is not None and logprobs < 0:
+        raise ValueError(f"logprobs must be None or >= 0 (top tokens per position), got {logprobs}")
+
+
 class BatchGenerator:
     """Continuous batching with every draft source and constraint, one row per sequence.
 
@@ -93,6 +107,10 @@ class BatchGenerator:
         interleave_prefill: while rows are decoding, prefill joining prompts one chunk per
             ``next()`` (a long prompt does not stall the running rows); else all at once.
         keep_caches: give each finished row's KV entries in its last response (``cache``).
+        drafters: the models that draft for many rows at once (``speculative.SharedDrafter``:
+            ``DraftModel``, ``HeadDrafter``, ``MTPDrafter``), whose ``source()`` rows hold: each
+            drafts for all its rows in one call per step. A source of one not given here drafts
+            for its row alone.
     """
 
     def __init__(
@@ -107,8 +125,9 @@ class BatchGenerator:
         pass_cost: Optional[PassCost] = None,
         interleave_prefill: bool = False,
         keep_caches: bool = False,
+        drafters: Sequence = (),
     ):
-        self.model = model
+        self.model, self.drafters = model, list(drafters)
         self.eos_token_ids = set(eos_token_ids)
         self.prefill_step_size, self.prefill_batch_size = prefill_step_size, prefill_batch_size
         self.max_batch = max_batch
@@ -144,8 +163,7 @@ class BatchGenerator:
     ) -> List[int]:
         """Queue prompts (token id lists); returns their uids. Each option is one value for every
         prompt or a list with one per prompt; ``draft_sources`` is a list of fresh sources per
-        prompt
-        and ``constraint`` one object per prompt: rows never share a stateful object.
+        prompt and ``constraint`` one object per prompt: rows never share a stateful object.
         ``prompt_cache`` is per prompt None or a ``CachedPrefix`` of its first n < len(prompt)
         tokens (a finished row's ``RowResponse.cache``, cut to n), so only the rest is prefilled.
         ``logprobs`` is None (the default: nothing extra is computed) or k >= 0: each response then
@@ -156,17 +174,14 @@ class BatchGenerator:
             isinstance(s, (list, tuple)) for s in draft_sources
         ):
             raise ValueError(f"draft_sources needs one list of sources per prompt ({count} lists)")
-        constraints = _per_row("constraint", constraint, count)
-        options = [
-            _per_row(name, value, count)
-            for name, value in (
-                ("temp", temp),
-                ("top_p", top_p),
-                ("sampler", sampler),
-                ("max_tokens", max_tokens),
-                ("logprobs", logprobs),
-            )
-        ]
+        names = ("constraint", "temp", "top_p", "sampler", "max_tokens", "logprobs")
+        values = (constraint, temp, top_p, sampler, max_tokens, logprobs)
+        options = [_per_row(name, value, count) for name, value in zip(names, values)]
+        options.append(
+            [None] * count
+            if prompt_cache is None
+            else _per_row("prompt_cache", prompt_cache, count)
+        )
         eos = self.eos_token_ids if eos_token_ids is None else set(eos_token_ids)
         owned = [
             id(o)
@@ -174,61 +189,33 @@ class BatchGenerator:
             for o in row.sources + [row.constraint]
             if o is not None
         ]
-        prompt_caches = (
-            [None] * count
-            if prompt_cache is None
-            else _per_row("prompt_cache", prompt_cache, count)
-        )
         rows = []
-        for (
-            prompt,
-            sources,
-            row_constraint,
-            row_temp,
-            row_top_p,
-            row_sampler,
-            row_max,
-            row_logprobs,
-        ) in zip(prompts, draft_sources, constraints, *options):
-            if len(prompt) == 0:
-                raise ValueError("a prompt is empty: give at least one token")
-            if row_max < 1:
-                raise ValueError(f"max_tokens must be at least 1, got {row_max}")
-            if row_temp < 0 or not 0 < row_top_p <= 1:
-                raise ValueError(
-                    f"need temp >= 0 and 0 < top_p <= 1, got {row_temp} and {row_top_p}"
-                )
-            if row_logprobs is not None and row_logprobs < 0:
-                raise ValueError(
-                    f"logprobs must be None or >= 0 (top tokens per position), got {row_logprobs}"
-                )
-            for source in sources:
-                if source.batch_refusal is not None:
-                    raise ValueError(source.batch_refusal)
-            for stateful in list(sources) + [row_constraint]:
+        for prompt, sources, *row_options in zip(prompts, draft_sources, *options):
+            row_options = dict(zip(names + ("prompt_cache",), row_options))
+            _check_row(prompt, row_options)
+            for stateful in list(sources) + [row_options["constraint"]]:
                 if stateful is not None and id(stateful) in owned:
                     raise ValueError(
-                        f"{type(stateful).__name__} object is given to two rows: each row needs its own"
+                        f"{type(stateful).__name__} object is given to two rows: each row needs "
+                        "its own"
                     )
                 owned.append(id(stateful))
-            rows.append(
-                BatchRow(
-                    self._next_uid,
-                    prompt,
-                    prompt_caches[len(rows)],
-                    row_logprobs,
-                    eos_token_ids=eos,
-                    draft_sources=sources,
-                    constraint=row_constraint,
-                    temp=row_temp,
-                    top_p=row_top_p,
-                    sampler=row_sampler,
-                    max_tokens=row_max,
-                )
-            )
-            self._next_uid += 1
+            rows.append(self._new_row(prompt, sources, eos, row_options))
         self.waiting += rows
         return [row.uid for row in rows]
+
+    def _new_row(self, prompt: list, sources: list, eos: set, options: dict) -> BatchRow:
+        row = BatchRow(
+            self._next_uid,
+            prompt,
+            options.pop("prompt_cache"),
+            options.pop("logprobs"),
+            eos_token_ids=eos,
+            draft_sources=sources,
+            **options,
+        )
+        self._next_uid += 1
+        return row
 
     def remove(self, uids: Sequence[int]):
         """Drop rows (running or waiting); the others go on untouched."""
@@ -246,8 +233,9 @@ class BatchGenerator:
         if not indices:
             return
         for index in indices:
-            for source in self.rows[index].sources:
-                source.leave()
+            for drafter in self.drafters:
+                for source in filter(drafter.owns, self.rows[index].sources):
+                    drafter.leave(source)
         keep = [i for i in range(len(self.rows)) if i not in set(indices)]
         self.rows, self.slots = [self.rows[i] for i in keep], [self.slots[i] for i in keep]
         if not keep:
@@ -331,21 +319,20 @@ class BatchGenerator:
         self.gate.reset()  # new rows' sources are asked at once
 
     def _draft_with_models(self, responses: list):
-        """Each shared drafter (``DraftSource.batch_drafter``) drafts for all its rows at once,
-        before the rows choose."""
-        requests = {}
-        for row in self.rows:
-            for source in row.sources:
-                if source.batch_drafter is not None:
-                    entry = requests.setdefault(
-                        id(source.batch_drafter), (source.batch_drafter, [])
-                    )
-                    entry[1].append((source, row.tokens, row.max_draft))
-        for drafter, rows in requests.values():
+        """Each shared drafter (``drafters``) drafts for all its rows at once, before the rows
+        choose, told each row's slot in the cache."""
+        for drafter in self.drafters:
+            requests = [
+                DraftRequest(source, row.tokens, row.max_draft, slot)
+                for row, slot in zip(self.rows, self.slots)
+                for source in filter(drafter.owns, row.sources)
+            ]
+            if not requests:
+                continue
             try:
-                drafter.draft_all(rows, self.cost, len(self.rows))
+                drafter.draft_all(requests, self.cost, len(self.rows), self.cache)
             except Exception as error:  # noqa: BLE001 - the model's rows fail, the others go on
-                failing = {id(handle) for handle, _, _ in rows}
+                failing = {id(request.source) for request in requests}
                 indices = [
                     i
                     for i, row in enumerate(self.rows)
@@ -363,8 +350,6 @@ class BatchGenerator:
         if not self.rows:
             return responses
         tic = time.perf_counter()
-        for row, slot in zip(self.rows, self.slots):
-            row.locate(self.cache, slot)
         asked = self.gate.ask() and any(row.sources for row in self.rows)
         if asked:
             self._draft_with_models(responses)
@@ -428,9 +413,7 @@ class BatchGenerator:
         restored = []
         for row, draft, slot, result in zip(self.rows, drafts, self.slots, results):
             if not isinstance(result, Exception):
-                trims[slot], restore = row.commit(
-                    pass_width, len(draft.tokens), result[0], bool(cache.recurrent)
-                )
+                trims[slot], restore = row.commit(cache, pass_width, len(draft.tokens), result[0])
                 restored += [slot] if restore else []
         cache.rewind(trims, restored)
 

@@ -30,7 +30,7 @@ class Recorded:
     def __init__(self, source, stats: SourceStats):
         self.source, self.stats, self.name = source, stats, source.name
 
-    # everything else is the source's (forecasts, locate, a batch's questions)
+    # everything else is the source's (forecasts, a batch's questions)
     def __getattr__(self, name):
         return getattr(self.source, name)
 
@@ -51,8 +51,8 @@ def draft_head_suite(model, tokenizer, args):
 
     from benchmarks.harness import first_prompts, mlx_lm_speculative_runner, self_draft_path
     from prompt_lookup import PromptLookupSource
-    from speculative import DraftModelSource
-    from speculative.head_source import DraftHeadSource
+    from speculative import DraftModel
+    from speculative.head_source import HeadDrafter
 
     prompts = {
         "heldout_chat": heldout_prompts(tokenizer),
@@ -73,7 +73,8 @@ def draft_head_suite(model, tokenizer, args):
 
             def run(prompt, max_tokens):
                 # The loop runs on the tap, so this method times the loop itself.
-                tap, source = DraftHeadSource.create(model, args.head, **options)
+                tap, drafter = HeadDrafter.create(model, args.head, **options)
+                source = drafter.source()
                 sources = (
                     [PromptLookupSource(), Recorded(source, stats)]
                     if lookup
@@ -95,7 +96,7 @@ def draft_head_suite(model, tokenizer, args):
                 lambda prompt: {
                     "temp": temp,
                     "draft_sources": [
-                        DraftModelSource.create(self_draft, tokenizer, model, tokenizer)
+                        DraftModel.create(self_draft, tokenizer, model, tokenizer).source()
                     ],
                 },
                 greedy=greedy,

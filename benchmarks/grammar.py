@@ -258,9 +258,10 @@ def speed(model, tokenizer, args) -> str:
         return make
 
     def with_head(prompt, max_tokens):
-        from speculative.head_source import DraftHeadSource
+        from speculative.head_source import HeadDrafter
 
-        tap, head = DraftHeadSource.create(model, None)
+        tap, drafter = HeadDrafter.create(model, None)
+        head = drafter.source()
         kwargs = grammar(forced=True)(prompt)
         kwargs["draft_sources"].append(head)
         return time_loop(tap, prompt, max_tokens, eos_ids_of(tokenizer), **kwargs)

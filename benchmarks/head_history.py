@@ -35,7 +35,7 @@ from loading import fast_blas
 from prompt_lookup import PromptLookupSource
 from prompt_lookup.history import HistoryLookupSource, load_history
 from speculative.head import SHIPPED_HEAD
-from speculative.head_source import DraftHeadSource
+from speculative.head_source import HeadDrafter
 
 RESULTS = Path(__file__).parent / "results" / "head_history.md"
 
@@ -94,8 +94,8 @@ def main():
     model, tokenizer, _ = load_model()
     eos = eos_ids_of(tokenizer)
     seed = load_history(SHIPPED_HEAD / "history.npz")
-    tap, head = DraftHeadSource.create(model)
-    sampled_tap, sampled_head = DraftHeadSource.create(model)
+    (tap, drafter), (sampled_tap, sampled_drafter) = (HeadDrafter.create(model) for _ in range(2))
+    head, sampled_head = drafter.source(), sampled_drafter.source()
 
     chat = heldout_prompts(tokenizer)
     results = side_by_side(

@@ -36,7 +36,7 @@ from decoder.cost import PassCost
 from decoder.step import DecodingStats
 from loading.load import describe_backend
 from speculative.head_source import HeadDrafter, HiddenStateTap
-from speculative.mtp_source import MTPSource
+from speculative.mtp_source import MTPDrafter, MTPSource
 from tests.mtp_fixtures import build
 
 RESULTS = Path(__file__).parent / "results" / "mtp.md"
@@ -123,7 +123,7 @@ def decode(target, prompt, max_tokens, sources=(), model=None) -> tuple:
 def decode_batch(model, prompts, max_tokens, drafter=None) -> tuple:
     """Every prompt in one ``BatchGenerator``: (tokens per row, tok/s in all, target passes per
     token, peak GB)."""
-    generator = BatchGenerator(model, eos_token_ids=())
+    generator = BatchGenerator(model, eos_token_ids=(), drafters=[drafter] if drafter else [])
     mx.reset_peak_memory()
     tic = time.perf_counter()
     sources = [[drafter.source()] if drafter is not None else [] for _ in prompts]
@@ -188,15 +188,16 @@ def single_lines(model_type: str, kind: str, target, mtp, prompt: list, args) ->
         plain = decode(target, prompt, args.max_tokens)
         runs["plain"].append(plain)
         for name, adaptive in (("mtp adaptive", True), (f"mtp k={args.num_draft}", False)):
-            source = MTPSource(
+            source = MTPDrafter(
                 tap,
                 mtp,
                 mx.arange(args.vocab),
+                MTPSource,
                 num_draft=args.num_draft,
                 adaptive=adaptive,
                 max_draft=8,
                 draft_cost_prior=ratio,
-            )
+            ).source()
             run = decode(target, prompt, args.max_tokens, [source], tap)
             assert run[0] == plain[0], "MTP drafts changed the greedy output"
             runs[name].append(run)

@@ -26,7 +26,7 @@ from benchmarks.harness import (
 from decoder.cost import PassCost
 from decoder.text import eos_ids_of
 from prompt_lookup import PromptLookupSource
-from speculative.head_source import DraftHeadSource
+from speculative.head_source import HeadDrafter
 
 RESULTS = Path(__file__).parent / "results" / "pass_cost.md"
 
@@ -60,7 +60,8 @@ def main():
 
         return make
 
-    tap, head = DraftHeadSource.create(model)
+    tap, drafter = HeadDrafter.create(model)
+    head = drafter.source()
 
     def with_head(cost_of):
         def run(prompt, max_tokens):

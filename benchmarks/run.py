@@ -240,7 +240,7 @@ def speculative_suite(model, tokenizer, args):
     from mlx_lm import load
 
     from prompt_lookup import PromptLookupSource
-    from speculative import DraftModelSource
+    from speculative import DraftModel
 
     prompts = first_prompts(
         load_prompts(tokenizer, ["open_ended", "extractive_qa"]), args.prompts_per_class
@@ -252,9 +252,9 @@ def speculative_suite(model, tokenizer, args):
             draft, _ = load(self_draft_path(num_layers))
 
             def source(draft=draft, **options):
-                return DraftModelSource.create(
+                return DraftModel.create(
                     draft, tokenizer, model, tokenizer, num_draft=4, **options
-                )
+                ).source()
 
             def method(name, make_sources, temp=temp):
                 return Method(

@@ -1,7 +1,7 @@
 """Draft sources from command-line flags (``cli/flags.py``): the one builder main.py and the server
 share.
 
-    model, make = build_sources(args, model, tokenizer)     # run the loop on the returned model
+    model, make, drafters = build_sources(args, model, tokenizer)   # run the loop on that model
     sources = make()                                         # one row's own sources (a batch: per
     row)
 
@@ -22,16 +22,16 @@ from prompt_lookup import PromptLookupSource
 from speculative import DraftModel, HeadDrafter
 from speculative.head import SHIPPED_HEAD, HeadMismatch
 from speculative.mtp import MTPError, NoMTPWeights
-from speculative.mtp_source import MTPSource
+from speculative.mtp_source import MTPDrafter
 from t5 import T5Decoder, is_encoder_decoder
 
 
 def build_sources(args, model, tokenizer, encoder_input=None) -> tuple:
-    """``(model, make)`` for the flags in ``args``: run the loop on the returned model (a
+    """``(model, make, drafters)`` for the flags in ``args``: run the loop on the returned model (a
     ``HiddenStateTap`` when a head or MTP layers draft), and ``make()`` gives one row its own fresh
     sources: prompt (or history) lookup, a draft model, a draft head or the model's MTP layers, in
-    that order. A model that drafts (a draft model, a head, MTP layers) is loaded once and drafts
-    for every row at once; each row holds a handle on it.
+    that order. A model that drafts (a draft model, a head, MTP layers) is loaded once, one of
+    ``drafters`` (for ``BatchGenerator(drafters=...)``), and each row holds a source of it.
 
     Args:
         encoder_input: a T5 target's prompt tokens (its decoder starts empty); lookup searches them.
@@ -81,12 +81,12 @@ def build_sources(args, model, tokenizer, encoder_input=None) -> tuple:
             drafter.source() for drafter in drafters
         ]
 
-    return model, make
+    return model, make, drafters
 
 
 def draft_sources(args, model, tokenizer, encoder_input=None) -> tuple:
     """``(model, sources)``: ``build_sources`` for one sequence (main.py)."""
-    model, make = build_sources(args, model, tokenizer, encoder_input)
+    model, make, _ = build_sources(args, model, tokenizer, encoder_input)
     return model, make()
 
 
@@ -96,7 +96,7 @@ def mtp_drafter(args, model, encoder_input=None, **options):
     if encoder_input is not None:
         raise CliError("--mtp needs a decoder-only model with MTP layers; T5 has none")
     try:
-        return MTPSource.drafter(model, resolve_model_path(args.model), **options)
+        return MTPDrafter.create(model, resolve_model_path(args.model), **options)
     except NoMTPWeights:
         raise
     except MTPError as error:

@@ -297,10 +297,6 @@ class ThinkingForcedSource(DraftSource):
         if self.inner is not None and self.delegated:
             self.inner.update(tokens, num_proposed, num_accepted)
 
-    def leave(self) -> None:
-        if self.inner is not None:
-            self.inner.leave()
-
 
 def reasoning_token_count(tokens: list, markers: ThinkMarkers, phase: str) -> int:
     """How many of the generated ``tokens`` lie inside the think block (markers and separator

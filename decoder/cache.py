@@ -18,8 +18,8 @@ One class per kind of layer, as in mlx-lm's ``models/cache.py``; one row is the 
   pass.
 - ``ChunkedRows``, attention in chunks (``ChunkedKVCache``): one row only, since the model builds
   its chunk mask from one scalar offset.
-- ``FeatureRows``, the target's hidden states for a draft source that reads them, kept by the
-  model's ``HiddenStateTap`` (speculative/head_source.py) as one more layer (``Cache.features``).
+- ``ExtraRows``, a layer a model wrapper keeps after the model's own (a draft head's hidden
+  states, speculative/head_source.py): the cache moves it with its rows and asks it the rest.
 
 The kinds are in ``kinds.py``; here are the table from mlx-lm's classes to them (``_kind``) and
 ``Cache``, a model's layers and the operations on rows applied to all of them.
@@ -42,7 +42,32 @@ from mlx_lm.models.cache import (
     make_prompt_cache,
 )
 
-from .kinds import ChunkedRows, FeatureRows, KVRows, StateRows
+from .kinds import ChunkedRows, KVRows, StateRows
+
+
+class ExtraRows:
+    """A per-row layer that a wrapper of the model keeps after the model's own layers. ``Cache``
+    filters and extends it with the rows and asks it the rest, with these defaults: a rewind leaves
+    it be, and it has nothing to realign, extract (a ``CachedPrefix`` entry, as ``KVRows.extract``
+    gives) or fill."""
+
+    def for_rows(self, rows: int) -> "ExtraRows":  # an empty one for ``make_cache``
+        raise NotImplementedError
+
+    def rewind(self, trims: Sequence[int]):
+        pass
+
+    def realign(self):
+        pass
+
+    def extract(self, row: int) -> Optional[tuple]:
+        return None
+
+    def fill(self, row: int, keys, values, first: int):
+        pass
+
+    def arrays(self) -> list:
+        return []
 
 
 class CacheKindError(ValueError):
@@ -59,8 +84,8 @@ def _kind(layer, rows: int, max_rollback: Optional[int], mask_dims: int):
     renaming table)."""
     if isinstance(layer, CacheList):
         return CacheList(*(_kind(child, rows, max_rollback, mask_dims) for child in layer.caches))
-    if isinstance(layer, FeatureRows):
-        return FeatureRows(rows)
+    if isinstance(layer, ExtraRows):
+        return layer.for_rows(rows)
     if isinstance(layer, RotatingKVCache):
         if layer.keep:
             raise CacheKindError(
@@ -102,8 +127,8 @@ class CachedPrefix:
     states: list
     # the shortest length it can be cut to (sliding layers need their window's keys)
     shortest: int = 0
-    # the target's hidden states, as an attention entry (``FeatureRows``)
-    features: Optional[tuple] = None
+    # per ``ExtraRows`` layer, its entry (an attention entry) or None
+    extra: tuple = ()
 
     def usable(self, common: int) -> int:
         """The longest prefix of at most ``common`` tokens it can serve; 0 for none."""
@@ -123,13 +148,13 @@ class CachedPrefix:
                 first,
             )
 
-        features = head(*self.features) if self.features is not None else None
+        extra = tuple(None if entry is None else head(*entry) for entry in self.extra)
         return CachedPrefix(
-            length, [head(*entry) for entry in self.attention], [], self.shortest, features
+            length, [head(*entry) for entry in self.attention], [], self.shortest, extra
         )
 
     def arrays(self) -> list:
-        attention = self.attention + ([self.features] if self.features is not None else [])
+        attention = self.attention + [entry for entry in self.extra if entry is not None]
         return [array for keys, values, _ in attention for array in (keys, values)] + [
             array for layer in self.states for array in layer
         ]
@@ -144,9 +169,9 @@ class Cache:
     def __init__(self, layers: list, rows: int):
         self.layers, self.rows = layers, rows
         leaves = layers_of(layers)
-        self.features = next((layer for layer in leaves if isinstance(layer, FeatureRows)), None)
+        self.extra = [layer for layer in leaves if isinstance(layer, ExtraRows)]
         self.attention = [
-            layer for layer in leaves if layer.is_trimmable() and layer is not self.features
+            layer for layer in leaves if layer.is_trimmable() and not isinstance(layer, ExtraRows)
         ]
         self.recurrent = [layer for layer in leaves if isinstance(layer, StateRows)]
 
@@ -186,13 +211,17 @@ class Cache:
     def arrays(self) -> list:
         """Every array the cache holds (to evaluate)."""
         states = [state for layer in self.recurrent for state in layer.cache if state is not None]
-        attention = self.attention + ([self.features] if self.features is not None else [])
-        return [
-            array
-            for layer in attention
-            if layer.keys is not None
-            for array in (layer.keys, layer.values)
-        ] + states
+        extra = [array for layer in self.extra for array in layer.arrays()]
+        return (
+            [
+                array
+                for layer in self.attention
+                if layer.keys is not None
+                for array in (layer.keys, layer.values)
+            ]
+            + states
+            + extra
+        )
 
     def prepare(self, lengths: Sequence[int], width: int):
         """Before a ``width``-wide pass in which row b feeds ``lengths[b]`` real tokens."""
@@ -203,6 +232,11 @@ class Cache:
     def finalize(self):
         for layer in self.recurrent:
             layer.finalize()
+
+    def must_restore(self, num_drafted: int, num_accepted: int) -> bool:
+        """Whether a row that rejected part of its draft goes back to the checkpoint: a recurrent
+        state cannot drop tokens, so its accepted ones are fed again."""
+        return bool(self.recurrent) and num_accepted < num_drafted
 
     def checkpoint(self):
         """Keep the recurrent layers' states as they are now, before a pass with a draft."""
@@ -215,6 +249,8 @@ class Cache:
         if any(trims):
             for layer in self.attention:
                 layer.trim_rows(trims)
+            for layer in self.extra:
+                layer.rewind(trims)
         if restored:
             for layer in self.recurrent:
                 layer.restore(restored)
@@ -230,7 +266,7 @@ class Cache:
         self.rows += other.rows
 
     def realign(self):
-        for layer in self.attention + ([self.features] if self.features is not None else []):
+        for layer in self.attention + self.extra:
             layer.realign()
 
     def extract(self, row: int, length: int) -> CachedPrefix:
@@ -244,14 +280,9 @@ class Cache:
             ]
             + [0]
         )
-        features = (
-            self.features.extract(row)
-            if self.features is not None and self.features.keys is not None
-            else None
-        )
-        return CachedPrefix(
-            length, attention, [layer.extract(row) for layer in self.recurrent], shortest, features
-        )
+        states = [layer.extract(row) for layer in self.recurrent]
+        extra = tuple(layer.extract(row) for layer in self.extra)
+        return CachedPrefix(length, attention, states, shortest, extra)
 
     def fill(self, prefixes: Sequence[Optional[CachedPrefix]]):
         """An empty cache whose row b holds ``prefixes[b]`` (None: nothing)."""
@@ -261,8 +292,9 @@ class Cache:
                     layer.fill(row, *entry)
                 for layer, states in zip(self.recurrent, prefix.states):
                     layer.fill(row, states)
-                if self.features is not None and prefix.features is not None:
-                    self.features.fill(row, *prefix.features)
+                for layer, entry in zip(self.extra, prefix.extra):
+                    if entry is not None:
+                        layer.fill(row, *entry)
 
 
 def _adopted(layer):

@@ -12,7 +12,6 @@ from typing import Callable, Optional, Sequence
 import mlx.core as mx
 from mlx_lm.utils import common_prefix_len
 
-from .cache import Cache
 from .cost import PassCost
 
 
@@ -44,21 +43,13 @@ class Draft:
 
 
 class DraftSource:
-    """Proposes tokens for the loop to verify. Subclasses implement ``propose``; the other
-    methods have defaults, so a source overrides only what it uses.
-
-    What a batch (``batch.BatchGenerator``) asks of a source is here too, with defaults that suit
-    a source that follows one row on its own: ``batch_refusal``, ``batch_drafter``, ``leave``.
-    """
+    """Proposes tokens for one row, for the loop to verify. Subclasses implement ``propose``; the
+    other methods have defaults, so a source overrides only what it uses. (A model that drafts for
+    many rows at once gives each row a source of its own: speculative/drafter.py.)"""
 
     name = "draft"
     # True where proposing costs next to nothing (forced text): a batch asks it every step
     free = False
-    # Why a batch cannot ask this source, in one sentence; None: it can.
-    batch_refusal: Optional[str] = None
-    # An object that drafts for every row sharing it in one call per step, before the rows choose:
-    # ``batch_drafter.draft_all([(source, tokens, max_draft), ...], cost, batch_rows)``. None: none.
-    batch_drafter = None
 
     def reset(self, cost: Optional[PassCost] = None, temp: float = 0.0, top_p: float = 1.0) -> None:
         """Forget the last generation; the loop calls this before each one.
@@ -82,15 +73,6 @@ class DraftSource:
     def update(self, tokens: list, num_proposed: int, num_accepted: int) -> None:
         """Follow along: ``tokens`` is the whole accepted sequence so far;
         ``num_proposed`` is 0 when another source drafted this step."""
-
-    def leave(self) -> None:
-        """Its row left the batch: let go of what is kept for it (a shared drafter's cache row)."""
-
-    def locate(self, cache: Cache, row: int) -> None:
-        """Where its row is in the target's cache (row ``row`` of ``cache``), told before each
-        step's
-        drafting: a source that reads the target's hidden states finds them there
-        (``cache.features``)."""
 
 
 class Constraint:

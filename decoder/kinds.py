@@ -311,37 +311,3 @@ class ChunkedRows(ChunkedKVCache):
     def trim_rows(self, counts: Sequence[int]):
         if self.trim(counts[0]) != counts[0]:
             raise RuntimeError(f"a chunked attention layer cannot drop its last {counts[0]} tokens")
-
-
-class FeatureRows(KVRows):
-    """The target's hidden states per row and position, for a draft source that reads them (a draft
-    head, MTP layers). ``speculative.head_source.HiddenStateTap`` writes each call's features where
-    the model writes its keys, so they filter, extend, realign and extract with the rows; a rewind
-    leaves them be, since the next write lands at the model's position and drops what lay past it.
-    So the accepted tokens of a pass a recurrent row went back on keep their features until fed
-    again."""
-
-    def write(self, features: mx.array, positions: Optional[Sequence[int]] = None):
-        """``features`` (B, L, d) at each row's position ``positions[b]`` (the model's; None: at its
-        own end)."""
-        for row, position in enumerate(positions or []):
-            first, held = self.available(row)
-            if first <= position < held:
-                self.trim_rows([held - position if b == row else 0 for b in range(self.rows)])
-            # the row holds none of the positions before: it starts again there
-            elif position != held:
-                starts, origins = list(self.starts), list(self.origins)
-                starts[row], origins[row] = self.ends[row], self.ends[row] - position
-                self._set(starts, self.ends, origins)
-        batch, length, _ = features.shape
-        self.update_and_fetch(features[:, None], mx.zeros((batch, 1, length, 0), features.dtype))
-
-    def available(self, row: int) -> tuple:
-        """``(first, stop)``: the positions row ``row`` holds features for."""
-        return self.starts[row] - self.origins[row], self.ends[row] - self.origins[row]
-
-    def read(self, row: int, start: int, stop: int) -> mx.array:
-        """Row ``row``'s features at positions ``[start, stop)``, (stop - start, d); ``available``
-        says which."""
-        origin = self.origins[row]
-        return self.keys[row, 0, origin + start : origin + stop]

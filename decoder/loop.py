@@ -115,7 +115,6 @@ def generate_step(
         model, prompt, prompt_cache if prompt_cache is not None else kv_cache
     )
     row.reset(cost)
-    row.locate(cache, 0)
 
     tic = time.perf_counter()
     # The last prompt token is the first input of the loop, like every accepted token after it.
@@ -136,9 +135,7 @@ def generate_step(
         # evaluated with the logits
         if plan.masks is not None and not plan.masks[num_accepted, next_token].item():
             raise row.forbidden(num_accepted)
-        trim, restore = row.commit(
-            pass_width, len(draft.tokens), num_accepted, bool(cache.recurrent)
-        )
+        trim, restore = row.commit(cache, pass_width, len(draft.tokens), num_accepted)
         cache.rewind([trim], [0] if restore else [])
         emitted, sources = row.emit(plan, draft, num_accepted, next_token)
         yield from zip(emitted, sources)

@@ -124,11 +124,6 @@ class Row:
         # "stop" or "length" once finished
         self.finish_reason = self.stats.finish_reason = None if max_tokens > 0 else "length"
 
-    def locate(self, cache: Cache, slot: int):
-        """Tell the sources where this row is in the loop's cache (``DraftSource.locate``)."""
-        for source in self.sources:
-            source.locate(cache, slot)
-
     def reset(self, cost: PassCost):
         """Start the sources and the constraint over, before the first step."""
         # With an mlx-lm sampler, q plays no part in acceptance: model sources draft greedily.
@@ -178,16 +173,14 @@ class Row:
             return num_accepted, argmax[num_accepted]
         return accept_draft(logits, draft, self.temp, self.top_p)
 
-    def commit(
-        self, pass_width: int, num_drafted: int, num_accepted: int, recurrent: bool
-    ) -> tuple:
-        """What this row's cache keeps of a ``pass_width``-wide pass in which it fed its ``pending``
-        tokens and ``num_drafted`` draft tokens: returns ``(trim, restore)``, how many of the pass's
-        last tokens it drops (``Cache.rewind``) and whether its recurrent layers go back to their
-        checkpoint (a draft token was rejected: the accepted ones are then fed again, as
+    def commit(self, cache: Cache, pass_width: int, num_drafted: int, num_accepted: int) -> tuple:
+        """What this row's ``cache`` keeps of a ``pass_width``-wide pass in which it fed its
+        ``pending`` tokens and ``num_drafted`` draft tokens: returns ``(trim, restore)``, how many
+        of the pass's last tokens it drops (``Cache.rewind``) and whether it goes back to its
+        checkpoint (``Cache.must_restore``: the accepted tokens are then fed again, as
         ``pending``). Call it before ``emit``; it counts what the cache then holds (``cached``)."""
         fed = len(self.tokens) - self.cached
-        if recurrent and num_accepted < num_drafted:
+        if cache.must_restore(num_drafted, num_accepted):
             return pass_width, True
         self.cached += fed + num_accepted
         return pass_width - fed - num_accepted, False

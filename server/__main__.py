@@ -131,7 +131,7 @@ def build_engine(args):
             f"note: {error}, so requests are decoded one at a time, without a prompt cache\n"
         )
         max_batch, keep_caches = 1, False
-    model, make = sources.build_sources(args, model, tokenizer)
+    model, make, drafters = sources.build_sources(args, model, tokenizer)
     engine = Engine(
         model,
         tokenizer,
@@ -142,6 +142,7 @@ def build_engine(args):
         cache_dir=cache_dir() / "regex-index",
         prompt_cache_bytes=args.prompt_cache_bytes,
         keep_caches=keep_caches,
+        drafters=drafters,
     )
     model_id = "SmolLM2-135M-Instruct" if args.model is None else args.model.rstrip("/")
     return engine, model_id, context_length(path)

@@ -33,7 +33,7 @@ import threading
 import traceback
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Sequence
 
 import mlx.core as mx
 from mlx_lm.utils import common_prefix_len
@@ -208,6 +208,7 @@ class Engine:
         max_batch: requests decoded together; max_queue: requests waiting beyond them before HTTP
         503.
         pass_cost: the timings the width policy reads (``cost.PassCost``); tests pass a fixed clock.
+        drafters: the models whose sources ``make_sources`` gives (``BatchGenerator``'s).
     """
 
     def __init__(
@@ -223,8 +224,10 @@ class Engine:
         prefill_step_size: int = 256,
         pass_cost: Optional[PassCost] = None,
         keep_caches: bool = True,
+        drafters: Sequence = (),
     ):
         self.model, self.tokenizer, self.vocab_size = model, tokenizer, vocab_size
+        self.drafters = list(drafters)
         self.make_sources, self.keep_caches = make_sources, keep_caches
         self.max_batch = max_batch
         self.eos = eos_ids_of(tokenizer)
@@ -254,6 +257,7 @@ class Engine:
             # its timings outlive a failed step
             keep_caches=self.keep_caches,
             pass_cost=self.pass_cost,
+            drafters=self.drafters,
         )
 
     def submit(

@@ -1,19 +1,16 @@
 """A draft source backed by a small model that shares the target's vocabulary, for one row or many.
 
-One ``DraftModel`` holds the draft model's cache (``cache.Cache``) for every row that drafts with
-it, and each row gets a ``DraftModelSource``, its handle, for its list of sources. One row is the
-batch at B = 1: ``DraftModelSource(model, vocab_size)`` makes its own ``DraftModel``.
+One ``DraftModel`` (a ``drafter.SharedDrafter``) holds the draft model's cache for every row that
+drafts with it, and each row holds a ``DraftModelSource`` of it in its list of sources.
 
-    source = DraftModelSource.create(small, small_tokenizer, target, tokenizer)   # one row
-    drafter = DraftModel.create(small, small_tokenizer, target, tokenizer)         # a batch
+    drafter = DraftModel.create(small, small_tokenizer, target, tokenizer)
+    source = drafter.source()                                   # one row: draft_sources=[source]
+    gen = BatchGenerator(target, drafters=[drafter])            # a batch: a source per row
     gen.insert(prompts, draft_sources=[[drafter.source()] for _ in prompts])
 
-A row joins when it first drafts. Each step ``draft_all`` drafts for every row at once (a batch
-calls it before the rows choose, as each handle's ``batch_drafter``; alone, ``propose`` calls it):
-a catch-up pass feeds each row the tokens accepted since its last draft (right-padded to the
-longest; each row then drops its own padding, and first what it holds past the accepted text), then
-one pass per draft position drafts all rows together. After drafting, each row's cache holds
-exactly its accepted tokens, so verification needs no rollback here.
+A row joins when it first drafts (its prompt prefilled), and first drops what its cache holds past
+the accepted text; after drafting, each row's cache holds exactly its accepted tokens, so
+verification needs no rollback here.
 """
 
 from typing import Optional
@@ -22,11 +19,10 @@ import mlx.core as mx
 from mlx_lm.utils import common_prefix_len
 
 from decoder.cache import CacheKindError, architecture, make_cache
-from decoder.cost import PassCost
-from decoder.draft import Draft
 from decoder.prefill import prefill_rows
 from decoder.text import output_size
-from speculative.adaptive import Drafter, DrafterHandle, draw_rows, weight_bytes
+from speculative.adaptive import weight_bytes
+from speculative.drafter import SharedDrafter, SharedSource, draw_rows
 from t5 import T5Decoder, is_encoder_decoder
 
 
@@ -46,7 +42,8 @@ def check_same_vocabulary(draft_tokenizer, target_tokenizer, draft_size: int, ta
     differing = [token for token, index in target_vocab.items() if draft_vocab.get(token) != index]
     if differing:
         raise VocabularyMismatch(
-            f"the draft and target tokenizers disagree on {len(differing)} tokens (e.g. {differing[0]!r}); "
+            f"the draft and target tokenizers disagree on {len(differing)} tokens "
+            f"(e.g. {differing[0]!r}); "
             "a draft model must share the target's vocabulary"
         )
     # Embedding tables may be padded past the tokenizer (Qwen2.5-7B vs -0.5B): those rows are never
@@ -58,61 +55,13 @@ def check_same_vocabulary(draft_tokenizer, target_tokenizer, draft_size: int, ta
         )
 
 
-class DraftModelSource(DrafterHandle):
-    """One row's handle on a ``DraftModel`` (``DrafterHandle``).
-
-    Args:
-        model: the draft (mlx-lm model, or ``T5Decoder``): a one-row source with its own
-        ``DraftModel``.
-        vocab_size, num_draft, adaptive, max_draft, min_confidence, draft_cost_prior:
-        ``DraftModel``'s.
-    """
+class DraftModelSource(SharedSource):
+    """One row's source on a ``DraftModel`` (``SharedSource``): made by ``DraftModel.source``."""
 
     name = "draft_model"
 
-    def __init__(
-        self,
-        model,
-        vocab_size: int,
-        num_draft: int = 4,
-        adaptive: bool = True,
-        max_draft: int = 12,
-        min_confidence: float = 0.5,
-        draft_cost_prior: float = 0.1,
-    ):
-        drafter = DraftModel(
-            model, vocab_size, num_draft, max_draft, adaptive, min_confidence, draft_cost_prior
-        )
-        self._bind(drafter, num_draft, max_draft, adaptive)
 
-    @classmethod
-    def create(
-        cls,
-        draft_model,
-        draft_tokenizer,
-        target_model,
-        target_tokenizer,
-        encoder_input: Optional[list] = None,
-        **kwargs,
-    ) -> "DraftModelSource":
-        """A one-row source: ``DraftModel.create``'s checks, and a T5 draft wrapped for a T5
-        target."""
-        if is_encoder_decoder(draft_model):
-            if encoder_input is None:
-                raise VocabularyMismatch("a T5 draft model needs a T5 target model")
-            draft_model = T5Decoder(draft_model, encoder_input)
-        return DraftModel.create(
-            draft_model, draft_tokenizer, target_model, target_tokenizer, **kwargs
-        ).source()
-
-    def reset(self, cost: Optional[PassCost] = None, temp: float = 0.0, top_p: float = 1.0):
-        """A new generation: its cache row is kept, and reused up to what it shares with the new
-        prompt."""
-        super().reset(cost, temp, top_p)
-        self.fresh = True
-
-
-class DraftModel(Drafter):
+class DraftModel(SharedDrafter):
     """A small model sharing the target's vocabulary, drafting for one row or many at once.
 
     Args:
@@ -141,23 +90,28 @@ class DraftModel(Drafter):
                 f"{architecture(model)}: a draft model with recurrent layers cannot roll back "
                 "its drafts"
             )
-        super().__init__(
-            DraftModelSource,
-            dict(num_draft=num_draft, max_draft=max(max_draft, num_draft), adaptive=adaptive),
-            draft_cost_prior,
-        )
+        options = dict(num_draft=num_draft, max_draft=max(max_draft, num_draft), adaptive=adaptive)
+        super().__init__(DraftModelSource, options, draft_cost_prior, prefill_step_size)
         self.model, self.vocab_size = model, vocab_size
         self.min_confidence = min_confidence
-        self.prefill_step_size = prefill_step_size
-        self.rows = []  # handles, in cache order
         self.texts, self.counts = [], []  # per row: its cache holds texts[row][: counts[row]]
-        self.cache = None
 
     @classmethod
     def create(
-        cls, draft_model, draft_tokenizer, target_model, target_tokenizer, **kwargs
+        cls,
+        draft_model,
+        draft_tokenizer,
+        target_model,
+        target_tokenizer,
+        encoder_input: Optional[list] = None,
+        **kwargs,
     ) -> "DraftModel":
-        """Check the pair shares a vocabulary (``VocabularyMismatch`` otherwise) and build it."""
+        """Check the pair shares a vocabulary (``VocabularyMismatch`` otherwise) and build it; a T5
+        draft is wrapped in ``T5Decoder`` for a T5 target's ``encoder_input``."""
+        if is_encoder_decoder(draft_model):
+            if encoder_input is None:
+                raise VocabularyMismatch("a T5 draft model needs a T5 target model")
+            draft_model = T5Decoder(draft_model, encoder_input)
         target_size = output_size(target_model, target_tokenizer)
         check_same_vocabulary(
             draft_tokenizer,
@@ -170,66 +124,62 @@ class DraftModel(Drafter):
         )
         return cls(draft_model, target_size, **kwargs)
 
-    def remove(self, handle: DraftModelSource):
-        """The row left the batch."""
-        if handle in self.rows:
-            index = self.rows.index(handle)
-            keep = [i for i in range(len(self.rows)) if i != index]
-            del self.rows[index], self.texts[index], self.counts[index]
-            if keep:
-                self.cache.filter(keep)
-            else:
-                self.cache = None
+    def _drop_row(self, index: int):
+        del self.texts[index], self.counts[index]
 
-    def _add_rows(self, requests: list):
+    def _join(self, requests: list):
         """Prefill the rows drafting for the first time (as one batch) and merge them in."""
-        joining = [(handle, tokens) for handle, tokens, _ in requests if handle not in self.rows]
+        joining = [(source, tokens) for source, tokens, _, _ in requests if source not in self.rows]
         if not joining:
             return
         prompts = [tokens[:-1] for _, tokens in joining]
         # Drafts are one-token calls rolled back together: a sliding layer keeps that many more.
         cache = prefill_rows(
-            self.model, prompts, self.prefill_step_size, max_rollback=self.options["max_draft"] + 1
+            self.model, prompts, self.chunk_size, max_rollback=self.options["max_draft"] + 1
         )
         if self.cache is None:
             self.cache = cache
         else:
             self.cache.extend(cache)
-        self.rows += [handle for handle, _ in joining]
+        self.rows += [source for source, _ in joining]
         self.texts += [tokens for _, tokens in joining]
         self.counts += [len(prompt) for prompt in prompts]
 
-    def _sync(self, tokens_of: dict) -> list:
+    def _prepare(self, requests: list, cache) -> tuple:
         """Each drafting row's cache back to the longest prefix it shares with its tokens, less the
-        last token where it holds them all (fed again for its logits); returns what each row feeds.
-        Only a handle reset for a new generation may hold another text; where a sliding window
-        dropped what it would go back to, its row is prefilled again."""
-        for handle in [h for h in self.rows if h.fresh and id(h) in tokens_of]:
-            row, tokens = self.rows.index(handle), tokens_of[id(handle)]
+        last token where it holds them all (fed again for its logits). Only a source reset for a
+        new generation may hold another text; where a sliding window dropped what it would go back
+        to, its row is prefilled again."""
+        tokens_of = {id(source): tokens for source, tokens, _, _ in requests}
+        for source in [s for s in self.rows if s.fresh and id(s) in tokens_of]:
+            row, tokens = self.rows.index(source), tokens_of[id(source)]
             common = common_prefix_len(self.texts[row][: self.counts[row]], tokens)
             if self.counts[row] - min(common, len(tokens) - 1) > self.cache.can_trim(row):
-                self.remove(handle)
-                self._add_rows([(handle, tokens, 0)])
+                self.leave(source)
+                self._join([(source, tokens, 0, 0)])
         trims, pending = [], []
-        for row, handle in enumerate(self.rows):
-            tokens, count = tokens_of.get(id(handle)), self.counts[row]
+        for row, source in enumerate(self.rows):
+            tokens, count = tokens_of.get(id(source)), self.counts[row]
             if tokens is None:  # not drafting this step
                 trims.append(0)
                 pending.append([])
                 continue
-            # The row's tokens list only grows while it decodes: what the cache holds is a prefix of
-            # it.
-            keep = common_prefix_len(self.texts[row][:count], tokens) if handle.fresh else count
-            handle.fresh, keep = False, min(keep, len(tokens) - 1)
+            # A row's tokens only grow while it decodes: what the cache holds is a prefix of them.
+            keep = common_prefix_len(self.texts[row][:count], tokens) if source.fresh else count
+            source.fresh, keep = False, min(keep, len(tokens) - 1)
             trims.append(count - keep)
             pending.append(tokens[keep:])
             self.texts[row], self.counts[row] = tokens, len(tokens)
         self.cache.rewind(trims)
-        return pending
 
-    def _distributions(self, logits: mx.array) -> tuple:
-        """Per row: the token drawn, its confidence, and q (None for greedy rows), from (R, V)
-        logits."""
+        def feed(start: int, counts: list, width: int) -> mx.array:
+            chunk = [p[start : start + n] + [0] * (width - n) for p, n in zip(pending, counts)]
+            return self.model(mx.array(chunk), cache=self.cache.layers)
+
+        return [len(p) for p in pending], feed
+
+    def _draw(self, logits: mx.array) -> tuple:
+        """From (R, V) logits, padded or cut to the target's vocabulary."""
         size = logits.shape[-1]
         if size > self.vocab_size:
             logits = logits[:, : self.vocab_size]
@@ -237,63 +187,5 @@ class DraftModel(Drafter):
             logits = mx.pad(logits, [(0, 0), (0, self.vocab_size - size)], constant_values=-mx.inf)
         return draw_rows(logits, self.rows)
 
-    def draft_all(self, requests: list, cost: PassCost, batch_rows: int):
-        """Draft for every row: ``requests`` holds ``(handle, tokens, max_draft)`` for each of the
-        target's rows that drafts with this model; ``batch_rows`` is the target's batch size."""
-        self._begin(requests, batch_rows)
-        self._add_rows(requests)
-        tokens_of = {id(handle): tokens for handle, tokens, _ in requests}
-        limits = {id(handle): max_draft for handle, _, max_draft in requests}
-        # next_length counts a paused step, so it is asked once per step.
-        lengths = [
-            min(h.length.next_length(h.token_cost()), limits[id(h)])
-            if limits.get(id(h), 0) > 0
-            else 0
-            for h in self.rows
-        ]
-        if not any(lengths):
-            return  # the caches catch up at the next draft
-        tic = cost.clock()
-        pending = self._sync(tokens_of)
-        longest = max(len(p) for p in pending)
-        logits = None
-        for start in range(0, longest, self.prefill_step_size):  # catch up, chunked like a prefill
-            chunk = [p[start : start + self.prefill_step_size] for p in pending]
-            width = max(len(c) for c in chunk)
-            out = self.model(
-                mx.array([c + [0] * (width - len(c)) for c in chunk]), cache=self.cache.layers
-            )
-            self.cache.rewind([width - len(c) for c in chunk])
-            last = mx.array([max(len(c) - 1, 0) for c in chunk])
-            step_logits = out[mx.arange(len(chunk)), last]
-            has = mx.array([len(c) > 0 for c in chunk])[:, None]
-            logits = step_logits if logits is None else mx.where(has, step_logits, logits)
-
-        drafts, rows, alive = (
-            [[] for _ in self.rows],
-            [[] for _ in self.rows],
-            [n > 0 for n in lengths],
-        )
-        fed = 0
-        for position in range(max(lengths)):
-            tokens, confidence, probs = self._distributions(logits)
-            # One sync per draft position: the next pass and the early stop need the values.
-            mx.eval(tokens, confidence)
-            token_list, confidence_list = tokens.tolist(), confidence.tolist()
-            for b in range(len(self.rows)):
-                if not alive[b] or position >= lengths[b]:
-                    alive[b] = False
-                elif drafts[b] and confidence_list[b] < self.min_confidence:
-                    alive[b] = False
-                else:
-                    drafts[b].append(token_list[b])
-                    rows[b].append(probs[b])
-            if position + 1 == max(lengths) or not any(alive):
-                break
-            logits = self.model(tokens[:, None], cache=self.cache.layers)[:, -1]
-            fed += 1
-        self.cache.rewind([fed] * len(self.rows))
-        self._time(cost, cost.clock() - tic, fed + 1)  # the last position's values were synced
-        for handle, draft, row in zip(self.rows, drafts, rows):
-            sampled = bool(row) and row[0] is not None
-            handle.draft = Draft(draft, mx.stack(row) if sampled else None) if draft else None
+    def _next(self, logits: mx.array, indices: mx.array) -> mx.array:
+        return self.model(indices[:, None], cache=self.cache.layers)[:, -1]

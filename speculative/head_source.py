@@ -3,33 +3,74 @@
 
 The head reads the target's hidden states at the accepted positions. ``HiddenStateTap`` wraps the
 target so the loops run it like any mlx-lm model; on every call it writes the features the head
-reads into one more layer of the cache (``cache.FeatureRows``), so they roll back, join and leave
-with the rows, and the loop tells each row's source where its row is (``DraftSource.locate``).
+reads into one more layer of the cache (``FeatureRows``, an ``ExtraRows`` the cache carries without
+knowing what it holds), so they roll back, join and leave with the rows.
 
-One ``HeadDrafter`` holds the head's cache for every row that drafts with it, and each row gets a
-``DraftHeadSource``, its handle (as ``DraftModel`` and ``DraftModelSource``). Each step
-``draft_all`` feeds every drafting row the positions it has not read (right-padded to the longest;
-each row then drops its padding), then drafts all rows together, one head call per draft position.
+One ``HeadDrafter`` (a ``drafter.SharedDrafter``) holds the head's cache for every row that drafts
+with it, and each row holds a ``DraftHeadSource`` of it. It reads the features of the cache a batch
+tells it (``draft_all``), or alone those of the tap's last call.
 
-    tap, source = DraftHeadSource.create(target)           # one row: run the loop on tap
-    generate(tap, tokenizer, prompt, draft_sources=[source])
-    tap, drafter = HeadDrafter.create(target)              # a batch: BatchGenerator(tap, ...)
+    tap, drafter = HeadDrafter.create(target)              # run the loops on tap
+    generate(tap, tokenizer, prompt, draft_sources=[drafter.source()])     # one row
+    gen = BatchGenerator(tap, drafters=[drafter])                          # a batch
     gen.insert(prompts, draft_sources=[[drafter.source()] for _ in prompts])
 """
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from decoder.cache import Cache, FeatureRows, layers_of, make_cache
-from decoder.cost import PassCost
-from decoder.draft import Draft
-from speculative.adaptive import Drafter, DrafterHandle, draw_rows, weight_bytes
+from decoder.cache import Cache, ExtraRows, layers_of, make_cache
+from decoder.kinds import KVRows
+from speculative.adaptive import weight_bytes
+from speculative.drafter import SharedDrafter, SharedSource, draw_rows
 from speculative.head import FINAL, body_with_features, logits_from_hidden
 from speculative.head_loading import load_head
 
 CATCH_UP_CHUNK = 512  # positions per head call when reading a prompt (as the target's prefill)
+
+
+class FeatureRows(KVRows, ExtraRows):
+    """The target's hidden states per row and position, for a draft head or MTP layers: the tap
+    writes each call's features where the model writes its keys, so they filter, extend, realign
+    and extract with the rows. A rewind leaves them be, since the next write lands at the model's
+    position and drops what lay past it: the accepted tokens of a pass a recurrent row went back
+    on keep their features until fed again."""
+
+    def for_rows(self, rows: int) -> "FeatureRows":
+        return FeatureRows(rows)
+
+    def extract(self, row: int) -> Optional[tuple]:
+        return None if self.keys is None else super().extract(row)
+
+    def arrays(self) -> list:
+        return [] if self.keys is None else [self.keys, self.values]
+
+    def write(self, features: mx.array, positions: Optional[Sequence[int]] = None):
+        """``features`` (B, L, d) at each row's position ``positions[b]`` (the model's; None: at its
+        own end)."""
+        for row, position in enumerate(positions or []):
+            first, held = self.available(row)
+            if first <= position < held:
+                self.trim_rows([held - position if b == row else 0 for b in range(self.rows)])
+            # the row holds none of the positions before: it starts again there
+            elif position != held:
+                starts, origins = list(self.starts), list(self.origins)
+                starts[row], origins[row] = self.ends[row], self.ends[row] - position
+                self._set(starts, self.ends, origins)
+        batch, length, _ = features.shape
+        self.update_and_fetch(features[:, None], mx.zeros((batch, 1, length, 0), features.dtype))
+
+    def available(self, row: int) -> tuple:
+        """``(first, stop)``: the positions row ``row`` holds features for."""
+        return self.starts[row] - self.origins[row], self.ends[row] - self.origins[row]
+
+    def read(self, row: int, start: int, stop: int) -> mx.array:
+        """Row ``row``'s features at positions ``[start, stop)``, (stop - start, d); ``available``
+        says which."""
+        origin = self.origins[row]
+        return self.keys[row, 0, origin + start : origin + stop]
 
 
 class HiddenStateTap:
@@ -40,6 +81,7 @@ class HiddenStateTap:
 
     def __init__(self, target, feature_layers=(FINAL,)):
         self.target, self.feature_layers = target, feature_layers
+        self.features = None  # the FeatureRows its last call wrote into
 
     def __getattr__(self, name):
         return getattr(self.target, name)
@@ -54,7 +96,16 @@ class HiddenStateTap:
         hidden, found = body_with_features(self.target, inputs, self.feature_layers, model_cache)
         if features is not None:
             features.write(found, positions)
+            self.features = features
         return logits_from_hidden(self.target, hidden)
+
+    def features_of(self, cache: Optional[Cache]) -> Optional["FeatureRows"]:
+        """The features ``cache`` keeps (a cache the tap made), or, for None, those of its last
+        call (one row alone, which the target just ran)."""
+        if cache is None:
+            return self.features
+        last = cache.layers[-1] if cache.layers else None
+        return last if isinstance(last, FeatureRows) else None
 
 
 def model_positions(cache: list, rows: int) -> Optional[list]:
@@ -68,63 +119,10 @@ def model_positions(cache: list, rows: int) -> Optional[list]:
     return [layer.offset] * rows  # one row of an mlx-lm cache
 
 
-class DraftHeadSource(DrafterHandle):
-    """One row's handle on a ``HeadDrafter`` (``DrafterHandle``).
-
-    Args:
-        tap: the ``HiddenStateTap`` the loop runs as its model.
-        head, vocab_ids, num_draft, adaptive, max_draft, min_confidence, draft_cost_prior,
-            min_path_confidence: ``HeadDrafter``'s; a source built this way has its own (one row).
-    """
+class DraftHeadSource(SharedSource):
+    """One row's source on a ``HeadDrafter`` (``SharedSource``): made by ``HeadDrafter.source``."""
 
     name = "draft_head"
-
-    def __init__(
-        self,
-        tap: HiddenStateTap,
-        head,
-        vocab_ids: mx.array,
-        num_draft: int = 4,
-        adaptive: bool = True,
-        max_draft: int = 8,
-        min_confidence: float = 0.0,
-        draft_cost_prior: float = 0.06,
-        min_path_confidence: Optional[float] = None,
-    ):
-        drafter = HeadDrafter(
-            tap,
-            head,
-            vocab_ids,
-            type(self),
-            num_draft,
-            adaptive,
-            max_draft,
-            min_confidence,
-            draft_cost_prior,
-            min_path_confidence,
-        )
-        self._bind(drafter, num_draft, max_draft, adaptive)
-
-    @classmethod
-    def create(cls, target, head_dir=None, **kwargs):
-        """Load a head for ``target`` (ours or a published EAGLE head, see ``load_head``);
-        returns ``(tap, source)``: run the loop on ``tap``."""
-        tap, drafter = HeadDrafter.create(target, head_dir, cls, **kwargs)
-        return tap, drafter.source()
-
-    def reset(self, cost: Optional[PassCost] = None, temp: float = 0.0, top_p: float = 1.0):
-        """A new generation: the head reads it from its first position."""
-        super().reset(cost, temp, top_p)
-        self.fresh, self.features, self.row = True, None, 0
-
-    def locate(self, cache: Cache, row: int):
-        self.features, self.row = cache.features, row
-
-    @property
-    def min_path_confidence(self) -> float:
-        if self.drafter.path_confidence_option is not None:
-            return self.drafter.path_confidence_option
-        return self.token_cost() if self.length.enabled else 0.0
 
     @property
     def cache(self) -> Cache:
@@ -138,14 +136,14 @@ class DraftHeadSource(DrafterHandle):
         return self.drafter.committed[rows.index(self)] if self in rows else 0
 
 
-class HeadDrafter(Drafter):
+class HeadDrafter(SharedDrafter):
     """A draft head (or MTP layers) drafting for one row or many at once.
 
     Args:
         tap: the ``HiddenStateTap`` the loop runs as its model (its target embeds the tokens).
         head, vocab_ids: from ``load_head``; the head scores with ``head.logits``, over the tokens
             ``vocab_ids`` names.
-        handle_class: what ``source`` makes (``DraftHeadSource``, or ``MTPSource``).
+        source_class: what ``source`` makes (``DraftHeadSource``, or ``MTPSource``).
         num_draft, adaptive, max_draft: each row's ``AdaptiveLength``.
         min_confidence: a row stops drafting once the head's top probability falls below this.
         draft_cost_prior: one draft position as a fraction of a target pass, until timed.
@@ -155,12 +153,14 @@ class HeadDrafter(Drafter):
             adaptive (a further token is then worth less than it costs), else 0 (off).
     """
 
+    min_tokens = 2  # position p reads (h_p, x_{p+1})
+
     def __init__(
         self,
         tap: HiddenStateTap,
         head,
         vocab_ids: mx.array,
-        handle_class=DraftHeadSource,
+        source_class=DraftHeadSource,
         num_draft: int = 4,
         adaptive: bool = True,
         max_draft: int = 8,
@@ -168,57 +168,52 @@ class HeadDrafter(Drafter):
         draft_cost_prior: float = 0.06,
         min_path_confidence: Optional[float] = None,
     ):
-        super().__init__(
-            handle_class,
-            dict(num_draft=num_draft, max_draft=max(max_draft, num_draft), adaptive=adaptive),
-            draft_cost_prior,
-        )
+        options = dict(num_draft=num_draft, max_draft=max(max_draft, num_draft), adaptive=adaptive)
+        super().__init__(source_class, options, draft_cost_prior, CATCH_UP_CHUNK)
         self.tap, self.head = tap, head
         self.vocab_ids, self.vocab_list = vocab_ids, vocab_ids.tolist()
         self.vocab_size = tap.target.args.vocab_size
         self.embed = tap.target.model.embed_tokens
         self.min_confidence, self.path_confidence_option = min_confidence, min_path_confidence
-        # handles in cache order; per row, positions its cache holds
-        self.rows, self.committed = [], []
-        self.cache = None
+        self.committed = []  # per row, positions its cache holds
 
     @classmethod
-    def create(cls, target, head_dir=None, handle_class=DraftHeadSource, **kwargs):
-        """Load a head for ``target`` (``load_head``); returns ``(tap, drafter)``: run the loop on
-        ``tap``."""
+    def create(cls, target, head_dir=None, source_class=DraftHeadSource, **kwargs):
+        """Load a head for ``target`` (ours or a published EAGLE head, see ``load_head``); returns
+        ``(tap, drafter)``: run the loop on ``tap``."""
         head, vocab_ids = load_head(head_dir, target)
-        return cls.around(target, head, vocab_ids, handle_class, **kwargs)
+        return cls.around(target, head, vocab_ids, source_class, **kwargs)
 
     @classmethod
-    def around(cls, target, head, vocab_ids: mx.array, handle_class=DraftHeadSource, **kwargs):
+    def around(cls, target, head, vocab_ids: mx.array, source_class=DraftHeadSource, **kwargs):
         """``(tap, drafter)`` for a loaded ``head``. A draft step reads the head and the target's
-        output
-        rows it scores with (``output_bytes``), in bytes: a 4-bit target reads less than its
-        parameters say."""
+        output rows it scores with (``output_bytes``), in bytes: a 4-bit target reads less than
+        its parameters say."""
         tap = HiddenStateTap(target, head.feature_layers)
         kwargs.setdefault(
             "draft_cost_prior", (weight_bytes(head) + head.output_bytes) / weight_bytes(target)
         )
-        return tap, cls(tap, head, vocab_ids, handle_class, **kwargs)
+        return tap, cls(tap, head, vocab_ids, source_class, **kwargs)
 
-    def remove(self, handle: DraftHeadSource):
-        """The row left the batch."""
-        if handle in self.rows:
-            index = self.rows.index(handle)
-            keep = [i for i in range(len(self.rows)) if i != index]
-            del self.rows[index], self.committed[index]
-            if keep:
-                self.cache.filter(keep)
-            else:
-                self.cache = None
+    def _drop_row(self, index: int):
+        del self.committed[index]
 
-    def _sync(self, requests: list) -> list:
-        """Rows drafting for the first time join (empty); a handle reset for a new generation starts
-        over. Returns, per row, the positions ``(start, stop)`` of features it reads now (None where
-        it
-        does not draft): position p reads (h_p, x_{p+1}), and the target has run up to len(tokens) -
-        2."""
-        joining = [handle for handle, _, _ in requests if handle not in self.rows]
+    def _path_stop(self, source: DraftHeadSource) -> float:
+        if self.path_confidence_option is not None:
+            return self.path_confidence_option
+        return source.token_cost() if source.length.enabled else 0.0
+
+    def _prepare(self, requests: list, cache) -> tuple:
+        """Rows drafting for the first time join (empty); a source reset for a new generation
+        starts over. Each row reads the features of positions ``[start, stop)``: position p reads
+        (h_p, x_{p+1}), and the target has run up to len(tokens) - 2."""
+        features = self.tap.features_of(cache)
+        if features is None:
+            raise ValueError(
+                "the draft head has no hidden states: run the loop on the HiddenStateTap from "
+                "HeadDrafter.create (not the bare model), with a cache it made"
+            )
+        joining = [source for source, _, _, _ in requests if source not in self.rows]
         if joining:
             new = make_cache(self.head, len(joining))
             if self.cache is None:
@@ -228,137 +223,49 @@ class HeadDrafter(Drafter):
             self.rows += joining
             self.committed += [0] * len(joining)
         reads = [None] * len(self.rows)
-        for handle, tokens, _ in requests:
-            if handle.features is None:
-                raise ValueError(
-                    "the draft head has no hidden states: run the loop on the HiddenStateTap from "
-                    "DraftHeadSource.create (not the bare model), with a cache it made"
-                )
-            row, stop = self.rows.index(handle), len(tokens) - 1
-            committed = 0 if handle.fresh else self.committed[row]
-            handle.fresh = False
-            # Nothing new since the last draft: read the last position again. Positions the target's
-            # cache has no features for (a prompt cache made without them) are skipped: drafts
-            # suffer.
-            start = max(min(committed, stop - 1), handle.features.available(handle.row)[0])
+        for source, tokens, _, slot in requests:
+            row, stop = self.rows.index(source), len(tokens) - 1
+            committed = 0 if source.fresh else self.committed[row]
+            source.fresh = False
+            # Nothing new since the last draft: read the last position again. Positions the
+            # target's cache has no features for (a prompt cache made without them) are skipped.
+            start = max(min(committed, stop - 1), features.available(slot)[0])
             if start < stop:
-                reads[row] = (start, stop)
+                reads[row] = (start, stop, slot, tokens)
         self.cache.rewind(
             [self.cache.held(row) - read[0] if read else 0 for row, read in enumerate(reads)]
         )
-        self.committed = [read[0] if read else held for read, held in zip(reads, self.committed)]
-        return reads
-
-    def _catch_up(self, requests: list, reads: list) -> mx.array:
-        """Feed each drafting row the positions it has not read; returns each row's last prediction
-        (R, d)."""
-        tokens_of = {id(handle): tokens for handle, tokens, _ in requests}
-        longest = max(stop - start for start, stop in filter(None, reads))
-        predicted = None
-        for offset in range(0, longest, CATCH_UP_CHUNK):
-            spans = [
-                None
-                if read is None or read[0] + offset >= read[1]
-                else (read[0] + offset, min(read[1], read[0] + offset + CATCH_UP_CHUNK))
-                for read in reads
-            ]
-            found = {
-                row: handle.features.read(handle.row, *span)
-                for row, (handle, span) in enumerate(zip(self.rows, spans))
-                if span
-            }
-            lengths = [span[1] - span[0] if span else 0 for span in spans]
-            width, example = max(lengths), next(iter(found.values()))
-            features = mx.stack(
-                [
-                    mx.pad(found[row], [(0, width - n), (0, 0)])
-                    if n
-                    else mx.zeros((width, example.shape[-1]), example.dtype)
-                    for row, n in enumerate(lengths)
-                ]
-            )
-            tokens = [
-                tokens_of[id(handle)][span[0] + 1 : span[1] + 1] + [0] * (width - n)
-                if span
-                else [0] * width
-                for handle, span, n in zip(self.rows, spans, lengths)
-            ]
-            out = self.head(features, self.embed(mx.array(tokens)), cache=self.cache.layers)
-            self.cache.rewind([width - n for n in lengths])
-            last = out[mx.arange(len(self.rows)), mx.array([max(n - 1, 0) for n in lengths])]
-            has = mx.array([n > 0 for n in lengths])[:, None]
-            predicted = last if predicted is None else mx.where(has, last, predicted)
         self.committed = [read[1] if read else held for read, held in zip(reads, self.committed)]
-        return predicted
 
-    def draft_all(self, requests: list, cost: PassCost, batch_rows: int):
-        """Draft for every row: ``requests`` holds ``(handle, tokens, max_draft)`` for each of the
-        target's rows that drafts with this head; ``batch_rows`` is the target's batch size."""
-        self._begin(requests, batch_rows)
-        limits = {
-            id(handle): max_draft if len(tokens) >= 2 else 0
-            for handle, tokens, max_draft in requests
-        }
-        # next_length counts a paused step, so it is asked once per step.
-        requests = [
-            (h, t, m)
-            for h, t, m in requests
-            if limits[id(h)] > 0 and min(h.length.next_length(h.token_cost()), m) > 0
-        ]
-        if not requests:
-            return  # the head catches up in one call when drafting resumes
-        tic = cost.clock()
-        reads = self._sync(requests)
-        if not any(reads):
-            return
-        lengths = {id(h): min(h.num_draft, m) for h, _, m in requests}
-        predicted = self._catch_up(requests, reads)
-        drafts, positions = self._chain(
-            predicted, [lengths.get(id(h), 0) if read else 0 for h, read in zip(self.rows, reads)]
-        )
-        self._time(cost, cost.clock() - tic, positions)
-        for handle, (tokens, rows) in zip(self.rows, drafts):
-            if not tokens:
-                continue
-            if handle.temp == 0:
-                handle.draft = Draft(tokens)
-            else:  # q on the whole vocabulary: zero outside the sub-vocabulary
-                probs = mx.zeros((len(tokens), self.vocab_size), mx.float32)
-                probs[:, self.vocab_ids] = mx.stack(rows)
-                handle.draft = Draft(tokens, probs)
+        def feed(offset: int, counts: list, width: int) -> mx.array:
+            found, tokens = [], []
+            for read, n in zip(reads, counts):
+                if not n:
+                    found.append(None)
+                    tokens.append([0] * width)
+                    continue
+                start, _, slot, text = read
+                rows = features.read(slot, start + offset, start + offset + n)
+                found.append(mx.pad(rows, [(0, width - n), (0, 0)]))
+                tokens.append(text[start + offset + 1 : start + offset + n + 1] + [0] * (width - n))
+            example = next(rows for rows in found if rows is not None)
+            found = [mx.zeros_like(example) if rows is None else rows for rows in found]
+            return self.head(mx.stack(found), self.embed(mx.array(tokens)), cache=self.cache.layers)
 
-    def _chain(self, predicted: mx.array, lengths: list) -> tuple:
-        """Draft up to ``lengths[r]`` tokens per row from its prediction, the head reading its own
-        output after the first; returns per row ``(tokens, q rows)`` and the positions drafted. One
-        sync per
-        position: the confidence stops need the values, and the next call the tokens."""
-        drafts = [([], []) for _ in self.rows]
-        alive, path = [n > 0 for n in lengths], [1.0] * len(self.rows)
-        stops = [h.min_path_confidence if n else 0.0 for h, n in zip(self.rows, lengths)]
-        fed = 0
-        for position in range(max(lengths)):
-            indices, confidence, probs = draw_rows(self.head.logits(predicted), self.rows)
-            mx.eval(indices, confidence)
-            index_list, confidence_list = indices.tolist(), confidence.tolist()
-            for row, (tokens, rows) in enumerate(drafts):
-                # The top probability, not the drawn token's: whether to draft position i must not
-                # depend on the token drawn there, or sampling would no longer be exact.
-                path[row] *= confidence_list[row]
-                if (
-                    alive[row]
-                    and position
-                    and (path[row] < stops[row] or confidence_list[row] < self.min_confidence)
-                ):
-                    alive[row] = False
-                if alive[row] and position < lengths[row]:
-                    tokens.append(self.vocab_list[index_list[row]])
-                    rows.append(probs[row])
-            if position + 1 == max(lengths) or not any(alive):
-                break
-            next_embeddings = self.embed(self.vocab_ids[indices])[:, None]
-            predicted = self.head(predicted[:, None], next_embeddings, cache=self.cache.layers)[
-                :, -1
-            ]
-            fed += 1
-        self.cache.rewind([fed] * len(self.rows))
-        return drafts, fed + 1
+        return [read[1] - read[0] if read else 0 for read in reads], feed
+
+    def _draw(self, predicted: mx.array) -> tuple:
+        return draw_rows(self.head.logits(predicted), self.rows)
+
+    def _next(self, predicted: mx.array, indices: mx.array) -> mx.array:
+        embeddings = self.embed(self.vocab_ids[indices])[:, None]
+        return self.head(predicted[:, None], embeddings, cache=self.cache.layers)[:, -1]
+
+    def _tokens(self, indices: list) -> list:
+        return [self.vocab_list[index] for index in indices]
+
+    def _q(self, rows: list) -> mx.array:
+        """q on the whole vocabulary: zero outside the sub-vocabulary."""
+        probs = mx.zeros((len(rows), self.vocab_size), mx.float32)
+        probs[:, self.vocab_ids] = mx.stack(rows)
+        return probs

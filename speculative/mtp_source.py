@@ -1,15 +1,14 @@
 """A draft source from a model's own multi-token-prediction layers (mtp.py), for one row or many.
 
 An MTP module reads what a draft head reads, the target's last hidden state at t and the embedding
-of x_{t+1}, so it drafts through ``HeadDrafter``: the ``HiddenStateTap`` keeps the target's hidden
+of x_{t+1}, so it drafts through a ``HeadDrafter``: the ``HiddenStateTap`` keeps the target's hidden
 states in its cache, the MTP layer's own KV cache keeps only the accepted tokens' positions after
 every step, and for k > 1 it reads its own output in place of the target's (as vLLM chains an MTP
 layer). Drafts are drawn from the MTP's distribution, so sampling stays exact.
 
-    tap, source = MTPSource.create(target, model_dir)           # one row: run the loop on tap
-    generate(tap, tokenizer, prompt, draft_sources=[source])
-    tap, drafter = MTPSource.drafter(target, model_dir)         # a batch: BatchGenerator(tap, ...)
-    gen.insert(prompts, draft_sources=[[drafter.source()] for _ in prompts])
+    tap, drafter = MTPDrafter.create(target, model_dir)         # run the loops on tap
+    generate(tap, tokenizer, prompt, draft_sources=[drafter.source()])     # one row
+    gen = BatchGenerator(tap, drafters=[drafter])                          # a batch
 """
 
 import mlx.core as mx
@@ -19,13 +18,17 @@ from speculative.mtp import load_mtp, text_model
 
 
 class MTPSource(DraftHeadSource):
-    """One row's handle on a ``HeadDrafter`` that drafts with the target's MTP layer; the options
-    (``num_draft``, ``adaptive``, ...) are ``HeadDrafter``'s."""
+    """One row's source on an ``MTPDrafter``: made by ``MTPDrafter.source``."""
 
     name = "mtp"
 
+
+class MTPDrafter(HeadDrafter):
+    """A ``HeadDrafter`` that drafts with the target's MTP layer; the options (``num_draft``,
+    ``adaptive``, ...) are ``HeadDrafter``'s."""
+
     @classmethod
-    def drafter(cls, target, model_dir, **kwargs):
+    def create(cls, target, model_dir, **kwargs):
         """Load the MTP layer of the model in ``model_dir`` (``target`` is that model); returns
         ``(tap, drafter)``: run the loop on ``tap``. ``NoMTPWeights``/``MTPError`` as ``load_mtp``
         says."""
@@ -33,10 +36,4 @@ class MTPSource(DraftHeadSource):
         mtp = load_mtp(model_dir, target)
         # A draft step reads the MTP layer and the output matrix it scores with (the target's, for
         # Qwen3-Next).
-        return HeadDrafter.around(target, mtp, mx.arange(target.args.vocab_size), cls, **kwargs)
-
-    @classmethod
-    def create(cls, target, model_dir, **kwargs):
-        """One row: ``(tap, source)``; run the loop on ``tap``."""
-        tap, drafter = cls.drafter(target, model_dir, **kwargs)
-        return tap, drafter.source()
+        return cls.around(target, mtp, mx.arange(target.args.vocab_size), MTPSource, **kwargs)

@@ -224,7 +224,7 @@ def check_mtp(model_type: str):
     would draft at random over SmolLM2's vocabulary, accepting nothing."""
     from decoder import DecodingStats, generate_step
     from loading.target import load_mlx_lm
-    from speculative.mtp_source import MTPSource
+    from speculative.mtp_source import MTPDrafter
     from tests.helpers import tiny_byte_tokenizer
     from tests.mtp_fixtures import write_checkpoint
 
@@ -235,7 +235,8 @@ def check_mtp(model_type: str):
         )
         target, _, _ = load_mlx_lm(Path(directory))
         # A fixed draft length: an adaptive one may pause a drafter that is often wrong.
-        tap, source = MTPSource.create(target, directory, num_draft=3, adaptive=False)
+        tap, drafter = MTPDrafter.create(target, directory, num_draft=3, adaptive=False)
+        source = drafter.source()
         got = [
             token
             for token, _ in generate_step(

@@ -103,13 +103,11 @@ def test_main_runs_a_saved_model_directory(name, tmp_path, smollm2_tokenizer):
 
 
 def test_a_draft_model_with_recurrent_layers_is_refused_naming_its_architecture():
-    """Draft models roll back by trimming, which a recurrent state cannot: refused, alone and for a
-    batch, in one line that names the draft's architecture."""
-    from speculative import DraftModel, DraftModelSource
+    """Draft models roll back by trimming, which a recurrent state cannot: refused (one class for
+    one row and a batch) in one line that names the draft's architecture."""
+    from speculative import DraftModel
 
     draft, _ = build("qwen3_next")
     refusal = "^qwen3_next: a draft model with recurrent layers cannot "
-    with pytest.raises(CacheKindError, match=refusal + "roll back its drafts$"):
-        DraftModelSource(draft, vocab_size=49152)
     with pytest.raises(CacheKindError, match=refusal + "roll back its drafts$"):
         DraftModel(draft, vocab_size=49152)

@@ -148,7 +148,8 @@ def check_rows_against_alone(rows, seed):
         }[kind]
         specs.append(dict(prompt=prompt, max_tokens=max_tokens, join=join, draft_sources=sources))
         wants.append(want)
-    got, finish, errors, _ = run(BatchGenerator(MODEL, eos_token_ids=[EOS]), specs)
+    generator = BatchGenerator(MODEL, eos_token_ids=[EOS], drafters=drafters.values())
+    got, finish, errors, _ = run(generator, specs)
     for spec, tokens, want, reason, error in zip(specs, got, wants, finish, errors):
         assert error is None
         assert_same_or_near_tie(MODEL, spec["prompt"], tokens, want)
@@ -159,15 +160,16 @@ def test_drafts_are_used_and_accepted_tokens_say_where_they_came_from():
     prompt = [5, 6, 7, 8, 9] * 4
     truth = alone(MODEL, prompt, 30)
     rng = random.Random(0)
+    drafter = BatchDraftModel(MODEL, VOCAB)
     specs = [
         dict(
             prompt=prompt,
             max_tokens=30,
             draft_sources=[oracle(truth, len(prompt), rng, corrupt=0.0)],
         ),
-        dict(prompt=[1, 2], max_tokens=30, draft_sources=[BatchDraftModel(MODEL, VOCAB).source()]),
+        dict(prompt=[1, 2], max_tokens=30, draft_sources=[drafter.source()]),
     ]
-    generator = BatchGenerator(MODEL, eos_token_ids=[EOS])
+    generator = BatchGenerator(MODEL, eos_token_ids=[EOS], drafters=[drafter])
     got, _, _, sources = run(generator, specs)
     assert got[0] == truth and got[1] == alone(MODEL, [1, 2], 30)
     assert "oracle" in sources[0] and TARGET in sources[0] and "draft_model" in sources[1]
@@ -332,15 +334,15 @@ def test_one_rows_error_or_removal_never_touches_another():
         return [1, 2]
 
     prompts = [[4, 5, 6, 7], [8, 9, 10, 11, 12, 13, 14, 15, 4, 5], [6, 6, 6], [7, 8]]
+    drafter = BatchDraftModel(DRAFT, VOCAB)
     specs = [
         dict(prompt=prompts[0], max_tokens=25, draft_sources=[PromptLookupSource()]),
         dict(prompt=prompts[1], max_tokens=25, draft_sources=[ScriptedSource(failing, "failing")]),
-        dict(
-            prompt=prompts[2], max_tokens=25, draft_sources=[BatchDraftModel(DRAFT, VOCAB).source()]
-        ),
+        dict(prompt=prompts[2], max_tokens=25, draft_sources=[drafter.source()]),
         dict(prompt=prompts[3], max_tokens=25),
     ]
-    got, finish, errors, _ = run(BatchGenerator(MODEL, eos_token_ids=[]), specs, remove_at={3: 4})
+    generator = BatchGenerator(MODEL, eos_token_ids=[], drafters=[drafter])
+    got, finish, errors, _ = run(generator, specs, remove_at={3: 4})
     for i in (0, 2):
         assert got[i] == alone(MODEL, prompts[i], 25, eos=())
     assert finish[1] == "error" and errors[1] == "RuntimeError: source broke"
@@ -456,11 +458,10 @@ def test_bad_rows_are_refused_in_one_line():
     shared = PromptLookupSource()
     with pytest.raises(ValueError, match="each row needs its own"):
         generator.insert([[1], [2]], draft_sources=[[shared], [shared]])
-    alone_only = ScriptedSource(lambda tokens, k: [], "alone_only")
-    # a source's own refusal, in its words
-    alone_only.batch_refusal = "this source reads one sequence only"
-    with pytest.raises(ValueError, match="reads one sequence only"):
-        generator.insert([[1]], draft_sources=[[alone_only]])
+    with pytest.raises(ValueError, match="max_tokens must be at least 1"):
+        generator.insert([[1]], max_tokens=0)
+    with pytest.raises(ValueError, match="0 < top_p <= 1"):
+        generator.insert([[1]], top_p=0.0)
     with pytest.raises(ValueError, match="one value or one per prompt"):
         generator.insert([[1], [2]], temp=[0.0])
     with pytest.raises(ValueError, match="prompt is empty"):
@@ -524,7 +525,7 @@ def test_sampling_keeps_each_rows_distribution(drafting):
                 )
             ]
 
-        generator = BatchGenerator(SMALL, max_width=3, prefill_batch_size=128)
+        generator = BatchGenerator(SMALL, max_width=3, prefill_batch_size=128, drafters=[drafter])
         uids = generator.insert(
             [prompt] * 100,
             temp=temp,

@@ -1,5 +1,5 @@
 """Draft heads and MTP layers per row in a batch: each row reads its own hidden states from the
-target's cache (``cache.FeatureRows``) while rows of different lengths join and leave, under a
+target's cache (``head_source.FeatureRows``) while rows of different lengths join and leave, under a
 regex, with a prompt cache, and sampling keeps each row's distribution."""
 
 import random
@@ -17,7 +17,7 @@ from loading.target import load_mlx_lm
 from prompt_lookup import PromptLookupSource
 from speculative.head import DraftHead, head_args, output_rows
 from speculative.head_source import HeadDrafter
-from speculative.mtp_source import MTPSource
+from speculative.mtp_source import MTPDrafter
 from tests.helpers import chi_square_p_value, tiny_byte_tokenizer, tiny_llama
 from tests.mtp_fixtures import VOCAB, write_checkpoint
 from tests.test_batch import alone, assert_same_or_near_tie, run
@@ -46,7 +46,9 @@ def check_rows(target, tap, drafter, rows, remove_at=None):
         )
         for prompt, max_tokens, join, lookup in rows
     ]
-    out, finish, errors, sources = run(BatchGenerator(tap, eos_token_ids=()), specs, remove_at)
+    out, finish, errors, sources = run(
+        BatchGenerator(tap, eos_token_ids=(), drafters=[drafter]), specs, remove_at
+    )
     for index, (prompt, max_tokens, _, _) in enumerate(rows):
         assert errors[index] is None
         if finish[index] != "removed":
@@ -58,7 +60,7 @@ def check_rows(target, tap, drafter, rows, remove_at=None):
 
 def test_mtp_rows_give_their_own_output_while_rows_join_and_leave(mtp_model):
     path, target = mtp_model
-    tap, drafter = MTPSource.drafter(target, path, num_draft=3, adaptive=False)
+    tap, drafter = MTPDrafter.create(target, path, num_draft=3, adaptive=False)
     rows = [
         ([5, 6, 7, 8], 30, 0, False),
         ([1], 25, 0, True),
@@ -91,7 +93,7 @@ def test_mtp_rows_give_their_own_output_while_rows_join_and_leave(mtp_model):
 )
 def test_mtp_rows_are_lossless_for_any_prompts_and_joins(mtp_model, rows, num_draft):
     path, target = mtp_model
-    tap, drafter = MTPSource.drafter(target, path, num_draft=num_draft, adaptive=False)
+    tap, drafter = MTPDrafter.create(target, path, num_draft=num_draft, adaptive=False)
     check_rows(target, tap, drafter, rows)
 
 
@@ -101,7 +103,7 @@ def test_mtp_rows_under_a_regex_give_the_constrained_output(tmp_path, model_type
     vocab = len(tokenizer.get_vocab())
     write_checkpoint(tmp_path, model_type, seed=3, vocab_size=vocab, tokenizer=tokenizer)
     target, _, _ = load_mlx_lm(tmp_path)
-    tap, drafter = MTPSource.drafter(target, tmp_path, num_draft=3, adaptive=False)
+    tap, drafter = MTPDrafter.create(target, tmp_path, num_draft=3, adaptive=False)
     patterns = [r"(ab|12)+-[0-9]{2,5}", r"[a-c]{3,9}", r"x(yz)*"]
 
     def constraint(pattern):
@@ -117,7 +119,7 @@ def test_mtp_rows_under_a_regex_give_the_constrained_output(tmp_path, model_type
         )
         for i, pattern in enumerate(patterns)
     ]
-    out, _, errors, _ = run(BatchGenerator(tap, eos_token_ids=()), specs)
+    out, _, errors, _ = run(BatchGenerator(tap, eos_token_ids=(), drafters=[drafter]), specs)
     for spec, pattern, tokens in zip(specs, patterns, out):
         assert tokens == alone(target, spec["prompt"], 12, constraint=constraint(pattern), eos=())
     assert errors == [None] * 3
@@ -125,8 +127,8 @@ def test_mtp_rows_under_a_regex_give_the_constrained_output(tmp_path, model_type
 
 def test_a_finished_mtp_rows_cache_keeps_its_hidden_states_for_the_next_turn(mtp_model):
     path, target = mtp_model
-    tap, drafter = MTPSource.drafter(target, path, num_draft=3, adaptive=False)
-    generator = BatchGenerator(tap, eos_token_ids=(), keep_caches=True)
+    tap, drafter = MTPDrafter.create(target, path, num_draft=3, adaptive=False)
+    generator = BatchGenerator(tap, eos_token_ids=(), keep_caches=True, drafters=[drafter])
     first = [5, 6, 7, 8, 9]
     generator.insert([first], max_tokens=10, draft_sources=[[drafter.source()]])
     tokens, prefix = [], None
@@ -134,7 +136,7 @@ def test_a_finished_mtp_rows_cache_keeps_its_hidden_states_for_the_next_turn(mtp
         for response in responses:
             tokens += response.tokens
             prefix = response.cache or prefix
-    assert prefix.features is not None and prefix.features[0].shape[2] == prefix.length
+    assert prefix.extra[0] is not None and prefix.extra[0][0].shape[2] == prefix.length
     second = first + tokens + [3, 4]
     generator.insert(
         [second], max_tokens=16, draft_sources=[[drafter.source()]], prompt_cache=[prefix]
@@ -176,8 +178,8 @@ def test_sampling_with_mtp_rows_keeps_each_rows_distribution(tmp_path):
     mx.random.seed(3)
     counts, proposed, accepted = np.zeros(vocab * vocab, np.int64), 0, 0
     for _ in range(12):
-        tap, drafter = MTPSource.drafter(target, tmp_path, num_draft=2, adaptive=False)
-        generator = BatchGenerator(tap, max_width=3, prefill_batch_size=128)
+        tap, drafter = MTPDrafter.create(target, tmp_path, num_draft=2, adaptive=False)
+        generator = BatchGenerator(tap, max_width=3, prefill_batch_size=128, drafters=[drafter])
         uids = generator.insert(
             [prompt] * 100,
             temp=temp,

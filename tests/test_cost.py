@@ -7,7 +7,7 @@ import pytest
 from decoder import DecodingStats, generate_step
 from decoder.cost import PassCost
 from prompt_lookup import PromptLookupSource
-from speculative import DraftModelSource
+from speculative import DraftModel
 from tests.helpers import tiny_llama
 
 TARGET = tiny_llama(vocab_size=32, seed=4)
@@ -144,7 +144,7 @@ def test_a_draft_model_pauses_when_its_measured_drafting_does_not_pay():
     for name, draft_step in (("cheap", 0.01), ("slow", 3.0)):
         model = SimulatedCost(TARGET, 1.0, 0.05)
         draft = SimulatedCost(TARGET, draft_step, 0.0, clock=model)
-        source = DraftModelSource(draft, 32, num_draft=3, min_confidence=0.0)
+        source = DraftModel(draft, 32, num_draft=3, min_confidence=0.0).source()
         stats = DecodingStats()
         tokens = [
             t

@@ -23,7 +23,7 @@ from speculative.head import (
     save_head,
 )
 from speculative.head_loading import load_head
-from speculative.head_source import DraftHeadSource, HiddenStateTap
+from speculative.head_source import HeadDrafter, HiddenStateTap
 from tests.helpers import assert_sampling_keeps_the_target_distribution, tiny_llama
 from tests.test_cli import assert_one_line_error, cli
 
@@ -107,7 +107,8 @@ def test_a_head_trains_for_a_qwen2_target(tmp_path):
     save_head(tmp_path / "head", head, vocab_ids, target)
     stats = DecodingStats()
     for prompt in ([5, 6, 7, 8], [1, 2]):
-        tap, source = DraftHeadSource.create(target, tmp_path / "head", num_draft=3, adaptive=False)
+        tap, drafter = HeadDrafter.create(target, tmp_path / "head", num_draft=3, adaptive=False)
+        source = drafter.source()
         assert tokens_of(prompt, tap, [source], max_tokens=30, stats=stats) == tokens_of(
             prompt, target, max_tokens=30
         )
@@ -156,7 +157,8 @@ def test_our_head_drafts_on_a_sharded_target(trained, tmp_path, mode):
     prompt, drafted = [5, 6, 7, 8], {}
     for name, target in (("sharded", sharded), ("whole", TARGET)):
         stats = DecodingStats()
-        tap, source = DraftHeadSource.create(target, tmp_path / "head", num_draft=3, adaptive=False)
+        tap, drafter = HeadDrafter.create(target, tmp_path / "head", num_draft=3, adaptive=False)
+        source = drafter.source()
         assert tokens_of(prompt, tap, [source], max_tokens=40, stats=stats) == tokens_of(
             prompt, target, max_tokens=40
         )
@@ -221,25 +223,25 @@ def test_greedy_output_with_the_head_equals_plain(
         (random_head(TARGET, 7, SUB_VOCAB), SUB_VOCAB),
     ):
         tap = HiddenStateTap(TARGET, head.feature_layers)
-        source = DraftHeadSource(
+        source = HeadDrafter(
             tap,
             head,
             vocab_ids,
             num_draft=num_draft,
             adaptive=adaptive,
             min_confidence=min_confidence,
-        )
+        ).source()
         sources = copiers[copier] + [source]
         assert tokens_of(prompt, tap, sources, max_tokens=max_tokens) == reference
         # The head never reads past the features the target's cache holds.
-        assert source.committed <= source.features.available(0)[1]
+        assert source.committed <= tap.features.available(0)[1]
 
 
 def test_the_trained_head_is_accepted_and_its_cache_follows_the_text(trained):
     head, vocab_ids, _ = trained
     stats = DecodingStats()
     tap = HiddenStateTap(TARGET, head.feature_layers)
-    source = DraftHeadSource(tap, head, vocab_ids, num_draft=3, adaptive=False)
+    source = HeadDrafter(tap, head, vocab_ids, num_draft=3, adaptive=False).source()
     prompt = [5, 6, 7, 8]
     out = tokens_of(prompt, tap, [source], max_tokens=40, stats=stats)
     assert out == tokens_of(prompt, TARGET, max_tokens=40)
@@ -262,9 +264,9 @@ def test_greedy_with_the_head_under_a_regex_equals_constrained_plain():
         return tokens_of([1, 2, 3], model, sources, constraint=constraint, max_tokens=12)
 
     tap = HiddenStateTap(target)
-    head = DraftHeadSource(
+    head = HeadDrafter(
         tap, random_head(target, 3, mx.arange(vocab)), mx.arange(vocab), num_draft=3, adaptive=False
-    )
+    ).source()
     assert run([head], tap) == run([], target)
 
 
@@ -280,14 +282,14 @@ def test_sampling_with_the_head_keeps_the_target_distribution(temp, top_p, min_p
         # A sub-vocabulary of 6: q is zero on two tokens the target can still choose. With a
         # path-confidence stop, the draft length varies with the head's confidence.
         return tap, [
-            DraftHeadSource(
+            HeadDrafter(
                 tap,
                 head,
                 mx.arange(6),
                 num_draft=3,
                 adaptive=False,
                 min_path_confidence=min_path_confidence,
-            )
+            ).source()
         ]
 
     assert_sampling_keeps_the_target_distribution(target, make_run, temp, top_p)
@@ -306,7 +308,7 @@ def test_sampling_with_a_copier_and_the_head_choosing_per_step_keeps_the_target_
 
     def make_run():
         tap = HiddenStateTap(target)
-        source = DraftHeadSource(tap, head, mx.arange(6), num_draft=2)
+        source = HeadDrafter(tap, head, mx.arange(6), num_draft=2).source()
         # A forecast around what the copier expects, so that both draft across the runs.
         source.forecast_speedup = lambda: float(rng.uniform(1.0, 2.0))
         # Something to copy from in a two-token run (the prompt alone has no repeats).
@@ -332,7 +334,8 @@ def test_a_head_for_another_target_is_refused(trained, tmp_path):
     # The float16 file round-trips to the head we trained (up to float16 rounding).
     assert mx.allclose(loaded.fuse.weight, head.fuse.weight, atol=1e-2).item()
     prompt = [5, 6, 7, 8]
-    tap, source = DraftHeadSource.create(TARGET, tmp_path / "head", num_draft=3, adaptive=False)
+    tap, drafter = HeadDrafter.create(TARGET, tmp_path / "head", num_draft=3, adaptive=False)
+    source = drafter.source()
     assert tokens_of(prompt, tap, [source], max_tokens=20) == tokens_of(
         prompt, TARGET, max_tokens=20
     )
@@ -421,7 +424,8 @@ def test_the_shipped_head_is_lossless_and_accepted_on_the_embedded_model(embedde
     prompt = chat_prompt("Why do cats purr, and what does it mean when they do?")
     reference = tokens_of(prompt, model, max_tokens=48)
     stats = DecodingStats()
-    tap, source = DraftHeadSource.create(model)
+    tap, drafter = HeadDrafter.create(model)
+    source = drafter.source()
     assert tokens_of(prompt, tap, [source], max_tokens=48, stats=stats) == reference
     assert stats.draft_accepted > 0 and stats.target_forward_passes < 48
 

@@ -15,7 +15,7 @@ from decoder import DecodingStats, generate_step  # noqa: E402
 from speculative.eagle import Eagle1Head, Eagle3Head, eagle3_feature_layers  # noqa: E402
 from speculative.head import HeadMismatch, body_with_features  # noqa: E402
 from speculative.head_loading import load_head  # noqa: E402
-from speculative.head_source import DraftHeadSource  # noqa: E402
+from speculative.head_source import HeadDrafter  # noqa: E402
 from tests.eagle_reference import Eagle1Reference, Eagle3Reference, eagle3_layer_inputs  # noqa: E402
 from tests.helpers import tiny_llama  # noqa: E402
 
@@ -269,9 +269,10 @@ def test_published_heads_are_lossless_and_accepted_through_the_library(tmp_path,
     for head_dir in (eagle1_dir, eagle3_dir):
         stats = DecodingStats()
         for prompt in ([1, 2, 3], [40], [9, 9, 9, 9, 30]):
-            tap, source = DraftHeadSource.create(
+            tap, drafter = HeadDrafter.create(
                 target, head_dir, num_draft=3, adaptive=bits is not None
             )
+            source = drafter.source()
             assert tokens_of(prompt, tap, [source], max_tokens=24, stats=stats) == tokens_of(
                 prompt, target, max_tokens=24
             )
@@ -429,6 +430,6 @@ def test_sampling_with_an_eagle3_head_keeps_the_target_distribution(tmp_path):
 
     def make_run():
         tap = HiddenStateTap(target, head.feature_layers)
-        return tap, [DraftHeadSource(tap, head, vocab_ids, num_draft=3, adaptive=False)]
+        return tap, [HeadDrafter(tap, head, vocab_ids, num_draft=3, adaptive=False).source()]
 
     assert_sampling_keeps_the_target_distribution(target, make_run, 1.0, 1.0)

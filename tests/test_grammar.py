@@ -26,7 +26,7 @@ from constrained.grammar import (
 )
 from decoder import DecodingStats, generate  # noqa: E402
 from prompt_lookup import PromptLookupSource  # noqa: E402
-from speculative import DraftModelSource  # noqa: E402
+from speculative import DraftModel  # noqa: E402
 from tests.helpers import (
     ScriptedSource,
     assert_constrained_sampling_is_exact,
@@ -113,7 +113,7 @@ def test_greedy_output_is_the_same_with_every_draft_source(grammar, prompt, seed
     def lookup():
         return PromptLookupSource(ngram_max=2, num_draft=4, adaptive=False)
 
-    draft_model = DraftModelSource(DRAFT_MODEL, VOCAB, num_draft=3, adaptive=False)
+    draft_model = DraftModel(DRAFT_MODEL, VOCAB, num_draft=3, adaptive=False).source()
     for sources in (
         [forced],
         [noise_source(seed)],

@@ -38,7 +38,6 @@ MAX_README_BYTES = 5_000
 # its issue, and remove it when it lands. A name here that is no longer over fails the test too, so
 # the list cannot go stale.
 KNOWN_OVER = {  # issue 48: the formatter's one argument a line
-    "batch/generator.py:BatchGenerator.insert",
     "benchmarks/batch.py",
     "benchmarks/batch.py:methods_for",
     "benchmarks/draft_head.py:draft_head_suite",

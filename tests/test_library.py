@@ -28,20 +28,24 @@ def lookup():
 
 
 def draft_model():
-    from speculative import DraftModelSource
+    from speculative import DraftModel
 
-    return TARGET, [DraftModelSource(DRAFT, VOCAB, num_draft=3)], None
+    return TARGET, [DraftModel(DRAFT, VOCAB, num_draft=3).source()], None
 
 
 def draft_head():
-    from speculative import DraftHeadSource, HiddenStateTap
+    from speculative import HeadDrafter, HiddenStateTap
     from speculative.head import DraftHead, head_args, output_rows
 
     mx.random.seed(3)
     head = DraftHead(head_args(TARGET.args), output_rows(TARGET, mx.arange(VOCAB)))
     mx.eval(head.parameters())
     tap = HiddenStateTap(TARGET)
-    return tap, [DraftHeadSource(tap, head, mx.arange(VOCAB), num_draft=3, adaptive=False)], None
+    return (
+        tap,
+        [HeadDrafter(tap, head, mx.arange(VOCAB), num_draft=3, adaptive=False).source()],
+        None,
+    )
 
 
 BYTE_TOKENIZER = tiny_byte_tokenizer()

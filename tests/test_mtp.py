@@ -25,7 +25,7 @@ from speculative.mtp import (
     mtp_prefix,
     text_model,
 )
-from speculative.mtp_source import MTPSource
+from speculative.mtp_source import MTPDrafter
 from tests.helpers import assert_sampling_keeps_the_target_distribution, tiny_byte_tokenizer
 from tests.mtp_fixtures import VOCAB, hf_weights, text_config, write_checkpoint
 
@@ -238,7 +238,8 @@ def test_an_exact_mtp_layer_is_accepted_at_least_90_percent(tmp_path, model_type
     write_checkpoint(tmp_path, model_type, seed=2, exact=True, tokenizer=tiny_byte_tokenizer())
     target = load(tmp_path)
     for num_draft in (1, 3):
-        tap, source = MTPSource.create(target, tmp_path, num_draft=num_draft, adaptive=False)
+        tap, drafter = MTPDrafter.create(target, tmp_path, num_draft=num_draft, adaptive=False)
+        source = drafter.source()
         stats = DecodingStats()
         assert tokens_of([5, 7, 11], tap, [source], max_tokens=120, stats=stats) == tokens_of(
             [5, 7, 11], target, max_tokens=120
@@ -252,7 +253,8 @@ def test_greedy_with_mtp_drafts_equals_plain_decoding(noisy, num_draft, adaptive
     path, target, _, _ = noisy
     stats = DecodingStats()
     for prompt in ([5, 6, 7, 8], [1], list(range(2, 30, 3))):
-        tap, source = MTPSource.create(target, path, num_draft=num_draft, adaptive=adaptive)
+        tap, drafter = MTPDrafter.create(target, path, num_draft=num_draft, adaptive=adaptive)
+        source = drafter.source()
         update = source.update
 
         def checked_update(*args):
@@ -273,7 +275,8 @@ def test_greedy_with_mtp_drafts_equals_plain_decoding(noisy, num_draft, adaptive
 )
 def test_greedy_with_mtp_drafts_is_lossless_for_any_prompt(noisy, prompt, num_draft, max_tokens):
     path, target, _, _ = noisy
-    tap, source = MTPSource.create(target, path, num_draft=num_draft, adaptive=False)
+    tap, drafter = MTPDrafter.create(target, path, num_draft=num_draft, adaptive=False)
+    source = drafter.source()
     assert tokens_of(prompt, tap, [source], max_tokens=max_tokens) == tokens_of(
         prompt, target, max_tokens=max_tokens
     )
@@ -281,7 +284,8 @@ def test_greedy_with_mtp_drafts_is_lossless_for_any_prompt(noisy, prompt, num_dr
 
 def test_the_source_is_reusable_across_generations(noisy):
     path, target, _, _ = noisy
-    tap, source = MTPSource.create(target, path, num_draft=3, adaptive=False)
+    tap, drafter = MTPDrafter.create(target, path, num_draft=3, adaptive=False)
+    source = drafter.source()
     first = tokens_of([4, 5, 6], tap, [source])
     assert tokens_of([9, 8], tap, [source]) == tokens_of([9, 8], target)
     assert tokens_of([4, 5, 6], tap, [source]) == first
@@ -301,7 +305,8 @@ def test_greedy_with_mtp_drafts_under_a_regex_equals_constrained_plain(tmp_path,
         constraint = RegexConstraint.from_regex(pattern, tokenizer, vocab_size=vocab)
         return tokens_of([1, 2, 3], model, sources, constraint=constraint, max_tokens=12)
 
-    tap, source = MTPSource.create(target, tmp_path, num_draft=3, adaptive=False)
+    tap, drafter = MTPDrafter.create(target, tmp_path, num_draft=3, adaptive=False)
+    source = drafter.source()
     assert run([source], tap) == run([], target)
 
 
@@ -311,7 +316,8 @@ def test_greedy_with_mtp_drafts_under_a_regex_equals_constrained_plain(tmp_path,
 def test_sampling_with_mtp_drafts_keeps_the_target_distribution(tmp_path, model_type, temp, top_p):
     write_checkpoint(tmp_path, model_type, seed=4, vocab_size=8, tokenizer=tiny_byte_tokenizer())
     target, _, _ = load_mlx_lm(tmp_path)
-    tap, source = MTPSource.create(target, tmp_path, num_draft=2, adaptive=False)
+    tap, drafter = MTPDrafter.create(target, tmp_path, num_draft=2, adaptive=False)
+    source = drafter.source()
     assert_sampling_keeps_the_target_distribution(
         target, lambda: (tap, [source]), temp, top_p, runs=1500
     )
@@ -364,7 +370,8 @@ def test_conversion_keeps_the_mtp_weights_and_quantizes_them(tmp_path, model_typ
     name = projection(model_type)
     assert kept[f"{name}.weight"].dtype == mx.uint32 and f"{name}.scales" in kept
     target = load(tmp_path / "q4")
-    tap, source = MTPSource.create(target, tmp_path / "q4", num_draft=2, adaptive=False)
+    tap, drafter = MTPDrafter.create(target, tmp_path / "q4", num_draft=2, adaptive=False)
+    source = drafter.source()
     stats = DecodingStats()
     assert tokens_of([5, 7, 11], tap, [source], max_tokens=60, stats=stats) == tokens_of(
         [5, 7, 11], target, max_tokens=60

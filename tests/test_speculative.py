@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from decoder import DecodingStats, generate_step
 from decoder.cost import PassCost
-from speculative import DraftModelSource, VocabularyMismatch
+from speculative import DraftModel, VocabularyMismatch
 from t5 import T5Decoder, load_t5
 from tests.helpers import assert_sampling_keeps_the_target_distribution, tiny_llama
 from tests.t5_fixtures import make_tiny_t5_dir, train_tiny_spiece
@@ -42,21 +42,21 @@ def test_greedy_draft_model_output_equals_plain(
 ):
     reference = tokens_of(prompt, TARGET, max_tokens=max_tokens)
     for draft_model in (DRAFT, TARGET):  # a weak draft and a perfect one
-        source = DraftModelSource(
+        source = DraftModel(
             draft_model,
             VOCAB,
             num_draft=num_draft,
             adaptive=adaptive,
             min_confidence=min_confidence,
-        )
+        ).source()
         assert tokens_of(prompt, TARGET, [source], max_tokens=max_tokens) == reference
 
 
 def test_a_perfect_draft_is_always_accepted_and_grows():
     stats = DecodingStats()
-    source = DraftModelSource(
+    source = DraftModel(
         TARGET, VOCAB, num_draft=2, adaptive=True, max_draft=8, min_confidence=0.0
-    )
+    ).source()
     # A clock that stands still: the costs stay at their priors (a self-draft costs a whole step
     # here).
     tokens_of(
@@ -73,7 +73,7 @@ def test_a_perfect_draft_is_always_accepted_and_grows():
 
 
 def test_draft_cache_follows_the_accepted_tokens():
-    source = DraftModelSource(DRAFT, VOCAB, num_draft=4)
+    source = DraftModel(DRAFT, VOCAB, num_draft=4).source()
     out = tokens_of([4, 5, 6], TARGET, [source], max_tokens=25)
     # After the last update the draft cache holds a prefix of the accepted text, never rejected
     # tokens.
@@ -89,7 +89,7 @@ def test_sampling_with_a_draft_model_keeps_the_target_distribution(temp, top_p):
     draft = tiny_llama(vocab_size=8, num_layers=1, seed=9, sharp=2.0)
 
     def make_run():
-        return target, [DraftModelSource(draft, 8, num_draft=2, adaptive=False)]
+        return target, [DraftModel(draft, 8, num_draft=2, adaptive=False).source()]
 
     assert_sampling_keeps_the_target_distribution(target, make_run, temp, top_p)
 
@@ -118,14 +118,14 @@ def test_t5_speculative_greedy_equals_plain_greedy(t5_pair):
         for with_lookup in (False, True):
             # Sources follow one generation, so each run gets fresh ones.
             sources = [
-                DraftModelSource.create(
+                DraftModel.create(
                     draft_model,
                     draft_tokenizer,
                     target,
                     tokenizer,
                     encoder_input=encoder_input,
                     num_draft=3,
-                )
+                ).source()
             ]
             if with_lookup:
                 sources.insert(0, PromptLookupSource(extra_context=encoder_input))
@@ -168,7 +168,7 @@ def test_vocabulary_mismatch_is_refused(t5_pair, tmp_path):
     )
     (target, tokenizer), (draft, draft_tokenizer) = load_t5(t5_pair[0]), load_t5(other)
     with pytest.raises(VocabularyMismatch):
-        DraftModelSource.create(draft, draft_tokenizer, target, tokenizer, encoder_input=[1])
+        DraftModel.create(draft, draft_tokenizer, target, tokenizer, encoder_input=[1])
     result = cli("--model", str(t5_pair[0]), "--draft-model", str(other), "--prompt", "hi")
     assert_one_line_error(result, "vocabulary")
 
@@ -177,7 +177,7 @@ def test_a_draft_that_never_pays_is_paused_and_probed():
     """A draft whose tokens are never accepted stops costing steps: it is probed ever more
     rarely."""
     stats = DecodingStats()
-    source = DraftModelSource(DRAFT, VOCAB, num_draft=4, draft_cost_prior=0.3)
+    source = DraftModel(DRAFT, VOCAB, num_draft=4, draft_cost_prior=0.3).source()
     reference = tokens_of([1, 2, 3], TARGET, max_tokens=120)
     assert tokens_of([1, 2, 3], TARGET, [source], max_tokens=120, stats=stats) == reference
     drafts = stats.source("draft_model").drafts
@@ -226,7 +226,7 @@ def test_a_reused_source_with_a_sliding_draft_goes_back_or_starts_over_losslessl
     model, _ = build("gemma3_text")
     first = [(5 * i) % 60 + 3 for i in range(50)]
     second = first[:shared] + [7, 9, 11, 13]
-    source = DraftModelSource(model, ARCH_VOCAB, num_draft=3, adaptive=False)
+    source = DraftModel(model, ARCH_VOCAB, num_draft=3, adaptive=False).source()
     tokens_of(first, model, [source], max_tokens=20)
     got = tokens_of(second, model, [source], max_tokens=20)
     assert got == tokens_of(second, model, max_tokens=20)
