@@ -64,4 +64,3 @@ class AdaptiveLength:
         draft)."""
         recent = self.estimate
         return (recent.drafts + recent.accepted) / (recent.drafts + token_cost * recent.proposed)
-
