@@ -9,7 +9,7 @@ draft and constraint protocols and the acceptance math, ``step.py`` one row's st
 and ``kinds.py`` a cache whose rows roll back alone, ``cost.py`` the measured cost of a pass.
 """
 
-from .cache import Cache, CacheKindError, adopt, make_cache
+from .cache import Cache, CacheKindError, adopt, load_cache, make_cache
 from .cost import PassCost
 from .draft import (
     Constraint,
