@@ -71,7 +71,6 @@ def generate_step(
     prefill_step_size: int = 512,
     prompt_cache: Optional[list] = None,
     pass_cost: Optional[PassCost] = None,
-    kv_cache: Optional[list] = None,
 ) -> Iterator[tuple]:
     """Generate tokens with draft-and-verify steps.
 
@@ -91,7 +90,7 @@ def generate_step(
         prompt_cache: a ``cache.make_cache(model)`` (or mlx-lm's ``make_prompt_cache`` list, whose
             layers are replaced in place by ``cache.adopt``) that already holds the first tokens of
             ``prompt`` (kept by the caller across turns); only the rest is prefilled. Without it
-            every call starts empty. (``kv_cache`` is the same argument under its old name.)
+            every call starts empty.
         pass_cost: the verification-cost model the loop times its passes into and the sources
             read (``cost.PassCost``); pass one to keep its measurements across generations.
 
@@ -111,9 +110,7 @@ def generate_step(
         stats=stats,
     )
     cost = pass_cost if pass_cost is not None else PassCost()
-    cache, cached = _open_cache(
-        model, prompt, prompt_cache if prompt_cache is not None else kv_cache
-    )
+    cache, cached = _open_cache(model, prompt, prompt_cache)
     row.reset(cost)
     row.locate(cache, 0)
 
