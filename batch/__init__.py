@@ -12,17 +12,15 @@ constraint and sampling, verified together in one ``[B, W]`` pass per step.
   costs, and which waiting prompts prefill together (``prefill_group``).
 
 A draft model drafts for all its rows in one call: ``speculative.DraftModel`` (one class for one row
-and many; ``BatchDraftModel`` is its name here, kept for callers that import it from batch).
+and many).
 """
 
 from batch.generate import BatchResult, batch_generate
 from batch.generator import BatchGenerator, BatchStats
 from batch.logprobs import TokenLogprobs
 from batch.row import RowResponse
-from speculative.draft_model import DraftModel as BatchDraftModel
 
 __all__ = [
-    "BatchDraftModel",
     "BatchGenerator",
     "BatchResult",
     "BatchStats",
