@@ -17,6 +17,7 @@ from server.harmony import chat_tool_syntax
 from server.protocol import parse_chat
 from server.responses import ResponsesFormat, ResponseStore, parse_responses
 from server.tools import Call, Function, ToolUse, split
+from tests.helpers import stop
 from tests.test_server_tiny import start
 from tests.tiny_server import harmony_tokenizer
 
@@ -225,5 +226,4 @@ def test_a_harmony_model_through_the_client(tmp_path):
         # each opens a header, never text
         assert "<|channel|>" not in content and "<|start|>" not in content
     finally:
-        process.terminate()
-        process.wait(timeout=30)
+        stop(process)

@@ -20,6 +20,7 @@ import pytest
 from constrained import schema_to_regex
 from server.engine import StopText
 from server.protocol import ApiError, parse_body, parse_chat, parse_completion
+from tests.helpers import start_process, stop
 
 ROOT = Path(__file__).resolve().parent.parent
 API_KEY = "test-key"
@@ -434,7 +435,7 @@ def test_a_request_is_refused_only_when_every_row_and_queue_place_is_taken():
 
 @pytest.fixture(scope="module")
 def server():
-    process = subprocess.Popen(
+    process = start_process(
         [
             sys.executable,
             "-m",
@@ -456,12 +457,11 @@ def server():
     # "serving MODEL on http://127.0.0.1:PORT/v1", or EOF on failure
     line = process.stdout.readline()
     if not line.startswith("serving"):
-        process.kill()
+        stop(process)
         pytest.fail(f"the server did not start: {line}{process.stderr.read()[-2000:]}")
     url = line.split()[-1]
     yield process, url
-    process.terminate()
-    process.wait(timeout=30)
+    stop(process)
 
 
 @pytest.fixture(scope="module")
@@ -877,7 +877,7 @@ def test_draft_sources_keep_the_greedy_output(client):
     target passes."""
     from openai import OpenAI
 
-    process = subprocess.Popen(
+    process = start_process(
         [sys.executable, "-m", "server", "--port", "0", "--prompt-lookup", "--draft-head"],
         cwd=ROOT,
         stdout=subprocess.PIPE,
@@ -908,8 +908,7 @@ def test_draft_sources_keep_the_greedy_output(client):
             for c in (client, drafted)
         ]
     finally:
-        process.terminate()
-        process.wait(timeout=30)
+        stop(process)
     assert answers[1].choices[0].message.content == answers[0].choices[0].message.content
     assert logprobs[1].tokens == logprobs[0].tokens
     assert logprobs[1].token_logprobs == pytest.approx(logprobs[0].token_logprobs, abs=1e-3)

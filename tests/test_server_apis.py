@@ -18,6 +18,7 @@ import pytest
 
 from server.protocol import ApiError
 from tests import tiny_server
+from tests.helpers import stop
 from tests.test_server_tiny import start
 
 WEATHER_SCHEMA = {
@@ -282,8 +283,7 @@ def post(base_url: str, path: str, body):
 def hermes(tmp_path_factory):
     process, url, log = start(tmp_path_factory.mktemp("hermes"), "--hermes", "--max-queue", "16")
     yield process, url, log
-    process.terminate()
-    process.wait(timeout=30)
+    stop(process)
 
 
 def clients(server) -> tuple:
@@ -628,6 +628,5 @@ def test_a_client_that_hangs_up_mid_stream_frees_its_row(tmp_path):
                 )
             assert [a.usage.output_tokens for a in answers] == [2, 2]
     finally:
-        process.terminate()
-        process.wait(timeout=30)
+        stop(process)
     assert "Traceback" not in log.read_text()
