@@ -45,7 +45,7 @@ from decoder.draft import ConstraintError
 from decoder.step import DecodingStats
 from decoder.text import TextStream, eos_ids_of
 from server.constraints import RequestConstraints
-from server.protocol import ApiError, GenerationRequest
+from server.request import ApiError, GenerationRequest
 
 
 @dataclass

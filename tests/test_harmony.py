@@ -15,7 +15,8 @@ from server.engine import Outcome
 from server.formats import ChatFormat, Reasoning
 from server.harmony import chat_tool_syntax
 from server.protocol import parse_chat
-from server.responses import ResponsesFormat, ResponseStore, parse_responses
+from server.responses import ResponsesFormat
+from server.responses_input import ResponseStore, parse_responses
 from server.tools import Call, Function, ToolUse, split
 from tests.helpers import stop
 from tests.test_server_tiny import start
@@ -30,7 +31,10 @@ WEATHER = {
 }
 PARIS = Call("get_weather", '{"city": "Paris"}')
 ANALYSIS = "<|channel|>analysis<|message|>The user wants the weather.<|end|>"
-CALL = '<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}'
+CALL = (
+    "<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json"
+    '<|message|>{"city": "Paris"}'
+)
 PREAMBLE = "<|start|>assistant<|channel|>commentary<|message|>Let me check.<|end|>"
 
 
@@ -186,8 +190,8 @@ def test_a_forced_call_is_bare_json_in_the_final_channel():
         32,
     )
     text = (
-        ANALYSIS
-        + '<|start|>assistant<|channel|>final<|message|>{"name": "get_weather", "arguments": {"city": "Paris"}}'
+        ANALYSIS + "<|start|>assistant<|channel|>final"
+        '<|message|>{"name": "get_weather", "arguments": {"city": "Paris"}}'
     )
     message = ChatFormat("m", request).full(outcome(text))["choices"][0]["message"]
     assert message["tool_calls"][0]["function"]["name"] == "get_weather" and message["reasoning"]

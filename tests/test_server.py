@@ -19,7 +19,8 @@ import pytest
 
 from constrained import schema_to_regex
 from server.engine import StopText
-from server.protocol import ApiError, parse_body, parse_chat, parse_completion
+from server.protocol import parse_chat, parse_completion
+from server.request import ApiError, parse_body
 from tests.helpers import start_process, stop
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -239,7 +240,10 @@ def test_stop_text_holds_back_possible_stop_prefixes(pieces, stop, expected_sent
 ONLY_LLGUIDANCE = {"type": "integer", "multipleOf": 7, "minimum": 0, "maximum": 99}
 # llguidance: "Unimplemented keys"; regex: "not"
 NEITHER = {"type": "string", "not": {"const": "a"}}
-FALLBACK_NOTE = "note: llguidance refused the schema (Expecting object schema to apply options); using the built-in compiler\n"
+FALLBACK_NOTE = (
+    "note: llguidance refused the schema (Expecting object schema to apply options); "
+    "using the built-in compiler\n"
+)
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import jsonschema
 import pytest
 
-from server.protocol import ApiError
+from server.request import ApiError
 from tests import tiny_server
 from tests.helpers import stop
 from tests.test_server_tiny import start
@@ -117,8 +117,9 @@ def test_a_messages_body_becomes_the_chat_a_template_renders():
     ]
     rendered = HERMES.decode(request.prompt)
     assert (
-        'Let me look.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
-        in rendered
+        "Let me "
+        'look.<tool_call>\n{"name": "get_weather", "arguments": {"city": '
+        '"Oslo"}}\n</tool_call>' in rendered
     )
     assert rendered.startswith("tools: get_weather\n") and request.tools.choice == "auto"
     # Anthropic's default temperature
@@ -168,7 +169,7 @@ def test_bad_messages_bodies_are_400_in_one_line(change, fragment):
 
 
 def test_responses_input_items_become_chat_messages():
-    from server.responses import ResponseStore, parse_responses
+    from server.responses_input import ResponseStore, parse_responses
 
     body = {
         "model": "tiny",
@@ -236,7 +237,7 @@ def test_a_quiet_stream_pings_and_then_goes_on():
     from server.anthropic import MessagesFormat
     from server.app import events
     from server.engine import Outcome
-    from server.protocol import GenerationRequest
+    from server.request import GenerationRequest
 
     async def run():
         job = SimpleNamespace(events=asyncio.Queue())

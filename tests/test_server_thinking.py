@@ -15,9 +15,10 @@ from hypothesis import strategies as st
 
 from constrained.thinking import ANSWER, START, THINKING
 from server.anthropic import parse_messages
-from server.protocol import ApiError, parse_chat
+from server.protocol import parse_chat
 from server.reasoning import EFFORT_BUDGETS, Thinking, parse_effort_budgets
-from server.responses import ResponseStore, parse_responses
+from server.request import ApiError
+from server.responses_input import ResponseStore, parse_responses
 from tests import tiny_server
 from tests.helpers import stop
 from tests.test_server_tiny import start

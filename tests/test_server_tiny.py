@@ -203,7 +203,8 @@ def test_constrained_logprobs_name_only_allowed_tokens(plain):
     ],
 )
 def test_bad_logprobs_are_400_in_one_line(body, fragment):
-    from server.protocol import ApiError, parse_chat, parse_completion
+    from server.protocol import parse_chat, parse_completion
+    from server.request import ApiError
 
     with pytest.raises(ApiError) as caught:
         parse_chat({"messages": [{"role": "user", "content": "hi"}], **body}, TOKENIZER, "tiny", 8)
