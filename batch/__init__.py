@@ -12,18 +12,15 @@ constraint and sampling, verified together in one ``[B, W]`` pass per step.
   costs, and which waiting prompts prefill together (``prefill_group``).
 
 A model that drafts (``speculative.SharedDrafter``: a draft model, a head, MTP layers) drafts for
-all its rows in one call when the generator is handed it (``BatchGenerator(drafters=[...])``);
-``BatchDraftModel`` is ``speculative.DraftModel``'s name here, kept for callers that import it.
+all its rows in one call when the generator is handed it (``BatchGenerator(drafters=[...])``).
 """
 
 from batch.generate import BatchResult, batch_generate
 from batch.generator import BatchGenerator, BatchStats
 from batch.logprobs import TokenLogprobs
 from batch.row import RowResponse
-from speculative.draft_model import DraftModel as BatchDraftModel
 
 __all__ = [
-    "BatchDraftModel",
     "BatchGenerator",
     "BatchResult",
     "BatchStats",

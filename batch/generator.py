@@ -73,7 +73,8 @@ def _per_row(name: str, value, count: int) -> list:
     if isinstance(value, (list, tuple)):
         if len(value) != count:
             raise ValueError(
-                f"{name} has {len(value)} entries for {count} prompts: give one value or one per prompt"
+                f"{name} has {len(value)} entries for {count} prompts: "
+                "give one value or one per prompt"
             )
         return list(value)
     return [value] * count

@@ -28,6 +28,7 @@ The main rate counts the steps with every row in flight: a fixed batch ends with
 rows (speculation spreads the rows' finishing times), which a server refills with new requests.
 "insert to end" is every token over the whole run, prefill and tail included; ms/token is per
 request, from its first token to its last. Each workload writes its section of the results file.
+The workloads and the methods each runs are in batch_workloads.py.
 """
 
 import argparse
@@ -39,16 +40,11 @@ from pathlib import Path
 import mlx.core as mx
 
 from batch import BatchGenerator
-from benchmarks.harness import PROMPTS, chat_tokens
-from benchmarks.json_schema import schema_requests
-from constrained import ForcedTextSource, RegexConstraint, TokenSplits, schema_to_regex
-from constrained.token_index import load_or_build_index, token_byte_strings
+from benchmarks.batch_workloads import load_workloads, methods_for
+from constrained.token_index import token_byte_strings
 from decoder.cost import PassCost
-from decoder.draft import Draft, DraftSource
 from decoder.text import eos_ids_of
 from loading.load import describe_backend, load_model
-from loading.store import cache_dir
-from prompt_lookup.ngram import PromptLookupSource
 
 ROOT = Path(__file__).parent
 RESULTS = ROOT / "results" / "batch.md"
@@ -194,157 +190,6 @@ def simulated(model, eos, prompts, max_tokens, options):
     return full_rate, stats.row_passes / stats.generation_tokens, dict(sorted(stats.widths.items()))
 
 
-def schema_tasks(tokenizer, vocab_size, folder: str) -> tuple:
-    """(prompts, token indexes) of the schemas in benchmarks/json_schemas/``folder``."""
-    requests = schema_requests(folder)
-    indexes = [
-        load_or_build_index(
-            schema_to_regex(schema),
-            tokenizer,
-            vocab_size,
-            eos_ids_of(tokenizer),
-            cache_dir=cache_dir() / "regex-index",
-        )
-        for _, schema in requests
-    ]
-    return [chat_tokens(tokenizer, text) for text, _ in requests], indexes
-
-
-def load_workloads(tokenizer, vocab_size, names):
-    grounded = [
-        (f"{folder}/{file.stem}", file.read_text())
-        for folder in ("extractive_qa", "code_edit", "summarize_quotes")
-        for file in sorted((PROMPTS / folder).glob("*.txt"))
-    ]
-    chat = [
-        line for line in (ROOT / "heldout" / "chat.txt").read_text().splitlines() if line.strip()
-    ]
-    work = {}
-    if "chat" in names:
-        work["chat"] = ([chat_tokens(tokenizer, text) for text in chat], None)
-    if "grounded" in names:
-        work["grounded"] = ([chat_tokens(tokenizer, text) for _, text in grounded], None)
-    for name, folder in (("json", "suite"), ("extract", "extraction")):
-        if name in names or (name == "extract" and "mix" in names):
-            work[name] = schema_tasks(tokenizer, vocab_size, folder)
-    # chat, grounded, extract in turn, so row i's kind is i % 3 (see methods_for)
-    if "mix" in names:
-        count = min(len(chat), len(grounded), len(work["extract"][0]))
-        mixed = [
-            chat_tokens(tokenizer, chat[i])
-            if kind == 0
-            else chat_tokens(tokenizer, grounded[i][1])
-            if kind == 1
-            else work["extract"][0][i]
-            for i in range(count)
-            for kind in range(3)
-        ]
-        work["mix"] = (mixed, work["extract"][1][:count])
-    return {name: work[name] for name in names}
-
-
-class ForcedTextOracle(DraftSource):
-    """Drafts the text the regex forces in the very tokens the target will write (``truth``, the
-    row's output from a run without drafts): every draft is accepted. A bound for the benchmark."""
-
-    name = "regex"
-    free = True
-
-    def __init__(self, constraint, token_bytes, prompt_length: int, truth: list):
-        self.constraint, self.token_bytes = constraint, token_bytes
-        self.prompt_length, self.truth = prompt_length, truth
-
-    def propose(self, tokens: list, max_draft: int):
-        forced = self.constraint.index.dfa.forced_bytes(self.constraint.state)
-        draft, written = [], b""
-        for token in self.truth[len(tokens) - self.prompt_length :][:max_draft]:
-            spelled = self.token_bytes[token]
-            if not spelled or not forced.startswith(written + spelled):
-                break
-            draft.append(token)
-            written += spelled
-        return Draft(draft) if draft else None
-
-
-def methods_for(workload, indexes, tokenizer, oracle=None):
-    """(name, options factory or None for mlx-lm) per method; factories build fresh per-row objects.
-    ``oracle``: (token byte strings, {rows: (prompts, the first method's output)}) adds the schema
-    workloads' bound."""
-
-    def lookup(rows):
-        return lambda: {"draft_sources": [[PromptLookupSource()] for _ in range(rows)]}
-
-    # the model's way with forced text, learned across batches as a server would
-    splits = TokenSplits(tokenizer)
-
-    def constrained(rows, drafts):
-        def make():
-            constraints = [RegexConstraint(indexes[i % len(indexes)]) for i in range(rows)]
-            sources = [
-                [ForcedTextSource(c, tokenizer, splits), PromptLookupSource()] if drafts else []
-                for c in constraints
-            ]
-            return {"constraint": constraints, "draft_sources": sources}
-
-        return make
-
-    if workload == "mix":
-
-        def mixed(rows, drafts):
-            def make():
-                constraints = [
-                    RegexConstraint(indexes[(i % (3 * len(indexes))) // 3]) if i % 3 == 2 else None
-                    for i in range(rows)
-                ]
-                sources = [
-                    ([ForcedTextSource(c, tokenizer, splits)] if c is not None else [])
-                    + [PromptLookupSource()]
-                    if drafts
-                    else []
-                    for c in constraints
-                ]
-                return {"constraint": constraints, "draft_sources": sources}
-
-            return make
-
-        return [
-            ("ours, no drafts", lambda rows: mixed(rows, False)),
-            ("ours + forced + lookup", lambda rows: mixed(rows, True)),
-        ]
-    if workload in ("json", "extract"):
-        methods = [
-            ("ours constrained", lambda rows: constrained(rows, False)),
-            ("ours constrained + forced + lookup", lambda rows: constrained(rows, True)),
-        ]
-        if oracle is not None:
-            token_bytes, truths = oracle
-
-            def bound(rows):
-                def make():
-                    prompts, truth = truths[rows]
-                    constraints = [RegexConstraint(indexes[i % len(indexes)]) for i in range(rows)]
-                    return {
-                        "constraint": constraints,
-                        "draft_sources": [
-                            [
-                                ForcedTextOracle(c, token_bytes, len(prompts[i]), truth[i]),
-                                PromptLookupSource(),
-                            ]
-                            for i, c in enumerate(constraints)
-                        ],
-                    }
-
-                return make
-
-            methods.append(("bound: oracle forced text + lookup", bound))
-        return methods
-    return [
-        ("mlx-lm BatchGenerator", None),
-        ("ours plain", lambda rows: lambda: {}),
-        ("ours + prompt lookup", lookup),
-    ]
-
-
 def pick(prompts, rows):
     """``rows`` prompts, cycling through the set when it has fewer."""
     return [prompts[i % len(prompts)] for i in range(rows)]
@@ -382,7 +227,8 @@ def parse_args():
     parser.add_argument(
         "--oracle",
         action="store_true",
-        help="Add to json and extract a bound: forced text drafted in the very tokens the target writes",
+        help="Add to json and extract a bound: forced text drafted in the very tokens the target "
+        "writes",
     )
     parser.add_argument(
         "--out", default=str(RESULTS), help="Markdown file for the table ('' to skip)"
@@ -407,7 +253,8 @@ def main():
             f"## {workload}",
             "",
             "| rows | method | tok/s, all rows in flight | vs first | vs ours without drafts "
-            "| tok/s, insert to end | passes/token | p50 ms/token | p95 ms/token | peak GB | widths (passes) |",
+            "| tok/s, insert to end | passes/token | p50 ms/token | p95 "
+            "ms/token | peak GB | widths (passes) |",
             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
         ]
         mismatches = []
@@ -435,8 +282,9 @@ def main():
                 total = sum(len(t) for t in run.tokens)
                 lines.append(
                     f"| {rows} | {name} | {run.full_tps:.1f} | {run.full_tps / first:.2f}x | "
-                    f"{run.full_tps / plain:.2f}x | {total / run.seconds:.1f} | {run.passes_per_token:.3f} | "
-                    f"{1e3 * percentile(run.latencies, 0.5):.0f} | {1e3 * percentile(run.latencies, 0.95):.0f} "
+                    f"{run.full_tps / plain:.2f}x | {total / run.seconds:.1f} "
+                    f"| {run.passes_per_token:.3f} | {1e3 * percentile(run.latencies, 0.5):.0f} | "
+                    f"{1e3 * percentile(run.latencies, 0.95):.0f} "
                     f"| {run.peak_gb:.3f} | {run.widths} |"
                 )
                 print(workload, lines[-1], flush=True)
@@ -447,8 +295,9 @@ def main():
         if args.simulate_rows and workload != "chat":
             lines += simulated_section(model, eos, prompts, methods, args, workload)
         command = (
-            f"python -m benchmarks.batch --workloads {workload} --sizes {' '.join(map(str, args.sizes))} "
-            f"--max-tokens {args.max_tokens} --repeat {args.repeat} --simulate-rows {args.simulate_rows}"
+            f"python -m benchmarks.batch --workloads {workload} --sizes "
+            f"{' '.join(map(str, args.sizes))} --max-tokens {args.max_tokens} --repeat "
+            f"{args.repeat} --simulate-rows {args.simulate_rows}"
             + (" --oracle" if args.oracle and workload in ("json", "extract") else "")
         )
         lines[1:1] = ["", f"    {command}"]
@@ -481,7 +330,8 @@ def simulated_section(model, eos, prompts, methods, args, workload) -> list:
         f"The same policy on a simulated GPU-like cost curve, {args.simulate_rows} rows: a [B, W] "
         "pass takes 1 + 0.005 (W - 1) time units at any B.",
         "",
-        "| method | tokens per time unit, all rows in flight | vs first | passes/token | widths (passes) |",
+        "| method | tokens per time unit, all rows in flight | vs first | passes/token | widths "
+        "(passes) |",
         "|---|---:|---:|---:|---|",
     ]
     first = None
@@ -510,9 +360,10 @@ def write_sections(out: Path, sections: dict, max_tokens: int):
             kept["## " + part.split("\n", 1)[0]] = ("## " + part).rstrip()
     kept.update(sections)
     header = (
-        f"# Batched decoding\n\n{platform.machine()}, {describe_backend()}; SmolLM2-135M float32 (the "
-        f"embedded model), greedy, {max_tokens} tokens per request at most. At each batch size the methods "
-        "run one after another on the same prompts; each engine keeps one cost model across sizes.\n"
+        f"# Batched decoding\n\n{platform.machine()}, {describe_backend()}; SmolLM2-135M float32 "
+        f"(the embedded model), greedy, {max_tokens} tokens per request at most. At each batch "
+        "size the methods run one after another on the same prompts; each engine keeps one cost "
+        "model across sizes.\n"
     )
     order = [f"## {w}" for w in ("chat", "grounded", "json", "extract")]
     body = [kept[k] for k in order if k in kept] + [v for k, v in kept.items() if k not in order]

@@ -130,7 +130,8 @@ def main():
             rng,
         )
         print(
-            f"| {context} | {plain * 1e3:.1f} | {shared * 1e3:.1f} | {roll * 1e3:.1f} | {ragged * 1e3:.1f} |",
+            f"| {context} | {plain * 1e3:.1f} | {shared * 1e3:.1f} | {roll * 1e3:.1f} | "
+            f"{ragged * 1e3:.1f} |",
             flush=True,
         )
 

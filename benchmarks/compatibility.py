@@ -153,25 +153,27 @@ def write_table(rows: dict, command: str) -> str:
     lines = [
         "# Compatibility: mlx-lm architectures x features",
         "",
-        f"Written by `{command}` (do not edit by hand): mlx-lm {mlx_lm.__version__}, mlx {mx.__version__}, "
-        f"{'Metal GPU' if mx.metal.is_available() else 'CPU'}.",
+        f"Written by `{command}` (do not edit by hand): mlx-lm {mlx_lm.__version__}, mlx "
+        f"{mx.__version__}, {'Metal GPU' if mx.metal.is_available() else 'CPU'}.",
         "",
-        "Each architecture is a tiny random model (tests/architectures.py: its mlx-lm `ModelArgs` at toy sizes, "
-        "SmolLM2's tokenizer, sliding windows and attention chunks of 8 tokens, hybrid stacks with both "
-        "attention and recurrent layers). Each check (tests/architecture_checks.py) decodes past the windows "
-        "and compares with mlx-lm's own greedy tokens: plain decoding; prompt lookup copying from a near-copy "
-        "of the output (drafts accepted and rejected); a regex with forced text and lookup against the "
-        "constraint alone; a batch of four rows of different lengths, each against its prompt alone, without "
-        "and with lookup; 4- and 8-bit (mlx-lm's quantization, group 64), plain and lookup; "
-        "`main.py --model DIR --json --prompt-lookup` on the saved model.",
+        "Each architecture is a tiny random model (tests/architectures.py: its mlx-lm `ModelArgs` "
+        "at toy sizes, SmolLM2's tokenizer, sliding windows and attention chunks of 8 tokens, "
+        "hybrid stacks with both attention and recurrent layers). Each check "
+        "(tests/architecture_checks.py) decodes past the windows and compares with mlx-lm's own "
+        "greedy tokens: plain decoding; prompt lookup copying from a near-copy of the output "
+        "(drafts accepted and rejected); a regex with forced text and lookup against the "
+        "constraint alone; a batch of four rows of different lengths, each against its prompt "
+        "alone, without and with lookup; 4- and 8-bit (mlx-lm's quantization, group 64), plain and "
+        "lookup; `main.py --model DIR --json --prompt-lookup` on the saved model.",
         "",
-        f"**MTP**: for the architectures whose MTP layers we read ({', '.join(MTP_ARCHITECTURES)}), "
-        "greedy decoding with `MTPSource` drafts gives mlx-lm's greedy tokens, with drafts accepted and rejected, "
-        "on a tiny checkpoint with MTP weights in the Hugging Face layout (tests/mtp_fixtures.py, whose MTP "
-        f"layer is right often, not always); **{NO_MTP}**: the architecture ships no MTP layers that we read.",
+        "**MTP**: for the architectures whose MTP layers we read "
+        f"({', '.join(MTP_ARCHITECTURES)}), greedy decoding with `MTPSource` drafts gives mlx-lm's "
+        "greedy tokens, with drafts accepted and rejected, on a tiny checkpoint with MTP weights "
+        "in the Hugging Face layout (tests/mtp_fixtures.py, whose MTP layer is right often, not "
+        f"always); **{NO_MTP}**: the architecture ships no MTP layers that we read.",
         "",
-        "**pass**: mlx-lm's tokens. **FAIL**: other tokens (the first difference) or a crash (where it "
-        "came from). **refused**: the engine declined, in its own words.",
+        "**pass**: mlx-lm's tokens. **FAIL**: other tokens (the first difference) or a crash "
+        "(where it came from). **refused**: the engine declined, in its own words.",
         "",
         f"{passed} of {len(rows)} architectures pass everything.",
         "",
@@ -196,10 +198,10 @@ def write_table(rows: dict, command: str) -> str:
     lines += [
         "## Caches",
         "",
-        "What each model's `make_cache()` gives, in layer order (fewer caches than layers: some layers share "
-        "another's cache or keep none), and which of them its forward pass asks for a mask (`make_mask`; "
-        "#index in that list), with the window it passes. No model keeps tokens at the front of a window "
-        "(`keep`): that would show as `RotatingKVCache(size, keep=n)`.",
+        "What each model's `make_cache()` gives, in layer order (fewer caches than layers: some "
+        "layers share another's cache or keep none), and which of them its forward pass asks for a "
+        "mask (`make_mask`; #index in that list), with the window it passes. No model keeps tokens "
+        "at the front of a window (`keep`): that would show as `RotatingKVCache(size, keep=n)`.",
         "",
         "| architecture | caches | masks asked of |",
         "| --- | --- | --- |",
@@ -210,7 +212,8 @@ def write_table(rows: dict, command: str) -> str:
                 "" if len(caches["caches"]) == caches["layers"] else f" ({caches['layers']} layers)"
             )
             lines.append(
-                f"| {name} | {caches_text(caches['caches'])}{layers} | {masks_text(caches['masks'])} |"
+                f"| {name} | {caches_text(caches['caches'])}{layers} | "
+                f"{masks_text(caches['masks'])} |"
             )
     return "\n".join(lines) + "\n"
 

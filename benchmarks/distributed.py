@@ -279,16 +279,17 @@ def tables(records: list) -> str:
         "",
         "Collectives, each timed alone (median of 20, ms), for a verify pass of 1 and 5 positions:",
         "",
-        "| ranks | sharding | positions | all-reduce of the hidden states | pipeline hops + broadcast | "
-        "broadcast hidden, head on every rank | head on one rank, broadcast hidden + logits |",
+        "| ranks | sharding | positions | all-reduce of the hidden states | pipeline hops + "
+        "broadcast | broadcast hidden, head on every rank | head on one rank, broadcast hidden + "
+        "logits |",
         "|---:|---|---:|---:|---:|---:|---:|",
     ]
     for record in records[1:]:
         for positions, cost in record["collectives"].items():
             lines.append(
-                f"| {record['ranks']} | {record['mode']} | {positions} | {cost['all_reduce_hidden_ms']:.3f} | "
-                f"{cost['pipeline_messages_ms']:.3f} | {cost['head_on_every_rank_ms']:.3f} | "
-                f"{cost['head_on_one_rank_ms']:.3f} |"
+                f"| {record['ranks']} | {record['mode']} | {positions} | "
+                f"{cost['all_reduce_hidden_ms']:.3f} | {cost['pipeline_messages_ms']:.3f} | "
+                f"{cost['head_on_every_rank_ms']:.3f} | {cost['head_on_one_rank_ms']:.3f} |"
             )
     return "\n".join(lines)
 
@@ -326,10 +327,11 @@ def latency_model(records: list, num_layers: int) -> str:
 def report(records: list) -> str:
     num_layers = next(r["num_layers"] for r in records if r["mode"] == "tensor")
     return (
-        f"{tables(records)}\n\n**Model, not a measurement**: two machines, tokens/s = 1 / (passes/token x "
-        f"(compute/pass + rounds/pass x latency)), with this machine's one-process compute per pass "
-        f"(each method's own; halved for tensor), measured passes/token, 2 rounds per pass for pipeline "
-        f"and {2 * num_layers + 1} for tensor:\n\n{latency_model(records, num_layers)}\n"
+        f"{tables(records)}\n\n**Model, not a measurement**: two machines, tokens/s = 1 / "
+        "(passes/token x (compute/pass + rounds/pass x latency)), with this machine's one-process "
+        "compute per pass (each method's own; halved for tensor), measured passes/token, 2 rounds "
+        f"per pass for pipeline and {2 * num_layers + 1} for "
+        f"tensor:\n\n{latency_model(records, num_layers)}\n"
     )
 
 

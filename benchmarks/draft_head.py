@@ -49,10 +49,7 @@ class Recorded:
 def draft_head_suite(model, tokenizer, args):
     from mlx_lm import load
 
-    from benchmarks.harness import first_prompts, mlx_lm_speculative_runner, self_draft_path
-    from prompt_lookup import PromptLookupSource
-    from speculative import DraftModel
-    from speculative.head_source import HeadDrafter
+    from benchmarks.harness import first_prompts, self_draft_path
 
     prompts = {
         "heldout_chat": heldout_prompts(tokenizer),
@@ -61,60 +58,74 @@ def draft_head_suite(model, tokenizer, args):
     if args.classes:
         prompts = {task: items for task, items in prompts.items() if task in args.classes}
     prompts = first_prompts(prompts, args.prompts_per_class)
-    eos = eos_ids_of(tokenizer)
-    num_layers = args.draft_layers[0]
-    self_draft, _ = load(self_draft_path(num_layers))
+    self_draft, _ = load(self_draft_path(args.draft_layers[0]))
     results, by_position = {}, {}
     for temp in args.temps:
-        greedy = temp == 0
-
-        def head_method(name, lookup=False, **options):
-            stats = by_position.setdefault(f"{name}, temp {temp}", SourceStats())
-
-            def run(prompt, max_tokens):
-                # The loop runs on the tap, so this method times the loop itself.
-                tap, drafter = HeadDrafter.create(model, args.head, **options)
-                source = drafter.source()
-                sources = (
-                    [PromptLookupSource(), Recorded(source, stats)]
-                    if lookup
-                    else [Recorded(source, stats)]
-                )
-                return time_loop(tap, prompt, max_tokens, eos, temp=temp, draft_sources=sources)
-
-            return Method(name, run=run, greedy=greedy)
-
-        methods = [
-            Method("plain", lambda prompt: {"temp": temp}, greedy=greedy),
-            Method(
-                f"mlx-lm speculative, self-draft {num_layers} layers, k=4",
-                run=mlx_lm_speculative_runner(model, tokenizer, self_draft, 4, temp),
-                greedy=greedy,
-            ),
-            Method(
-                f"draft model ({num_layers} layers), adaptive",
-                lambda prompt: {
-                    "temp": temp,
-                    "draft_sources": [
-                        DraftModel.create(self_draft, tokenizer, model, tokenizer).source()
-                    ],
-                },
-                greedy=greedy,
-            ),
-            head_method("head, k=4 fixed", num_draft=4, adaptive=False),
-            head_method("head, k=2 fixed", num_draft=2, adaptive=False),
-            head_method("head, adaptive"),
-            Method(
-                "prompt lookup",
-                lambda prompt: {"temp": temp, "draft_sources": [PromptLookupSource()]},
-                greedy=greedy,
-            ),
-            head_method("prompt lookup + head", lookup=True),
-        ]
+        methods = suite_methods(model, tokenizer, args, self_draft, temp, by_position)
         for task, by_method in side_by_side(
             model, tokenizer, prompts, methods, args.max_tokens
         ).items():
             results[f"{task}, temp {temp}"] = by_method
+    return markdown_table(results, "plain") + "\n" + acceptance_by_position(by_position), None
+
+
+def suite_methods(model, tokenizer, args, self_draft, temp: float, by_position: dict) -> list:
+    """The methods compared at ``temp``: plain, mlx-lm's and our draft model, the head three ways,
+    prompt lookup alone and with the head; the head's methods record into ``by_position``."""
+    from benchmarks.harness import mlx_lm_speculative_runner
+    from prompt_lookup import PromptLookupSource
+    from speculative import DraftModel
+    from speculative.head_source import HeadDrafter
+
+    greedy, eos, num_layers = temp == 0, eos_ids_of(tokenizer), args.draft_layers[0]
+
+    def head_method(name, lookup=False, **options):
+        stats = by_position.setdefault(f"{name}, temp {temp}", SourceStats())
+
+        def run(prompt, max_tokens):
+            # The loop runs on the tap, so this method times the loop itself.
+            tap, drafter = HeadDrafter.create(model, args.head, **options)
+            source = drafter.source()
+            sources = (
+                [PromptLookupSource(), Recorded(source, stats)]
+                if lookup
+                else [Recorded(source, stats)]
+            )
+            return time_loop(tap, prompt, max_tokens, eos, temp=temp, draft_sources=sources)
+
+        return Method(name, run=run, greedy=greedy)
+
+    return [
+        Method("plain", lambda prompt: {"temp": temp}, greedy=greedy),
+        Method(
+            f"mlx-lm speculative, self-draft {num_layers} layers, k=4",
+            run=mlx_lm_speculative_runner(model, tokenizer, self_draft, 4, temp),
+            greedy=greedy,
+        ),
+        Method(
+            f"draft model ({num_layers} layers), adaptive",
+            lambda prompt: {
+                "temp": temp,
+                "draft_sources": [
+                    DraftModel.create(self_draft, tokenizer, model, tokenizer).source()
+                ],
+            },
+            greedy=greedy,
+        ),
+        head_method("head, k=4 fixed", num_draft=4, adaptive=False),
+        head_method("head, k=2 fixed", num_draft=2, adaptive=False),
+        head_method("head, adaptive"),
+        Method(
+            "prompt lookup",
+            lambda prompt: {"temp": temp, "draft_sources": [PromptLookupSource()]},
+            greedy=greedy,
+        ),
+        head_method("prompt lookup + head", lookup=True),
+    ]
+
+
+def acceptance_by_position(by_position: dict) -> str:
+    """A markdown table of each head method's acceptance rate at each draft position."""
     lines = [
         "",
         "Head acceptance by draft position (all prompts):",
@@ -128,7 +139,7 @@ def draft_head_suite(model, tokenizer, args):
         lines.append(
             f"| {name} | {stats.drafts} | {summary['mean_accepted_length']:.2f} | {positions} |"
         )
-    return markdown_table(results, "plain") + "\n" + "\n".join(lines), None
+    return "\n".join(lines)
 
 
 def draft_head_cost_suite(model, tokenizer, args, repeats: int = 40):

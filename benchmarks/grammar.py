@@ -74,74 +74,75 @@ def coverage(cases, engines, tokenizer, rng, regex_rng) -> tuple:
     closers = np.array(
         [tokenizer.encode(c, add_special_tokens=False)[0] for c in ['"', "}", "]", ",", "0", "1"]]
     )
+    counts = ("served", "valid", "valid_ok", "invalid", "invalid_ok", "outputs", "bad_outputs")
     rows, compiled = {}, []
     for engine in ["regex"] + [e.name for e in engines]:
-        rows[engine] = dict(
-            served=0,
-            ms=[],
-            valid=0,
-            valid_ok=0,
-            invalid=0,
-            invalid_ok=0,
-            outputs=0,
-            bad_outputs=0,
-            failed_walks=0,
-            by_split={},
-        )
+        rows[engine] = dict(dict.fromkeys(counts, 0), ms=[], failed_walks=0, by_split={})
     for split, name, schema, tests in cases:
         validator = validator_for(schema)
         for engine in [None] + engines:
             key = "regex" if engine is None else engine.name
-            row = rows[key]
-            tic = time.perf_counter()
-            try:
-                handle = (
-                    compile_regex(schema_to_regex(schema))
-                    if engine is None
-                    else engine.compile(schema)
-                )
-            except Exception:  # noqa: BLE001 - a refusal (RegexError, GrammarError, xgrammar's) or a crash: not served
-                handle = None
-            row["ms"].append((time.perf_counter() - tic) * 1e3)
-            served = row["by_split"].setdefault(split, [0, 0])
-            served[1] += 1
+            handle = serve(engine, schema, rows[key], split)
             if handle is None:
                 continue
-            row["served"] += 1
-            served[0] += 1
             if key == "llguidance":
                 compiled.append((handle, tests, name))
-            for test in tests:
-                text = compact(test["data"])
-                ok = (
-                    handle.matches(text.encode())
-                    if engine is None
-                    else engine.accepts(handle, text)
-                )
-                row["valid" if test["valid"] else "invalid"] += 1
-                row["valid_ok" if test["valid"] else "invalid_ok"] += bool(ok)
+            check_instances(engine, handle, tests, rows[key])
             if engine is None:
                 texts = [
                     t for t in (handle.sample(regex_rng) for _ in range(WALKS)) if t is not None
                 ]
             else:
                 texts, failed = random_outputs(engine, handle, eos, closers, rng)
-                row["failed_walks"] += failed
+                rows[key]["failed_walks"] += failed
             for text in texts:
-                row["outputs"] += 1
+                rows[key]["outputs"] += 1
                 try:
-                    row["bad_outputs"] += not validator.is_valid(json.loads(text))
+                    rows[key]["bad_outputs"] += not validator.is_valid(json.loads(text))
                 except ValueError:
-                    row["bad_outputs"] += 1
+                    rows[key]["bad_outputs"] += 1
+    return coverage_tables(rows, len(cases)), compiled
+
+
+def serve(engine, schema, row: dict, split: str):
+    """``schema`` compiled by ``engine`` (None: the built-in regex compiler), timed and counted into
+    ``row``; None if it refused."""
+    tic = time.perf_counter()
+    try:
+        handle = (
+            compile_regex(schema_to_regex(schema)) if engine is None else engine.compile(schema)
+        )
+    except Exception:  # noqa: BLE001 - a refusal (RegexError, GrammarError, xgrammar's) or a crash: not served
+        handle = None
+    row["ms"].append((time.perf_counter() - tic) * 1e3)
+    served = row["by_split"].setdefault(split, [0, 0])
+    served[1] += 1
+    if handle is not None:
+        row["served"] += 1
+        served[0] += 1
+    return handle
+
+
+def check_instances(engine, handle, tests: list, row: dict):
+    """Count into ``row`` the valid and invalid instances that ``handle`` accepts."""
+    for test in tests:
+        text = compact(test["data"])
+        ok = handle.matches(text.encode()) if engine is None else engine.accepts(handle, text)
+        row["valid" if test["valid"] else "invalid"] += 1
+        row["valid_ok" if test["valid"] else "invalid_ok"] += bool(ok)
+
+
+def coverage_tables(rows: dict, count: int) -> str:
+    """The per-engine table, then the share served per split."""
     lines = [
-        "| engine | served | compile ms p50 / p90 / max | valid instances accepted | invalid accepted | "
-        "random outputs invalid | walks the engine gave up |",
+        "| engine | served | compile ms p50 / p90 / max | valid instances "
+        "accepted | invalid accepted | random outputs invalid | walks the engine gave up |",
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for key, row in rows.items():
         ms = sorted(row["ms"])
         lines.append(
-            f"| {key} | {row['served']}/{len(cases)} ({row['served'] / len(cases):.0%}) | "
+            f"| {key} | {row['served']}/{count} ({row['served'] / count:.0%}) | "
             f"{statistics.median(ms):.1f} / {ms[int(0.9 * len(ms))]:.1f} / {ms[-1]:.0f} | "
             f"{row['valid_ok']}/{row['valid']} | {row['invalid_ok']}/{row['invalid']} | "
             f"{row['bad_outputs']}/{row['outputs']} | {row['failed_walks']} |"
@@ -156,7 +157,7 @@ def coverage(cases, engines, tokenizer, rng, regex_rng) -> tuple:
         total = rows["regex"]["by_split"][split][1]
         cells = " | ".join(f"{row['by_split'][split][0] / total:.0%}" for row in rows.values())
         lines.append(f"| {split} | {total} | {cells} |")
-    return "\n".join(lines), compiled
+    return "\n".join(lines)
 
 
 def mask_cost(compiled, tokenizer, step_ms, draft=4) -> str:
@@ -197,11 +198,12 @@ def mask_cost(compiled, tokenizer, step_ms, draft=4) -> str:
         )
 
     return (
-        f"- llguidance, one position per call (mask as a (1, 49152) mx bool array): {describe(single)}\n"
-        f"- llguidance, drafts of {draft} (+1) positions, per position: {describe(per_draft_position)}\n"
-        f"- the slowest single position: {slowest[1]} ({1e3 * slowest[0]:.1f} ms; llguidance builds lexer "
-        f"states lazily, so a schema's first visit to a state costs more)\n"
-        f"- one target step measured in this run: {step_ms:.1f} ms (median of 30)"
+        "- llguidance, one position per call (mask as a (1, 49152) mx bool array): "
+        f"{describe(single)}\n- llguidance, drafts of {draft} (+1) positions, per position: "
+        f"{describe(per_draft_position)}\n- the slowest single position: {slowest[1]} "
+        f"({1e3 * slowest[0]:.1f} ms; llguidance builds lexer states lazily, so a schema's first "
+        f"visit to a state costs more)\n- one target step measured in this run: {step_ms:.1f} ms "
+        "(median of 30)"
     )
 
 
@@ -224,9 +226,9 @@ def xgrammar_mask_cost(engine, cases, tokenizer) -> str:
                     break
     ms = np.array(times) * 1e3
     return (
-        f"- xgrammar, one position per call (bitmask -> bool numpy): p50 {np.percentile(ms, 50):.3f} ms, "
-        f"p99 {np.percentile(ms, 99):.3f} ms, max {ms.max():.2f} ms; "
-        f"{len(ms)} positions"
+        "- xgrammar, one position per call (bitmask -> bool numpy): p50 "
+        f"{np.percentile(ms, 50):.3f} ms, p99 {np.percentile(ms, 99):.3f} ms, max {ms.max():.2f} "
+        f"ms; {len(ms)} positions"
     )
 
 
@@ -324,11 +326,12 @@ def gbnf_corpus(model, tokenizer, max_tokens) -> str:
     return "\n".join(lines)
 
 
-COVERAGE_NOTE = """Development set: MaskBench's Github_trivial, Github_ultra, Handwritten, Synthesized, MCPspec, BFCL_* and
-JME_* splits only (a fixed random sample per split). Each engine compiles each schema for compact JSON; "valid
-instances accepted" and "invalid accepted" run MaskBench's instance tests (compact serialisation; invalid
-accepted must be 0); "random outputs invalid" are texts of random token walks under the engine's masks that
-ended with EOS, checked with jsonschema (formats on). The machine was shared with other jobs (2 cores).
+COVERAGE_NOTE = """Development set: MaskBench's Github_trivial, Github_ultra, Handwritten,
+Synthesized, MCPspec, BFCL_* and JME_* splits only (a fixed random sample per split). Each engine
+compiles each schema for compact JSON; "valid instances accepted" and "invalid accepted" run
+MaskBench's instance tests (compact serialisation; invalid accepted must be 0); "random outputs
+invalid" are texts of random token walks under the engine's masks that ended with EOS, checked with
+jsonschema (formats on). The machine was shared with other jobs (2 cores).
 
 """
 
@@ -360,7 +363,8 @@ def main():
         "--part",
         choices=["coverage", "speed"],
         required=True,
-        help="coverage: JSON Schema engines and mask cost; speed: drafts under a grammar, GBNF corpus.",
+        help="coverage: JSON Schema engines and mask cost; speed: drafts under a grammar, GBNF "
+        "corpus.",
     )
     parser.add_argument(
         "--per-split", type=int, default=15, help="Schemas sampled per split (default: 15)."
@@ -412,8 +416,8 @@ def main():
     )
     sections = [
         COVERAGE_NOTE + header + f" · {command}",
-        f"## JSON Schema coverage: {len(cases)} MaskBench schemas "
-        f"(<= {args.per_split} per development split), compact JSON\n\n{table}",
+        f"## JSON Schema coverage: {len(cases)} MaskBench schemas (<= {args.per_split} per "
+        f"development split), compact JSON\n\n{table}",
     ]
     print(sections[-1], flush=True)
     masks = mask_cost(compiled, tokenizer, step_ms)

@@ -134,14 +134,16 @@ def side_by_side(
                     log(f"  !! {method.name} differs from the first greedy method on {name}")
                 log(
                     f"  {task}/{name} {method.name}: {len(run.tokens)} tokens, "
-                    f"{(len(run.tokens) - 1) / max(run.decode_time, 1e-9):.2f} tok/s, {run.forward_passes} passes"
+                    f"{(len(run.tokens) - 1) / max(run.decode_time, 1e-9):.2f} tok/s, "
+                    f"{run.forward_passes} passes"
                 )
     return results
 
 
 def markdown_table(results: dict, baseline: str) -> str:
     lines = [
-        "| task | method | tok/s | vs plain | passes/token | acceptance | mean accepted | peak GB |",
+        "| task | method | tok/s | vs plain | passes/token | acceptance | mean accepted | peak GB "
+        "|",
         "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for task, by_method in results.items():
@@ -157,7 +159,8 @@ def markdown_table(results: dict, baseline: str) -> str:
             peak = max(r.peak_memory_gb for r in totals.runs)
             lines.append(
                 f"| {task} | {name} | {totals.tps:.2f} | {totals.tps / base_tps:.2f}x | "
-                f"{totals.sum('forward_passes') / max(totals.tokens, 1):.3f} | {acceptance} | {mean} | {peak:.3f} |"
+                f"{totals.sum('forward_passes') / max(totals.tokens, 1):.3f} | {acceptance} | "
+                f"{mean} | {peak:.3f} |"
             )
     return "\n".join(lines)
 

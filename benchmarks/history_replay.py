@@ -81,7 +81,8 @@ def row(workload: str, method: str, store_tokens, result: dict, baseline: dict) 
     fewer = 1 - result["passes"] / baseline["passes"]
     return (
         f"| {workload} | {method} | {store_tokens} | {result['tokens']} | {result['passes']} | "
-        f"{result['saved']:.1%} | {fewer:+.1%} | {result['modelled']:.2f}x | {result['search_ms']:.2f} |"
+        f"{result['saved']:.1%} | {fewer:+.1%} | {result['modelled']:.2f}x | "
+        f"{result['search_ms']:.2f} |"
     )
 
 
@@ -176,9 +177,10 @@ def main():
         f"python -m benchmarks.history_replay --store-prompts {args.store_prompts} --sizes {sizes}"
     )
     RESULTS.write_text(
-        f"Replay (no model runs; exact greedy pass counts, which tests/test_history_lookup.py checks against the "
-        f"loop): `{command}`. Store: answers to {len(store)} self-written instructions ({full} tokens). Answers "
-        f"at most 128 tokens (chat), 96 (replies), 64 (extraction); requests 1-3 of a workload are left out.\n\n"
+        "Replay (no model runs; exact greedy pass counts, which tests/test_history_lookup.py "
+        f"checks against the loop): `{command}`. Store: answers to {len(store)} self-written "
+        f"instructions ({full} tokens). Answers at most 128 tokens (chat), 96 (replies), 64 "
+        "(extraction); requests 1-3 of a workload are left out.\n\n"
         f"{table}\n"
     )
 

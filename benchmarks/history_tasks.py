@@ -81,9 +81,12 @@ MONTHS = [
 OPENINGS = ["Hello,", "Hi there,", "Good morning,", "Dear sales team,", "Hi,"]
 BODIES = [
     "I would like to order {quantity} {product} for our office. Could you deliver them on {date}?",
-    "Our team needs {quantity} {product}. Please make sure they arrive by {date}, as we open that week.",
-    "Following our call, please send {quantity} {product} to our warehouse. The delivery date we agreed is {date}.",
-    "Can you ship {quantity} {product}? We need them on {date} at the latest. Thank you for your help.",
+    "Our team needs {quantity} {product}. Please make sure they arrive by {date}, as we open that "
+    "week.",
+    "Following our call, please send {quantity} {product} to our warehouse. The delivery date we "
+    "agreed is {date}.",
+    "Can you ship {quantity} {product}? We need them on {date} at the latest. Thank you for your "
+    "help.",
 ]
 CLOSINGS = ["Best regards,", "Thanks,", "Kind regards,", "Many thanks,", "Cheers,"]
 

@@ -129,7 +129,8 @@ def run_case(kind, value, root: Path, directory: Path, timeout: float, memory_gb
     if result.returncode != 0 or not result.stdout.strip():
         lines = result.stderr.splitlines()
         return {
-            "outcome": f"exit {result.returncode}, {len(lines)} lines on stderr, last: {lines[-1][:120] if lines else ''}"
+            "outcome": f"exit {result.returncode}, {len(lines)} lines on stderr, "
+            f"last: {lines[-1][:120] if lines else ''}"
         }
     row = json.loads(result.stdout.splitlines()[-1])
     lines = result.stderr.splitlines()

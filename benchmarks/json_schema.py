@@ -190,8 +190,8 @@ def suite(model, tokenizer, args):
             model, tokenizer, dfa, table, eos, prompt, args.max_tokens
         )
         lines.append(
-            f"| {name} | {regex_ms:.1f} | {compile_ms / 1e3:.2f} | {dfa.num_states} | {first:.2f} ({prefill:.2f}) "
-            f"| {memory / 2**20:.1f} | {outlines_columns(schema, vocabulary)} |"
+            f"| {name} | {regex_ms:.1f} | {compile_ms / 1e3:.2f} | {dfa.num_states} | {first:.2f} "
+            f"({prefill:.2f}) | {memory / 2**20:.1f} | {outlines_columns(schema, vocabulary)} |"
         )
         print(lines[-1])
 
@@ -247,8 +247,8 @@ def validate_outputs(tokenizer, cases, prompts, runs, eos):
     except ImportError:
         return "outputs: not validated (pip install jsonschema)"
     return (
-        f"outputs: {len(finished)}/{len(runs)} finished with EOS, {valid}/{len(finished)} of those validate "
-        "(jsonschema, formats on)"
+        f"outputs: {len(finished)}/{len(runs)} finished with EOS, {valid}/{len(finished)} of those "
+        "validate (jsonschema, formats on)"
     )
 
 
@@ -305,7 +305,8 @@ def coverage(walks: int = 300) -> str:
         invalid = invalid_walks(schema, dfa, walks) if dfa is not None else "-"
         lines.append(f"| {name} | {result} | {states} | {seconds:.2f} | {invalid} |")
     lines.append(
-        f"\nserved {served}/{len(schemas)} ({served / len(schemas):.0%}); the rest refused with one line"
+        f"\nserved {served}/{len(schemas)} ({served / len(schemas):.0%}); the rest refused with "
+        "one line"
     )
     return "\n".join(lines)
 
@@ -317,7 +318,8 @@ def main():
     args = parser.parse_args()
     header = (
         f"{datetime.date.today()} · {platform.node() or 'this machine'} · {describe_backend()} · "
-        f"SmolLM2-135M-Instruct {default_dtype()} · greedy · max {args.max_tokens} new tokens · mlx {mx.__version__}"
+        f"SmolLM2-135M-Instruct {default_dtype()} · greedy · max {args.max_tokens} new tokens · "
+        f"mlx {mx.__version__}"
     )
     print(header)
     report = "## Coverage of realistic schemas\n\n" + coverage()

@@ -249,20 +249,21 @@ def main():
         "# MTP drafts",
         "",
         f"Machine: {platform.machine()}, {describe_backend()}; float32; random models of each "
-        f"layout (tests/mtp_fixtures.py), vocabulary {args.vocab}, width {2 * args.vocab}, {args.layers} layers, "
-        f"a {len(prompt)}-token prompt, {args.max_tokens} tokens, greedy.",
+        f"layout (tests/mtp_fixtures.py), vocabulary {args.vocab}, width {2 * args.vocab}, "
+        f"{args.layers} layers, a {len(prompt)}-token prompt, {args.max_tokens} tokens, greedy.",
         "",
         "    flock /tmp/cpu.lock python -m benchmarks.mtp "
         + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()),
         "",
-        "| layout | MTP layer | draft step / target step | method | tok/s | vs plain | passes/token | "
-        "acceptance by position | expected speed-up, this CPU (k) | GPU-like curve (k) |",
+        "| layout | MTP layer | draft step / target step | method | tok/s | vs plain | "
+        "passes/token | acceptance by position | expected speed-up, this CPU (k) | GPU-like curve "
+        "(k) |",
         "|---|---|---:|---|---:|---:|---:|---|---:|---:|",
     ]
     batch_table = [
         "",
-        f"A continuous batch of {args.batch} rows (prompts of different lengths), every row drafting "
-        "with its own MTP handle, against the same batch without drafts, interleaved:",
+        f"A continuous batch of {args.batch} rows (prompts of different lengths), every row "
+        "drafting with its own MTP handle, against the same batch without drafts, interleaved:",
         "",
         "| layout | MTP layer | rows | method | tok/s in all | vs plain | passes/token | peak GB |",
         "|---|---|---:|---|---:|---:|---:|---:|",
@@ -282,13 +283,14 @@ def main():
                 batch_table += batch_lines(model_type, kind, target, mtp, batch_prompts, args)
     lines += [
         "",
-        "The draft cost ratio is the MTP layer with its scoring (its own head, or the target's for "
-        "qwen3_next) against all of the target's layers and head, for one token: about 1/layers plus the head, "
-        "and the experts read for one token. The expected speed-up uses the measured ratio for the drafting, the "
-        "fitted cost of one more verified token (this CPU's, or the GPU-like 0.005 of a step), and the "
-        "acceptance by position of the fixed-length run; the best k is shown. tok/s is the best of "
-        f"{args.repeat} interleaved runs, shown with that run's passes and acceptance (the adaptive length "
-        "reads measured timings, so its runs differ).",
+        "The draft cost ratio is the MTP layer with its scoring (its own head, or the target's "
+        "for qwen3_next) against all of the target's layers and head, for one token: about "
+        "1/layers plus the head, and the experts read for one token. The expected speed-up uses "
+        "the measured ratio for the drafting, the fitted cost of one more verified token (this "
+        "CPU's, or the GPU-like 0.005 of a step), and the acceptance by position of the "
+        f"fixed-length run; the best k is shown. tok/s is the best of {args.repeat} interleaved "
+        "runs, shown with that run's passes and acceptance (the adaptive length reads measured "
+        "timings, so its runs differ).",
     ]
     RESULTS.write_text("\n".join(lines + (batch_table if args.batch else [])) + "\n")
 

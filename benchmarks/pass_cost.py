@@ -120,10 +120,12 @@ def report(args, results, lookup_costs, head_costs, head) -> str:
     lines = [
         "# The measured verification cost (issue #25)",
         "",
-        f"`python -m benchmarks.pass_cost --prompts {args.prompts} --max-tokens {args.max_tokens}`: "
-        "embedded SmolLM2-135M-Instruct, float32, this 2-core x86 CPU, greedy, methods interleaved per "
-        'prompt in one process. "prior" runs never time anything, so they decide as the old constants '
-        'did; "measured" runs time their own passes (cost.PassCost), as main.py and the server do.',
+        f"`python -m benchmarks.pass_cost --prompts {args.prompts} --max-tokens "
+        f"{args.max_tokens}`: embedded SmolLM2-135M-Instruct, float32, this 2-core x86 CPU, "
+        "greedy, methods interleaved per "
+        'prompt in one process. "prior" runs never time anything, so they decide as the old '
+        'constants did; "measured" runs time their own passes (cost.PassCost), as main.py and the '
+        "server do.",
         "",
         markdown_table(results, "plain"),
         "",
@@ -136,7 +138,8 @@ def report(args, results, lookup_costs, head_costs, head) -> str:
         f"| one more verified token, fraction of a step (head runs) | 0.09 | "
         f"{median(head_costs, lambda c: c.token_cost()):.3f} |",
         f"| one-token pass, ms | - | {1000 * median(lookup_costs, lambda c: c.seconds()):.1f} |",
-        f"| the head drafting one token, fraction of a step | {head.draft_cost_prior:.3f} (weight bytes; 0.15 - 0.09 before) | "
+        f"| the head drafting one token, fraction of a step | {head.draft_cost_prior:.3f} (weight "
+        "bytes; 0.15 - 0.09 before) | "
         f"{median(head_costs, lambda c: c.draft_cost('draft_head', float('nan'))):.3f} |",
     ]
     return "\n".join(lines) + "\n"

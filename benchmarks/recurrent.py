@@ -205,9 +205,10 @@ def main():
     costs = pass_costs(model, args.context, args.draft, args.pending, args.repeats)
     step = costs["plain [1, 1] step"]
     lines = [
-        f"`python -m benchmarks.recurrent --hidden {args.hidden} --layers {args.layers} --context {args.context}` · "
-        f"{time.strftime('%Y-%m-%d')} · {fast_blas.describe()} · random Qwen3-Next, float32, "
-        f"{args.layers} layers ({args.layers // 4} attention), hidden {args.hidden}, 8 experts",
+        f"`python -m benchmarks.recurrent --hidden {args.hidden} --layers {args.layers} --context "
+        f"{args.context}` · {time.strftime('%Y-%m-%d')} · {fast_blas.describe()} · random "
+        f"Qwen3-Next, float32, {args.layers} layers ({args.layers // 4} attention), hidden "
+        f"{args.hidden}, 8 experts",
         "",
         "| what | ms | of a plain step |",
         "|---|---:|---:|",
@@ -224,8 +225,9 @@ def main():
     at_once = costs[f"the re-feed alone [1, {args.pending}]"]
     lines += [
         "",
-        f"A rejection costs the loop {deferred * 1e3:.2f} ms ({deferred / step:.3f} of a step) of wider "
-        f"pass; re-advancing at once would cost {at_once * 1e3:.2f} ms ({at_once / step:.3f}).",
+        f"A rejection costs the loop {deferred * 1e3:.2f} ms ({deferred / step:.3f} of a step) of "
+        f"wider pass; re-advancing at once would cost {at_once * 1e3:.2f} ms "
+        f"({at_once / step:.3f}).",
         "",
     ]
     restore = batch_restore(model, 8, 4, args.repeats)

@@ -343,16 +343,17 @@ def main():
         "--classes",
         nargs="*",
         default=None,
-        help="Task classes to run (draft_head suite; default: heldout_chat, open_ended, extractive_qa).",
+        help="Task classes to run (draft_head suite; default: heldout_chat, open_ended, "
+        "extractive_qa).",
     )
     args = parser.parse_args()
 
     model, tokenizer, path = load_model()
     command = " ".join(["python -m benchmarks.run", *sys.argv[1:]])
     header = (
-        f"`{command}` · {datetime.date.today()} · {platform.node() or 'this machine'} · {describe_backend()} · "
-        f"SmolLM2-135M-Instruct {default_dtype()} · greedy · max {args.max_tokens} new tokens · "
-        f"mlx {mx.__version__}"
+        f"`{command}` · {datetime.date.today()} · {platform.node() or 'this machine'} · "
+        f"{describe_backend()} · SmolLM2-135M-Instruct {default_dtype()} · greedy · max "
+        f"{args.max_tokens} new tokens · mlx {mx.__version__}"
     )
     print(header)
     RESULTS.mkdir(exist_ok=True)

@@ -151,8 +151,8 @@ def single_turn_tasks(servers, repeats, max_tokens):
                         result["valid"] = is_valid(result["text"])
                     rows.setdefault((task, server["name"]), []).append(result)
                     print(
-                        f"{task} | {server['name']} | prompt {index} | TTFT {result['ttft']:.2f} s | "
-                        f"{result['tps']:.1f} tok/s | {result['tokens']} tokens",
+                        f"{task} | {server['name']} | prompt {index} | TTFT {result['ttft']:.2f} s "
+                        f"| {result['tps']:.1f} tok/s | {result['tokens']} tokens",
                         flush=True,
                     )
     return rows
@@ -212,8 +212,8 @@ def report(single, turns, repeats) -> str:
         )
         lines.append(
             f"| {task} | {name} | {min(r['ttft'] for r in results):.2f} | "
-            f"{max(r['tps'] for r in results):.1f} | {statistics.median(r['tokens'] for r in results):.0f} | "
-            f"{valid} |"
+            f"{max(r['tps'] for r in results):.1f} | "
+            f"{statistics.median(r['tokens'] for r in results):.0f} | {valid} |"
         )
     lines += [
         "",

@@ -212,7 +212,8 @@ def load_table(servers, work, clients, repeats, max_tokens) -> list:
 def api_table(server, prompts, clients, repeats, max_tokens) -> list:
     """Chat completions alone against chat, Messages and Responses mixed, on one server, in turn."""
     lines = [
-        "| clients | requests through | tok/s in all | vs chat alone | p50 ms/token | p50 TTFT (s) | tokens |",
+        "| clients | requests through | tok/s in all | vs chat alone "
+        "| p50 ms/token | p50 TTFT (s) | tokens |",
         "|---:|---|---:|---:|---:|---:|---:|",
     ]
     mixes = {
@@ -267,15 +268,16 @@ def conversations(servers, count, turns) -> list:
                 history.append({"role": "assistant", "content": result["text"]})
                 results.append(result)
             lines.append(
-                f"| {server['name']} | {turn + 1} | {statistics.mean(r['prompt_tokens'] for r in results):.0f} "
-                f"| {statistics.mean(r['cached'] or 0 for r in results):.0f} | "
+                f"| {server['name']} | {turn + 1} | "
+                f"{statistics.mean(r['prompt_tokens'] for r in results):.0f} | "
+                f"{statistics.mean(r['cached'] or 0 for r in results):.0f} | "
                 f"{statistics.mean(r['ttft'] for r in results):.2f} |"
             )
             print(lines[-1], flush=True)
     return lines
 
 
-def main():
+def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     parser.add_argument(
@@ -301,88 +303,82 @@ def main():
         help="Markdown file for the tables ('' to skip; default: "
         "benchmarks/results/server_load.md, with --apis server_apis.md)",
     )
-    args = parser.parse_args()
-    from loading.load import default_model_path
+    return parser.parse_args()
 
-    model_dir = str(default_model_path())
-    most = max(args.clients)
+
+def server_specs(model_dir: str, most: int, apis: bool) -> list:
+    """(name, command) of each server compared, sized for ``most`` clients at once."""
     ours = [sys.executable, "-m", "server", "--model", model_dir, "--max-queue", str(2 * most)]
+    mlx_lm_server = [sys.executable, "-c", MLX_LM_SERVER, "--model", model_dir]
+    mlx_lm_server += ["--log-level", "ERROR"]
+    mlx_lm_server += ["--decode-concurrency", str(most), "--prompt-concurrency", str(most)]
     specs = [
-        (
-            "mlx_lm.server",
-            [
-                sys.executable,
-                "-c",
-                MLX_LM_SERVER,
-                "--model",
-                model_dir,
-                "--log-level",
-                "ERROR",
-                "--decode-concurrency",
-                str(most),
-                "--prompt-concurrency",
-                str(most),
-            ],
-        ),
+        ("mlx_lm.server", mlx_lm_server),
         ("ours, one at a time", ours + ["--max-batch", "1"]),
         ("ours", ours + ["--max-batch", str(most)]),
         ("ours --prompt-lookup", ours + ["--max-batch", str(most), "--prompt-lookup"]),
     ]
+    return [spec for spec in specs if spec[0] == "ours"] if apis else specs
+
+
+def report(servers: list, args) -> list:
+    """The results file's lines: the command, then the tables ``args`` asks for."""
+    command = (
+        f"python -m benchmarks.server_load --clients {' '.join(map(str, args.clients))} "
+        f"--workloads {' '.join(args.workloads)} --max-tokens {args.max_tokens} "
+        f"--repeats {args.repeats} --conversations {args.conversations} --turns {args.turns}"
+    )
+    lines = [
+        "# Many clients at once",
+        "",
+        f"    {command}",
+        "",
+        f"Greedy, at most {args.max_tokens} tokens per request, the embedded SmolLM2-135M "
+        "(float32), every server with the fast BLAS; best of the repeats.",
+        "",
+    ]
     if args.apis:
-        specs = [spec for spec in specs if spec[0] == "ours"]
+        lines[2] = (
+            f"    {command.split(' --workloads')[0]} --apis --max-tokens {args.max_tokens} "
+            f"--repeats {args.repeats}"
+        )
+        return lines + api_table(
+            servers[0], workloads()["chat"], args.clients, args.repeats, args.max_tokens
+        )
+    work = {name: prompts for name, prompts in workloads().items() if name in args.workloads}
+    lines += load_table(servers, work, args.clients, args.repeats, args.max_tokens)
+    if args.conversations:
+        lines += [
+            "",
+            f"{args.conversations} conversations interleaved (a turn of each in turn):",
+            "",
+        ]
+        lines += conversations([servers[0], servers[2]], args.conversations, args.turns)
+    return lines
+
+
+def main():
+    args = parse_args()
+    from loading.load import default_model_path
+
+    model_dir = str(default_model_path())
     servers = []
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # run the finally below under `timeout`
     try:
-        for name, command in specs:
+        for name, command in server_specs(model_dir, max(args.clients), args.apis):
             port = free_port()
-            servers.append(
-                start(
-                    name,
-                    command + ["--port", str(port)],
-                    port,
-                    "default_model" if name == "mlx_lm.server" else model_dir,
-                )
-            )
+            model_id = "default_model" if name == "mlx_lm.server" else model_dir
+            servers.append(start(name, command + ["--port", str(port)], port, model_id))
             # the first MLX call is slow
             timed_chat(servers[-1], [{"role": "user", "content": "Hi"}], 4)
-        work = {name: prompts for name, prompts in workloads().items() if name in args.workloads}
-        command = (
-            f"python -m benchmarks.server_load --clients {' '.join(map(str, args.clients))} --workloads "
-            f"{' '.join(args.workloads)} --max-tokens {args.max_tokens} --repeats {args.repeats} "
-            f"--conversations {args.conversations} --turns {args.turns}"
-        )
-        lines = [
-            "# Many clients at once",
-            "",
-            f"    {command}",
-            "",
-            f"Greedy, at most {args.max_tokens} tokens per request, the embedded SmolLM2-135M (float32), "
-            "every server with the fast BLAS; best of the repeats.",
-            "",
-        ]
-        if args.apis:
-            lines[2] = (
-                f"    {command.split(' --workloads')[0]} --apis --max-tokens {args.max_tokens} "
-                f"--repeats {args.repeats}"
-            )
-            lines += api_table(
-                servers[0], workloads()["chat"], args.clients, args.repeats, args.max_tokens
-            )
-        else:
-            lines += load_table(servers, work, args.clients, args.repeats, args.max_tokens)
-        if args.conversations and not args.apis:
-            lines += [
-                "",
-                f"{args.conversations} conversations interleaved (a turn of each in turn):",
-                "",
-            ]
-            lines += conversations([servers[0], servers[2]], args.conversations, args.turns)
+        lines = report(servers, args)
         out = args.out if args.out is not None else str(APIS_RESULTS if args.apis else RESULTS)
         if out:
             Path(out).write_text("\n".join(lines) + "\n")
     finally:
         for server in servers:
             server["process"].terminate()
+            server["process"].wait(timeout=30)
 
 
 if __name__ == "__main__":

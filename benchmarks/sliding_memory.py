@@ -133,8 +133,9 @@ def main():
             print(lines[-1], flush=True)
     if args.out:
         header = (
-            f"# Peak memory of batched sliding-window models\n\n{platform.machine()}, MLX {mx.__version__} "
-            f"CPU, float32, {args.rows} rows of the context length, {args.max_tokens} new tokens, greedy.\n\n"
+            f"# Peak memory of batched sliding-window models\n\n{platform.machine()}, MLX "
+            f"{mx.__version__} CPU, float32, {args.rows} rows of the context length, "
+            f"{args.max_tokens} new tokens, greedy.\n\n"
             "```\nflock /tmp/cpu.lock python -m benchmarks.sliding_memory "
             + f"--contexts {' '.join(map(str, args.contexts))} --rows {args.rows}\n```\n\n"
         )

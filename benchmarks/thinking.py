@@ -89,8 +89,9 @@ def row(
         except (ValueError, KeyError, TypeError):
             valid = "invalid"
     return (
-        f"| {name} | {inside} | {'yes' if answer.strip() else 'no'} {valid} | {len(result.tokens)} | "
-        f"{result.stats.target_forward_passes / len(result.tokens):.3f} | {len(result.tokens) / best:.1f} |"
+        f"| {name} | {inside} | {'yes' if answer.strip() else 'no'} {valid} | {len(result.tokens)} "
+        f"| {result.stats.target_forward_passes / len(result.tokens):.3f} | "
+        f"{len(result.tokens) / best:.1f} |"
     )
 
 
@@ -109,7 +110,8 @@ def main():
     phase = markers.phase(prompt, tokenizer.decode)
     common = (model, tokenizer, prompt, markers, phase, args.max_tokens, args.repeats)
     print(
-        f"| request (max_tokens {args.max_tokens}) | tokens in the block | answer | tokens | passes/token | tok/s |"
+        f"| request (max_tokens {args.max_tokens}) | tokens in the block | answer | tokens | "
+        "passes/token | tok/s |"
     )
     print("|---|---:|---|---:|---:|---:|")
     print(row("no constraint", *common, wrap=False), flush=True)

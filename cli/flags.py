@@ -87,7 +87,8 @@ def check(args):
         path = history_path(args)
         if path.is_dir():
             raise CliError(
-                f"--lookup-history {path} is a directory; give a file path (a new name starts a new store)"
+                f"--lookup-history {path} is a directory; "
+                "give a file path (a new name starts a new store)"
             )
         # the store's folder is made if missing
         parent = next((p for p in path.parents if p.exists()), None)

@@ -80,7 +80,8 @@ def schema_to_regex(
         raise SchemaError("the schema nests too deeply") from None
     if regex is None:
         raise SchemaError(
-            "the schema allows no value that can be generated (false, empty enum or unbounded recursion)"
+            "the schema allows no value that can be generated (false, empty enum or unbounded "
+            "recursion)"
         )
     return regex
 

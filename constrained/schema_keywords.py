@@ -107,7 +107,8 @@ def load_schema(argument: str):
             text = Path(argument).read_text()
         except (OSError, UnicodeDecodeError) as error:
             raise SchemaError(
-                f"cannot read the schema file {argument}: {getattr(error, 'strerror', None) or error}"
+                f"cannot read the schema file {argument}: "
+                f"{getattr(error, 'strerror', None) or error}"
             ) from None
     try:
         schema = json.loads(text)

@@ -10,7 +10,7 @@ and ``kinds.py`` a cache whose rows roll back alone, ``cost.py`` the measured co
 and what drafts win.
 """
 
-from .cache import Cache, CacheKindError, adopt, make_cache
+from .cache import Cache, CacheKindError, adopt, load_cache, make_cache
 from .cost import PassCost
 from .draft import (
     Constraint,

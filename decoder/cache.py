@@ -28,11 +28,15 @@ The kinds are in ``kinds.py``; here are the table from mlx-lm's classes to them 
     cache.checkpoint()                     # before a pass with a draft
     logits = model(inputs, cache=cache.layers)
     cache.rewind(trims=[3], restored=[])   # row 0 drops the pass's last 3 tokens (checked)
+    save_prompt_cache(path, cache.layers)  # mlx-lm's file; load_cache(path) reads it back
 """
 
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+import mlx.core as mx
+import mlx_lm.models.cache as mlx_lm_cache
+from mlx.utils import tree_unflatten
 from mlx_lm.models.cache import (
     ArraysCache,
     CacheList,
@@ -337,3 +341,37 @@ def make_cache(
     """The model's cache (``make_prompt_cache``) for ``rows`` rows, every layer in a kind that rolls
     back per row; ``CacheKindError`` naming the architecture and the layer kind otherwise."""
     return Cache.of(model, rows, max_rollback, mask_dims)
+
+
+def _from_state(class_name: str, state):
+    """A layer cache of class ``class_name`` (one of the kinds here or a subclass, such as a
+    wrapper's ``ExtraRows``, else mlx-lm's) from its ``state``."""
+    if class_name == "CacheList":  # its children are named the same way
+        return CacheList(*(_from_state(child, child_state) for child_state, child in state))
+    found, kinds = [KVRows, StateRows, ChunkedRows], {}
+    while found:
+        kind = found.pop()
+        kinds[kind.__name__] = kind
+        found += kind.__subclasses__()
+    return (kinds.get(class_name) or getattr(mlx_lm_cache, class_name)).from_state(state)
+
+
+def load_cache(file_name: str) -> Cache:
+    """The cache that mlx-lm's ``save_prompt_cache(file_name, cache.layers)`` saved, as it was.
+
+    mlx-lm's ``load_prompt_cache`` reads the same file but looks each layer's class up among its
+    own, so it cannot find the kinds here; this is it with them added. Pass the result as
+    ``prompt_cache=`` to decode on from where the saved cache stopped.
+    """
+    arrays, metadata = mx.load(file_name, return_metadata=True)
+    _, class_names, scalars = tree_unflatten(list(metadata.items()))
+    decode = {
+        "scalar": lambda array: array.item(),
+        "string": lambda array: "".join(chr(code) for code in array.tolist()),
+        "none": lambda array: None,
+    }
+    for key, kind in scalars[1:]:  # the first is a placeholder (see save_prompt_cache)
+        arrays[key] = decode[kind](arrays[key])
+    states = tree_unflatten(list(arrays.items()))
+    layers = [_from_state(name, state) for name, state in zip(class_names, states)]
+    return Cache(layers, layers_of(layers)[0].rows)

@@ -235,7 +235,19 @@ class KVRows(_BaseCache):
 
     @property
     def state(self):
-        return self.keys, self.values, self.offset
+        """What mlx-lm's ``save_prompt_cache`` writes: the slots any row holds, each row's
+        ``(start, end, origin)`` and the layer's settings; ``from_state`` builds it again."""
+        keys, values = self.keys, self.values
+        if keys is not None:  # the slots past every row's end hold nothing yet
+            top = max(self.ends)
+            keys, values = keys[..., :top, :], values[..., :top, :]
+        rows = mx.array([self.starts, self.ends, self.origins], mx.int32)
+        return keys, values, rows, self.window, self.max_rollback, self.mask_dims
+
+    @state.setter
+    def state(self, state):
+        self.keys, self.values, rows, self.window, self.max_rollback, self.mask_dims = state
+        self._set(*(row.tolist() for row in rows))
 
     def size(self) -> int:
         return max(self.ends, default=0)
@@ -260,6 +272,15 @@ class StateRows(ArraysCache):
     @property
     def batch_size(self) -> int:  # known even before the first pass makes the states
         return self.rows
+
+    @property
+    def state(self):
+        return self.cache, self.left_padding, self.lengths, self.rows
+
+    @state.setter
+    def state(self, state):  # mlx-lm's ``from_state`` sets it on an object it made without __init__
+        self.cache, self.left_padding, self.lengths, self.rows = state
+        self.saved = None
 
     def filter(self, keep: Sequence[int]):
         super().filter(mx.array(list(keep)))

@@ -51,7 +51,8 @@ def _open_cache(model, prompt: Sequence[int], prompt_cache: Optional[list]) -> t
         )
     if cached >= len(prompt):
         raise ValueError(
-            f"prompt_cache holds {cached} tokens; it must hold fewer than the prompt's {len(prompt)}"
+            f"prompt_cache holds {cached} tokens; "
+            f"it must hold fewer than the prompt's {len(prompt)}"
         )
     return cache, cached
 
@@ -71,7 +72,6 @@ def generate_step(
     prefill_step_size: int = 512,
     prompt_cache: Optional[list] = None,
     pass_cost: Optional[PassCost] = None,
-    kv_cache: Optional[list] = None,
 ) -> Iterator[tuple]:
     """Generate tokens with draft-and-verify steps.
 
@@ -91,7 +91,7 @@ def generate_step(
         prompt_cache: a ``cache.make_cache(model)`` (or mlx-lm's ``make_prompt_cache`` list, whose
             layers are replaced in place by ``cache.adopt``) that already holds the first tokens of
             ``prompt`` (kept by the caller across turns); only the rest is prefilled. Without it
-            every call starts empty. (``kv_cache`` is the same argument under its old name.)
+            every call starts empty.
         pass_cost: the verification-cost model the loop times its passes into and the sources
             read (``cost.PassCost``); pass one to keep its measurements across generations.
 
@@ -111,9 +111,7 @@ def generate_step(
         stats=stats,
     )
     cost = pass_cost if pass_cost is not None else PassCost()
-    cache, cached = _open_cache(
-        model, prompt, prompt_cache if prompt_cache is not None else kv_cache
-    )
+    cache, cached = _open_cache(model, prompt, prompt_cache)
     row.reset(cost)
 
     tic = time.perf_counter()
@@ -190,17 +188,20 @@ class GenerationResult:
     def report(self) -> str:
         """mlx-lm's statistics lines, then target passes and drafts."""
         passes = self.stats.target_forward_passes
+        per_token = passes / max(self.generation_tokens, 1)
         lines = [
             "=" * 10,
             f"Prompt: {self.prompt_tokens} tokens, {self.prompt_tps:.3f} tokens-per-sec",
-            f"Generation: {self.generation_tokens} tokens, {self.generation_tps:.3f} tokens-per-sec",
+            f"Generation: {self.generation_tokens} tokens, "
+            f"{self.generation_tps:.3f} tokens-per-sec",
             f"Peak memory: {self.peak_memory_gb:.3f} GB",
-            f"Target forward passes: {passes} ({passes / max(self.generation_tokens, 1):.3f} per token)",
+            f"Target forward passes: {passes} ({per_token:.3f} per token)",
         ]
         if self.stats.sources:
             proposed, accepted = self.stats.draft_proposed, self.stats.draft_accepted
             lines.append(
-                f"Drafted: {proposed} tokens, accepted: {accepted} ({accepted / max(proposed, 1):.1%})"
+                f"Drafted: {proposed} tokens, accepted: {accepted} "
+                f"({accepted / max(proposed, 1):.1%})"
             )
         return "\n".join(lines)
 

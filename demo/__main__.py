@@ -25,14 +25,16 @@ DEMOS = [
         ["--prompt-file", "demo/museum.txt", "--prompt-lookup", "--max-tokens", "160"],
     ),
     (
-        "Fields from an email as JSON of a fixed shape: the text the regex forces is drafted for free (cyan)",
+        "Fields from an email as JSON of a fixed shape: the text the regex forces is drafted for "
+        "free (cyan)",
         [
             "--prompt-file",
             "demo/order.txt",
             "--max-tokens",
             "96",
             "--regex",
-            r'\{"name": "[A-Z][a-z]+ [A-Z][a-z]+", "quantity": \d+, "title": "[A-Za-z ]+", "city": "[A-Z][a-z]+", '
+            r'\{"name": "[A-Z][a-z]+ [A-Z][a-z]+", "quantity": \d+, "title": "[A-Za-z ]+", "city": '
+            r'"[A-Z][a-z]+", '
             r'"phone": "[0-9 ]+"\}',
         ],
     ),

@@ -181,5 +181,8 @@ def reporting_faults():
         if not message.startswith(("[ring]", "[jaccl]", "[mpi]")):
             raise
         if "lost" in message or "closed" in message:
-            message = f"lost the connection to a peer; another rank died or the network dropped ({message})"
+            message = (
+                "lost the connection to a peer; another rank died or the network dropped "
+                f"({message})"
+            )
         raise DistributedError(f"rank {launched_rank()}: {message}") from None

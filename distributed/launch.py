@@ -28,7 +28,8 @@ def find_launcher() -> str:
     )
     if found is None:
         sys.stderr.write(
-            "error: mlx.launch not found (it ships with mlx; activate the environment that has it)\n"
+            "error: mlx.launch not found (it ships with mlx; activate the environment that has "
+            "it)\n"
         )
         sys.exit(1)
     return found

@@ -52,8 +52,9 @@ def watch(parent: int, timeout: float, rank: int):
         ready, _, _ = select.select([sys.stdin], [], [], None if paused else timeout)
         if not ready:
             sys.stderr.write(
-                f"error: rank {rank}: no progress for {timeout:g} s: a peer did not connect or stopped "
-                "answering (check the hostfile and that every rank started; --dist-timeout)\n"
+                f"error: rank {rank}: no progress for {timeout:g} s: a peer did not connect or "
+                "stopped answering (check the hostfile and that every rank started; "
+                "--dist-timeout)\n"
             )
             sys.stderr.flush()
             os.kill(parent, signal.SIGKILL)

@@ -43,7 +43,8 @@ def self_instructions(
     while len(out) < count:
         if empty_rounds == 3:
             raise ValueError(
-                f"the model wrote no complete user turn in {3 * batch_size} tries; is it a chat model?"
+                f"the model wrote no complete user turn in {3 * batch_size} tries; is it a chat "
+                "model?"
             )
         cache = make_prompt_cache(model)
         logits = model(mx.array([prefix] * batch_size), cache=cache)[:, -1]

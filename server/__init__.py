@@ -4,10 +4,13 @@ one engine: structured outputs, tool calls, lossless speculation.
     python -m server [--prompt-lookup] [--draft-model DIR] [--draft-head [DIR_OR_REPO]] [--api-key
     KEY]
 
-- ``protocol.py``: request bodies -> a checked ``GenerationRequest`` (``prepare_chat``: messages and
-  tools -> prompt and constraint, for every API); OpenAI-shaped ``ApiError``.
-- ``anthropic.py``, ``responses.py``: Anthropic's Messages and OpenAI's Responses, each a parser and
-  a format; ``formats.py``: chat completions' and completions' formats.
+- ``request.py``: ``GenerationRequest``, what the engine takes; the OpenAI-shaped ``ApiError``; the
+  checks of single fields.
+- ``protocol.py``: OpenAI's request bodies -> a checked ``GenerationRequest`` (``prepare_chat``:
+  messages and tools -> prompt and constraint, for every API).
+- ``anthropic.py``: Anthropic's Messages, a parser and a format; ``responses_input.py`` and
+  ``responses.py``: OpenAI's Responses, its parser and its format; ``formats.py``: chat
+  completions' and completions' formats.
 - ``tools.py``: tool calls in the model's own syntax: the grammar that constrains them, the reader
   that takes them out of the text.
 - ``harmony.py``: GPT-OSS's harmony messages read as answer text and tool calls.

@@ -27,7 +27,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--model",
         default=None,
-        help="Local mlx-lm directory or Hugging Face repo (default: embedded SmolLM2-135M-Instruct).",
+        help="Local mlx-lm directory or Hugging Face repo (default: embedded "
+        "SmolLM2-135M-Instruct).",
     )
     parser.add_argument(
         "--host",
@@ -191,8 +192,8 @@ def main():
     )
     if chat_tool_syntax(engine.tokenizer) is None:
         sys.stderr.write(
-            "note: the chat template writes no tool calls this server knows, so tool_choice auto gets "
-            "text answers (forced calls are JSON; see docs/server.md)\n"
+            "note: the chat template writes no tool calls this server knows, so tool_choice auto "
+            "gets text answers (forced calls are JSON; see docs/server.md)\n"
         )
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
     # Connections wait in the socket's backlog until uvicorn accepts them; tests read this line for

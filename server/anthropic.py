@@ -27,19 +27,15 @@ import uuid
 from server.engine import Outcome
 from server.formats import Format, Reasoning, sse
 from server.protocol import (
-    ApiError,
-    GenerationRequest,
     budget_field,
     effort_request,
     function_of,
-    invalid,
     named_choice,
-    number,
     prepare_chat,
     response_schema,
-    typed,
 )
 from server.reasoning import EFFORT_BUDGETS, ThinkingRequest
+from server.request import ApiError, GenerationRequest, invalid, number, typed
 from server.tools import Call
 
 PING_S = 5.0  # a stream with nothing to say for this long sends a ping (a long prompt's prefill)

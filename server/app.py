@@ -25,9 +25,11 @@ from starlette.routing import Route
 from server.anthropic import ANTHROPIC_STATUS, MessagesFormat, anthropic_error, parse_messages
 from server.engine import Engine, Job
 from server.formats import ChatFormat, CompletionFormat
-from server.protocol import ApiError, check_prompt, parse_body, parse_chat, parse_completion
+from server.protocol import check_prompt, parse_chat, parse_completion
 from server.reasoning import EFFORT_BUDGETS
-from server.responses import ResponsesFormat, ResponseStore, parse_responses
+from server.request import ApiError, parse_body
+from server.responses import ResponsesFormat
+from server.responses_input import ResponseStore, parse_responses
 
 DISCONNECT_POLL_S = 0.25  # how often a waiting handler checks that its client is still there
 # a context of 8k tokens is ~50 KB of text; this leaves room for tools and schemas

@@ -45,7 +45,7 @@ from decoder.draft import ConstraintError
 from decoder.step import DecodingStats
 from decoder.text import TextStream, eos_ids_of
 from server.constraints import RequestConstraints
-from server.protocol import ApiError, GenerationRequest
+from server.request import ApiError, GenerationRequest
 
 
 @dataclass
@@ -59,13 +59,13 @@ class Outcome:
     cached_tokens: int  # prompt tokens whose cache entries came from the prompt cache
     stop_sequence: Optional[str] = None  # the stop string that ended it, if one did
     stats: DecodingStats = field(default_factory=DecodingStats)
-    logprobs: Optional[list] = None  # with request.logprobs: a TokenLogprob per generated token
+    logprobs: Optional[list] = None  # with request.logprobs: an OpenAILogprob per generated token
     # the generated tokens (reasoning_tokens counts some of them)
     tokens: list = field(default_factory=list)
 
 
 @dataclass
-class TokenLogprob:
+class OpenAILogprob:
     """One generated token as OpenAI reports it: its text and bytes, its logprob and the top
     ones."""
 
@@ -78,7 +78,7 @@ class TokenLogprob:
 class Job:
     """A queued request and the events its handler awaits: ("start", None), ("text", (str,
     logprobs)), then ("done", Outcome) or ("error", ApiError). A text event's logprobs are None when
-    the request did not ask, else the TokenLogprobs of the tokens since the last text event."""
+    the request did not ask, else the OpenAILogprobs of the tokens since the last text event."""
 
     def __init__(
         self,
@@ -394,7 +394,7 @@ class Engine:
         )
         job.send("done", outcome)
 
-    def _token_logprob(self, token: int, found) -> TokenLogprob:
+    def _token_logprob(self, token: int, found) -> OpenAILogprob:
         """A ``batch.TokenLogprobs`` in OpenAI's terms. A -inf logprob (a NaN-scored token) is
         reported as -9999.0, as OpenAI floors it; forbidden (-inf) top tokens are left out."""
         if self.token_bytes is None:
@@ -417,7 +417,7 @@ class Engine:
             if math.isfinite(value)
         ]
         logprob = found.logprob if math.isfinite(found.logprob) else -9999.0
-        return TokenLogprob(*describe(token), logprob, top)
+        return OpenAILogprob(*describe(token), logprob, top)
 
     def constraint_for(self, request: GenerationRequest) -> tuple:
         """A fresh (constraint, forced-text source) for the request, or (None, None)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from constrained.thinking import ReasoningSplitter
 from server.engine import Outcome
-from server.protocol import ApiError, GenerationRequest
+from server.request import ApiError, GenerationRequest
 from server.tools import Call, reader_for, split
 
 

@@ -1,9 +1,9 @@
 """Request bodies -> a validated ``GenerationRequest``, or an ``ApiError`` that says what is wrong.
 
-OpenAI's chat and completions bodies are read here, with what every API shares: sampling options
-(``typed``, ``number``), and ``prepare_chat``, which turns chat messages and tools into a prompt
-and a constraint the same way for chat completions, Anthropic Messages (anthropic.py) and OpenAI
-Responses (responses.py).
+OpenAI's chat and completions bodies are read here, with ``prepare_chat``, which turns chat
+messages and tools into a prompt and a constraint the same way for chat completions, Anthropic
+Messages (anthropic.py) and OpenAI Responses (responses.py). The request, its error and the checks
+of single fields are in request.py.
 
 Validation is written out by hand: the rules are few, and each error message names the field, as
 OpenAI's do. Unknown top-level fields are refused (OpenAI refuses them too), so a typo is an error
@@ -11,30 +11,18 @@ rather than a silently ignored option.
 """
 
 import json
-from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-from constrained.thinking import Thinking, thinking_of
+from constrained.thinking import thinking_of
 from decoder.text import encode
 from server.harmony import chat_tool_syntax
 from server.reasoning import EFFORT_BUDGETS, ThinkingRequest, template_options
+from server.request import GenerationRequest, check_fields_and_model, invalid, number, typed
 from server.tools import Function, ToolUse
 
 MAX_STOP_STRINGS = 4  # as OpenAI
 MAX_TOP_LOGPROBS = 20  # as OpenAI's chat API (its legacy completions allow 5; 20 here too, as vLLM)
 
-# Accepted and ignored: they change nothing here (or only bookkeeping on OpenAI's side).
-IGNORED = {
-    "user",
-    "store",
-    "metadata",
-    "service_tier",
-    "stream_options",
-    "frequency_penalty",
-    "presence_penalty",
-    "logit_bias",
-    "modalities",
-}
 COMMON = {
     "model",
     "max_tokens",
@@ -62,111 +50,6 @@ CHAT_FIELDS = COMMON | {
     "thinking_token_budget",
 }
 COMPLETION_FIELDS = COMMON | {"prompt", "echo", "suffix", "best_of", "logprobs"}
-
-
-class ApiError(Exception):
-    """An OpenAI-shaped error: HTTP ``status`` and ``{"error": {"message", "type", "param",
-    "code"}}``."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        param: Optional[str] = None,
-        code: Optional[str] = None,
-        error_type: Optional[str] = None,
-        headers: Optional[dict] = None,
-    ):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-        self.type = error_type or ("invalid_request_error" if status < 500 else "server_error")
-        self.headers = headers or {}
-
-    def body(self) -> dict:
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.type,
-                "param": self.param,
-                "code": self.code,
-            }
-        }
-
-
-def invalid(message: str, param: Optional[str] = None, code: Optional[str] = None) -> ApiError:
-    return ApiError(400, message, param=param, code=code)
-
-
-@dataclass
-class GenerationRequest:
-    """What the engine needs: token ids and decoding options, already checked."""
-
-    prompt: list
-    max_tokens: int
-    temp: float = 0.0
-    top_p: float = 1.0
-    seed: Optional[int] = None
-    stop: list = field(default_factory=list)
-    regex: Optional[str] = None  # the output must fully match it (guided_regex)
-    # JSON text of the schema the output must follow (response_format, forced tools)
-    schema: Optional[str] = None
-    grammar: Optional[str] = None  # guided_grammar, when constrained/grammar.py is present
-    # Lark for text and tool calls in the template's syntax (tools.py)
-    tool_grammar: Optional[str] = None
-    # how tool calls are read out of the output; None: it is all text
-    tools: Optional[ToolUse] = None
-    messages: Optional[list] = None  # the chat messages the prompt came from (Responses keeps them)
-    stream: bool = False
-    include_usage: bool = False
-    # None: none; k: each token's logprob and the k most likely tokens
-    logprobs: Optional[int] = None
-    # on a thinking model: its markers, where the prompt left it, the budget
-    thinking: Optional[Thinking] = None
-
-
-def parse_body(raw: bytes) -> dict:
-    try:
-        body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise invalid(f"the request body is not valid JSON: {error}") from None
-    except RecursionError:
-        raise invalid("the request body nests too deeply") from None
-    if not isinstance(body, dict):
-        raise invalid("the request body must be a JSON object")
-    return body
-
-
-def typed(body: dict, name: str, kinds, default=None, what: str = ""):
-    value = body.get(name, default)
-    if value is None:
-        return default
-    # bool is an int in Python; a JSON true is never a number here.
-    if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
-        raise invalid(f"'{name}' must be {what}, not {json.dumps(value)[:40]}", param=name)
-    return value
-
-
-def number(body: dict, name: str, default: float, low: float, high: float) -> float:
-    value = typed(body, name, (int, float), default, "a number")
-    if not low <= value <= high:  # also False for NaN and infinities (Python's json reads them)
-        raise invalid(f"'{name}' must be between {low} and {high}", param=name)
-    return value
-
-
-def check_fields_and_model(body: dict, allowed: set, model_id: str, ignored: set = IGNORED):
-    """Refuse a field the API does not know (OpenAI refuses them too; ``ignored`` ones are accepted)
-    and a model this server does not serve."""
-    unknown = sorted(set(body) - allowed - ignored)
-    if unknown:
-        raise invalid(f"unrecognized request argument: {unknown[0]}", param=unknown[0])
-    model = typed(body, "model", (str,), model_id, "a string")
-    if model != model_id:
-        raise ApiError(
-            404,
-            f"the model '{model}' does not exist; this server serves '{model_id}'",
-            param="model",
-            code="model_not_found",
-        )
 
 
 def _common(

@@ -148,7 +148,8 @@ def _mistral_body(functions, parallel, literal) -> str:
     # v0.3 templates: '[TOOL_CALLS] [' + calls + ']', each with a 9-character id the model may write
     # too.
     calls = _call_schema(functions, extra={"id": {"type": "string", "pattern": "^[a-zA-Z0-9]{9}$"}})
-    return f'" "? {_json({"type": "array", "items": calls, "minItems": 1, "maxItems": 64 if parallel else 1})}'
+    array = {"type": "array", "items": calls, "minItems": 1, "maxItems": 64 if parallel else 1}
+    return f'" "? {_json(array)}'
 
 
 def _mistral_args_body(functions, parallel, literal) -> str:

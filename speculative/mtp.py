@@ -314,8 +314,8 @@ def load_mtp(model_dir, target) -> nn.Module:
     )
     if not weights:
         raise NoMTPWeights(
-            f"{model_dir} ({config['model_type']}) has no MTP weights ({prefix}*); convert.py keeps "
-            "them when it converts from Hugging Face, other conversions drop them"
+            f"{model_dir} ({config['model_type']}) has no MTP weights ({prefix}*); "
+            "convert.py keeps them when it converts from Hugging Face, other conversions drop them"
         )
     try:
         if not converted.is_file():

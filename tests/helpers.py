@@ -1,4 +1,8 @@
-"""Tiny random models and scripted draft sources shared by the tests."""
+"""Tiny random models, scripted draft sources and child processes shared by the tests."""
+
+import signal
+import subprocess
+from contextlib import contextmanager
 
 import mlx.core as mx
 from mlx_lm.models import llama
@@ -231,3 +235,40 @@ def qwen3_small_tokenizer(opens: bool = False):
         )
         assert "assistant\\n<think>\\n' }}" in tokenizer.chat_template
     return TokenizerWrapper(tokenizer)
+
+
+def restore_sigint():
+    """A child's SIGINT at its default (``preexec_fn``): a shell that runs the tests in the
+    background starts them with SIGINT ignored, and a child would inherit that and never see one."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def start_process(command: list, **popen_args) -> subprocess.Popen:
+    """``subprocess.Popen`` with SIGINT at its default; end it with ``stop`` on every path."""
+    return subprocess.Popen(command, preexec_fn=restore_sigint, **popen_args)
+
+
+def stop(process: subprocess.Popen, timeout: float = 30):
+    """End ``process`` if it still runs (SIGTERM, SIGKILL after ``timeout`` s), reap it and close
+    its pipes."""
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+    for pipe in (process.stdin, process.stdout, process.stderr):
+        if pipe is not None:
+            pipe.close()
+
+
+@contextmanager
+def running(command: list, **popen_args):
+    """A child process for the length of the block, stopped on every way out of it (a timeout or
+    a failed assertion too)."""
+    process = start_process(command, **popen_args)
+    try:
+        yield process
+    finally:
+        stop(process)

@@ -19,7 +19,7 @@ from decoder import TARGET, generate_step, sampling_probs
 from decoder.cost import Backoff, PassCost
 from prompt_lookup.history import HistoryLookupSource
 from prompt_lookup.ngram import PromptLookupSource
-from speculative import DraftModel as BatchDraftModel
+from speculative import DraftModel
 from tests.helpers import ScriptedSource, chi_square_p_value, tiny_byte_tokenizer, tiny_llama
 
 VOCAB = 64
@@ -129,8 +129,8 @@ def test_every_row_gives_its_own_greedy_output_while_rows_join_and_leave(rows, s
 def check_rows_against_alone(rows, seed):
     rng = random.Random(seed)
     drafters = {
-        "draft_model": BatchDraftModel(DRAFT, VOCAB, num_draft=3),
-        "self_draft": BatchDraftModel(MODEL, VOCAB, num_draft=5),
+        "draft_model": DraftModel(DRAFT, VOCAB, num_draft=3),
+        "self_draft": DraftModel(MODEL, VOCAB, num_draft=5),
     }
     specs, wants = [], []
     for prompt, max_tokens, join, kind in rows:
@@ -160,7 +160,7 @@ def test_drafts_are_used_and_accepted_tokens_say_where_they_came_from():
     prompt = [5, 6, 7, 8, 9] * 4
     truth = alone(MODEL, prompt, 30)
     rng = random.Random(0)
-    drafter = BatchDraftModel(MODEL, VOCAB)
+    drafter = DraftModel(MODEL, VOCAB)
     specs = [
         dict(
             prompt=prompt,
@@ -334,7 +334,7 @@ def test_one_rows_error_or_removal_never_touches_another():
         return [1, 2]
 
     prompts = [[4, 5, 6, 7], [8, 9, 10, 11, 12, 13, 14, 15, 4, 5], [6, 6, 6], [7, 8]]
-    drafter = BatchDraftModel(DRAFT, VOCAB)
+    drafter = DraftModel(DRAFT, VOCAB)
     specs = [
         dict(prompt=prompts[0], max_tokens=25, draft_sources=[PromptLookupSource()]),
         dict(prompt=prompts[1], max_tokens=25, draft_sources=[ScriptedSource(failing, "failing")]),
@@ -510,9 +510,7 @@ def test_sampling_keeps_each_rows_distribution(drafting):
     counts = np.zeros(vocab * vocab, np.int64)
     proposed = accepted = 0
     for _ in range(15):
-        drafter = BatchDraftModel(
-            SMALL_DRAFT, vocab, num_draft=2, adaptive=False, min_confidence=0.0
-        )
+        drafter = DraftModel(SMALL_DRAFT, vocab, num_draft=2, adaptive=False, min_confidence=0.0)
 
         def sources():
             if drafting == "draft_model":

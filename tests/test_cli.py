@@ -108,7 +108,8 @@ def test_json_schema_true_falls_back_to_the_built_in_compiler_and_gives_json(emb
     [
         (
             ["--json-schema", '{"type": "string", "not": {"const": "a"}}'],
-            'llguidance refused the schema: Unimplemented keys: ["not"]; the built-in compiler refused it too: not is',
+            'llguidance refused the schema: Unimplemented keys: ["not"]; the built-in compiler '
+            "refused it too: not is",
         ),
         # asked for by name: no fallback
         (

@@ -20,6 +20,7 @@ import pytest
 
 import distributed
 from loading import fast_blas
+from tests.helpers import start_process, stop
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "tests" / "distributed_worker.py"
@@ -197,7 +198,7 @@ def test_cli_under_mlx_launch(embedded):
 
 def run_rank(rank, hostfile, *command):
     env = dict(os.environ, MLX_HOSTFILE=str(hostfile), MLX_RANK=str(rank))
-    return subprocess.Popen(
+    return start_process(
         [sys.executable, *command],
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
@@ -240,20 +241,19 @@ LOST = "lost the connection to a peer"
 def test_missing_dead_or_stuck_peer_ends_with_one_line(
     embedded, hostfile, peer_lifetime, fragments
 ):
-    peer = None
-    # started first so that joining takes rank 0 well under the timeout
-    if peer_lifetime is not None:
-        peer = run_rank(1, hostfile, "-c", PEER, str(peer_lifetime))
-        assert peer.stdout.readline() == "ready\n"
-    tic = time.perf_counter()
-    rank0 = run_rank(0, hostfile, "main.py", *GREEDY, "--dist-timeout", "10")
+    started = []
     try:
+        # started first so that joining takes rank 0 well under the timeout
+        if peer_lifetime is not None:
+            started.append(run_rank(1, hostfile, "-c", PEER, str(peer_lifetime)))
+            assert started[0].stdout.readline() == "ready\n"
+        tic = time.perf_counter()
+        rank0 = run_rank(0, hostfile, "main.py", *GREEDY, "--dist-timeout", "10")
+        started.append(rank0)
         _, stderr = rank0.communicate(timeout=120)
     finally:
-        rank0.kill()
-        if peer is not None:
-            peer.kill()
-            peer.wait()
+        for process in started:
+            stop(process)
     assert rank0.returncode != 0
     assert (
         stderr.count("\n") == 1

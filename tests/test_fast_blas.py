@@ -26,7 +26,8 @@ path = None if mode == "none" else fast_blas.load(system=mode == "system", warn=
 import mlx.core as mx
 a = mx.ones((64, 64))
 mx.eval(a @ a)  # float32 matmul: MLX calls cblas_sgemm
-print(json.dumps({"loaded": path, "mapped": fast_blas.loaded(), "description": fast_blas.describe()}))
+report = {"loaded": path, "mapped": fast_blas.loaded(), "description": fast_blas.describe()}
+print(json.dumps(report))
 """
 
 
@@ -112,7 +113,8 @@ ctypes.CDLL(str(linked), mode=ctypes.RTLD_GLOBAL)
 import mlx.core as mx
 mx.eval(mx.ones((64, 64)) @ mx.ones((64, 64)))
 maps = open("/proc/self/maps").read().split()
-print(json.dumps({"loaded": str(linked), "gfortran": sorted({p for p in maps if "libgfortran" in p})}))
+gfortran = sorted({p for p in maps if "libgfortran" in p})
+print(json.dumps({"loaded": str(linked), "gfortran": gfortran}))
 """
     report, bound = run_child("linked", tmp_path, code)
     assert bound == os.path.realpath(report["loaded"])

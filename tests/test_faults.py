@@ -19,7 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.helpers import ScriptedSource, tiny_byte_tokenizer
+from tests.helpers import ScriptedSource, start_process, stop, tiny_byte_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -147,15 +147,22 @@ def cache_env(tmp_path, tiny_gguf):
     return env, tmp_path / "cache" / "mlx-decoding" / "models", tmp_path / "tmp", tmp_path / "hold"
 
 
-def start_cache_run(env, hold=None):
-    env = {**os.environ, **env, **({"HOLD": str(hold)} if hold else {})}
-    return subprocess.Popen(
-        [sys.executable, "-c", CACHE_RUN],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-    )
+@pytest.fixture
+def start_cache_run():
+    """Starts a CACHE_RUN child (``start(env, hold=None)``); each is stopped when the test ends, on
+    every path (a conversion waiting on ``hold`` would otherwise wait for ever)."""
+    started = []
+
+    def start(env, hold=None):
+        env = {**os.environ, **env, **({"HOLD": str(hold)} if hold else {})}
+        command = [sys.executable, "-c", CACHE_RUN]
+        pipes = dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        started.append(start_process(command, cwd=ROOT, env=env, **pipes))
+        return started[-1]
+
+    yield start
+    for process in started:
+        stop(process)
 
 
 def wait_for(condition, timeout=120):
@@ -175,7 +182,7 @@ def leftovers(*directories):
     ]
 
 
-def test_concurrent_first_use_shares_one_copy(cache_env):
+def test_concurrent_first_use_shares_one_copy(cache_env, start_cache_run):
     from loading.store import verify_checksums
 
     env, models, tmp, hold = cache_env
@@ -196,7 +203,7 @@ def test_concurrent_first_use_shares_one_copy(cache_env):
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM, signal.SIGINT])
-def test_killed_conversion_leaves_nothing(cache_env, sig):
+def test_killed_conversion_leaves_nothing(cache_env, start_cache_run, sig):
     env, models, tmp, hold = cache_env
     process = start_cache_run(env, hold)
     wait_for(lambda: list(hold.glob("started-*")))
@@ -213,7 +220,7 @@ def test_killed_conversion_leaves_nothing(cache_env, sig):
     assert leftovers(models, tmp) == []
 
 
-def test_unwritable_cache_converts_into_a_temporary_directory(cache_env, tmp_path):
+def test_unwritable_cache_converts_into_a_temporary_directory(cache_env, start_cache_run, tmp_path):
     env, models, tmp, _ = cache_env
     (tmp_path / "a-file").write_text("")
     env = {**env, "XDG_CACHE_HOME": str(tmp_path / "a-file" / "cache")}  # unwritable, even for root

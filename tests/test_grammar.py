@@ -53,7 +53,8 @@ LARK_GRAMMARS = [
     'start: "yes" | "no" | "maybe"',
     "start: /[0-9]{4}-[0-9]{2}-[0-9]{2}/",
     EXPRESSION,
-    'start: "{\\"name\\": \\"" /[a-z]{1,8}/ "\\", \\"tags\\": [" (TAG ("," TAG)*)? "]}"\nTAG: /"[a-c]{1,3}"/',
+    'start: "{\\"name\\": \\"" /[a-z]{1,8}/ "\\", \\"tags\\": [" (TAG ("," TAG)*)? "]}"\n'
+    'TAG: /"[a-c]{1,3}"/',
 ]
 SCHEMA = {
     "type": "object",
@@ -382,7 +383,8 @@ def test_cli_refusals_are_one_line(args, fragment):
 
 def test_cli_without_llguidance_says_what_to_install():
     block = (
-        "import runpy, sys; sys.modules['llguidance'] = None; sys.argv = ['main.py'] + sys.argv[1:]; "
+        "import runpy, sys; sys.modules['llguidance'] = None; "
+        "sys.argv = ['main.py'] + sys.argv[1:]; "
         "runpy.run_path('main.py', run_name='__main__')"
     )
     result = subprocess.run(

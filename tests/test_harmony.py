@@ -15,8 +15,10 @@ from server.engine import Outcome
 from server.formats import ChatFormat, Reasoning
 from server.harmony import chat_tool_syntax
 from server.protocol import parse_chat
-from server.responses import ResponsesFormat, ResponseStore, parse_responses
+from server.responses import ResponsesFormat
+from server.responses_input import ResponseStore, parse_responses
 from server.tools import Call, Function, ToolUse, split
+from tests.helpers import stop
 from tests.test_server_tiny import start
 from tests.tiny_server import harmony_tokenizer
 
@@ -29,7 +31,10 @@ WEATHER = {
 }
 PARIS = Call("get_weather", '{"city": "Paris"}')
 ANALYSIS = "<|channel|>analysis<|message|>The user wants the weather.<|end|>"
-CALL = '<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}'
+CALL = (
+    "<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json"
+    '<|message|>{"city": "Paris"}'
+)
 PREAMBLE = "<|start|>assistant<|channel|>commentary<|message|>Let me check.<|end|>"
 
 
@@ -185,8 +190,8 @@ def test_a_forced_call_is_bare_json_in_the_final_channel():
         32,
     )
     text = (
-        ANALYSIS
-        + '<|start|>assistant<|channel|>final<|message|>{"name": "get_weather", "arguments": {"city": "Paris"}}'
+        ANALYSIS + "<|start|>assistant<|channel|>final"
+        '<|message|>{"name": "get_weather", "arguments": {"city": "Paris"}}'
     )
     message = ChatFormat("m", request).full(outcome(text))["choices"][0]["message"]
     assert message["tool_calls"][0]["function"]["name"] == "get_weather" and message["reasoning"]
@@ -225,5 +230,4 @@ def test_a_harmony_model_through_the_client(tmp_path):
         # each opens a header, never text
         assert "<|channel|>" not in content and "<|start|>" not in content
     finally:
-        process.terminate()
-        process.wait(timeout=30)
+        stop(process)

@@ -6,7 +6,11 @@ Imports inside functions count too: a lazy import hides a cycle from Python, not
 """
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 # What a user copies into their project (README: "Use it from Python").
@@ -37,17 +41,9 @@ MAX_README_BYTES = 5_000
 # Names still over while a restructuring that owns them is under way (none now): list one here with
 # its issue, and remove it when it lands. A name here that is no longer over fails the test too, so
 # the list cannot go stale.
-KNOWN_OVER = {  # issue 48: the formatter's one argument a line
-    "benchmarks/batch.py",
-    "benchmarks/batch.py:methods_for",
-    "benchmarks/draft_head.py:draft_head_suite",
-    "benchmarks/grammar.py:coverage",
-    "benchmarks/server_load.py:main",
-    "head_training/train.py:main",
-    "head_training/train.py:train",
-    "server/protocol.py",
-    "server/responses.py",
-}
+KNOWN_OVER = set()
+
+RUFF = Path(sys.executable).parent / "ruff"
 
 
 def project_modules(root: Path) -> dict:
@@ -194,6 +190,21 @@ def test_files_and_functions_are_a_size_a_reader_can_hold():
     over = oversized(ROOT)
     assert sorted(over - KNOWN_OVER) == [], "over the size limits"
     assert sorted(KNOWN_OVER - over) == [], "now within the limits: remove from KNOWN_OVER"
+
+
+def ruff(*args) -> list:
+    """The lines ruff prints for ``args``, run on the repository with its ``ruff.toml``."""
+    done = subprocess.run([RUFF, *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode in (0, 1), done.stderr  # 1: it found something; 2: it could not run
+    return done.stdout.splitlines()
+
+
+@pytest.mark.skipif(not RUFF.exists(), reason="ruff is not installed (requirements-dev.txt)")
+def test_ruff_finds_nothing_and_the_tree_is_formatted():
+    findings = [line for line in ruff("check", ".", "--output-format", "concise") if ": " in line]
+    assert findings == [], "ruff check . found:\n" + "\n".join(findings)
+    unformatted = [line for line in ruff("format", "--check", ".") if line.startswith("Would")]
+    assert unformatted == [], "ruff format . would change:\n" + "\n".join(unformatted)
 
 
 def test_folder_readmes_are_front_pages():

@@ -118,7 +118,7 @@ def test_a_constraint_for_another_vocabulary_is_one_clear_error():
         list(generate_step([1, 2], TARGET, constraint=constraint, max_tokens=2, eos_token_ids=()))
 
 
-def test_a_kv_cache_is_continued_not_refilled():
+def test_a_prompt_cache_is_continued_not_refilled():
     from mlx_lm.models.cache import make_prompt_cache
 
     prompt = PROMPTS[2]
@@ -126,11 +126,14 @@ def test_a_kv_cache_is_continued_not_refilled():
     cache = make_prompt_cache(TARGET)
     TARGET(mx.array(prompt[:10])[None], cache=cache)
     reused = [
-        t for t, _ in generate_step(prompt, TARGET, max_tokens=8, eos_token_ids=(), kv_cache=cache)
+        t
+        for t, _ in generate_step(
+            prompt, TARGET, max_tokens=8, eos_token_ids=(), prompt_cache=cache
+        )
     ]
     assert reused == plain and cache[0].offset == len(prompt) + 8 - 1
     with pytest.raises(ValueError, match="prompt_cache holds"):
-        list(generate_step(prompt[:3], TARGET, max_tokens=1, eos_token_ids=(), kv_cache=cache))
+        list(generate_step(prompt[:3], TARGET, max_tokens=1, eos_token_ids=(), prompt_cache=cache))
 
 
 def test_a_greedy_sampler_gives_greedy_output_with_drafts():

@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 from benchmarks.hostile_inputs import DRIVER, nested, properties, ref_fanout
 from constrained.json_schema import MAX_DEPTH, SchemaError, load_schema, schema_to_regex
 from constrained.regex_dfa import RegexError, compile_regex
+from tests.helpers import running
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -237,15 +238,11 @@ def test_main_refuses_a_hostile_schema_in_one_line(engine, start, tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("sig, status", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
 def test_a_signal_during_generation_is_one_line(sig, status):
-    process = subprocess.Popen(
-        [sys.executable, "main.py", "--max-tokens", "400", "--prompt", "Count to 500."],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-    )
-    process.stdout.read(20)  # generation has started
-    process.send_signal(sig)
-    _, stderr = process.communicate(timeout=60)
+    command = [sys.executable, "main.py", "--max-tokens", "400", "--prompt", "Count to 500."]
+    with running(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE) as process:
+        process.stdout.read(20)  # generation has started
+        process.send_signal(sig)
+        _, stderr = process.communicate(timeout=60)
     assert process.returncode == status and stderr == b"interrupted\n"
 
 

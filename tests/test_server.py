@@ -19,7 +19,9 @@ import pytest
 
 from constrained import schema_to_regex
 from server.engine import StopText
-from server.protocol import ApiError, parse_body, parse_chat, parse_completion
+from server.protocol import parse_chat, parse_completion
+from server.request import ApiError, parse_body
+from tests.helpers import start_process, stop
 
 ROOT = Path(__file__).resolve().parent.parent
 API_KEY = "test-key"
@@ -238,7 +240,10 @@ def test_stop_text_holds_back_possible_stop_prefixes(pieces, stop, expected_sent
 ONLY_LLGUIDANCE = {"type": "integer", "multipleOf": 7, "minimum": 0, "maximum": 99}
 # llguidance: "Unimplemented keys"; regex: "not"
 NEITHER = {"type": "string", "not": {"const": "a"}}
-FALLBACK_NOTE = "note: llguidance refused the schema (Expecting object schema to apply options); using the built-in compiler\n"
+FALLBACK_NOTE = (
+    "note: llguidance refused the schema (Expecting object schema to apply options); "
+    "using the built-in compiler\n"
+)
 
 
 @pytest.fixture(scope="module")
@@ -434,7 +439,7 @@ def test_a_request_is_refused_only_when_every_row_and_queue_place_is_taken():
 
 @pytest.fixture(scope="module")
 def server():
-    process = subprocess.Popen(
+    process = start_process(
         [
             sys.executable,
             "-m",
@@ -456,12 +461,11 @@ def server():
     # "serving MODEL on http://127.0.0.1:PORT/v1", or EOF on failure
     line = process.stdout.readline()
     if not line.startswith("serving"):
-        process.kill()
+        stop(process)
         pytest.fail(f"the server did not start: {line}{process.stderr.read()[-2000:]}")
     url = line.split()[-1]
     yield process, url
-    process.terminate()
-    process.wait(timeout=30)
+    stop(process)
 
 
 @pytest.fixture(scope="module")
@@ -877,7 +881,7 @@ def test_draft_sources_keep_the_greedy_output(client):
     target passes."""
     from openai import OpenAI
 
-    process = subprocess.Popen(
+    process = start_process(
         [sys.executable, "-m", "server", "--port", "0", "--prompt-lookup", "--draft-head"],
         cwd=ROOT,
         stdout=subprocess.PIPE,
@@ -908,8 +912,7 @@ def test_draft_sources_keep_the_greedy_output(client):
             for c in (client, drafted)
         ]
     finally:
-        process.terminate()
-        process.wait(timeout=30)
+        stop(process)
     assert answers[1].choices[0].message.content == answers[0].choices[0].message.content
     assert logprobs[1].tokens == logprobs[0].tokens
     assert logprobs[1].token_logprobs == pytest.approx(logprobs[0].token_logprobs, abs=1e-3)

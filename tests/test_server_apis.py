@@ -16,8 +16,9 @@ from types import SimpleNamespace
 import jsonschema
 import pytest
 
-from server.protocol import ApiError
+from server.request import ApiError
 from tests import tiny_server
+from tests.helpers import stop
 from tests.test_server_tiny import start
 
 WEATHER_SCHEMA = {
@@ -116,8 +117,9 @@ def test_a_messages_body_becomes_the_chat_a_template_renders():
     ]
     rendered = HERMES.decode(request.prompt)
     assert (
-        'Let me look.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
-        in rendered
+        "Let me "
+        'look.<tool_call>\n{"name": "get_weather", "arguments": {"city": '
+        '"Oslo"}}\n</tool_call>' in rendered
     )
     assert rendered.startswith("tools: get_weather\n") and request.tools.choice == "auto"
     # Anthropic's default temperature
@@ -167,7 +169,7 @@ def test_bad_messages_bodies_are_400_in_one_line(change, fragment):
 
 
 def test_responses_input_items_become_chat_messages():
-    from server.responses import ResponseStore, parse_responses
+    from server.responses_input import ResponseStore, parse_responses
 
     body = {
         "model": "tiny",
@@ -235,7 +237,7 @@ def test_a_quiet_stream_pings_and_then_goes_on():
     from server.anthropic import MessagesFormat
     from server.app import events
     from server.engine import Outcome
-    from server.protocol import GenerationRequest
+    from server.request import GenerationRequest
 
     async def run():
         job = SimpleNamespace(events=asyncio.Queue())
@@ -282,8 +284,7 @@ def post(base_url: str, path: str, body):
 def hermes(tmp_path_factory):
     process, url, log = start(tmp_path_factory.mktemp("hermes"), "--hermes", "--max-queue", "16")
     yield process, url, log
-    process.terminate()
-    process.wait(timeout=30)
+    stop(process)
 
 
 def clients(server) -> tuple:
@@ -628,6 +629,5 @@ def test_a_client_that_hangs_up_mid_stream_frees_its_row(tmp_path):
                 )
             assert [a.usage.output_tokens for a in answers] == [2, 2]
     finally:
-        process.terminate()
-        process.wait(timeout=30)
+        stop(process)
     assert "Traceback" not in log.read_text()

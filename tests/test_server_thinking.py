@@ -15,10 +15,12 @@ from hypothesis import strategies as st
 
 from constrained.thinking import ANSWER, START, THINKING, Thinking
 from server.anthropic import parse_messages
-from server.protocol import ApiError, parse_chat
+from server.protocol import parse_chat
 from server.reasoning import EFFORT_BUDGETS, parse_effort_budgets
-from server.responses import ResponseStore, parse_responses
+from server.request import ApiError
+from server.responses_input import ResponseStore, parse_responses
 from tests import tiny_server
+from tests.helpers import stop
 from tests.test_server_tiny import start
 
 OPENS = tiny_server.tokenizer(hermes=True, thinking="opens")
@@ -217,8 +219,7 @@ def server(tmp_path_factory):
         tmp_path_factory.mktemp("thinking"), "--thinking", "opens", "--hermes"
     )
     yield url
-    process.terminate()
-    process.wait(timeout=30)
+    stop(process)
 
 
 def openai_client(url):

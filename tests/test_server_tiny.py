@@ -19,6 +19,7 @@ import pytest
 
 from decoder import generate_step
 from tests import tiny_server
+from tests.helpers import start_process, stop
 
 ROOT = Path(__file__).resolve().parent.parent
 TOKENIZER = tiny_server.tokenizer()
@@ -31,7 +32,7 @@ PROMPT = TOKENIZER.encode("name: ab 12 20 ab name: ab 12")
 def start(log_dir: Path, *flags):
     log = log_dir / "stderr.txt"
     with open(log, "w") as stderr:
-        process = subprocess.Popen(
+        process = start_process(
             [sys.executable, "-m", "tests.tiny_server", *flags],
             cwd=ROOT,
             stdout=subprocess.PIPE,
@@ -40,7 +41,7 @@ def start(log_dir: Path, *flags):
         )
     line = process.stdout.readline()
     if not line.startswith("serving"):
-        process.kill()
+        stop(process)
         pytest.fail(f"the tiny server did not start: {line}{log.read_text()[-2000:]}")
     return process, line.split()[-1], log
 
@@ -49,16 +50,14 @@ def start(log_dir: Path, *flags):
 def plain(tmp_path_factory):
     process, url, log = start(tmp_path_factory.mktemp("plain"), "--max-queue", "32")
     yield process, url, log
-    process.terminate()
-    process.wait(timeout=30)
+    stop(process)
 
 
 @pytest.fixture(scope="module")
 def lookup(tmp_path_factory):
     process, url, log = start(tmp_path_factory.mktemp("lookup"), "--prompt-lookup")
     yield process, url, log
-    process.terminate()
-    process.wait(timeout=30)
+    stop(process)
 
 
 def client(server):
@@ -204,7 +203,8 @@ def test_constrained_logprobs_name_only_allowed_tokens(plain):
     ],
 )
 def test_bad_logprobs_are_400_in_one_line(body, fragment):
-    from server.protocol import ApiError, parse_chat, parse_completion
+    from server.protocol import parse_chat, parse_completion
+    from server.request import ApiError
 
     with pytest.raises(ApiError) as caught:
         parse_chat({"messages": [{"role": "user", "content": "hi"}], **body}, TOKENIZER, "tiny", 8)

@@ -123,7 +123,8 @@ def run_snippet(code: str, cwd: Path, model_path: Path, extras=()) -> subprocess
         "import importlib, importlib.util, runpy, sys\n"
         "spec = importlib.util.spec_from_file_location('blas_for_the_test', sys.argv[1])\n"
         "blas = importlib.util.module_from_spec(spec); spec.loader.exec_module(blas); blas.load()\n"
-        "sys.path[:] = [sys.argv[2], sys.argv[3]] + [p for p in sys.path if p and 'site-packages' not in p]\n"
+        "sys.path[:] = [sys.argv[2], sys.argv[3]] + "
+        "[p for p in sys.path if p and 'site-packages' not in p]\n"
         "sys.path_importer_cache.clear(); importlib.invalidate_caches()\n"
         "runpy.run_path('snippet.py', run_name='__main__')\n"
     )

@@ -32,13 +32,16 @@ PARIS = {"city": "Paris"}
 # Tool calls as Llama 3.1 and Mistral v0.3 templates write them (the rest of those templates left
 # out).
 LLAMA3_TEMPLATE = (
-    "{% for m in messages %}<|{{ m.role }}|>{% if m.tool_calls %}{% set tool_call = m.tool_calls[0].function %}"
-    "{{- '{\"name\": \"' + tool_call.name + '\", ' }}{{- '\"parameters\": ' }}{{- tool_call.arguments | tojson }}"
+    "{% for m in messages %}<|{{ m.role }}|>"
+    "{% if m.tool_calls %}{% set tool_call = m.tool_calls[0].function %}"
+    "{{- '{\"name\": \"' + tool_call.name + '\", ' }}{{- '\"parameters\": ' }}"
+    "{{- tool_call.arguments | tojson }}"
     "{{- '}' }}{% else %}{{ m.content }}{% endif %}{% endfor %}<|assistant|>"
 )
 MISTRAL_TEMPLATE = (
     "{% for m in messages %}{% if m.tool_calls %}[TOOL_CALLS] [{% for tool_call in m.tool_calls %}"
-    "{% set out = tool_call.function | tojson %}{{ out[:-1] }}{{ ', \"id\": \"' + tool_call.id + '\"}' }}"
+    "{% set out = tool_call.function | tojson %}{{ out[:-1] }}"
+    "{{ ', \"id\": \"' + tool_call.id + '\"}' }}"
     "{% endfor %}]{% else %}[INST] {{ m.content }}[/INST]{% endif %}{% endfor %}"
 )
 
@@ -146,7 +149,8 @@ def test_once_a_call_opens_the_grammar_forces_its_json_up_to_the_arguments():
 
 
 CALLS_TEXT = (
-    'Let me check both.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    "Let me check both.\n"
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
     '\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>\nDone: 3 < 4.'
 )
 

@@ -17,10 +17,13 @@ CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% 
 # Tool calls as Hermes and Qwen templates write them (mlx-lm reads "<tool_call>" and
 # "tool_call.name" as json_tools).
 HERMES_TEMPLATE = (
-    "{% if tools %}tools: {{ tools | map(attribute='function') | map(attribute='name') | join(', ') }}{{ '\\n' }}{% endif %}"
+    "{% if tools %}tools: "
+    "{{ tools | map(attribute='function') | map(attribute='name') | join(', ') }}{{ '\\n' }}"
+    "{% endif %}"
     "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}"
     "{% for call in m.get('tool_calls') or [] %}{% set tool_call = call['function'] %}"
-    '<tool_call>\n{"name": "{{ tool_call.name }}", "arguments": {{ tool_call.arguments | tojson }}}\n</tool_call>'
+    '<tool_call>\n{"name": "{{ tool_call.name }}", '
+    '"arguments": {{ tool_call.arguments | tojson }}}\n</tool_call>'
     "{% endfor %}{{ '\\n' }}{% endfor %}assistant:"
 )  # HF templates trim a newline after a tag
 
