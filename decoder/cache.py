@@ -1,28 +1,7 @@
-"""A model's cache for 1 to B rows that each roll back alone, for every kind of layer mlx-lm builds.
-
-A verify pass writes ``pending + draft`` into the cache and each row keeps a prefix of its draft.
-One class per kind of layer, as in mlx-lm's ``models/cache.py``; one row is the batch at B = 1:
-
-- ``KVRows``, attention (``KVCache``, latent attention too) and sliding windows
-  (``RotatingKVCache``): row b holds its tokens in slots ``[start_b, end_b)`` of one ``[B, heads,
-  slots, dim]`` buffer, so a
-  row drops its rejected tail by moving its end (vLLM's rule: the next pass writes over it). Slots
-  outside a row are masked, never zeroed (a zero key still adds e^0 to a softmax). A sliding layer
-  keeps each row's window plus ``max_rollback`` positions and drops older slots a block at a time;
-  mlx-lm's ``RotatingKVCache`` writes over its oldest slot once full and cannot roll back.
-- ``StateRows``, recurrent layers (``ArraysCache``: conv and SSM states, gated delta) hold one state
-  per
-  row, not an entry per token: ``checkpoint`` keeps the states from before a pass (references, no
-  copy: the layers replace their arrays rather than write into them) and ``restore`` puts rows back
-  to them after a rejection; the row's accepted tokens are then fed again at the front of its next
-  pass.
-- ``ChunkedRows``, attention in chunks (``ChunkedKVCache``): one row only, since the model builds
-  its chunk mask from one scalar offset.
-- ``ExtraRows``, a layer a model wrapper keeps after the model's own (a draft head's hidden
-  states, speculative/head_source.py): the cache moves it with its rows and asks it the rest.
-
-The kinds are in ``kinds.py``; here are the table from mlx-lm's classes to them (``_kind``) and
-``Cache``, a model's layers and the operations on rows applied to all of them.
+"""A model's cache for 1 to B rows that each roll back alone, for every kind of layer mlx-lm builds:
+one class per kind (``kinds.py``: ``KVRows``, ``StateRows``, ``ChunkedRows``; ``ExtraRows`` for a
+model wrapper's own layer), a table from mlx-lm's classes to them (``_kind``), and ``Cache``, the
+operations on rows applied to every layer. How each kind rolls back: docs/decoder.md.
 
     cache = make_cache(model)              # Cache: its layers are what the model is called with
     cache.checkpoint()                     # before a pass with a draft
@@ -50,10 +29,8 @@ from .kinds import ChunkedRows, KVRows, StateRows
 
 
 class ExtraRows:
-    """A per-row layer that a wrapper of the model keeps after the model's own layers. ``Cache``
-    filters and extends it with the rows and asks it the rest, with these defaults: a rewind leaves
-    it be, and it has nothing to realign, extract (a ``CachedPrefix`` entry, as ``KVRows.extract``
-    gives) or fill."""
+    """A per-row layer a model wrapper keeps after the model's own (a head's features). ``Cache``
+    filters and extends it with the rows; by default the rest leaves it be."""
 
     def for_rows(self, rows: int) -> "ExtraRows":  # an empty one for ``make_cache``
         raise NotImplementedError
@@ -84,8 +61,7 @@ def architecture(model) -> str:
 
 
 def _kind(layer, rows: int, max_rollback: Optional[int], mask_dims: int):
-    """The form of one ``make_prompt_cache`` layer here: mlx-lm's kinds, told apart by class (a
-    renaming table)."""
+    """One ``make_prompt_cache`` layer in its kind here: a renaming table."""
     if isinstance(layer, CacheList):
         return CacheList(*(_kind(child, rows, max_rollback, mask_dims) for child in layer.caches))
     if isinstance(layer, ExtraRows):
@@ -119,20 +95,13 @@ def layers_of(cache: list) -> list:
 @dataclass(frozen=True)
 class CachedPrefix:
     """One row's cache for the first ``length`` tokens of its text, for a later prompt that extends
-    them (a conversation's next turn): each attention layer's ``(keys, values, first)`` of positions
-    ``[first, length)`` (a sliding layer may have dropped the ones before), and each recurrent
-    layer's states after exactly those tokens. A state holds no shorter prefix, so only a prompt
-    that extends all ``length`` tokens can use a prefix with states."""
+    them. A recurrent state holds no shorter prefix: only a prompt that extends them all uses it."""
 
     length: int
-    # per attention layer (keys, values, first), keys and values [1, heads, length - first, dim]
-    attention: list
-    # per recurrent layer, its state arrays, each [1, ...]; empty without recurrent layers
-    states: list
-    # the shortest length it can be cut to (sliding layers need their window's keys)
-    shortest: int = 0
-    # per ``ExtraRows`` layer, its entry (an attention entry) or None
-    extra: tuple = ()
+    attention: list  # per attention layer, (keys, values, first): positions [first, length)
+    states: list  # per recurrent layer, its state arrays
+    shortest: int = 0  # the shortest length it can be cut to (a sliding layer needs its window)
+    extra: tuple = ()  # per ``ExtraRows`` layer, its entry or None
 
     def usable(self, common: int) -> int:
         """The longest prefix of at most ``common`` tokens it can serve; 0 for none."""
@@ -165,10 +134,8 @@ class CachedPrefix:
 
 
 class Cache:
-    """A model's cache for ``rows`` rows: ``layers`` (what the model is called with, one per layer
-    in the kind of ``_kind``'s table) and the operations on rows, applied to every layer at once.
-    ``make_cache`` (``Cache.of``) builds one for a model; ``adopt`` takes over an mlx-lm cache.
-    """
+    """A model's cache for ``rows`` rows: ``layers`` (what the model is called with) and the
+    operations on rows, applied to every layer at once."""
 
     def __init__(self, layers: list, rows: int):
         self.layers, self.rows = layers, rows
@@ -183,8 +150,7 @@ class Cache:
     def of(
         cls, model, rows: int = 1, max_rollback: Optional[int] = None, mask_dims: int = 4
     ) -> "Cache":
-        """``max_rollback``: how many tokens a sliding row may drop across calls (a draft model's
-        one-token drafts; a pass is always undone whole). ``mask_dims``: see ``KVRows``."""
+        """``max_rollback``, ``mask_dims``: see ``KVRows``."""
         try:
             return cls(
                 [_kind(layer, rows, max_rollback, mask_dims) for layer in make_prompt_cache(model)],
@@ -194,8 +160,7 @@ class Cache:
             raise CacheKindError(f"{architecture(model)}: {error}") from None
 
     def held(self, row: int = 0) -> Optional[int]:
-        """How many tokens row ``row`` holds (None for a model of recurrent layers only: no layer
-        counts)."""
+        """How many tokens row ``row`` holds (None with recurrent layers only)."""
         if not self.attention:
             return None
         layer = self.attention[0]
@@ -323,9 +288,8 @@ def _adopted(layer):
 
 
 def adopt(cache) -> Cache:
-    """A ``Cache`` of one row from ``cache``: a ``Cache`` as it is, or a list of mlx-lm layer caches
-    (``make_prompt_cache``, perhaps holding tokens), whose entries are replaced in place by their
-    kinds here, so the caller's list can be passed again."""
+    """A ``Cache`` of one row from a ``Cache`` or an mlx-lm list of layer caches, whose entries are
+    replaced in place by their kinds here (so the list can be passed again)."""
     if isinstance(cache, Cache):
         return cache
     try:
@@ -338,8 +302,7 @@ def adopt(cache) -> Cache:
 def make_cache(
     model, rows: int = 1, max_rollback: Optional[int] = None, mask_dims: int = 4
 ) -> Cache:
-    """The model's cache (``make_prompt_cache``) for ``rows`` rows, every layer in a kind that rolls
-    back per row; ``CacheKindError`` naming the architecture and the layer kind otherwise."""
+    """The model's cache for ``rows`` rows that roll back alone (else ``CacheKindError``)."""
     return Cache.of(model, rows, max_rollback, mask_dims)
 
 
@@ -357,12 +320,8 @@ def _from_state(class_name: str, state):
 
 
 def load_cache(file_name: str) -> Cache:
-    """The cache that mlx-lm's ``save_prompt_cache(file_name, cache.layers)`` saved, as it was.
-
-    mlx-lm's ``load_prompt_cache`` reads the same file but looks each layer's class up among its
-    own, so it cannot find the kinds here; this is it with them added. Pass the result as
-    ``prompt_cache=`` to decode on from where the saved cache stopped.
-    """
+    """The cache ``save_prompt_cache(file_name, cache.layers)`` saved (mlx-lm's loader cannot find
+    the kinds here), to pass as ``prompt_cache=``."""
     arrays, metadata = mx.load(file_name, return_metadata=True)
     _, class_names, scalars = tree_unflatten(list(metadata.items()))
     decode = {

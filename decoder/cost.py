@@ -1,22 +1,11 @@
-"""What a verification pass costs, measured by the loop that runs it, and what a source's drafts
-win (``AcceptanceEstimate``), with the backoff of a source whose drafts do not pay (``Backoff``).
-
-Every adaptive choice (how long a copy, a draft model's or a head's draft should be, and
-which source drafts a step) weighs the tokens a draft may win against what scoring it
-costs. That cost depends on the hardware: on a CPU one more token in a pass adds a good
-share of a step, on a Mac's GPU nearly nothing. So the loops time their own
-passes and every choice reads this one model instead of a constant.
+"""What a verification pass costs, timed by the loop that runs it (``PassCost``), what a source's
+drafts win (``AcceptanceEstimate``), and the backoff of a source whose drafts do not pay
+(``Backoff``). Every adaptive choice reads these instead of a constant, since the cost of width
+depends on the hardware (docs/decoder.md).
 
     cost = PassCost()
     cost.record(seconds, width=1 + len(draft), rows=1)  # the loop, after each pass
     cost.token_cost()                                    # a source, choosing its length
-
-A pass of ``rows`` sequences, each ``width`` tokens wide, is modelled as a line,
-``seconds = base + slope * (width - 1)``, fitted per ``rows`` to recent timings.
-Until both ends of the line are measured, a prior fills in: the relative slope measured at the
-nearest other batch size, or ``default_token_cost`` before any has one. (A batch whose rows join
-one by one meets a new size at almost every step; the constant would price its width as if it
-had one row, where on a CPU a token of width costs several times more at 8 rows.)
 """
 
 import time
@@ -26,17 +15,17 @@ from mlx_lm.utils import common_prefix_len
 
 
 class PassCost:
-    """Recent timings of target passes by shape, and of each draft source's drafting.
+    """Recent timings of target passes by shape, and of each source's drafting. A ``rows`` x
+    ``width`` pass is a line, ``base + slope * (width - 1)``, fitted per ``rows``.
 
     Args:
-        default_token_cost: the prior for one more token of width, as a fraction of a
-            one-token pass, used until the loop has timed passes of two widths.
-        forget: the weight of the past in each timing's running mean.
+        default_token_cost: the prior for one more token of width (a fraction of a one-token
+            pass) until some batch size has two widths timed.
+        forget: the weight of the past in each running mean.
         clock: seconds as a float; tests pass a simulated clock.
     """
 
-    PRIOR_WEIGHT = 0.5  # the prior counts as half a pass at widths 1 and 2: it sets the slope
-    # until a second width is timed, and soon gives way once one is
+    PRIOR_WEIGHT = 0.5  # the prior is half a pass at widths 1 and 2, soon outweighed
 
     def __init__(
         self,
@@ -96,8 +85,8 @@ class PassCost:
         return fit
 
     def _prior_token_cost(self, rows: int) -> float:
-        """The relative slope measured (two widths or more, no prior) at the batch size nearest
-        ``rows``, the larger on a tie; ``default_token_cost`` while no other size has one."""
+        """The relative slope measured at the batch size nearest ``rows`` (a batch whose rows join
+        one by one meets new sizes often), else ``default_token_cost``."""
         slopes = {}
         for other, widths in self.passes.items():
             if other != rows and len(widths) >= 2 and all(mean > 0 for _, mean in widths.values()):
@@ -125,14 +114,12 @@ class PassCost:
         return max(self.relative(2, rows) - 1, 1e-3)
 
     def draft_seconds(self, name: str) -> Optional[float]:
-        """Source ``name``'s mean drafting seconds per token (per draft position, for a drafter of
-        many rows); None before any was timed."""
+        """Source ``name``'s mean drafting seconds per token (per position for many rows)."""
         entry = self.drafting.get(name)
         return None if entry is None else entry[1]
 
     def draft_cost(self, name: str, prior: float) -> float:
-        """Source ``name``'s drafting time per token, as a fraction of a one-token pass; ``prior``
-        (the source's own guess, e.g. from weight bytes) until both have been timed."""
+        """Source ``name``'s drafting time per token over a one-token pass, else ``prior``."""
         entry, step = self.drafting.get(name), self.seconds()
         if entry is None or not step:
             return prior
@@ -153,10 +140,8 @@ class PassCost:
 
 
 class AcceptanceEstimate:
-    """What a source's recent drafts gave, each draft weighing ``FORGET`` times the next (about the
-    last 5 count). ``rate``: the chance a draft token is accepted once the one before it was,
-    accepted tokens over those and rejections; a draft accepted whole counts its tokens, not its
-    end (censored). The prior is two one-token drafts accepted with chance ``prior``."""
+    """What a source's recent drafts gave, each weighing ``FORGET`` times the next (about the last 5
+    count). ``rate``: the chance a token is accepted once the one before it was."""
 
     FORGET = 0.8
 
@@ -175,9 +160,8 @@ class AcceptanceEstimate:
         self.rejected = self.FORGET * self.rejected + (num_accepted < num_proposed)
 
     def score(self, offered: Sequence[int], emitted: Sequence[int]) -> int:
-        """Record a draft the target did not verify as if it had, and return its accepted count:
-        greedy, it is accepted as far as it agrees with what was emitted; sampling, a point-mass
-        token x is accepted with p(x), the chance the emitted token is x."""
+        """Record a draft the target did not verify as if it had (accepted as far as it agrees with
+        what was emitted, which for a point mass is accepted with p(x)); returns that count."""
         num_accepted = common_prefix_len(offered, emitted)
         self.record(min(len(offered), len(emitted)), num_accepted)
         return num_accepted

@@ -1,10 +1,5 @@
-"""A draft and the rules for it: what a draft source proposes (``Draft``), the protocols of the
-sources that propose it and the constraints that mask it, and the math that decides how much of it
-the target accepts.
-
-Everything here is a pure function of its inputs or an interface with defaults; the loop that runs
-them is ``step.Row`` (one sequence's step) driven by ``decoder.generate_step`` or ``batch/``.
-"""
+"""A draft, the protocols of the sources that propose it and the constraints that mask it, and the
+math that decides how much of it the target accepts (docs/decoder.md)."""
 
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
@@ -16,19 +11,14 @@ from .cost import PassCost
 
 
 class ConstraintError(RuntimeError):
-    """The target's scores leave no token the constraint allows (every allowed logit is NaN or
-    -inf)."""
+    """No token the constraint allows has a usable score (NaN or -inf)."""
 
 
 @dataclass
 class Draft:
-    """Tokens a source proposes for the next positions.
-
-    ``probs`` is the (len(tokens), vocab) distribution each token was drawn from; ``None`` means
-    a point mass (n-gram copies, forced text). ``expected_speedup`` is what the source expects
-    this step to give: tokens emitted (accepted + the target's own) per plain step's time, so 1.0
-    is a plain step; ``None`` (no estimate) means the draft is taken as it is.
-    """
+    """Tokens for the next positions. ``probs``: the (len(tokens), vocab) distributions they were
+    drawn from, None for a point mass (copies, forced text). ``expected_speedup``: tokens emitted
+    per plain step's time the source expects (None: take the draft as it is)."""
 
     tokens: list
     probs: Optional[mx.array] = None
@@ -43,21 +33,15 @@ class Draft:
 
 
 class DraftSource:
-    """Proposes tokens for one row, for the loop to verify. Subclasses implement ``propose``; the
-    other methods have defaults, so a source overrides only what it uses. (A model that drafts for
-    many rows at once gives each row a source of its own: speculative/drafter.py.)"""
+    """Proposes tokens for one row. Subclasses implement ``propose`` and override what else
+    they use."""
 
     name = "draft"
-    # True where proposing costs next to nothing (forced text): a batch asks it every step
-    free = False
+    free = False  # proposing costs next to nothing (forced text): a batch asks it every step
 
     def reset(self, cost: Optional[PassCost] = None, temp: float = 0.0, top_p: float = 1.0) -> None:
-        """Forget the last generation; the loop calls this before each one.
-
-        ``cost``: the loop's measured verification cost, which adaptive sources read (None: a
-        fresh ``PassCost``). ``temp``, ``top_p``: the target's sampling, for sources that draw
-        their tokens the same way, so that q is close to p.
-        """
+        """Before each generation: the loop's measured ``cost`` and the target's sampling (a source
+        that samples draws as the target does, so that q is close to p)."""
         self.cost = cost if cost is not None else PassCost()
         self.temp, self.top_p = temp, top_p
 
@@ -66,24 +50,22 @@ class DraftSource:
         raise NotImplementedError
 
     def forecast_speedup(self) -> Optional[float]:
-        """For sources that cost something to ask (a model): the ``expected_speedup`` of the draft
-        it would propose now, known before drafting (see ``choose_draft``). None: no forecast."""
+        """The ``expected_speedup`` of the draft it would propose now (``choose_draft``)."""
         return None
 
     def update(self, tokens: list, num_proposed: int, num_accepted: int) -> None:
-        """Follow along: ``tokens`` is the whole accepted sequence so far;
-        ``num_proposed`` is 0 when another source drafted this step."""
+        """Follow the accepted ``tokens``; ``num_proposed`` is 0 when another source drafted."""
 
 
 class Constraint:
     """A token-level automaton that masks logits (see constrained/)."""
 
     def reset(self) -> None:
-        """Go back to the start state; the loop calls this before each generation."""
+        """Back to the start state, before each generation."""
 
     def walk(self, draft: list) -> list:
-        """The states before each allowed draft token and after the last allowed one; stops at
-        the first token the automaton forbids (so it returns ``allowed + 1`` states)."""
+        """The states before each draft token up to the first forbidden one, and after the last
+        allowed one (``allowed + 1`` states)."""
         raise NotImplementedError
 
     def masks(self, states: list) -> mx.array:
@@ -110,16 +92,11 @@ def sampling_probs(logits: mx.array, temp: float, top_p: float = 1.0) -> mx.arra
 
 
 def accept_draft(logits: mx.array, draft: Draft, temp: float, top_p: float = 1.0) -> tuple:
-    """Verify a draft against target ``logits`` of shape (len(draft) + 1, vocab).
+    """``(num_accepted, next_token)`` for a draft and the target's (len(draft) + 1, vocab) logits.
 
-    Returns ``(num_accepted, next_token)``: the target's own token follows the
-    accepted prefix (a correction on rejection, a bonus token otherwise).
-
-    Greedy: accept while the draft equals the target's argmax.
-    Sampling (Leviathan et al., 2023): accept x ~ q with probability
-    min(1, p(x) / q(x)); on rejection draw from the residual (p - q)+ / |(p - q)+|.
-    A point-mass draft has q(x) = 1, so it is accepted with probability p(x)
-    and the residual is p with x removed. Either way the output follows p.
+    Greedy: accept while the draft equals the argmax. Sampling (Leviathan et al., 2023): accept
+    x ~ q with probability min(1, p(x) / q(x)), else draw from (p - q)+ / |(p - q)+|; a point mass
+    has q(x) = 1. Either way the output follows p.
     """
     num_draft = len(draft.tokens)
     if temp == 0:
@@ -154,13 +131,8 @@ def accept_draft(logits: mx.array, draft: Draft, temp: float, top_p: float = 1.0
 
 
 def accept_sampled(logits: mx.array, draft: Draft, sampler: Callable) -> tuple:
-    """``accept_draft`` for any mlx-lm sampler (``logprobs -> token``), as mlx-lm verifies drafts.
-
-    Draw the target's own token at every position in one call and accept the draft
-    while it equals them. Each emitted token is then a draw of ``sampler`` given the
-    tokens before it, so the output follows the sampler exactly; a stochastic sampler
-    accepts less often than ``min(1, p/q)`` would.
-    """
+    """``accept_draft`` for an mlx-lm sampler, as mlx-lm verifies: accept while the draft equals
+    the sampler's draws at each position, so each emitted token is one of its draws."""
     logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     # One sync per step, as in the greedy branch of accept_draft.
     target = sampler(logprobs).tolist()
@@ -174,15 +146,9 @@ def choose_draft(
     max_draft: int,
     cost: Optional[PassCost] = None,
 ) -> tuple:
-    """Pick this step's draft; returns ``(draft, drafter)``. Sources are in priority order,
-    cheap ones first.
-
-    The first non-empty draft wins, unless it comes with an ``expected_speedup``: then a later
-    source that forecasts more (``forecast_speedup``, known before it drafts) drafts instead,
-    as SuffixDecoding chooses per step between a cheap copy and a model. The choice never
-    depends on tokens drawn this step, so every draft is still drawn from the ``probs`` it
-    reports. Each ``propose`` is timed into ``cost``.
-    """
+    """``(draft, drafter)``: the first non-empty draft of the sources (in priority order), unless
+    a later source forecasts a larger ``expected_speedup`` before drafting. The choice never
+    depends on tokens drawn this step, so each draft still follows its ``probs``."""
     chosen, drafter = Draft([]), None
     if max_draft <= 0:
         return chosen, drafter
@@ -207,16 +173,9 @@ def choose_draft(
 
 
 def constrain_draft(constraint: Constraint, draft: Draft) -> tuple:
-    """Cut ``draft`` to what ``constraint`` allows; returns ``(draft, allowed)``, the
-    (len(draft) + 1, vocab) masks of every position the target scores.
-
-    A draft drawn from probabilities q keeps its first forbidden token: the mask gives it
-    p = 0, so the target rejects it and samples the residual (p - q)+, as speculative
-    sampling requires. Cutting it off would sample from p instead, which skews the output
-    whenever q puts mass on forbidden tokens (a draft model knows nothing of the regex).
-    The row after it is never used; it repeats the last one. A point-mass draft (q = 1)
-    is cut: its residual is p either way. The rule lives here so no constraint repeats it.
-    """
+    """``(draft, allowed)``: the draft cut to what ``constraint`` allows and the masks of the
+    positions the target scores. A q-draft keeps its first forbidden token, so the target rejects
+    it and samples (p - q)+, which keeps sampling exact (docs/decoder.md)."""
     states = constraint.walk(draft.tokens)
     num_allowed = len(states) - 1
     allowed = constraint.masks(states)
@@ -239,7 +198,6 @@ def check_masks(allowed: mx.array, vocab_size: int):
 
 
 def mask_logits(logits: mx.array, allowed: mx.array) -> mx.array:
-    """``logits`` with every token the constraint forbids, or that scored NaN, at -inf.
-    A NaN score is no score: it must not win an argmax or poison a softmax."""
+    """``logits`` with forbidden and NaN-scored tokens at -inf (a NaN must not win an argmax)."""
     check_masks(allowed, logits.shape[-1])
     return mx.where(allowed & ~mx.isnan(logits), logits, -mx.inf)

@@ -1,19 +1,7 @@
-"""One verify-and-accept loop that every draft source plugs into.
-
-A *draft source* proposes up to k tokens (optionally with the distribution it drew them from);
-the target scores ``[last token] + draft`` in one forward pass, keeps the longest prefix it agrees
-with, adds one token of its own and trims the rejected tail off its KV cache. Plain decoding is
-the same loop with no draft source.
-
-Layers, as in mlx-lm:
-    generate_step   -> yields (token, source) as tokens are accepted
-    stream_generate -> yields Response (text segment, token, source)
-    generate        -> GenerationResult (text, tokens and every statistic)
-
-Sources and constraints are reusable: the loop calls their ``reset`` before every generation.
-The loop times every pass by width and every draft (``cost.PassCost``); the sources read that.
-The parts live beside it: the draft protocols and acceptance math in ``draft.py``, one row's step
-in ``step.py``, prompts and text segments in ``text.py``.
+"""The verify-and-accept loop: a draft source proposes tokens, the target scores ``[last token] +
+draft`` in one pass, keeps the longest prefix it agrees with, adds a token of its own and trims the
+rest off its cache. Layered as in mlx-lm: ``generate_step`` yields (token, source),
+``stream_generate`` yields ``Response``, ``generate`` returns a ``GenerationResult``.
 """
 
 import time
@@ -31,8 +19,7 @@ from .text import TextStream, encode, eos_ids_of
 
 
 def prefill(model, cache: Cache, tokens: list, step_size: int = 512):
-    """Run ``tokens`` through ``model`` into ``cache`` (one row) in chunks (bounded attention
-    memory): ``Prefill`` at one row, on a cache that already holds what comes before them."""
+    """Run ``tokens`` into ``cache`` (one row, holding what comes before them) in chunks."""
     Prefill(model, [tokens], step_size, cache=cache).run()
 
 
@@ -78,22 +65,16 @@ def generate_step(
     Args:
         prompt: at least one token id.
         model: an mlx-lm model (``model(inputs, cache=cache) -> logits``).
-        eos_token_ids: stop after emitting one of these (``eos_ids_of(tokenizer)``; ``()`` for
-        none).
-        draft_sources: tried in order each step; the first non-empty draft is verified, or a
-            later model's when it forecasts a larger speed-up (see ``choose_draft``).
-        constraint: optional logits mask that advances along accepted tokens.
-        temp, top_p: 0 temperature is greedy; drafts are accepted with ``min(1, p/q)``.
-        sampler: an mlx-lm sampler (``make_sampler(...)``) to use instead of ``temp``/``top_p``;
-            drafts are then accepted when they equal its draws (``accept_sampled``).
+        eos_token_ids: stop after emitting one of these (``()`` for none).
+        draft_sources: in priority order (``choose_draft``).
+        constraint: a logits mask that advances along accepted tokens.
+        temp, top_p: 0 is greedy; drafts are accepted with ``min(1, p/q)``.
+        sampler: an mlx-lm sampler instead of ``temp``/``top_p`` (``accept_sampled``).
         max_tokens: stop after this many generated tokens.
-        stats: filled in as decoding proceeds (forward passes, per-source counts, finish_reason).
-        prompt_cache: a ``cache.make_cache(model)`` (or mlx-lm's ``make_prompt_cache`` list, whose
-            layers are replaced in place by ``cache.adopt``) that already holds the first tokens of
-            ``prompt`` (kept by the caller across turns); only the rest is prefilled. Without it
-            every call starts empty.
-        pass_cost: the verification-cost model the loop times its passes into and the sources
-            read (``cost.PassCost``); pass one to keep its measurements across generations.
+        stats: filled in as decoding proceeds.
+        prompt_cache: a ``make_cache(model)`` (or mlx-lm's list, adopted in place) holding the first
+            tokens of ``prompt``; only the rest is prefilled.
+        pass_cost: the ``PassCost`` the loop times its passes into; pass one to keep it.
 
     Yields:
         ``(token, source_name)`` for each accepted token; ``source_name`` is

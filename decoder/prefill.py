@@ -1,13 +1,6 @@
-"""Prompts into a cache of one row per prompt, a chunk at a time (``Prefill.step``), so that a
-caller can interleave decoding steps with a long prompt's prefill; ``run`` and ``prefill_rows`` run
-them to the end. The cache is a new one, or one whose rows already hold the tokens before the
-prompts (``decoder.generate_step``'s row, a conversation's earlier turns).
-
-Prompts are right-padded, never left-padded: every written token then has a position >= 0 (a model
-may scale by its position: ministral3's log(1 + floor(pos / n)) is -inf below 0, and the NaN it
-makes in a padded slot's values spreads to every row through 0 * NaN). Each row writes its chunk at
-its own end and drops its padding (``Cache.rewind``).
-"""
+"""Prompts into a cache of one row each, a chunk at a time, so that a caller can interleave decoding
+with a long prefill. Right-padded, never left-padded: a position below 0 can make a NaN that spreads
+to every row (docs/decoder.md)."""
 
 from typing import Optional, Sequence
 
@@ -22,11 +15,7 @@ class Prefill:
     Args:
         cached: per prompt, None or a ``CachedPrefix`` of its first tokens; only the rest is run.
         mask_dims, max_rollback: the new cache's (``make_cache``).
-        cache: a cache of one row per prompt to run them into, its rows holding what comes before
-            them (default: a new, empty one).
-
-    Each row writes its chunk at its own end, right-padded to the longest, and drops its padding;
-    once all are in, the rows are aligned (``realign``) so that decoding starts on the slice path.
+        cache: the cache to run them into, its rows holding what comes before (default: a new one).
     """
 
     def __init__(
@@ -63,7 +52,6 @@ class Prefill:
             self.cache.rewind([width - len(chunk) for chunk in chunks])
         self.pending = [tokens[self.step_size :] for tokens in self.pending]
         done = not any(self.pending)
-        # one row is aligned already (a chunked layer, one row only, has no realign)
         if done and self.cache.rows > 1:
             self.cache.realign()
         mx.eval(self.cache.arrays())
@@ -83,6 +71,5 @@ def prefill_rows(
     mask_dims: int = 4,
     max_rollback: Optional[int] = None,
 ) -> Cache:
-    """A new cache holding ``prompts`` (token id lists, any lengths), run through ``model`` in
-    chunks."""
+    """A new cache holding ``prompts`` (token id lists, any lengths)."""
     return Prefill(model, prompts, step_size, mask_dims=mask_dims, max_rollback=max_rollback).run()

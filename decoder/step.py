@@ -1,7 +1,5 @@
-"""One sequence's decoding step, shared by every loop: ``Row`` plans a draft, accepts what the
-target agrees with and emits it; ``verify_pass`` is the target's one pass over many rows' drafts;
-the statistics record how the drafts fared.
-"""
+"""One sequence's step, shared by every loop (``Row``), the target's one pass over many rows'
+drafts (``verify_pass``), and the statistics of how the drafts fared."""
 
 from dataclasses import dataclass, field
 from typing import Callable, NamedTuple, Optional, Sequence
@@ -81,24 +79,17 @@ class Plan(NamedTuple):
     """A row's step before the pass: its draft, the source that offered it, the constraint's
     masks."""
 
-    # cut to what the constraint allows (a batch may cut it further to the pass's width)
-    draft: Draft
+    draft: Draft  # cut to what the constraint allows
     drafter: Optional[DraftSource]
     masks: Optional[mx.array]  # (len(draft) + 1, vocab), or None without a constraint
 
 
-# Tokens waiting to be fed again after a recurrent layer went back to its checkpoint (cache/):
-# past this many a row drafts nothing until they are in the cache.
-MAX_PENDING = 16
+MAX_PENDING = 16  # accepted tokens to feed again past which a row drafts nothing
 
 
 class Row:
-    """One sequence being decoded: its tokens, draft sources, constraint and sampling, and the
-    step they share, ``plan`` -> (the loop's pass) -> ``accept`` -> ``emit``.
-
-    ``decoder.generate_step`` drives one row; ``batch.BatchGenerator`` drives many through one pass.
-    What differs between them, the cache and the pass, stays with each loop.
-    """
+    """One sequence being decoded, and its step: ``plan`` -> (the loop's pass) -> ``accept`` ->
+    ``commit`` -> ``emit``. ``generate_step`` drives one row, ``batch.BatchGenerator`` many."""
 
     def __init__(
         self,
@@ -113,15 +104,13 @@ class Row:
         max_tokens: int = 256,
         stats: Optional[DecodingStats] = None,
     ):
-        # prompt and accepted tokens; grown in place (sources follow this list)
-        self.tokens = list(prompt)
+        self.tokens = list(prompt)  # prompt and accepted tokens, grown in place
         self.sources, self.constraint = list(draft_sources), constraint
         self.temp, self.top_p, self.sampler = temp, top_p, sampler
         self.max_tokens, self.eos_token_ids = max_tokens, set(eos_token_ids)
         self.stats = stats if stats is not None else DecodingStats()
         self.num_generated = 0
         self.cached = 0  # how many of the tokens the loop's cache holds (the loop keeps this)
-        # "stop" or "length" once finished
         self.finish_reason = self.stats.finish_reason = None if max_tokens > 0 else "length"
 
     def reset(self, cost: PassCost):
@@ -174,11 +163,8 @@ class Row:
         return accept_draft(logits, draft, self.temp, self.top_p)
 
     def commit(self, cache: Cache, pass_width: int, num_drafted: int, num_accepted: int) -> tuple:
-        """What this row's ``cache`` keeps of a ``pass_width``-wide pass in which it fed its
-        ``pending`` tokens and ``num_drafted`` draft tokens: returns ``(trim, restore)``, how many
-        of the pass's last tokens it drops (``Cache.rewind``) and whether it goes back to its
-        checkpoint (``Cache.must_restore``: the accepted tokens are then fed again, as
-        ``pending``). Call it before ``emit``; it counts what the cache then holds (``cached``)."""
+        """``(trim, restore)``: how many of the pass's last tokens the row's cache drops and whether
+        it goes back to its checkpoint (its accepted tokens are then fed again). Before ``emit``."""
         fed = len(self.tokens) - self.cached
         if cache.must_restore(num_drafted, num_accepted):
             return pass_width, True
@@ -186,8 +172,7 @@ class Row:
         return pass_width - fed - num_accepted, False
 
     def forbidden(self, num_accepted: int) -> ConstraintError:
-        """The error for a step whose own token the constraint forbids: no allowed token had a
-        usable score (the argmax or sample of an all -inf row)."""
+        """The error for a step whose own token the constraint forbids (all scores -inf)."""
         return ConstraintError(
             f"the model gave no allowed token a usable score (NaN or -inf) "
             f"at generated token {self.num_generated + num_accepted + 1}"
@@ -199,8 +184,7 @@ class Row:
         drafter = plan.drafter if draft.tokens else None
         self.stats.target_forward_passes += 1
         emitted = draft.tokens[:num_accepted] + [next_token]
-        # Emit up to EOS or max_tokens; accepted draft tokens past that are neither emitted nor
-        # counted.
+        # Up to EOS or max_tokens: accepted tokens past that are neither emitted nor counted.
         stop = next(
             (i + 1 for i, token in enumerate(emitted) if token in self.eos_token_ids), len(emitted)
         )
@@ -236,14 +220,11 @@ def verify_pass(
     """One pass of the target over each row's ``pending + draft``, right-padded to the longest.
 
     Args:
-        cache: holds the rows (row b in cache row ``slots[b]``; the cache rows no row uses are fed
-            padding, scored and never read). Its recurrent layers are checkpointed first when a row
-            drafts.
+        cache: holds row b in cache row ``slots[b]``; the rows no row uses are fed padding.
         width: how many positions of each row to score: its last pending token and its draft.
 
     Returns:
-        ``(logits, pass_width)``: logits ``(len(rows), width, vocab)``, lazy (the caller's sync runs
-        the pass).
+        ``(logits, pass_width)``: lazy logits ``(len(rows), width, vocab)``.
     """
     pending = [row.pending for row in rows]
     fed = [len(tokens) + len(draft.tokens) for tokens, draft in zip(pending, drafts)]

@@ -1,7 +1,5 @@
-"""Text in and out of the loop: a prompt to token ids (``encode``, the one place a chat template is
-applied), token ids to text segments as they come (``TextStream``), and what a tokenizer says about
-the model's output (``eos_ids_of``, ``output_size``).
-"""
+"""Text in and out of the loop: prompts to token ids (``encode``), tokens to text segments
+(``TextStream``), and what a tokenizer says about the output (``eos_ids_of``, ``output_size``)."""
 
 from typing import Optional, Sequence, Union
 
@@ -21,15 +19,9 @@ def output_size(model, tokenizer) -> int:
 
 
 class TextStream:
-    """Text segments for a growing list of tokens, in constant time per token.
-
-    Decoding the whole output again for every token is quadratic. Instead decode a
-    window, the tokens of the last segment plus the new ones, and print what the new
-    tokens add to the old ones' text; the old ones give the new ones their context
-    (a leading space, the rest of a character). A window whose text ends in a partial
-    UTF-8 character ("\\ufffd") grows until the character is complete. Any tokenizer
-    with ``decode(ids) -> str`` works: mlx-lm's, T5's sentencepiece, plain Hugging Face.
-    """
+    """Text segments for a growing list of tokens, in constant time per token: decode the last
+    segment's tokens plus the new ones and keep what the new ones add (the old ones give them a
+    leading space or the rest of a character). Any tokenizer with ``decode(ids) -> str`` works."""
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
@@ -49,8 +41,7 @@ class TextStream:
         return text[len(printed) :]
 
     def finish(self) -> str:
-        """The text still held at the end (a byte run that never became a character, shown as
-        ``decode`` shows it), so that the segments add up to ``decode`` of all the tokens."""
+        """The text still held at the end, so that the segments add up to ``decode(tokens)``."""
         if self.printed_end == len(self.tokens):
             return ""
         window = self.tokens[self.window_start :]
@@ -66,16 +57,9 @@ def encode(
     system: Optional[str] = None,
     **template_options,
 ) -> list:
-    """Token ids for ``prompt``, the one place a chat template is applied.
-
-    Args:
-        prompt: a str, a list of chat messages (``{"role": ..., "content": ...}``) or token ids.
-            A str goes through the chat template when the tokenizer has one (as in mlx-lm's CLI),
-            else it is encoded as is; messages go through it, or without one ``plain_chat``;
-            token ids pass through.
-        system: a system message put first (ignored for raw text and token ids).
-        template_options: for the template, e.g. ``tools=[...]``.
-    """
+    """Token ids for a str, chat messages or token ids: the one place a chat template is applied
+    (to a str too, as mlx-lm's CLI does). ``system`` goes first; ``template_options`` (e.g.
+    ``tools=``) go to the template."""
     if isinstance(prompt, str):
         if not has_chat_template(tokenizer):
             return tokenizer.encode(prompt)
@@ -91,9 +75,7 @@ def encode(
 
 
 def has_chat_template(tokenizer) -> bool:
-    """Whether ``apply_chat_template`` has a template to apply (mlx-lm's wrapper also counts a
-    tokenizer class that renders chats itself; T5's and plain tokenizers may have neither
-    attribute)."""
+    """Whether ``apply_chat_template`` has a template (T5's tokenizer has neither attribute)."""
     return bool(
         getattr(tokenizer, "has_chat_template", False) or getattr(tokenizer, "chat_template", None)
     )
@@ -104,8 +86,7 @@ PLAIN_ROLES = {"system": "ASSISTANT's RULE: ", "user": "USER: ", "assistant": "A
 
 
 def plain_chat(messages: Sequence[dict]) -> str:
-    """Chat messages as plain text, for a tokenizer without a chat template (as mlx_lm.server
-    renders
-    them): a line per message after its role, then ``ASSISTANT:`` for the answer."""
+    """Chat messages as plain text for a tokenizer without a template, as mlx_lm.server writes
+    them."""
     lines = "".join(f"{PLAIN_ROLES.get(m['role'], '')}{m.get('content') or ''}\n" for m in messages)
     return (lines + PLAIN_ROLES["assistant"]).rstrip()

@@ -6,8 +6,10 @@ Imports inside functions count too: a lazy import hides a cycle from Python, not
 """
 
 import ast
+import io
 import subprocess
 import sys
+import tokenize
 from pathlib import Path
 
 import pytest
@@ -38,6 +40,9 @@ MAX_BODY_LINES = 75
 # A folder's README is a front page: what it is, how to run it, what it prints, links. Design notes
 # and measurements go to docs/ and benchmarks/results/.
 MAX_README_BYTES = 5_000
+# Comment and docstring lines per code line in the core, at about mlx-lm's density (its generate.py
+# has 0.20, cache.py 0.13); design prose goes to docs/decoder.md.
+MAX_PROSE_PER_CODE_LINE = 0.25
 # Names still over while a restructuring that owns them is under way (none now): list one here with
 # its issue, and remove it when it lands. A name here that is no longer over fails the test too, so
 # the list cannot go stale.
@@ -205,6 +210,33 @@ def test_ruff_finds_nothing_and_the_tree_is_formatted():
     assert findings == [], "ruff check . found:\n" + "\n".join(findings)
     unformatted = [line for line in ruff("format", "--check", ".") if line.startswith("Would")]
     assert unformatted == [], "ruff format . would change:\n" + "\n".join(unformatted)
+
+
+def prose_and_code_lines(source: str) -> tuple:
+    """``(prose, code)`` line counts: docstring and comment-only lines, and lines with code."""
+    docstrings = set()
+    for node in ast.walk(ast.parse(source)):
+        body = getattr(node, "body", None)
+        if isinstance(body, list) and body and isinstance(body[0], ast.Expr):
+            if isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str):
+                docstrings |= set(range(body[0].lineno, body[0].end_lineno + 1))
+    comments, code = set(), set()
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type == tokenize.COMMENT:
+            comments.add(token.start[0])
+        elif token.type not in (tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT):
+            code |= set(range(token.start[0], token.end[0] + 1)) - docstrings
+    code.discard(len(source.splitlines()) + 1)  # the end marker
+    return len(docstrings | (comments - code)), len(code)
+
+
+def test_the_core_has_comments_at_mlx_lms_density():
+    counts = [prose_and_code_lines(path.read_text()) for path in (ROOT / "decoder").glob("*.py")]
+    prose, code = sum(p for p, _ in counts), sum(c for _, c in counts)
+    assert prose <= MAX_PROSE_PER_CODE_LINE * code, f"{prose} prose lines for {code} code lines"
+    # A docstring, a comment line and two code lines, with a trailing comment counted as code.
+    sample = '"""Doc."""\n# why\nx = 1  # what\ny = [\n    2,\n]\n'
+    assert prose_and_code_lines(sample) == (2, 4)
 
 
 def test_folder_readmes_are_front_pages():
