@@ -5,14 +5,12 @@ tokens. A step asks every row's sources for a draft (``draft.choose_draft``) and
 the row's constraint allows (``draft.constrain_draft``), chooses one width ``W`` for the batch
 (``choose_width``), scores ``[B, W]`` tokens in one forward pass and accepts each row's prefix by
 ``draft.accept_draft``'s rules (``batch.verify``). Each row then drops its own rejected tokens from
-the one batch
-cache (``cache.Cache``: every row keeps its own end, no copy).
+the one batch cache (``cache.Cache``: every row keeps its own end, no copy).
 
     gen = BatchGenerator(model, eos_token_ids=eos_ids_of(tokenizer))
     uids = gen.insert(prompts, draft_sources=[[PromptLookupSource()] for _ in prompts])
     while responses := gen.next():
-        for response in responses:  # uid, the tokens this step emitted, their sources,
-        finish_reason
+        for response in responses:  # uid, tokens, their sources, finish_reason
             ...
 
 ``insert(..., logprobs=k)`` also gives, per emitted token, the target's log-probability of it and

@@ -198,9 +198,9 @@ def logit_difference():
 
 def start_ranks(ranks: int, command: list) -> subprocess.CompletedProcess:
     """Start ``ranks`` ring ranks on localhost as ``mlx.launch`` does (a hostfile and MLX_RANK),
-    minus
-    its launcher process: that one's thread per rank polls the rank's always-writable stdin pipe and
-    keeps a core partly busy, a large share of a small machine (see results/distributed.md)."""
+    minus its launcher process: that one's thread per rank polls the rank's always-writable stdin
+    pipe and keeps a core partly busy, a large share of a small machine (see
+    results/distributed.md)."""
     with contextlib.ExitStack() as stack:
         sockets = [stack.enter_context(socket.socket()) for _ in range(ranks)]
         for probe in sockets:

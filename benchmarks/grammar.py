@@ -13,9 +13,10 @@ XGrammar.
 Development data: MaskBench (github.com/guidance-ai/jsonschemabench, maskbench/data), only the
 splits in DEV_SPLITS; the others are held out for an independent check and are skipped even if
 present. Copy them with:
-    git --git-dir=<jsonschemabench>/.git ls-tree -r --name-only HEAD maskbench/data | while read f;
-    do
-        git --git-dir=<jsonschemabench>/.git show HEAD:"$f" > /tmp/maskbench/$(basename "$f"); done
+    git --git-dir=<jsonschemabench>/.git ls-tree -r --name-only HEAD maskbench/data |
+      while read f; do
+        git --git-dir=<jsonschemabench>/.git show HEAD:"$f" > /tmp/maskbench/$(basename "$f")
+      done
 """
 
 import argparse

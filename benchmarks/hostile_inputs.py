@@ -21,8 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 # What main.py's validate() does with --json-schema / --regex, printing what main.py would print,
-# then
-# one JSON line: seconds and peak RSS (getrusage) spent after the imports.
+# then one JSON line: seconds and peak RSS (getrusage) spent after the imports.
 DRIVER = """
 import json, resource, sys, time
 from loading import fast_blas

@@ -6,9 +6,9 @@ Starts the servers on free local ports, each loading the fast BLAS: mlx_lm.serve
 at a time (``--max-batch 1``, what the server did before it batched), ours batching and ours
 batching with ``--prompt-lookup`` (the one-at-a-time server on chat only). At each client count N, N
 clients send one streamed greedy request each at the same moment, and the servers take turns on the
-same prompts. Reported per
-server: aggregate tok/s (every completion token over the round's wall time, prefill included),
-p50/p95 time per output token per request (after its first token), and time to first token.
+same prompts. Reported per server: aggregate tok/s (every completion token over the round's wall
+time, prefill included), p50/p95 time per output token per request (after its first token), and time
+to first token.
 
 Workloads: chat (benchmarks/heldout/chat.txt); grounded (document questions, code edits, quote
 summaries); json (JSON from a short request, benchmarks/json_schemas/suite) and extract (fields out
@@ -24,10 +24,9 @@ prompt cache held.
 ``--apis`` instead runs ours alone on the chat workload, each client count twice at once: every
 client through chat completions, then the clients in turn through chat completions, Anthropic's
 Messages and OpenAI's Responses (streamed, greedy, the same prompts), to show that the three APIs
-share one batch at no cost:
+share one batch at no cost (results/server_apis.md):
 
-    flock /tmp/cpu.lock python -m benchmarks.server_load --apis --clients 8 --repeats 3   # ->
-    results/server_apis.md
+    flock /tmp/cpu.lock python -m benchmarks.server_load --apis --clients 8 --repeats 3
 """
 
 import argparse

@@ -6,9 +6,8 @@ speed.
 Qwen3's tokenizer and template (tests/data/qwen3-small) with the template variant that opens the
 block (Qwen3.5-style), on a random model of that vocabulary (hidden 256, 4 layers: no weights to
 download; it never closes the block itself, the worst case a budget is for). Each row decodes the
-same prompt
-greedily: no budget, budgets, and a budget with a JSON schema after the block; and, for the
-wrapper's own cost, the unbounded block through ``ThinkingConstraint`` (no budget, no schema)
+same prompt greedily: no budget, budgets, and a budget with a JSON schema after the block; and, for
+the wrapper's own cost, the unbounded block through ``ThinkingConstraint`` (no budget, no schema)
 against no constraint.
 """
 

@@ -73,12 +73,10 @@ def tokenize_forced(tokenizer, forced: bytes) -> list:
 class TokenSplits:
     """The tokens a model writes in pieces: ``":"`` is one token, but SmolLM2 writes ``":`` then
     ``"``. Where the target writes a prefix of a drafted token instead, ``learn`` keeps the split
-    (until it writes the
-    whole token again) and ``apply`` drafts it so. A model's habit: share it across rows. The habit
-    depends on
-    the token before: SmolLM2 writes an object's first ``{"`` as ``{`` then ``"``, but ``{"`` whole
-    after ``[``. So each split is kept for the token it followed, and also, for tokens it has not
-    followed yet, as the latest seen anywhere."""
+    (until it writes the whole token again) and ``apply`` drafts it so. A model's habit: share it
+    across rows. The habit depends on the token before: SmolLM2 writes an object's first ``{"`` as
+    ``{`` then ``"``, but ``{"`` whole after ``[``. So each split is kept for the token it followed,
+    and also, for tokens it has not followed yet, as the latest seen anywhere."""
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer

@@ -47,9 +47,8 @@ def _one_line(message: str, limit: int = 300) -> str:
 
 def compile_grammar(text: str, grammar_format: str = "auto", ll_tokenizer=None) -> str:
     """A Lark (llguidance's dialect) or GBNF grammar -> llguidance's grammar string; GrammarError
-    quotes the
-    engine's refusal. Without ``ll_tokenizer`` this checks the grammar alone (fast: before a model
-    loads)."""
+    quotes the engine's refusal. Without ``ll_tokenizer`` this checks the grammar alone (fast:
+    before a model loads)."""
     llguidance = _llguidance()
     # GBNF (llama.cpp) writes rules as ``name ::= ...``; Lark ``name: ...``
     if grammar_format == "auto":

@@ -155,9 +155,8 @@ def whole_bounds(lo, lo_exclusive: bool, hi, hi_exclusive: bool) -> tuple:
 
 def number_range(lo, lo_exclusive: bool, hi, hi_exclusive: bool) -> str:
     """A regex for JSON numbers in the range, bounded on the integer part; None if none fits. A
-    fraction
-    is allowed only after an integer part I whose whole interval of values fits: [I, I+1) for
-    "I.ddd" and (-I-1, -I] for "-I.ddd". Exponents are left out; floor and ceil keep the bounds
+    fraction is allowed only after an integer part I whose whole interval of values fits: [I, I+1)
+    for "I.ddd" and (-I-1, -I] for "-I.ddd". Exponents are left out; floor and ceil keep the bounds
     exact."""
     whole_lo, whole_hi = whole_bounds(lo, lo_exclusive, hi, hi_exclusive)
     options = [integer_range(whole_lo, whole_hi)]

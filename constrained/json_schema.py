@@ -277,9 +277,8 @@ class _Compiler:
             self.check_length(length, path)
         if rest:
             # Keep the values the rest of the schema accepts (its regex is a subset of the schema),
-            # matched
-            # by our DFA, not Python's re: a `pattern` such as (a*)*b would make re backtrack for
-            # ages.
+            # matched by our DFA, not Python's re: a `pattern` such as (a*)*b would make re
+            # backtrack for ages.
             dfa = compile_regex(self.compile(rest, path, refs) or "(?!)")
             texts = [
                 text

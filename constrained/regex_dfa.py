@@ -319,9 +319,9 @@ def _minimize(transitions, accepting, start):
 
 def strip_leading_space(dfa: DFA) -> DFA:
     """The DFA of the raw text whose decoded form ``dfa`` matches, for a decoder that drops one
-    leading
-    space (SentencePiece's, as in Llama 2: the first token's "▁" is not shown). A new start state
-    reads a space as nothing and any other byte as the old start does; no edge leads back to it."""
+    leading space (SentencePiece's, as in Llama 2: the first token's "▁" is not shown). A new start
+    state reads a space as nothing and any other byte as the old start does; no edge leads back to
+    it."""
     space = 0x20
     num_classes = dfa.transitions.shape[1]
     byte_class = dfa.byte_class.copy()

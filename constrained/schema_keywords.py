@@ -128,8 +128,7 @@ def load_schema(argument: str):
 def check_finite(schema):
     """SchemaError naming the JSON pointer of a NaN or an infinity anywhere in `schema`. Python's
     json reads `NaN`, `Infinity` and numbers beyond double range (`1e400`) as such floats; they are
-    no JSON a
-    validator could compare against. The walk keeps its own stack: no depth limit."""
+    no JSON a validator could compare against. The walk keeps its own stack: no depth limit."""
     stack = [(schema, "#")]
     while stack:
         node, path = stack.pop()

@@ -1,12 +1,11 @@
 """Per-state token masks for regex-constrained decoding.
 
 For a DFA state, `TokenIndex` gives which tokens may come next and the state each one leads to, so a
-decoding
-step is one row lookup: `mx.where(index.allowed_mask(state), logits, -mx.inf)`. Rows are built the
-first time generation reaches a state (one vectorized walk of the vocabulary) and kept in a bounded
-LRU cache, so memory and time to first token do not grow with the states never visited. Tokens are
-handled as raw bytes, so a token that ends halfway through a UTF-8 character is allowed exactly when
-the regex allows that character.
+decoding step is one row lookup: `mx.where(index.allowed_mask(state), logits, -mx.inf)`. Rows are
+built the first time generation reaches a state (one vectorized walk of the vocabulary) and kept in
+a bounded LRU cache, so memory and time to first token do not grow with the states never visited.
+Tokens are handled as raw bytes, so a token that ends halfway through a UTF-8 character is allowed
+exactly when the regex allows that character.
 """
 
 import hashlib
@@ -89,7 +88,7 @@ def token_byte_strings(tokenizer, vocab_size: int) -> list:
 
     Args:
         tokenizer: A `tokenizers.Tokenizer`, a Hugging Face fast tokenizer or an mlx-lm
-        TokenizerWrapper.
+            TokenizerWrapper.
         vocab_size: The model's vocabulary size (its logits' width); may exceed the tokenizer's.
     """
     backend = _backend_tokenizer(tokenizer)
@@ -205,10 +204,9 @@ def _token_edges(dfa: DFA, table: TokenTable):
 def finishable_states(dfa: DFA, table: TokenTable) -> np.ndarray:
     """(num_states,) bool: the states from which some sequence of tokens reaches an accepting state.
     Every DFA state can reach acceptance (dead states were removed), so when the one-byte tokens
-    cover a path to
-    acceptance from every state, every state is finishable: a cheap DFA-level check. Otherwise (a
-    vocabulary that lacks bytes the regex needs) walk every token from every state up front, in
-    chunks of bounded memory, and find the finishable states on the token graph."""
+    cover a path to acceptance from every state, every state is finishable: a cheap DFA-level check.
+    Otherwise (a vocabulary that lacks bytes the regex needs) walk every token from every state up
+    front, in chunks of bounded memory, and find the finishable states on the token graph."""
     class_covered = np.zeros(dfa.transitions.shape[1], dtype=bool)
     # a one-byte token spells it
     class_covered[dfa.byte_class[table.token_bytes[table.lengths == 1, 0]]] = True
@@ -311,9 +309,8 @@ def _cache_key(
 
 def strips_leading_space(tokenizer, token_bytes: list) -> bool:
     """Whether ``decode`` drops the leading space of the text (SentencePiece decoders with a
-    ``Strip``
-    step, as Llama 2's): asked of the tokenizer itself, with a token that spells a space and a
-    word."""
+    ``Strip`` step, as Llama 2's): asked of the tokenizer itself, with a token that spells a space
+    and a word."""
     spaced = next(
         (
             i
@@ -397,10 +394,10 @@ def load_or_build_index(
 
     Args:
         pattern, tokenizer, vocab_size: The regex (`compile_regex`), and what `token_byte_strings`
-        reads.
+            reads.
         eos_token_ids: Tokens that end generation; allowed exactly when the text so far matches.
         cache_dir: Where to keep indexes (main.py: `~/.cache/mlx-decoding/regex-index`); None: in
-        memory only.
+            memory only.
         max_states: Passed to `compile_regex`: larger regexes are refused with a RegexError.
     """
     token_bytes = token_byte_strings(tokenizer, vocab_size)

@@ -200,7 +200,7 @@ def convert(mlx_path: str, gguf: str = None, hf_path: str = None, **options) -> 
         mlx_path: The output directory.
         gguf, hf_path: The source: a GGUF file, or a local directory or Hugging Face repo.
         options: ``dtype``, ``quantize``, ``q_bits``, ``q_group_size``, ``num_layers`` (see
-        convert.py).
+            convert.py).
     """
     output = Path(mlx_path)
     check_options(**options)

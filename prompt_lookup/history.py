@@ -109,7 +109,7 @@ class HistoryLookupSource(PromptLookupSource):
     Args:
         history: a store array (``load_history``) or token ids of one output.
         max_history_tokens: drop the oldest outputs beyond this many tokens (it bounds a search's
-        cost).
+            cost).
         options: ``PromptLookupSource``'s (``ngram_max``, ``num_draft``, ``extra_context``, ...).
     """
 

@@ -4,15 +4,14 @@ A Messages body becomes OpenAI-style chat messages (``tool_use`` blocks an assis
 ``tool_calls``, ``tool_result`` blocks ``tool`` messages) and goes through ``prepare_chat`` as a
 chat completion does, so the prompt, the tool constraint and the prompt cache are the same.
 ``output_config.format`` (a JSON schema) constrains the text as ``response_format`` does, after the
-think
-block on a thinking model. ``thinking`` is honoured: ``{"type": "enabled", "budget_tokens": N}``
-bounds the block (any N >= 1), ``disabled`` renders the template with thinking off, ``adaptive``
-(and no ``thinking``) leaves the template's default; ``output_config.effort`` maps to a budget
-(server/reasoning.py). Replies start with ``thinking`` blocks (their ``signature`` a digest of the
-text, which this server does not check when it comes back); thinking blocks in the history are given
-to the template as the turn's ``reasoning_content``. Unknown top-level fields (``metadata``, ...)
-are ignored; ``top_k`` 1 is greedy, other values are accepted and not applied (the engine samples
-with temperature and top_p only).
+think block on a thinking model. ``thinking`` is honoured:
+``{"type": "enabled", "budget_tokens": N}`` bounds the block (any N >= 1), ``disabled`` renders the
+template with thinking off, ``adaptive`` (and no ``thinking``) leaves the template's default;
+``output_config.effort`` maps to a budget (server/reasoning.py). Replies start with ``thinking``
+blocks (their ``signature`` a digest of the text, which this server does not check when it comes
+back); thinking blocks in the history are given to the template as the turn's ``reasoning_content``.
+Unknown top-level fields (``metadata``, ...) are ignored; ``top_k`` 1 is greedy, other values are
+accepted and not applied (the engine samples with temperature and top_p only).
 
 Usage follows Anthropic: ``input_tokens`` are the prompt tokens decoded now, and
 ``cache_read_input_tokens`` those whose KV entries came from the prompt cache (together, the

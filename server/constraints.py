@@ -22,7 +22,7 @@ class RequestConstraints:
 
     Args:
         vocab_size: the model's (the masks' width); ``cache_dir``: where regex token indexes are
-        kept.
+            kept.
     """
 
     def __init__(self, tokenizer, vocab_size: int, cache_dir=None):

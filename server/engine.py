@@ -1,6 +1,5 @@
 """Continuous batching on one worker thread, fed by a bounded first-in-first-out queue, for all
-three
-APIs (chat completions, Responses, Messages): their requests are the same jobs, decoded in one
+three APIs (chat completions, Responses, Messages): their requests are the same jobs, decoded in one
 batch.
 
 MLX is not thread-safe for concurrent generation on one model, so every MLX call happens on the
@@ -204,9 +203,9 @@ class Engine:
     Args:
         make_sources: returns fresh draft sources for one request (``cli.sources.row_sources``).
         keep_caches: keep finished requests' caches for later prompts that extend them
-        (``PromptCache``).
+            (``PromptCache``).
         max_batch: requests decoded together; max_queue: requests waiting beyond them before HTTP
-        503.
+            503.
         pass_cost: the timings the width policy reads (``cost.PassCost``); tests pass a fixed clock.
         drafters: the models whose sources ``make_sources`` gives (``BatchGenerator``'s).
     """

@@ -5,10 +5,10 @@ Each API says it its own way (chat: ``reasoning_effort``, ``thinking_token_budge
 ``chat_template_kwargs``; Responses: ``reasoning.effort``; Messages: ``thinking`` and
 ``output_config.effort``); each becomes a ``ThinkingRequest``, and ``constrained.thinking.Thinking``
 (``thinking_of``, as in main.py) is what the engine and the formats need once the prompt is
-rendered. Effort levels map to budgets through
-``EFFORT_BUDGETS`` (``python -m server --effort-budgets`` changes it). A budget bounds the tokens
-inside the block; the block's closing text is then forced (constrained/thinking.py). Reasoning
-counts against max_tokens, as in Anthropic's API.
+rendered. Effort levels map to budgets through ``EFFORT_BUDGETS``
+(``python -m server --effort-budgets`` changes it). A budget bounds the tokens inside the block; the
+block's closing text is then forced (constrained/thinking.py). Reasoning counts against max_tokens,
+as in Anthropic's API.
 """
 
 from dataclasses import dataclass, field

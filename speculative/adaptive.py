@@ -26,7 +26,7 @@ class AdaptiveLength:
 
     Args:
         num_draft, max_draft: the length to start with (the fixed one when not ``enabled``), the
-        longest.
+            longest.
         enabled: False keeps ``num_draft`` fixed and never pauses.
     """
 

@@ -24,10 +24,9 @@ Qwen hybrids' stacks, with experts where the target has them):
 
 Each module has the draft head's interface (``__call__(features, next_embeddings, cache)``,
 ``logits``, ``make_cache``), so ``DraftHeadSource`` drafts with it (mtp_source.py). ``load_mtp``
-reads the weights
-from the checkpoint the target came from: a Hugging Face directory (its safetensors shards), or an
-mlx-lm directory written by convert.py, which keeps them in ``mtp.safetensors`` (mlx-lm reads only
-``model*.safetensors``, so the target loads as before).
+reads the weights from the checkpoint the target came from: a Hugging Face directory (its
+safetensors shards), or an mlx-lm directory written by convert.py, which keeps them in
+``mtp.safetensors`` (mlx-lm reads only ``model*.safetensors``, so the target loads as before).
 """
 
 import json
@@ -294,10 +293,9 @@ def read_hf_mtp(model_dir: Path, config: dict) -> dict:
 
 def load_mtp(model_dir, target) -> nn.Module:
     """The MTP module of the model in ``model_dir`` (``target`` loaded from it, or its
-    ``text_model``),
-    ready to draft: ``mtp.safetensors`` of a convert.py directory, else the Hugging Face shards.
-    ``NoMTPWeights`` for a model without them, ``MTPError`` for weights that do not fit (both name
-    the directory)."""
+    ``text_model``), ready to draft: ``mtp.safetensors`` of a convert.py directory, else the Hugging
+    Face shards. ``NoMTPWeights`` for a model without them, ``MTPError`` for weights that do not fit
+    (both name the directory)."""
     model_dir = Path(model_dir)
     config = json.loads((model_dir / "config.json").read_text())
     try:

@@ -83,8 +83,8 @@ class Parsed(Exception):
 
 def parses(argv: list, page: str = "") -> str:
     """Run the entry point in ``argv`` until its arguments are parsed; "" if they parse, else why
-    not.
-    ``page``: the text that shows it (a removed script it says how to restore, or one to save)."""
+    not. ``page``: the text that shows it (a removed script it says how to restore, or one to
+    save)."""
     if argv[0] == "make":
         targets = set(re.findall(r"^([\w-]+):", (ROOT / "Makefile").read_text(), flags=re.M))
         missing = [target for target in argv[1:] if "=" not in target and target not in targets]

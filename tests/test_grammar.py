@@ -163,10 +163,9 @@ def test_the_same_constraint_is_reusable_after_reset():
 )
 def test_masks_equal_the_regex_engines_masks(lark_grammar, regex, tmp_path):
     """Two engines, one language: llguidance's masks equal the hand-written DFA's token index at
-    every
-    position of random walks, EOS and padding included, except one documented difference: inside
-    text the grammar forces, llguidance also drops tokens that split it non-canonically (only "ab",
-    not "a", when "ab" is forced and is a token)."""
+    every position of random walks, EOS and padding included, except one documented difference:
+    inside text the grammar forces, llguidance also drops tokens that split it non-canonically (only
+    "ab", not "a", when "ab" is forced and is a token)."""
     grammar = grammar_constraint(lark_grammar)
     dfa = RegexConstraint.from_regex(regex, TOKENIZER, VOCAB, cache_dir=tmp_path)
     rng = random.Random(0)

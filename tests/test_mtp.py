@@ -182,9 +182,8 @@ def expected_fuse(
 
 def expected_scores(raw: dict, config: dict, block_output: np.ndarray) -> tuple:
     """Stage 3 by hand: ``(what the next chained step reads, logits)``. DeepSeek: the layer's
-    output,
-    scored by its own shared_head (norm, head). Qwen and MiMo: the output after their final norm,
-    scored by the target's LM head."""
+    output, scored by its own shared_head (norm, head). Qwen and MiMo: the output after their final
+    norm, scored by the target's LM head."""
     prefix, model_type = mtp_prefix(config), config["model_type"]
     if model_type in QWEN_LAYOUT:
         normed = rms_norm(block_output, 1 + raw[prefix + "norm.weight"])

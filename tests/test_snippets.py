@@ -2,9 +2,8 @@
 
 A folder's snippet runs in a temporary directory that holds only the core (``CORE``: ``decoder/``),
 that folder and the folders it needs (``NEEDS``), as in a user's project with ``mlx``, ``mlx-lm``
-and numpy
-installed: an import of ``loading`` or ``cli`` there fails the test. The model id in the snippets is
-swapped for the embedded model's converted directory (no download here).
+and numpy installed: an import of ``loading`` or ``cli`` there fails the test. The model id in the
+snippets is swapped for the embedded model's converted directory (no download here).
 """
 
 import ast
@@ -93,8 +92,7 @@ def installed_closure(names, extras=("cpu",)) -> list:
 
 def restricted_site(folder: Path, extras=()) -> Path:
     """A folder of links to the installed files of ``mlx``, ``mlx-lm`` and numpy (and ``extras``)
-    and
-    what they require, and nothing else (no torch, scipy, ...): a user's environment for copied
+    and what they require, and nothing else (no torch, scipy, ...): a user's environment for copied
     code."""
     folder.mkdir()
     for dist in installed_closure(["mlx", "mlx-lm", "numpy", *extras]):
