@@ -16,15 +16,12 @@ class KVRows(_BaseCache):
     Args:
         rows: how many rows (empty).
         window: a sliding-window layer's window; None for full attention.
-        max_rollback: how far back a sliding row can go across calls (a pass is always undone
-        whole).
-        mask_dims: 4 for ``(B, 1, N, S)`` masks; 5 for ``(B, 1, 1, N, S)`` (gemma2's grouped
-        scores).
+        max_rollback: how far back a sliding row can go across calls (a pass is undone whole).
+        mask_dims: 4 for ``(B, 1, N, S)`` masks; 5 for ``(B, 1, 1, N, S)`` (gemma2's).
     """
 
     step = 256  # slots a full-attention layer grows by
-    # slots a sliding layer grows and drops by: it holds at most window + max_rollback + this
-    window_step = 64
+    window_step = 64  # slots a sliding layer grows and drops by (beyond window + max_rollback)
     max_rollback = 32  # the default: more than a draft's one-token calls span
 
     def __init__(
