@@ -306,16 +306,20 @@ def make_cache(
     return Cache.of(model, rows, max_rollback, mask_dims)
 
 
-def _from_state(class_name: str, state):
-    """A layer cache of class ``class_name`` (one of the kinds here or a subclass, such as a
-    wrapper's ``ExtraRows``, else mlx-lm's) from its ``state``."""
-    if class_name == "CacheList":  # its children are named the same way
-        return CacheList(*(_from_state(child, child_state) for child_state, child in state))
+def _kinds() -> dict:
+    """The kinds here and their subclasses (such as a wrapper's ``ExtraRows``), by class name."""
     found, kinds = [KVRows, StateRows, ChunkedRows], {}
     while found:
         kind = found.pop()
         kinds[kind.__name__] = kind
         found += kind.__subclasses__()
+    return kinds
+
+
+def _from_state(class_name: str, state, kinds: dict):
+    """A layer of class ``class_name`` (one of ``kinds``, else mlx-lm's) from its ``state``."""
+    if class_name == "CacheList":  # its children are named the same way
+        return CacheList(*(_from_state(child, s, kinds) for s, child in state))
     return (kinds.get(class_name) or getattr(mlx_lm_cache, class_name)).from_state(state)
 
 
@@ -332,5 +336,6 @@ def load_cache(file_name: str) -> Cache:
     for key, kind in scalars[1:]:  # the first is a placeholder (see save_prompt_cache)
         arrays[key] = decode[kind](arrays[key])
     states = tree_unflatten(list(arrays.items()))
-    layers = [_from_state(name, state) for name, state in zip(class_names, states)]
+    kinds = _kinds()
+    layers = [_from_state(name, state, kinds) for name, state in zip(class_names, states)]
     return Cache(layers, layers_of(layers)[0].rows)
