@@ -137,11 +137,7 @@ class DraftModel(SharedDrafter):
         cache = prefill_rows(
             self.model, prompts, self.chunk_size, max_rollback=self.options["max_draft"] + 1
         )
-        if self.cache is None:
-            self.cache = cache
-        else:
-            self.cache.extend(cache)
-        self.rows += [source for source, _ in joining]
+        self._add_rows([source for source, _ in joining], cache)
         self.texts += [tokens for _, tokens in joining]
         self.counts += [len(prompt) for prompt in prompts]
 

@@ -149,6 +149,14 @@ class SharedDrafter:
     def _drop_row(self, index: int):
         """What the drafter keeps per row, beside its cache, loses row ``index``."""
 
+    def _add_rows(self, sources: list, cache):
+        """The rows of ``sources`` join, their cache rows in ``cache`` after the others'."""
+        if self.cache is None:
+            self.cache = cache
+        else:
+            self.cache.extend(cache)
+        self.rows += sources
+
     def draft_alone(self, request: DraftRequest, cost: PassCost):
         """Draft for one row, outside a batch: rows of other sources, from earlier generations, go
         first (a batch drafts through ``draft_all``)."""

@@ -215,12 +215,7 @@ class HeadDrafter(SharedDrafter):
             )
         joining = [source for source, _, _, _ in requests if source not in self.rows]
         if joining:
-            new = make_cache(self.head, len(joining))
-            if self.cache is None:
-                self.cache = new
-            else:
-                self.cache.extend(new)
-            self.rows += joining
+            self._add_rows(joining, make_cache(self.head, len(joining)))
             self.committed += [0] * len(joining)
         reads = [None] * len(self.rows)
         for source, tokens, _, slot in requests:
