@@ -88,27 +88,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--json", action="store_true", help="Print one JSON object instead of streaming text."
     )
-    # --prompt-lookup, --draft-model, --draft-head, ... (shared with the server)
+    # --prompt-lookup, --draft-model, --draft-head, ..., --shard (shared with the server)
     add_source_arguments(parser)
     # --regex, --json-schema, --grammar, --thinking-budget, ...
     add_constraint_arguments(parser)
-    distributed = parser.add_argument_group(
-        "distributed (under mlx.launch; see distributed/README.md)",
-        "Ranks on one host split its cores between their BLAS threads unless "
-        "OPENBLAS_NUM_THREADS is set.",
-    )
-    distributed.add_argument(
-        "--shard",
-        choices=["auto", "tensor", "pipeline"],
-        default="auto",
-        help="How to split the target over the ranks (default: tensor where the heads divide).",
-    )
-    distributed.add_argument(
-        "--dist-timeout",
-        type=float,
-        default=120.0,
-        help="Seconds to wait for peers to connect or answer before giving up (default: 120).",
-    )
     return parser
 
 
@@ -126,8 +109,6 @@ def validate(args):
     if not 0 < args.top_p <= 1:
         raise CliError("--top-p must be in (0, 1]")
     check_source_arguments(args)
-    if args.dist_timeout <= 0:
-        raise CliError("--dist-timeout must be > 0")
     if args.prompt is not None and args.prompt_file is not None:
         raise CliError("give --prompt or --prompt-file, not both")
     check_constraint_arguments(args)  # last: it compiles the pattern

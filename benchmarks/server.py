@@ -28,7 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = ROOT / "benchmarks" / "prompts"
 MLX_LM_SERVER = (
-    "import fast_blas; fast_blas.load(); import sys; from mlx_lm.server import main; "
+    "from loading import fast_blas; fast_blas.load(); import sys; from mlx_lm.server import main; "
     "sys.argv[0] = 'mlx_lm.server'; main()"
 )
 ORDER_SCHEMA = {

@@ -1,8 +1,8 @@
-"""The draft-source flags main.py and the server share, and their checks: a flag read here means the
-same in ``python main.py`` and ``python -m server``. Nothing here imports MLX (building the sources
-from the flags is ``cli/sources.py``'s job).
+"""The draft-source and distributed flags main.py and the server share, and their checks: a flag
+read here means the same in ``python main.py`` and ``python -m server``. Nothing here imports MLX
+(building the sources from the flags is ``cli/sources.py``'s job).
 
-    flags.add_arguments(parser)   # --prompt-lookup, --draft-model, --draft-head, ...
+    flags.add_arguments(parser)   # --prompt-lookup, --draft-model, ..., --shard, --dist-timeout
     flags.check(args)             # before the model loads
 """
 
@@ -14,8 +14,8 @@ from loading.store import cache_dir
 
 
 def add_arguments(parser, history: bool = True):
-    """The draft-source flags. ``history=False`` leaves out --lookup-history (the server keeps
-    no store); ``args.lookup_history`` is then None."""
+    """The draft-source and distributed flags. ``history=False`` leaves out --lookup-history (the
+    server keeps no store); ``args.lookup_history`` is then None."""
     lookup = parser.add_argument_group("prompt lookup")
     lookup.add_argument(
         "--prompt-lookup", action="store_true", help="Draft by copying n-grams from the context."
@@ -69,10 +69,34 @@ def add_arguments(parser, history: bool = True):
     parser.add_argument(
         "--no-adaptive", action="store_true", help="Keep the draft length fixed at --num-draft."
     )
+    add_distributed_arguments(parser)
+
+
+def add_distributed_arguments(parser):
+    """--shard and --dist-timeout, read under mlx.launch."""
+    distributed = parser.add_argument_group(
+        "distributed (under mlx.launch; see distributed/README.md)",
+        "Ranks on one host split its cores between their BLAS threads unless "
+        "OPENBLAS_NUM_THREADS is set.",
+    )
+    distributed.add_argument(
+        "--shard",
+        choices=["auto", "tensor", "pipeline"],
+        default="auto",
+        help="How to split the target over the ranks (default: tensor where the heads divide).",
+    )
+    distributed.add_argument(
+        "--dist-timeout",
+        type=float,
+        default=120.0,
+        help="Seconds to wait for peers to connect or answer before giving up (default: 120).",
+    )
 
 
 def check(args):
-    """Refuse bad draft-source flags in one line, before the model loads."""
+    """Refuse bad draft-source and distributed flags in one line, before the model loads."""
+    if args.dist_timeout <= 0:
+        raise CliError("--dist-timeout must be > 0")
     if args.num_draft is not None and not 1 <= args.num_draft <= 256:
         raise CliError("--num-draft must be between 1 and 256")
     if args.mtp and (args.draft_model is not None or args.draft_head is not None):

@@ -13,6 +13,7 @@ README.md in this folder.
 import json
 import os
 import sys
+import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional
@@ -123,9 +124,20 @@ class SharedPassCost(PassCost):
 class Session:
     """This rank's view of the run: the group, the watchdog and sharding."""
 
-    def __init__(self, group, watchdog: Watchdog):
-        self.group, self.watchdog = group, watchdog
+    def __init__(self, group, watchdog: Watchdog, timeout: float):
+        self.group, self.watchdog, self.timeout = group, watchdog, timeout
         self.rank, self.size = group.rank(), group.size()
+        self.last_beat = time.monotonic()
+        self.mode = None  # set by shard
+
+    def beat(self):
+        """Progress: the watchdog's clock restarts (``stalled_for`` too)."""
+        self.last_beat = time.monotonic()
+        self.watchdog.beat()
+
+    def stalled_for(self) -> float:
+        """Seconds since the last ``beat``."""
+        return time.monotonic() - self.last_beat
 
     def pass_cost(self) -> PassCost:
         """The cost model the loop must use on every rank (``generate_step(pass_cost=...)``)."""
@@ -135,26 +147,31 @@ class Session:
         """Shard a lazily loaded mlx-lm model in place; the watchdog restarts at its first forward
         pass."""
         try:
-            return shard_model(model, self.group, mode, heartbeat=self.watchdog.beat)
+            model = shard_model(model, self.group, mode, heartbeat=self.beat)
         except ValueError as error:
             raise DistributedError(str(error)) from None
+        self.mode = model.model.mode  # "tensor" or "pipeline"
+        return model
 
 
-def start(timeout: float = DEFAULT_TIMEOUT, set_blas_threads=None) -> Optional[Session]:
+def start(
+    timeout: float = DEFAULT_TIMEOUT, set_blas_threads=None, rank0_grace: float = 0.0
+) -> Optional[Session]:
     """Join the launched group (``None`` when this is the only process).
 
     Connecting is bounded by ``timeout``: ring's rank 0 would otherwise wait for
     a missing peer forever. Ranks other than 0 print nothing to stdout, and no
     rank reads stdin (give the prompt with --prompt or --prompt-file). Ranks that
     share a host split its cores between their BLAS threads (``share_cores``, when the
-    application passes ``set_blas_threads``).
+    application passes ``set_blas_threads``). Rank 0's watchdog waits ``rank0_grace`` seconds
+    more: the server's rank 0 answers its clients before it exits (server/ranks.py).
     """
     rank = launched_rank()
     hostfile = os.environ.get("MLX_HOSTFILE")
     if rank is None or (hostfile and not Path(hostfile).read_text().strip()):  # mlx.launch -n 1
         return None
     quiet_native_stderr()
-    watchdog = Watchdog(timeout, rank)
+    watchdog = Watchdog(timeout + (rank0_grace if rank == 0 else 0.0), rank)
     try:
         group = mx.distributed.init(strict=True)
     except RuntimeError as error:
@@ -168,7 +185,24 @@ def start(timeout: float = DEFAULT_TIMEOUT, set_blas_threads=None) -> Optional[S
         sys.stdout = open(os.devnull, "w")
     # mlx.launch forwards its stdin but never closes the ranks' end: reading it would wait forever.
     sys.stdin = open(os.devnull)
-    return Session(group, watchdog)
+    return Session(group, watchdog, timeout)
+
+
+def peer_fault(error: Exception) -> Optional[str]:
+    """The one-line message when ``error`` is the backend's about a peer (``[ring] ...``), else
+    None."""
+    if isinstance(error, DistributedError):
+        return str(error)
+    message = str(error)
+    if not isinstance(error, RuntimeError) or not message.startswith(
+        ("[ring]", "[jaccl]", "[mpi]")
+    ):
+        return None
+    if "lost" in message or "closed" in message:
+        message = (
+            f"lost the connection to a peer; another rank died or the network dropped ({message})"
+        )
+    return f"rank {launched_rank()}: {message}"
 
 
 @contextmanager
@@ -177,12 +211,7 @@ def reporting_faults():
     try:
         yield
     except RuntimeError as error:
-        message = str(error)
-        if not message.startswith(("[ring]", "[jaccl]", "[mpi]")):
+        message = peer_fault(error)
+        if message is None:
             raise
-        if "lost" in message or "closed" in message:
-            message = (
-                "lost the connection to a peer; another rank died or the network dropped "
-                f"({message})"
-            )
-        raise DistributedError(f"rank {launched_rank()}: {message}") from None
+        raise DistributedError(message) from None

@@ -7,10 +7,15 @@ coloured `[WARN] Node with rank N exited with code C` line per rank. This wrappe
 argument to `mlx.launch` unchanged, passes its output through, replaces those lines with one
 `error:` line naming the first rank that failed, and exits 1 (or `mlx.launch`'s own non-zero
 status). It reads `mlx.launch`'s warning text: tests/test_reliability.py checks that it still does.
+
+`mlx.launch` dies on SIGTERM and leaves its ranks running; this wrapper ends them all (SIGTERM,
+SIGINT or SIGHUP to it stops `mlx.launch`'s whole process group).
 """
 
+import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -38,7 +43,20 @@ def find_launcher() -> str:
 def main(arguments=None) -> int:
     """Run `mlx.launch arguments`; returns the exit status (1 when a rank failed)."""
     arguments = sys.argv[1:] if arguments is None else arguments
-    process = subprocess.Popen([find_launcher(), *arguments], stderr=subprocess.PIPE)
+    # its own process group, with the ranks it starts: one signal ends them all
+    process = subprocess.Popen(
+        [find_launcher(), *arguments], stderr=subprocess.PIPE, start_new_session=True
+    )
+
+    def stop_group(signum, _frame):
+        try:
+            os.killpg(process.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        sys.exit(128 + signum)
+
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(signum, stop_group)
     failures = []  # (rank, how), in the order mlx.launch saw them end
     for raw in process.stderr:
         line = raw.decode(errors="replace")

@@ -108,19 +108,24 @@ def validate(args):
         raise CliError(f"--effort-budgets {error}") from None
 
 
-def build_engine(args):
-    """Load the model and draft sources; returns (engine, model id, context length)."""
+def build_engine(args, session=None):
+    """Load the model and draft sources; returns (engine, model id, context length). ``session``
+    (``distributed.start``) shards the target over the launched ranks, which then run in lockstep
+    (server/ranks.py)."""
     from cli import sources
     from decoder.cache import CacheKindError, make_cache
     from decoder.text import output_size
     from loading.load import context_length, load_model
     from loading.store import cache_dir
     from server.engine import Engine
+    from server.ranks import Lockstep
     from t5 import is_encoder_decoder
 
-    model, tokenizer, path = load_model(args.model)
+    model, tokenizer, path = load_model(args.model, lazy=session is not None)
     if is_encoder_decoder(model):
         raise CliError("the server serves decoder-only models; T5 is not supported")
+    if session is not None:
+        model = session.shard(model, args.shard)
     vocab_size = output_size(model, tokenizer)
     max_batch, keep_caches = args.max_batch, True
     try:
@@ -144,6 +149,9 @@ def build_engine(args):
         prompt_cache_bytes=args.prompt_cache_bytes,
         keep_caches=keep_caches,
         drafters=drafters,
+        # every rank must fit the same cost, or their drafts differ
+        pass_cost=None if session is None else session.pass_cost(),
+        ranks=None if session is None else Lockstep(session),
     )
     model_id = "SmolLM2-135M-Instruct" if args.model is None else args.model.rstrip("/")
     return engine, model_id, context_length(path)
@@ -163,22 +171,29 @@ def main():
     fast_blas.load()  # before anything imports mlx.core (Linux: MLX's own BLAS is far slower)
     import uvicorn
 
+    import distributed
     from decoder.cache import CacheKindError
     from loading.load import ModelError
     from server.app import build_app
     from server.harmony import chat_tool_syntax
+    from server.ranks import ANSWER_GRACE_S
     from speculative import VocabularyMismatch
     from speculative.mtp import NoMTPWeights
 
     try:
         validate(args)
-        sock = listen(args.host, args.port)
-        engine, model_id, limit = build_engine(args)
+        # Only rank 0 listens; it binds before anything loads, so a taken port fails at once.
+        sock = listen(args.host, args.port) if not distributed.launched_rank() else None
+        session = distributed.start(args.dist_timeout, fast_blas.set_num_threads, ANSWER_GRACE_S)
+        with distributed.reporting_faults():
+            engine, model_id, limit = build_engine(args, session)
+            if session is not None and session.rank != 0:
+                return engine.follow()  # until rank 0 stops, or a peer is lost (one line, exit 1)
     # a cache drafts cannot roll back in, or no MTP layers
     except (CacheKindError, NoMTPWeights) as error:
         sys.stderr.write(f"error: not supported: {error}\n")
         sys.exit(2)
-    except (CliError, ModelError, VocabularyMismatch) as error:
+    except (CliError, ModelError, VocabularyMismatch, distributed.DistributedError) as error:
         sys.stderr.write(f"error: {error}\n")
         sys.exit(1)
     app = build_app(
@@ -198,11 +213,14 @@ def main():
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
     # Connections wait in the socket's backlog until uvicorn accepts them; tests read this line for
     # --port 0.
-    print(f"serving {model_id} on http://{args.host}:{sock.getsockname()[1]}/v1", flush=True)
+    ranks = "" if session is None else f" ({session.size} ranks, {session.mode} sharding)"
+    print(f"serving {model_id}{ranks} on http://{args.host}:{sock.getsockname()[1]}/v1", flush=True)
     try:
         asyncio.run(server.serve(sockets=[sock]))
     except KeyboardInterrupt:
         pass
+    engine.close()  # sharded: the other ranks stop too
+    engine.worker.join(timeout=5)
 
 
 if __name__ == "__main__":

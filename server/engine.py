@@ -31,7 +31,7 @@ import sys
 import threading
 import traceback
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional, Sequence
 
 import mlx.core as mx
@@ -44,6 +44,7 @@ from decoder.draft import ConstraintError
 from decoder.step import DecodingStats
 from decoder.text import TextStream, eos_ids_of
 from server.constraints import RequestConstraints
+from server.ranks import OneProcess, exit_after_answering
 from server.request import ApiError, GenerationRequest
 
 
@@ -82,7 +83,7 @@ class Job:
     def __init__(
         self,
         request: GenerationRequest,
-        loop: asyncio.AbstractEventLoop,
+        loop: Optional[asyncio.AbstractEventLoop],
         constraint=None,
         forced=None,
         release=None,
@@ -90,12 +91,13 @@ class Job:
         self.request = request
         self.loop = loop
         self.constraint, self.forced = constraint, forced  # the request's own, or None
-        self.events = asyncio.Queue()
+        self.events = asyncio.Queue() if loop is not None else None
         self.cancelled = threading.Event()
         self._release = release  # called once, when the engine is done with the job
 
     def send(self, kind: str, payload=None):
-        self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, payload))
+        if self.loop is not None:  # None: another rank's request, followed here in lockstep
+            self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, payload))
         if kind in ("done", "error"):
             self.release()
 
@@ -138,9 +140,11 @@ class PromptCache:
     keys a sliding layer kept; an entry with recurrent states only a prompt that extends all of its
     tokens."""
 
-    def __init__(self, max_bytes: int):
+    def __init__(self, max_bytes: int, weigh=None):
         # tuple(tokens) -> (CachedPrefix, nbytes)
         self.max_bytes, self.entries = max_bytes, OrderedDict()
+        # an entry's bytes -> the bytes it counts for (sharded: the largest rank's, server/ranks.py)
+        self.weigh = weigh if weigh is not None else (lambda nbytes: nbytes)
         self.nbytes = 0  # of all entries
 
     def add(self, tokens: list, prefix: CachedPrefix):
@@ -154,7 +158,7 @@ class PromptCache:
                 if tokens[: len(k)] == k and prefix.shortest <= old.shortest
             ]:
                 self._drop(key)
-        self.entries[tokens] = (prefix, sum(array.nbytes for array in prefix.arrays()))
+        self.entries[tokens] = (prefix, self.weigh(sum(array.nbytes for array in prefix.arrays())))
         self.nbytes += self.entries[tokens][1]
         while self.entries and self.nbytes > self.max_bytes:
             self._drop(next(iter(self.entries)))
@@ -183,7 +187,8 @@ class Reply:
         self.job, self.text, self.stopper = job, TextStream(tokenizer), StopText(job.request.stop)
         self.outcome = Outcome("", "length", len(job.request.prompt), 0, cached)
         self.pieces, self.generated = [], []
-        asked = job.request.logprobs is not None
+        # logprobs are formatted where a client reads them
+        asked = job.request.logprobs is not None and job.loop is not None
         self.pending = [] if asked else None  # TokenLogprobs not yet sent with a text event
         self.outcome.logprobs = [] if asked else None
 
@@ -208,6 +213,8 @@ class Engine:
             503.
         pass_cost: the timings the width policy reads (``cost.PassCost``); tests pass a fixed clock.
         drafters: the models whose sources ``make_sources`` gives (``BatchGenerator``'s).
+        ranks: ``server.ranks.Lockstep`` when the model is sharded over several ranks: rank 0's
+            engine serves and the others ``follow`` it; by default one process serves alone.
     """
 
     def __init__(
@@ -224,26 +231,30 @@ class Engine:
         pass_cost: Optional[PassCost] = None,
         keep_caches: bool = True,
         drafters: Sequence = (),
+        ranks=None,
     ):
         self.model, self.tokenizer, self.vocab_size = model, tokenizer, vocab_size
         self.drafters = list(drafters)
         self.make_sources, self.keep_caches = make_sources, keep_caches
         self.max_batch = max_batch
+        self.ranks = ranks if ranks is not None else OneProcess()
         self.eos = eos_ids_of(tokenizer)
         self.jobs = queue.Queue()
         # A place for each request decoding or waiting: refused only when rows and queue are all
         # taken.
         self.places = threading.BoundedSemaphore(max_batch + max_queue)
         self.constraints = RequestConstraints(tokenizer, vocab_size, cache_dir)
-        self.prompt_cache = PromptCache(prompt_cache_bytes)
+        self.prompt_cache = PromptCache(prompt_cache_bytes, self.ranks.weigh)
         self.pass_cost = pass_cost if pass_cost is not None else PassCost()
         self.prefill_step_size = prefill_step_size
         self.generator = self._new_generator()
         self.replies = {}  # uid -> Reply, for every running job
         # per token id, its bytes (for logprobs; read from the vocabulary once)
         self.token_bytes = None
-        self.worker = threading.Thread(target=self._work, name="generation", daemon=True)
-        self.worker.start()
+        if self.ranks.rank == 0:
+            self.ranks.watch(self._lost)
+            self.worker = threading.Thread(target=self._work, name="generation", daemon=True)
+            self.worker.start()
 
     def _new_generator(self) -> BatchGenerator:
         return BatchGenerator(
@@ -277,37 +288,110 @@ class Engine:
         self.jobs.put(job)
         return job
 
+    def close(self):
+        """Stop the worker after its step (and, sharded, every other rank's engine)."""
+        self.jobs.put(None)
+
+    def follow(self):
+        """Run a rank other than 0: the same steps as rank 0's engine, until it stops."""
+        self._work()
+
     def _work(self):
+        try:
+            self._steps()
+        except Exception as error:
+            lost = self.ranks.lost_peer(error)
+            if lost is None:
+                raise
+            self._lost(lost)
+
+    def _steps(self):
         while True:
-            # idle: block, not spin
-            waiting = [] if self.replies or len(self.generator) else [self.jobs.get()]
-            while len(self.replies) + len(waiting) < self.max_batch and not self.jobs.empty():
-                waiting.append(self.jobs.get_nowait())
-            for job in waiting:
-                if job.cancelled.is_set():
-                    job.release()
-                else:
-                    self._guarded(job, lambda: self._start(job))
-            if not len(self.generator):
-                continue
-            try:
-                responses = self.generator.next()
-            except Exception as error:  # a fault in the step: its rows fail, the worker goes on
-                traceback.print_exc(file=sys.stderr)
-                for reply in self.replies.values():
-                    reply.job.send(
-                        "error",
-                        ApiError(500, f"generation failed: {type(error).__name__}: {error}"),
-                    )
-                self.replies, self.generator = {}, self._new_generator()
-                continue
-            for response in responses:
-                self._respond(response)
-            gone = [uid for uid, reply in self.replies.items() if reply.job.cancelled.is_set()]
-            if gone:
-                self.generator.remove(gone)
-                for uid in gone:
+            news = self._news() if self.ranks.rank == 0 else None
+            shared = self.ranks.share(None if news is None else self._message(*news))
+            joins, leaves, stop = news if news is not None else self._followed(shared)
+            if stop:
+                return
+            if leaves:
+                self.generator.remove(leaves)
+                for uid in leaves:
                     self.replies.pop(uid).job.release()
+            for job in joins:
+                self._guarded(job, lambda: self._start(job))
+            if len(self.generator):
+                self._step()
+
+    def _news(self) -> Optional[tuple]:
+        """What rank 0 heard since the last step: ``(joining jobs, leaving uids, stop)``, or None
+        when nothing."""
+        waiting, stop = [], False
+        if not self.replies and not len(self.generator):  # idle: block, not spin
+            try:
+                waiting.append(self.jobs.get(timeout=self.ranks.idle_wait))
+            except queue.Empty:
+                pass
+        while len(self.replies) + len(waiting) < self.max_batch and not self.jobs.empty():
+            waiting.append(self.jobs.get_nowait())
+        if None in waiting:  # close()
+            waiting, stop = [job for job in waiting if job is not None], True
+        joins = []
+        for job in waiting:
+            if job.cancelled.is_set():
+                job.release()
+            else:
+                joins.append(job)
+        leaves = [uid for uid, reply in self.replies.items() if reply.job.cancelled.is_set()]
+        return (joins, leaves, stop) if joins or leaves or stop else None
+
+    @staticmethod
+    def _message(joins: list, leaves: list, stop: bool) -> tuple:
+        """The news as the other ranks receive it: the requests without what only rank 0 reads."""
+        return [replace(job.request, messages=None) for job in joins], leaves, stop
+
+    def _followed(self, shared: Optional[tuple]) -> tuple:
+        """Rank 0's news on another rank, with jobs of its own (their constraints compiled
+        here)."""
+        if shared is None:
+            return [], [], False
+        requests, leaves, stop = shared
+        return (
+            [Job(request, None, *self.constraint_for(request)) for request in requests],
+            leaves,
+            stop,
+        )
+
+    def _lost(self, message: str):
+        """A peer is gone: every open request gets an error, and this rank exits with one line."""
+        error = ApiError(
+            503,
+            f"the sharded model lost a rank: {message}",
+            code="rank_lost",
+            error_type="server_error",
+        )
+        for reply in list(self.replies.values()):
+            reply.job.send("error", error)
+        while not self.jobs.empty():
+            job = self.jobs.get_nowait()
+            if job is not None:
+                job.send("error", error)
+        exit_after_answering(message)
+
+    def _step(self):
+        try:
+            responses = self.generator.next()
+        except Exception as error:  # a fault in the step: its rows fail, the worker goes on
+            lost = self.ranks.lost_peer(error)
+            if lost is not None:
+                self._lost(lost)
+            traceback.print_exc(file=sys.stderr)
+            for reply in self.replies.values():
+                reply.job.send(
+                    "error", ApiError(500, f"generation failed: {type(error).__name__}: {error}")
+                )
+            self.replies, self.generator = {}, self._new_generator()
+            return
+        for response in responses:
+            self._respond(response)
 
     def _guarded(self, job: Job, run):
         try:

@@ -1,0 +1,288 @@
+"""The server on a target sharded over local ranks (mlx.launch, ring backend) answers what one
+process answers, under concurrent requests of every kind, and fails cleanly.
+
+One launch serves most tests (the embedded model loads on every rank; this machine has 2 cores),
+and the test that kills one of its ranks comes last.
+"""
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from http.client import HTTPConnection
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import mlx.core as mx
+import pytest
+
+from loading import fast_blas
+from tests.helpers import start_process, stop
+from tests.test_distributed import LAUNCH, free_port
+from tests.test_server import USER_SCHEMA, WEATHER_TOOL
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL = "SmolLM2-135M-Instruct"
+SOURCES = ["--prompt-lookup", "--draft-head"]
+DIST_TIMEOUT = 20
+
+pytestmark = [
+    pytest.mark.slow,  # launches ranks
+    pytest.mark.skipif(LAUNCH is None, reason="mlx.launch is not installed"),
+    pytest.mark.skipif(
+        not mx.distributed.is_available(backend="ring"), reason="MLX has no ring backend"
+    ),
+]
+
+
+def chat(content: str, max_tokens: int = 24, **extra) -> tuple:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": content}]}
+    return "/chat/completions", {**body, "max_tokens": max_tokens, "temperature": 0, **extra}
+
+
+MUSEUM = (ROOT / "demo" / "museum.txt").read_text()
+# Requests of every kind; each is answered greedily, so the batch it lands in cannot change it.
+REQUESTS = [
+    chat("Name three colours."),
+    chat(MUSEUM + "\nWhen does the museum open on Sundays?", 32),  # grounded: lookup drafts
+    chat(
+        "Describe a user.",
+        48,
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "user", "schema": USER_SCHEMA},
+        },
+    ),  # fmt: skip
+    chat("A date?", 16, guided_regex=r"\d{4}-\d{2}-\d{2}"),
+    chat("Capital of France?", 16, guided_grammar='start: "It is " CITY "."\nCITY: /[A-Z][a-z]+/'),
+    chat("Weather in Paris?", 48, tools=[WEATHER_TOOL], tool_choice="required"),
+    chat("Count to ten.", 20, stream=True),
+    (
+        "/completions",
+        {
+            "model": MODEL,
+            "prompt": "The capital of France is",
+            "max_tokens": 8,
+            "temperature": 0,
+            "logprobs": 2,
+        },
+    ),  # fmt: skip
+    (
+        "/messages",
+        {
+            "model": MODEL,
+            "max_tokens": 20,
+            "temperature": 0,
+            "messages": [{"role": "user", "content": "Say hello in French."}],
+        },
+    ),  # fmt: skip
+    (
+        "/responses",
+        {"model": MODEL, "input": "List three fruits.", "max_output_tokens": 20, "temperature": 0},
+    ),  # fmt: skip
+]
+SAMPLED = chat("Write a haiku about rain.", 16, temperature=0.9, seed=7)
+
+
+def post(url: str, path: str, body: dict, timeout: float = 300):
+    """``(status, JSON body or the list of stream events)``."""
+    parts = urlsplit(url)
+    connection = HTTPConnection(parts.hostname, parts.port, timeout=timeout)
+    connection.request(
+        "POST", parts.path + path, json.dumps(body), {"Content-Type": "application/json"}
+    )
+    response = connection.getresponse()
+    raw = response.read().decode()
+    connection.close()
+    if body.get("stream"):
+        events = [line[6:] for line in raw.splitlines() if line.startswith("data: ")]
+        return response.status, [json.loads(e) for e in events if e != "[DONE]"]
+    return response.status, json.loads(raw)
+
+
+def answer(status_and_body) -> object:
+    """What must agree: the body without ids, times, usage or decoding statistics."""
+    status, body = status_and_body
+    if isinstance(body, list):  # a stream: its text
+        return status, "".join(
+            c["choices"][0]["delta"].get("content") or "" for c in body if c["choices"]
+        )
+
+    def strip(value):
+        if isinstance(value, dict):
+            drop = {"id", "created", "created_at", "usage", "call_id", "system_fingerprint"}
+            return {k: strip(v) for k, v in value.items() if k not in drop}
+        if isinstance(value, list):
+            return [strip(v) for v in value]
+        if isinstance(value, float):
+            return round(value, 2)
+        return value
+
+    return status, strip(body)
+
+
+def child_pids(root: int) -> list:
+    """Every descendant of process ``root``."""
+    parents = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            parents.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry.name))
+    found, todo = [], [root]
+    while todo:
+        children = parents.get(todo.pop(), [])
+        found += children
+        todo += children
+    return found
+
+
+def rank_pid(launcher: int, rank: int) -> int:
+    for pid in child_pids(launcher):
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            command = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        # the rank itself, not the shell that started it or its watchdog
+        if f"MLX_RANK={rank}".encode() in environ and command[1:3] == [b"-m", b"server"]:
+            return pid
+    raise LookupError(f"no rank {rank} under {launcher}")
+
+
+def serve(ranks: int, *flags, port: str = "0"):
+    """A sharded server under ``python -m distributed.launch``; returns ``(process, url)``."""
+    env = {k: v for k, v in os.environ.items() if k not in fast_blas.THREAD_VARIABLES}
+    process = start_process(
+        [sys.executable, "-m", "distributed.launch", "-n", str(ranks), "--backend", "ring",
+         "-p", str(free_port(ranks)), "--", sys.executable, "-m", "server", "--port", port,
+         "--max-tokens", "32", "--dist-timeout", str(DIST_TIMEOUT), *flags],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        cwd=ROOT, env=env,
+    )  # fmt: skip
+    line = process.stdout.readline()
+    if not line.startswith("serving"):
+        stop(process)
+        pytest.fail(f"the sharded server did not start: {line}{process.stderr.read()[-2000:]}")
+    return process, line.split()[-1]
+
+
+def one_process(*flags):
+    process = start_process(
+        [sys.executable, "-m", "server", "--port", "0", "--max-tokens", "32", *flags],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+    )  # fmt: skip
+    line = process.stdout.readline()
+    if not line.startswith("serving"):
+        stop(process)
+        pytest.fail(f"the server did not start: {line}{process.stderr.read()[-2000:]}")
+    return process, line.split()[-1]
+
+
+@pytest.fixture(scope="module")
+def expected(embedded):
+    """The one-process server's answers, each request sent alone."""
+    process, url = one_process(*SOURCES)
+    try:
+        return [answer(post(url, *request)) for request in REQUESTS]
+    finally:
+        stop(process)
+
+
+@pytest.fixture(scope="module")
+def pipeline(embedded):
+    process, url = serve(2, "--shard", "pipeline", *SOURCES)
+    yield process, url
+    stop(process)
+
+
+def test_pipeline_answers_concurrent_requests_of_every_kind_as_one_process(pipeline, expected):
+    with ThreadPoolExecutor(len(REQUESTS)) as pool:
+        got = list(pool.map(lambda request: answer(post(pipeline[1], *request)), REQUESTS))
+    for request, want, have in zip(REQUESTS, expected, got):
+        assert have == want, request
+    # The prompt cache and the draft sources took part.
+    status, body = post(pipeline[1], *REQUESTS[1])
+    decoding = body["usage"]["decoding"]
+    assert status == 200 and decoding["draft_accepted"] > 0
+    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+
+
+def test_a_bad_request_is_refused_on_rank_0_and_serving_goes_on(pipeline):
+    status, body = post(pipeline[1], "/chat/completions", {"model": MODEL, "messages": [],
+                                                            "temperature": 5})  # fmt: skip
+    assert status == 400 and body["error"]["type"] == "invalid_request_error"
+    assert post(pipeline[1], *chat("Hi", 2))[0] == 200
+
+
+def test_a_client_that_leaves_mid_stream_leaves_every_rank(pipeline):
+    parts = urlsplit(pipeline[1])
+    connection = HTTPConnection(parts.hostname, parts.port, timeout=60)
+    path, body = chat("Write a long story.", 4000, stream=True)
+    connection.request("POST", parts.path + path, json.dumps(body),
+                       {"Content-Type": "application/json"})  # fmt: skip
+    response = connection.getresponse()
+    assert [response.readline().startswith(b"data:") for _ in range(4)].count(True) == 2
+    connection.close()
+    # 4000 tokens take many minutes: the next answer comes once every rank has dropped the row.
+    start = time.perf_counter()
+    assert post(pipeline[1], *chat("Hi", 2))[0] == 200
+    assert time.perf_counter() - start < 30
+
+
+def test_a_killed_rank_fails_open_requests_and_ends_the_launch_in_one_line(pipeline):
+    process, url = pipeline
+    parts = urlsplit(url)
+    connection = HTTPConnection(parts.hostname, parts.port, timeout=60)
+    path, body = chat("Write a long story.", 4000, stream=True)
+    connection.request("POST", parts.path + path, json.dumps(body),
+                       {"Content-Type": "application/json"})  # fmt: skip
+    response = connection.getresponse()
+    assert response.readline().startswith(b"data:")
+    start = time.perf_counter()
+    os.kill(rank_pid(process.pid, 1), 9)
+    rest = response.read().decode()
+    events = [json.loads(line[6:]) for line in rest.splitlines() if line.startswith("data: {")]
+    assert events and "error" in events[-1], rest[-500:]
+    assert "lost a rank" in events[-1]["error"]["message"]
+    _, stderr = process.communicate(timeout=DIST_TIMEOUT + 10)
+    assert process.returncode != 0 and time.perf_counter() - start < DIST_TIMEOUT + 5
+    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert errors and re.search(r"rank \d", errors[0]), stderr[-2000:]
+
+
+def test_tensor_sharding_over_3_ranks_answers_as_one_process_and_a_seed_repeats(embedded, expected):
+    """Plain decoding (forced text aside): a draft source that sizes its drafts by measured
+    timings consumes the random stream differently from run to run, so only a plain server's
+    sampling repeats exactly (docs/distributed.md)."""
+    process, url = serve(3, "--shard", "tensor")
+    try:
+        picked = [0, 3, 4, 7]  # plain, regex, grammar, completions with logprobs
+        with ThreadPoolExecutor(len(picked)) as pool:
+            got = list(pool.map(lambda i: answer(post(url, *REQUESTS[i])), picked))
+        runs = [post(url, *SAMPLED)[1]["choices"][0]["message"]["content"] for _ in range(2)]
+    finally:
+        stop(process)
+    assert got == [expected[i] for i in picked]
+    assert runs[0] == runs[1]
+
+
+def test_a_taken_port_ends_every_rank_in_one_line(embedded):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        env = {k: v for k, v in os.environ.items() if k not in fast_blas.THREAD_VARIABLES}
+        result = subprocess.run(
+            [sys.executable, "-m", "distributed.launch", "-n", "2", "--backend", "ring", "-p",
+             str(free_port(2)), "--", sys.executable, "-m", "server", "--port",
+             str(taken.getsockname()[1])],
+            stdin=subprocess.PIPE, capture_output=True, text=True, cwd=ROOT, env=env, timeout=120,
+        )  # fmt: skip
+    assert result.returncode != 0
+    assert "cannot listen on 127.0.0.1" in result.stderr and "Traceback" not in result.stderr
