@@ -14,8 +14,10 @@ and streams each row's new text. Finished, cancelled and disconnected rows leave
 Finished rows' caches are kept in a least-recently-used prompt cache bounded in bytes; a request
 that extends an earlier conversation prefills only what follows the longest cached prefix (for a
 model with recurrent layers, a prefix the request extends whole).
-Every draft source drafts per row, a draft head and MTP layers too. A model whose cache a batch
-cannot hold (llama4's chunked attention) decodes one request at a time in the same loop.
+Under ``mlx.launch`` with a sharded model, rank 0's engine serves and the other ranks' engines
+follow it step by step (``ranks``: server/ranks.py). Every draft source drafts per row, a draft head
+and MTP layers too. A model whose cache a batch cannot hold (llama4's chunked attention) decodes one
+request at a time in the same loop.
 
 A request with ``logprobs`` gets, per generated token (EOS aside), the target's log-probability of
 it and its most likely alternatives, from the verify pass that scored the token
@@ -30,20 +32,18 @@ import queue
 import sys
 import threading
 import traceback
-from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 from typing import Optional, Sequence
 
 import mlx.core as mx
-from mlx_lm.utils import common_prefix_len
 
 from batch import BatchGenerator, RowResponse
-from decoder.cache import CachedPrefix
 from decoder.cost import PassCost
 from decoder.draft import ConstraintError
 from decoder.step import DecodingStats
 from decoder.text import TextStream, eos_ids_of
 from server.constraints import RequestConstraints
+from server.prompt_cache import PromptCache
 from server.ranks import OneProcess, exit_after_answering
 from server.request import ApiError, GenerationRequest
 
@@ -134,52 +134,6 @@ class StopText:
         return text
 
 
-class PromptCache:
-    """The caches of finished sequences (``cache.CachedPrefix``), least recently used first out,
-    at most ``max_bytes``. Attention entries serve any prefix of their tokens long enough for the
-    keys a sliding layer kept; an entry with recurrent states only a prompt that extends all of its
-    tokens."""
-
-    def __init__(self, max_bytes: int, weigh=None):
-        # tuple(tokens) -> (CachedPrefix, nbytes)
-        self.max_bytes, self.entries = max_bytes, OrderedDict()
-        # an entry's bytes -> the bytes it counts for (sharded: the largest rank's, server/ranks.py)
-        self.weigh = weigh if weigh is not None else (lambda nbytes: nbytes)
-        self.nbytes = 0  # of all entries
-
-    def add(self, tokens: list, prefix: CachedPrefix):
-        tokens = tuple(tokens[: prefix.length])
-        mx.eval(prefix.arrays())
-        # prefixes of this one say nothing more (with states, they still might)
-        if not prefix.states:
-            for key in [
-                k
-                for k, (old, _) in self.entries.items()
-                if tokens[: len(k)] == k and prefix.shortest <= old.shortest
-            ]:
-                self._drop(key)
-        self.entries[tokens] = (prefix, self.weigh(sum(array.nbytes for array in prefix.arrays())))
-        self.nbytes += self.entries[tokens][1]
-        while self.entries and self.nbytes > self.max_bytes:
-            self._drop(next(iter(self.entries)))
-
-    def _drop(self, key: tuple):
-        self.nbytes -= self.entries.pop(key)[1]
-
-    def lookup(self, prompt: list):
-        """``(the cache of the longest cached prefix of prompt[:-1], its length)``, or (None, 0)."""
-        best, length = None, 0
-        for key, (prefix, _) in self.entries.items():
-            common = common_prefix_len(list(key), prompt[:-1])
-            usable = prefix.usable(common)
-            if usable > length:
-                best, length = key, usable
-        if best is None:
-            return None, 0
-        self.entries.move_to_end(best)
-        return self.entries[best][0].cut(length), length
-
-
 class Reply:
     """What a running job has been sent: its text, held-back stop-string prefixes, its tokens."""
 
@@ -249,6 +203,7 @@ class Engine:
         self.prefill_step_size = prefill_step_size
         self.generator = self._new_generator()
         self.replies = {}  # uid -> Reply, for every running job
+        self.joining = []  # jobs taken from the queue for the step being prepared
         # per token id, its bytes (for logprobs; read from the vocabulary once)
         self.token_bytes = None
         if self.ranks.rank == 0:
@@ -308,6 +263,7 @@ class Engine:
     def _steps(self):
         while True:
             news = self._news() if self.ranks.rank == 0 else None
+            self.joining = news[0] if news is not None else []  # for _lost, while they are sent
             shared = self.ranks.share(None if news is None else self._message(*news))
             joins, leaves, stop = news if news is not None else self._followed(shared)
             if stop:
@@ -362,14 +318,9 @@ class Engine:
 
     def _lost(self, message: str):
         """A peer is gone: every open request gets an error, and this rank exits with one line."""
-        error = ApiError(
-            503,
-            f"the sharded model lost a rank: {message}",
-            code="rank_lost",
-            error_type="server_error",
-        )
-        for reply in list(self.replies.values()):
-            reply.job.send("error", error)
+        error = ApiError(503, f"the sharded model lost a rank: {message}", code="rank_lost")
+        for job in [reply.job for reply in list(self.replies.values())] + self.joining:
+            job.send("error", error)
         while not self.jobs.empty():
             job = self.jobs.get_nowait()
             if job is not None:

@@ -8,6 +8,7 @@ and the test that kills one of its ranks comes last.
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -246,7 +247,7 @@ def test_a_killed_rank_fails_open_requests_and_ends_the_launch_in_one_line(pipel
     response = connection.getresponse()
     assert response.readline().startswith(b"data:")
     start = time.perf_counter()
-    os.kill(rank_pid(process.pid, 1), 9)
+    os.kill(rank_pid(process.pid, 1), signal.SIGKILL)
     rest = response.read().decode()
     events = [json.loads(line[6:]) for line in rest.splitlines() if line.startswith("data: {")]
     assert events and "error" in events[-1], rest[-500:]
@@ -257,20 +258,31 @@ def test_a_killed_rank_fails_open_requests_and_ends_the_launch_in_one_line(pipel
     assert errors and re.search(r"rank \d", errors[0]), stderr[-2000:]
 
 
-def test_tensor_sharding_over_3_ranks_answers_as_one_process_and_a_seed_repeats(embedded, expected):
+def test_tensor_sharding_over_3_ranks_answers_as_one_process_a_seed_repeats_and_a_stall_ends_it(
+    embedded, expected
+):
     """Plain decoding (forced text aside): a draft source that sizes its drafts by measured
     timings consumes the random stream differently from run to run, so only a plain server's
-    sampling repeats exactly (docs/distributed.md)."""
+    sampling repeats exactly (docs/distributed.md). Then a rank stops answering."""
     process, url = serve(3, "--shard", "tensor")
     try:
         picked = [0, 3, 4, 7]  # plain, regex, grammar, completions with logprobs
         with ThreadPoolExecutor(len(picked)) as pool:
             got = list(pool.map(lambda i: answer(post(url, *REQUESTS[i])), picked))
         runs = [post(url, *SAMPLED)[1]["choices"][0]["message"]["content"] for _ in range(2)]
+        with ThreadPoolExecutor(1) as pool:
+            waiting = pool.submit(post, url, *chat("Write a long story.", 4000))
+            time.sleep(3)
+            start = time.perf_counter()
+            os.kill(rank_pid(process.pid, 2), signal.SIGSTOP)
+            status, body = waiting.result(timeout=DIST_TIMEOUT + 30)
+        process.communicate(timeout=DIST_TIMEOUT + 10)
     finally:
         stop(process)
     assert got == [expected[i] for i in picked]
     assert runs[0] == runs[1]
+    assert status == 503 and "lost a rank" in body["error"]["message"]
+    assert process.returncode != 0 and time.perf_counter() - start < DIST_TIMEOUT + 10
 
 
 def test_a_taken_port_ends_every_rank_in_one_line(embedded):

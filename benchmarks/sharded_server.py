@@ -1,0 +1,238 @@
+"""The server on a sharded target: 8 concurrent requests against one at a time, and against
+mlx_lm.server sharded the same way.
+
+    flock /tmp/mlxdec-test.lock python -m benchmarks.sharded_server [--rounds 2] [--max-tokens 32]
+
+For 2 ranks (pipeline) and 3 ranks (tensor) on localhost, it starts each server in turn, round after
+round: ours plain, ours with ``--prompt-lookup`` and mlx_lm.server (``--pipeline`` for pipeline
+sharding), all with the fast BLAS. The ranks are started directly, as ``mlx.launch`` starts them
+(a hostfile and MLX_RANK), without its launcher process, which keeps half a core busy (see
+docs/distributed.md). Each server answers the same 8 grounded requests (document questions, code
+edits, quote summaries; greedy, streamed) at once, and ours plain also one at a time. Reported:
+tok/s in all (every completion token over the wall time, prefill included), time to first token and
+passes per token.
+
+``--message-cost`` instead times what a step's message costs: ``server.ranks.Lockstep.share`` with
+no news (one scalar all-reduce) and with a joining request, on 2 and 3 ranks.
+"""
+
+import argparse
+import contextlib
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks.server import MLX_LM_SERVER, ROOT, free_port, timed_chat
+from benchmarks.server_load import round_of, workloads
+
+RESULTS = ROOT / "benchmarks" / "results" / "sharded_server.md"
+CONFIGS = [(2, "pipeline"), (3, "tensor")]
+
+
+@contextlib.contextmanager
+def ranks_running(ranks: int, command: list):
+    """``ranks`` ring ranks of ``command`` on localhost; all are stopped on the way out."""
+    sockets = [socket.socket() for _ in range(ranks)]
+    for probe in sockets:
+        probe.bind(("127.0.0.1", 0))
+    hosts = [[f"127.0.0.1:{probe.getsockname()[1]}"] for probe in sockets]
+    for probe in sockets:
+        probe.close()
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as hostfile:
+        json.dump(hosts, hostfile)
+        hostfile.flush()
+        processes = [
+            subprocess.Popen(
+                command,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE if rank == 0 else subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                text=True,
+                cwd=ROOT,
+                env=dict(os.environ, MLX_HOSTFILE=hostfile.name, MLX_RANK=str(rank)),
+            )
+            for rank in range(ranks)
+        ]
+        try:
+            yield processes
+        finally:
+            for process in processes:
+                process.kill()
+                process.wait()
+
+
+def server_commands(model_dir: str, mode: str, port: int) -> dict:
+    ours = [sys.executable, "-m", "server", "--model", model_dir, "--port", str(port)]
+    ours += ["--shard", mode, "--max-batch", "8", "--max-queue", "16"]
+    theirs = [sys.executable, "-c", MLX_LM_SERVER, "--model", model_dir, "--port", str(port)]
+    theirs += ["--log-level", "ERROR", "--decode-concurrency", "8", "--prompt-concurrency", "8"]
+    return {
+        "ours": ours,
+        "ours --prompt-lookup": ours + ["--prompt-lookup"],
+        "mlx_lm.server": theirs + (["--pipeline"] if mode == "pipeline" else []),
+    }
+
+
+def client_for(port: int, model: str, name: str) -> dict:
+    from openai import OpenAI
+
+    client = OpenAI(
+        base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=1200
+    )
+    for _ in range(1200):
+        try:
+            client.chat.completions.create(
+                model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=2
+            )
+            return {"name": name, "client": client, "model": model}
+        except Exception:
+            time.sleep(0.5)
+    raise SystemExit(f"error: {name} did not start")
+
+
+def one_at_a_time(server, requests, nonce, max_tokens) -> dict:
+    start = time.perf_counter()
+    results = []
+    for index, (text, _) in enumerate(requests):
+        messages = [
+            {"role": "system", "content": f"You are a helpful assistant (round {nonce}.{index})."},
+            {"role": "user", "content": text},
+        ]
+        results.append(timed_chat(server, messages, max_tokens))
+    tokens = sum(r["tokens"] for r in results)
+    return {
+        "tps": tokens / (time.perf_counter() - start),
+        "ttft": [r["ttft"] for r in results],
+        "tokens": tokens,
+    }
+
+
+def measure(args) -> list:
+    """One record per (config, server, way, round)."""
+    from loading.load import default_model_path
+
+    model_dir = str(default_model_path())
+    requests = workloads()["grounded"][: args.requests]
+    records = []
+    for ranks, mode in CONFIGS:
+        for repeat in range(args.rounds):
+            port = free_port()
+            for name, command in server_commands(model_dir, mode, port).items():
+                model = "default_model" if name == "mlx_lm.server" else model_dir
+                with ranks_running(ranks, command):
+                    server = client_for(port, model, name)
+                    nonce = f"{ranks}{mode}{repeat}{name}"
+                    ways = {"8 at once": lambda: round_of(server, requests, nonce, args.max_tokens)}
+                    if name == "ours":
+                        ways["one at a time"] = lambda: one_at_a_time(
+                            server, requests, nonce + "s", args.max_tokens
+                        )
+                    for way, run in ways.items():
+                        result = run()
+                        records.append(
+                            {"ranks": ranks, "mode": mode, "server": name, "way": way,
+                             "round": repeat, "tps": result["tps"], "tokens": result["tokens"],
+                             "ttft": statistics.median(result["ttft"])}
+                        )  # fmt: skip
+                        print(json.dumps(records[-1]), flush=True)
+                port = free_port()
+    return records
+
+
+def table(records: list, args) -> list:
+    lines = [
+        "| ranks | server | requests | tok/s in all (best of rounds) | vs ours one at a time | "
+        "vs mlx_lm.server | median time to first token |",
+        "|---|---|---|---:|---:|---:|---:|",
+    ]
+    for ranks, mode in CONFIGS:
+        picked = [r for r in records if r["ranks"] == ranks and r["mode"] == mode]
+        best = {}
+        for record in picked:
+            key = (record["server"], record["way"])
+            if record["tps"] > best.get(key, {"tps": 0})["tps"]:
+                best[key] = record
+        serial = best.get(("ours", "one at a time"), {}).get("tps")
+        theirs = best.get(("mlx_lm.server", "8 at once"), {}).get("tps")
+        for (name, way), record in best.items():
+            lines.append(
+                f"| {ranks} ({mode}) | {name} | {way} | {record['tps']:.1f} | "
+                f"{record['tps'] / serial:.2f}x | {record['tps'] / theirs:.2f}x | "
+                f"{record['ttft']:.2f} s |"
+            )
+    return lines
+
+
+def message_worker(repeats: int = 200):
+    """Run on every rank: the median cost of ``Lockstep.share`` with and without news."""
+    from loading import fast_blas
+
+    fast_blas.load()
+    import distributed
+    from server.ranks import Lockstep
+    from server.request import GenerationRequest
+
+    session = distributed.start(60.0)
+    lockstep = Lockstep(session)
+    request = GenerationRequest(prompt=list(range(1000)), max_tokens=256, temp=0.7, stop=["\n\n"])
+    news = {"none": None, "a 1000-token request joins": ([request], [], False)}
+    costs = {}
+    for name, message in news.items():
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            lockstep.share(message if session.rank == 0 else None)
+            times.append(time.perf_counter() - start)
+        costs[name] = statistics.median(times) * 1e3
+    if session.rank == 0:
+        print(json.dumps(costs), flush=True)
+
+
+def message_costs() -> list:
+    lines = ["| ranks | no news (ms) | a 1000-token request joins (ms) |", "|---|---:|---:|"]
+    for ranks in (2, 3):
+        command = [sys.executable, "-m", "benchmarks.sharded_server", "--message-worker"]
+        with ranks_running(ranks, command) as processes:
+            out, _ = processes[0].communicate(timeout=600)
+            for process in processes[1:]:
+                process.wait(timeout=60)
+        costs = json.loads(out.strip().splitlines()[-1])
+        lines.append(
+            f"| {ranks} | {costs['none']:.3f} | {costs['a 1000-token request joins']:.3f} |"
+        )
+    return lines
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--requests", type=int, default=8)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--message-cost", action="store_true")
+    parser.add_argument("--message-worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--out", default=str(RESULTS))
+    args = parser.parse_args()
+    if args.message_worker:
+        return message_worker()
+    if args.message_cost:
+        print("\n".join(message_costs()))
+        return
+    records = measure(args)
+    command = (
+        f"python -m benchmarks.sharded_server --rounds {args.rounds} --requests {args.requests} "
+        f"--max-tokens {args.max_tokens}"
+    )
+    lines = ["# The server on a sharded target", "", f"    {command}", ""]
+    lines += table(records, args)
+    Path(args.out).write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
