@@ -77,7 +77,9 @@ class Lockstep:
             if size:
                 # the others add zeros: rank 0's bytes arrive unchanged
                 array = mx.array(memoryview(data)) if self.rank == 0 else mx.zeros(size, mx.uint8)
-                message = pickle.loads(bytes(mx.distributed.all_sum(array, group=self.group)))
+                received = mx.distributed.all_sum(array, group=self.group)
+                # memoryview reads the buffer as it is (bytes() would read it item by item)
+                message = pickle.loads(memoryview(received))
         self.session.beat()
         return message if size else None
 
