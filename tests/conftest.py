@@ -31,3 +31,14 @@ def chat_prompt(embedded):
         )
 
     return encode
+
+
+@pytest.fixture(scope="session")
+def self_draft(embedded, tmp_path_factory):
+    """The embedded model's first 24 layers, as a draft model directory (accepts some drafts)."""
+    from loading.conversion import convert
+    from loading.load import embedded_gguf
+
+    return convert(
+        str(tmp_path_factory.mktemp("draft") / "draft"), gguf=str(embedded_gguf()), num_layers=24
+    )

@@ -137,16 +137,6 @@ def sharded(ranks, cases):
     return records
 
 
-@pytest.fixture(scope="module")
-def self_draft(embedded, tmp_path_factory):
-    from loading.conversion import convert
-    from loading.load import embedded_gguf
-
-    return convert(
-        str(tmp_path_factory.mktemp("draft") / "draft"), gguf=str(embedded_gguf()), num_layers=24
-    )
-
-
 def expected_blas_threads(ranks: int):
     """What ``distributed.share_cores`` should set on ranks sharing this host (None without a fast
     BLAS)."""
