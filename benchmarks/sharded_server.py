@@ -33,11 +33,13 @@ from benchmarks.server_load import round_of, workloads
 
 RESULTS = ROOT / "benchmarks" / "results" / "sharded_server.md"
 CONFIGS = [(2, "pipeline"), (3, "tensor")]
+LOG = Path(tempfile.gettempdir()) / "sharded_server.log"  # the ranks' stderr
 
 
 @contextlib.contextmanager
-def ranks_running(ranks: int, command: list):
-    """``ranks`` ring ranks of ``command`` on localhost; all are stopped on the way out."""
+def ranks_running(ranks: int, command: list, log=None):
+    """``ranks`` ring ranks of ``command`` on localhost; all are stopped on the way out. Their
+    stderr goes to ``log`` (a file), or nowhere."""
     sockets = [socket.socket() for _ in range(ranks)]
     for probe in sockets:
         probe.bind(("127.0.0.1", 0))
@@ -52,7 +54,7 @@ def ranks_running(ranks: int, command: list):
                 command,
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE if rank == 0 else subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
+                stderr=log or subprocess.DEVNULL,
                 text=True,
                 cwd=ROOT,
                 env=dict(os.environ, MLX_HOSTFILE=hostfile.name, MLX_RANK=str(rank)),
@@ -125,7 +127,7 @@ def measure(args) -> list:
             port = free_port()
             for name, command in server_commands(model_dir, mode, port).items():
                 model = "default_model" if name == "mlx_lm.server" else model_dir
-                with ranks_running(ranks, command):
+                with open(LOG, "a") as log, ranks_running(ranks, command, log):
                     server = client_for(port, model, name)
                     nonce = f"{ranks}{mode}{repeat}{name}"
                     ways = {"8 at once": lambda: round_of(server, requests, nonce, args.max_tokens)}

@@ -204,6 +204,7 @@ class Engine:
         self.generator = self._new_generator()
         self.replies = {}  # uid -> Reply, for every running job
         self.joining = []  # jobs taken from the queue for the step being prepared
+        self.step_failed = False  # the last step raised (sharded: every rank's must agree)
         # per token id, its bytes (for logprobs; read from the vocabulary once)
         self.token_bytes = None
         if self.ranks.rank == 0:
@@ -254,17 +255,22 @@ class Engine:
     def _work(self):
         try:
             self._steps()
-        except Exception as error:
+        except Exception as error:  # a peer is gone, or a fault outside a step: serving ends
             lost = self.ranks.lost_peer(error)
-            if lost is None:
-                raise
-            self._lost(lost)
+            if lost is not None:
+                self._lost(lost)
+            traceback.print_exc(file=sys.stderr)
+            failed = f"the generation loop failed: {type(error).__name__}: {error}"
+            self._end(failed, failed)
 
     def _steps(self):
         while True:
             news = self._news() if self.ranks.rank == 0 else None
             self.joining = news[0] if news is not None else []  # for _lost, while they are sent
-            shared = self.ranks.share(None if news is None else self._message(*news))
+            shared = self.ranks.share(
+                None if news is None else self._message(*news), self.step_failed
+            )
+            self.step_failed = False
             joins, leaves, stop = news if news is not None else self._followed(shared)
             if stop:
                 return
@@ -318,7 +324,12 @@ class Engine:
 
     def _lost(self, message: str):
         """A peer is gone: every open request gets an error, and this rank exits with one line."""
-        error = ApiError(503, f"the sharded model lost a rank: {message}", code="rank_lost")
+        self._end(message, f"the sharded model lost a rank: {message}")
+
+    def _end(self, message: str, answer: str):
+        """Serving ends: every open request gets a 503 saying ``answer``, and this rank exits with
+        ``message`` as its one line."""
+        error = ApiError(503, answer, code="server_stopped")
         for job in [reply.job for reply in list(self.replies.values())] + self.joining:
             job.send("error", error)
         while not self.jobs.empty():
@@ -335,6 +346,7 @@ class Engine:
             if lost is not None:
                 self._lost(lost)
             traceback.print_exc(file=sys.stderr)
+            self.step_failed = True
             for reply in self.replies.values():
                 reply.job.send(
                     "error", ApiError(500, f"generation failed: {type(error).__name__}: {error}")

@@ -35,7 +35,7 @@ class OneProcess:
     rank = 0
     idle_wait = None  # an idle engine blocks until a request comes
 
-    def share(self, message):
+    def share(self, message, failed: bool = False):
         return message
 
     def weigh(self, nbytes: int) -> int:
@@ -67,13 +67,24 @@ class Lockstep:
     def _sum(self, value: int) -> int:
         return mx.distributed.all_sum(mx.array(value), group=self.group).item()
 
-    def share(self, message):
-        """Rank 0's ``message`` (any picklable object, or None for no news) on every rank."""
-        from distributed import reporting_faults
+    def share(self, message, failed: bool = False):
+        """Rank 0's ``message`` (any picklable object, or None for no news) on every rank.
+
+        ``failed``: this rank's last step raised. A step that fails on every rank fails alike (the
+        engine answers its rows with errors and goes on); one that fails on some ranks only has
+        put the ranks out of step, and that is a ``DistributedError``.
+        """
+        from distributed import DistributedError, reporting_faults
 
         with reporting_faults():
             data = pickle.dumps(message) if self.rank == 0 and message is not None else b""
-            size = self._sum(len(data))
+            header = mx.array([len(data), int(failed)])
+            size, failures = mx.distributed.all_sum(header, group=self.group).tolist()
+            if failures not in (0, self.session.size):
+                raise DistributedError(
+                    f"rank {self.rank}: a step failed on {failures} of {self.session.size} ranks, "
+                    "so they are out of step (see the traceback above)"
+                )
             if size:
                 # the others add zeros: rank 0's bytes arrive unchanged
                 array = mx.array(memoryview(data)) if self.rank == 0 else mx.zeros(size, mx.uint8)
