@@ -5,8 +5,9 @@
 `mlx.launch` stops the other ranks when one fails, but exits 0 itself and says so only in a
 coloured `[WARN] Node with rank N exited with code C` line per rank. This wrapper passes every
 argument to `mlx.launch` unchanged, passes its output through, replaces those lines with one
-`error:` line naming the first rank that failed, and exits 1 (or `mlx.launch`'s own non-zero
-status). It reads `mlx.launch`'s warning text: tests/test_reliability.py checks that it still does.
+`error:` line naming the first rank that failed (none when a rank wrote its own `error:` line), and
+exits 1 (or `mlx.launch`'s own non-zero status). It reads `mlx.launch`'s warning text:
+tests/test_reliability.py checks that it still does.
 
 `mlx.launch` dies on SIGTERM and leaves its ranks running; this wrapper ends them all (SIGTERM,
 SIGINT or SIGHUP to it stops `mlx.launch`'s whole process group).
@@ -58,10 +59,12 @@ def main(arguments=None) -> int:
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(signum, stop_group)
     failures = []  # (rank, how), in the order mlx.launch saw them end
+    said = False  # a rank wrote its own one-line error
     for raw in process.stderr:
         line = raw.decode(errors="replace")
         ended = RANK_ENDED.search(ANSI_COLOUR.sub("", line))
         if ended is None:
+            said = said or line.startswith("error: ")
             sys.stderr.write(line)
             sys.stderr.flush()
         else:
@@ -70,6 +73,8 @@ def main(arguments=None) -> int:
                 (ended.group(1), "was stopped" if code is None else f"exited with status {code}")
             )
     status = process.wait()
+    if failures and said:
+        return 1
     if failures:
         rank, how = failures[0]
         others = (

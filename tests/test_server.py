@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -151,6 +152,28 @@ def test_requests_become_generation_options():
     )
     completion = parse_completion({"prompt": "ab", "max_tokens": 3}, FakeTokenizer(), MODEL, 64)
     assert completion.prompt == [97, 98] and completion.max_tokens == 3
+
+
+def test_every_kind_of_request_reaches_the_other_ranks_whole():
+    """A sharded server pickles each joining request for the other ranks (server/ranks.py)."""
+    import pickle
+
+    from constrained.thinking import START, Thinking, ThinkMarkers
+    from server.engine import Engine, Job
+
+    requests = [
+        chat(tools=[WEATHER_TOOL], tool_choice="required", stop=["\n"], seed=3, logprobs=True),
+        chat(response_format={"type": "json_schema",
+                              "json_schema": {"name": "u", "schema": USER_SCHEMA}}),
+        chat(guided_regex="[a-z]+", temperature=0.7, top_p=0.9),
+    ]  # fmt: skip
+    requests[0].thinking = Thinking(ThinkMarkers("<think>", "</think>", (1,), (2,)), START, 8)
+    joins = [Job(request, None) for request in requests]
+    sent, leaves, stop = Engine._message(joins, [4], False)
+    received = pickle.loads(pickle.dumps((sent, leaves, stop)))
+    assert received == (sent, [4], False)
+    assert all(r.messages is None for r in received[0])  # only rank 0 reads them
+    assert [replace(r, messages=None) for r in requests] == received[0]
 
 
 def test_draft_source_flags_mean_the_same_in_main_py_and_the_server(embedded, monkeypatch):
