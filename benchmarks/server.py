@@ -112,6 +112,10 @@ def timed_chat(server, messages, max_tokens, **extra) -> dict:
         "tps": (tokens - 1) / decode_time if tokens > 1 and decode_time > 0 else 0.0,
         "cached": getattr(getattr(usage, "prompt_tokens_details", None), "cached_tokens", None),
         "prompt_tokens": usage.prompt_tokens if usage else None,
+        # ours: the target passes the request took part in (usage.decoding)
+        "passes": ((usage.model_extra or {}).get("decoding") or {}).get("target_forward_passes")
+        if usage
+        else None,
     }
 
 
