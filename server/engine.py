@@ -31,6 +31,7 @@ import math
 import queue
 import sys
 import threading
+import time
 import traceback
 from dataclasses import dataclass, field, replace
 from typing import Optional, Sequence
@@ -274,6 +275,8 @@ class Engine:
             joins, leaves, stop = news if news is not None else self._followed(shared)
             if stop:
                 return
+            if self.ranks.rank != 0 and shared is None and not len(self.generator):
+                time.sleep(self.ranks.idle_wait)  # rank 0 waits as long for requests
             if leaves:
                 self.generator.remove(leaves)
                 for uid in leaves:

@@ -24,6 +24,7 @@ from typing import Optional
 
 import mlx.core as mx
 
+IDLE_WAIT_S = 0.05
 STALL_CHECK_S = 0.5  # how often rank 0's monitor looks at the time since the last step
 # Rank 0 answers its clients, then exits; its watchdog allows this much more than --dist-timeout.
 ANSWER_GRACE_S = 3.0
@@ -58,8 +59,9 @@ class Lockstep:
 
     def __init__(self, session):
         self.session, self.group, self.rank = session, session.group, session.rank
-        # idle ranks still exchange this often, so that their watchdogs see progress
-        self.idle_wait = min(1.0, session.timeout / 4)
+        # An idle group exchanges this often: each rank waits outside the collective (whose wait
+        # spins a core) and sees progress for its watchdog; a request waits at most this long.
+        self.idle_wait = IDLE_WAIT_S
         # Unseeded requests draw from the global key; every rank must start it alike.
         seed = random.getrandbits(31) if self.rank == 0 else 0
         mx.random.seed(self._sum(seed))
