@@ -295,3 +295,60 @@ def test_a_point_mass_draft_is_verified_against_the_truncated_distribution():
     for _ in range(50):
         num_accepted, token = accept_draft(rows, Draft([least]), Sampling(1.0, top_k=3))
         assert num_accepted == 0 and token != least
+
+
+# --- the command line ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "args,fragment",
+    [
+        (["--top-k", "-1"], "--top-k must be >= 0"),
+        (["--min-p", "1.5"], "--min-p must be in [0, 1]"),
+        (["--min-tokens-to-keep", "0"], "--min-tokens-to-keep must be >= 1"),
+        (["--xtc-probability", "2"], "--xtc-probability must be in [0, 1]"),
+        (["--xtc-threshold", "0.6"], "--xtc-threshold must be in [0, 0.5]"),
+        (["--repetition-penalty", "-1"], "--repetition-penalty must be >= 0"),
+        (["--frequency-context-size", "0"], "--frequency-context-size must be >= 1"),
+        (["--presence-penalty", "nan"], "--presence-penalty must be a finite number"),
+        (["--logit-bias", "{"], "it is not JSON"),
+        (["--logit-bias", "[1, 2]"], "a JSON object of token ids"),
+        (["--logit-bias", '{"a": 1}'], "'a' is not a token id"),
+        (["--logit-bias", '{"1": "up"}'], "the bias of 1 is not a number"),
+        (["--logit-bias", '{"1": Infinity}'], "the bias of 1 is not finite"),
+    ],
+)
+def test_bad_sampling_flags_are_one_clear_error(args, fragment):
+    import main
+    from cli import CliError
+
+    with pytest.raises(CliError) as error:
+        main.validate(main.build_parser().parse_args(args))
+    assert fragment in str(error.value) and "\n" not in str(error.value)
+
+
+def test_the_sampling_flags_reach_the_loop():
+    """The flags become mlx-lm's processors: greedy output is mlx-lm's with the same ones."""
+    import main
+    from tests.helpers import tiny_byte_tokenizer
+
+    flags = ["--repetition-penalty", "1.4", "--repetition-context-size", "5"]
+    flags += ["--presence-penalty", "0.5", "--frequency-penalty", "0.2", "--logit-bias", '{"9": 4}']
+    args = main.build_parser().parse_args(flags)
+    main.validate(args)
+    kwargs = main.sampling_kwargs(args, tiny_byte_tokenizer(), VOCAB)
+    assert len(kwargs["logits_processors"]) == 4
+    prompt = [3, 9, 4, 1] * 3
+    tokens = [
+        t for t, _ in generate_step(prompt, TARGET, eos_token_ids=(), max_tokens=12, **kwargs)
+    ]
+    expected = make_logits_processors(
+        logit_bias={9: 4.0},
+        repetition_penalty=1.4,
+        repetition_context_size=5,
+        presence_penalty=0.5,
+        frequency_penalty=0.2,
+    )
+    assert tokens == mlx_lm_greedy(prompt, expected, 12)
+    with pytest.raises(Exception, match="outside the vocabulary"):
+        main.sampling_kwargs(args, tiny_byte_tokenizer(), 8)
