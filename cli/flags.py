@@ -151,7 +151,7 @@ def add_sampling_arguments(parser):
             f"--{name}-context-size",
             type=int,
             default=20,
-            help=f"Recent tokens the {name} penalty reads (default: 20).",
+            help=f"Recent tokens the {name} penalty reads; 0: all (default: 20).",
         )
     group.add_argument(
         "--logit-bias",
@@ -172,7 +172,7 @@ def check_sampling(args):
         ("xtc-threshold", 0 <= args.xtc_threshold <= 0.5, "in [0, 0.5]"),
         ("repetition-penalty", (args.repetition_penalty or 0) >= 0, ">= 0"),
     ] + [
-        (f"{name}-context-size", getattr(args, f"{name}_context_size") >= 1, ">= 1")
+        (f"{name}-context-size", getattr(args, f"{name}_context_size") >= 0, ">= 0")
         for name in ("repetition", "presence", "frequency")
     ]
     for flag, fine, bound in bounds:

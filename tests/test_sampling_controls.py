@@ -309,7 +309,7 @@ def test_a_point_mass_draft_is_verified_against_the_truncated_distribution():
         (["--xtc-probability", "2"], "--xtc-probability must be in [0, 1]"),
         (["--xtc-threshold", "0.6"], "--xtc-threshold must be in [0, 0.5]"),
         (["--repetition-penalty", "-1"], "--repetition-penalty must be >= 0"),
-        (["--frequency-context-size", "0"], "--frequency-context-size must be >= 1"),
+        (["--frequency-context-size", "-1"], "--frequency-context-size must be >= 0"),
         (["--presence-penalty", "nan"], "--presence-penalty must be a finite number"),
         (["--logit-bias", "{"], "it is not JSON"),
         (["--logit-bias", "[1, 2]"], "a JSON object of token ids"),
@@ -352,3 +352,17 @@ def test_the_sampling_flags_reach_the_loop():
     assert tokens == mlx_lm_greedy(prompt, expected, 12)
     with pytest.raises(Exception, match="outside the vocabulary"):
         main.sampling_kwargs(args, tiny_byte_tokenizer(), 8)
+
+
+@pytest.mark.parametrize("flag", [["--thinking-budget", "5"], ["--no-thinking"]])
+def test_a_thinking_flag_on_a_model_without_think_markers_says_so(flag, capsys):
+    import main
+    from cli import constraints
+    from tests.helpers import tiny_byte_tokenizer
+
+    args = main.build_parser().parse_args(flag)
+    main.validate(args)
+    tokenizer = tiny_byte_tokenizer()
+    assert constraints.build(args, tokenizer, len(tokenizer), [1, 2]) == (None, [])
+    note = capsys.readouterr().err
+    assert note == f"note: {flag[0]} changes nothing: the model has no think markers\n"
