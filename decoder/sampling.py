@@ -57,8 +57,8 @@ class Sampling:
         with probability ``xtc_probability``, every token above the threshold but the least
         likely of them: the result is the mixture of the two branches, which is exact.
         """
-        logits = logits.astype(mx.float32)
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        # Every truncation reads ranks or ratios of probabilities, so unnormalized logits do.
+        logprobs = logits = logits.astype(mx.float32)
         if self.top_p < 1.0:
             logprobs = mx.where(_top_p_keeps(logits / self.temp, self.top_p), logprobs, -mx.inf)
         if self.min_p > 0.0:
