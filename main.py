@@ -29,6 +29,7 @@ from cli import (
 from cli.constraints import add_arguments as add_constraint_arguments
 from cli.constraints import check as check_constraint_arguments
 from cli.flags import add_arguments as add_source_arguments
+from cli.flags import add_sampling_arguments, check_sampling
 from cli.flags import check as check_source_arguments
 from loading import fast_blas
 
@@ -88,6 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--json", action="store_true", help="Print one JSON object instead of streaming text."
     )
+    add_sampling_arguments(parser)  # --top-k, --min-p, --repetition-penalty, --logit-bias, ...
     # --prompt-lookup, --draft-model, --draft-head, ..., --shard (shared with the server)
     add_source_arguments(parser)
     # --regex, --json-schema, --grammar, --thinking-budget, ...
@@ -108,6 +110,7 @@ def validate(args):
         raise CliError("--temp must be 0 (greedy) or between 1e-6 and 1e6")
     if not 0 < args.top_p <= 1:
         raise CliError("--top-p must be in (0, 1]")
+    check_sampling(args)
     check_source_arguments(args)
     if args.prompt is not None and args.prompt_file is not None:
         raise CliError("give --prompt or --prompt-file, not both")
@@ -173,8 +176,9 @@ def build_run(args, session=None):
         )
     max_tokens = args.max_tokens if limit is None else min(args.max_tokens, limit - len(prompt))
 
+    vocab_size = output_size(model, tokenizer)
     constraint, forced = constraints.build(
-        args, tokenizer, output_size(model, tokenizer), prompt, encoder_input is not None
+        args, tokenizer, vocab_size, prompt, encoder_input is not None
     )
     model, drafts = draft_sources(args, model, tokenizer, encoder_input)
     kwargs = dict(
@@ -182,12 +186,33 @@ def build_run(args, session=None):
         constraint=constraint,
         temp=args.temp,
         top_p=args.top_p,
+        **sampling_kwargs(args, tokenizer, vocab_size),
         max_tokens=max_tokens,
         stats=DecodingStats(),
     )
     if session is not None:  # every rank must fit the same cost, or their drafts differ
         kwargs["pass_cost"] = session.pass_cost()
     return model, tokenizer, prompt, kwargs
+
+
+def sampling_kwargs(args, tokenizer, vocab_size: int) -> dict:
+    """The loop's truncations and logits processors from the sampling flags; XTC never removes a
+    newline or EOS, as in mlx_lm.server."""
+    from mlx_lm.sample_utils import make_logits_processors
+
+    from cli.flags import sampling_options
+    from decoder.text import eos_ids_of
+
+    truncations, processor_settings = sampling_options(args)
+    outside = [token for token in args.logit_bias or {} if token >= vocab_size]
+    if outside:
+        raise CliError(
+            f"--logit-bias: token id {outside[0]} is outside the vocabulary ({vocab_size})"
+        )
+    if args.xtc_probability > 0:
+        special = tokenizer.encode("\n", add_special_tokens=False) + sorted(eos_ids_of(tokenizer))
+        truncations["xtc_special_tokens"] = special
+    return dict(**truncations, logits_processors=make_logits_processors(**processor_settings))
 
 
 def print_stats(result, verbose: bool, use_color: bool):

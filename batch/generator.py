@@ -35,12 +35,23 @@ from batch.row import BatchRow, RowResponse
 from batch.verify import accept, score
 from decoder.cost import PassCost
 from decoder.prefill import Prefill
+from decoder.sampling import Sampling
 from decoder.step import verify_pass
 from speculative.drafter import DraftRequest
 
 # Rows whose ends drift further apart than this are rolled back into line (one copy of the cache),
 # so that no row attends over many slots that hold nothing of its own.
 MAX_RAGGEDNESS = 64
+# insert's per-row sampling settings, in decoder.Sampling's order
+SAMPLING = (
+    "temp",
+    "top_p",
+    "min_p",
+    "min_tokens_to_keep",
+    "top_k",
+    "xtc_probability",
+    "xtc_threshold",
+)
 
 
 @dataclass
@@ -84,9 +95,8 @@ def _check_row(prompt: list, options: dict):
         raise ValueError("a prompt is empty: give at least one token")
     if options["max_tokens"] < 1:
         raise ValueError(f"max_tokens must be at least 1, got {options['max_tokens']}")
-    temp, top_p, logprobs = options["temp"], options["top_p"], options["logprobs"]
-    if temp < 0 or not 0 < top_p <= 1:
-        raise ValueError(f"need temp >= 0 and 0 < top_p <= 1, got {temp} and {top_p}")
+    options["sampling"].check()
+    logprobs = options["logprobs"]
     if logprobs is not None and logprobs < 0:
         raise ValueError(f"logprobs must be None or >= 0 (top tokens per position), got {logprobs}")
 
@@ -154,6 +164,13 @@ class BatchGenerator:
         constraint=None,
         temp=0.0,
         top_p=1.0,
+        min_p=0.0,
+        min_tokens_to_keep=1,
+        top_k=0,
+        xtc_probability=0.0,
+        xtc_threshold=0.1,
+        xtc_special_tokens=(),
+        logits_processors=None,
         sampler=None,
         max_tokens=256,
         eos_token_ids=None,
@@ -166,16 +183,29 @@ class BatchGenerator:
         ``prompt_cache`` is per prompt None or a ``CachedPrefix`` of its first n < len(prompt)
         tokens (a finished row's ``RowResponse.cache``, cut to n), so only the rest is prefilled.
         ``logprobs`` is None (the default: nothing extra is computed) or k >= 0: each response then
-        has a ``TokenLogprobs`` per token, with the k most likely tokens at its position."""
+        has a ``TokenLogprobs`` per token, with the k most likely tokens at its position.
+        ``temp`` to ``xtc_special_tokens`` are mlx-lm's ``make_sampler``'s (``decoder.Sampling``;
+        ``xtc_special_tokens`` one list for all prompts); ``logits_processors`` is None or one
+        list of mlx-lm's processors per prompt, applied at each of the row's positions."""
         count = len(prompts)
+        processors = [[] for _ in prompts] if logits_processors is None else logits_processors
+        if len(processors) != count or not all(isinstance(p, (list, tuple)) for p in processors):
+            raise ValueError(
+                f"logits_processors needs one list of processors per prompt ({count} lists)"
+            )
         draft_sources = [[] for _ in prompts] if draft_sources is None else list(draft_sources)
         if len(draft_sources) != count or not all(
             isinstance(s, (list, tuple)) for s in draft_sources
         ):
             raise ValueError(f"draft_sources needs one list of sources per prompt ({count} lists)")
-        names = ("constraint", "temp", "top_p", "sampler", "max_tokens", "logprobs")
-        values = (constraint, temp, top_p, sampler, max_tokens, logprobs)
+        names = ("constraint", "sampler", "max_tokens", "logprobs")
+        values = (constraint, sampler, max_tokens, logprobs)
         options = [_per_row(name, value, count) for name, value in zip(names, values)]
+        settings = (temp, top_p, min_p, min_tokens_to_keep, top_k, xtc_probability, xtc_threshold)
+        per_row = [_per_row(name, value, count) for name, value in zip(SAMPLING, settings)]
+        names += ("sampling", "logits_processors")
+        options.append([Sampling(*row, tuple(xtc_special_tokens)) for row in zip(*per_row)])
+        options.append([list(p) for p in processors])
         options.append(
             [None] * count
             if prompt_cache is None
@@ -392,6 +422,13 @@ class BatchGenerator:
         logits, pass_width = verify_pass(
             self.model, self.cache, self.rows, drafts, width, self.slots
         )
+        if any(row.logits_processors for row in self.rows):
+            logits = mx.stack(
+                [
+                    row.process(logits[b], draft)
+                    for b, (row, draft) in enumerate(zip(self.rows, drafts))
+                ]
+            )
         scores = score(logits, plans, width)  # the step's one host sync
         self.cost.record(self.cost.clock() - started, width=pass_width, rows=self.cache.rows)
         self.stats.passes += 1

@@ -197,7 +197,7 @@ def acceptance_suite(model, tokenizer, args):
     from mlx_lm import load
 
     from decoder import generate_step
-    from decoder.draft import sampling_probs
+    from decoder.sampling import sampling_probs
     from decoder.text import eos_ids_of
 
     prompts = load_prompts(tokenizer, ["open_ended", "extractive_qa"])

@@ -9,6 +9,7 @@ costs no wait), then built by constrained/build.py, as the server builds a reque
 
 import os
 import re
+import sys
 from typing import Optional
 
 from cli import CliError, check_text_argument, read_text_file
@@ -134,5 +135,8 @@ def build(args, tokenizer, vocab_size: int, prompt: list, encoder_decoder: bool 
     builder = ConstraintBuilder(tokenizer, vocab_size, cache_dir=cache_dir() / "regex-index")
     built = None if args.compiled_pattern is None else builder.index(*args.compiled_pattern)
     thinking = thinking_of(tokenizer, prompt, thinking_budget(args))
+    if thinking is None and (args.thinking_budget is not None or args.no_thinking):
+        flag = "--no-thinking" if args.no_thinking else "--thinking-budget"
+        print(f"note: {flag} changes nothing: the model has no think markers", file=sys.stderr)
     constraint, forced = builder.fresh(built, thinking)
     return constraint, [] if forced is None else [forced]

@@ -130,3 +130,118 @@ def history_path(args) -> Path:
 
 def default_history_path() -> Path:
     return cache_dir() / "history" / "store.npz"
+
+
+def add_sampling_arguments(parser):
+    """mlx-lm's truncations (``make_sampler``) and logits processors (``make_logits_processors``),
+    with their names and defaults; docs/sampling.md says what each does."""
+    group = parser.add_argument_group(
+        "sampling controls (mlx-lm's; drafts are verified against the result, see docs/sampling.md)"
+    )
+    group.add_argument(
+        "--top-k", type=int, default=0, help="Keep the k most likely tokens (0: off)."
+    )
+    group.add_argument(
+        "--min-p",
+        type=float,
+        default=0.0,
+        help="Drop tokens below min-p times the top token's probability (0: off).",
+    )
+    group.add_argument(
+        "--min-tokens-to-keep",
+        type=int,
+        default=1,
+        help="Tokens --min-p always keeps (default: 1).",
+    )
+    group.add_argument(
+        "--xtc-probability",
+        type=float,
+        default=0.0,
+        help="How often XTC removes the likeliest tokens above --xtc-threshold (0: off).",
+    )
+    group.add_argument(
+        "--xtc-threshold",
+        type=float,
+        default=0.1,
+        help="XTC's threshold in [0, 0.5] (default: 0.1).",
+    )
+    for name, meaning in (
+        ("repetition", "Divide (or multiply, if negative) the logits of recent tokens by this"),
+        ("presence", "Subtract this from the logits of tokens seen recently"),
+        ("frequency", "Subtract this times its count from the logit of each recent token"),
+    ):
+        group.add_argument(f"--{name}-penalty", type=float, default=None, help=f"{meaning}.")
+        group.add_argument(
+            f"--{name}-context-size",
+            type=int,
+            default=20,
+            help=f"Recent tokens the {name} penalty reads; 0: all (default: 20).",
+        )
+    group.add_argument(
+        "--logit-bias",
+        default=None,
+        metavar="JSON",
+        help="Add to token logits, a JSON object of token id to bias: '{\"42\": -100}'.",
+    )
+
+
+def check_sampling(args):
+    """Refuse bad sampling controls in one line; ``args.logit_bias`` becomes a dict of int to
+    float."""
+    bounds = [
+        ("top-k", args.top_k >= 0, ">= 0 (0: off)"),
+        ("min-p", 0 <= args.min_p <= 1, "in [0, 1]"),
+        ("min-tokens-to-keep", args.min_tokens_to_keep >= 1, ">= 1"),
+        ("xtc-probability", 0 <= args.xtc_probability <= 1, "in [0, 1]"),
+        ("xtc-threshold", 0 <= args.xtc_threshold <= 0.5, "in [0, 0.5]"),
+        ("repetition-penalty", (args.repetition_penalty or 0) >= 0, ">= 0"),
+    ] + [
+        (f"{name}-context-size", getattr(args, f"{name}_context_size") >= 0, ">= 0")
+        for name in ("repetition", "presence", "frequency")
+    ]
+    for flag, fine, bound in bounds:
+        if not fine:
+            raise CliError(f"--{flag} must be {bound}")
+    if args.logit_bias is not None:
+        args.logit_bias = parse_logit_bias(args.logit_bias)
+
+
+def parse_logit_bias(text: str) -> dict:
+    """``--logit-bias``'s JSON object -> {token id: bias}, or a CliError saying what is wrong."""
+    import json
+    import math
+
+    problem = "--logit-bias must be a JSON object of token ids to numbers, as '{\"42\": -100}'"
+    try:
+        value = json.loads(text)
+    except ValueError:
+        raise CliError(f"{problem}: it is not JSON") from None
+    if not isinstance(value, dict):
+        raise CliError(problem)
+    bias = {}
+    for key, number in value.items():
+        if not key.strip().isdigit():
+            raise CliError(f"{problem}: {key!r} is not a token id")
+        if isinstance(number, bool) or not isinstance(number, (int, float)):
+            raise CliError(f"{problem}: the bias of {key} is not a number")
+        if not math.isfinite(number):
+            raise CliError(f"{problem}: the bias of {key} is not finite")
+        bias[int(key)] = float(number)
+    return bias
+
+
+def sampling_options(args) -> dict:
+    """``generate_step``'s truncations and ``make_logits_processors``' arguments from the flags:
+    ``(truncations, processor_settings)``."""
+    truncations = dict(
+        min_p=args.min_p,
+        min_tokens_to_keep=args.min_tokens_to_keep,
+        top_k=args.top_k,
+        xtc_probability=args.xtc_probability,
+        xtc_threshold=args.xtc_threshold,
+    )
+    processors = dict(logit_bias=args.logit_bias)
+    for name in ("repetition", "presence", "frequency"):
+        processors[f"{name}_penalty"] = getattr(args, f"{name}_penalty")
+        processors[f"{name}_context_size"] = getattr(args, f"{name}_context_size")
+    return truncations, processors

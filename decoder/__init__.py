@@ -6,8 +6,9 @@ plugs into.
 
 ``loop.py`` holds the loop (``generate_step -> stream_generate -> generate``), ``draft.py`` the
 draft and constraint protocols and the acceptance math, ``step.py`` one row's step, ``cache.py``
-and ``kinds.py`` a cache whose rows roll back alone, ``cost.py`` the measured cost of a pass
-and what drafts win.
+and ``kinds.py`` a cache whose rows roll back alone, ``sampling.py`` the target's distribution
+(logits processors, temperature, truncations), ``cost.py`` the measured cost of a pass and what
+drafts win.
 """
 
 from .cache import Cache, CacheKindError, adopt, load_cache, make_cache
@@ -20,8 +21,8 @@ from .draft import (
     accept_draft,
     accept_sampled,
     mask_logits,
-    sampling_probs,
 )
 from .loop import GenerationResult, Response, generate, generate_step, stream_generate
+from .sampling import Sampling, process_logits, sampling_probs
 from .step import TARGET, DecodingStats, SourceStats
 from .text import TextStream, encode, eos_ids_of, plain_chat

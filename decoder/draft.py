@@ -2,12 +2,13 @@
 math that decides how much of it the target accepts (docs/decoder.md)."""
 
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence, Union
 
 import mlx.core as mx
 from mlx_lm.utils import common_prefix_len
 
 from .cost import PassCost
+from .sampling import Sampling
 
 
 class ConstraintError(RuntimeError):
@@ -77,35 +78,26 @@ class Constraint:
         raise NotImplementedError
 
 
-def sampling_probs(logits: mx.array, temp: float, top_p: float = 1.0) -> mx.array:
-    """Rows of ``logits`` -> the distribution we sample from (temperature, then top-p)."""
-    probs = mx.softmax(logits.astype(mx.float32) / temp, axis=-1)
-    if top_p < 1.0:
-        order = mx.argsort(-probs, axis=-1)
-        sorted_probs = mx.take_along_axis(probs, order, axis=-1)
-        # Keep the smallest prefix whose mass reaches top_p (the top token always stays).
-        keep_sorted = (mx.cumsum(sorted_probs, axis=-1) - sorted_probs) < top_p
-        keep = mx.put_along_axis(mx.zeros(probs.shape, mx.bool_), order, keep_sorted, axis=-1)
-        probs = mx.where(keep, probs, 0.0)
-        probs = probs / probs.sum(axis=-1, keepdims=True)
-    return probs
-
-
-def accept_draft(logits: mx.array, draft: Draft, temp: float, top_p: float = 1.0) -> tuple:
+def accept_draft(
+    logits: mx.array, draft: Draft, sampling: Union[Sampling, float], top_p: float = 1.0
+) -> tuple:
     """``(num_accepted, next_token)`` for a draft and the target's (len(draft) + 1, vocab) logits.
+    ``sampling``: a ``Sampling``, or its temperature (with ``top_p``); p is ``sampling.probs``.
 
     Greedy: accept while the draft equals the argmax. Sampling (Leviathan et al., 2023): accept
     x ~ q with probability min(1, p(x) / q(x)), else draw from (p - q)+ / |(p - q)+|; a point mass
     has q(x) = 1. Either way the output follows p.
     """
     num_draft = len(draft.tokens)
-    if temp == 0:
+    if not isinstance(sampling, Sampling):
+        sampling = Sampling(sampling, top_p)
+    if sampling.temp == 0:
         # One sync per step: the accept decision needs the values on the host.
         target = mx.argmax(logits, axis=-1).tolist()
         num_accepted = common_prefix_len(draft.tokens, target)
         return num_accepted, target[num_accepted]
 
-    p = sampling_probs(logits, temp, top_p)
+    p = sampling.probs(logits)
     q = None if draft.probs is None else draft.probs.astype(mx.float32)
     num_accepted = 0
     if num_draft:

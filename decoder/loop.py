@@ -14,6 +14,7 @@ from .cache import Cache, adopt, make_cache
 from .cost import PassCost
 from .draft import Constraint, DraftSource, mask_logits
 from .prefill import Prefill
+from .sampling import Sampling
 from .step import TARGET, DecodingStats, Row, verify_pass
 from .text import TextStream, encode, eos_ids_of
 
@@ -53,6 +54,13 @@ def generate_step(
     constraint: Optional[Constraint] = None,
     temp: float = 0.0,
     top_p: float = 1.0,
+    min_p: float = 0.0,
+    min_tokens_to_keep: int = 1,
+    top_k: int = 0,
+    xtc_probability: float = 0.0,
+    xtc_threshold: float = 0.1,
+    xtc_special_tokens: Sequence[int] = (),
+    logits_processors: Optional[Sequence[Callable]] = None,
     sampler: Optional[Callable] = None,
     max_tokens: int = 256,
     stats: Optional[DecodingStats] = None,
@@ -68,8 +76,12 @@ def generate_step(
         eos_token_ids: stop after emitting one of these (``()`` for none).
         draft_sources: in priority order (``choose_draft``).
         constraint: a logits mask that advances along accepted tokens.
-        temp, top_p: 0 is greedy; drafts are accepted with ``min(1, p/q)``.
-        sampler: an mlx-lm sampler instead of ``temp``/``top_p`` (``accept_sampled``).
+        temp, top_p, min_p, min_tokens_to_keep, top_k, xtc_probability, xtc_threshold,
+            xtc_special_tokens: mlx-lm's ``make_sampler``'s (``Sampling``); temp 0 is greedy;
+            drafts are accepted with ``min(1, p/q)`` against that distribution.
+        logits_processors: mlx-lm's ``processor(tokens, logits) -> logits``, applied at every
+            position with the tokens before it, draft tokens included.
+        sampler: an mlx-lm sampler instead of the settings above (``accept_sampled``).
         max_tokens: stop after this many generated tokens.
         stats: filled in as decoding proceeds.
         prompt_cache: a ``make_cache(model)`` (or mlx-lm's list, adopted in place) holding the first
@@ -85,8 +97,17 @@ def generate_step(
         eos_token_ids=eos_token_ids,
         draft_sources=draft_sources,
         constraint=constraint,
-        temp=temp,
-        top_p=top_p,
+        sampling=Sampling(
+            temp,
+            top_p,
+            min_p,
+            min_tokens_to_keep,
+            top_k,
+            xtc_probability,
+            xtc_threshold,
+            tuple(xtc_special_tokens),
+        ),
+        logits_processors=logits_processors,
         sampler=sampler,
         max_tokens=max_tokens,
         stats=stats,
@@ -107,7 +128,8 @@ def generate_step(
         draft = plan.draft
         tic = cost.clock()
         logits, pass_width = verify_pass(model, cache, [row], [draft], len(draft.tokens) + 1)
-        logits = logits[0] if plan.masks is None else mask_logits(logits[0], plan.masks)
+        logits = row.process(logits[0], draft)
+        logits = logits if plan.masks is None else mask_logits(logits, plan.masks)
         num_accepted, next_token = row.accept(logits, draft)
         # The accept decision synced the pass: its time is the pass's cost at this width.
         cost.record(cost.clock() - tic, width=pass_width)

@@ -19,6 +19,7 @@ from .draft import (
     choose_draft,
     constrain_draft,
 )
+from .sampling import Sampling, process_logits
 
 TARGET = "target"  # the source name of tokens the target model chose itself
 
@@ -98,15 +99,16 @@ class Row:
         eos_token_ids: Sequence[int] = (),
         draft_sources: Sequence[DraftSource] = (),
         constraint: Optional[Constraint] = None,
-        temp: float = 0.0,
-        top_p: float = 1.0,
+        sampling: Sampling = Sampling(),
+        logits_processors: Sequence[Callable] = (),
         sampler: Optional[Callable] = None,
         max_tokens: int = 256,
         stats: Optional[DecodingStats] = None,
     ):
         self.tokens = list(prompt)  # prompt and accepted tokens, grown in place
         self.sources, self.constraint = list(draft_sources), constraint
-        self.temp, self.top_p, self.sampler = temp, top_p, sampler
+        self.sampling, self.sampler = sampling, sampler
+        self.logits_processors = list(logits_processors or ())
         self.max_tokens, self.eos_token_ids = max_tokens, set(eos_token_ids)
         self.stats = stats if stats is not None else DecodingStats()
         self.num_generated = 0
@@ -116,9 +118,12 @@ class Row:
     def reset(self, cost: PassCost):
         """Start the sources and the constraint over, before the first step."""
         # With an mlx-lm sampler, q plays no part in acceptance: model sources draft greedily.
+        # They draw from temperature and top-p only: min(1, p/q) is exact for any q a draft was
+        # drawn from (docs/sampling.md).
         sampled = self.sampler is None
+        temp, top_p = self.sampling.temp, self.sampling.top_p
         for source in self.sources:
-            source.reset(cost, self.temp if sampled else 0.0, self.top_p if sampled else 1.0)
+            source.reset(cost, temp if sampled else 0.0, top_p if sampled else 1.0)
         if self.constraint is not None:
             self.constraint.reset()
         self.stats.pass_cost = cost
@@ -152,15 +157,28 @@ class Row:
                 drafter = None
         return Plan(draft, drafter, masks)
 
+    def process(self, logits: mx.array, draft: Draft) -> mx.array:
+        """The pass's (width, vocab) logits of this row, its draft's positions through its logits
+        processors (``process_logits``); positions past them are padding, left as they are."""
+        if not self.logits_processors:
+            return logits
+        scored = len(draft.tokens) + 1
+        processed = process_logits(
+            self.logits_processors, self.tokens, draft.tokens, logits[:scored]
+        )
+        return (
+            mx.concatenate([processed, logits[scored:]]) if logits.shape[0] > scored else processed
+        )
+
     def accept(self, logits: mx.array, draft: Draft, argmax: Optional[list] = None) -> tuple:
         """``(num_accepted, next_token)`` from the (len(draft) + 1, vocab) logits of the draft's
         positions (masked); ``argmax``: their argmax, where the loop has it on the host already."""
         if self.sampler is not None:
             return accept_sampled(logits, draft, self.sampler)
-        if self.temp == 0 and argmax is not None:  # accept_draft's greedy rule
+        if self.sampling.temp == 0 and argmax is not None:  # accept_draft's greedy rule
             num_accepted = common_prefix_len(draft.tokens, argmax)
             return num_accepted, argmax[num_accepted]
-        return accept_draft(logits, draft, self.temp, self.top_p)
+        return accept_draft(logits, draft, self.sampling)
 
     def commit(self, cache: Cache, pass_width: int, num_drafted: int, num_accepted: int) -> tuple:
         """``(trim, restore)``: how many of the pass's last tokens the row's cache drops and whether

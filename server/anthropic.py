@@ -10,8 +10,8 @@ template with thinking off, ``adaptive`` (and no ``thinking``) leaves the templa
 ``output_config.effort`` maps to a budget (server/reasoning.py). Replies start with ``thinking``
 blocks (their ``signature`` a digest of the text, which this server does not check when it comes
 back); thinking blocks in the history are given to the template as the turn's ``reasoning_content``.
-Unknown top-level fields (``metadata``, ...) are ignored; ``top_k`` 1 is greedy, other values are
-accepted and not applied (the engine samples with temperature and top_p only).
+Unknown top-level fields (``metadata``, ...) are ignored; ``top_k`` keeps the k most likely tokens
+(1 is greedy), as the OpenAI side's ``top_k`` does (docs/sampling.md).
 
 Usage follows Anthropic: ``input_tokens`` are the prompt tokens decoded now, and
 ``cache_read_input_tokens`` those whose KV entries came from the prompt cache (together, the
@@ -88,6 +88,7 @@ def parse_messages(
         stop=stop,
         top_p=max(float(number(body, "top_p", 1.0, 0.0, 1.0)), 1e-9),
         stream=typed(body, "stream", (bool,), False, "a boolean"),
+        top_k=top_k or 0,
     )
     messages = typed(body, "messages", (list,), None, "a list of messages")
     if not messages:

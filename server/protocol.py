@@ -17,7 +17,16 @@ from constrained.thinking import thinking_of
 from decoder.text import encode
 from server.harmony import chat_tool_syntax
 from server.reasoning import EFFORT_BUDGETS, ThinkingRequest, template_options
-from server.request import GenerationRequest, check_fields_and_model, invalid, number, typed
+from server.request import (
+    PROCESSOR_CONTROLS,
+    SAMPLING_CONTROLS,
+    GenerationRequest,
+    check_fields_and_model,
+    invalid,
+    number,
+    read_sampling_controls,
+    typed,
+)
 from server.tools import Function, ToolUse
 
 MAX_STOP_STRINGS = 4  # as OpenAI
@@ -35,6 +44,9 @@ COMMON = {
     "stream_options",
     "guided_regex",
     "guided_grammar",
+    "logit_bias",
+    *SAMPLING_CONTROLS,
+    *PROCESSOR_CONTROLS,
 }
 CHAT_FIELDS = COMMON | {
     "messages",
@@ -106,6 +118,7 @@ def parse_chat(
     limit = body.get("max_completion_tokens", body.get("max_tokens"))
     max_tokens = typed({"max_tokens": limit}, "max_tokens", (int,), None, "an integer")
     request = _common(body, CHAT_FIELDS, model_id, max_tokens, default_max_tokens)
+    read_sampling_controls(body, request, tokenizer)
     top = _top_logprobs(body, "top_logprobs")
     if typed(body, "logprobs", (bool,), False, "a boolean"):
         request.logprobs = top or 0
@@ -399,6 +412,7 @@ def parse_completion(
     """A /v1/completions body: the prompt is raw text (no chat template) or token ids."""
     max_tokens = typed(body, "max_tokens", (int,), None, "an integer")
     request = _common(body, COMPLETION_FIELDS, model_id, max_tokens, default_max_tokens)
+    read_sampling_controls(body, request, tokenizer)
     request.logprobs = _top_logprobs(body, "logprobs")  # the legacy form: the number of top tokens
     for name, default in (("echo", False), ("suffix", None), ("best_of", 1)):
         if body.get(name, default) not in (default, None):
@@ -425,6 +439,8 @@ def check_prompt(request: GenerationRequest, context_length: Optional[int], voca
     """Refuse prompts the model cannot take; cap max_tokens at what is left of the context."""
     if not all(0 <= t < vocab_size for t in request.prompt):
         raise invalid(f"token ids must be in [0, {vocab_size})", param="prompt")
+    if not all(0 <= t < vocab_size for t in request.processors.get("logit_bias", ())):
+        raise invalid(f"'logit_bias' token ids must be in [0, {vocab_size})", param="logit_bias")
     if context_length is not None:
         if len(request.prompt) + 1 > context_length:
             raise invalid(

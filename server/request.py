@@ -8,20 +8,28 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from constrained.thinking import Thinking
+from decoder.text import eos_ids_of
 from server.tools import ToolUse
 
 # Accepted and ignored: they change nothing here (or only bookkeeping on OpenAI's side).
-IGNORED = {
-    "user",
-    "store",
-    "metadata",
-    "service_tier",
-    "stream_options",
-    "frequency_penalty",
-    "presence_penalty",
-    "logit_bias",
-    "modalities",
+IGNORED = {"user", "store", "metadata", "service_tier", "stream_options", "modalities"}
+# mlx_lm.server's sampling extras beside OpenAI's penalties and logit_bias, with its names and
+# defaults: field -> (default, low, high, whether an integer); docs/sampling.md.
+SAMPLING_CONTROLS = {
+    "top_k": (0, 0, 2**31 - 1, True),
+    "min_p": (0.0, 0.0, 1.0, False),
+    "xtc_probability": (0.0, 0.0, 1.0, False),
+    "xtc_threshold": (0.1, 0.0, 0.5, False),
 }
+PROCESSOR_CONTROLS = {
+    "presence_penalty": (0.0, -2.0, 2.0, False),  # OpenAI's ranges
+    "frequency_penalty": (0.0, -2.0, 2.0, False),
+    "repetition_penalty": (0.0, 0.0, 100.0, False),  # 0: off, as in mlx_lm.server
+    "repetition_context_size": (20, 0, 2**31 - 1, True),  # 0: the whole context
+    "presence_context_size": (20, 0, 2**31 - 1, True),
+    "frequency_context_size": (20, 0, 2**31 - 1, True),
+}
+MAX_LOGIT_BIAS = 100  # OpenAI's range: [-100, 100]
 
 
 class ApiError(Exception):
@@ -82,6 +90,28 @@ class GenerationRequest:
     logprobs: Optional[int] = None
     # on a thinking model: its markers, where the prompt left it, the budget
     thinking: Optional[Thinking] = None
+    top_k: int = 0  # mlx-lm's truncations (SAMPLING_CONTROLS)
+    min_p: float = 0.0
+    xtc_probability: float = 0.0
+    xtc_threshold: float = 0.1
+    xtc_special_tokens: tuple = ()
+    # make_logits_processors' arguments: logit_bias and PROCESSOR_CONTROLS
+    processors: dict = field(default_factory=dict)
+
+    def sampling(self) -> dict:
+        """``BatchGenerator.insert``'s sampling options for this request's one row."""
+        from mlx_lm.sample_utils import make_logits_processors
+
+        return dict(
+            temp=self.temp,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            xtc_probability=self.xtc_probability,
+            xtc_threshold=self.xtc_threshold,
+            xtc_special_tokens=self.xtc_special_tokens,
+            logits_processors=[make_logits_processors(**self.processors)],
+        )
 
 
 def parse_body(raw: bytes) -> dict:
@@ -111,6 +141,50 @@ def number(body: dict, name: str, default: float, low: float, high: float) -> fl
     if not low <= value <= high:  # also False for NaN and infinities (Python's json reads them)
         raise invalid(f"'{name}' must be between {low} and {high}", param=name)
     return value
+
+
+def integer_or_number(body: dict, name: str, bounds: tuple):
+    """A field of ``SAMPLING_CONTROLS`` or ``PROCESSOR_CONTROLS``, checked against its range."""
+    default, low, high, integral = bounds
+    if integral:
+        value = typed(body, name, (int,), default, "an integer")
+        if not low <= value <= high:
+            raise invalid(f"'{name}' must be an integer between {low} and {high}", param=name)
+        return value
+    return float(number(body, name, default, low, high))
+
+
+def read_sampling_controls(body: dict, request: GenerationRequest, tokenizer):
+    """mlx_lm.server's sampling extras and OpenAI's penalties and ``logit_bias`` into
+    ``request``; XTC never removes a newline or EOS, as in mlx_lm.server."""
+    for name, bounds in SAMPLING_CONTROLS.items():
+        setattr(request, name, integer_or_number(body, name, bounds))
+    if request.xtc_probability > 0:
+        newline = tokenizer.encode("\n", add_special_tokens=False)
+        request.xtc_special_tokens = tuple(newline) + tuple(sorted(eos_ids_of(tokenizer)))
+    request.processors = {
+        name: integer_or_number(body, name, bounds) for name, bounds in PROCESSOR_CONTROLS.items()
+    }
+    bias = typed(body, "logit_bias", (dict,), None, "an object of token ids to numbers")
+    if bias:
+        request.processors["logit_bias"] = dict(
+            _logit_bias(key, value) for key, value in bias.items()
+        )
+
+
+def _logit_bias(key: str, value) -> tuple:
+    """One entry of ``logit_bias``: (token id, bias in [-100, 100])."""
+    if not key.strip().isdigit():
+        raise invalid(
+            f"'logit_bias' keys must be token ids, not {json.dumps(key)[:40]}", param="logit_bias"
+        )
+    fine = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not fine or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+        raise invalid(
+            f"'logit_bias' values must be numbers between -{MAX_LOGIT_BIAS} and {MAX_LOGIT_BIAS}",
+            param="logit_bias",
+        )
+    return int(key), float(value)
 
 
 def check_fields_and_model(body: dict, allowed: set, model_id: str, ignored: set = IGNORED):

@@ -17,7 +17,8 @@ from weakref import WeakSet
 import mlx.core as mx
 
 from decoder.cost import PassCost
-from decoder.draft import Draft, DraftSource, sampling_probs
+from decoder.draft import Draft, DraftSource
+from decoder.sampling import sampling_probs
 from speculative.adaptive import AdaptiveLength
 
 

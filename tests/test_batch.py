@@ -460,8 +460,14 @@ def test_bad_rows_are_refused_in_one_line():
         generator.insert([[1], [2]], draft_sources=[[shared], [shared]])
     with pytest.raises(ValueError, match="max_tokens must be at least 1"):
         generator.insert([[1]], max_tokens=0)
-    with pytest.raises(ValueError, match="0 < top_p <= 1"):
+    with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\]"):
         generator.insert([[1]], top_p=0.0)
+    with pytest.raises(ValueError, match="top_k must be an integer >= 0"):
+        generator.insert([[1]], top_k=-1)
+    with pytest.raises(ValueError, match=r"xtc_threshold must be in \[0, 0.5\]"):
+        generator.insert([[1]], xtc_threshold=0.7)
+    with pytest.raises(ValueError, match="one list of processors per prompt"):
+        generator.insert([[1]], logits_processors=[lambda tokens, logits: logits])
     with pytest.raises(ValueError, match="one value or one per prompt"):
         generator.insert([[1], [2]], temp=[0.0])
     with pytest.raises(ValueError, match="prompt is empty"):

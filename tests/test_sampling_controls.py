@@ -1,0 +1,368 @@
+"""Logits processors and sampling truncations (issue #50): greedy output equals mlx-lm's
+generate_step with the same processors, whatever drafts, alone and in a batch; sampling with drafts
+keeps the processed, truncated distribution (chi-square against a brute-force oracle), and the same
+check rejects a loop that verifies against the unprocessed one."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from mlx_lm.generate import generate_step as mlx_generate_step
+from mlx_lm.sample_utils import make_logits_processors, make_sampler
+
+from batch import BatchGenerator
+from decoder import DecodingStats, Draft, generate_step, sampling_probs
+from prompt_lookup import PromptLookupSource
+from speculative import DraftModel
+from tests.helpers import ScriptedSource, chi_square_p_value, tiny_llama
+from tests.test_decoder import ResidueConstraint
+
+VOCAB = 64
+TARGET = tiny_llama(vocab_size=VOCAB, num_layers=2, seed=0)
+DRAFT = tiny_llama(vocab_size=VOCAB, num_layers=1, seed=5)
+MAX_TOKENS = 14
+
+
+def mlx_lm_greedy(prompt, processors, max_tokens=MAX_TOKENS):
+    """mlx-lm's own greedy tokens with ``processors``."""
+    steps = mlx_generate_step(
+        mx.array(prompt), TARGET, max_tokens=max_tokens, logits_processors=processors
+    )
+    return [token for token, _ in steps]
+
+
+def residue_processor(prompt_length):
+    """``ResidueConstraint`` as an mlx-lm processor: the n-th generated token is n modulo 4."""
+
+    def processor(tokens, logits):
+        position = len(tokens) - prompt_length
+        allowed = mx.arange(logits.shape[-1]) % 4 == position % 4
+        return mx.where(allowed, logits, -mx.inf)
+
+    return processor
+
+
+processor_settings = st.fixed_dictionaries(
+    {
+        "logit_bias": st.one_of(
+            st.none(),
+            st.dictionaries(
+                st.integers(0, VOCAB - 1), st.floats(-100, 100, allow_nan=False), max_size=4
+            ),
+        ),
+        "repetition_penalty": st.one_of(st.none(), st.floats(0.5, 3.0)),
+        "repetition_context_size": st.integers(1, 30),
+        "presence_penalty": st.one_of(st.none(), st.floats(-2.0, 2.0)),
+        "presence_context_size": st.integers(1, 30),
+        "frequency_penalty": st.one_of(st.none(), st.floats(-2.0, 2.0)),
+        "frequency_context_size": st.integers(1, 30),
+    }
+)
+# repetitive prompts, so that prompt lookup has copies to draft
+prompts = st.lists(st.integers(0, VOCAB - 1), min_size=2, max_size=6).flatmap(
+    lambda unit: st.integers(1, 4).map(lambda times: unit * times)
+)
+
+
+def sources_of(kind):
+    if kind == "lookup":
+        return [PromptLookupSource()], None
+    if kind == "draft model":
+        return [DraftModel(DRAFT, VOCAB, num_draft=3).source()], None
+    return [PromptLookupSource()], ResidueConstraint(VOCAB)
+
+
+@pytest.mark.parametrize("kind", ["lookup", "draft model", "constraint"])
+@settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck))
+@given(prompt=prompts, options=processor_settings)
+def test_greedy_with_processors_equals_mlx_lm(kind, prompt, options):
+    sources, constraint = sources_of(kind)
+    processors = make_logits_processors(**options)
+    expected = mlx_lm_greedy(
+        prompt, processors + ([residue_processor(len(prompt))] if constraint else [])
+    )
+    stats = DecodingStats()
+    tokens = [
+        token
+        for token, _ in generate_step(
+            prompt,
+            TARGET,
+            draft_sources=sources,
+            constraint=constraint,
+            logits_processors=processors,
+            max_tokens=MAX_TOKENS,
+            eos_token_ids=(),
+            stats=stats,
+        )
+    ]
+    assert tokens == expected
+
+
+def test_drafts_are_verified_under_the_processors():
+    """The property above is not vacuous: an oracle's drafts of mlx-lm's own output are accepted
+    whole, each position processed with the draft tokens before it."""
+    prompt = [3, 9, 4, 1] * 4
+    processors = make_logits_processors(
+        frequency_penalty=0.3, repetition_penalty=1.3, logit_bias={7: 2.0}
+    )
+    expected = mlx_lm_greedy(prompt, processors, 24)
+    oracle = ScriptedSource(lambda tokens, k: expected[len(tokens) - len(prompt) :][:k])
+    stats = DecodingStats()
+    tokens = [
+        token
+        for token, _ in generate_step(
+            prompt,
+            TARGET,
+            draft_sources=[oracle],
+            logits_processors=processors,
+            max_tokens=24,
+            eos_token_ids=(),
+            stats=stats,
+        )
+    ]
+    assert tokens == expected
+    assert stats.draft_accepted == stats.draft_proposed > 0
+    assert stats.target_forward_passes < 12
+
+
+def test_a_batch_gives_each_row_its_own_processors():
+    """Rows of one batch, each with its own processors, sampling settings and sources: every
+    greedy row equals mlx-lm's output for that row alone."""
+    rows = [
+        ([3, 9, 4, 1] * 3, dict(repetition_penalty=1.5, repetition_context_size=6)),
+        ([5, 6, 7], dict(logit_bias={11: 5.0, 12: -100.0})),
+        ([8, 2, 8, 2, 8, 2], dict(presence_penalty=1.0, frequency_penalty=0.5)),
+        ([1, 2, 3, 4, 5], {}),
+    ]
+    processors = [make_logits_processors(**options) for _, options in rows]
+    generator = BatchGenerator(TARGET, eos_token_ids=())
+    uids = generator.insert(
+        [prompt for prompt, _ in rows],
+        draft_sources=[[PromptLookupSource()], [], [DraftModel(DRAFT, VOCAB).source()], []],
+        logits_processors=processors,
+        # a truncation does not change a greedy row
+        top_k=[0, 5, 0, 2],
+        min_p=[0.0, 0.0, 0.3, 0.0],
+        max_tokens=MAX_TOKENS,
+    )
+    outputs = {uid: [] for uid in uids}
+    while responses := generator.next():
+        for response in responses:
+            assert response.finish_reason != "error", response.error
+            outputs[response.uid] += response.tokens
+    for uid, (prompt, _), row_processors in zip(uids, rows, processors):
+        assert outputs[uid] == mlx_lm_greedy(prompt, row_processors), f"row {uid}"
+
+
+# --- sampling keeps the processed distribution ---------------------------------------------
+
+SMALL_VOCAB = 10
+SMALL = tiny_llama(vocab_size=SMALL_VOCAB, num_layers=1, seed=3, sharp=2.0)
+PROMPT = [1, 2, 3]
+
+
+def oracle_probs(logits, temp, top_k=0, min_p=0.0, xtc_probability=0.0, xtc_threshold=0.1):
+    """The distribution mlx-lm's ``make_sampler`` draws from, written again in numpy: min-p on the
+    distribution at temperature 1, XTC's two branches mixed, top-k, then temperature."""
+    logprobs = np.asarray(logits, np.float64)
+    logprobs = logprobs - np.log(np.exp(logprobs - logprobs.max()).sum()) - logprobs.max()
+    if min_p > 0:
+        logprobs = np.where(logprobs < logprobs.max() + np.log(min_p), -np.inf, logprobs)
+
+    def finish(kept):
+        if top_k:
+            kept = np.where(kept < np.sort(kept)[-top_k], -np.inf, kept)
+        weights = np.exp((kept - kept.max()) / temp)
+        return weights / weights.sum()
+
+    plain = finish(logprobs)
+    if not xtc_probability:
+        return plain
+    probs = np.exp(logprobs) / np.exp(logprobs).sum()
+    above = probs[probs > xtc_threshold]
+    removed = probs > (above.min() if len(above) else np.inf)
+    return (1 - xtc_probability) * plain + xtc_probability * finish(
+        np.where(removed, -np.inf, logprobs)
+    )
+
+
+def processed_joint(processors, temp, **truncations):
+    """p(t1) p(t2 | t1) under the processors and truncations, by brute force."""
+
+    def probs(context):
+        logits = SMALL(mx.array([context]))[0, -1:]
+        for processor in processors:
+            logits = processor(mx.array(context), logits)
+        return oracle_probs(np.array(logits[0]), temp, **truncations)
+
+    first = probs(PROMPT)
+    return np.stack([first[t] * probs(PROMPT + [t]) for t in range(SMALL_VOCAB)]).reshape(-1)
+
+
+def random_drafter(rng):
+    """Two tokens from a fixed q unlike the target's, as a draft model's are."""
+    q = rng.dirichlet(np.ones(SMALL_VOCAB))
+    return ScriptedSource(
+        lambda tokens, k: rng.choice(SMALL_VOCAB, size=min(k, 2), p=q).tolist(),
+        name="random",
+        probs_fn=lambda tokens, draft: mx.array(np.tile(q, (len(draft), 1)), mx.float32),
+    )
+
+
+def sampled_counts(runs=2000, temp=1.0, processors=(), **truncations):
+    rng, stats = np.random.default_rng(0), DecodingStats()
+    drafter = random_drafter(rng)
+    mx.random.seed(7)
+    counts = np.zeros(SMALL_VOCAB * SMALL_VOCAB, dtype=np.int64)
+    for _ in range(runs):
+        first, second = (
+            token
+            for token, _ in generate_step(
+                PROMPT,
+                SMALL,
+                draft_sources=[drafter],
+                temp=temp,
+                logits_processors=list(processors),
+                max_tokens=2,
+                eos_token_ids=(),
+                stats=stats,
+                **truncations,
+            )
+        )
+        counts[first * SMALL_VOCAB + second] += 1
+    assert 0 < stats.draft_accepted < stats.draft_proposed
+    return counts
+
+
+CONTROLS = {
+    "top_k": dict(top_k=3),
+    "min_p": dict(min_p=0.15),
+    "xtc": dict(xtc_probability=0.5, xtc_threshold=0.1),
+    "repetition_penalty": dict(processors=make_logits_processors(repetition_penalty=3.0)),
+    "logit_bias": dict(processors=make_logits_processors(logit_bias={4: 3.0, 0: -2.0})),
+}
+
+
+@pytest.mark.parametrize("control", CONTROLS)
+def test_sampling_with_drafts_keeps_the_processed_distribution(control):
+    options = dict(CONTROLS[control])
+    processors = options.pop("processors", [])
+    joint = processed_joint(processors, 0.8, **options)
+    counts = sampled_counts(temp=0.8, processors=processors, **options)
+    assert chi_square_p_value(counts, joint) > 1e-3
+
+
+def rejects(counts, joint) -> bool:
+    """Whether the chi-square check fails: a poor fit, or a token the oracle gives nothing."""
+    try:
+        return chi_square_p_value(counts, joint) < 1e-3
+    except AssertionError:  # a token with zero probability was sampled
+        return True
+
+
+def test_the_check_rejects_verifying_against_the_unprocessed_distribution():
+    """The same chi-square check fails a loop that leaves the processors out of verification, or
+    verifies against a looser truncation."""
+    processors = make_logits_processors(repetition_penalty=3.0)
+    assert rejects(sampled_counts(temp=0.8), processed_joint(processors, 0.8))
+    assert rejects(sampled_counts(temp=0.8, top_k=6), processed_joint([], 0.8, top_k=3))
+
+
+@pytest.mark.parametrize("control", ["top_k", "min_p", "xtc"])
+def test_the_oracle_is_mlx_lms_sampler(control):
+    """``sampling_probs`` and the numpy oracle agree, and mlx-lm's sampler draws from them."""
+    options = CONTROLS[control]
+    logits = SMALL(mx.array([PROMPT]))[0, -1]
+    probs = np.array(sampling_probs(logits[None], 0.8, **options)[0])
+    np.testing.assert_allclose(probs, oracle_probs(np.array(logits), 0.8, **options), atol=1e-5)
+    sampler = make_sampler(temp=0.8, **options)
+    logprobs = (logits - mx.logsumexp(logits))[None]
+    mx.random.seed(0)
+    # apply_xtc draws one coin per call, for the whole batch: one draw per call
+    draws = [sampler(logprobs).item() for _ in range(3000)]
+    counts = np.bincount(draws, minlength=SMALL_VOCAB)
+    assert chi_square_p_value(counts, probs) > 1e-3
+
+
+def test_a_point_mass_draft_is_verified_against_the_truncated_distribution():
+    """A copied token top-k removes is always rejected: p gives it nothing."""
+    logits = SMALL(mx.array([PROMPT]))[0, -1]
+    least = int(mx.argmin(logits).item())
+    from decoder import Sampling, accept_draft
+
+    rows = mx.broadcast_to(logits, (2, SMALL_VOCAB))
+    for _ in range(50):
+        num_accepted, token = accept_draft(rows, Draft([least]), Sampling(1.0, top_k=3))
+        assert num_accepted == 0 and token != least
+
+
+# --- the command line ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "args,fragment",
+    [
+        (["--top-k", "-1"], "--top-k must be >= 0"),
+        (["--min-p", "1.5"], "--min-p must be in [0, 1]"),
+        (["--min-tokens-to-keep", "0"], "--min-tokens-to-keep must be >= 1"),
+        (["--xtc-probability", "2"], "--xtc-probability must be in [0, 1]"),
+        (["--xtc-threshold", "0.6"], "--xtc-threshold must be in [0, 0.5]"),
+        (["--repetition-penalty", "-1"], "--repetition-penalty must be >= 0"),
+        (["--frequency-context-size", "-1"], "--frequency-context-size must be >= 0"),
+        (["--presence-penalty", "nan"], "--presence-penalty must be a finite number"),
+        (["--logit-bias", "{"], "it is not JSON"),
+        (["--logit-bias", "[1, 2]"], "a JSON object of token ids"),
+        (["--logit-bias", '{"a": 1}'], "'a' is not a token id"),
+        (["--logit-bias", '{"1": "up"}'], "the bias of 1 is not a number"),
+        (["--logit-bias", '{"1": Infinity}'], "the bias of 1 is not finite"),
+    ],
+)
+def test_bad_sampling_flags_are_one_clear_error(args, fragment):
+    import main
+    from cli import CliError
+
+    with pytest.raises(CliError) as error:
+        main.validate(main.build_parser().parse_args(args))
+    assert fragment in str(error.value) and "\n" not in str(error.value)
+
+
+def test_the_sampling_flags_reach_the_loop():
+    """The flags become mlx-lm's processors: greedy output is mlx-lm's with the same ones."""
+    import main
+    from tests.helpers import tiny_byte_tokenizer
+
+    flags = ["--repetition-penalty", "1.4", "--repetition-context-size", "5"]
+    flags += ["--presence-penalty", "0.5", "--frequency-penalty", "0.2", "--logit-bias", '{"9": 4}']
+    args = main.build_parser().parse_args(flags)
+    main.validate(args)
+    kwargs = main.sampling_kwargs(args, tiny_byte_tokenizer(), VOCAB)
+    assert len(kwargs["logits_processors"]) == 4
+    prompt = [3, 9, 4, 1] * 3
+    tokens = [
+        t for t, _ in generate_step(prompt, TARGET, eos_token_ids=(), max_tokens=12, **kwargs)
+    ]
+    expected = make_logits_processors(
+        logit_bias={9: 4.0},
+        repetition_penalty=1.4,
+        repetition_context_size=5,
+        presence_penalty=0.5,
+        frequency_penalty=0.2,
+    )
+    assert tokens == mlx_lm_greedy(prompt, expected, 12)
+    with pytest.raises(Exception, match="outside the vocabulary"):
+        main.sampling_kwargs(args, tiny_byte_tokenizer(), 8)
+
+
+@pytest.mark.parametrize("flag", [["--thinking-budget", "5"], ["--no-thinking"]])
+def test_a_thinking_flag_on_a_model_without_think_markers_says_so(flag, capsys):
+    import main
+    from cli import constraints
+    from tests.helpers import tiny_byte_tokenizer
+
+    args = main.build_parser().parse_args(flag)
+    main.validate(args)
+    tokenizer = tiny_byte_tokenizer()
+    assert constraints.build(args, tokenizer, len(tokenizer), [1, 2]) == (None, [])
+    note = capsys.readouterr().err
+    assert note == f"note: {flag[0]} changes nothing: the model has no think markers\n"
