@@ -29,7 +29,7 @@ from tests.test_server import USER_SCHEMA, WEATHER_TOOL
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "SmolLM2-135M-Instruct"
 SOURCES = ["--prompt-lookup", "--draft-head"]
-DIST_TIMEOUT = 20
+DIST_TIMEOUT = 12
 
 pytestmark = [
     pytest.mark.slow,  # launches ranks
