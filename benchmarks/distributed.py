@@ -196,11 +196,10 @@ def logit_difference():
     )
 
 
-def start_ranks(ranks: int, command: list) -> subprocess.CompletedProcess:
-    """Start ``ranks`` ring ranks on localhost as ``mlx.launch`` does (a hostfile and MLX_RANK),
-    minus its launcher process: that one's thread per rank polls the rank's always-writable stdin
-    pipe and keeps a core partly busy, a large share of a small machine (see
-    results/distributed.md)."""
+@contextlib.contextmanager
+def local_hostfile(ranks: int):
+    """The path of a ring hostfile for ``ranks`` ranks on free local ports, as ``mlx.launch``
+    writes one."""
     with contextlib.ExitStack() as stack:
         sockets = [stack.enter_context(socket.socket()) for _ in range(ranks)]
         for probe in sockets:
@@ -209,6 +208,19 @@ def start_ranks(ranks: int, command: list) -> subprocess.CompletedProcess:
     with tempfile.NamedTemporaryFile("w", suffix=".json") as hostfile:
         json.dump(hosts, hostfile)
         hostfile.flush()
+        yield hostfile.name
+
+
+def rank_environment(hostfile: str, rank: int) -> dict:
+    return dict(os.environ, MLX_HOSTFILE=hostfile, MLX_RANK=str(rank))
+
+
+def start_ranks(ranks: int, command: list) -> subprocess.CompletedProcess:
+    """Start ``ranks`` ring ranks on localhost as ``mlx.launch`` does (a hostfile and MLX_RANK),
+    minus its launcher process: that one's thread per rank polls the rank's always-writable stdin
+    pipe and keeps a core partly busy, a large share of a small machine (see
+    results/distributed.md)."""
+    with local_hostfile(ranks) as hostfile:
         processes = [
             subprocess.Popen(
                 command,
@@ -217,7 +229,7 @@ def start_ranks(ranks: int, command: list) -> subprocess.CompletedProcess:
                 stderr=subprocess.PIPE,
                 text=True,
                 cwd=ROOT,
-                env=dict(os.environ, MLX_HOSTFILE=hostfile.name, MLX_RANK=str(rank)),
+                env=rank_environment(hostfile, rank),
             )
             for rank in range(ranks)
         ]

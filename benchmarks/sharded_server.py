@@ -21,7 +21,6 @@ import argparse
 import contextlib
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -30,6 +29,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from benchmarks.distributed import local_hostfile, rank_environment
 from benchmarks.server import MLX_LM_SERVER, ROOT, free_port, timed_chat
 from benchmarks.server_load import workloads
 
@@ -42,15 +42,7 @@ LOG = Path(tempfile.gettempdir()) / "sharded_server.log"  # the ranks' stderr
 def ranks_running(ranks: int, command: list, log=None):
     """``ranks`` ring ranks of ``command`` on localhost; all are stopped on the way out. Their
     stderr goes to ``log`` (a file), or nowhere."""
-    sockets = [socket.socket() for _ in range(ranks)]
-    for probe in sockets:
-        probe.bind(("127.0.0.1", 0))
-    hosts = [[f"127.0.0.1:{probe.getsockname()[1]}"] for probe in sockets]
-    for probe in sockets:
-        probe.close()
-    with tempfile.NamedTemporaryFile("w", suffix=".json") as hostfile:
-        json.dump(hosts, hostfile)
-        hostfile.flush()
+    with local_hostfile(ranks) as hostfile:
         processes = [
             subprocess.Popen(
                 command,
@@ -59,7 +51,7 @@ def ranks_running(ranks: int, command: list, log=None):
                 stderr=log or subprocess.DEVNULL,
                 text=True,
                 cwd=ROOT,
-                env=dict(os.environ, MLX_HOSTFILE=hostfile.name, MLX_RANK=str(rank)),
+                env=rank_environment(hostfile, rank),
             )
             for rank in range(ranks)
         ]
