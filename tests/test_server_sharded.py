@@ -294,8 +294,9 @@ def test_a_draft_model_on_a_pipeline_answers_as_one_process(embedded, self_draft
             got = list(pool.map(lambda i: post(url, *REQUESTS[i]), picked))
     finally:
         stop(process)
+    # Whether the pass-cost policy widens these passes depends on the timings (a 24-layer self
+    # draft costs nearly a target pass); every rank drafts and decides alike either way.
     assert [answer(result) for result in got] == [expected[i] for i in picked]
-    assert got[0][1]["usage"]["decoding"]["draft_accepted"] > 0
 
 
 def test_a_taken_port_ends_every_rank_in_one_line(embedded):
