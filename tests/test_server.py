@@ -728,7 +728,7 @@ def test_errors_are_openai_shaped_and_the_server_keeps_serving(server, client):
             None,
             dict(model=MODEL, messages=messages, extra_body={"guided_regex": "(a"}),
         ),
-        (openai.BadRequestError, None, dict(model=MODEL, messages=messages, n=2)),
+        (openai.BadRequestError, None, dict(model=MODEL, messages=messages, n=9)),
     ]
     if importlib.util.find_spec("constrained.grammar") is None:  # else another test's business
         cases.append(
