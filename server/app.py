@@ -23,11 +23,12 @@ from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 from server.anthropic import ANTHROPIC_STATUS, MessagesFormat, anthropic_error, parse_messages
+from server.choices import choice_events, choice_formats, choice_requests, full_answer
 from server.engine import Engine, Job
 from server.formats import ChatFormat, CompletionFormat
 from server.protocol import check_prompt, parse_chat, parse_completion
 from server.reasoning import EFFORT_BUDGETS
-from server.request import ApiError, parse_body
+from server.request import ApiError, invalid, parse_body
 from server.responses import ResponsesFormat
 from server.responses_input import ResponseStore, parse_responses
 
@@ -121,20 +122,32 @@ class Service:
         def parse_and_prepare():
             generation = parse(body, engine.tokenizer, self.model_id, self.default_max_tokens)
             check_prompt(generation, self.context_length, engine.vocab_size)
-            return generation, engine.constraint_for(generation)
+            if generation.num_choices > engine.max_batch:
+                raise invalid(
+                    f"'n' must be at most {engine.max_batch} (this server's --max-batch)", param="n"
+                )
+            # a constraint per choice: each row walks its own
+            return generation, [
+                engine.constraint_for(generation) for _ in range(generation.num_choices)
+            ]
 
         generation, prepared = await run_in_threadpool(parse_and_prepare)
-        fmt = make_format(self.model_id, generation)
-        job = engine.submit(generation, asyncio.get_running_loop(), prepared)
+        requests = choice_requests(generation)
+        formats = choice_formats(make_format, self.model_id, requests)
+        jobs = engine.submit_together(requests, asyncio.get_running_loop(), prepared)
         try:
             # "start" and the prompt tokens found cached, or an error
-            _, cached = await next_event(request, job)
+            cached = [(await next_event(request, job))[1] for job in jobs][0] or 0
             if generation.stream:
-                return EventStream(job, fmt, cached or 0)
-            _, outcome = await next_event(request, job, skip_text=True)
-            return JSONResponse(fmt.full(outcome))
+                if len(jobs) == 1:
+                    return EventStream(jobs, events(jobs[0], formats[0], cached))
+                chunks = choice_events(jobs, formats, cached, generation.include_usage)
+                return EventStream(jobs, chunks)
+            outcomes = [(await next_event(request, job, skip_text=True))[1] for job in jobs]
+            return JSONResponse(full_answer(formats, outcomes))
         except BaseException:  # an error event, a client that left, a cancelled task
-            job.cancelled.set()
+            for job in jobs:
+                job.cancelled.set()
             raise
 
 
@@ -255,19 +268,18 @@ class EventStream(StreamingResponse):
     response when the client disconnects (ASGI spec 2.3, as uvicorn reports), even before the
     first byte, when a ``finally`` in the generator would not run."""
 
-    def __init__(self, job: Job, fmt, cached: int):
+    def __init__(self, jobs: list, body):
         super().__init__(
-            events(job, fmt, cached),
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache"},
+            body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
         )
-        self.job = job
+        self.jobs = jobs  # the request's, one per choice
 
     async def __call__(self, scope, receive, send):
         try:
             await super().__call__(scope, receive, send)
         finally:
-            self.job.cancelled.set()  # a no-op once the job is done
+            for job in self.jobs:
+                job.cancelled.set()  # a no-op once the job is done
 
 
 async def events(job: Job, fmt, cached: int):

@@ -195,6 +195,7 @@ class Engine:
         self.ranks = ranks if ranks is not None else OneProcess()
         self.eos = eos_ids_of(tokenizer)
         self.jobs = queue.Queue()
+        self.queueing = threading.Lock()  # held while a group of jobs is queued
         # A place for each request decoding or waiting: refused only when rows and queue are all
         # taken.
         self.places = threading.BoundedSemaphore(max_batch + max_queue)
@@ -233,17 +234,34 @@ class Engine:
         """Queue ``request`` (HTTP 503 when the queue is full). ``prepared`` is
         ``constraint_for(request)``, built beforehand in a thread of the caller's; None builds it
         here."""
-        constraint, forced = prepared if prepared is not None else self.constraint_for(request)
-        if not self.places.acquire(blocking=False):
+        return self.submit_together([request], loop, [prepared])[0]
+
+    def submit_together(self, requests: list, loop, prepared: list) -> list:
+        """Queue ``requests`` as one group (all or none: HTTP 503), which joins the batch in one
+        step when rows are free: a request's ``n`` choices (server/choices.py)."""
+        prepared = [
+            ready or self.constraint_for(request) for request, ready in zip(requests, prepared)
+        ]
+        taken = 0
+        while taken < len(requests) and self.places.acquire(blocking=False):
+            taken += 1
+        if taken < len(requests):
+            for _ in range(taken):
+                self.places.release()
             raise ApiError(
                 503,
                 "the server is busy: too many requests are queued; retry shortly",
                 code="server_busy",
                 headers={"Retry-After": "1"},
             )
-        job = Job(request, loop, constraint, forced, release=self.places.release)
-        self.jobs.put(job)
-        return job
+        jobs = [
+            Job(request, loop, *ready, release=self.places.release)
+            for request, ready in zip(requests, prepared)
+        ]
+        with self.queueing:  # _news takes a group whole
+            for job in jobs:
+                self.jobs.put(job)
+        return jobs
 
     def close(self):
         """Stop the worker after its step (and, sharded, every other rank's engine)."""
@@ -295,8 +313,9 @@ class Engine:
                 waiting.append(self.jobs.get(timeout=self.ranks.idle_wait))
             except queue.Empty:
                 pass
-        while len(self.replies) + len(waiting) < self.max_batch and not self.jobs.empty():
-            waiting.append(self.jobs.get_nowait())
+        with self.queueing:
+            while len(self.replies) + len(waiting) < self.max_batch and not self.jobs.empty():
+                waiting.append(self.jobs.get_nowait())
         if None in waiting:  # close()
             waiting, stop = [job for job in waiting if job is not None], True
         joins = []

@@ -37,6 +37,7 @@ class Format:
     think block is split off first (server/reasoning.py); the answer's text is read for calls."""
 
     ping_s = None  # seconds of silence in a stream after which ``ping()`` is sent; None: never
+    index = 0  # the choice it answers (OpenAI's n; server/choices.py)
 
     def __init__(self, model_id: str, request: GenerationRequest):
         self.model_id, self.request = model_id, request
@@ -133,7 +134,7 @@ class ChatFormat(Format):
         if calls:
             message["tool_calls"] = [self._call(call) for call in calls]
         choice = {
-            "index": 0,
+            "index": self.index,
             "message": message,
             "finish_reason": self._finish_reason(outcome, bool(calls)),
             "logprobs": self._logprobs(outcome.logprobs),
@@ -167,7 +168,7 @@ class ChatFormat(Format):
                 "chat.completion.chunk",
                 [
                     {
-                        "index": 0,
+                        "index": self.index,
                         "delta": delta,
                         "finish_reason": finish_reason,
                         "logprobs": self._logprobs(logprobs),
@@ -207,16 +208,11 @@ class ChatFormat(Format):
         events = self._items(self.read("", finish=True))
         events.append(self._chunk({}, self._finish_reason(outcome, self.calls > 0)))
         if self.request.include_usage:
-            events.append(
-                sse(
-                    self._object(
-                        "chat.completion.chunk",
-                        [],
-                        usage=usage(outcome, self.reasoning_tokens(outcome)),
-                    )
-                )
-            )
+            events.append(self.usage_event(usage(outcome, self.reasoning_tokens(outcome))))
         return events + ["data: [DONE]\n\n"]
+
+    def usage_event(self, counts: dict) -> str:
+        return sse(self._object("chat.completion.chunk", [], usage=counts))
 
     # the status line is sent already: say it in the stream
     def failed(self, error: ApiError) -> list:
@@ -248,7 +244,7 @@ class CompletionFormat(Format):
         return self._object(
             [
                 {
-                    "index": 0,
+                    "index": self.index,
                     "text": outcome.text,
                     "finish_reason": outcome.finish_reason,
                     "logprobs": self._logprobs(outcome.logprobs),
@@ -279,7 +275,7 @@ class CompletionFormat(Format):
             self._object(
                 [
                     {
-                        "index": 0,
+                        "index": self.index,
                         "text": text,
                         "finish_reason": finish_reason,
                         "logprobs": self._logprobs(logprobs),
@@ -297,8 +293,11 @@ class CompletionFormat(Format):
     def done(self, outcome: Outcome) -> list:
         events = [self._chunk("", outcome.finish_reason)]
         if self.request.include_usage:
-            events.append(sse(self._object([], usage=usage(outcome))))
+            events.append(self.usage_event(usage(outcome)))
         return events + ["data: [DONE]\n\n"]
+
+    def usage_event(self, counts: dict) -> str:
+        return sse(self._object([], usage=counts))
 
     def failed(self, error: ApiError) -> list:
         return [sse(error.body()), "data: [DONE]\n\n"]

@@ -30,6 +30,7 @@ from server.request import (
 from server.tools import Function, ToolUse
 
 MAX_STOP_STRINGS = 4  # as OpenAI
+MAX_CHOICES = 8  # n; the server's --max-batch may allow fewer (server/choices.py)
 MAX_TOP_LOGPROBS = 20  # as OpenAI's chat API (its legacy completions allow 5; 20 here too, as vLLM)
 
 COMMON = {
@@ -72,8 +73,9 @@ def _common(
     default_max_tokens: int,
 ):
     check_fields_and_model(body, allowed, model_id)
-    if typed(body, "n", (int,), 1, "an integer") != 1:
-        raise invalid("only n=1 is supported", param="n")
+    num_choices = typed(body, "n", (int,), 1, "an integer")
+    if not 1 <= num_choices <= MAX_CHOICES:
+        raise invalid(f"'n' must be an integer between 1 and {MAX_CHOICES}", param="n")
     max_tokens = default_max_tokens if max_tokens_field is None else max_tokens_field
     if max_tokens < 1:
         raise invalid("'max_tokens' must be at least 1", param="max_tokens")
@@ -96,6 +98,7 @@ def _common(
         stop=stop,
         stream=stream,
         include_usage=stream and bool(options.get("include_usage")),
+        num_choices=num_choices,
     )
     request.regex = typed(body, "guided_regex", (str,), None, "a string")
     request.grammar = typed(body, "guided_grammar", (str,), None, "a string")

@@ -86,6 +86,7 @@ class GenerationRequest:
     messages: Optional[list] = None  # the chat messages the prompt came from (Responses keeps them)
     stream: bool = False
     include_usage: bool = False
+    num_choices: int = 1  # OpenAI's n: rows decoded from the one prompt (server/choices.py)
     # None: none; k: each token's logprob and the k most likely tokens
     logprobs: Optional[int] = None
     # on a thinking model: its markers, where the prompt left it, the budget

@@ -86,7 +86,9 @@ def chat(**body):
         ({"guided_regex": "a", "guided_grammar": "start: 'a'"}, "not both"),
         ({"max_tokens": True}, "'max_tokens' must be an integer"),
         ({"max_tokens": 0}, "at least 1"),
-        ({"n": 2}, "n=1"),
+        ({"n": 0}, "'n' must be an integer between 1 and 8"),
+        ({"n": 9}, "'n' must be an integer between 1 and 8"),
+        ({"n": 1.5}, "'n' must be an integer"),
         ({"stop": ["a", "b", "c", "d", "e"]}, "up to 4"),
         ({"temperatur": 0}, "unrecognized request argument: temperatur"),
         ({"messages": []}, "non-empty list"),
@@ -726,7 +728,7 @@ def test_errors_are_openai_shaped_and_the_server_keeps_serving(server, client):
             None,
             dict(model=MODEL, messages=messages, extra_body={"guided_regex": "(a"}),
         ),
-        (openai.BadRequestError, None, dict(model=MODEL, messages=messages, n=2)),
+        (openai.BadRequestError, None, dict(model=MODEL, messages=messages, n=9)),
     ]
     if importlib.util.find_spec("constrained.grammar") is None:  # else another test's business
         cases.append(
