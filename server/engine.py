@@ -364,9 +364,8 @@ class Engine:
         try:
             responses = self.generator.next()
         except Exception as error:  # a fault in the step: its rows fail, the worker goes on
-            lost = self.ranks.lost_peer(error)
-            if lost is not None:
-                self._lost(lost)
+            if self.ranks.lost_peer(error) is not None:
+                raise  # serving ends (_work)
             traceback.print_exc(file=sys.stderr)
             self.step_failed = True
             for reply in self.replies.values():

@@ -13,6 +13,7 @@ from mlx_lm.sample_utils import make_logits_processors
 from server.anthropic import parse_messages
 from server.protocol import check_prompt, parse_chat, parse_completion
 from server.request import ApiError
+from tests.test_server import outcome_of
 
 MODEL = "tiny"
 
@@ -39,15 +40,6 @@ def completion(engine, **fields):
     request = parse_completion(body, engine.tokenizer, MODEL, 64)
     check_prompt(request, None, engine.vocab_size)
     return request
-
-
-async def outcome_of(job):
-    while True:
-        kind, payload = await asyncio.wait_for(job.events.get(), 60)
-        if kind == "error":
-            raise payload
-        if kind == "done":
-            return payload
 
 
 def run_together(engine, requests) -> list:

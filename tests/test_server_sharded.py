@@ -167,10 +167,15 @@ def serve(ranks: int, *flags, port: str = "0"):
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         cwd=ROOT, env=env,
     )  # fmt: skip
+    return serving(process)
+
+
+def serving(process) -> tuple:
+    """``(process, url)`` once ``process`` prints its "serving MODEL on URL" line."""
     line = process.stdout.readline()
     if not line.startswith("serving"):
         stop(process)
-        pytest.fail(f"the sharded server did not start: {line}{process.stderr.read()[-2000:]}")
+        pytest.fail(f"the server did not start: {line}{process.stderr.read()[-2000:]}")
     return process, line.split()[-1]
 
 
@@ -179,11 +184,7 @@ def one_process(*flags):
         [sys.executable, "-m", "server", "--port", "0", "--max-tokens", "32", *flags],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
     )  # fmt: skip
-    line = process.stdout.readline()
-    if not line.startswith("serving"):
-        stop(process)
-        pytest.fail(f"the server did not start: {line}{process.stderr.read()[-2000:]}")
-    return process, line.split()[-1]
+    return serving(process)
 
 
 @pytest.fixture(scope="module")
