@@ -189,6 +189,7 @@ def build_run(args, session=None):
         **sampling_kwargs(args, tokenizer, vocab_size),
         max_tokens=max_tokens,
         stats=DecodingStats(),
+        tree_nodes=args.tree_nodes,
     )
     if session is not None:  # every rank must fit the same cost, or their drafts differ
         kwargs["pass_cost"] = session.pass_cost()

@@ -24,7 +24,7 @@ one thread that owns the model.
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Union
 
 import mlx.core as mx
 
@@ -33,10 +33,12 @@ from batch.logprobs import token_logprobs
 from batch.policy import DraftGate, choose_width, prefill_group
 from batch.row import BatchRow, RowResponse
 from batch.verify import accept, score
+from decoder.cache import make_cache
 from decoder.cost import PassCost
 from decoder.prefill import Prefill
 from decoder.sampling import Sampling
 from decoder.step import verify_pass
+from decoder.tree import max_nodes_for
 from speculative.drafter import DraftRequest
 
 # Rows whose ends drift further apart than this are rolled back into line (one copy of the cache),
@@ -135,8 +137,11 @@ class BatchGenerator:
         interleave_prefill: bool = False,
         keep_caches: bool = False,
         drafters: Sequence = (),
+        tree_nodes: Union[int, str] = 0,
     ):
         self.model, self.drafters = model, list(drafters)
+        # Each row drafts trees of at most this many nodes (``decoder.tree``), where it can.
+        self.max_nodes = max_nodes_for(model, make_cache(model), tree_nodes)
         self.eos_token_ids = set(eos_token_ids)
         self.prefill_step_size, self.prefill_batch_size = prefill_step_size, prefill_batch_size
         self.max_batch = max_batch
@@ -241,6 +246,7 @@ class BatchGenerator:
             options.pop("logprobs"),
             eos_token_ids=eos,
             draft_sources=sources,
+            max_nodes=self.max_nodes if sources else None,
             **options,
         )
         self._next_uid += 1
@@ -446,7 +452,11 @@ class BatchGenerator:
         cache = self.cache
         # a failed or unused row keeps one token, as if it accepted nothing
         trims = [pass_width - 1] * cache.rows
-        restored = []
+        restored, kept = [], [None] * cache.rows
+        for row, draft, slot, result in zip(self.rows, drafts, self.slots, results):
+            if not isinstance(result, Exception):
+                kept[slot] = row.kept(draft)
+        cache.compact(pass_width, kept)
         for row, draft, slot, result in zip(self.rows, drafts, self.slots, results):
             if not isinstance(result, Exception):
                 trims[slot], restore = row.commit(cache, pass_width, len(draft.tokens), result[0])
@@ -466,8 +476,8 @@ class BatchGenerator:
                 if plan.drafter is not None:  # the width policy learns from every offered draft
                     row.acceptance.record(
                         plan.drafter.name,
-                        plan.draft.tokens,
-                        draft.tokens[: result[0]] + [result[1]],
+                        plan.draft.first_branch(),
+                        draft.path_tokens(row.path[: result[0]]) + [result[1]],
                     )
                 tokens, sources = row.emit(plan, draft, *result)
                 response = RowResponse(

@@ -34,9 +34,15 @@ def token_logprobs(rows: list, drafts: list, results: list, logits: mx.array) ->
     found = [None] * len(results)
     if not asking:
         return found
-    chosen = [drafts[i].tokens[: results[i][0]] + [results[i][1]] for i in asking]
+    paths = [rows[i].path[: results[i][0]] for i in asking]
+    chosen = [drafts[i].path_tokens(path) + [results[i][1]] for i, path in zip(asking, paths)]
     length = max(len(tokens) for tokens in chosen)
-    scores = logits[mx.array(asking), :length].astype(mx.float32)
+    # each token's position in the pass: the row's last token, then its accepted nodes
+    positions = mx.array(
+        [[0] + [1 + node for node in path] + [0] * (length - 1 - len(path)) for path in paths]
+    )
+    scores = mx.take_along_axis(logits[mx.array(asking)], positions[..., None], axis=1)
+    scores = scores.astype(mx.float32)
     logprobs = scores - mx.logsumexp(scores, axis=-1, keepdims=True)
     ids = mx.array([tokens + [0] * (length - len(tokens)) for tokens in chosen])
     picked = mx.take_along_axis(logprobs, ids[..., None], -1)[..., 0]

@@ -69,6 +69,14 @@ def add_arguments(parser, history: bool = True):
     parser.add_argument(
         "--no-adaptive", action="store_true", help="Keep the draft length fixed at --num-draft."
     )
+    parser.add_argument(
+        "--tree-nodes",
+        default="auto",
+        metavar="N|auto",
+        help="Draft trees of at most N candidate tokens per step, verified in one pass (prompt "
+        f"and history lookup; 1 to {MAX_TREE_NODES}); 0: one chain per step, as before; auto "
+        "(default): as many nodes as the measured pass cost and acceptance say pay.",
+    )
     add_distributed_arguments(parser)
 
 
@@ -99,6 +107,7 @@ def check(args):
         raise CliError("--dist-timeout must be > 0")
     if args.num_draft is not None and not 1 <= args.num_draft <= 256:
         raise CliError("--num-draft must be between 1 and 256")
+    args.tree_nodes = tree_nodes(args.tree_nodes)
     if args.mtp and (args.draft_model is not None or args.draft_head is not None):
         raise CliError(
             "give --mtp alone, not with --draft-model or --draft-head (one model drafts)"
@@ -118,6 +127,23 @@ def check(args):
         parent = next((p for p in path.parents if p.exists()), None)
         if parent is not None and not parent.is_dir():
             raise CliError(f"--lookup-history {path}: {parent} is not a directory")
+
+
+# A tree pass's nodes must fit the rollback a sliding-window layer keeps (``decoder.kinds``).
+MAX_TREE_NODES = 32
+
+
+def tree_nodes(value):
+    """``--tree-nodes``: "auto" or a count from 0 to ``MAX_TREE_NODES``."""
+    if value == "auto":
+        return value
+    try:
+        count = int(value)
+    except (TypeError, ValueError):
+        count = -1
+    if not 0 <= count <= MAX_TREE_NODES:
+        raise CliError(f"--tree-nodes must be auto or a count from 0 to {MAX_TREE_NODES}")
+    return count
 
 
 def history_path(args) -> Path:

@@ -145,6 +145,7 @@ class Cache:
             layer for layer in leaves if layer.is_trimmable() and not isinstance(layer, ExtraRows)
         ]
         self.recurrent = [layer for layer in leaves if isinstance(layer, StateRows)]
+        self.in_tree = False  # between ``prepare`` and ``finalize`` of a tree pass
 
     @classmethod
     def of(
@@ -192,15 +193,38 @@ class Cache:
             + extra
         )
 
-    def prepare(self, lengths: Sequence[int], width: int):
-        """Before a ``width``-wide pass in which row b feeds ``lengths[b]`` real tokens."""
+    def prepare(self, lengths: Sequence[int], width: int, layouts: Optional[Sequence] = None):
+        """Before a ``width``-wide pass in which row b feeds ``lengths[b]`` real tokens;
+        ``layouts``: each row's ``decoder.tree.layout`` in a pass with a draft tree."""
         if self.recurrent and min(lengths) < width:
             for layer in self.recurrent:
                 layer.prepare(lengths=list(lengths))
+        if layouts is not None:
+            depth = mx.array([depth for depth, _ in layouts], mx.int32)
+            visible = mx.array([visible for _, visible in layouts], mx.bool_)
+            for layer in self.attention:
+                layer.begin_tree(depth, visible)
+        self.in_tree = layouts is not None
 
     def finalize(self):
         for layer in self.recurrent:
             layer.finalize()
+        if self.in_tree:
+            for layer in self.attention:
+                layer.end_tree()
+            self.in_tree = False
+
+    def takes_trees(self) -> bool:
+        """Whether every layer can take a draft tree: attention layers only (a recurrent state
+        folds every token it is fed into one, and a head's features follow chains)."""
+        return all(type(layer) is KVRows for layer in layers_of(self.layers))
+
+    def compact(self, width: int, kept: Sequence[Optional[Sequence[int]]]):
+        """After a tree pass ``width`` slots wide, each row's ``kept`` slots move to the front of
+        the pass (``KVRows.compact``); ``rewind`` then drops the rest."""
+        if any(slots is not None for slots in kept):
+            for layer in self.attention:
+                layer.compact(width, kept)
 
     def must_restore(self, num_drafted: int, num_accepted: int) -> bool:
         """Whether a row that rejected part of its draft goes back to the checkpoint: a recurrent

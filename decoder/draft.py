@@ -24,13 +24,32 @@ class Draft:
     tokens: list
     probs: Optional[mx.array] = None
     expected_speedup: Optional[float] = None
+    # A tree (``decoder.tree``): token i follows token ``parents[i]`` (-1: the row's last token),
+    # an earlier one. None: a chain. A tree's tokens are point masses (probs None).
+    parents: Optional[list] = None
 
     def truncate(self, length: int) -> "Draft":
-        """The first ``length`` tokens, with their distributions."""
+        """The first ``length`` tokens (of a tree: still a tree), with their distributions."""
         if len(self.tokens) <= length:
             return self
         probs = None if self.probs is None else self.probs[:length]
-        return Draft(self.tokens[:length], probs, self.expected_speedup)
+        parents = None if self.parents is None else self.parents[:length]
+        return Draft(self.tokens[:length], probs, self.expected_speedup, parents)
+
+    def first_branch(self) -> list:
+        """The tokens of a tree's first child at each depth (of a chain: its tokens)."""
+        if self.parents is None:
+            return self.tokens
+        branch, node = [], -1
+        for index, parent in enumerate(self.parents):
+            if parent == node:
+                branch.append(self.tokens[index])
+                node = index
+        return branch
+
+    def path_tokens(self, path: Sequence[int]) -> list:
+        """The tokens of ``path``, node indices into a tree (of a chain: its first tokens)."""
+        return [self.tokens[node] for node in path]
 
 
 class DraftSource:
@@ -49,6 +68,11 @@ class DraftSource:
     def propose(self, tokens: list, max_draft: int) -> Optional[Draft]:
         """Propose up to ``max_draft`` tokens to follow ``tokens``."""
         raise NotImplementedError
+
+    def propose_tree(self, tokens: list, max_draft: int, max_nodes: int) -> Optional[Draft]:
+        """Up to ``max_nodes`` tokens in a tree (``Draft.parents``) no deeper than ``max_draft``;
+        ``max_nodes`` 0: as many as pay (the source's own policy). A chain is a tree too."""
+        return self.propose(tokens, max_draft if max_nodes == 0 else min(max_draft, max_nodes))
 
     def forecast_speedup(self) -> Optional[float]:
         """The ``expected_speedup`` of the draft it would propose now (``choose_draft``)."""
@@ -137,10 +161,12 @@ def choose_draft(
     tokens: list,
     max_draft: int,
     cost: Optional[PassCost] = None,
+    max_nodes: Optional[int] = None,
 ) -> tuple:
     """``(draft, drafter)``: the first non-empty draft of the sources (in priority order), unless
     a later source forecasts a larger ``expected_speedup`` before drafting. The choice never
-    depends on tokens drawn this step, so each draft still follows its ``probs``."""
+    depends on tokens drawn this step, so each draft still follows its ``probs``. ``max_nodes``:
+    ask for trees of that many nodes (``DraftSource.propose_tree``); None: chains."""
     chosen, drafter = Draft([]), None
     if max_draft <= 0:
         return chosen, drafter
@@ -154,11 +180,15 @@ def choose_draft(
             ):
                 break
         tic = cost.clock() if cost is not None else 0.0
-        draft = source.propose(tokens, max_draft)
+        if max_nodes is None:
+            draft = source.propose(tokens, max_draft)
+        else:
+            draft = source.propose_tree(tokens, max_draft, max_nodes)
         if draft is not None and draft.tokens:
             if cost is not None:
                 cost.record_draft(source.name, cost.clock() - tic, len(draft.tokens))
-            chosen, drafter = draft.truncate(max_draft), source
+            chosen = draft if draft.parents is not None else draft.truncate(max_draft)
+            drafter = source
             if draft.expected_speedup is None:
                 break
     return chosen, drafter

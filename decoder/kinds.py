@@ -21,6 +21,7 @@ class KVRows(_BaseCache):
     """
 
     step = 256  # slots a full-attention layer grows by
+    tree = None  # during a tree pass: ``(depth, visible)`` of its slots (``begin_tree``)
     window_step = 64  # slots a sliding layer grows and drops by (beyond window + max_rollback)
     max_rollback = 32  # the default: more than a draft's one-token calls span
 
@@ -105,6 +106,8 @@ class KVRows(_BaseCache):
         # (plamo3 asks for one more): a verify pass must see what one-token steps see.
         window = min(window_size or self.window, self.window) if self.window else window_size
         first = self._first_seen()
+        if self.tree is not None:
+            return self._tree_mask(N, first, window)
         same = len(set(self.ends)) == 1 and len(set(self.starts)) == 1
         if same and not return_array and (window is None or N == 1 and window == self.window):
             if window is None and self.starts[0] == first:
@@ -121,6 +124,52 @@ class KVRows(_BaseCache):
         # next layer's keys and values with it (0 * NaN is NaN even where the mask hides them).
         mask = (seen | (slots == own))[:, None]
         return mask[:, None] if self.mask_dims == 5 else mask
+
+    def begin_tree(self, depth: mx.array, visible: mx.array):
+        """Before a pass whose ``(B, N)`` tokens sit at ``depth`` past each row's end and see the
+        pass's slots ``visible`` ``(B, N, N)`` (``decoder.tree.layout``): the rope modules read
+        one position per token from ``offset``."""
+        self.tree = (depth, visible)
+        positions = mx.array([end - origin for end, origin in zip(self.ends, self.origins)])
+        self.offset = positions[:, None] + depth
+
+    def end_tree(self):
+        self.tree = None
+        self._set(self.starts, self.ends, self.origins)
+
+    def _tree_mask(self, N: int, first: int, window: Optional[int]) -> mx.array:
+        """``make_mask`` in a tree pass: a query sees its row's past, within its window by
+        position, and the pass slots ``visible`` says."""
+        depth, visible = self.tree
+        slots = mx.arange(first, max(self.ends) + N)
+        ends = mx.array(self.ends)[:, None, None]
+        past = (slots >= mx.array(self.starts)[:, None, None]) & (slots < ends)
+        index = slots - ends  # (B, 1, S): the slot's place in the pass
+        in_pass = (index >= 0) & (index < N)
+        index = mx.broadcast_to(mx.clip(index, 0, N - 1), (depth.shape[0], N, slots.shape[0]))
+        seen = in_pass & mx.take_along_axis(visible, index, axis=2)
+        if window is not None:
+            query = depth[:, :, None]  # positions past the row's end
+            key = mx.where(in_pass, mx.take_along_axis(depth[:, None, :], index, axis=2), index)
+            past = past & (slots > ends + query - window)
+            seen = seen & (key > query - window)
+        mask = (past | seen)[:, None]
+        return mask[:, None] if self.mask_dims == 5 else mask
+
+    def compact(self, width: int, kept: Sequence[Optional[Sequence[int]]]):
+        """After a tree pass ``width`` slots wide: row b's slots ``kept[b]`` (offsets into the
+        pass, in order) move to the pass's first slots; None keeps the row as it is. The caller
+        then trims what follows them."""
+        for row, slots in enumerate(kept):
+            if slots is None or list(slots) == list(range(len(slots))):
+                continue
+            begin = self.ends[row] - width
+            taken = mx.array([begin + slot for slot in slots])
+            for name in ("keys", "values"):
+                array = getattr(self, name)
+                array[row : row + 1, :, begin : begin + len(slots)] = mx.take(
+                    array[row : row + 1], taken, axis=2
+                )
 
     def can_trim(self, row: int) -> int:
         """How many of row ``row``'s last tokens it can drop and still hold every key its next query

@@ -17,6 +17,7 @@ from .prefill import Prefill
 from .sampling import Sampling
 from .step import TARGET, DecodingStats, Row, verify_pass
 from .text import TextStream, encode, eos_ids_of
+from .tree import max_nodes_for
 
 
 def prefill(model, cache: Cache, tokens: list, step_size: int = 512):
@@ -67,6 +68,7 @@ def generate_step(
     prefill_step_size: int = 512,
     prompt_cache: Optional[list] = None,
     pass_cost: Optional[PassCost] = None,
+    tree_nodes: Union[int, str] = 0,
 ) -> Iterator[tuple]:
     """Generate tokens with draft-and-verify steps.
 
@@ -87,11 +89,15 @@ def generate_step(
         prompt_cache: a ``make_cache(model)`` (or mlx-lm's list, adopted in place) holding the first
             tokens of ``prompt``; only the rest is prefilled.
         pass_cost: the ``PassCost`` the loop times its passes into; pass one to keep it.
+        tree_nodes: draft trees of at most this many nodes (``decoder.tree``), ``"auto"`` for as
+            many as the sources expect to pay, 0 for chains. A model whose positions or masks
+            do not come through its rope modules and cache layer drafts chains.
 
     Yields:
         ``(token, source_name)`` for each accepted token; ``source_name`` is
         ``TARGET`` for tokens the target chose itself.
     """
+    cache, cached = _open_cache(model, prompt, prompt_cache)
     row = Row(
         prompt,
         eos_token_ids=eos_token_ids,
@@ -111,9 +117,9 @@ def generate_step(
         sampler=sampler,
         max_tokens=max_tokens,
         stats=stats,
+        max_nodes=max_nodes_for(model, cache, tree_nodes) if draft_sources else None,
     )
     cost = pass_cost if pass_cost is not None else PassCost()
-    cache, cached = _open_cache(model, prompt, prompt_cache)
     row.reset(cost)
 
     tic = time.perf_counter()
@@ -136,6 +142,7 @@ def generate_step(
         # evaluated with the logits
         if plan.masks is not None and not plan.masks[num_accepted, next_token].item():
             raise row.forbidden(num_accepted)
+        cache.compact(pass_width, [row.kept(draft)])
         trim, restore = row.commit(cache, pass_width, len(draft.tokens), num_accepted)
         cache.rewind([trim], [0] if restore else [])
         emitted, sources = row.emit(plan, draft, num_accepted, next_token)

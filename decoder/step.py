@@ -20,6 +20,7 @@ from .draft import (
     constrain_draft,
 )
 from .sampling import Sampling, process_logits
+from .tree import accept_tree, kept_slots, layout, path_to
 
 TARGET = "target"  # the source name of tokens the target model chose itself
 
@@ -104,6 +105,7 @@ class Row:
         sampler: Optional[Callable] = None,
         max_tokens: int = 256,
         stats: Optional[DecodingStats] = None,
+        max_nodes: Optional[int] = None,
     ):
         self.tokens = list(prompt)  # prompt and accepted tokens, grown in place
         self.sources, self.constraint = list(draft_sources), constraint
@@ -114,6 +116,10 @@ class Row:
         self.num_generated = 0
         self.cached = 0  # how many of the tokens the loop's cache holds (the loop keeps this)
         self.finish_reason = self.stats.finish_reason = None if max_tokens > 0 else "length"
+        # Draft trees of at most this many nodes (0: as many as pay); None: chains. A user sampler
+        # verifies chains only, and a constraint masks one path.
+        self.max_nodes = max_nodes if sampler is None and constraint is None else None
+        self.path = []  # the nodes of the last draft the row accepted (``accept``)
 
     def reset(self, cost: PassCost):
         """Start the sources and the constraint over, before the first step."""
@@ -149,7 +155,7 @@ class Row:
         sources = self.sources if sources is None else sources
         if len(self.tokens) - self.cached > MAX_PENDING:
             sources = []  # a plain pass keeps all it feeds, where a rejected draft would add more
-        draft, drafter = choose_draft(sources, self.tokens, self.max_draft, cost)
+        draft, drafter = choose_draft(sources, self.tokens, self.max_draft, cost, self.max_nodes)
         masks = None
         if self.constraint is not None:
             draft, masks = constrain_draft(self.constraint, draft)
@@ -163,9 +169,23 @@ class Row:
         if not self.logits_processors:
             return logits
         scored = len(draft.tokens) + 1
-        processed = process_logits(
-            self.logits_processors, self.tokens, draft.tokens, logits[:scored]
-        )
+        if draft.parents is None:
+            processed = process_logits(
+                self.logits_processors, self.tokens, draft.tokens, logits[:scored]
+            )
+        else:  # each node after the tokens of its own path
+            paths = [[]] + [path_to(draft.parents, node) for node in range(len(draft.tokens))]
+            processed = mx.concatenate(
+                [
+                    process_logits(
+                        self.logits_processors,
+                        self.tokens + draft.path_tokens(path),
+                        [],
+                        logits[index : index + 1],
+                    )
+                    for index, path in enumerate(paths)
+                ]
+            )
         return (
             mx.concatenate([processed, logits[scored:]]) if logits.shape[0] > scored else processed
         )
@@ -173,12 +193,25 @@ class Row:
     def accept(self, logits: mx.array, draft: Draft, argmax: Optional[list] = None) -> tuple:
         """``(num_accepted, next_token)`` from the (len(draft) + 1, vocab) logits of the draft's
         positions (masked); ``argmax``: their argmax, where the loop has it on the host already."""
+        if draft.parents is not None:
+            self.path, next_token = accept_tree(logits, draft, self.sampling, argmax)
+            return len(self.path), next_token
         if self.sampler is not None:
-            return accept_sampled(logits, draft, self.sampler)
-        if self.sampling.temp == 0 and argmax is not None:  # accept_draft's greedy rule
+            num_accepted, next_token = accept_sampled(logits, draft, self.sampler)
+        elif self.sampling.temp == 0 and argmax is not None:  # accept_draft's greedy rule
             num_accepted = common_prefix_len(draft.tokens, argmax)
-            return num_accepted, argmax[num_accepted]
-        return accept_draft(logits, draft, self.sampling)
+            next_token = argmax[num_accepted]
+        else:
+            num_accepted, next_token = accept_draft(logits, draft, self.sampling)
+        self.path = list(range(num_accepted))
+        return num_accepted, next_token
+
+    def kept(self, draft: Draft) -> Optional[list]:
+        """After ``accept`` of a tree: the pass slots the row keeps, in order (its pending tokens
+        and accepted path), for ``Cache.compact``; None for a chain. Before ``commit``."""
+        if draft.parents is None:
+            return None
+        return kept_slots(len(self.pending), self.path)
 
     def commit(self, cache: Cache, pass_width: int, num_drafted: int, num_accepted: int) -> tuple:
         """``(trim, restore)``: how many of the pass's last tokens the row's cache drops and whether
@@ -201,7 +234,7 @@ class Row:
         verified (``plan.draft``, or less where the batch's width cut it)."""
         drafter = plan.drafter if draft.tokens else None
         self.stats.target_forward_passes += 1
-        emitted = draft.tokens[:num_accepted] + [next_token]
+        emitted = draft.path_tokens(self.path[:num_accepted]) + [next_token]
         # Up to EOS or max_tokens: accepted tokens past that are neither emitted nor counted.
         stop = next(
             (i + 1 for i, token in enumerate(emitted) if token in self.eos_token_ids), len(emitted)
@@ -254,7 +287,14 @@ def verify_pass(
         inputs[slot], lengths[slot] = tokens + draft.tokens + [0] * (pass_width - count), count
     if any(draft.tokens for draft in drafts):
         cache.checkpoint()
-    cache.prepare(lengths, pass_width)
+    layouts = None
+    if any(draft.parents is not None for draft in drafts):
+        layouts = [layout(1, None, pass_width)] * cache.rows  # a chain's (causal) for the rest
+        for slot, tokens, draft in zip(
+            range(len(rows)) if slots is None else slots, pending, drafts
+        ):
+            layouts[slot] = layout(len(tokens), draft.parents, pass_width)
+    cache.prepare(lengths, pass_width, layouts)
     logits = model(mx.array(inputs), cache=cache.layers)
     cache.finalize()
     if cache.rows > len(rows):

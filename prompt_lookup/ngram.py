@@ -13,6 +13,9 @@ import mlx.core as mx
 
 from decoder.cost import AcceptanceEstimate, Backoff, PassCost
 from decoder.draft import Draft, DraftSource
+from decoder.tree import is_chain
+
+from .trie import choose
 
 # Never a token id: stops matches and continuations at the edges of the context.
 SEPARATOR = -1
@@ -57,6 +60,49 @@ def find_draft(
     return search(mx.array(context, mx.int32), len(tokens), ngram_max, ngram_min, num_draft)[0]
 
 
+def match_lengths(context: mx.array, num_tokens: int, ngram_max: int) -> Optional[mx.array]:
+    """Per position j of ``context``: how many tokens before j agree with the end of the context
+    (up to ``LONGEST_LOOKBACK``, or ``ngram_max`` if larger), 0 where j is a ``SEPARATOR``; None
+    for no tokens."""
+    length = context.shape[0]
+    # the suffix comes from the tokens alone
+    window = min(max(ngram_max, LONGEST_LOOKBACK), num_tokens)
+    if window == 0:
+        return None
+    # windows[j]: the `window` tokens right before position j, newest first, so that match_length[j]
+    # counts how many of them equal the end of the context: an occurrence whose continuation starts
+    # at j. All positions in one comparison.
+    padded = mx.concatenate([mx.full((window,), SEPARATOR, mx.int32), context])
+    windows = mx.as_strided(padded, shape=(length, window), strides=(1, 1))[:, ::-1]
+    match_length = mx.cumprod(windows == context[length - window :][::-1], axis=1).sum(axis=1)
+    # A match must be followed by at least one token of its own segment.
+    return mx.where(context != SEPARATOR, match_length, 0)
+
+
+def search_many(
+    context: mx.array, num_tokens: int, ngram_max: int, ngram_min: int, num_matches: int, depth: int
+) -> tuple:
+    """``search`` for the ``num_matches`` best occurrences: ``(continuations, ngram, start)``,
+    the continuations best first (each up to ``depth`` tokens) and the best's n-gram and start."""
+    length = context.shape[0]
+    match_length = match_lengths(context, num_tokens, ngram_max)
+    if match_length is None:
+        return [], 0, 0
+    # Longest agreement first, the most recent on a tie: one score orders both.
+    order = mx.argsort(-(match_length * length + mx.arange(length)))[:num_matches]
+    follow = order[:, None] + mx.arange(depth)
+    found = mx.where(
+        (follow < length) & (match_length[order] >= ngram_min)[:, None],
+        context[mx.minimum(follow, length - 1)],
+        SEPARATOR,
+    )
+    summary = mx.stack([match_length[order[0]], order[0]])
+    mx.eval(found, summary)  # the one host sync of a search
+    rows, (best, start) = found.tolist(), summary.tolist()
+    continuations = [row[: row.index(SEPARATOR)] if SEPARATOR in row else row for row in rows]
+    return [c for c in continuations if c], best, start
+
+
 def search(
     context: mx.array, num_tokens: int, ngram_max: int, ngram_min: int, num_draft: int
 ) -> tuple:
@@ -65,18 +111,9 @@ def search(
     the draft, the size of the n-gram it matched and where in ``context`` the copied tokens
     start."""
     length = context.shape[0]
-    # the suffix comes from the tokens alone
-    window = min(max(ngram_max, LONGEST_LOOKBACK), num_tokens)
-    if window == 0:
+    match_length = match_lengths(context, num_tokens, ngram_max)
+    if match_length is None:
         return [], 0, 0
-    # windows[j]: the `window` tokens right before position j, newest first, so that match_length[j]
-    # counts how many of them equal the end of the context: an occurrence whose continuation starts
-    # at j. All positions in one comparison.
-    padded = mx.concatenate([mx.full((window,), SEPARATOR, mx.int32), context])
-    windows = mx.as_strided(padded, shape=(length, window), strides=(1, 1))[:, ::-1]
-    match_length = mx.cumprod(windows == context[length - window :][::-1], axis=1).sum(axis=1)
-    # A match must be followed by at least one token of its own segment.
-    match_length = mx.where(context != SEPARATOR, match_length, 0)
     # The longest agreement wins (so the largest n-gram), the most recent on a tie.
     best = match_length.max()
     start = mx.argmax(mx.where(match_length == best, mx.arange(length), -1))
@@ -146,6 +183,7 @@ class PromptLookupSource(DraftSource):
         self._backoffs = defaultdict(Backoff)
         self._kind = None  # the kind of match of the last draft
         self._offered = None  # (len(tokens), draft) of the last draft proposed
+        self._offered_tree = False  # whether it was a tree's best branch
 
     def match_kind(self, ngram: int, start: int):
         """Matches of one kind share an acceptance estimate. Here: the n-gram size, where agreements
@@ -167,17 +205,20 @@ class PromptLookupSource(DraftSource):
             return self.max_draft_length
         return min(int(math.log(token_cost) / math.log(accept)), self.max_draft_length)
 
-    def propose(self, tokens: list, max_draft: int) -> Optional[Draft]:
+    def _follow(self, tokens: list):
         # generate_step passes the same growing list every step; another list is a new generation.
         if tokens is not self._tokens:
             self.reset(self.cost, self.temp, self.top_p)
             self._tokens = tokens
         if len(tokens) > self._num_seen:
-            # Lazy: computed by the search's one sync below, so the graph never grows.
+            # Lazy: computed by the search's one sync, so the graph never grows.
             self._context = mx.concatenate(
                 [self._context, mx.array(tokens[self._num_seen :], mx.int32)]
             )
             self._num_seen = len(tokens)
+
+    def propose(self, tokens: list, max_draft: int) -> Optional[Draft]:
+        self._follow(tokens)
         longest = self.max_draft_length if self.adaptive else self.num_draft
         draft, ngram, start = search(
             self._context, len(tokens), self.ngram_max, self.ngram_min, min(max_draft, longest)
@@ -193,17 +234,48 @@ class PromptLookupSource(DraftSource):
                 return None
             length = 1
         draft = draft[:length]
-        self._offered = (len(tokens), draft)
+        self._offered, self._offered_tree = (len(tokens), draft), False
         # With it, the loop can hand the step to a model source that expects more
         # (draft.choose_draft).
         return Draft(draft, expected_speedup=self.expected_speedup(kind, len(draft)))
+
+    def propose_tree(self, tokens: list, max_draft: int, max_nodes: int) -> Optional[Draft]:
+        """The continuations of the best matches merged into a trie (``trie.choose``): the best
+        match's copy is drafted as ``propose`` would, and other continuations where their chance
+        of acceptance pays for them. ``max_nodes`` 0: up to ``2 * num_draft`` nodes."""
+        self._follow(tokens)
+        cap = max_nodes or self.max_draft_length
+        depth = min(max_draft, self.max_draft_length if self.adaptive else self.num_draft)
+        continuations, ngram, start = search_many(
+            self._context, len(tokens), self.ngram_max, self.ngram_min, 2 * cap, depth
+        )
+        if not continuations:
+            return None
+        kind = self._kind = self.match_kind(ngram, start)
+        if self.adaptive and self.draft_length(kind) == 0:  # as ``propose``: skip, or probe
+            if not self._backoffs[kind].probe():
+                return None
+            continuations, cap = continuations[:1], 1
+        rate = self._estimates[kind].rate
+        draft, expected, main_depth = choose(
+            continuations, rate, self.cost.token_cost() if self.adaptive else None, cap, depth
+        )
+        # The best match's copy is scored as a chain's is (``update``).
+        self._offered = (len(tokens), continuations[0][: max(main_depth, 1)])
+        self._offered_tree = main_depth < len(draft.tokens)
+        if is_chain(draft.parents):
+            draft.parents = None
+        draft.expected_speedup = expected / self.cost.relative(1 + len(draft.tokens))
+        return draft
 
     def update(self, tokens: list, num_proposed: int, num_accepted: int) -> None:
         offered, self._offered = self._offered, None
         if not self.adaptive or (num_proposed == 0 and offered is None):
             return
         estimate = self._estimates[self._kind]
-        if num_proposed == 0:  # another source drafted over the copy: score it as if verified
+        # Another source drafted over the copy, or it was a tree's best branch: score it as if
+        # verified alone.
+        if num_proposed == 0 or self._offered_tree:
             start, draft = offered
             num_accepted = estimate.score(draft, tokens[start:])
         else:

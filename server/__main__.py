@@ -149,6 +149,7 @@ def build_engine(args, session=None):
         prompt_cache_bytes=args.prompt_cache_bytes,
         keep_caches=keep_caches,
         drafters=drafters,
+        tree_nodes=args.tree_nodes,
         # every rank must fit the same cost, or their drafts differ
         pass_cost=None if session is None else session.pass_cost(),
         ranks=None if session is None else Lockstep(session),

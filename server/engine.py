@@ -168,6 +168,7 @@ class Engine:
             503.
         pass_cost: the timings the width policy reads (``cost.PassCost``); tests pass a fixed clock.
         drafters: the models whose sources ``make_sources`` gives (``BatchGenerator``'s).
+        tree_nodes: the rows' draft trees (``BatchGenerator``'s; 0: chains).
         ranks: ``server.ranks.Lockstep`` when the model is sharded over several ranks: rank 0's
             engine serves and the others ``follow`` it; by default one process serves alone.
     """
@@ -187,9 +188,10 @@ class Engine:
         keep_caches: bool = True,
         drafters: Sequence = (),
         ranks=None,
+        tree_nodes=0,
     ):
         self.model, self.tokenizer, self.vocab_size = model, tokenizer, vocab_size
-        self.drafters = list(drafters)
+        self.drafters, self.tree_nodes = list(drafters), tree_nodes
         self.make_sources, self.keep_caches = make_sources, keep_caches
         self.max_batch = max_batch
         self.ranks = ranks if ranks is not None else OneProcess()
@@ -226,6 +228,7 @@ class Engine:
             keep_caches=self.keep_caches,
             pass_cost=self.pass_cost,
             drafters=self.drafters,
+            tree_nodes=self.tree_nodes,
         )
 
     def submit(

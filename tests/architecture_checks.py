@@ -209,6 +209,63 @@ def check_batch(model, lookup: bool = False):
         assert_accepted_and_rejected(*map(sum, zip(*counts)), "batched prompt lookup")
 
 
+def tree_lookup_source(prompt: list, output: list):
+    """Prompt lookup over two near-copies of ``output`` changed at different tokens, so that its
+    trees branch where they disagree; ``trees`` counts the trees it drafted."""
+    from prompt_lookup import PromptLookupSource
+
+    class CountingTrees(PromptLookupSource):
+        trees = 0
+
+        def propose_tree(self, tokens: list, max_draft: int, max_nodes: int):
+            draft = super().propose_tree(tokens, max_draft, max_nodes)
+            self.trees += draft is not None and draft.parents is not None
+            return draft
+
+    context = prompt + near_copy(output) + prompt + near_copy(output, every=4)
+    return CountingTrees(extra_context=context, num_draft=4, adaptive=False)
+
+
+def check_trees(model, tree_nodes: int = 4, batch: bool = True) -> int:
+    """Draft trees of ``tree_nodes`` nodes from lookup give mlx-lm's tokens, one row alone and
+    (``batch``) rows in a batch; returns how many trees were verified (0: the model drafts chains)."""
+    from batch import BatchGenerator
+    from decoder import generate_step
+
+    length, row_lengths, max_tokens = lengths(model)
+    prompt = prompt_tokens(length, seed=2)
+    want = mlx_lm_greedy(model, prompt, max_tokens)
+    source = tree_lookup_source(prompt, want)
+    got = [
+        token
+        for token, _ in generate_step(
+            prompt,
+            model,
+            eos_token_ids=(),
+            max_tokens=max_tokens,
+            draft_sources=[source],
+            tree_nodes=tree_nodes,
+        )
+    ]
+    assert_same_tokens(model, prompt, got, want, f"draft trees of {tree_nodes} nodes")
+    trees = source.trees
+    if not batch:
+        return trees
+    prompts = [prompt_tokens(n, seed=20 + row) for row, n in enumerate(row_lengths[:3])]
+    wants = [mlx_lm_greedy(model, p, max_tokens) for p in prompts]
+    sources = [[tree_lookup_source(p, w)] for p, w in zip(prompts, wants)]
+    generator = BatchGenerator(model, eos_token_ids=(), tree_nodes=tree_nodes)
+    uids = generator.insert(prompts, draft_sources=sources, max_tokens=max_tokens)
+    tokens = {uid: [] for uid in uids}
+    while responses := generator.next():
+        for response in responses:
+            assert response.error is None, response.error
+            tokens[response.uid] += response.tokens
+    for row, (uid, p, w) in enumerate(zip(uids, prompts, wants)):
+        assert_same_tokens(model, p, tokens[uid], w, f"batch row {row} with draft trees")
+    return trees + sum(row_sources[0].trees for row_sources in sources)
+
+
 def check_quantized(model, config: dict, bits: int):
     """The ``bits``-bit model (mlx-lm's quantization, group 64) decodes as mlx-lm does, plain and
     with prompt lookup."""

@@ -43,6 +43,20 @@ TESTED = [
     "baichuan_m1",
     "mamba2",
 ]
+# What drafts chains under --tree-nodes: recurrent and chunked layers, and mistral3, which builds
+# per-position attention scales from the offset itself.
+CHAINS_ONLY = {
+    "mistral3",
+    "llama4",
+    "qwen3_next",
+    "qwen3_5",
+    "lfm2",
+    "nemotron_h",
+    "falcon_h1",
+    "recurrent_gemma",
+    "baichuan_m1",
+    "mamba2",
+}
 THROUGH_MAIN = ["llama", "mistral3", "gemma3_text", "qwen3_next"]
 # What a batch cannot hold, and the one line that says so: llama4 builds its chunk mask from one
 # scalar offset, so its rows cannot keep their own lengths.
@@ -88,6 +102,17 @@ def test_batch_rows_of_different_lengths_equal_each_alone(tiny, lookup):
     else:
         with pytest.raises(CacheKindError, match=refusal):
             checks.check_batch(tiny[0], lookup=lookup)
+
+
+def test_draft_trees_equal_mlx_lm_or_fall_back_to_chains(tiny):
+    """Every attention model verifies trees; a model with recurrent layers, attention chunks or
+    positions of its own (mistral3 scales attention by position) drafts chains, losslessly."""
+    batch = tiny[1]["model_type"] not in REFUSED_IN_A_BATCH
+    trees = checks.check_trees(tiny[0], batch=batch)
+    if tiny[1]["model_type"] in CHAINS_ONLY:
+        assert trees == 0
+    else:
+        assert trees > 0, "no tree was drafted"
 
 
 @pytest.mark.parametrize("bits", [4, 8])

@@ -1,0 +1,234 @@
+"""Draft trees: several candidate continuations of one row, verified in one pass of the target
+(SpecInfer, Miao et al., 2023; EAGLE-2, Li et al., 2024), on any attention model mlx-lm builds.
+
+A tree is a draft whose tokens each name a parent (``Draft.parents``: -1 for a child of the last
+token the row holds, else an earlier index), so a chain is the tree ``[-1, 0, 1, ...]``. One pass
+scores every node once it sees only its ancestors, at the position its depth gives:
+
+- the mask comes through the cache layer, which mlx-lm's ``create_attention_mask`` asks
+  (``KVRows.make_mask`` with ``KVRows.tree``);
+- the positions come through the rope modules: during a tree pass a layer's ``offset`` is
+  ``(B, T)``, one position per token, and ``TreeRope`` (around the model's own rope, whatever its
+  scaling) moves the T tokens into the batch axis, where ``mx.fast.rope`` takes an offset each.
+
+``supports_trees`` installs the wrappers and checks, once per model, that a tree pass scores a node
+as a chain pass does; a model that builds positions or masks its own way keeps drafting chains.
+After the pass the accepted path's keys and values move into consecutive slots
+(``KVRows.compact``), so the cache holds what a chain would have.
+"""
+
+import logging
+from typing import Optional, Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .cache import architecture, layers_of, make_cache
+
+
+def depths(parents: Sequence[int]) -> list:
+    """Each node's depth: 1 for a child of the last held token."""
+    result = []
+    for parent in parents:
+        result.append(1 if parent < 0 else result[parent] + 1)
+    return result
+
+
+def is_chain(parents: Optional[Sequence[int]]) -> bool:
+    return parents is None or all(parent == i - 1 for i, parent in enumerate(parents))
+
+
+def path_to(parents: Sequence[int], node: int) -> list:
+    """The nodes from the root's child down to ``node``."""
+    path = []
+    while node >= 0:
+        path.append(node)
+        node = parents[node]
+    return path[::-1]
+
+
+def layout(num_pending: int, parents: Optional[Sequence[int]], width: int) -> tuple:
+    """``(depth, visible)`` of a row's ``width`` pass slots: its pending tokens, its draft's nodes,
+    then padding. ``depth[j]``: slot j's position past the row's first fed token; ``visible[j][k]``:
+    whether slot j sees slot k (its pending tokens, its ancestors and itself)."""
+    num_nodes = 0 if parents is None else len(parents)
+    node_depths = depths(parents) if parents is not None else []
+    depth = list(range(num_pending)) + [num_pending - 1 + d for d in node_depths]
+    depth += list(range(len(depth), width))
+    visible = [[k <= j for k in range(width)] for j in range(num_pending)]
+    for node in range(num_nodes):
+        seen = [k < num_pending for k in range(width)]
+        for ancestor in path_to(parents, node):
+            seen[num_pending + ancestor] = True
+        visible.append(seen)
+    for j in range(num_pending + num_nodes, width):  # padding sees what comes before it
+        visible.append([k <= j for k in range(width)])
+    return depth, visible
+
+
+def kept_slots(num_pending: int, path: Sequence[int]) -> list:
+    """The pass slots a row keeps, in order: its pending tokens and its accepted path."""
+    return list(range(num_pending)) + [num_pending + node for node in path]
+
+
+class TreeRope(nn.Module):
+    """The model's own rope module, which also takes one position per token: an ``offset`` of
+    shape ``(B, T)`` (a tree pass) rotates each of the T tokens in its own batch row."""
+
+    def __init__(self, rope):
+        super().__init__()
+        self.rope = rope
+
+    def __call__(self, x: mx.array, offset=0):
+        if not isinstance(offset, mx.array) or offset.ndim < 2:
+            return self.rope(x, offset=offset)
+        batch, length, dims = x.shape[0], x.shape[-2], x.shape[-1]
+        # (B, ..., T, D) -> (B * T, M, 1, D): every token its own row, heads kept together
+        heads = x.reshape(batch, -1, length, dims).swapaxes(1, 2)
+        heads = heads.reshape(batch * length, -1, 1, dims)
+        rotated = self.rope(heads, offset=offset.reshape(-1))
+        rotated = rotated.reshape(batch, length, -1, dims).swapaxes(1, 2)
+        return rotated.reshape(x.shape)
+
+
+def _is_rope(module) -> bool:
+    name = type(module).__name__.lower()
+    return isinstance(module, nn.RoPE) or "rope" in name or "rotary" in name
+
+
+def _wrap_ropes(module, wrapped: dict):
+    """Put a ``TreeRope`` around every rope module under ``module`` (a module shared by several
+    layers gets one wrapper)."""
+    for key, child in module.items():
+        children = child if isinstance(child, (list, tuple)) else [child]
+        for index, item in enumerate(children):
+            if not isinstance(item, nn.Module) or isinstance(item, TreeRope):
+                continue
+            if _is_rope(item):
+                wrapper = wrapped.setdefault(id(item), TreeRope(item))
+                if isinstance(child, list):
+                    child[index] = wrapper
+                elif not isinstance(child, tuple):
+                    setattr(module, key, wrapper)
+            else:
+                _wrap_ropes(item, wrapped)
+
+
+def _probe(model) -> bool:
+    """Whether a tree pass scores nodes as chain passes do: two copies of one node at one depth,
+    each after a different sibling, must get the chain's logits."""
+    past, root, child, other = [1, 2, 3], 4, 5, 6
+
+    def chain(tokens: list) -> mx.array:
+        cache = make_cache(model)
+        model(mx.array([past]), cache=cache.layers)
+        return model(mx.array([[root] + tokens]), cache=cache.layers)[0]
+
+    want = chain([child, other])
+    cache = make_cache(model)
+    model(mx.array([past]), cache=cache.layers)
+    # nodes: other (depth 1), child (depth 1), other under child (depth 2)
+    parents = [-1, -1, 1]
+    cache.prepare([4], 4, layouts=[layout(1, parents, 4)])
+    got = model(mx.array([[root, other, child, other]]), cache=cache.layers)[0]
+    cache.finalize()
+    scale = mx.abs(want).max() + 1e-6
+    gaps = [
+        mx.abs(got[0] - want[0]).max() / scale,  # the root
+        mx.abs(got[2] - want[1]).max() / scale,  # child: its own position, not after `other`
+        mx.abs(got[3] - want[2]).max() / scale,  # other under child: depth 2
+    ]
+    return max(gap.item() for gap in gaps) < 1e-3
+
+
+def supports_trees(model, cache) -> bool:
+    """Whether ``model`` (with this ``Cache``'s kinds of layer) can verify draft trees: wraps its
+    rope modules once, then checks a tree pass against chain passes (once per model)."""
+    if not cache.takes_trees():
+        return False
+    known = model.__dict__.get("_verifies_trees")
+    if known is None:
+        _wrap_ropes(model, {})
+        try:
+            known = _probe(model)
+        except Exception:  # a model that builds positions its own way refuses a (B, T) offset
+            known = False
+        model.__dict__["_verifies_trees"] = known
+    return known
+
+
+def children_of(parents: Sequence[int]) -> dict:
+    """Node -> its children in index order (-1: the root's)."""
+    children = {}
+    for node, parent in enumerate(parents):
+        children.setdefault(parent, []).append(node)
+    return children
+
+
+def accept_tree(logits: mx.array, draft, sampling, argmax: Optional[list] = None) -> tuple:
+    """``(path, next_token)`` for a tree draft and the target's ``(1 + nodes, vocab)`` logits
+    (position 0: the row's last token; 1 + i: node i): the accepted nodes from the root down, and
+    the target's token after the last of them.
+
+    Greedy: follow the child equal to the argmax. Sampling (SpecInfer's multi-candidate rule for
+    point masses): at each node try its children in turn; child c is accepted with probability
+    r(c), where r is p with the children tried so far removed and renormalized; if none is, draw
+    from r. Each step's token therefore follows p, as a chain's does.
+    """
+    parents, children = draft.parents, children_of(draft.parents)
+    if sampling.temp == 0:
+        if argmax is None:  # one sync per step: the walk reads the argmax on the host
+            argmax = mx.argmax(logits, axis=-1).tolist()
+        path, node = [], -1
+        while True:
+            match = [c for c in children.get(node, []) if draft.tokens[c] == argmax[node + 1]]
+            if not match:
+                return path, argmax[node + 1]
+            node = match[0]
+            path.append(node)
+    p = sampling.probs(logits)
+    # Every edge's p(child | parent) and a uniform draw for it, in the step's first sync.
+    edges = p[mx.array([parent + 1 for parent in parents]), mx.array(draft.tokens)]
+    edge_probs, uniforms = mx.stack([edges, mx.random.uniform(shape=edges.shape)]).tolist()
+    path, node = [], -1
+    while True:
+        remaining, rejected = 1.0, []
+        for child in children.get(node, []):
+            token = draft.tokens[child]
+            if token in rejected:  # a repeated candidate has nothing left to win
+                continue
+            if uniforms[child] * remaining < edge_probs[child]:
+                break
+            remaining -= edge_probs[child]
+            rejected.append(token)
+        else:
+            residual = p[node + 1]
+            if rejected:
+                residual = residual.at[mx.array(rejected)].multiply(0.0)
+            # Float error can leave nothing where the rejected children held all the mass.
+            residual = mx.where(residual.sum() > 0, residual, p[node + 1])
+            return path, mx.random.categorical(mx.log(residual)).item()
+        node = child
+        path.append(node)
+
+
+def max_nodes_for(model, cache, tree_nodes) -> Optional[int]:
+    """A row's ``max_nodes`` for the ``tree_nodes`` asked (0: chains, ``"auto"``, or a count):
+    None where the model cannot verify trees, which says so once."""
+    if not tree_nodes:
+        return None
+    if not supports_trees(model, cache):
+        if not model.__dict__.get("_said_no_trees"):
+            model.__dict__["_said_no_trees"] = True
+            logging.warning(
+                "draft trees: %s drafts chains (%s)", architecture(model), _why_not(cache)
+            )
+        return None
+    return 0 if tree_nodes == "auto" else int(tree_nodes)
+
+
+def _why_not(cache) -> str:
+    if not cache.takes_trees():
+        others = sorted({type(layer).__name__ for layer in layers_of(cache.layers)} - {"KVRows"})
+        return f"its cache has {', '.join(others)} layers beside attention"
+    return "its attention does not take its positions and mask from the rope and cache alone"
