@@ -192,16 +192,8 @@ def accept_tree(logits: mx.array, draft, sampling, argmax: Optional[list] = None
     edge_probs, uniforms = mx.stack([edges, mx.random.uniform(shape=edges.shape)]).tolist()
     path, node = [], -1
     while True:
-        remaining, rejected = 1.0, []
-        for child in children.get(node, []):
-            token = draft.tokens[child]
-            if token in rejected:  # a repeated candidate has nothing left to win
-                continue
-            if uniforms[child] * remaining < edge_probs[child]:
-                break
-            remaining -= edge_probs[child]
-            rejected.append(token)
-        else:
+        child, rejected = _walk(children, draft.tokens, edge_probs, uniforms, node)
+        if child is None:
             residual = p[node + 1]
             if rejected:
                 residual = residual.at[mx.array(rejected)].multiply(0.0)
@@ -210,6 +202,22 @@ def accept_tree(logits: mx.array, draft, sampling, argmax: Optional[list] = None
             return path, mx.random.categorical(mx.log(residual)).item()
         node = child
         path.append(node)
+
+
+def _walk(children: dict, tokens: list, edge_probs: list, uniforms: list, node: int) -> tuple:
+    """``(child, rejected)``: the child of ``node`` accepted (None: none) and the tokens rejected
+    before it. Child c is accepted when u * (1 - the rejected siblings' p) < p(c), which is
+    probability r(c) for r the renormalized rest of p."""
+    remaining, rejected = 1.0, []
+    for child in children.get(node, []):
+        token = tokens[child]
+        if token in rejected:  # a repeated candidate has nothing left to win
+            continue
+        if uniforms[child] * remaining < edge_probs[child]:
+            return child, rejected
+        remaining -= edge_probs[child]
+        rejected.append(token)
+    return None, rejected
 
 
 def max_nodes_for(model, cache, tree_nodes) -> Optional[int]:

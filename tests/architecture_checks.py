@@ -228,7 +228,8 @@ def tree_lookup_source(prompt: list, output: list):
 
 def check_trees(model, tree_nodes: int = 4, batch: bool = True) -> int:
     """Draft trees of ``tree_nodes`` nodes from lookup give mlx-lm's tokens, one row alone and
-    (``batch``) rows in a batch; returns how many trees were verified (0: the model drafts chains)."""
+    (``batch``) rows in a batch; returns how many trees were verified (0: the model drafts
+    chains)."""
     from batch import BatchGenerator
     from decoder import generate_step
 

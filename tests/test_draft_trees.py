@@ -1,0 +1,247 @@
+"""Draft trees (decoder/tree.py): the tree pass equals chain passes, the compaction leaves the cache
+a chain would have, greedy decoding with random trees equals plain decoding (one row and a
+batch), and SpecInfer's rule keeps the target's distribution (with a control the check rejects).
+Every attention architecture: tests/test_architectures.py."""
+
+import random
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import decoder.tree as tree
+from batch import BatchGenerator
+from decoder import Sampling, generate_step
+from decoder.cache import make_cache
+from decoder.draft import Draft, DraftSource
+from decoder.tree import accept_tree, kept_slots, layout, path_to
+from tests.architectures import build
+from tests.helpers import chi_square_p_value, tiny_llama
+
+
+@pytest.fixture(scope="module", params=["llama", "gemma3_text"])
+def model(request):
+    """Full attention, and sliding windows of 8 beside it."""
+    return build(request.param)[0]
+
+
+def plain(model, prompt: list, max_tokens: int) -> list:
+    return [t for t, _ in generate_step(prompt, model, eos_token_ids=(), max_tokens=max_tokens)]
+
+
+class RandomTrees(DraftSource):
+    """Random trees in which the true continuation (``truth``, the plain greedy text) hides
+    under any child, at any depth, beside wrong tokens."""
+
+    name = "random_trees"
+
+    def __init__(self, prompt_length: int, truth: list, seed: int):
+        self.prompt_length, self.truth, self.random = prompt_length, truth, random.Random(seed)
+
+    def propose(self, tokens, max_draft):
+        return None
+
+    def propose_tree(self, tokens, max_draft, max_nodes):
+        done = len(tokens) - self.prompt_length  # tokens of the truth emitted so far
+        tokens_out, parents, right = [], [], []
+        for node in range(self.random.randint(1, max_nodes)):
+            parent = self.random.randint(-1, node - 1)
+            if tree.depths(parents + [parent])[-1] > max_draft:
+                parent = -1
+            depth = tree.depths(parents + [parent])[-1]
+            on_truth = parent < 0 or right[parent]
+            wanted = self.truth[done + depth - 1] if done + depth - 1 < len(self.truth) else 0
+            correct = on_truth and self.random.random() < 0.5
+            token = wanted if correct else self.random.randrange(64)
+            tokens_out.append(token)
+            parents.append(parent)
+            right.append(on_truth and token == wanted)
+        return Draft(tokens_out, parents=parents)
+
+
+def test_layout_lets_each_node_see_its_ancestors_only():
+    depth, visible = layout(2, [-1, -1, 1], 6)
+    assert depth == [0, 1, 2, 2, 3, 5]
+    assert visible[3] == [True, True, False, True, False, False]  # node 1: pending and itself
+    assert visible[4] == [True, True, False, True, True, False]  # node 2: under node 1
+    assert visible[5] == [True] * 6  # padding sees what comes before it
+    assert kept_slots(2, [1, 2]) == [0, 1, 3, 4]
+
+
+def test_greedy_follows_the_child_equal_to_the_argmax():
+    logits = mx.full((5, 8), -1.0)
+    # root -> 3; node 1 (token 3) -> 5; node 3 (token 5 under node 1) -> 7
+    logits = logits.at[0, 3].add(2).at[2, 5].add(2).at[4, 7].add(2)
+    draft = Draft([4, 3, 6, 5], parents=[-1, -1, 1, 1])
+    assert accept_tree(logits, draft, Sampling()) == ([1, 3], 7)
+
+
+@settings(max_examples=6, deadline=None)
+@given(seed=st.integers(0, 10**6), length=st.integers(3, 20))
+def test_random_trees_give_plain_greedy_tokens(model, seed, length):
+    prompt = mx.random.randint(0, 64, (length,), key=mx.random.key(seed)).tolist()
+    want = plain(model, prompt, 24)
+    source = RandomTrees(len(prompt), want, seed)
+    got = [
+        t
+        for t, _ in generate_step(
+            prompt, model, eos_token_ids=(), max_tokens=24, draft_sources=[source], tree_nodes=8
+        )
+    ]
+    assert got == want
+
+
+@settings(max_examples=3, deadline=None)
+@given(seed=st.integers(0, 10**6))
+def test_random_trees_in_a_batch_give_each_row_its_plain_tokens(model, seed):
+    prompts = [
+        mx.random.randint(0, 64, (n,), key=mx.random.key(seed + n)).tolist() for n in (4, 11, 17)
+    ]
+    wants = [plain(model, p, 20) for p in prompts]
+    sources = []
+    for row, (prompt, want) in enumerate(zip(prompts, wants)):
+        sources.append([RandomTrees(len(prompt), want, seed + row)])
+    generator = BatchGenerator(model, tree_nodes=8)
+    uids = generator.insert(prompts, draft_sources=sources, max_tokens=20, logprobs=1)
+    tokens = {uid: [] for uid in uids}
+    while responses := generator.next():
+        for response in responses:
+            assert response.error is None
+            tokens[response.uid] += response.tokens
+    assert [tokens[uid] for uid in uids] == wants
+
+
+@settings(max_examples=8, deadline=None)
+@given(data=st.data())
+def test_the_compacted_cache_equals_one_that_never_drafted(model, data):
+    """A tree pass, an accepted path moved into place and the rest trimmed leave the keys and
+    values of a cache fed the prompt and the path alone."""
+    prompt = data.draw(st.lists(st.integers(0, 63), min_size=2, max_size=14))
+    size = data.draw(st.integers(1, 8))
+    parents = [data.draw(st.integers(-1, i - 1)) for i in range(size)]
+    tokens = data.draw(st.lists(st.integers(0, 63), min_size=size, max_size=size))
+    path = path_to(parents, data.draw(st.integers(-1, size - 1)))
+    drafted, never = make_cache(model), make_cache(model)
+    for cache in (drafted, never):
+        model(mx.array([prompt[:-1]]), cache=cache.layers)
+    width = 1 + size
+    drafted.prepare([width], width, [layout(1, parents, width)])
+    model(mx.array([prompt[-1:] + tokens]), cache=drafted.layers)
+    drafted.finalize()
+    drafted.compact(width, [kept_slots(1, path)])
+    drafted.rewind([width - 1 - len(path)])
+    model(mx.array([prompt[-1:] + [tokens[node] for node in path]]), cache=never.layers)
+    for mine, theirs in zip(drafted.attention, never.attention):
+        assert mine.ends[0] - mine.origins[0] == theirs.ends[0] - theirs.origins[0]
+        held = slice(mine.ends[0] - len(path) - 1, mine.ends[0])
+        same = slice(theirs.ends[0] - len(path) - 1, theirs.ends[0])
+        assert mx.allclose(mine.keys[..., held, :], theirs.keys[..., same, :], atol=1e-4)
+        assert mx.allclose(mine.values[..., held, :], theirs.values[..., same, :], atol=1e-4)
+
+
+# A tree over a 6-token vocabulary: the root's children 0, 1, 2; under 1, its children 3 and 4.
+TREE = Draft([0, 1, 2, 3, 4], parents=[-1, -1, -1, 1, 1])
+LOGITS = mx.array(np.random.default_rng(0).normal(0, 1.5, (6, 6)), mx.float32)
+
+
+def emitted_pairs(draws: int) -> tuple:
+    """Counts of the first emitted token, and of the second after token 1 (node 1)."""
+    first, after_one = np.zeros(6), np.zeros(6)
+    mx.random.seed(0)
+    for _ in range(draws):
+        path, next_token = accept_tree(LOGITS, TREE, Sampling(temp=1.0))
+        emitted = TREE.path_tokens(path) + [next_token]
+        first[emitted[0]] += 1
+        if emitted[0] == 1:
+            after_one[emitted[1]] += 1
+    return first, after_one
+
+
+def naive_walk(children, tokens, edge_probs, uniforms, node):
+    """A wrong rule: each child accepted with p(c), without renormalizing after rejections."""
+    rejected = []
+    for child in children.get(node, []):
+        if uniforms[child] < edge_probs[child]:
+            return child, rejected
+        rejected.append(tokens[child])
+    return None, rejected
+
+
+def fits(first, after_one) -> bool:
+    probs = mx.softmax(LOGITS, axis=-1)
+    # node 1 (token 1) is at position 2 of the pass
+    return (
+        chi_square_p_value(first, np.array(probs[0])) > 1e-3
+        and chi_square_p_value(after_one, np.array(probs[2])) > 1e-3
+    )
+
+
+def test_sampling_a_tree_keeps_the_target_distribution():
+    assert fits(*emitted_pairs(6000))
+
+
+def test_the_check_rejects_a_rule_that_does_not_renormalize(monkeypatch):
+    monkeypatch.setattr(tree, "_walk", naive_walk)
+    assert not fits(*emitted_pairs(6000))
+
+
+def test_sampling_with_lookup_trees_keeps_the_distribution_of_two_tokens():
+    """The whole loop: the first two tokens sampled with lookup trees (which branch) follow the
+    target's joint distribution, computed from the model."""
+    model = tiny_llama(vocab_size=16, sharp=2.0)
+    from prompt_lookup import PromptLookupSource
+
+    prompt = [1, 2, 3, 1, 2, 4, 1, 2, 5, 1, 2]
+    first = mx.softmax(model(mx.array([prompt]))[0, -1], axis=-1)
+    second = mx.softmax(model(mx.array([[*prompt, t] for t in range(16)]))[:, -1], axis=-1)
+    joint = np.array((first[:, None] * second).reshape(-1))
+    counts = np.zeros(256)
+    mx.random.seed(1)
+    for _ in range(3000):
+        source = PromptLookupSource(num_draft=2, adaptive=False)
+        pair = [
+            t
+            for t, _ in generate_step(
+                prompt,
+                model,
+                eos_token_ids=(),
+                max_tokens=2,
+                temp=1.0,
+                draft_sources=[source],
+                tree_nodes=6,
+            )
+        ]
+        counts[pair[0] * 16 + pair[1]] += 1
+    assert chi_square_p_value(counts, joint) > 1e-3
+
+
+@pytest.mark.parametrize("value", ["-1", "33", "many", "2.5"])
+def test_a_bad_tree_nodes_flag_is_one_clear_error(value):
+    import main
+    from cli import CliError
+
+    with pytest.raises(CliError, match="--tree-nodes must be auto or a count from 0 to 32"):
+        main.validate(main.build_parser().parse_args(["--tree-nodes", value]))
+
+
+def test_main_with_trees_gives_the_chain_output(embedded, tmp_path):
+    """``main.py --tree-nodes 8`` prints the text that chains (0) and plain decoding give."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    runs = {}
+    for flags in (["--tree-nodes", "8", "--prompt-lookup"], ["--tree-nodes", "0"]):
+        done = subprocess.run(
+            [sys.executable, "main.py", "--json", "--max-tokens", "48", *flags],
+            cwd=Path(__file__).resolve().parent.parent,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert done.returncode == 0, done.stderr
+        runs[flags[1]] = json.loads(done.stdout)
+    assert runs["8"]["tokens"] == runs["0"]["tokens"]
