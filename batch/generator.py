@@ -358,7 +358,7 @@ class BatchGenerator:
         choose, told each row's slot in the cache."""
         for drafter in self.drafters:
             requests = [
-                DraftRequest(source, row.tokens, row.max_draft, slot)
+                DraftRequest(source, row.tokens, row.max_draft, slot, row.max_nodes)
                 for row, slot in zip(self.rows, self.slots)
                 for source in filter(drafter.owns, row.sources)
             ]

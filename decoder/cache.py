@@ -50,6 +50,10 @@ class ExtraRows:
     def arrays(self) -> list:
         return []
 
+    def compact(self, width: int, kept: Sequence):
+        """After a tree pass (``Cache.takes_trees`` lets only ``KVRows`` layers take one)."""
+        raise NotImplementedError
+
 
 class CacheKindError(ValueError):
     """A layer cache that drafts cannot be rolled back in (the message names it)."""
@@ -215,15 +219,16 @@ class Cache:
             self.in_tree = False
 
     def takes_trees(self) -> bool:
-        """Whether every layer can take a draft tree: attention layers only (a recurrent state
-        folds every token it is fed into one, and a head's features follow chains)."""
-        return all(type(layer) is KVRows for layer in layers_of(self.layers))
+        """Whether every layer can take a draft tree: attention layers and a head's features,
+        which ``KVRows.compact`` moves alike (a recurrent state folds every token it is fed into
+        one, and a chunked layer keeps one row)."""
+        return all(isinstance(layer, KVRows) for layer in layers_of(self.layers))
 
     def compact(self, width: int, kept: Sequence[Optional[Sequence[int]]]):
         """After a tree pass ``width`` slots wide, each row's ``kept`` slots move to the front of
         the pass (``KVRows.compact``); ``rewind`` then drops the rest."""
         if any(slots is not None for slots in kept):
-            for layer in self.attention:
+            for layer in self.attention + self.extra:
                 layer.compact(width, kept)
 
     def must_restore(self, num_drafted: int, num_accepted: int) -> bool:

@@ -64,3 +64,40 @@ class AdaptiveLength:
         draft)."""
         recent = self.estimate
         return (recent.drafts + recent.accepted) / (recent.drafts + token_cost * recent.proposed)
+
+
+class Calibration:
+    """How often a drafting model's top token is accepted, by how confident it was: its top
+    probability maps to the acceptance measured for drafts of about that confidence.
+
+    A head or MTP layer can be right far more (or less) often than its probabilities say; the
+    stops and trees that read its confidence read this instead. Each bin starts at its own
+    confidence (a calibrated model needs no correction) and forgets as ``AcceptanceEstimate``
+    does, so a drafter whose accuracy drifts with the text is followed.
+    """
+
+    BINS = 10
+    PRIOR_WEIGHT = 2.0  # the starting guess counts as this many drafted tokens
+    FORGET = 0.98  # per token recorded in a bin: about the last 50 count
+
+    def __init__(self):
+        centers = [(i + 0.5) / self.BINS for i in range(self.BINS)]
+        self.accepted = [self.PRIOR_WEIGHT * c for c in centers]
+        self.drafted = [self.PRIOR_WEIGHT] * self.BINS
+
+    def _bin(self, confidence: float) -> int:
+        return min(int(confidence * self.BINS), self.BINS - 1)
+
+    def __call__(self, confidence: float) -> float:
+        """The chance a token drafted at ``confidence`` is accepted, once the one before it was."""
+        index = self._bin(confidence)
+        return self.accepted[index] / self.drafted[index]
+
+    def record(self, confidences: list, num_accepted: int):
+        """A verified draft whose tokens had ``confidences``: the first ``num_accepted`` were
+        accepted, and the one after them (if any) was the first rejected; the rest were not
+        judged."""
+        for position, confidence in enumerate(confidences[: num_accepted + 1]):
+            index = self._bin(confidence)
+            self.accepted[index] = self.FORGET * self.accepted[index] + (position < num_accepted)
+            self.drafted[index] = self.FORGET * self.drafted[index] + 1

@@ -129,7 +129,7 @@ class DraftModel(SharedDrafter):
 
     def _join(self, requests: list):
         """Prefill the rows drafting for the first time (as one batch) and merge them in."""
-        joining = [(source, tokens) for source, tokens, _, _ in requests if source not in self.rows]
+        joining = [(r.source, r.tokens) for r in requests if r.source not in self.rows]
         if not joining:
             return
         prompts = [tokens[:-1] for _, tokens in joining]
@@ -146,7 +146,7 @@ class DraftModel(SharedDrafter):
         last token where it holds them all (fed again for its logits). Only a source reset for a
         new generation may hold another text; where a sliding window dropped what it would go back
         to, its row is prefilled again."""
-        tokens_of = {id(source): tokens for source, tokens, _, _ in requests}
+        tokens_of = {id(r.source): r.tokens for r in requests}
         for source in [s for s in self.rows if s.fresh and id(s) in tokens_of]:
             row, tokens = self.rows.index(source), tokens_of[id(source)]
             common = common_prefix_len(self.texts[row][: self.counts[row]], tokens)
@@ -174,14 +174,14 @@ class DraftModel(SharedDrafter):
 
         return [len(p) for p in pending], feed
 
-    def _draw(self, logits: mx.array) -> tuple:
+    def _draw(self, logits: mx.array, trees: Optional[list] = None) -> tuple:
         """From (R, V) logits, padded or cut to the target's vocabulary."""
         size = logits.shape[-1]
         if size > self.vocab_size:
             logits = logits[:, : self.vocab_size]
         elif size < self.vocab_size:  # padding rows of the target are never proposed
             logits = mx.pad(logits, [(0, 0), (0, self.vocab_size - size)], constant_values=-mx.inf)
-        return draw_rows(logits, self.rows)
+        return draw_rows(logits, self.rows, trees)
 
     def _next(self, logits: mx.array, indices: mx.array) -> mx.array:
         return self.model(indices[:, None], cache=self.cache.layers)[:, -1]

@@ -15,29 +15,47 @@ from typing import NamedTuple, Optional
 from weakref import WeakSet
 
 import mlx.core as mx
+from mlx_lm.utils import common_prefix_len
 
 from decoder.cost import PassCost
 from decoder.draft import Draft, DraftSource
 from decoder.sampling import sampling_probs
-from speculative.adaptive import AdaptiveLength
+from decoder.tree import is_chain
+from speculative.adaptive import AdaptiveLength, Calibration
 
 
 class DraftRequest(NamedTuple):
-    """A row asking its drafter for a draft: its source, its tokens, the most it may draft and its
-    row in the target's cache (``slot``)."""
+    """A row asking its drafter for a draft: its source, its tokens, the most it may draft, its
+    row in the target's cache (``slot``) and, for a tree, its most nodes (``Row.max_nodes``: 0 as
+    many as pay; None: a chain)."""
 
     source: "SharedSource"
     tokens: list
     max_draft: int
     slot: int = 0
+    max_nodes: Optional[int] = None
 
 
-def draw_rows(logits: mx.array, sources: list) -> tuple:
+# Candidates per depth a tree considers beside the chain's token: the drafting model's next most
+# likely tokens (EAGLE-2 ranks top-k per depth the same way).
+ALTERNATIVES = 4
+# The most nodes an ``auto`` tree takes, within what a sliding layer can roll back.
+MAX_TREE_NODES = 24
+
+
+def draw_rows(logits: mx.array, sources: list, trees: Optional[list] = None) -> tuple:
     """Per row of ``logits`` (R, V): the token drawn as row r's ``sources[r]`` samples (argmax when
-    greedy), the top probability (its confidence) and q (None for greedy rows). Rows that sample
-    alike are drawn together."""
+    greedy, or where ``trees[r]``: a tree's nodes are point masses), the top probability (its
+    confidence), q (None for greedy rows) and, with ``trees``, the ``ALTERNATIVES + 1`` most
+    likely tokens and their probabilities (R, k) each. Rows that sample alike are drawn
+    together."""
     greedy = mx.softmax(logits.astype(mx.float32), axis=-1)
     tokens, confidence = mx.argmax(greedy, axis=-1), mx.max(greedy, axis=-1)
+    top = None
+    if trees is not None:
+        top_ids = mx.argsort(-greedy, axis=-1)[:, : ALTERNATIVES + 1]
+        top = (top_ids, mx.take_along_axis(greedy, top_ids, axis=-1))
+        sources = [_GREEDY if tree else source for source, tree in zip(sources, trees)]
     probs = [None] * len(sources)
     for temp, top_p in {(s.temp, s.top_p) for s in sources if s.temp > 0}:
         members = [i for i, s in enumerate(sources) if (s.temp, s.top_p) == (temp, top_p)]
@@ -47,7 +65,47 @@ def draw_rows(logits: mx.array, sources: list) -> tuple:
         confidence[index] = group.max(axis=-1)
         for position, member in enumerate(members):
             probs[member] = group[position]
-    return tokens, confidence, probs
+    return tokens, confidence, probs, top
+
+
+class _Greedy:
+    temp, top_p = 0.0, 1.0
+
+
+_GREEDY = _Greedy()
+
+
+def chain_with_alternatives(
+    chain: list, chances: list, alternatives: list, max_nodes: int, threshold: Optional[float]
+) -> tuple:
+    """``(draft, expected)``: a tree of the chain a model drafted and, at each depth, the model's
+    next most likely tokens as leaves beside it, the nodes most likely accepted first (at most
+    ``max_nodes``, each over ``threshold`` unless None); ``expected``: the tokens it is expected
+    to give, the target's own included.
+
+    Given its parent, the chain's token at depth d is accepted with ``chances[d]`` (calibrated);
+    an alternative x with ``(1 - chances[d]) * q(x) / (1 - q(top))``, the model's own
+    distribution over the rest. A node's chance is the product along its path.
+    """
+    # (chance, depth, whether an alternative, token): every node the tree could take
+    nodes, reach = [], 1.0
+    for depth, (token, chance, top) in enumerate(zip(chain, chances, alternatives)):
+        rest = max(1.0 - top[0][1], 1e-9)  # the model's mass beside its top token
+        for other, q in top[1:]:
+            nodes.append((reach * (1 - chance) * q / rest, depth, True, other))
+        reach *= chance
+        nodes.append((reach, depth, False, token))
+    # Best first; a node's chance never exceeds its parent's, and on a tie the parent is
+    # shallower, so the nodes taken always hold their parents.
+    taken = sorted(nodes, key=lambda node: (-node[0], node[1], node[2]))[:max_nodes]
+    taken = [node for node in taken if threshold is None or node[0] > threshold]
+    chain_taken = sorted(depth for _, depth, alternative, _ in taken if not alternative)
+    leaves = [node for node in taken if node[2]]
+    # chain node d is node d; a leaf at depth d hangs under chain node d - 1
+    tokens = [chain[depth] for depth in chain_taken] + [node[3] for node in leaves]
+    parents = [depth - 1 for depth in chain_taken] + [node[1] - 1 for node in leaves]
+    expected = 1 + sum(node[0] for node in taken)
+    return Draft(tokens, parents=parents), expected
 
 
 class SharedSource(DraftSource):
@@ -69,6 +127,8 @@ class SharedSource(DraftSource):
         super().reset(cost, temp, top_p)
         self.length.reset()
         self.draft, self.drafted = None, False  # from the last draft_all, until proposed
+        self.offered = None  # (len(tokens), chain, confidences) of the last draft
+        self.offered_tree = False  # whether it went out as a tree
         self.fresh = True
 
     def token_cost(self) -> float:
@@ -79,14 +139,29 @@ class SharedSource(DraftSource):
         return self.length.expected_speedup(self.token_cost()) if self.length.enabled else None
 
     def propose(self, tokens: list, max_draft: int) -> Optional[Draft]:
+        return self.propose_tree(tokens, max_draft, None)
+
+    def propose_tree(self, tokens: list, max_draft: int, max_nodes) -> Optional[Draft]:
+        """What the drafter drafted for this row: a chain, or with ``max_nodes`` (0: as many as
+        pay) the chain and the drafting model's alternatives beside it
+        (``chain_with_alternatives``)."""
         if not self.drafted:  # alone: no batch drafted for this row before it was asked
-            self.drafter.draft_alone(DraftRequest(self, tokens, max_draft), self.cost)
+            request = DraftRequest(self, tokens, max_draft, max_nodes=max_nodes)
+            self.drafter.draft_alone(request, self.cost)
         draft, self.draft, self.drafted = self.draft, None, False
         if draft is None or max_draft <= 0:
             return None
-        return draft.truncate(max_draft)
+        return draft if draft.parents is not None else draft.truncate(max_draft)
 
     def update(self, tokens: list, num_proposed: int, num_accepted: int):
+        offered, self.offered = self.offered, None
+        if offered is not None:  # the chain as if verified alone, for the calibration
+            start, chain, confidences = offered
+            agreed = common_prefix_len(chain, tokens[start:])
+            judged = min(agreed + 1, len(chain), len(tokens) - start)
+            self.drafter.calibration.record(confidences[:judged], agreed)
+            if num_proposed and self.offered_tree:  # a tree: its chain sets the length
+                num_proposed, num_accepted = len(chain), agreed
         self.length.record(num_proposed, num_accepted)
 
 
@@ -115,6 +190,7 @@ class SharedDrafter:
         self.rows = []  # the sources of the rows its cache holds, in cache order
         self.cache = None
         self.sources = WeakSet()  # every source it made
+        self.calibration = Calibration()  # its top probability against the acceptance measured
 
     def source(self) -> SharedSource:
         """A source for one row's ``draft_sources``."""
@@ -172,8 +248,9 @@ class SharedDrafter:
         for source in self.rows:  # last step's untaken drafts are stale
             source.draft = None
         self._join(requests)
+        request_tokens = {id(request.source): request.tokens for request in requests}
         lengths = {}
-        for source, tokens, max_draft, _ in requests:
+        for source, tokens, max_draft, *_ in requests:
             source.drafted = True
             if max_draft > 0 and len(tokens) >= self.min_tokens:
                 # next_length counts a paused step, so it is asked once per step
@@ -187,11 +264,40 @@ class SharedDrafter:
             return
         last = self._catch_up(counts, feed)
         lengths = [lengths.get(id(s), 0) if n else 0 for s, n in zip(self.rows, counts)]
-        drafts, positions = self._chain(last, lengths)
+        nodes = {id(request.source): request.max_nodes for request in requests}
+        trees = [nodes.get(id(source)) is not None for source in self.rows]
+        drafts, positions = self._chain(last, lengths, trees)
         cost.record_draft(f"{self.source_class.name} position", cost.clock() - tic, positions)
-        for source, (tokens, rows) in zip(self.rows, drafts):
-            if tokens:
+        for source, tree, (tokens, rows, confidences, alternatives) in zip(
+            self.rows, trees, drafts
+        ):
+            if not tokens:
+                continue
+            source.offered = (len(request_tokens[id(source)]), tokens, confidences)
+            source.offered_tree = tree
+            if tree:
+                source.draft = self._tree(source, tokens, confidences, alternatives, nodes)
+            else:
                 source.draft = Draft(tokens, None if source.temp == 0 else self._q(rows))
+
+    def _tree(self, source, chain: list, confidences: list, alternatives: list, nodes: dict):
+        """A row's tree: its chain and the alternatives beside it (``chain_with_alternatives``),
+        the ones whose chance pays for verifying them when adaptive. Alternatives cost no draft
+        call, only their share of the pass."""
+        max_nodes = nodes[id(source)] or min(2 * source.length.max_draft, MAX_TREE_NODES)
+        threshold = source.cost.token_cost(self.batch_rows) if source.length.enabled else None
+        chances = [self.calibration(confidence) for confidence in confidences]
+        draft, expected = chain_with_alternatives(
+            chain, chances, alternatives, max_nodes, threshold
+        )
+        if not draft.tokens:  # nothing pays but the chain's first token, drafted to probe
+            draft = Draft(chain[:1])
+        if is_chain(draft.parents):  # a chain verifies without a tree's mask
+            draft.parents = None
+        draft.expected_speedup = expected / source.cost.relative(
+            1 + len(draft.tokens), self.batch_rows
+        )
+        return draft
 
     def _join(self, requests: list):
         """Before drafting (untimed): rows asking for the first time may join here."""
@@ -203,8 +309,9 @@ class SharedDrafter:
         ``[start, start + counts[r])`` of each row's, right-padded to ``width``."""
         raise NotImplementedError
 
-    def _draw(self, last: mx.array) -> tuple:
-        """``draw_rows`` from each row's last output (R, ...): token indices, confidence, q."""
+    def _draw(self, last: mx.array, trees: Optional[list] = None) -> tuple:
+        """``draw_rows`` from each row's last output (R, ...): token indices, confidence, q and,
+        for ``trees``, the top tokens."""
         raise NotImplementedError
 
     def _next(self, last: mx.array, indices: mx.array) -> mx.array:
@@ -237,29 +344,37 @@ class SharedDrafter:
             last = step if last is None else mx.where(has, step, last)
         return last
 
-    def _chain(self, last: mx.array, lengths: list) -> tuple:
+    def _chain(self, last: mx.array, lengths: list, trees: list) -> tuple:
         """Draft up to ``lengths[r]`` tokens per row, one call per position for all rows; returns
-        per row ``(tokens, q rows)`` and the positions drafted. After it every row's cache holds
-        what it held before. One sync per position: the stops need the values, the next call the
-        tokens."""
-        drafts = [([], []) for _ in self.rows]
+        per row ``(tokens, q rows, confidences, alternatives)`` and the positions drafted; a row
+        with ``trees[r]`` drafts its chain greedily and keeps each position's ``ALTERNATIVES``
+        (``(token, q)``, the top one first). After it every row's cache holds what it held before.
+        One sync per position: the stops need the values, the next call the tokens."""
+        drafts = [([], [], [], []) for _ in self.rows]
         alive, path = [n > 0 for n in lengths], [1.0] * len(self.rows)
         stops = [self._path_stop(s) if n else 0.0 for s, n in zip(self.rows, lengths)]
+        tree_rows = trees if any(trees) else None
         fed = 0
         for position in range(max(lengths)):
-            indices, confidence, probs = self._draw(last)
-            mx.eval(indices, confidence)
+            indices, confidence, probs, top = self._draw(last, tree_rows)
+            mx.eval(indices, confidence, top)
             index_list, confidence_list = self._tokens(indices.tolist()), confidence.tolist()
-            for row, (tokens, rows) in enumerate(drafts):
+            if top is not None:
+                top_tokens = [self._tokens(ids) for ids in top[0].tolist()]
+                top = [list(zip(ids, q)) for ids, q in zip(top_tokens, top[1].tolist())]
+            for row, (tokens, rows, confidences, alternatives) in enumerate(drafts):
                 # The top probability, not the drawn token's: whether to draft position i must
                 # not depend on the token drawn there, or sampling would no longer be exact.
-                path[row] *= confidence_list[row]
+                chance = self.calibration(confidence_list[row])
+                path[row] *= chance
                 low = confidence_list[row] < self.min_confidence or path[row] < stops[row]
                 if position >= lengths[row] or (position and low):
                     alive[row] = False
                 if alive[row]:
                     tokens.append(index_list[row])
                     rows.append(probs[row])
+                    confidences.append(confidence_list[row])
+                    alternatives.append(top[row] if trees[row] else None)
             if position + 1 == max(lengths) or not any(alive):
                 break
             last = self._next(last, indices)

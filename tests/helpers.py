@@ -98,11 +98,11 @@ def chi_square_p_value(counts, probs):
 
 
 def assert_sampling_keeps_the_target_distribution(
-    target, make_run, temp, top_p, runs=2000, stats=None
+    target, make_run, temp, top_p, runs=2000, stats=None, tree_nodes=0
 ):
     """Sample two tokens ``runs`` times through the loop and chi-square them against the target's
     own joint distribution. ``make_run() -> (model, draft_sources)`` builds fresh sources per run;
-    ``stats`` collects the runs' decoding statistics."""
+    ``stats`` collects the runs' decoding statistics; ``tree_nodes``: the loop's."""
     import numpy as np
 
     from decoder import DecodingStats, generate_step, sampling_probs
@@ -129,6 +129,7 @@ def assert_sampling_keeps_the_target_distribution(
                 eos_token_ids=(),
                 max_tokens=2,
                 stats=stats,
+                tree_nodes=tree_nodes,
             )
         ]
         counts[out[0] * vocab + out[1]] += 1

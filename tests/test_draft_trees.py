@@ -18,7 +18,7 @@ from decoder.cache import make_cache
 from decoder.draft import Draft, DraftSource
 from decoder.tree import accept_tree, kept_slots, layout, path_to
 from tests.architectures import build
-from tests.helpers import chi_square_p_value, tiny_llama
+from tests.helpers import chi_square_p_value, tiny_byte_tokenizer, tiny_llama
 
 
 @pytest.fixture(scope="module", params=["llama", "gemma3_text"])
@@ -245,3 +245,124 @@ def test_main_with_trees_gives_the_chain_output(embedded, tmp_path):
         assert done.returncode == 0, done.stderr
         runs[flags[1]] = json.loads(done.stdout)
     assert runs["8"]["tokens"] == runs["0"]["tokens"]
+
+
+def test_calibration_follows_the_acceptance_measured():
+    from speculative.adaptive import Calibration
+
+    calibration = Calibration()
+    assert calibration(0.35) == pytest.approx(0.35)  # a calibrated model needs no correction
+    for _ in range(200):
+        calibration.record([0.3, 0.32, 0.31], 3)  # unconfident, and always right
+    assert calibration(0.3) > 0.95
+    for _ in range(200):
+        calibration.record([0.9, 0.9], 0)  # confident, and wrong: the second is not judged
+    assert calibration(0.9) < 0.05
+
+
+class Clocked:
+    """The model under a simulated clock: each pass takes ``1 + per_token * (width - 1)`` and
+    drafting takes nothing, so the policy's choices do not depend on this machine's timings."""
+
+    def __init__(self, model, per_token: float):
+        self.model, self.per_token, self.now = model, per_token, 0.0
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+    def clock(self) -> float:
+        return self.now
+
+    def __call__(self, inputs, cache=None):
+        self.now += 1 + self.per_token * (inputs.shape[1] - 1)
+        return self.model(inputs, cache=cache)
+
+
+def mtp_run(path, target, calibrated: bool, tree_nodes=0, **options) -> tuple:
+    """``(tokens, passes per token)`` of an MTP layer that predicts the target exactly but says
+    it is sure of only a fifth of its top token."""
+    from decoder import DecodingStats
+    from decoder.cost import PassCost
+    from speculative.mtp_source import MTPDrafter
+
+    tap, drafter = MTPDrafter.create(target, path, **options)
+    draw = drafter._draw
+
+    def unconfident(last, trees=None):
+        tokens, confidence, probs, top = draw(last, trees)
+        return tokens, confidence * 0.2, probs, top
+
+    drafter._draw = unconfident
+    if not calibrated:
+        drafter.calibration = lambda confidence: confidence
+        drafter.calibration.record = lambda *args: None
+    model, stats = Clocked(tap, per_token=0.05), DecodingStats()
+    tokens = [
+        t
+        for t, _ in generate_step(
+            [5, 7, 11],
+            model,
+            eos_token_ids=(),
+            max_tokens=120,
+            draft_sources=[drafter.source()],
+            stats=stats,
+            pass_cost=PassCost(clock=model.clock),
+            tree_nodes=tree_nodes,
+        )
+    ]
+    return tokens, stats.target_forward_passes / len(tokens)
+
+
+@pytest.fixture(scope="module")
+def exact_mtp(tmp_path_factory):
+    from tests.mtp_fixtures import write_checkpoint
+    from tests.test_mtp import load
+
+    path = tmp_path_factory.mktemp("exact_mtp")
+    write_checkpoint(path, "deepseek_v3", seed=2, exact=True, tokenizer=tiny_byte_tokenizer())
+    return path, load(path)
+
+
+def test_calibration_lets_an_unconfident_but_right_mtp_layer_draft_long(exact_mtp):
+    """The issue's example: uncalibrated, the confidence stop keeps one token per pass (0.50
+    passes per token); calibrated against what is accepted, it drafts as a fixed length of 3
+    does, or longer."""
+    path, target = exact_mtp
+    plain_tokens = plain(target, [5, 7, 11], 120)
+    raw, raw_passes = mtp_run(path, target, calibrated=False)
+    tokens, passes = mtp_run(path, target, calibrated=True)
+    fixed, fixed_passes = mtp_run(path, target, True, num_draft=3, adaptive=False)
+    assert raw == tokens == fixed == plain_tokens
+    assert raw_passes > 0.45 and passes <= fixed_passes + 0.02, (raw_passes, passes, fixed_passes)
+
+
+@pytest.mark.parametrize("tree_nodes", ["auto", 6])
+def test_mtp_trees_give_plain_tokens(exact_mtp, tree_nodes):
+    path, target = exact_mtp
+    tokens, _ = mtp_run(path, target, True, tree_nodes=tree_nodes)
+    assert tokens == plain(target, [5, 7, 11], 120)
+
+
+def test_sampling_with_mtp_trees_keeps_the_target_distribution(tmp_path):
+    from loading.target import load_mlx_lm
+    from speculative.mtp_source import MTPDrafter
+    from tests.helpers import assert_sampling_keeps_the_target_distribution
+    from tests.mtp_fixtures import write_checkpoint
+
+    write_checkpoint(tmp_path, "deepseek_v3", seed=4, vocab_size=8, tokenizer=tiny_byte_tokenizer())
+    target, _, _ = load_mlx_lm(tmp_path)
+    tap, drafter = MTPDrafter.create(target, tmp_path, num_draft=2, adaptive=False)
+    source = drafter.source()
+    trees = []
+    propose_tree = source.propose_tree
+
+    def counted(*args):
+        draft = propose_tree(*args)
+        trees.append(draft is not None and draft.parents is not None)
+        return draft
+
+    source.propose_tree = counted
+    assert_sampling_keeps_the_target_distribution(
+        target, lambda: (tap, [source]), 1.0, 1.0, runs=1500, tree_nodes=4
+    )
+    assert any(trees)
