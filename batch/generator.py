@@ -31,7 +31,7 @@ import mlx.core as mx
 from batch.cache import probe
 from batch.logprobs import token_logprobs
 from batch.policy import DraftGate, choose_width, prefill_group
-from batch.row import BatchRow, RowResponse
+from batch.row import BatchRow, RowResponse, check_row, per_row_values
 from batch.verify import accept, score
 from decoder.cache import make_cache
 from decoder.cost import PassCost
@@ -80,29 +80,6 @@ class BatchStats:
         }
 
 
-def _per_row(name: str, value, count: int) -> list:
-    if isinstance(value, (list, tuple)):
-        if len(value) != count:
-            raise ValueError(
-                f"{name} has {len(value)} entries for {count} prompts: "
-                "give one value or one per prompt"
-            )
-        return list(value)
-    return [value] * count
-
-
-def _check_row(prompt: list, options: dict):
-    """Refuse a row's bad options in one sentence."""
-    if len(prompt) == 0:
-        raise ValueError("a prompt is empty: give at least one token")
-    if options["max_tokens"] < 1:
-        raise ValueError(f"max_tokens must be at least 1, got {options['max_tokens']}")
-    options["sampling"].check()
-    logprobs = options["logprobs"]
-    if logprobs is not None and logprobs < 0:
-        raise ValueError(f"logprobs must be None or >= 0 (top tokens per position), got {logprobs}")
-
-
 class BatchGenerator:
     """Continuous batching with every draft source and constraint, one row per sequence.
 
@@ -122,6 +99,8 @@ class BatchGenerator:
             ``DraftModel``, ``HeadDrafter``, ``MTPDrafter``), whose ``source()`` rows hold: each
             drafts for all its rows in one call per step. A source of one not given here drafts
             for its row alone.
+        tree_nodes: rows draft trees of at most this many nodes, ``"auto"`` as many as pay, 0
+            chains (``decoder.tree``; a model that cannot verify trees drafts chains).
     """
 
     def __init__(
@@ -140,7 +119,6 @@ class BatchGenerator:
         tree_nodes: Union[int, str] = 0,
     ):
         self.model, self.drafters = model, list(drafters)
-        # Each row drafts trees of at most this many nodes (``decoder.tree``), where it can.
         self.max_nodes = max_nodes_for(model, make_cache(model), tree_nodes)
         self.eos_token_ids = set(eos_token_ids)
         self.prefill_step_size, self.prefill_batch_size = prefill_step_size, prefill_batch_size
@@ -205,16 +183,16 @@ class BatchGenerator:
             raise ValueError(f"draft_sources needs one list of sources per prompt ({count} lists)")
         names = ("constraint", "sampler", "max_tokens", "logprobs")
         values = (constraint, sampler, max_tokens, logprobs)
-        options = [_per_row(name, value, count) for name, value in zip(names, values)]
+        options = [per_row_values(name, value, count) for name, value in zip(names, values)]
         settings = (temp, top_p, min_p, min_tokens_to_keep, top_k, xtc_probability, xtc_threshold)
-        per_row = [_per_row(name, value, count) for name, value in zip(SAMPLING, settings)]
+        per_row = [per_row_values(name, value, count) for name, value in zip(SAMPLING, settings)]
         names += ("sampling", "logits_processors")
         options.append([Sampling(*row, tuple(xtc_special_tokens)) for row in zip(*per_row)])
         options.append([list(p) for p in processors])
         options.append(
             [None] * count
             if prompt_cache is None
-            else _per_row("prompt_cache", prompt_cache, count)
+            else per_row_values("prompt_cache", prompt_cache, count)
         )
         eos = self.eos_token_ids if eos_token_ids is None else set(eos_token_ids)
         owned = [
@@ -226,7 +204,7 @@ class BatchGenerator:
         rows = []
         for prompt, sources, *row_options in zip(prompts, draft_sources, *options):
             row_options = dict(zip(names + ("prompt_cache",), row_options))
-            _check_row(prompt, row_options)
+            check_row(prompt, row_options)
             for stateful in list(sources) + [row_options["constraint"]]:
                 if stateful is not None and id(stateful) in owned:
                     raise ValueError(
@@ -455,12 +433,10 @@ class BatchGenerator:
         restored, kept = [], [None] * cache.rows
         for row, draft, slot, result in zip(self.rows, drafts, self.slots, results):
             if not isinstance(result, Exception):
-                kept[slot] = row.kept(draft)
-        cache.compact(pass_width, kept)
-        for row, draft, slot, result in zip(self.rows, drafts, self.slots, results):
-            if not isinstance(result, Exception):
+                kept[slot] = row.kept(draft)  # a tree's path, moved into place before the trim
                 trims[slot], restore = row.commit(cache, pass_width, len(draft.tokens), result[0])
                 restored += [slot] if restore else []
+        cache.compact(pass_width, kept)
         cache.rewind(trims, restored)
 
     def _emit(

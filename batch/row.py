@@ -47,3 +47,27 @@ class BatchRow(Row):
         return RowResponse(
             self.uid, [], [], "error", f"{type(error).__name__}: {message}", self.stats
         )
+
+
+def per_row_values(name: str, value, count: int) -> list:
+    """``value`` for each of ``count`` rows: one for all, or a list with one per row."""
+    if isinstance(value, (list, tuple)):
+        if len(value) != count:
+            raise ValueError(
+                f"{name} has {len(value)} entries for {count} prompts: "
+                "give one value or one per prompt"
+            )
+        return list(value)
+    return [value] * count
+
+
+def check_row(prompt: list, options: dict):
+    """Refuse a row's bad options in one sentence."""
+    if len(prompt) == 0:
+        raise ValueError("a prompt is empty: give at least one token")
+    if options["max_tokens"] < 1:
+        raise ValueError(f"max_tokens must be at least 1, got {options['max_tokens']}")
+    options["sampling"].check()
+    logprobs = options["logprobs"]
+    if logprobs is not None and logprobs < 0:
+        raise ValueError(f"logprobs must be None or >= 0 (top tokens per position), got {logprobs}")

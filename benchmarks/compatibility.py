@@ -12,7 +12,9 @@ per architecture, grouped by the kinds of cache its ``make_cache()`` gives. A ce
 - pass: the tokens equal mlx-lm's own greedy tokens (and drafts were accepted and rejected);
 - FAIL: other tokens (the first difference), or a crash (the exception, and the file it came from);
 - refused: the engine declined with an error of its own (its one line);
-- ``-`` (MTP only): the architecture's checkpoints ship no MTP layers that speculative/mtp.py reads.
+- ``-`` (MTP only): the architecture's checkpoints ship no MTP layers that speculative/mtp.py reads;
+- trees: pass (trees) where lookup's draft trees are verified, pass (chains) where the model drafts
+  chains under ``tree_nodes`` (decoder/tree.py says why, in one log line).
 
 A second table lists each model's caches, layer by layer, and the masks its forward pass asks them
 for. main.py's start for each model takes the longest (benchmarks/results/figures.md); ``--no-main``
@@ -48,6 +50,7 @@ COLUMNS = [
     "batch + lookup",
     "4-bit",
     "8-bit",
+    "trees",
     "MTP",
     "main.py",
 ]
@@ -74,6 +77,15 @@ def outcome(check) -> str:
         if where.is_relative_to(ROOT) and not installed and isinstance(error, ValueError):
             return f"refused: {short(error)}"  # how this toolkit says it cannot do something
         return f"FAIL: {type(error).__name__} in {origin(where)}: {short(error, 70)}"
+
+
+def tree_outcome(model) -> str:
+    """The trees cell: pass (trees) or pass (chains), or the check's FAIL or refusal."""
+    trees = []
+    result = outcome(lambda: trees.append(checks.check_trees(model)))
+    if result != "pass":
+        return result
+    return "pass (trees)" if trees[0] else "pass (chains)"
 
 
 def origin(path: Path) -> str:
@@ -111,6 +123,7 @@ def run_row(name: str, smollm2_tokenizer, with_main: bool) -> tuple:
             lambda: checks.check_quantized(model, config, bits=8),
         )
     ]
+    cells.append(tree_outcome(model))
     model_type = config["model_type"]
     cells.append(
         outcome(lambda: checks.check_mtp(model_type)) if model_type in MTP_ARCHITECTURES else NO_MTP
@@ -143,12 +156,40 @@ def caches_text(caches: list) -> str:
     return ", ".join(d if count == 1 else f"{d} x {count}" for d, count in runs)
 
 
+# What the table's checks are, under its title.
+CHECKS_TEXT = [
+    "Each architecture is a tiny random model (tests/architectures.py: its mlx-lm `ModelArgs` "
+    "at toy sizes, SmolLM2's tokenizer, sliding windows and attention chunks of 8 tokens, "
+    "hybrid stacks with both attention and recurrent layers). Each check "
+    "(tests/architecture_checks.py) decodes past the windows and compares with mlx-lm's own "
+    "greedy tokens: plain decoding; prompt lookup copying from a near-copy of the output "
+    "(drafts accepted and rejected); a regex with forced text and lookup against the "
+    "constraint alone; a batch of four rows of different lengths, each against its prompt "
+    "alone, without and with lookup; 4- and 8-bit (mlx-lm's quantization, group 64), plain and "
+    "lookup; lookup drafting trees of 4 nodes from two near-copies of the output, one row "
+    "and a batch of three (docs/draft_trees.md): **pass (trees)** where trees were verified, "
+    "**pass (chains)** where the model drafts chains instead; "
+    "`main.py --model DIR --json --prompt-lookup` on the saved model.",
+    "",
+    "**MTP**: for the architectures whose MTP layers we read "
+    f"({', '.join(MTP_ARCHITECTURES)}), greedy decoding with `MTPSource` drafts gives mlx-lm's "
+    "greedy tokens, with drafts accepted and rejected, on a tiny checkpoint with MTP weights "
+    "in the Hugging Face layout (tests/mtp_fixtures.py, whose MTP layer is right often, not "
+    f"always); **{NO_MTP}**: the architecture ships no MTP layers that we read.",
+    "",
+    "**pass**: mlx-lm's tokens. **FAIL**: other tokens (the first difference) or a crash "
+    "(where it came from). **refused**: the engine declined, in its own words.",
+    "",
+]
+
+
 def write_table(rows: dict, command: str) -> str:
     families = {}
     for name, (family, caches, cells) in rows.items():
         families.setdefault(family, []).append((name, caches, cells))
     passed = sum(
-        all(c in ("pass", NO_MTP, "not run") for c in cells) for _, _, cells in rows.values()
+        all(c in ("pass", NO_MTP, "not run") or c.startswith("pass (") for c in cells)
+        for _, _, cells in rows.values()
     )
     lines = [
         "# Compatibility: mlx-lm architectures x features",
@@ -156,25 +197,7 @@ def write_table(rows: dict, command: str) -> str:
         f"Written by `{command}` (do not edit by hand): mlx-lm {mlx_lm.__version__}, mlx "
         f"{mx.__version__}, {'Metal GPU' if mx.metal.is_available() else 'CPU'}.",
         "",
-        "Each architecture is a tiny random model (tests/architectures.py: its mlx-lm `ModelArgs` "
-        "at toy sizes, SmolLM2's tokenizer, sliding windows and attention chunks of 8 tokens, "
-        "hybrid stacks with both attention and recurrent layers). Each check "
-        "(tests/architecture_checks.py) decodes past the windows and compares with mlx-lm's own "
-        "greedy tokens: plain decoding; prompt lookup copying from a near-copy of the output "
-        "(drafts accepted and rejected); a regex with forced text and lookup against the "
-        "constraint alone; a batch of four rows of different lengths, each against its prompt "
-        "alone, without and with lookup; 4- and 8-bit (mlx-lm's quantization, group 64), plain and "
-        "lookup; `main.py --model DIR --json --prompt-lookup` on the saved model.",
-        "",
-        "**MTP**: for the architectures whose MTP layers we read "
-        f"({', '.join(MTP_ARCHITECTURES)}), greedy decoding with `MTPSource` drafts gives mlx-lm's "
-        "greedy tokens, with drafts accepted and rejected, on a tiny checkpoint with MTP weights "
-        "in the Hugging Face layout (tests/mtp_fixtures.py, whose MTP layer is right often, not "
-        f"always); **{NO_MTP}**: the architecture ships no MTP layers that we read.",
-        "",
-        "**pass**: mlx-lm's tokens. **FAIL**: other tokens (the first difference) or a crash "
-        "(where it came from). **refused**: the engine declined, in its own words.",
-        "",
+        *CHECKS_TEXT,
         f"{passed} of {len(rows)} architectures pass everything.",
         "",
     ]

@@ -19,7 +19,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from batch import BatchGenerator
-from benchmarks.harness import first_prompts, load_prompts, median_ms, time_loop
+from benchmarks.harness import first_prompts, heldout_prompts, load_prompts, median_ms, time_loop
 from decoder.cache import make_cache
 from decoder.text import eos_ids_of
 from decoder.tree import layout, supports_trees
@@ -35,6 +35,7 @@ def parse_args():
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--budget", type=int, default=8, help="N, the fixed node budget")
+    parser.add_argument("--chat-prompts", type=int, default=6, help="held-out chat prompts")
     return parser.parse_args()
 
 
@@ -81,6 +82,75 @@ def one_row(model, tokenizer, args) -> list:
         (kind, name, tokens, passes / tokens, tokens / seconds, peak)
         for (kind, name), (tokens, passes, seconds, peak) in table.items()
     ]
+
+
+def head_chat(model, tokenizer, args) -> list:
+    """Rows of (method, tokens, passes per token, tok/s, peak GB) on held-out chat: the shipped
+    draft head alone and after history lookup (its seed store), as chains and as trees."""
+    from prompt_lookup.history import HistoryLookupSource, load_history
+    from speculative.head import SHIPPED_HEAD
+    from speculative.head_source import HeadDrafter
+
+    eos, seed = eos_ids_of(tokenizer), load_history(SHIPPED_HEAD / "history.npz")
+    tap, drafter = HeadDrafter.create(model)
+    head = drafter.source()
+    runs = {
+        "draft head": lambda: [head],
+        "history (seed) + head": lambda: [HistoryLookupSource(seed), head],
+    }
+    table = {}
+    for _ in range(args.rounds):
+        for _, prompt in heldout_prompts(tokenizer)[: args.chat_prompts]:
+            want = None
+            for name, sources in runs.items():
+                for shape, tree_nodes in (("chains", 0), ("trees, auto", "auto")):
+                    run = time_loop(
+                        tap,
+                        prompt,
+                        args.max_tokens,
+                        eos,
+                        draft_sources=sources(),
+                        tree_nodes=tree_nodes,
+                    )
+                    want = run.tokens if want is None else want
+                    if run.tokens != want:
+                        raise SystemExit(f"{name} ({shape}) differs on a chat prompt")
+                    total = table.setdefault(f"{name}, {shape}", [0, 0, 0.0, 0.0])
+                    total[0] += len(run.tokens)
+                    total[1] += run.forward_passes
+                    total[2] += run.decode_time
+                    total[3] = max(total[3], run.peak_memory_gb)
+    return [(n, t, p / t, t / s, g) for n, (t, p, s, g) in table.items()]
+
+
+def mtp_tiny(args) -> list:
+    """Rows of (method, tokens, passes per token, tok/s) for the MTP layer of a tiny random
+    DeepSeek-V3 checkpoint whose MTP layer is right often, not always (tests/mtp_fixtures.py)."""
+    import tempfile
+
+    from loading.target import load_mlx_lm
+    from speculative.mtp_source import MTPDrafter
+    from tests.helpers import tiny_byte_tokenizer
+    from tests.mtp_fixtures import write_checkpoint
+
+    path = Path(tempfile.mkdtemp())
+    write_checkpoint(
+        path, "deepseek_v3", seed=1, exact=True, noise=0.08, tokenizer=tiny_byte_tokenizer()
+    )
+    target = load_mlx_lm(path)[0]
+    table = {}
+    for _ in range(args.rounds):
+        for prompt in ([5, 6, 7, 8], [1, 2], list(range(2, 30, 3))):
+            for shape, tree_nodes in (("chains", 0), ("trees, auto", "auto"), ("trees of 8", 8)):
+                tap, drafter = MTPDrafter.create(target, path)
+                run = time_loop(
+                    tap, prompt, 120, (), draft_sources=[drafter.source()], tree_nodes=tree_nodes
+                )
+                total = table.setdefault(shape, [0, 0, 0.0])
+                total[0] += len(run.tokens)
+                total[1] += run.forward_passes
+                total[2] += run.decode_time
+    return [(n, t, p / t, t / s) for n, (t, p, s) in table.items()]
 
 
 def batch_of_8(model, tokenizer, args) -> list:
@@ -147,13 +217,15 @@ def main():
     curve = pass_curve(model)
     rows = one_row(model, tokenizer, args)
     batch = batch_of_8(model, tokenizer, args)
+    chat = head_chat(model, tokenizer, args)
+    mtp = mtp_tiny(args)
     dtype = str(model.model.embed_tokens.weight.dtype).removeprefix("mlx.core.")
     lines = [
         "# Draft trees (issue #51)",
         "",
         "Command: `flock /tmp/mlxdec-test.lock .venv/bin/python -m benchmarks.draft_trees "
         f"--prompts {args.prompts} --max-tokens {args.max_tokens} --rounds {args.rounds} "
-        f"--budget {args.budget}`",
+        f"--budget {args.budget} --chat-prompts {args.chat_prompts}`",
         "",
         f"Embedded SmolLM2-135M-Instruct ({dtype}), greedy, a 2-core Linux CPU (shared), "
         "decoding time only (prefill apart). Every output equals plain decoding.",
@@ -168,6 +240,28 @@ def main():
             f"| {k} | {n} | {t} | {p:.3f} | {r:.1f} | {g:.2f} |"
             for k, n, t, p, r, g in sorted(rows, key=lambda row: row[0], reverse=True)
         ),
+        "",
+        "## The draft head on held-out chat",
+        "",
+        f"The shipped head, alone and after history lookup (its seed store), "
+        f"{args.chat_prompts} prompts of benchmarks/heldout/chat.txt; trees are its chain and "
+        "each depth's next most likely tokens (docs/draft_trees.md). Every output equals the "
+        "first method's.",
+        "",
+        "| method | tokens | passes/token | tok/s | peak GB |",
+        "|---|---:|---:|---:|---:|",
+        *(f"| {n} | {t} | {p:.3f} | {r:.1f} | {g:.2f} |" for n, t, p, r, g in chat),
+        "",
+        "## MTP",
+        "",
+        "No model with MTP layers runs here: a tiny random DeepSeek-V3 checkpoint whose MTP "
+        "layer is right often, not always (tests/mtp_fixtures.py, noise 0.08), three prompts of "
+        "120 tokens. Its tok/s says little (the tiny MTP layer costs about what the tiny target "
+        "does); passes per token is the figure.",
+        "",
+        "| method | tokens | passes/token | tok/s |",
+        "|---|---:|---:|---:|",
+        *(f"| {n} | {t} | {p:.3f} | {r:.1f} |" for n, t, p, r in mtp),
         "",
         "## 8 rows at once",
         "",

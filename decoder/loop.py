@@ -98,21 +98,13 @@ def generate_step(
         ``TARGET`` for tokens the target chose itself.
     """
     cache, cached = _open_cache(model, prompt, prompt_cache)
+    settings = (temp, top_p, min_p, min_tokens_to_keep, top_k, xtc_probability, xtc_threshold)
     row = Row(
         prompt,
         eos_token_ids=eos_token_ids,
         draft_sources=draft_sources,
         constraint=constraint,
-        sampling=Sampling(
-            temp,
-            top_p,
-            min_p,
-            min_tokens_to_keep,
-            top_k,
-            xtc_probability,
-            xtc_threshold,
-            tuple(xtc_special_tokens),
-        ),
+        sampling=Sampling(*settings, tuple(xtc_special_tokens)),
         logits_processors=logits_processors,
         sampler=sampler,
         max_tokens=max_tokens,

@@ -1,20 +1,9 @@
-"""Draft trees: several candidate continuations of one row, verified in one pass of the target
-(SpecInfer, Miao et al., 2023; EAGLE-2, Li et al., 2024), on any attention model mlx-lm builds.
-
-A tree is a draft whose tokens each name a parent (``Draft.parents``: -1 for a child of the last
-token the row holds, else an earlier index), so a chain is the tree ``[-1, 0, 1, ...]``. One pass
-scores every node once it sees only its ancestors, at the position its depth gives:
-
-- the mask comes through the cache layer, which mlx-lm's ``create_attention_mask`` asks
-  (``KVRows.make_mask`` with ``KVRows.tree``);
-- the positions come through the rope modules: during a tree pass a layer's ``offset`` is
-  ``(B, T)``, one position per token, and ``TreeRope`` (around the model's own rope, whatever its
-  scaling) moves the T tokens into the batch axis, where ``mx.fast.rope`` takes an offset each.
-
-``supports_trees`` installs the wrappers and checks, once per model, that a tree pass scores a node
-as a chain pass does; a model that builds positions or masks its own way keeps drafting chains.
-After the pass the accepted path's keys and values move into consecutive slots
-(``KVRows.compact``), so the cache holds what a chain would have.
+"""Draft trees: several candidate continuations of a row verified in one pass (SpecInfer, EAGLE-2),
+on any attention model mlx-lm builds. A tree is a ``Draft`` whose tokens name their parents. A node
+sees only its ancestors through the cache layer's mask (``KVRows.make_mask``, which mlx-lm's
+``create_attention_mask`` asks), at its depth's position through the model's own rope modules
+(``TreeRope``: the offset is ``(B, T)``, the T tokens move into the batch axis). After the pass the
+accepted path moves into consecutive slots (``KVRows.compact``). docs/draft_trees.md.
 """
 
 import logging
@@ -72,8 +61,7 @@ def kept_slots(num_pending: int, path: Sequence[int]) -> list:
 
 
 class TreeRope(nn.Module):
-    """The model's own rope module, which also takes one position per token: an ``offset`` of
-    shape ``(B, T)`` (a tree pass) rotates each of the T tokens in its own batch row."""
+    """The model's own rope module; an ``offset`` of shape ``(B, T)`` rotates each token alone."""
 
     def __init__(self, rope):
         super().__init__()
@@ -142,14 +130,14 @@ def _probe(model) -> bool:
 
 
 def supports_trees(model, cache) -> bool:
-    """Whether ``model`` (with this ``Cache``'s kinds of layer) can verify draft trees: wraps its
-    rope modules once, then checks a tree pass against chain passes (once per model)."""
+    """Whether ``model`` (with this ``Cache``'s kinds) can verify trees: its ropes wrapped, a tree
+    pass scores as chain passes do (checked once per model)."""
     if not cache.takes_trees():
         return False
     known = model.__dict__.get("_verifies_trees")
     if known is None:
-        _wrap_ropes(model, {})
         try:
+            _wrap_ropes(model, {})
             known = _probe(model)
         except Exception:  # a model that builds positions its own way refuses a (B, T) offset
             known = False

@@ -129,7 +129,7 @@ class DraftModel(SharedDrafter):
 
     def _join(self, requests: list):
         """Prefill the rows drafting for the first time (as one batch) and merge them in."""
-        joining = [(r.source, r.tokens) for r in requests if r.source not in self.rows]
+        joining = [(source, tokens) for source, tokens, *_ in requests if source not in self.rows]
         if not joining:
             return
         prompts = [tokens[:-1] for _, tokens in joining]
@@ -146,7 +146,7 @@ class DraftModel(SharedDrafter):
         last token where it holds them all (fed again for its logits). Only a source reset for a
         new generation may hold another text; where a sliding window dropped what it would go back
         to, its row is prefilled again."""
-        tokens_of = {id(r.source): r.tokens for r in requests}
+        tokens_of = {id(source): tokens for source, tokens, *_ in requests}
         for source in [s for s in self.rows if s.fresh and id(s) in tokens_of]:
             row, tokens = self.rows.index(source), tokens_of[id(source)]
             common = common_prefix_len(self.texts[row][: self.counts[row]], tokens)

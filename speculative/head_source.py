@@ -213,12 +213,12 @@ class HeadDrafter(SharedDrafter):
                 "the draft head has no hidden states: run the loop on the HiddenStateTap from "
                 "HeadDrafter.create (not the bare model), with a cache it made"
             )
-        joining = [request.source for request in requests if request.source not in self.rows]
+        joining = [source for source, *_ in requests if source not in self.rows]
         if joining:
             self._add_rows(joining, make_cache(self.head, len(joining)))
             self.committed += [0] * len(joining)
         reads = [None] * len(self.rows)
-        for source, tokens, _, slot, _ in requests:
+        for source, tokens, _, slot, *_ in requests:
             row, stop = self.rows.index(source), len(tokens) - 1
             committed = 0 if source.fresh else self.committed[row]
             source.fresh = False
