@@ -366,3 +366,40 @@ def test_sampling_with_mtp_trees_keeps_the_target_distribution(tmp_path):
         target, lambda: (tap, [source]), 1.0, 1.0, runs=1500, tree_nodes=4
     )
     assert any(trees)
+
+
+def test_rows_joining_and_a_kept_cache_stay_lossless_with_trees(model):
+    """Rows join a batch that drafts trees mid-way, and a finished row's cache (``keep_caches``)
+    serves a later prompt that extends its text: every row gives its plain tokens."""
+    prompts = [mx.random.randint(0, 64, (n,), key=mx.random.key(n)).tolist() for n in (5, 12, 9)]
+    wants = [plain(model, p, 24) for p in prompts]
+    generator = BatchGenerator(model, tree_nodes=8, keep_caches=True)
+
+    def insert(prompt, want, **options):
+        source = RandomTrees(len(prompt), want, len(prompt))
+        return generator.insert([prompt], draft_sources=[[source]], max_tokens=24, **options)[0]
+
+    uids, tokens, last = [insert(prompts[0], wants[0])], {}, {}
+    for step in range(200):
+        if step in (2, 5):
+            uids.append(insert(prompts[len(uids)], wants[len(uids)]))
+        for response in generator.next():
+            assert response.error is None
+            tokens.setdefault(response.uid, []).extend(response.tokens)
+            last[response.uid] = response
+        if len(last) == 3 and all(last[uid].finish_reason for uid in uids):
+            break
+    assert [tokens[uid] for uid in uids] == wants
+    kept = last[uids[0]].cache
+    text = (prompts[0] + wants[0])[: kept.length] + [7, 8]
+    want = plain(model, text, 16)
+    uid = generator.insert(
+        [text],
+        draft_sources=[[RandomTrees(len(text), want, 1)]],
+        max_tokens=16,
+        prompt_cache=[kept.cut(kept.usable(len(text) - 1))],
+    )[0]
+    got = []
+    while responses := generator.next():
+        got += [t for r in responses if r.uid == uid for t in r.tokens]
+    assert got == want

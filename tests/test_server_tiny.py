@@ -60,6 +60,15 @@ def lookup(tmp_path_factory):
     stop(process)
 
 
+@pytest.fixture(scope="module")
+def trees(tmp_path_factory):
+    """Lookup drafting trees of up to 8 nodes (docs/draft_trees.md)."""
+    flags = ("--prompt-lookup", "--tree-nodes", "8")
+    process, url, log = start(tmp_path_factory.mktemp("trees"), *flags)
+    yield process, url, log
+    stop(process)
+
+
 def client(server):
     from openai import OpenAI
 
@@ -83,10 +92,10 @@ def token_string(token: int) -> str:
     return token_byte_strings(TOKENIZER, VOCAB)[token].decode("utf-8", errors="replace")
 
 
-def test_completion_logprobs_are_the_models_with_and_without_prompt_lookup(plain, lookup):
+def test_completion_logprobs_are_the_models_with_and_without_prompt_lookup(plain, lookup, trees):
     tokens, want = greedy_with_logprobs(PROMPT, 24)
     answers = []
-    for server in (plain, lookup):
+    for server in (plain, lookup, trees):
         answer = client(server).completions.create(
             model="tiny", prompt=PROMPT, max_tokens=24, temperature=0, logprobs=3
         )
@@ -119,9 +128,10 @@ def test_completion_logprobs_are_the_models_with_and_without_prompt_lookup(plain
         assert np.allclose(
             [v for p in parts for v in p.token_logprobs], logprobs.token_logprobs, atol=1e-6
         )
-    assert answers[0].choices[0].text == answers[1].choices[0].text
-    # prompt lookup drafted some tokens
+    assert answers[0].choices[0].text == answers[1].choices[0].text == answers[2].choices[0].text
+    # prompt lookup drafted some tokens, as chains and as trees
     assert answers[1].usage.model_extra["decoding"]["draft_accepted"] > 0
+    assert answers[2].usage.model_extra["decoding"]["draft_accepted"] > 0
 
 
 def test_chat_logprobs_have_openais_shape_streamed_or_not(plain):

@@ -1,6 +1,6 @@
 """The server on a tiny random model, for tests that need many requests fast (no model to load).
 
-    python -m tests.tiny_server [--prompt-lookup] [--max-batch N] [--max-queue N]
+    python -m tests.tiny_server [--prompt-lookup] [--tree-nodes N] [--max-batch N] [--max-queue N]
     [--prompt-cache-bytes N] [--hermes]
         [--thinking optional|opens] [--harmony]
 
@@ -121,6 +121,7 @@ def model(thinking: bool = False):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--prompt-lookup", action="store_true")
+    parser.add_argument("--tree-nodes", default="0", help="As python -m server's.")
     parser.add_argument("--max-batch", type=int, default=8)
     parser.add_argument("--max-queue", type=int, default=8)
     parser.add_argument("--prompt-cache-bytes", type=int, default=2**20)
@@ -173,6 +174,7 @@ def main():
         max_queue=args.max_queue,
         prompt_cache_bytes=args.prompt_cache_bytes,
         pass_cost=PassCost(clock=lambda: 0.0),
+        tree_nodes=args.tree_nodes if args.tree_nodes == "auto" else int(args.tree_nodes),
     )
     sock = listen("127.0.0.1", 0)
     from server.reasoning import parse_effort_budgets
