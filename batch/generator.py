@@ -176,6 +176,7 @@ class BatchGenerator:
         eos_token_ids=None,
         prompt_cache=None,
         logprobs=None,
+        seed=None,
     ) -> List[int]:
         """Queue prompts (token id lists); returns their uids. Each option is one value for every
         prompt or a list with one per prompt; ``draft_sources`` is a list of fresh sources per
@@ -186,7 +187,9 @@ class BatchGenerator:
         has a ``TokenLogprobs`` per token, with the k most likely tokens at its position.
         ``temp`` to ``xtc_special_tokens`` are mlx-lm's ``make_sampler``'s (``decoder.Sampling``;
         ``xtc_special_tokens`` one list for all prompts); ``logits_processors`` is None or one
-        list of mlx-lm's processors per prompt, applied at each of the row's positions."""
+        list of mlx-lm's processors per prompt, applied at each of the row's positions. ``seed``:
+        None (MLX's global stream) or an integer: the row's draws come from its own
+        ``mx.random.key(seed)``, so a row samples what it samples alone (``step.Row``)."""
         count = len(prompts)
         processors = [[] for _ in prompts] if logits_processors is None else logits_processors
         if len(processors) != count or not all(isinstance(p, (list, tuple)) for p in processors):
@@ -198,8 +201,8 @@ class BatchGenerator:
             isinstance(s, (list, tuple)) for s in draft_sources
         ):
             raise ValueError(f"draft_sources needs one list of sources per prompt ({count} lists)")
-        names = ("constraint", "sampler", "max_tokens", "logprobs")
-        values = (constraint, sampler, max_tokens, logprobs)
+        names = ("constraint", "sampler", "max_tokens", "logprobs", "seed")
+        values = (constraint, sampler, max_tokens, logprobs, seed)
         options = [_per_row(name, value, count) for name, value in zip(names, values)]
         settings = (temp, top_p, min_p, min_tokens_to_keep, top_k, xtc_probability, xtc_threshold)
         per_row = [_per_row(name, value, count) for name, value in zip(SAMPLING, settings)]

@@ -67,6 +67,7 @@ def generate_step(
     prefill_step_size: int = 512,
     prompt_cache: Optional[list] = None,
     pass_cost: Optional[PassCost] = None,
+    seed: Optional[int] = None,
 ) -> Iterator[tuple]:
     """Generate tokens with draft-and-verify steps.
 
@@ -87,6 +88,9 @@ def generate_step(
         prompt_cache: a ``make_cache(model)`` (or mlx-lm's list, adopted in place) holding the first
             tokens of ``prompt``; only the rest is prefilled.
         pass_cost: the ``PassCost`` the loop times its passes into; pass one to keep it.
+        seed: the target's draws come from ``mx.random.key(seed)``, split each step, and not from
+            MLX's global stream (None); an mlx-lm ``sampler`` and sampling draft models still
+            draw from the global stream.
 
     Yields:
         ``(token, source_name)`` for each accepted token; ``source_name`` is
@@ -111,6 +115,7 @@ def generate_step(
         sampler=sampler,
         max_tokens=max_tokens,
         stats=stats,
+        seed=seed,
     )
     cost = pass_cost if pass_cost is not None else PassCost()
     cache, cached = _open_cache(model, prompt, prompt_cache)

@@ -104,6 +104,7 @@ class Row:
         sampler: Optional[Callable] = None,
         max_tokens: int = 256,
         stats: Optional[DecodingStats] = None,
+        seed: Optional[int] = None,
     ):
         self.tokens = list(prompt)  # prompt and accepted tokens, grown in place
         self.sources, self.constraint = list(draft_sources), constraint
@@ -114,6 +115,9 @@ class Row:
         self.num_generated = 0
         self.cached = 0  # how many of the tokens the loop's cache holds (the loop keeps this)
         self.finish_reason = self.stats.finish_reason = None if max_tokens > 0 else "length"
+        # The row's own random stream (split each sampled step), so that its draws do not depend
+        # on the other rows of a batch; None: MLX's global stream.
+        self.key = None if seed is None else mx.random.key(seed)
 
     def reset(self, cost: PassCost):
         """Start the sources and the constraint over, before the first step."""
@@ -178,7 +182,10 @@ class Row:
         if self.sampling.temp == 0 and argmax is not None:  # accept_draft's greedy rule
             num_accepted = common_prefix_len(draft.tokens, argmax)
             return num_accepted, argmax[num_accepted]
-        return accept_draft(logits, draft, self.sampling)
+        step_key = None
+        if self.key is not None:
+            self.key, step_key = mx.random.split(self.key)
+        return accept_draft(logits, draft, self.sampling, key=step_key)
 
     def commit(self, cache: Cache, pass_width: int, num_drafted: int, num_accepted: int) -> tuple:
         """``(trim, restore)``: how many of the pass's last tokens the row's cache drops and whether
