@@ -96,21 +96,13 @@ def generate_step(
         ``(token, source_name)`` for each accepted token; ``source_name`` is
         ``TARGET`` for tokens the target chose itself.
     """
+    truncations = (min_p, min_tokens_to_keep, top_k, xtc_probability, xtc_threshold)
     row = Row(
         prompt,
         eos_token_ids=eos_token_ids,
         draft_sources=draft_sources,
         constraint=constraint,
-        sampling=Sampling(
-            temp,
-            top_p,
-            min_p,
-            min_tokens_to_keep,
-            top_k,
-            xtc_probability,
-            xtc_threshold,
-            tuple(xtc_special_tokens),
-        ),
+        sampling=Sampling(temp, top_p, *truncations, tuple(xtc_special_tokens)),
         logits_processors=logits_processors,
         sampler=sampler,
         max_tokens=max_tokens,
