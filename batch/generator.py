@@ -31,7 +31,7 @@ import mlx.core as mx
 from batch.cache import probe
 from batch.logprobs import token_logprobs
 from batch.policy import DraftGate, choose_width, prefill_group
-from batch.row import BatchRow, RowResponse
+from batch.row import BatchRow, RowResponse, check_row, per_row, shared_prompts
 from batch.verify import accept, score
 from decoder.cost import PassCost
 from decoder.prefill import Prefill
@@ -61,6 +61,9 @@ class BatchStats:
     widths: Counter = field(default_factory=Counter)
     row_passes: int = 0  # sum over passes of the rows in them
     prompt_tokens: int = 0
+    # the tokens the model ran to prefill them: a prompt that rows share counts once, a cached
+    # prefix not at all
+    prefilled_tokens: int = 0
     prompt_time: float = 0.0
     generation_tokens: int = 0
     decode_time: float = 0.0
@@ -71,34 +74,12 @@ class BatchStats:
             "width_histogram": dict(sorted(self.widths.items())),
             "passes_per_token": self.row_passes / max(self.generation_tokens, 1),
             "prompt_tokens": self.prompt_tokens,
+            "prefilled_tokens": self.prefilled_tokens,
             "generation_tokens": self.generation_tokens,
             "prompt_tps": self.prompt_tokens / max(self.prompt_time, 1e-9),
             "generation_tps": self.generation_tokens / max(self.decode_time, 1e-9),
             "verification_cost": cost.summary() if cost is not None else None,
         }
-
-
-def _per_row(name: str, value, count: int) -> list:
-    if isinstance(value, (list, tuple)):
-        if len(value) != count:
-            raise ValueError(
-                f"{name} has {len(value)} entries for {count} prompts: "
-                "give one value or one per prompt"
-            )
-        return list(value)
-    return [value] * count
-
-
-def _check_row(prompt: list, options: dict):
-    """Refuse a row's bad options in one sentence."""
-    if len(prompt) == 0:
-        raise ValueError("a prompt is empty: give at least one token")
-    if options["max_tokens"] < 1:
-        raise ValueError(f"max_tokens must be at least 1, got {options['max_tokens']}")
-    options["sampling"].check()
-    logprobs = options["logprobs"]
-    if logprobs is not None and logprobs < 0:
-        raise ValueError(f"logprobs must be None or >= 0 (top tokens per position), got {logprobs}")
 
 
 class BatchGenerator:
@@ -203,16 +184,14 @@ class BatchGenerator:
             raise ValueError(f"draft_sources needs one list of sources per prompt ({count} lists)")
         names = ("constraint", "sampler", "max_tokens", "logprobs", "seed")
         values = (constraint, sampler, max_tokens, logprobs, seed)
-        options = [_per_row(name, value, count) for name, value in zip(names, values)]
+        options = [per_row(name, value, count) for name, value in zip(names, values)]
         settings = (temp, top_p, min_p, min_tokens_to_keep, top_k, xtc_probability, xtc_threshold)
-        per_row = [_per_row(name, value, count) for name, value in zip(SAMPLING, settings)]
+        row_settings = [per_row(name, value, count) for name, value in zip(SAMPLING, settings)]
         names += ("sampling", "logits_processors")
-        options.append([Sampling(*row, tuple(xtc_special_tokens)) for row in zip(*per_row)])
+        options.append([Sampling(*row, tuple(xtc_special_tokens)) for row in zip(*row_settings)])
         options.append([list(p) for p in processors])
         options.append(
-            [None] * count
-            if prompt_cache is None
-            else _per_row("prompt_cache", prompt_cache, count)
+            [None] * count if prompt_cache is None else per_row("prompt_cache", prompt_cache, count)
         )
         eos = self.eos_token_ids if eos_token_ids is None else set(eos_token_ids)
         owned = [
@@ -224,7 +203,7 @@ class BatchGenerator:
         rows = []
         for prompt, sources, *row_options in zip(prompts, draft_sources, *options):
             row_options = dict(zip(names + ("prompt_cache",), row_options))
-            _check_row(prompt, row_options)
+            check_row(prompt, row_options)
             for stateful in list(sources) + [row_options["constraint"]]:
                 if stateful is not None and id(stateful) in owned:
                     raise ValueError(
@@ -312,17 +291,19 @@ class BatchGenerator:
                     responses.append(row.failed(error))
             if not joining:
                 return
+            firsts, copies = shared_prompts(joining)
             prefill = Prefill(
                 self.model,
-                [row.tokens[:-1] for row in joining],
+                [joining[i].tokens[:-1] for i in firsts],
                 self.prefill_step_size,
-                [row.prompt_cache for row in joining],
+                [joining[i].prompt_cache for i in firsts],
                 self.mask_dims,
             )
+            self.stats.prefilled_tokens += sum(len(tokens) for tokens in prefill.pending)
             for row in joining:
                 row.prompt_cache, row.cached = None, len(row.tokens) - 1
-            self.prefilling = (joining, prefill)
-        joining, prefill = self.prefilling
+            self.prefilling = (joining, prefill, copies)
+        joining, prefill, copies = self.prefilling
         tic = time.perf_counter()
         done = prefill.step()
         while not done and not (self.interleave_prefill and self.rows):
@@ -337,9 +318,11 @@ class BatchGenerator:
         keep = [i for i, row in enumerate(joining) if row.uid not in removed]
         if not keep:
             return
-        if len(keep) < len(joining):
-            joining = [joining[i] for i in keep]
-            prefill.cache.filter(keep)
+        # each row's cache row: a prompt prefilled once is copied to every row that shares it
+        rows = [copies[i] for i in keep]
+        joining = [joining[i] for i in keep]
+        if rows != list(range(prefill.cache.rows)):
+            prefill.cache.filter(rows)
         if self.cache is None:
             self.cache = prefill.cache
         else:

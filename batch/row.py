@@ -1,8 +1,9 @@
-"""A row of the batch (``BatchRow``, a ``step.Row`` with what the batch keeps of it) and what a
-step tells of it (``RowResponse``)."""
+"""A row of the batch (``BatchRow``, a ``step.Row`` with what the batch keeps of it), what a
+step tells of it (``RowResponse``), and how ``insert``'s options become rows (``per_row``,
+``check_row``, ``shared_prompts``)."""
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 from batch.policy import Acceptance
 from decoder.cache import CachedPrefix
@@ -47,3 +48,42 @@ class BatchRow(Row):
         return RowResponse(
             self.uid, [], [], "error", f"{type(error).__name__}: {message}", self.stats
         )
+
+
+def per_row(name: str, value, count: int) -> list:
+    """``insert``'s option ``value``: one per prompt, given as a list or one for all."""
+    if isinstance(value, (list, tuple)):
+        if len(value) != count:
+            raise ValueError(
+                f"{name} has {len(value)} entries for {count} prompts: "
+                "give one value or one per prompt"
+            )
+        return list(value)
+    return [value] * count
+
+
+def shared_prompts(rows: Sequence[BatchRow]) -> tuple:
+    """``(firsts, copies)``: the first row of each distinct prompt (with the same cached prefix
+    length), and for each row the index in ``firsts`` of the one whose prefill it copies (a
+    request's ``n`` choices, or identical requests joining together)."""
+    firsts, copies, seen = [], [], {}
+    for index, row in enumerate(rows):
+        cached = 0 if row.prompt_cache is None else row.prompt_cache.length
+        key = (tuple(row.tokens[:-1]), cached)
+        if key not in seen:
+            seen[key] = len(firsts)
+            firsts.append(index)
+        copies.append(seen[key])
+    return firsts, copies
+
+
+def check_row(prompt: list, options: dict):
+    """Refuse a row's bad options in one sentence."""
+    if len(prompt) == 0:
+        raise ValueError("a prompt is empty: give at least one token")
+    if options["max_tokens"] < 1:
+        raise ValueError(f"max_tokens must be at least 1, got {options['max_tokens']}")
+    options["sampling"].check()
+    logprobs = options["logprobs"]
+    if logprobs is not None and logprobs < 0:
+        raise ValueError(f"logprobs must be None or >= 0 (top tokens per position), got {logprobs}")

@@ -1,9 +1,9 @@
 """OpenAI's ``n``: several choices from one prompt, each its own row of the batch.
 
 A request with ``n`` > 1 is queued as n requests (``choice_requests``) in one group
-(``Engine.submit_together``): they join the batch in the same step when n rows are free, and their
-prompts are prefilled together as one batch. The prompt is computed once per row in that batch, not
-once and copied to each row. Each choice is an ordinary request of the engine, so under a sharded
+(``Engine.submit_together``): they join the batch in the same step when n rows are free, and the
+batch prefills their one prompt once and copies its cache to each row
+(``batch.row.shared_prompts``). Each choice is an ordinary request of the engine, so under a sharded
 model every rank inserts the same rows in the same order, as for any other request.
 
 Seeds: each row draws from its own random stream (``insert(seed=...)``), so choice i is what a
