@@ -19,7 +19,8 @@ from .draft import (
     choose_draft,
     constrain_draft,
 )
-from .sampling import Sampling, process_logits
+from .processors import process_logits
+from .sampling import Sampling
 
 TARGET = "target"  # the source name of tokens the target model chose itself
 

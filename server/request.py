@@ -110,7 +110,7 @@ class GenerationRequest:
 
     def sampling(self) -> dict:
         """``BatchGenerator.insert``'s sampling options for this request's one row."""
-        from mlx_lm.sample_utils import make_logits_processors
+        from decoder.processors import make_logits_processors
 
         return dict(
             temp=self.temp,

@@ -155,6 +155,42 @@ def test_a_batch_gives_each_row_its_own_processors():
         assert outputs[uid] == mlx_lm_greedy(prompt, row_processors), f"row {uid}"
 
 
+def test_the_vectorized_processors_equal_mlx_lms_at_every_position():
+    """decoder.make_logits_processors over a pass's W positions at once: each position, bit for
+    bit, what mlx-lm's own processors give it with the tokens before it (float32 and bfloat16)."""
+    from decoder import process_logits
+    from decoder.processors import make_logits_processors as ours
+
+    rng = np.random.default_rng(0)
+    for trial in range(60):
+        tokens = rng.integers(0, 12, int(rng.integers(0, 30))).tolist()
+        draft = rng.integers(0, 12, int(rng.integers(0, 8))).tolist()
+        dtype = (mx.float32, mx.bfloat16)[trial % 2]
+        logits = mx.array(rng.normal(size=(len(draft) + 1, 40)) * 3).astype(dtype)
+        settings = dict(
+            logit_bias={3: 2.0, 7: -1.5},
+            repetition_penalty=float(rng.uniform(0.5, 2)),
+            repetition_context_size=int(rng.integers(0, 6)),
+            presence_penalty=float(rng.uniform(-2, 2)),
+            presence_context_size=int(rng.integers(0, 6)),
+            frequency_penalty=float(rng.uniform(-2, 2)),
+            frequency_context_size=int(rng.integers(0, 25)),
+        )
+        got = process_logits(ours(**settings), tokens, draft, logits)
+        context = tokens + draft
+        for position in range(len(draft) + 1):
+            want = logits[position : position + 1]
+            for processor in make_logits_processors(**settings):
+                want = processor(mx.array(context[: len(tokens) + position]), want)
+            assert got.dtype == want.dtype
+            assert mx.array_equal(got[position : position + 1], want).item(), (trial, position)
+        # called as mlx-lm calls a processor: the one position after the tokens
+        (last,) = ours(frequency_penalty=0.5, frequency_context_size=4)
+        alone = make_logits_processors(frequency_penalty=0.5, frequency_context_size=4)[0]
+        row = logits[:1]
+        assert mx.array_equal(last(mx.array(context), row), alone(mx.array(context), row)).item()
+
+
 # --- sampling keeps the processed distribution ---------------------------------------------
 
 SMALL_VOCAB = 10
