@@ -7,6 +7,11 @@ from typing import Callable, Dict, Optional, Sequence
 
 import mlx.core as mx
 import numpy as np
+from mlx_lm.sample_utils import (
+    make_frequency_penalty,
+    make_presence_penalty,
+    make_repetition_penalty,
+)
 
 
 class PositionProcessor:
@@ -50,16 +55,22 @@ class LogitBias(PositionProcessor):
 
 class _Penalty(PositionProcessor):
     """A penalty on the last ``context_size`` tokens before each position (0: all), counted on
-    the host, applied with one gather and one scatter (``penalize``: where a count is > 0)."""
+    the host, applied with one gather and one scatter (``penalize``: where a count is > 0); a
+    pass of one position calls mlx-lm's own (``made_by``)."""
+
+    made_by = None  # mlx-lm's factory of the same penalty, for one position
 
     def __init__(self, penalty: float, context_size: int = 20):
         self.penalty, self.context_size = penalty, context_size
+        self.alone = type(self).made_by(penalty, context_size)
 
     def over_positions(self, context, first, logits):
         width, vocab = logits.shape
         ends = first + np.arange(width)  # position j sees context[:ends[j]]
         starts = np.maximum(ends - self.context_size, 0) if self.context_size else 0 * ends
         low = int(starts[0])
+        if width == 1:  # a plain step: mlx-lm's own processor is quicker than counting
+            return self.alone(mx.array(context[low:first], mx.int32), logits)
         span = np.asarray(context[low : first + width - 1], np.int64)
         rows = np.repeat(np.arange(width), ends - starts)
         if not len(rows):
@@ -83,6 +94,8 @@ class _Penalty(PositionProcessor):
 
 
 class RepetitionPenalty(_Penalty):
+    made_by = staticmethod(make_repetition_penalty)
+
     def __init__(self, penalty: float, context_size: int = 20):
         if penalty < 0 or not isinstance(penalty, (int, float)):
             raise ValueError(f"penalty must be a non-negative float, got {penalty}")
@@ -93,11 +106,15 @@ class RepetitionPenalty(_Penalty):
 
 
 class PresencePenalty(_Penalty):
+    made_by = staticmethod(make_presence_penalty)
+
     def penalize(self, values, counts, most):
         return values - self.penalty
 
 
 class FrequencyPenalty(_Penalty):
+    made_by = staticmethod(make_frequency_penalty)
+
     def penalize(self, values, counts, most):
         # once per occurrence, one subtraction at a time, as mlx-lm's scatter subtracts
         for occurrence in range(most):
