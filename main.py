@@ -199,9 +199,8 @@ def build_run(args, session=None):
 def sampling_kwargs(args, tokenizer, vocab_size: int) -> dict:
     """The loop's truncations and logits processors from the sampling flags; XTC never removes a
     newline or EOS, as in mlx_lm.server."""
-    from mlx_lm.sample_utils import make_logits_processors
-
     from cli.flags import sampling_options
+    from decoder.processors import make_logits_processors
     from decoder.text import eos_ids_of
 
     truncations, processor_settings = sampling_options(args)

@@ -31,7 +31,7 @@ import mlx.core as mx
 from batch.cache import probe
 from batch.logprobs import token_logprobs
 from batch.policy import DraftGate, choose_width, prefill_group
-from batch.row import BatchRow, RowResponse, check_row, per_row_values
+from batch.row import BatchRow, RowResponse, check_row, per_row, shared_prompts
 from batch.verify import accept, score
 from decoder.cache import make_cache
 from decoder.cost import PassCost
@@ -63,6 +63,9 @@ class BatchStats:
     widths: Counter = field(default_factory=Counter)
     row_passes: int = 0  # sum over passes of the rows in them
     prompt_tokens: int = 0
+    # the tokens the model ran to prefill them: a prompt that rows share counts once, a cached
+    # prefix not at all
+    prefilled_tokens: int = 0
     prompt_time: float = 0.0
     generation_tokens: int = 0
     decode_time: float = 0.0
@@ -73,6 +76,7 @@ class BatchStats:
             "width_histogram": dict(sorted(self.widths.items())),
             "passes_per_token": self.row_passes / max(self.generation_tokens, 1),
             "prompt_tokens": self.prompt_tokens,
+            "prefilled_tokens": self.prefilled_tokens,
             "generation_tokens": self.generation_tokens,
             "prompt_tps": self.prompt_tokens / max(self.prompt_time, 1e-9),
             "generation_tps": self.generation_tokens / max(self.decode_time, 1e-9),
@@ -159,6 +163,7 @@ class BatchGenerator:
         eos_token_ids=None,
         prompt_cache=None,
         logprobs=None,
+        seed=None,
     ) -> List[int]:
         """Queue prompts (token id lists); returns their uids. Each option is one value for every
         prompt or a list with one per prompt; ``draft_sources`` is a list of fresh sources per
@@ -169,7 +174,9 @@ class BatchGenerator:
         has a ``TokenLogprobs`` per token, with the k most likely tokens at its position.
         ``temp`` to ``xtc_special_tokens`` are mlx-lm's ``make_sampler``'s (``decoder.Sampling``;
         ``xtc_special_tokens`` one list for all prompts); ``logits_processors`` is None or one
-        list of mlx-lm's processors per prompt, applied at each of the row's positions."""
+        list of mlx-lm's processors per prompt, applied at each of the row's positions. ``seed``:
+        None (MLX's global stream) or an integer: the row's draws come from its own
+        ``mx.random.key(seed)``, so a row samples what it samples alone (``step.Row``)."""
         count = len(prompts)
         processors = [[] for _ in prompts] if logits_processors is None else logits_processors
         if len(processors) != count or not all(isinstance(p, (list, tuple)) for p in processors):
@@ -181,18 +188,16 @@ class BatchGenerator:
             isinstance(s, (list, tuple)) for s in draft_sources
         ):
             raise ValueError(f"draft_sources needs one list of sources per prompt ({count} lists)")
-        names = ("constraint", "sampler", "max_tokens", "logprobs")
-        values = (constraint, sampler, max_tokens, logprobs)
-        options = [per_row_values(name, value, count) for name, value in zip(names, values)]
+        names = ("constraint", "sampler", "max_tokens", "logprobs", "seed")
+        values = (constraint, sampler, max_tokens, logprobs, seed)
+        options = [per_row(name, value, count) for name, value in zip(names, values)]
         settings = (temp, top_p, min_p, min_tokens_to_keep, top_k, xtc_probability, xtc_threshold)
-        per_row = [per_row_values(name, value, count) for name, value in zip(SAMPLING, settings)]
+        row_settings = [per_row(name, value, count) for name, value in zip(SAMPLING, settings)]
         names += ("sampling", "logits_processors")
-        options.append([Sampling(*row, tuple(xtc_special_tokens)) for row in zip(*per_row)])
+        options.append([Sampling(*row, tuple(xtc_special_tokens)) for row in zip(*row_settings)])
         options.append([list(p) for p in processors])
         options.append(
-            [None] * count
-            if prompt_cache is None
-            else per_row_values("prompt_cache", prompt_cache, count)
+            [None] * count if prompt_cache is None else per_row("prompt_cache", prompt_cache, count)
         )
         eos = self.eos_token_ids if eos_token_ids is None else set(eos_token_ids)
         owned = [
@@ -293,17 +298,19 @@ class BatchGenerator:
                     responses.append(row.failed(error))
             if not joining:
                 return
+            firsts, copies = shared_prompts(joining)
             prefill = Prefill(
                 self.model,
-                [row.tokens[:-1] for row in joining],
+                [joining[i].tokens[:-1] for i in firsts],
                 self.prefill_step_size,
-                [row.prompt_cache for row in joining],
+                [joining[i].prompt_cache for i in firsts],
                 self.mask_dims,
             )
+            self.stats.prefilled_tokens += sum(len(tokens) for tokens in prefill.pending)
             for row in joining:
                 row.prompt_cache, row.cached = None, len(row.tokens) - 1
-            self.prefilling = (joining, prefill)
-        joining, prefill = self.prefilling
+            self.prefilling = (joining, prefill, copies)
+        joining, prefill, copies = self.prefilling
         tic = time.perf_counter()
         done = prefill.step()
         while not done and not (self.interleave_prefill and self.rows):
@@ -318,9 +325,11 @@ class BatchGenerator:
         keep = [i for i, row in enumerate(joining) if row.uid not in removed]
         if not keep:
             return
-        if len(keep) < len(joining):
-            joining = [joining[i] for i in keep]
-            prefill.cache.filter(keep)
+        # each row's cache row: a prompt prefilled once is copied to every row that shares it
+        rows = [copies[i] for i in keep]
+        joining = [joining[i] for i in keep]
+        if rows != list(range(prefill.cache.rows)):
+            prefill.cache.filter(rows)
         if self.cache is None:
             self.cache = prefill.cache
         else:

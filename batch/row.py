@@ -1,8 +1,9 @@
-"""A row of the batch (``BatchRow``, a ``step.Row`` with what the batch keeps of it) and what a
-step tells of it (``RowResponse``)."""
+"""A row of the batch (``BatchRow``, a ``step.Row`` with what the batch keeps of it), what a
+step tells of it (``RowResponse``), and how ``insert``'s options become rows (``per_row``,
+``check_row``, ``shared_prompts``)."""
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 from batch.policy import Acceptance
 from decoder.cache import CachedPrefix
@@ -49,8 +50,8 @@ class BatchRow(Row):
         )
 
 
-def per_row_values(name: str, value, count: int) -> list:
-    """``value`` for each of ``count`` rows: one for all, or a list with one per row."""
+def per_row(name: str, value, count: int) -> list:
+    """``insert``'s option ``value``: one per prompt, given as a list or one for all."""
     if isinstance(value, (list, tuple)):
         if len(value) != count:
             raise ValueError(
@@ -59,6 +60,21 @@ def per_row_values(name: str, value, count: int) -> list:
             )
         return list(value)
     return [value] * count
+
+
+def shared_prompts(rows: Sequence[BatchRow]) -> tuple:
+    """``(firsts, copies)``: the first row of each distinct prompt (with the same cached prefix
+    length), and for each row the index in ``firsts`` of the one whose prefill it copies (a
+    request's ``n`` choices, or identical requests joining together)."""
+    firsts, copies, seen = [], [], {}
+    for index, row in enumerate(rows):
+        cached = 0 if row.prompt_cache is None else row.prompt_cache.length
+        key = (tuple(row.tokens[:-1]), cached)
+        if key not in seen:
+            seen[key] = len(firsts)
+            firsts.append(index)
+        copies.append(seen[key])
+    return firsts, copies
 
 
 def check_row(prompt: list, options: dict):

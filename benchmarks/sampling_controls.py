@@ -4,7 +4,7 @@ processors and truncations cost per step.
     flock /tmp/mlxdec-test.lock python -m benchmarks.sampling_controls
 
 Greedy decoding of the embedded model on the code_edit and extractive_qa prompts, plain and with
-prompt lookup, each with and without mlx-lm's processors (repetition penalty 1.1 over 20 tokens,
+prompt lookup, each with and without the logits processors (repetition penalty 1.1 over 20 tokens,
 and presence 0.5 with frequency 0.3), in interleaved rounds. Every output must equal plain
 decoding with the same processors. Then the processors' and the truncations' own cost, timed
 alone (evaluated per call, an upper bound of what they add to the loop's lazy graph), against one
@@ -16,10 +16,11 @@ import statistics
 from pathlib import Path
 
 import mlx.core as mx
-from mlx_lm.sample_utils import make_logits_processors
+from mlx_lm.sample_utils import make_logits_processors as mlx_lm_processors
 
 from benchmarks.harness import first_prompts, load_prompts, median_ms, time_loop
-from decoder.sampling import Sampling, process_logits
+from decoder.processors import make_logits_processors, process_logits
+from decoder.sampling import Sampling
 from decoder.text import eos_ids_of
 from prompt_lookup import PromptLookupSource
 
@@ -103,12 +104,16 @@ def cost_table(model, vocab_size: int) -> list:
         logits = mx.random.normal((width, vocab_size))
         draft = list(range(width - 1))
         mx.eval(logits)
-        processors = make_logits_processors(
+        settings = dict(
             logit_bias={5: 1.0}, repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=0.3
         )
+        processors, looped = make_logits_processors(**settings), mlx_lm_processors(**settings)
         calls = {
             "logit_bias + 3 penalties": lambda: mx.eval(
                 process_logits(processors, context, draft, logits)
+            ),
+            "the same, mlx-lm's (a call per position)": lambda: mx.eval(
+                process_logits(looped, context, draft, logits)
             ),
             "temperature only": lambda: mx.eval(Sampling(0.8).probs(logits)),
             "top_k 40 + min_p 0.05": lambda: mx.eval(
@@ -155,8 +160,9 @@ def main():
         "A verify pass over 64 cached tokens: "
         + ", ".join(f"{ms:.1f} ms at width {w}" for w, ms in passes.items())
         + ". Each call evaluated alone (an upper bound: in the loop it joins the pass's lazy "
-        "graph); processors with 512 tokens of context. Temperature only is what sampling cost "
-        "before these controls.",
+        "graph); processors with 512 tokens of context, ours (decoder.make_logits_processors: "
+        "every position of the pass at once, equal to mlx-lm's) and mlx-lm's own called once "
+        "per position. Temperature only is what sampling cost before these controls.",
         "",
         "| what | width | ms | share of the pass |",
         "|---|---:|---:|---:|",

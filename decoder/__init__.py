@@ -6,8 +6,9 @@ plugs into.
 
 ``loop.py`` holds the loop (``generate_step -> stream_generate -> generate``), ``draft.py`` the
 draft and constraint protocols and the acceptance math, ``step.py`` one row's step, ``cache.py``
-and ``kinds.py`` a cache whose rows roll back alone, ``sampling.py`` the target's distribution
-(logits processors, temperature, truncations), ``cost.py`` the measured cost of a pass and what
+and ``kinds.py`` a cache whose rows roll back alone, ``processors.py`` mlx-lm's logits processors
+over a pass's positions, ``sampling.py`` the target's distribution (temperature, truncations),
+``cost.py`` the measured cost of a pass and what
 drafts win.
 """
 
@@ -23,6 +24,7 @@ from .draft import (
     mask_logits,
 )
 from .loop import GenerationResult, Response, generate, generate_step, stream_generate
-from .sampling import Sampling, process_logits, sampling_probs
+from .processors import make_logits_processors, process_logits
+from .sampling import Sampling, sampling_probs
 from .step import TARGET, DecodingStats, SourceStats
 from .text import TextStream, encode, eos_ids_of, plain_chat

@@ -103,10 +103,15 @@ class Constraint:
 
 
 def accept_draft(
-    logits: mx.array, draft: Draft, sampling: Union[Sampling, float], top_p: float = 1.0
+    logits: mx.array,
+    draft: Draft,
+    sampling: Union[Sampling, float],
+    top_p: float = 1.0,
+    key: Optional[mx.array] = None,
 ) -> tuple:
     """``(num_accepted, next_token)`` for a draft and the target's (len(draft) + 1, vocab) logits.
     ``sampling``: a ``Sampling``, or its temperature (with ``top_p``); p is ``sampling.probs``.
+    ``key``: an ``mx.random`` key the step's draws come from (None: MLX's global stream).
 
     Greedy: accept while the draft equals the argmax. Sampling (Leviathan et al., 2023): accept
     x ~ q with probability min(1, p(x) / q(x)), else draw from (p - q)+ / |(p - q)+|; a point mass
@@ -121,6 +126,7 @@ def accept_draft(
         num_accepted = common_prefix_len(draft.tokens, target)
         return num_accepted, target[num_accepted]
 
+    uniform_key, draw_key = (None, None) if key is None else mx.random.split(key)
     p = sampling.probs(logits)
     q = None if draft.probs is None else draft.probs.astype(mx.float32)
     num_accepted = 0
@@ -129,7 +135,9 @@ def accept_draft(
         p_draft = p[positions, tokens]
         q_draft = mx.ones_like(p_draft) if q is None else q[positions, tokens]
         # min(1, p/q) without dividing: accept when u * q < p.
-        accepted = (mx.random.uniform(shape=(num_draft,)) * q_draft < p_draft).tolist()
+        accepted = (
+            mx.random.uniform(shape=(num_draft,), key=uniform_key) * q_draft < p_draft
+        ).tolist()
         num_accepted = (accepted + [False]).index(False)
     if num_accepted == num_draft:
         next_probs = p[num_draft]
@@ -142,7 +150,7 @@ def accept_draft(
         residual = mx.maximum(residual, 0.0)
         # p == q exactly leaves nothing; then p itself is the right distribution.
         next_probs = mx.where(residual.sum() > 0, residual, p[num_accepted])
-    next_token = mx.random.categorical(mx.log(next_probs)).item()
+    next_token = mx.random.categorical(mx.log(next_probs), key=draw_key).item()
     return num_accepted, next_token
 
 

@@ -69,6 +69,7 @@ def generate_step(
     prompt_cache: Optional[list] = None,
     pass_cost: Optional[PassCost] = None,
     tree_nodes: Union[int, str] = 0,
+    seed: Optional[int] = None,
 ) -> Iterator[tuple]:
     """Generate tokens with draft-and-verify steps.
 
@@ -92,6 +93,9 @@ def generate_step(
         tree_nodes: draft trees of at most this many nodes (``decoder.tree``), ``"auto"`` for as
             many as the sources expect to pay, 0 for chains. A model whose positions or masks
             do not come through its rope modules and cache layer drafts chains.
+        seed: the target's draws come from ``mx.random.key(seed)``, split each step, and not from
+            MLX's global stream (None); an mlx-lm ``sampler`` and sampling draft models still
+            draw from the global stream.
 
     Yields:
         ``(token, source_name)`` for each accepted token; ``source_name`` is
@@ -110,6 +114,7 @@ def generate_step(
         max_tokens=max_tokens,
         stats=stats,
         max_nodes=max_nodes_for(model, cache, tree_nodes) if draft_sources else None,
+        seed=seed,
     )
     cost = pass_cost if pass_cost is not None else PassCost()
     row.reset(cost)

@@ -1,10 +1,9 @@
 """The target's distribution at each position: mlx-lm's logits processors with the tokens before
-the position (``process_logits``), then temperature and the truncations of mlx-lm's
+the position (``processors.process_logits``), then temperature and the truncations of mlx-lm's
 ``make_sampler`` as one distribution (``Sampling.probs``) that drafts are verified against
 (docs/sampling.md)."""
 
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k
@@ -98,21 +97,3 @@ def sampling_probs(logits: mx.array, temp: float, top_p: float = 1.0, **truncati
     """Rows of ``logits`` -> the distribution we sample from (``Sampling.probs``);
     ``truncations``: ``Sampling``'s other fields."""
     return Sampling(temp, top_p, **truncations).probs(logits)
-
-
-def process_logits(
-    processors: Sequence[Callable], tokens: list, draft_tokens: list, logits: mx.array
-) -> mx.array:
-    """The (len(draft_tokens) + 1, vocab) ``logits`` of a verify pass, each position through the
-    processors (``processor(tokens, logits) -> logits``, mlx-lm's) with the tokens before it:
-    ``tokens`` and the draft tokens ahead of the position."""
-    if not processors:
-        return logits
-    context = mx.array(list(tokens) + list(draft_tokens))
-    positions = []
-    for index in range(logits.shape[0]):
-        position = logits[index : index + 1]
-        for processor in processors:
-            position = processor(context[: len(tokens) + index], position)
-        positions.append(position)
-    return mx.concatenate(positions, axis=0)

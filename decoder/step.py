@@ -19,7 +19,8 @@ from .draft import (
     choose_draft,
     constrain_draft,
 )
-from .sampling import Sampling, process_logits
+from .processors import process_logits
+from .sampling import Sampling
 from .tree import accept_tree, kept_slots, layout, path_to
 
 TARGET = "target"  # the source name of tokens the target model chose itself
@@ -106,6 +107,7 @@ class Row:
         max_tokens: int = 256,
         stats: Optional[DecodingStats] = None,
         max_nodes: Optional[int] = None,
+        seed: Optional[int] = None,
     ):
         self.tokens = list(prompt)  # prompt and accepted tokens, grown in place
         self.sources, self.constraint = list(draft_sources), constraint
@@ -120,6 +122,9 @@ class Row:
         # verifies chains only, and a constraint masks one path.
         self.max_nodes = max_nodes if sampler is None and constraint is None else None
         self.path = []  # the nodes of the last draft the row accepted (``accept``)
+        # The row's own random stream (split each sampled step), so that its draws do not depend
+        # on the other rows of a batch; None: MLX's global stream.
+        self.key = None if seed is None else mx.random.key(seed)
 
     def reset(self, cost: PassCost):
         """Start the sources and the constraint over, before the first step."""
@@ -194,7 +199,8 @@ class Row:
         """``(num_accepted, next_token)`` from the (len(draft) + 1, vocab) logits of the draft's
         positions (masked); ``argmax``: their argmax, where the loop has it on the host already."""
         if draft.parents is not None:
-            self.path, next_token = accept_tree(logits, draft, self.sampling, argmax)
+            key = None if self.sampling.temp == 0 else self._step_key()
+            self.path, next_token = accept_tree(logits, draft, self.sampling, argmax, key)
             return len(self.path), next_token
         if self.sampler is not None:
             num_accepted, next_token = accept_sampled(logits, draft, self.sampler)
@@ -202,9 +208,18 @@ class Row:
             num_accepted = common_prefix_len(draft.tokens, argmax)
             next_token = argmax[num_accepted]
         else:
-            num_accepted, next_token = accept_draft(logits, draft, self.sampling)
+            num_accepted, next_token = accept_draft(
+                logits, draft, self.sampling, key=self._step_key()
+            )
         self.path = list(range(num_accepted))
         return num_accepted, next_token
+
+    def _step_key(self) -> Optional[mx.array]:
+        """This sampled step's key from the row's own stream (None: MLX's global stream)."""
+        if self.key is None:
+            return None
+        self.key, step_key = mx.random.split(self.key)
+        return step_key
 
     def kept(self, draft: Draft) -> Optional[list]:
         """After ``accept`` of a tree: the pass slots the row keeps, in order (its pending tokens

@@ -153,7 +153,9 @@ def children_of(parents: Sequence[int]) -> dict:
     return children
 
 
-def accept_tree(logits: mx.array, draft, sampling, argmax: Optional[list] = None) -> tuple:
+def accept_tree(
+    logits: mx.array, draft, sampling, argmax: Optional[list] = None, key=None
+) -> tuple:
     """``(path, next_token)`` for a tree draft and the target's ``(1 + nodes, vocab)`` logits
     (position 0: the row's last token; 1 + i: node i): the accepted nodes from the root down, and
     the target's token after the last of them.
@@ -161,7 +163,8 @@ def accept_tree(logits: mx.array, draft, sampling, argmax: Optional[list] = None
     Greedy: follow the child equal to the argmax. Sampling (SpecInfer's multi-candidate rule for
     point masses): at each node try its children in turn; child c is accepted with probability
     r(c), where r is p with the children tried so far removed and renormalized; if none is, draw
-    from r. Each step's token therefore follows p, as a chain's does.
+    from r. Each step's token therefore follows p, as a chain's does. ``key``: the draws' random
+    key (None: MLX's global stream).
     """
     parents, children = draft.parents, children_of(draft.parents)
     if sampling.temp == 0:
@@ -177,7 +180,9 @@ def accept_tree(logits: mx.array, draft, sampling, argmax: Optional[list] = None
     p = sampling.probs(logits)
     # Every edge's p(child | parent) and a uniform draw for it, in the step's first sync.
     edges = p[mx.array([parent + 1 for parent in parents]), mx.array(draft.tokens)]
-    edge_probs, uniforms = mx.stack([edges, mx.random.uniform(shape=edges.shape)]).tolist()
+    uniform_key, draw_key = (None, None) if key is None else mx.random.split(key)
+    uniforms = mx.random.uniform(shape=edges.shape, key=uniform_key)
+    edge_probs, uniforms = mx.stack([edges, uniforms]).tolist()
     path, node = [], -1
     while True:
         child, rejected = _walk(children, draft.tokens, edge_probs, uniforms, node)
@@ -187,7 +192,7 @@ def accept_tree(logits: mx.array, draft, sampling, argmax: Optional[list] = None
                 residual = residual.at[mx.array(rejected)].multiply(0.0)
             # Float error can leave nothing where the rejected children held all the mass.
             residual = mx.where(residual.sum() > 0, residual, p[node + 1])
-            return path, mx.random.categorical(mx.log(residual)).item()
+            return path, mx.random.categorical(mx.log(residual), key=draw_key).item()
         node = child
         path.append(node)
 

@@ -10,7 +10,9 @@ template with thinking off, ``adaptive`` (and no ``thinking``) leaves the templa
 ``output_config.effort`` maps to a budget (server/reasoning.py). Replies start with ``thinking``
 blocks (their ``signature`` a digest of the text, which this server does not check when it comes
 back); thinking blocks in the history are given to the template as the turn's ``reasoning_content``.
-Unknown top-level fields (``metadata``, ...) are ignored; ``top_k`` keeps the k most likely tokens
+``metadata`` and ``service_tier`` change nothing and are accepted; ``container``, ``mcp_servers``
+and ``context_management`` (Anthropic's server-side tools) only empty, and an unknown field is a
+400 naming it, as Anthropic's API answers; ``top_k`` keeps the k most likely tokens
 (1 is greedy), as the OpenAI side's ``top_k`` does (docs/sampling.md).
 
 Usage follows Anthropic: ``input_tokens`` are the prompt tokens decoded now, and
@@ -51,6 +53,38 @@ ERROR_TYPES = {
 ANTHROPIC_STATUS = {503: 529}  # our status -> Anthropic's, where they differ
 
 
+# The Messages fields read here; the ones that change nothing in the output are accepted, and a
+# field that would change it and is not honoured is a 400 that names it (``_check_fields``).
+MESSAGES_FIELDS = {
+    "model",
+    "max_tokens",
+    "messages",
+    "system",
+    "stop_sequences",
+    "stream",
+    "temperature",
+    "top_p",
+    "top_k",
+    "tools",
+    "tool_choice",
+    "thinking",
+    "output_config",
+}
+MESSAGES_IGNORED = {"metadata", "service_tier"}  # bookkeeping on Anthropic's side
+# tools run on Anthropic's side: accepted only empty
+MESSAGES_UNSUPPORTED = {"container", "mcp_servers", "context_management"}
+
+
+def _check_fields(body: dict):
+    """Refuse a field this server does not honour, as Anthropic refuses unknown ones."""
+    for name in sorted(set(body) - MESSAGES_FIELDS - MESSAGES_IGNORED):
+        if name in MESSAGES_UNSUPPORTED:
+            if body[name] in (None, [], {}):
+                continue
+            raise invalid(f"{name}: not supported by this server", param=name)
+        raise invalid(f"{name}: Extra inputs are not permitted", param=name)
+
+
 def anthropic_error(error: ApiError) -> dict:
     status = ANTHROPIC_STATUS.get(error.status, error.status)
     kind = ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
@@ -66,6 +100,7 @@ def parse_messages(
     effort_budgets: dict = EFFORT_BUDGETS,
 ) -> GenerationRequest:
     """A /v1/messages body (``counting``: a count_tokens body, which has no max_tokens)."""
+    _check_fields(body)
     model = typed(body, "model", (str,), model_id, "a string")
     if model != model_id:
         raise ApiError(

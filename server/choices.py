@@ -1,15 +1,15 @@
 """OpenAI's ``n``: several choices from one prompt, each its own row of the batch.
 
 A request with ``n`` > 1 is queued as n requests (``choice_requests``) in one group
-(``Engine.submit_together``): they join the batch in the same step when n rows are free, and their
-prompts are prefilled together as one batch. The prompt is computed once per row in that batch, not
-once and copied to each row. Each choice is an ordinary request of the engine, so under a sharded
+(``Engine.submit_together``): they join the batch in the same step when n rows are free, and the
+batch prefills their one prompt once and copies its cache to each row
+(``batch.row.shared_prompts``). Each choice is an ordinary request of the engine, so under a sharded
 model every rank inserts the same rows in the same order, as for any other request.
 
-Seeds: MLX's random state is global, and a batch draws all its rows from one stream. The first
-choice seeds it with ``seed`` (as an n=1 request does); the others do not reseed it, so the n
-choices draw from the one stream that ``seed`` starts: repeatable when the request decodes alone,
-and different from each other in general. At temperature 0 every choice is the n=1 answer.
+Seeds: each row draws from its own random stream (``insert(seed=...)``), so choice i is what a
+request with ``n`` 1 and seed ``(seed + i) % 2**64`` gives alone (where no draft model samples: a
+draft model draws from MLX's global stream). Without a seed the choices draw from the global
+stream. At temperature 0 every choice is the n=1 answer.
 
 Each choice has its own format (its own tool-call reader, logprob offsets and finish_reason); the
 answers are merged here: ``choices[i].index`` is i, ``prompt_tokens`` counts the prompt once and
@@ -26,8 +26,12 @@ DONE = "data: [DONE]\n\n"
 
 
 def choice_requests(request: GenerationRequest) -> list:
-    """The n requests the engine decodes for ``request``: the first seeds the random stream."""
-    return [request] + [replace(request, seed=None) for _ in range(request.num_choices - 1)]
+    """The n requests the engine decodes for ``request``: choice i with seed ``seed + i``."""
+    seed = request.seed
+    return [
+        replace(request, seed=None if seed is None else (seed + index) % 2**64)
+        for index in range(request.num_choices)
+    ]
 
 
 def choice_formats(make_format, model_id: str, requests: list) -> list:

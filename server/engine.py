@@ -393,8 +393,8 @@ class Engine:
 
     def _start(self, job: Job):
         request, forced = job.request, job.forced
-        if request.seed is not None:
-            mx.random.seed(request.seed)  # repeatable when the request decodes alone
+        if request.seed is not None:  # the row draws from its own seed; a draft model that
+            mx.random.seed(request.seed)  # samples, from the global stream
         layers, cached = self.prompt_cache.lookup(request.prompt)
         (uid,) = self.generator.insert(
             [request.prompt],
@@ -404,6 +404,7 @@ class Engine:
             max_tokens=request.max_tokens,
             prompt_cache=[layers],
             logprobs=[request.logprobs],
+            seed=request.seed,
         )
         self.replies[uid] = Reply(job, self.tokenizer, cached)
         job.send("start", cached)

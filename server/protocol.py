@@ -61,6 +61,7 @@ CHAT_FIELDS = COMMON | {
     "chat_template_kwargs",
     "reasoning_effort",
     "thinking_token_budget",
+    "modalities",
 }
 COMPLETION_FIELDS = COMMON | {"prompt", "echo", "suffix", "best_of", "logprobs"}
 
@@ -142,6 +143,8 @@ def parse_chat(
         typed(body, "response_format", (dict,), {"type": "text"}, "an object"), "response_format"
     )
     parallel = typed(body, "parallel_tool_calls", (bool,), True, "a boolean")
+    if typed(body, "modalities", (list,), ["text"], "a list") != ["text"]:
+        raise invalid("'modalities' must be [\"text\"]: this server writes text only", "modalities")
     thinking = effort_request(
         body.get("reasoning_effort"),
         "reasoning_effort",

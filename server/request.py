@@ -11,8 +11,17 @@ from constrained.thinking import Thinking
 from decoder.text import eos_ids_of
 from server.tools import ToolUse
 
-# Accepted and ignored: they change nothing here (or only bookkeeping on OpenAI's side).
-IGNORED = {"user", "store", "metadata", "service_tier", "stream_options", "modalities"}
+# Accepted and ignored: bookkeeping on OpenAI's side, which changes nothing in the output. A field
+# that would change it is read, or a 400 that names it.
+IGNORED = {
+    "user",
+    "store",
+    "metadata",
+    "service_tier",
+    "prompt_cache_key",
+    "prompt_cache_retention",
+    "safety_identifier",
+}
 # mlx_lm.server's sampling extras beside OpenAI's penalties and logit_bias, with its names and
 # defaults: field -> (default, low, high, whether an integer); docs/sampling.md.
 SAMPLING_CONTROLS = {
@@ -101,7 +110,7 @@ class GenerationRequest:
 
     def sampling(self) -> dict:
         """``BatchGenerator.insert``'s sampling options for this request's one row."""
-        from mlx_lm.sample_utils import make_logits_processors
+        from decoder.processors import make_logits_processors
 
         return dict(
             temp=self.temp,

@@ -3,6 +3,7 @@
 conversations a later ``previous_response_id`` continues.
 """
 
+import json
 import threading
 from collections import OrderedDict
 
@@ -18,6 +19,9 @@ from server.request import (
 )
 
 FIELDS = {
+    "truncation",
+    "background",
+    "include",
     "model",
     "input",
     "instructions",
@@ -34,19 +38,53 @@ FIELDS = {
     "reasoning",
     "thinking_token_budget",
 }
-# Accepted and ignored: bookkeeping on OpenAI's side, or options that change nothing here.
+# Accepted and ignored: bookkeeping on OpenAI's side, which changes nothing in the output.
 IGNORED = {
     "metadata",
     "user",
     "service_tier",
-    "truncation",
-    "include",
     "prompt_cache_key",
     "safety_identifier",
     "prompt_cache_retention",
-    "stream_options",
-    "background",
+    "stream_options",  # include_obfuscation: padding in stream events
 }
+# Fields read only to refuse what this server does not do: field -> the values it accepts.
+ONLY = {
+    "truncation": ("disabled",),  # "auto" would drop input items; this server never does
+    "background": (False,),  # a background response answers before it is done
+}
+# ``include`` values that change nothing: the tools and image inputs they add data of never run or
+# come here (only function tools and text are served)
+INCLUDE_NOTHING = {
+    "file_search_call.results",
+    "web_search_call.results",
+    "web_search_call.action.sources",
+    "code_interpreter_call.outputs",
+    "computer_call_output.output.image_url",
+    "message.input_image.image_url",
+}
+
+
+def _check_unsupported(body: dict):
+    """A 400 naming a field whose value would change the answer in a way this server does not
+    honour (``ONLY``, ``include``, ``text.verbosity``)."""
+    for name, accepted in ONLY.items():
+        if body.get(name) is not None and body[name] not in accepted:
+            raise invalid(
+                f"'{name}' must be {' or '.join(json.dumps(a) for a in accepted)} here, "
+                f"not {json.dumps(body[name])[:40]}",
+                param=name,
+            )
+    include = typed(body, "include", (list,), [], "a list of strings")
+    for value in include:
+        if value not in INCLUDE_NOTHING:
+            raise invalid(
+                f"'include' value {json.dumps(value)[:60]} is not supported by this server",
+                param="include",
+            )
+    verbosity = typed(body, "text", (dict,), {}, "an object").get("verbosity")
+    if verbosity not in (None, "medium"):
+        raise invalid("'text.verbosity' other than 'medium' is not supported", param="text")
 
 
 class ResponseStore:
@@ -86,6 +124,7 @@ def parse_responses(
 ) -> GenerationRequest:
     """A /v1/responses body."""
     check_fields_and_model(body, FIELDS, model_id, IGNORED)
+    _check_unsupported(body)
     max_tokens = typed(body, "max_output_tokens", (int,), default_max_tokens, "an integer")
     if max_tokens < 1:
         raise invalid("'max_output_tokens' must be at least 1", param="max_output_tokens")

@@ -871,3 +871,37 @@ def test_sliding_rows_drop_old_slots_and_stay_lossless_while_rows_join_and_leave
     (uid,) = generator.insert([second], max_tokens=12, prompt_cache=[prefix])
     out = [t for responses in iter(generator.next, []) for r in responses for t in r.tokens]
     assert out == mlx_lm_greedy(model, second, 12)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3_next", "gemma3_text"])
+def test_rows_with_one_prompt_share_one_prefill(name):
+    """Rows that join with the same prompt (a request's n choices) run it through the model once,
+    its cache copied to each row; every row still gives what it gives alone, and a different prompt
+    or cached prefix length beside them is prefilled on its own."""
+    from tests.architectures import build
+
+    model = MODEL if name == "llama" else build(name)[0]
+    prompt, other = [5, 17, 9, 33, 8, 21, 40, 6, 11], [7, 30, 12, 4]
+    want = alone(model, prompt, 10, eos=())
+    shapes = []
+
+    class Recorded:  # the model, noting the shape of every call
+        layers, args = model.layers, model.args
+        make_cache = getattr(model, "make_cache", None)
+
+        def __call__(self, inputs, cache=None):
+            shapes.append(inputs.shape)
+            return model(inputs, cache=cache)
+
+    generator = BatchGenerator(Recorded() if name != "llama" else model)
+    uids = generator.insert([prompt, prompt, other, prompt], max_tokens=10, eos_token_ids=())
+    got = {uid: [] for uid in uids}
+    while responses := generator.next():
+        for response in responses:
+            got[response.uid] += response.tokens
+    assert [got[uid] for uid in uids[:2] + uids[3:]] == [want] * 3
+    assert got[uids[2]] == alone(model, other, 10, eos=())
+    assert generator.stats.prefilled_tokens == len(prompt) - 1 + len(other) - 1
+    assert generator.stats.prompt_tokens == 3 * len(prompt) + len(other)
+    if shapes:  # the three rows' prompt: one call of one row (the other joins apart, shorter)
+        assert [rows for rows, width in shapes if width == len(prompt) - 1] == [1]

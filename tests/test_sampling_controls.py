@@ -155,6 +155,42 @@ def test_a_batch_gives_each_row_its_own_processors():
         assert outputs[uid] == mlx_lm_greedy(prompt, row_processors), f"row {uid}"
 
 
+def test_the_vectorized_processors_equal_mlx_lms_at_every_position():
+    """decoder.make_logits_processors over a pass's W positions at once: each position, bit for
+    bit, what mlx-lm's own processors give it with the tokens before it (float32 and bfloat16)."""
+    from decoder import process_logits
+    from decoder.processors import make_logits_processors as ours
+
+    rng = np.random.default_rng(0)
+    for trial in range(60):
+        tokens = rng.integers(0, 12, int(rng.integers(0, 30))).tolist()
+        draft = rng.integers(0, 12, int(rng.integers(0, 8))).tolist()
+        dtype = (mx.float32, mx.bfloat16)[trial % 2]
+        logits = mx.array(rng.normal(size=(len(draft) + 1, 40)) * 3).astype(dtype)
+        settings = dict(
+            logit_bias={3: 2.0, 7: -1.5},
+            repetition_penalty=float(rng.uniform(0.5, 2)),
+            repetition_context_size=int(rng.integers(0, 6)),
+            presence_penalty=float(rng.uniform(-2, 2)),
+            presence_context_size=int(rng.integers(0, 6)),
+            frequency_penalty=float(rng.uniform(-2, 2)),
+            frequency_context_size=int(rng.integers(0, 25)),
+        )
+        got = process_logits(ours(**settings), tokens, draft, logits)
+        context = tokens + draft
+        for position in range(len(draft) + 1):
+            want = logits[position : position + 1]
+            for processor in make_logits_processors(**settings):
+                want = processor(mx.array(context[: len(tokens) + position]), want)
+            assert got.dtype == want.dtype
+            assert mx.array_equal(got[position : position + 1], want).item(), (trial, position)
+        # called as mlx-lm calls a processor: the one position after the tokens
+        (last,) = ours(frequency_penalty=0.5, frequency_context_size=4)
+        alone = make_logits_processors(frequency_penalty=0.5, frequency_context_size=4)[0]
+        row = logits[:1]
+        assert mx.array_equal(last(mx.array(context), row), alone(mx.array(context), row)).item()
+
+
 # --- sampling keeps the processed distribution ---------------------------------------------
 
 SMALL_VOCAB = 10
@@ -295,6 +331,86 @@ def test_a_point_mass_draft_is_verified_against_the_truncated_distribution():
     for _ in range(50):
         num_accepted, token = accept_draft(rows, Draft([least]), Sampling(1.0, top_k=3))
         assert num_accepted == 0 and token != least
+
+
+# Two kinds of rows sampled side by side in one batch, each with its own controls and seed.
+BATCH_CONTROLS = [
+    dict(top_k=3, processors=make_logits_processors(repetition_penalty=3.0)),
+    dict(min_p=0.15, processors=make_logits_processors(logit_bias={4: 3.0, 0: -2.0})),
+]
+
+
+def batch_counts(runs=1200, temp=0.8, batch=300) -> list:
+    """Per kind of BATCH_CONTROLS: the counts of its rows' (first, second) tokens, the kinds
+    alternating in batches of ``batch`` rows, each row with a drafter and a seed of its own."""
+    rng, kinds = np.random.default_rng(1), len(BATCH_CONTROLS)
+    counts = [np.zeros(SMALL_VOCAB * SMALL_VOCAB, dtype=np.int64) for _ in BATCH_CONTROLS]
+    proposed = accepted = 0
+    for start in range(0, runs * kinds, batch):
+        controls = [BATCH_CONTROLS[i % kinds] for i in range(batch)]
+        generator = BatchGenerator(SMALL, eos_token_ids=(), max_width=2)
+        uids = generator.insert(
+            [PROMPT] * batch,
+            draft_sources=[[random_drafter(rng)] for _ in range(batch)],
+            temp=temp,
+            top_k=[c.get("top_k", 0) for c in controls],
+            min_p=[c.get("min_p", 0.0) for c in controls],
+            logits_processors=[c["processors"] for c in controls],
+            max_tokens=2,
+            seed=list(range(start, start + batch)),
+        )
+        outputs = {uid: [] for uid in uids}
+        while responses := generator.next():
+            for response in responses:
+                outputs[response.uid] += response.tokens
+                if response.stats is not None:
+                    proposed += response.stats.draft_proposed
+                    accepted += response.stats.draft_accepted
+        for index, uid in enumerate(uids):
+            first, second = outputs[uid]
+            counts[index % kinds][first * SMALL_VOCAB + second] += 1
+    assert 0 < accepted < proposed  # the drafts were verified, and not all accepted
+    return counts
+
+
+def test_rows_of_one_batch_each_keep_their_processed_distribution():
+    """Rows with different controls, drafts and seeds in one batch: each kind of row follows its
+    own processed distribution, and the same check fails it against the other kind's."""
+    counts = batch_counts()
+    joints = []
+    for controls in BATCH_CONTROLS:
+        options = {k: v for k, v in controls.items() if k != "processors"}
+        joints.append(processed_joint(controls["processors"], 0.8, **options))
+    for kind_counts, joint in zip(counts, joints):
+        assert chi_square_p_value(kind_counts, joint) > 1e-3
+    assert rejects(counts[0], joints[1]) and rejects(counts[1], joints[0])
+
+
+def test_a_seeded_row_samples_in_a_batch_what_it_samples_alone():
+    """A row's draws come from its own seed, whatever the other rows of the batch draw."""
+    prompts = [[3, 9, 4, 1] * 3, [5, 6, 7], [8, 2, 8, 2]]
+    options = dict(temp=1.0, min_p=0.02, max_tokens=MAX_TOKENS)
+    processors = make_logits_processors(repetition_penalty=1.3)
+    alone = [
+        [
+            token
+            for token, _ in generate_step(
+                prompt, TARGET, eos_token_ids=(), seed=seed, logits_processors=processors, **options
+            )
+        ]
+        for prompt, seed in zip(prompts, (10, 11, 2**64 - 1))
+    ]
+    assert len({tuple(tokens) for tokens in alone}) == 3
+    mx.random.seed(0)  # the global stream plays no part
+    generator = BatchGenerator(TARGET, eos_token_ids=())
+    uids = generator.insert(
+        prompts, seed=[10, 11, 2**64 - 1], logits_processors=[processors] * 3, **options
+    )
+    outputs = {uid: [] for uid in uids}
+    while responses := generator.next():
+        for response in responses:
+            outputs[response.uid] += response.tokens
+    assert [outputs[uid] for uid in uids] == alone
 
 
 # --- the command line ----------------------------------------------------------------------

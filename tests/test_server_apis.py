@@ -231,6 +231,94 @@ def test_responses_input_items_become_chat_messages():
     assert caught.value.status == 404 and caught.value.code == "previous_response_not_found"
 
 
+def parsers() -> dict:
+    """Each API's parser and a minimal body of it."""
+    from server.anthropic import parse_messages
+    from server.protocol import parse_chat, parse_completion
+    from server.responses_input import ResponseStore, parse_responses
+
+    hi = [{"role": "user", "content": "hi"}]
+    return {
+        "chat": (parse_chat, {"messages": hi}),
+        "completions": (parse_completion, {"prompt": "hi"}),
+        "responses": (lambda *a: parse_responses(*a, ResponseStore(4)), {"input": "hi"}),
+        "messages": (parse_messages, {"messages": hi, "max_tokens": 5}),
+    }
+
+
+# Fields that change nothing in the output: accepted, and the request is the one without them.
+BOOKKEEPING = {
+    "chat": {
+        "user": "u1",
+        "store": True,
+        "metadata": {"a": "b"},
+        "service_tier": "auto",
+        "prompt_cache_key": "k",
+        "safety_identifier": "s",
+        "modalities": ["text"],
+    },
+    "completions": {"user": "u1", "metadata": {"a": "b"}, "echo": False, "best_of": 1},
+    "responses": {
+        "metadata": {"a": "b"},
+        "user": "u1",
+        "prompt_cache_key": "k",
+        "truncation": "disabled",
+        "background": False,
+        "include": ["web_search_call.results", "file_search_call.results"],
+        "stream_options": {"include_obfuscation": False},
+        "text": {"verbosity": "medium"},
+    },
+    "messages": {"metadata": {"user_id": "u1"}, "service_tier": "auto", "mcp_servers": []},
+}
+
+
+@pytest.mark.parametrize("api", BOOKKEEPING)
+def test_fields_that_change_nothing_are_accepted_and_change_nothing(api):
+    parse, body = parsers()[api]
+    plain = parse({"model": "tiny", **body}, HERMES, "tiny", 64)
+    with_them = parse({"model": "tiny", **body, **BOOKKEEPING[api]}, HERMES, "tiny", 64)
+    assert with_them == plain
+
+
+@pytest.mark.parametrize(
+    "api, change, param",
+    [
+        ("chat", {"modalities": ["text", "audio"]}, "modalities"),
+        ("chat", {"verbosity": "low"}, "verbosity"),
+        ("chat", {"stream_options": {"include_usage": True}, "audio": {}}, "audio"),
+        ("completions", {"echo": True}, "echo"),
+        ("completions", {"suffix": "end"}, "suffix"),
+        ("responses", {"truncation": "auto"}, "truncation"),
+        ("responses", {"background": True}, "background"),
+        ("responses", {"include": ["reasoning.encrypted_content"]}, "include"),
+        ("responses", {"include": ["message.output_text.logprobs"]}, "include"),
+        ("responses", {"text": {"verbosity": "low"}}, "text"),
+        ("responses", {"top_logprobs": 2}, "top_logprobs"),
+        ("messages", {"container": "container_1"}, "container"),
+        (
+            "messages",
+            {"mcp_servers": [{"type": "url", "url": "http://x", "name": "x"}]},
+            "mcp_servers",
+        ),
+        (
+            "messages",
+            {"context_management": {"edits": [{"type": "clear_tool_uses"}]}},
+            "context_management",
+        ),
+        ("messages", {"output_format": {"type": "json_schema", "schema": {}}}, "output_format"),
+        ("messages", {"n": 2}, "n"),
+    ],
+)
+def test_a_field_that_would_change_the_output_and_is_not_honoured_is_a_400_naming_it(
+    api, change, param
+):
+    parse, body = parsers()[api]
+    with pytest.raises(ApiError) as caught:
+        parse({"model": "tiny", **body, **change}, HERMES, "tiny", 64)
+    assert caught.value.status == 400 and caught.value.param == param
+    assert param in caught.value.message and "\n" not in caught.value.message
+
+
 def test_a_quiet_stream_pings_and_then_goes_on():
     """Anthropic's stream sends a ping after MessagesFormat.ping_s without events (a long
     prefill)."""

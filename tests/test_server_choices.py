@@ -1,6 +1,7 @@
 """OpenAI's ``n`` on the tiny random model's server (tests/tiny_server.py, --max-batch 4): greedy
-choices are the n=1 answer, seeded sampled ones repeat, streams carry each choice's index and one
-usage, and a bad ``n`` is a 400 that names it."""
+choices are the n=1 answer, seeded sampled ones repeat, choice i is the n=1 answer with seed
+seed + i, streams carry each choice's index and one usage, and a bad ``n`` is a 400 that names
+it."""
 
 import json
 import urllib.error
@@ -89,6 +90,18 @@ def test_seeded_sampled_choices_repeat_streamed_or_not(server):
     ) + [True]
     assert chunks[-1].usage.completion_tokens == first.usage.completion_tokens
     assert chunks[-1].usage.prompt_tokens == len(PROMPT)
+
+
+def test_seeded_choice_i_is_the_n1_answer_with_seed_plus_i(server):
+    api = client(server)
+    asked = dict(model="tiny", prompt=PROMPT, max_tokens=16, temperature=1.0)
+    three = api.completions.create(**asked, seed=2**64 - 2, n=3)
+    alone = [
+        api.completions.create(**asked, seed=seed).choices[0].text
+        for seed in (2**64 - 2, 2**64 - 1, 0)
+    ]
+    assert [c.text for c in three.choices] == alone
+    assert len(set(alone)) > 1  # the streams differ (a weak check, but it fails if they do not)
 
 
 def test_chat_stream_carries_both_indices(server):

@@ -151,3 +151,27 @@ def test_a_sampled_request_with_controls_and_a_seed_repeats(engine):
     request = completion(engine, temperature=1.0, top_k=4, min_p=0.05, seed=3, presence_penalty=1)
     first = run_together(engine, [request])
     assert run_together(engine, [request]) == first
+
+
+def test_n_choices_prefill_the_prompt_once(engine):
+    """A request's n choices: the prompt runs through the model once and its cache is copied to
+    each row; greedy, each choice is the n=1 answer."""
+    from dataclasses import replace
+
+    from server.choices import choice_requests
+
+    request = replace(completion(engine, prompt="zq 97 zq 97 zq"), num_choices=3)
+
+    async def run():
+        jobs = engine.submit_together(
+            choice_requests(request), asyncio.get_running_loop(), [None] * 3
+        )
+        return [await outcome_of(job) for job in jobs]
+
+    before = engine.generator.stats.prefilled_tokens
+    outcomes = asyncio.run(run())
+    cached = outcomes[0].cached_tokens
+    assert {outcome.cached_tokens for outcome in outcomes} == {cached}
+    assert engine.generator.stats.prefilled_tokens - before == len(request.prompt) - 1 - cached
+    alone = run_together(engine, [replace(request, num_choices=1)])
+    assert [outcome.tokens for outcome in outcomes] == alone * 3
