@@ -107,6 +107,8 @@ class GenerationRequest:
     xtc_special_tokens: tuple = ()
     # make_logits_processors' arguments: logit_bias and PROCESSOR_CONTROLS
     processors: dict = field(default_factory=dict)
+    # Responses' include of reasoning.encrypted_content (server/responses_input.py)
+    opaque_reasoning: bool = False
 
     def sampling(self) -> dict:
         """``BatchGenerator.insert``'s sampling options for this request's one row."""

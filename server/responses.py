@@ -27,7 +27,7 @@ import uuid
 from server.engine import Outcome
 from server.formats import Format, Reasoning, sse
 from server.request import ApiError, GenerationRequest
-from server.responses_input import ResponseStore
+from server.responses_input import ResponseStore, opaque
 from server.tools import Call
 
 
@@ -157,6 +157,8 @@ class ResponsesFormat(Format):
         part = item["content"][0]
         where = {"item_id": item["id"], "output_index": len(self.output), "content_index": 0}
         item["status"] = "completed"
+        if self.request.opaque_reasoning:
+            item["encrypted_content"] = opaque(part["text"])
         events = [
             self._event("response.reasoning_text.done", **where, text=part["text"]),
             self._event("response.content_part.done", **where, part=part),

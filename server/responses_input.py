@@ -3,6 +3,7 @@
 conversations a later ``previous_response_id`` continues.
 """
 
+import base64
 import json
 import threading
 from collections import OrderedDict
@@ -65,6 +66,24 @@ INCLUDE_NOTHING = {
 }
 
 
+# Asked by clients that store nothing server-side (Codex): each reasoning item carries its text as
+# an opaque ``encrypted_content`` (base64, not encrypted: this server keeps no secret), which the
+# client sends back in the next turn's input, where it is read as the item's text.
+ENCRYPTED_REASONING = "reasoning.encrypted_content"
+
+
+def opaque(text: str) -> str:
+    return base64.b64encode(text.encode()).decode()
+
+
+def _unwrapped(item: dict) -> str:
+    """A reasoning item's ``encrypted_content`` text ("" where it is not one of ours)."""
+    try:
+        return base64.b64decode(item.get("encrypted_content") or "", validate=True).decode()
+    except (ValueError, TypeError):
+        return ""
+
+
 def _check_unsupported(body: dict):
     """A 400 naming a field whose value would change the answer in a way this server does not
     honour (``ONLY``, ``include``, ``text.verbosity``)."""
@@ -77,7 +96,7 @@ def _check_unsupported(body: dict):
             )
     include = typed(body, "include", (list,), [], "a list of strings")
     for value in include:
-        if value not in INCLUDE_NOTHING:
+        if value not in INCLUDE_NOTHING | {ENCRYPTED_REASONING}:
             raise invalid(
                 f"'include' value {json.dumps(value)[:60]} is not supported by this server",
                 param="include",
@@ -135,6 +154,7 @@ def parse_responses(
         temp=0.0 if temp < 1e-6 else temp,
         top_p=max(float(number(body, "top_p", 1.0, 0.0, 1.0)), 1e-9),
         stream=typed(body, "stream", (bool,), False, "a boolean"),
+        opaque_reasoning=ENCRYPTED_REASONING in body.get("include", []),
     )
     previous = typed(body, "previous_response_id", (str,), None, "a string")
     conversation = (store.get(previous) if previous else []) + _input_messages(body.get("input"))
@@ -265,7 +285,8 @@ def _input_messages(items) -> list:
                 for key in ("content", "summary")
                 for p in (item.get(key) if isinstance(item.get(key), list) else [])
             ]
-            thought = "".join(p.get("text", "") for p in parts if isinstance(p, dict)) or thought
+            text = "".join(p.get("text", "") for p in parts if isinstance(p, dict))
+            thought = text or _unwrapped(item) or thought
         else:
             raise invalid(
                 f"{where}: '{kind}' items are not supported (message, function_call and "

@@ -290,7 +290,6 @@ def test_fields_that_change_nothing_are_accepted_and_change_nothing(api):
         ("completions", {"suffix": "end"}, "suffix"),
         ("responses", {"truncation": "auto"}, "truncation"),
         ("responses", {"background": True}, "background"),
-        ("responses", {"include": ["reasoning.encrypted_content"]}, "include"),
         ("responses", {"include": ["message.output_text.logprobs"]}, "include"),
         ("responses", {"text": {"verbosity": "low"}}, "text"),
         ("responses", {"top_logprobs": 2}, "top_logprobs"),

@@ -390,6 +390,30 @@ def test_responses_reasoning_item_and_stream(server):
 
 
 @pytest.mark.slow
+def test_opaque_reasoning_goes_back_and_forth_as_the_reasoning_text(server):
+    """``include: ["reasoning.encrypted_content"]`` (a client that stores nothing, as Codex):
+    the reasoning item carries its text opaquely, and an input item with only that text reads as
+    one with the text in the clear (the next prompt's ``reasoning_content``)."""
+    client = openai_client(server)
+    options = dict(model="tiny", max_output_tokens=30, temperature=0)
+    first = client.responses.create(
+        input="hi",
+        include=["reasoning.encrypted_content"],
+        extra_body={"thinking_token_budget": 3},
+        **options,
+    )
+    reasoning, message = first.output
+    assert reasoning.encrypted_content
+    from server.responses_input import _input_messages
+
+    text = reasoning.content[0].text
+    back = {"type": "reasoning", "summary": [], "encrypted_content": reasoning.encrypted_content}
+    answer = {"role": "assistant", "content": message.content[0].text}
+    chat = _input_messages([{"role": "user", "content": "hi"}, back, answer])
+    assert chat[-1]["reasoning_content"] == text
+
+
+@pytest.mark.slow
 def test_a_batch_mixing_thinking_and_plain_rows_gives_each_row_its_answer_alone(server):
     asks = [
         {"thinking_token_budget": 2},
