@@ -104,24 +104,26 @@ def check_plain(model):
     )
 
 
+def decoded(model, prompt: list, max_tokens: int, sources: list, **options) -> list:
+    """Our loop's tokens for ``prompt`` with ``sources``, without stopping at an EOS."""
+    from decoder import generate_step
+
+    return [
+        token
+        for token, _ in generate_step(
+            prompt, model, eos_token_ids=(), max_tokens=max_tokens, draft_sources=sources, **options
+        )
+    ]
+
+
 def check_prompt_lookup(model):
     """Prompt lookup gives mlx-lm's tokens, with some drafts accepted and some rejected."""
-    from decoder import DecodingStats, generate_step
+    from decoder import DecodingStats
 
     length, _, max_tokens = lengths(model)
     prompt = prompt_tokens(length, seed=1)
     want, stats = mlx_lm_greedy(model, prompt, max_tokens), DecodingStats()
-    got = [
-        token
-        for token, _ in generate_step(
-            prompt,
-            model,
-            eos_token_ids=(),
-            max_tokens=max_tokens,
-            draft_sources=[lookup_source(prompt, want)],
-            stats=stats,
-        )
-    ]
+    got = decoded(model, prompt, max_tokens, [lookup_source(prompt, want)], stats=stats)
     assert_same_tokens(model, prompt, got, want, "prompt lookup")
     assert_accepted_and_rejected(stats.draft_proposed, stats.draft_accepted, "prompt lookup")
 
@@ -231,23 +233,12 @@ def check_trees(model, tree_nodes: int = 4, batch: bool = True) -> int:
     (``batch``) rows in a batch; returns how many trees were verified (0: the model drafts
     chains)."""
     from batch import BatchGenerator
-    from decoder import generate_step
 
     length, row_lengths, max_tokens = lengths(model)
     prompt = prompt_tokens(length, seed=2)
     want = mlx_lm_greedy(model, prompt, max_tokens)
     source = tree_lookup_source(prompt, want)
-    got = [
-        token
-        for token, _ in generate_step(
-            prompt,
-            model,
-            eos_token_ids=(),
-            max_tokens=max_tokens,
-            draft_sources=[source],
-            tree_nodes=tree_nodes,
-        )
-    ]
+    got = decoded(model, prompt, max_tokens, [source], tree_nodes=tree_nodes)
     assert_same_tokens(model, prompt, got, want, f"draft trees of {tree_nodes} nodes")
     trees = source.trees
     if not batch:

@@ -15,6 +15,17 @@ from decoder.cache import CacheKindError, KVRows
 from tests import architecture_checks as checks
 from tests.architectures import build, save, tokenizer
 
+# recurrent layers beside attention, beside sliding windows, in CacheLists, alone
+RECURRENT = [
+    "qwen3_next",
+    "qwen3_5",
+    "lfm2",
+    "nemotron_h",
+    "falcon_h1",
+    "recurrent_gemma",
+    "baichuan_m1",
+    "mamba2",
+]
 TESTED = [
     # full attention, with experts, with latent attention (deepseek_v32 in CacheLists); mistral3
     # scales attention by position
@@ -33,30 +44,11 @@ TESTED = [
     "exaone4",
     # attention chunks
     "llama4",
-    # recurrent layers beside attention, beside sliding windows, in CacheLists, alone
-    "qwen3_next",
-    "qwen3_5",
-    "lfm2",
-    "nemotron_h",
-    "falcon_h1",
-    "recurrent_gemma",
-    "baichuan_m1",
-    "mamba2",
+    *RECURRENT,
 ]
 # What drafts chains under --tree-nodes: recurrent and chunked layers, and mistral3, which builds
 # per-position attention scales from the offset itself.
-CHAINS_ONLY = {
-    "mistral3",
-    "llama4",
-    "qwen3_next",
-    "qwen3_5",
-    "lfm2",
-    "nemotron_h",
-    "falcon_h1",
-    "recurrent_gemma",
-    "baichuan_m1",
-    "mamba2",
-}
+CHAINS_ONLY = {"mistral3", "llama4", *RECURRENT}
 THROUGH_MAIN = ["llama", "mistral3", "gemma3_text", "qwen3_next"]
 # What a batch cannot hold, and the one line that says so: llama4 builds its chunk mask from one
 # scalar offset, so its rows cannot keep their own lengths.
