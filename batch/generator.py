@@ -391,10 +391,7 @@ class BatchGenerator:
             return responses
         width = choose_width(
             [len(plan.draft.tokens) for plan in plans],
-            [
-                row.acceptance.rate(plan.drafter.name) if plan.drafter else 0.0
-                for row, plan in zip(self.rows, plans)
-            ],
+            [row.expects(plan) for row, plan in zip(self.rows, plans)],
             self.cost,
             self.max_width,
             self.cache.rows,

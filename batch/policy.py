@@ -70,7 +70,9 @@ def choose_width(
     """The pass width ``W`` (1 + draft tokens per row) that maximises expected tokens per second.
 
     Row b drafts ``min(d_b, W - 1)`` tokens; if each is accepted with chance ``a_b`` once the one
-    before it was, the row is expected to emit ``1 + a_b + a_b^2 + ...`` tokens. A ``[B, W]`` pass
+    before it was, the row is expected to emit ``1 + a_b + a_b^2 + ...`` tokens. A tree's
+    ``acceptance`` is the list of its nodes' chances in the order a narrower pass cuts them
+    (``Draft.chances``): it is expected to emit 1 + the sum of those kept. A ``[B, W]`` pass
     costs ``cost.relative(W, B)`` plain passes, measured by the generator on this machine. W = 1
     (no drafts) wins whenever no wider pass is expected to pay for itself. ``batch_rows`` is B
     where the pass also scores cache rows no running row uses (default: one per draft length).
@@ -83,7 +85,9 @@ def choose_width(
     best_width, best_rate, expected = 1, float(rows), float(rows)
     for width in range(2, widest + 1):
         expected += sum(
-            a ** (width - 1) for d, a in zip(draft_lengths, acceptance) if d >= width - 1
+            a[width - 2] if isinstance(a, list) else a ** (width - 1)
+            for d, a in zip(draft_lengths, acceptance)
+            if d >= width - 1
         )
         rate = expected / cost.relative(width, batch_rows)
         if rate > best_rate:

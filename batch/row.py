@@ -3,7 +3,7 @@ step tells of it (``RowResponse``), and how ``insert``'s options become rows (``
 ``check_row``, ``shared_prompts``)."""
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 from batch.policy import Acceptance
 from decoder.cache import CachedPrefix
@@ -40,6 +40,13 @@ class BatchRow(Row):
         self.prompt_cache = prompt_cache  # the cache of a prefix of the prompt, until prefilled
         self.logprobs = logprobs  # report logprobs and this many top tokens per emitted token
         self.acceptance = Acceptance()  # what the width policy expects of its drafts
+
+    def expects(self, plan) -> Union[float, list]:
+        """What the width policy expects of the row's draft (``choose_width``): a tree's chances
+        of each node, else the rate its drafter's tokens are accepted at."""
+        if plan.draft.chances is not None:
+            return plan.draft.chances
+        return self.acceptance.rate(plan.drafter.name) if plan.drafter else 0.0
 
     def failed(self, error: Exception) -> RowResponse:
         """The row's last response when ``error`` ends it (the other rows go on): one line naming

@@ -27,6 +27,9 @@ class Draft:
     # A tree (``decoder.tree``): token i follows token ``parents[i]`` (-1: the row's last token),
     # an earlier one. None: a chain. A tree's tokens are point masses (probs None).
     parents: Optional[list] = None
+    # A tree's: each token's chance of being accepted, as its source estimates it (the width
+    # policy of a batch reads it).
+    chances: Optional[list] = None
 
     def truncate(self, length: int) -> "Draft":
         """The first ``length`` tokens (of a tree: still a tree), with their distributions."""
@@ -34,7 +37,8 @@ class Draft:
             return self
         probs = None if self.probs is None else self.probs[:length]
         parents = None if self.parents is None else self.parents[:length]
-        return Draft(self.tokens[:length], probs, self.expected_speedup, parents)
+        chances = None if self.chances is None else self.chances[:length]
+        return Draft(self.tokens[:length], probs, self.expected_speedup, parents, chances)
 
     def first_branch(self) -> list:
         """The tokens of a tree's first child at each depth (of a chain: its tokens)."""

@@ -77,4 +77,5 @@ def choose(
     parents = [index[trie[node + 1].parent] for node in nodes]
     expected = 1 + sum(chance[node] for node in nodes)
     main_depth = sum(trie[node + 1].main for node in nodes)
-    return Draft(tokens, parents=parents), expected, main_depth
+    chances = [chance[node] for node in nodes]
+    return Draft(tokens, parents=parents, chances=chances), expected, main_depth

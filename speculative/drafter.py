@@ -88,13 +88,14 @@ def chain_with_alternatives(
     distribution over the rest. A node's chance is the product along its path.
     """
     # (chance, depth, whether an alternative, token): every node the tree could take
-    nodes, reach = [], 1.0
+    nodes, reach, reach_of = [], 1.0, []
     for depth, (token, chance, top) in enumerate(zip(chain, chances, alternatives)):
         rest = max(1.0 - top[0][1], 1e-9)  # the model's mass beside its top token
         for other, q in top[1:]:
             nodes.append((reach * (1 - chance) * q / rest, depth, True, other))
         reach *= chance
         nodes.append((reach, depth, False, token))
+        reach_of.append(reach)
     # Best first; a node's chance never exceeds its parent's, and on a tie the parent is
     # shallower, so the nodes taken always hold their parents.
     taken = sorted(nodes, key=lambda node: (-node[0], node[1], node[2]))[:max_nodes]
@@ -104,8 +105,9 @@ def chain_with_alternatives(
     # chain node d is node d; a leaf at depth d hangs under chain node d - 1
     tokens = [chain[depth] for depth in chain_taken] + [node[3] for node in leaves]
     parents = [depth - 1 for depth in chain_taken] + [node[1] - 1 for node in leaves]
+    chances = [reach_of[depth] for depth in chain_taken] + [node[0] for node in leaves]
     expected = 1 + sum(node[0] for node in taken)
-    return Draft(tokens, parents=parents), expected
+    return Draft(tokens, parents=parents, chances=chances), expected
 
 
 class SharedSource(DraftSource):

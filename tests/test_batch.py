@@ -905,3 +905,11 @@ def test_rows_with_one_prompt_share_one_prefill(name):
     assert generator.stats.prompt_tokens == 3 * len(prompt) + len(other)
     if shapes:  # the three rows' prompt: one call of one row (the other joins apart, shorter)
         assert [rows for rows, width in shapes if width == len(prompt) - 1] == [1]
+
+
+def test_choose_width_reads_a_trees_chances_of_its_nodes():
+    """A tree's acceptance is its nodes' chances in the order a narrower pass keeps them: a sure
+    first node and worthless others make 2 the best width, where a chain's rate would say more."""
+    cost = PassCost(default_token_cost=0.05)
+    assert choose_width([6, 0], [[1.0, 0.0, 0.0, 0.0, 0.0, 0.0], 0.0], cost) == 2
+    assert choose_width([6, 0], [1.0, 0.0], cost) == 7
