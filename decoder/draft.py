@@ -62,6 +62,10 @@ class DraftSource:
 
     name = "draft"
     free = False  # proposing costs next to nothing (forced text): a batch asks it every step
+    # The target's whole distribution, for a source that samples as the target does
+    # (``follow_sampling``): its truncations and its logits processors.
+    sampling = Sampling()
+    processors = ()
 
     def reset(self, cost: Optional[PassCost] = None, temp: float = 0.0, top_p: float = 1.0) -> None:
         """Before each generation: the loop's measured ``cost`` and the target's sampling (a source
@@ -72,6 +76,11 @@ class DraftSource:
     def propose(self, tokens: list, max_draft: int) -> Optional[Draft]:
         """Propose up to ``max_draft`` tokens to follow ``tokens``."""
         raise NotImplementedError
+
+    def follow_sampling(self, sampling: Sampling, processors: Sequence = ()) -> None:
+        """After ``reset``: the target's ``Sampling`` and logits processors, so that a source that
+        samples draws from the distribution the target verifies against (q close to p)."""
+        self.sampling, self.processors = sampling, tuple(processors)
 
     def propose_tree(self, tokens: list, max_draft: int, max_nodes: int) -> Optional[Draft]:
         """Up to ``max_nodes`` tokens in a tree (``Draft.parents``) no deeper than ``max_draft``;

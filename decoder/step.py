@@ -129,12 +129,15 @@ class Row:
     def reset(self, cost: PassCost):
         """Start the sources and the constraint over, before the first step."""
         # With an mlx-lm sampler, q plays no part in acceptance: model sources draft greedily.
-        # They draw from temperature and top-p only: min(1, p/q) is exact for any q a draft was
-        # drawn from (docs/sampling.md).
+        # Otherwise they draw from the processed, truncated distribution, as the target does.
         sampled = self.sampler is None
         temp, top_p = self.sampling.temp, self.sampling.top_p
         for source in self.sources:
             source.reset(cost, temp if sampled else 0.0, top_p if sampled else 1.0)
+            if sampled:
+                source.follow_sampling(self.sampling, self.logits_processors)
+            else:
+                source.follow_sampling(Sampling())
         if self.constraint is not None:
             self.constraint.reset()
         self.stats.pass_cost = cost

@@ -174,14 +174,16 @@ class DraftModel(SharedDrafter):
 
         return [len(p) for p in pending], feed
 
-    def _draw(self, logits: mx.array, trees: Optional[list] = None) -> tuple:
+    def _draw(
+        self, logits: mx.array, trees: Optional[list] = None, contexts: Optional[list] = None
+    ) -> tuple:
         """From (R, V) logits, padded or cut to the target's vocabulary."""
         size = logits.shape[-1]
         if size > self.vocab_size:
             logits = logits[:, : self.vocab_size]
         elif size < self.vocab_size:  # padding rows of the target are never proposed
             logits = mx.pad(logits, [(0, 0), (0, self.vocab_size - size)], constant_values=-mx.inf)
-        return draw_rows(logits, self.rows, trees)
+        return draw_rows(logits, self.rows, trees, contexts)
 
     def _next(self, logits: mx.array, indices: mx.array) -> mx.array:
         return self.model(indices[:, None], cache=self.cache.layers)[:, -1]

@@ -19,7 +19,8 @@ from mlx_lm.utils import common_prefix_len
 
 from decoder.cost import PassCost
 from decoder.draft import Draft, DraftSource
-from decoder.sampling import sampling_probs
+from decoder.processors import process_logits
+from decoder.sampling import Sampling
 from decoder.tree import is_chain
 from speculative.adaptive import AdaptiveLength, Calibration
 
@@ -43,12 +44,18 @@ ALTERNATIVES = 4
 MAX_TREE_NODES = 24
 
 
-def draw_rows(logits: mx.array, sources: list, trees: Optional[list] = None) -> tuple:
+def draw_rows(
+    logits: mx.array, sources: list, trees: Optional[list] = None, contexts: Optional[list] = None
+) -> tuple:
     """Per row of ``logits`` (R, V): the token drawn as row r's ``sources[r]`` samples (argmax when
     greedy, or where ``trees[r]``: a tree's nodes are point masses), the top probability (its
     confidence), q (None for greedy rows) and, with ``trees``, the ``ALTERNATIVES + 1`` most
-    likely tokens and their probabilities (R, k) each. Rows that sample alike are drawn
-    together."""
+    likely tokens and their probabilities (R, k) each.
+
+    A sampled row draws from its ``sampling`` (the target's truncations) after its
+    ``processors``, given ``contexts[r]`` (the tokens before the position; None where ``logits``
+    do not score the target's vocabulary, as a head's sub-vocabulary). Rows that sample alike
+    are drawn together."""
     greedy = mx.softmax(logits.astype(mx.float32), axis=-1)
     tokens, confidence = mx.argmax(greedy, axis=-1), mx.max(greedy, axis=-1)
     top = None
@@ -57,9 +64,16 @@ def draw_rows(logits: mx.array, sources: list, trees: Optional[list] = None) -> 
         top = (top_ids, mx.take_along_axis(greedy, top_ids, axis=-1))
         sources = [_GREEDY if tree else source for source, tree in zip(sources, trees)]
     probs = [None] * len(sources)
-    for temp, top_p in {(s.temp, s.top_p) for s in sources if s.temp > 0}:
-        members = [i for i, s in enumerate(sources) if (s.temp, s.top_p) == (temp, top_p)]
-        group = sampling_probs(logits[mx.array(members)], temp, top_p)
+    samplings = [_sampling_of(s) for s in sources]
+    for sampling in {s for s in samplings if s.temp > 0}:
+        members = [i for i, s in enumerate(samplings) if s == sampling]
+        rows = [
+            logits[i : i + 1]
+            if contexts is None or not sources[i].processors
+            else process_logits(sources[i].processors, contexts[i], [], logits[i : i + 1])
+            for i in members
+        ]
+        group = sampling.probs(mx.concatenate(rows))
         index = mx.array(members)
         tokens[index] = mx.random.categorical(mx.log(group)).astype(tokens.dtype)
         confidence[index] = group.max(axis=-1)
@@ -68,8 +82,16 @@ def draw_rows(logits: mx.array, sources: list, trees: Optional[list] = None) -> 
     return tokens, confidence, probs, top
 
 
+def _sampling_of(source) -> Sampling:
+    """What a row samples its drafts from: the target's ``Sampling`` (``follow_sampling``), or,
+    for a source only reset, its temperature and top-p."""
+    if source.temp > 0 and source.sampling.temp == 0:
+        return Sampling(source.temp, source.top_p)
+    return source.sampling if source.temp > 0 else _GREEDY.sampling
+
+
 class _Greedy:
-    temp, top_p = 0.0, 1.0
+    temp, top_p, sampling, processors = 0.0, 1.0, Sampling(), ()
 
 
 _GREEDY = _Greedy()
@@ -268,7 +290,8 @@ class SharedDrafter:
         lengths = [lengths.get(id(s), 0) if n else 0 for s, n in zip(self.rows, counts)]
         nodes = {id(request.source): request.max_nodes for request in requests}
         trees = [nodes.get(id(source)) is not None for source in self.rows]
-        drafts, positions = self._chain(last, lengths, trees)
+        texts = [request_tokens.get(id(source), []) for source in self.rows]
+        drafts, positions = self._chain(last, lengths, trees, texts)
         cost.record_draft(f"{self.source_class.name} position", cost.clock() - tic, positions)
         for source, tree, (tokens, rows, confidences, alternatives) in zip(
             self.rows, trees, drafts
@@ -311,9 +334,11 @@ class SharedDrafter:
         ``[start, start + counts[r])`` of each row's, right-padded to ``width``."""
         raise NotImplementedError
 
-    def _draw(self, last: mx.array, trees: Optional[list] = None) -> tuple:
+    def _draw(
+        self, last: mx.array, trees: Optional[list] = None, contexts: Optional[list] = None
+    ) -> tuple:
         """``draw_rows`` from each row's last output (R, ...): token indices, confidence, q and,
-        for ``trees``, the top tokens."""
+        for ``trees``, the top tokens; ``contexts``: each row's tokens, for its processors."""
         raise NotImplementedError
 
     def _next(self, last: mx.array, indices: mx.array) -> mx.array:
@@ -346,7 +371,7 @@ class SharedDrafter:
             last = step if last is None else mx.where(has, step, last)
         return last
 
-    def _chain(self, last: mx.array, lengths: list, trees: list) -> tuple:
+    def _chain(self, last: mx.array, lengths: list, trees: list, texts: list) -> tuple:
         """Draft up to ``lengths[r]`` tokens per row, one call per position for all rows; returns
         per row ``(tokens, q rows, confidences, alternatives)`` and the positions drafted; a row
         with ``trees[r]`` drafts its chain greedily and keeps each position's ``ALTERNATIVES``
@@ -356,9 +381,13 @@ class SharedDrafter:
         alive, path = [n > 0 for n in lengths], [1.0] * len(self.rows)
         stops = [self._path_stop(s) if n else 0.0 for s, n in zip(self.rows, lengths)]
         tree_rows = trees if any(trees) else None
+        processed = any(source.processors and source.temp > 0 for source in self.rows)
         fed = 0
         for position in range(max(lengths)):
-            indices, confidence, probs, top = self._draw(last, tree_rows)
+            contexts = None
+            if processed:  # a row's processors read the tokens before each drafted position
+                contexts = [list(text) + d[0] for text, d in zip(texts, drafts)]
+            indices, confidence, probs, top = self._draw(last, tree_rows, contexts)
             mx.eval(indices, confidence, top)
             index_list, confidence_list = self._tokens(indices.tolist()), confidence.tolist()
             if top is not None:

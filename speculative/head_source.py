@@ -249,8 +249,12 @@ class HeadDrafter(SharedDrafter):
 
         return [read[1] - read[0] if read else 0 for read in reads], feed
 
-    def _draw(self, predicted: mx.array, trees: Optional[list] = None) -> tuple:
-        return draw_rows(self.head.logits(predicted), self.rows, trees)
+    def _draw(
+        self, predicted: mx.array, trees: Optional[list] = None, contexts: Optional[list] = None
+    ) -> tuple:
+        # processors index the target's vocabulary: a head that scores a part of it goes without
+        whole = len(self.vocab_list) == self.vocab_size
+        return draw_rows(self.head.logits(predicted), self.rows, trees, contexts if whole else None)
 
     def _next(self, predicted: mx.array, indices: mx.array) -> mx.array:
         embeddings = self.embed(self.vocab_ids[indices])[:, None]

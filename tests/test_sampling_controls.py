@@ -482,3 +482,33 @@ def test_a_thinking_flag_on_a_model_without_think_markers_says_so(flag, capsys):
     assert constraints.build(args, tokenizer, len(tokenizer), [1, 2]) == (None, [])
     note = capsys.readouterr().err
     assert note == f"note: {flag[0]} changes nothing: the model has no think markers\n"
+
+
+def test_a_draft_model_draws_from_the_processed_distribution():
+    """A draft model that is the target, sampling as the target does (its truncations and its
+    processors, ``follow_sampling``), drafts from q = p: every drafted token is accepted, and the
+    two tokens still follow the processed distribution."""
+    from speculative import DraftModel
+
+    processors = make_logits_processors(logit_bias={4: 3.0, 0: -2.0}, repetition_penalty=2.0)
+    drafter = DraftModel(SMALL, SMALL_VOCAB, num_draft=2, adaptive=False)
+    stats, counts = DecodingStats(), np.zeros(SMALL_VOCAB * SMALL_VOCAB, dtype=np.int64)
+    mx.random.seed(5)
+    for _ in range(1500):
+        first, second = (
+            token
+            for token, _ in generate_step(
+                PROMPT,
+                SMALL,
+                draft_sources=[drafter.source()],
+                temp=0.8,
+                top_k=4,
+                logits_processors=list(processors),
+                max_tokens=2,
+                eos_token_ids=(),
+                stats=stats,
+            )
+        )
+        counts[first * SMALL_VOCAB + second] += 1
+    assert stats.draft_proposed > 0 and stats.draft_accepted == stats.draft_proposed
+    assert chi_square_p_value(counts, processed_joint(processors, 0.8, top_k=4)) > 1e-3
