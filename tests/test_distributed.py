@@ -63,7 +63,9 @@ REGEX = [
     "12",
 ]
 HEAD = [*GREEDY, "--draft-head"]  # the shipped head reads the sharded target's hidden states
-SAMPLED_HEAD = [*SAMPLED, "--draft-head"]
+# Chains on both sides: a sharded target drafts chains (its tree pass fails the check of
+# decoder/tree.py), and sampled tokens follow the drafts' shapes.
+SAMPLED_HEAD = [*SAMPLED, "--draft-head", "--tree-nodes", "0"]
 SELF_DRAFT = "<self-draft>"  # replaced by the path of the embedded model's first 24 layers
 DRAFT = [
     "--prompt",
