@@ -63,9 +63,7 @@ REGEX = [
     "12",
 ]
 HEAD = [*GREEDY, "--draft-head"]  # the shipped head reads the sharded target's hidden states
-# Chains on both sides: a sharded target drafts chains (its tree pass fails the check of
-# decoder/tree.py), and sampled tokens follow the drafts' shapes.
-SAMPLED_HEAD = [*SAMPLED, "--draft-head", "--tree-nodes", "0"]
+SAMPLED_HEAD = [*SAMPLED, "--draft-head"]
 SELF_DRAFT = "<self-draft>"  # replaced by the path of the embedded model's first 24 layers
 DRAFT = [
     "--prompt",
@@ -151,7 +149,13 @@ def expected_blas_threads(ranks: int):
         # 60 all-reduces per pass: the slow one on 2 cores. Plain one-token passes run in LOOKUP's
         # steps without a match, and HEAD decodes GREEDY's prompt.
         (3, "tensor", [LOOKUP, HEAD]),
-        (2, "pipeline", [SAMPLED, REGEX, HEAD, SAMPLED_HEAD, DRAFT]),
+        # A pipeline drafts chains (its tree pass fails decoder/tree.py's check), so one process
+        # drafts chains too: sampled tokens and passes follow the drafts' shapes.
+        (
+            2,
+            "pipeline",
+            [[*case, "--tree-nodes", "0"] for case in (SAMPLED, REGEX, HEAD, SAMPLED_HEAD, DRAFT)],
+        ),
     ],
 )
 def test_sharded_tokens_equal_one_process(embedded, self_draft, ranks, mode, cases):
