@@ -123,7 +123,7 @@ class BatchGenerator:
         tree_nodes: Union[int, str] = 0,
     ):
         self.model, self.drafters = model, list(drafters)
-        self.max_nodes = max_nodes_for(model, make_cache(model), tree_nodes)
+        self.max_nodes = max_nodes_for(model, make_cache(model), tree_nodes) if tree_nodes else None
         self.eos_token_ids = set(eos_token_ids)
         self.prefill_step_size, self.prefill_batch_size = prefill_step_size, prefill_batch_size
         self.max_batch = max_batch
