@@ -82,15 +82,15 @@ def _check_allowed(rows: list, results: list, scores: Scores):
     verdicts, sampled = {}, []
     for index, result in enumerate(results):
         if scores.constrained[index] and not isinstance(result, Exception):
-            num_accepted, token = result
-            if token == scores.targets[index][num_accepted]:
-                verdicts[index] = argmax_allowed[index][num_accepted]
+            position, token = rows[index].scored_at, result[1]  # after a tree's path
+            if token == scores.targets[index][position]:
+                verdicts[index] = argmax_allowed[index][position]
             else:
                 sampled.append(index)
     if sampled:  # a sampled token other than the argmax: ask its mask
         found = scores.allowed[
             mx.array(sampled),
-            mx.array([results[i][0] for i in sampled]),
+            mx.array([rows[i].scored_at for i in sampled]),
             mx.array([results[i][1] for i in sampled]),
         ].tolist()
         verdicts.update(zip(sampled, found))

@@ -131,6 +131,13 @@ class ForcedSource(DraftSource):
     def forced_tokens(self) -> list:
         raise NotImplementedError
 
+    def forced_tokens_after(self, path: list) -> list:
+        """``forced_tokens`` after draft tokens ``path`` ([] where the constraint refuses them)."""
+        raise NotImplementedError
+
+    def forced_after(self, path: list) -> list:
+        return self.splits.apply(self.forced_tokens_after(path), path[-1] if path else None)
+
     def propose(self, tokens: list, max_draft: int) -> Optional[Draft]:
         self._proposed = self.splits.apply(self.forced_tokens(), tokens[-1] if tokens else None)[
             :max_draft
@@ -158,7 +165,13 @@ class ForcedTextSource(ForcedSource):
         self._drafts = {}  # DFA state -> tokenized forced text (states repeat in loops)
 
     def forced_tokens(self) -> list:
-        state = self.constraint.state
+        return self._forced_at(self.constraint.state)
+
+    def forced_tokens_after(self, path: list) -> list:
+        states = self.constraint.walk(path)
+        return self._forced_at(states[-1]) if len(states) > len(path) else []
+
+    def _forced_at(self, state: int) -> list:
         if state not in self._drafts:
             self._drafts[state] = tokenize_forced(
                 self.tokenizer, self.constraint.index.dfa.forced_bytes(state)

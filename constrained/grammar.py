@@ -219,3 +219,16 @@ class GrammarForcedSource(ForcedSource):
 
     def forced_tokens(self) -> list:
         return tokenize_forced(self.tokenizer, self.constraint.matcher.compute_ff_bytes())
+
+    def forced_tokens_after(self, path: list) -> list:
+        """The matcher takes ``path`` (allowed, without EOS), gives its forced bytes and goes
+        back."""
+        constraint = self.constraint
+        if len(constraint.walk(path)) <= len(path) or constraint.eos_token_ids & set(path):
+            return []
+        constraint.matcher.consume_tokens(list(path))
+        try:
+            forced = constraint.matcher.compute_ff_bytes()
+        finally:
+            constraint.matcher.rollback(len(path))
+        return tokenize_forced(self.tokenizer, forced)

@@ -293,6 +293,12 @@ class ThinkingForcedSource(DraftSource):
             forced += follow.tokens if follow is not None else []
         return Draft(forced) if forced else None
 
+    def forced_after(self, path: list) -> list:
+        """In the answer, what its constraint forces (inside the thinking block: nothing)."""
+        if self.inner is None or self.constraint.state.phase != ANSWER:
+            return []
+        return self.inner.forced_after(path)
+
     def update(self, tokens: list, num_proposed: int, num_accepted: int) -> None:
         if self.inner is not None and self.delegated:
             self.inner.update(tokens, num_proposed, num_accepted)

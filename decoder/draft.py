@@ -87,6 +87,11 @@ class DraftSource:
         ``max_nodes`` 0: as many as pay (the source's own policy). A chain is a tree too."""
         return self.propose(tokens, max_draft if max_nodes == 0 else min(max_draft, max_nodes))
 
+    def forced_after(self, path: list) -> list:
+        """The tokens that must follow draft tokens ``path`` whatever the model writes (a
+        constraint's forced text; [] where it knows none): a tree drafts them below a leaf."""
+        return []
+
     def forecast_speedup(self) -> Optional[float]:
         """The ``expected_speedup`` of the draft it would propose now (``choose_draft``)."""
         return None

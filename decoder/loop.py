@@ -137,7 +137,7 @@ def generate_step(
         # The accept decision synced the pass: its time is the pass's cost at this width.
         cost.record(cost.clock() - tic, width=pass_width)
         # evaluated with the logits
-        if plan.masks is not None and not plan.masks[num_accepted, next_token].item():
+        if plan.masks is not None and not plan.masks[row.scored_at, next_token].item():
             raise row.forbidden(num_accepted)
         cache.compact(pass_width, [row.kept(draft)])
         trim, restore = row.commit(cache, pass_width, len(draft.tokens), num_accepted)

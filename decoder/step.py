@@ -21,7 +21,7 @@ from .draft import (
 )
 from .processors import process_logits
 from .sampling import Sampling
-from .tree import accept_tree, kept_slots, layout, path_to
+from .tree import accept_tree, constrain_tree, kept_slots, layout, path_to
 
 TARGET = "target"  # the source name of tokens the target model chose itself
 
@@ -119,8 +119,8 @@ class Row:
         self.cached = 0  # how many of the tokens the loop's cache holds (the loop keeps this)
         self.finish_reason = self.stats.finish_reason = None if max_tokens > 0 else "length"
         # Draft trees of at most this many nodes (0: as many as pay); None: chains. A user sampler
-        # verifies chains only, and a constraint masks one path.
-        self.max_nodes = max_nodes if sampler is None and constraint is None else None
+        # verifies chains only.
+        self.max_nodes = max_nodes if sampler is None else None
         self.path = []  # the nodes of the last draft the row accepted (``accept``)
         # The row's own random stream (split each sampled step), so that its draws do not depend
         # on the other rows of a batch; None: MLX's global stream.
@@ -166,10 +166,24 @@ class Row:
         draft, drafter = choose_draft(sources, self.tokens, self.max_draft, cost, self.max_nodes)
         masks = None
         if self.constraint is not None:
-            draft, masks = constrain_draft(self.constraint, draft)
+            if draft.parents is None:
+                draft, masks = constrain_draft(self.constraint, draft)
+            else:  # each node masked after its own path; forced text drafted below each leaf
+                draft, masks = constrain_tree(
+                    self.constraint, draft, self.forced_after, self.max_draft
+                )
             if not draft.tokens:
                 drafter = None
         return Plan(draft, drafter, masks)
+
+    def forced_after(self, path: list) -> list:
+        """The tokens the row's constraint forces after draft tokens ``path``, as its sources know
+        them (``DraftSource.forced_after``)."""
+        for source in self.sources:
+            forced = source.forced_after(path)
+            if forced:
+                return forced
+        return []
 
     def process(self, logits: mx.array, draft: Draft) -> mx.array:
         """The pass's (width, vocab) logits of this row, its draft's positions through its logits
@@ -216,6 +230,12 @@ class Row:
             )
         self.path = list(range(num_accepted))
         return num_accepted, next_token
+
+    @property
+    def scored_at(self) -> int:
+        """After ``accept``: the pass position whose scores gave the target's own token (after the
+        last accepted node; of a chain, the number accepted)."""
+        return self.path[-1] + 1 if self.path else 0
 
     def _step_key(self) -> Optional[mx.array]:
         """This sampled step's key from the row's own stream (None: MLX's global stream)."""

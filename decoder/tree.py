@@ -233,3 +233,72 @@ def _why_not(cache) -> str:
         others = sorted({type(layer).__name__ for layer in layers_of(cache.layers)} - {"KVRows"})
         return f"its cache has {', '.join(others)} layers beside attention"
     return "its attention does not take its positions and mask from the rope and cache alone"
+
+
+def select(draft, nodes: Sequence[int]):
+    """The tree of ``draft``'s ``nodes`` (closed under parents, in index order), renumbered."""
+    index = {node: i for i, node in enumerate(nodes)}
+    parents = [index.get(draft.parents[node], -1) for node in nodes]
+    chances = None if draft.chances is None else [draft.chances[node] for node in nodes]
+    return type(draft)(
+        [draft.tokens[node] for node in nodes],
+        expected_speedup=draft.expected_speedup,
+        parents=parents,
+        chances=chances,
+    )
+
+
+def _walk_leaves(constraint, draft, with_masks: bool) -> tuple:
+    """``(allowed, rows)``: the nodes the constraint allows after the accepted text (each walked
+    along its own path, from its leaf) and, ``with_masks``, the mask of the tokens allowed after
+    each position (0: the row's last token; 1 + i: node i)."""
+    children, allowed, rows = children_of(draft.parents), set(), {}
+    for leaf in (node for node in range(len(draft.tokens)) if node not in children):
+        path = path_to(draft.parents, leaf)
+        states = constraint.walk(draft.path_tokens(path))
+        allowed.update(path[: len(states) - 1])
+        if with_masks:
+            masks = constraint.masks(states)
+            rows[0] = masks[0]
+            rows.update(
+                (node + 1, masks[depth + 1]) for depth, node in enumerate(path[: len(states) - 1])
+            )
+    if with_masks and not draft.tokens:
+        rows[0] = constraint.masks(constraint.walk([]))[0]
+    return sorted(allowed), rows
+
+
+def _extend_leaves(draft, forced_after, max_depth: int):
+    """``draft`` with the text forced after each leaf (``forced_after(path tokens)``) as a chain
+    below it, no deeper than ``max_depth``; forced nodes take their leaf's chance."""
+    tokens, parents = list(draft.tokens), list(draft.parents)
+    chances = None if draft.chances is None else list(draft.chances)
+    children, node_depths = children_of(draft.parents), depths(draft.parents)
+    for leaf in [node for node in range(len(draft.tokens)) if node not in children]:
+        forced = forced_after(draft.path_tokens(path_to(draft.parents, leaf)))
+        parent = leaf
+        for token in forced[: max_depth - node_depths[leaf]]:
+            tokens.append(token)
+            parents.append(parent)
+            if chances is not None:
+                chances.append(chances[leaf])
+            parent = len(tokens) - 1
+    return type(draft)(tokens, None, draft.expected_speedup, parents, chances)
+
+
+def constrain_tree(constraint, draft, forced_after=None, max_depth: int = 0) -> tuple:
+    """``(draft, allowed)`` for a tree: the nodes ``constraint`` allows (a forbidden node goes with
+    its subtree) and the ``(1 + nodes, vocab)`` masks of the positions the target scores. Each
+    node's state is its own path's: the protocol's ``walk`` and ``masks`` follow each leaf's path
+    from the accepted text. ``forced_after(path tokens)``: the text the constraint forces after a
+    leaf, drafted as a chain below it, at most ``max_depth`` deep."""
+    draft = select(draft, _walk_leaves(constraint, draft, with_masks=False)[0])
+    if forced_after is not None:
+        draft = _extend_leaves(draft, forced_after, max_depth)
+    nodes, rows = _walk_leaves(constraint, draft, with_masks=True)
+    draft = select(draft, nodes)  # a forced token a split made the constraint refuse
+    # renumbered rows: position 0, then the kept nodes'
+    allowed = mx.stack([rows[0]] + [rows[node + 1] for node in nodes])
+    if is_chain(draft.parents):
+        draft.parents = None
+    return draft, allowed
