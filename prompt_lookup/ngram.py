@@ -15,7 +15,7 @@ from decoder.cost import AcceptanceEstimate, Backoff, PassCost
 from decoder.draft import Draft, DraftSource
 from decoder.tree import is_chain
 
-from .trie import choose
+from .trie import choose, judge
 
 # Never a token id: stops matches and continuations at the edges of the context.
 SEPARATOR = -1
@@ -184,6 +184,9 @@ class PromptLookupSource(DraftSource):
         self._kind = None  # the kind of match of the last draft
         self._offered = None  # (len(tokens), draft) of the last draft proposed
         self._offered_tree = False  # whether it was a tree's best branch
+        # How often another match's token is right where the favoured one is wrong (``judge``).
+        self._second = AcceptanceEstimate(0.5)
+        self._continuations = None  # (len(tokens), the matches' continuations) of the last tree
 
     def match_kind(self, ngram: int, start: int):
         """Matches of one kind share an acceptance estimate. Here: the n-gram size, where agreements
@@ -257,9 +260,10 @@ class PromptLookupSource(DraftSource):
                 return None
             continuations, cap = continuations[:1], 1
         rate = self._estimates[kind].rate
-        draft, expected, main_depth = choose(
-            continuations, rate, self.cost.token_cost() if self.adaptive else None, cap, depth
-        )
+        token_cost = self.cost.token_cost() if self.adaptive else None
+        second = self._second.rate if self.adaptive else 1.0
+        draft, expected, main_depth = choose(continuations, rate, token_cost, cap, depth, second)
+        self._continuations = (len(tokens), continuations)
         # The best match's copy is scored as a chain's is (``update``).
         self._offered = (len(tokens), continuations[0][: max(main_depth, 1)])
         self._offered_tree = main_depth < len(draft.tokens)
@@ -270,6 +274,11 @@ class PromptLookupSource(DraftSource):
 
     def update(self, tokens: list, num_proposed: int, num_accepted: int) -> None:
         offered, self._offered = self._offered, None
+        if self._continuations is not None:
+            start, continuations = self._continuations
+            self._continuations = None
+            for right in judge(continuations, tokens[start:]):
+                self._second.record(1, int(right))
         if not self.adaptive or (num_proposed == 0 and offered is None):
             return
         estimate = self._estimates[self._kind]

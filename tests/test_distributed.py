@@ -149,13 +149,9 @@ def expected_blas_threads(ranks: int):
         # 60 all-reduces per pass: the slow one on 2 cores. Plain one-token passes run in LOOKUP's
         # steps without a match, and HEAD decodes GREEDY's prompt.
         (3, "tensor", [LOOKUP, HEAD]),
-        # A pipeline drafts chains (its tree pass fails decoder/tree.py's check), so one process
-        # drafts chains too: sampled tokens and passes follow the drafts' shapes.
-        (
-            2,
-            "pipeline",
-            [[*case, "--tree-nodes", "0"] for case in (SAMPLED, REGEX, HEAD, SAMPLED_HEAD, DRAFT)],
-        ),
+        # Both sides draft trees where the sources do (--tree-nodes auto): a pipeline verifies them
+        # as one process does.
+        (2, "pipeline", [SAMPLED, REGEX, HEAD, SAMPLED_HEAD, DRAFT]),
     ],
 )
 def test_sharded_tokens_equal_one_process(embedded, self_draft, ranks, mode, cases):

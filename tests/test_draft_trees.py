@@ -17,6 +17,7 @@ from decoder import Sampling, generate_step
 from decoder.cache import make_cache
 from decoder.draft import Draft, DraftSource
 from decoder.tree import accept_tree, kept_slots, layout, path_to
+from prompt_lookup.trie import choose, judge
 from tests.architectures import build
 from tests.helpers import chi_square_p_value, tiny_byte_tokenizer, tiny_llama
 
@@ -185,6 +186,23 @@ def test_sampling_a_tree_keeps_the_target_distribution():
 def test_the_check_rejects_a_rule_that_does_not_renormalize(monkeypatch):
     monkeypatch.setattr(tree, "_walk", naive_walk)
     assert not fits(*emitted_pairs(6000))
+
+
+def test_lookup_trees_price_other_matches_by_how_often_they_were_right():
+    continuations = [[1, 2, 3], [1, 4, 5], [6, 7], [6, 8], [9]]  # best match first
+    draft, expected, main_depth = choose(continuations, 0.8, None, 16, 3)
+    assert draft.tokens[:3] == [1, 2, 3] and draft.parents[:3] == [-1, 0, 1] and main_depth == 3
+    # beside 1, 6 has 2 of the 3 other matches behind it: 2/3 of what 1 leaves
+    assert draft.chances[draft.tokens.index(6)] == pytest.approx(0.2 * 2 / 3)
+    halved, _, _ = choose(continuations, 0.8, None, 16, 3, second=0.5)
+    assert halved.chances[halved.tokens.index(6)] == pytest.approx(0.2 * 2 / 3 * 0.5)
+    # never right: only the best match pays
+    assert choose(continuations, 0.8, 0.01, 16, 3, second=0.0)[0].tokens == [1, 2, 3]
+    # judged along the emitted text where the favoured child was wrong, drafted or not
+    assert judge(continuations, [1, 4, 5, 9]) == [True]
+    assert judge(continuations, [6, 8]) == [True, True]
+    assert judge(continuations, [9]) == [True] and judge(continuations, [10]) == [False]
+    assert judge(continuations, [1, 2, 3]) == []
 
 
 def test_sampling_with_lookup_trees_keeps_the_distribution_of_two_tokens():
