@@ -42,9 +42,11 @@ from constrained.schema_keywords import (
     check_finite,
     check_supported,
     common_types,
+    json_in,
     json_type,
     load_schema,
     pointer_get,
+    same_json,
 )
 
 __all__ = ["SchemaError", "load_schema", "schema_to_regex"]
@@ -130,7 +132,7 @@ class _Compiler:
             return second if first is True else first
         merged = dict(first)
         for key, value in second.items():
-            if key in ANNOTATIONS or merged.get(key, value) == value:
+            if key in ANNOTATIONS or same_json(merged.get(key, value), value):
                 merged.setdefault(key, value)
             elif key == "properties":
                 merged[key] = {
@@ -153,7 +155,7 @@ class _Compiler:
             ):
                 merged[key] = min(merged[key], value)
             elif key == "enum":
-                merged[key] = [item for item in merged[key] if item in value]
+                merged[key] = [item for item in merged[key] if json_in(item, value)]
             elif key == "allOf":
                 merged[key] = merged[key] + value
             elif key in ("items", "additionalProperties") and isinstance(value, dict):
@@ -263,7 +265,7 @@ class _Compiler:
     def enum(self, schema, path, refs):
         values = [schema["const"]] if "const" in schema else schema["enum"]
         if "const" in schema and "enum" in schema:
-            values = [value for value in values if value in schema["enum"]]
+            values = [value for value in values if json_in(value, schema["enum"])]
         rest = {
             key: value
             for key, value in schema.items()
@@ -408,6 +410,6 @@ class _Compiler:
                 else None
                 for s in values
             ]
-            if all(v is not None for v in sets) and not any(v in sets[1] for v in sets[0]):
+            if all(v is not None for v in sets) and not any(json_in(v, sets[1]) for v in sets[0]):
                 return True
         return False

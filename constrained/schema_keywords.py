@@ -192,6 +192,26 @@ def json_type(value) -> str:
     ]
 
 
+def same_json(first, second) -> bool:
+    """JSON Schema's equality: a boolean is not a number (Python's ``False == 0``), while 1 equals
+    1.0; arrays and objects compare member by member."""
+    if isinstance(first, bool) or isinstance(second, bool):
+        return isinstance(first, bool) and isinstance(second, bool) and first == second
+    if isinstance(first, list) and isinstance(second, list):
+        return len(first) == len(second) and all(map(same_json, first, second))
+    if isinstance(first, dict) and isinstance(second, dict):
+        return first.keys() == second.keys() and all(same_json(first[k], second[k]) for k in first)
+    numbers = (int, float)
+    if isinstance(first, numbers) and isinstance(second, numbers):
+        return first == second
+    return type(first) is type(second) and first == second
+
+
+def json_in(value, values) -> bool:
+    """Whether ``value`` is one of ``values`` by JSON Schema's equality (``same_json``)."""
+    return any(same_json(value, other) for other in values)
+
+
 def common_types(first, second) -> list:
     """The types two `type` values share (["__none__"] if none), for allOf."""
 

@@ -440,6 +440,9 @@ def test_patterns_search_the_decoded_string(pattern, texts):
             "allOf: cannot combine two different 'pattern'",
         ),
         ({"enum": []}, "allows no value"),
+        # a boolean is not a number, though Python's False == 0 (found by test_reliability)
+        ({"allOf": [{"enum": [False]}, {"enum": [0]}]}, "allows no value"),
+        ({"allOf": [{"const": 1}, {"const": True}]}, "cannot combine two different 'const'"),
         ({"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}, "allows no value"),
         ({"type": "object", "additionalProperties": False, "minProperties": 1}, "allows no value"),
     ],
@@ -447,6 +450,12 @@ def test_patterns_search_the_decoded_string(pattern, texts):
 def test_refusals_name_the_keyword_and_path(schema, message):
     with pytest.raises(SchemaError, match=re.escape(message)):
         schema_to_regex(schema)
+
+
+def test_enums_intersect_by_json_equality():
+    assert schema_to_regex({"allOf": [{"enum": [1, True, "a"]}, {"enum": [1.0, "a"]}]}) == (
+        '(?:1|"a")'
+    )
 
 
 def test_load_schema(tmp_path):
