@@ -268,7 +268,7 @@ def test_tensor_sharding_over_3_ranks_answers_as_one_process_a_seed_repeats_and_
     sampling repeats exactly (docs/distributed.md). Then a rank stops answering."""
     process, url = serve(3, "--shard", "tensor")
     try:
-        picked = [0, 7]  # chat, completions with logprobs (constraints: on the pipeline)
+        picked = [7]  # completions with logprobs (chat and constraints: on the pipeline)
         with ThreadPoolExecutor(len(picked)) as pool:
             got = list(pool.map(lambda i: answer(post(url, *REQUESTS[i])), picked))
         runs = [post(url, *SAMPLED)[1]["choices"][0]["message"]["content"] for _ in range(2)]
