@@ -153,19 +153,77 @@ def mtp_tiny(args) -> list:
     return [(n, t, p / t, t / s) for n, (t, p, s) in table.items()]
 
 
+def constrained(model, tokenizer, args) -> list:
+    """Rows of (prompts, method, tokens, passes per token, tok/s) for constrained rows: forced text
+    and lookup, chains against trees (each node masked after its own path, forced text below its
+    leaves). The JSON suite's schemas with their own requests (open), and the grounded prompts
+    answered as ``{"answer": "..."}`` (lookup copies from the document inside the string)."""
+    from benchmarks.harness import chat_tokens
+    from benchmarks.json_schema import schema_requests
+    from constrained import ForcedTextSource, RegexConstraint
+
+    eos, vocab = eos_ids_of(tokenizer), model.args.vocab_size
+    answer = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 400}}}
+    answer["required"] = ["answer"]
+    grounded = load_prompts(tokenizer, GROUNDED)
+    cases = [
+        ("open", chat_tokens(tokenizer, text), schema) for text, schema in schema_requests("suite")
+    ]
+    cases += [
+        ("grounded", tokens, answer)
+        for items in grounded.values()
+        for _, tokens in items[: args.prompts]
+    ]
+    table = {}
+    for _ in range(args.rounds):
+        for kind, prompt, schema in cases:
+            want = None
+            for name, tree_nodes in (
+                ("forced + lookup chains", 0),
+                ("forced + lookup trees, auto", "auto"),
+            ):
+                constraint = RegexConstraint.from_json_schema(schema, tokenizer, vocab)
+                sources = [ForcedTextSource(constraint, tokenizer), PromptLookupSource()]
+                run = time_loop(
+                    model,
+                    prompt,
+                    args.max_tokens,
+                    eos,
+                    constraint=constraint,
+                    draft_sources=sources,
+                    tree_nodes=tree_nodes,
+                )
+                want = run.tokens if want is None else want
+                if run.tokens != want:
+                    raise SystemExit(f"{name} differs from chains on a constrained {kind} prompt")
+                total = table.setdefault((kind, name), [0, 0, 0.0])
+                total[0] += len(run.tokens)
+                total[1] += run.forward_passes
+                total[2] += run.decode_time
+    return [(k, n, t, p / t, t / s) for (k, n), (t, p, s) in table.items()]
+
+
 def batch_of_8(model, tokenizer, args) -> list:
-    """Rows of (method, tokens, passes, tok/s in all) for 8 grounded prompts at once."""
+    """Rows of (method, tokens, passes, tok/s in all) for 8 grounded prompts at once: adaptive
+    chains and trees, then a fixed budget of N nodes per row as a chain and as a tree."""
     eos = eos_ids_of(tokenizer)
     prompts = [
         tokens for items in load_prompts(tokenizer, GROUNDED).values() for _, tokens in items
     ][:8]
+    fixed = {"num_draft": args.budget, "adaptive": False}
+    batch_methods = {
+        "lookup chains": ({}, 0),
+        "lookup trees, auto": ({}, "auto"),
+        f"chain of {args.budget}": (fixed, 0),
+        f"tree of {args.budget}": (fixed, args.budget),
+    }
     totals, want = {}, None
     for _ in range(args.rounds):
-        for name, tree_nodes in (("lookup chains", 0), ("lookup trees, auto", "auto")):
+        for name, (settings, tree_nodes) in batch_methods.items():
             generator = BatchGenerator(model, eos_token_ids=eos, tree_nodes=tree_nodes)
             uids = generator.insert(
                 prompts,
-                draft_sources=[[PromptLookupSource()] for _ in prompts],
+                draft_sources=[[PromptLookupSource(**settings)] for _ in prompts],
                 max_tokens=args.max_tokens,
             )
             tokens, tic = {uid: [] for uid in uids}, time.perf_counter()
@@ -219,6 +277,7 @@ def main():
     batch = batch_of_8(model, tokenizer, args)
     chat = head_chat(model, tokenizer, args)
     mtp = mtp_tiny(args)
+    masked = constrained(model, tokenizer, args)
     dtype = str(model.model.embed_tokens.weight.dtype).removeprefix("mlx.core.")
     lines = [
         "# Draft trees (issue #51)",
@@ -263,9 +322,21 @@ def main():
         "|---|---:|---:|---:|",
         *(f"| {n} | {t} | {p:.3f} | {r:.1f} |" for n, t, p, r in mtp),
         "",
+        "## Constrained rows",
+        "",
+        "Forced text and prompt lookup under a JSON Schema (the regex compiler): the JSON "
+        "suite's schemas with their own requests (open), and the grounded prompts answered as "
+        '`{"answer": "..."}`. Trees mask each node after its own path and draft forced text '
+        "below their leaves. Every output equals the chains'.",
+        "",
+        "| prompts | method | tokens | passes/token | tok/s |",
+        "|---|---|---:|---:|---:|",
+        *(f"| {k} | {n} | {t} | {p:.3f} | {r:.1f} |" for k, n, t, p, r in masked),
+        "",
         "## 8 rows at once",
         "",
-        "8 grounded prompts in one `BatchGenerator`, each row with its own lookup.",
+        "8 grounded prompts in one `BatchGenerator`, each row with its own lookup; a fixed budget "
+        "of N nodes per row as a chain (`num_draft` N, not adaptive) and as a tree of N.",
         "",
         "| method | tokens | passes | tok/s in all |",
         "|---|---:|---:|---:|",
