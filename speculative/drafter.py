@@ -365,7 +365,7 @@ class SharedDrafter:
                 contexts = None
                 if processed:  # a row's processors read the tokens before each drafted position
                     contexts = [list(texts[row]) + drafts[row][0] for row in owners]
-                indices, tokens, confidences, probs, tops = self._draw_rows(
+                indices, tokens, confidences, probs, tops = self._draw_for(
                     last, owners, trees, contexts
                 )
                 for row, (drafted, rows_q, drafted_confidences) in enumerate(drafts):
@@ -393,7 +393,7 @@ class SharedDrafter:
                 self.cache.filter(list(range(rows)))
         return [(*draft, growth) for draft, growth in zip(drafts, growths)], fed + 1
 
-    def _draw_rows(self, last: mx.array, owners: list, trees: list, contexts) -> tuple:
+    def _draw_for(self, last: mx.array, owners: list, trees: list, contexts) -> tuple:
         """``_draw`` for cache rows that draft for rows ``owners``: the indices drawn (to feed)
         and, on the host, their tokens, the confidences, q rows and, where ``trees``, each cache
         row's most likely ``(index, token, q)``."""
