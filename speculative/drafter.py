@@ -11,8 +11,8 @@ leaving are written here once; a drafter supplies its cache, how it reads the po
 not fed (``_prepare``), one call for one draft position (``_next``) and how it scores (``_draw``).
 
 A row that asks for a tree grows it as EAGLE-2 does (``tree_growth.py``): at each depth the model
-runs from the ``tree_width`` nodes of highest chance, each on a copy of the row's cache rows
-(``Cache.filter`` with a row repeated), which go again once the draft is drawn.
+runs from ``tree_width`` nodes, its greedy chain's and the others of highest chance, each on a
+copy of the row's cache rows (``Cache.filter`` with a row repeated), which go once it is drawn.
 """
 
 from typing import NamedTuple, Optional

@@ -154,9 +154,9 @@ class HeadDrafter(SharedDrafter):
     """
 
     min_tokens = 2  # position p reads (h_p, x_{p+1})
-    # A tree grows as EAGLE-2's: the model runs from as many nodes per depth as it offers
-    # children per node, so a depth weighs (ALTERNATIVES + 1) * ALTERNATIVES candidates. A head
-    # is one layer, so a copy of its cache rows per frontier node costs little beside its pass.
+    # A tree grows as EAGLE-2's: the model runs from as many nodes per depth as it offers other
+    # children per node, so a depth weighs (ALTERNATIVES + 1) * ALTERNATIVES candidates. The
+    # copies of its cache rows and the wider call count in its measured time per position.
     tree_width = ALTERNATIVES
 
     def __init__(

@@ -29,7 +29,7 @@ def grown(data, width: int, calibration) -> TreeGrowth:
     """A tree grown a few depths from random top-3 distributions, its frontier chosen as the
     drafter chooses it."""
     growth, frontier, chain = TreeGrowth(width, calibration), [-1], -1
-    for depth in range(data.draw(st.integers(1, 4))):
+    for _ in range(data.draw(st.integers(1, 4))):
         drawn = []
         for parent in frontier:
             weights = data.draw(st.lists(st.floats(0.01, 1.0), min_size=3, max_size=3))
