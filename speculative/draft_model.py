@@ -11,6 +11,10 @@ drafts with it, and each row holds a ``DraftModelSource`` of it in its list of s
 A row joins when it first drafts (its prompt prefilled), and first drops what its cache holds past
 the accepted text; after drafting, each row's cache holds exactly its accepted tokens, so
 verification needs no rollback here.
+
+A tree row drafts its greedy chain with the model's other choices as leaves beside it
+(``tree_width`` 1): growing the tree below them, as a head does, would copy every layer's cache
+rows per frontier node at each depth, which has not been measured to pay.
 """
 
 from typing import Optional
@@ -175,7 +179,11 @@ class DraftModel(SharedDrafter):
         return [len(p) for p in pending], feed
 
     def _draw(
-        self, logits: mx.array, trees: Optional[list] = None, contexts: Optional[list] = None
+        self,
+        logits: mx.array,
+        sources: list,
+        trees: Optional[list] = None,
+        contexts: Optional[list] = None,
     ) -> tuple:
         """From (R, V) logits, padded or cut to the target's vocabulary."""
         size = logits.shape[-1]
@@ -183,7 +191,7 @@ class DraftModel(SharedDrafter):
             logits = logits[:, : self.vocab_size]
         elif size < self.vocab_size:  # padding rows of the target are never proposed
             logits = mx.pad(logits, [(0, 0), (0, self.vocab_size - size)], constant_values=-mx.inf)
-        return draw_rows(logits, self.rows, trees, contexts)
+        return draw_rows(logits, sources, trees, contexts)
 
     def _next(self, logits: mx.array, indices: mx.array) -> mx.array:
         return self.model(indices[:, None], cache=self.cache.layers)[:, -1]

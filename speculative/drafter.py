@@ -9,6 +9,10 @@ The catch-up (the positions each row accepted since its last draft, right-padded
 and fed in chunks, each row then dropping its padding), the per-position drafting loop and a row's
 leaving are written here once; a drafter supplies its cache, how it reads the positions a row has
 not fed (``_prepare``), one call for one draft position (``_next``) and how it scores (``_draw``).
+
+A row that asks for a tree grows it as EAGLE-2 does (``tree_growth.py``): at each depth the model
+runs from ``tree_width`` nodes, its greedy chain's and the others of highest chance, each on a
+copy of the row's cache rows (``Cache.filter`` with a row repeated), which go once it is drawn.
 """
 
 from typing import NamedTuple, Optional
@@ -23,6 +27,7 @@ from decoder.processors import process_logits
 from decoder.sampling import Sampling
 from decoder.tree import is_chain
 from speculative.adaptive import AdaptiveLength, Calibration
+from speculative.tree_growth import TreeGrowth
 
 
 class DraftRequest(NamedTuple):
@@ -37,8 +42,8 @@ class DraftRequest(NamedTuple):
     max_nodes: Optional[int] = None
 
 
-# Candidates per depth a tree considers beside the chain's token: the drafting model's next most
-# likely tokens (EAGLE-2 ranks top-k per depth the same way).
+# Children a tree considers per node beside its most likely one: the drafting model's next most
+# likely tokens (EAGLE-2's top-k per node).
 ALTERNATIVES = 4
 # The most nodes an ``auto`` tree takes, within what a sliding layer can roll back.
 MAX_TREE_NODES = 24
@@ -97,41 +102,6 @@ class _Greedy:
 _GREEDY = _Greedy()
 
 
-def chain_with_alternatives(
-    chain: list, chances: list, alternatives: list, max_nodes: int, threshold: Optional[float]
-) -> tuple:
-    """``(draft, expected)``: a tree of the chain a model drafted and, at each depth, the model's
-    next most likely tokens as leaves beside it, the nodes most likely accepted first (at most
-    ``max_nodes``, each over ``threshold`` unless None); ``expected``: the tokens it is expected
-    to give, the target's own included.
-
-    Given its parent, the chain's token at depth d is accepted with ``chances[d]`` (calibrated);
-    an alternative x with ``(1 - chances[d]) * q(x) / (1 - q(top))``, the model's own
-    distribution over the rest. A node's chance is the product along its path.
-    """
-    # (chance, depth, whether an alternative, token): every node the tree could take
-    nodes, reach, reach_of = [], 1.0, []
-    for depth, (token, chance, top) in enumerate(zip(chain, chances, alternatives)):
-        rest = max(1.0 - top[0][1], 1e-9)  # the model's mass beside its top token
-        for other, q in top[1:]:
-            nodes.append((reach * (1 - chance) * q / rest, depth, True, other))
-        reach *= chance
-        nodes.append((reach, depth, False, token))
-        reach_of.append(reach)
-    # Best first; a node's chance never exceeds its parent's, and on a tie the parent is
-    # shallower, so the nodes taken always hold their parents.
-    taken = sorted(nodes, key=lambda node: (-node[0], node[1], node[2]))[:max_nodes]
-    taken = [node for node in taken if threshold is None or node[0] > threshold]
-    chain_taken = sorted(depth for _, depth, alternative, _ in taken if not alternative)
-    leaves = [node for node in taken if node[2]]
-    # chain node d is node d; a leaf at depth d hangs under chain node d - 1
-    tokens = [chain[depth] for depth in chain_taken] + [node[3] for node in leaves]
-    parents = [depth - 1 for depth in chain_taken] + [node[1] - 1 for node in leaves]
-    chances = [reach_of[depth] for depth in chain_taken] + [node[0] for node in leaves]
-    expected = 1 + sum(node[0] for node in taken)
-    return Draft(tokens, parents=parents, chances=chances), expected
-
-
 class SharedSource(DraftSource):
     """One row's source on a ``SharedDrafter``: the row's adaptive length, and ``propose``
     returning what the drafter drafted for it (alone: it asks the drafter for this row only)."""
@@ -167,8 +137,7 @@ class SharedSource(DraftSource):
 
     def propose_tree(self, tokens: list, max_draft: int, max_nodes) -> Optional[Draft]:
         """What the drafter drafted for this row: a chain, or with ``max_nodes`` (0: as many as
-        pay) the chain and the drafting model's alternatives beside it
-        (``chain_with_alternatives``)."""
+        pay) a tree around its greedy chain (``TreeGrowth.tree``)."""
         if not self.drafted:  # alone: no batch drafted for this row before it was asked
             request = DraftRequest(self, tokens, max_draft, max_nodes=max_nodes)
             self.drafter.draft_alone(request, self.cost)
@@ -195,7 +164,8 @@ class SharedDrafter:
     What a batch asks of it (``batch.BatchGenerator``): ``owns(source)``, ``draft_all`` and
     ``leave``. The time of one draft position over all its rows is kept in the loop's ``PassCost``
     (``record_draft`` as "NAME position", NAME its sources' name, so that ranks decoding in
-    lockstep agree on it), as a fraction of the target's plain pass (``draft_cost``).
+    lockstep agree on it), as a fraction of the target's plain pass (``draft_cost``); a position
+    where trees grow runs the model over their frontiers too, and its time counts them.
 
     Args:
         source_class: the ``SharedSource`` subclass ``source`` makes.
@@ -206,6 +176,9 @@ class SharedDrafter:
 
     min_confidence = 0.0  # a row stops drafting once its top probability falls below this
     min_tokens = 1  # the shortest text a row drafts after
+    # The nodes per depth a tree row runs the model from, its greedy chain's among them: 1 keeps
+    # the model's other choices as leaves beside the chain.
+    tree_width = 1
 
     def __init__(self, source_class, options: dict, draft_cost_prior: float, chunk_size: int):
         self.source_class, self.options = source_class, options
@@ -293,28 +266,23 @@ class SharedDrafter:
         texts = [request_tokens.get(id(source), []) for source in self.rows]
         drafts, positions = self._chain(last, lengths, trees, texts)
         cost.record_draft(f"{self.source_class.name} position", cost.clock() - tic, positions)
-        for source, tree, (tokens, rows, confidences, alternatives) in zip(
-            self.rows, trees, drafts
-        ):
+        for source, (tokens, rows, confidences, growth) in zip(self.rows, drafts):
             if not tokens:
                 continue
             source.offered = (len(request_tokens[id(source)]), tokens, confidences)
-            source.offered_tree = tree
-            if tree:
-                source.draft = self._tree(source, tokens, confidences, alternatives, nodes)
+            source.offered_tree = growth is not None
+            if growth is not None:
+                source.draft = self._tree(source, tokens, growth, nodes)
             else:
                 source.draft = Draft(tokens, None if source.temp == 0 else self._q(rows))
 
-    def _tree(self, source, chain: list, confidences: list, alternatives: list, nodes: dict):
-        """A row's tree: its chain and the alternatives beside it (``chain_with_alternatives``),
-        the ones whose chance pays for verifying them when adaptive. Alternatives cost no draft
-        call, only their share of the pass."""
+    def _tree(self, source, chain: list, growth: TreeGrowth, nodes: dict):
+        """A row's tree: the nodes of highest chance its ``growth`` drew, the ones whose chance
+        pays for verifying them when adaptive. A node costs its share of the pass, and its draft
+        was paid for while drafting."""
         max_nodes = nodes[id(source)] or min(2 * source.length.max_draft, MAX_TREE_NODES)
         threshold = source.cost.token_cost(self.batch_rows) if source.length.enabled else None
-        chances = [self.calibration(confidence) for confidence in confidences]
-        draft, expected = chain_with_alternatives(
-            chain, chances, alternatives, max_nodes, threshold
-        )
+        draft, expected = growth.tree(max_nodes, threshold)
         if not draft.tokens:  # nothing pays but the chain's first token, drafted to probe
             draft = Draft(chain[:1])
         if is_chain(draft.parents):  # a chain verifies without a tree's mask
@@ -335,10 +303,15 @@ class SharedDrafter:
         raise NotImplementedError
 
     def _draw(
-        self, last: mx.array, trees: Optional[list] = None, contexts: Optional[list] = None
+        self,
+        last: mx.array,
+        sources: list,
+        trees: Optional[list] = None,
+        contexts: Optional[list] = None,
     ) -> tuple:
-        """``draw_rows`` from each row's last output (R, ...): token indices, confidence, q and,
-        for ``trees``, the top tokens; ``contexts``: each row's tokens, for its processors."""
+        """``draw_rows`` from each cache row's last output (R, ...), which drafts for
+        ``sources[r]``: token indices, confidence, q and, for ``trees``, the top tokens;
+        ``contexts``: each row's tokens, for its processors."""
         raise NotImplementedError
 
     def _next(self, last: mx.array, indices: mx.array) -> mx.array:
@@ -373,42 +346,105 @@ class SharedDrafter:
 
     def _chain(self, last: mx.array, lengths: list, trees: list, texts: list) -> tuple:
         """Draft up to ``lengths[r]`` tokens per row, one call per position for all rows; returns
-        per row ``(tokens, q rows, confidences, alternatives)`` and the positions drafted; a row
-        with ``trees[r]`` drafts its chain greedily and keeps each position's ``ALTERNATIVES``
-        (``(token, q)``, the top one first). After it every row's cache holds what it held before.
+        per row ``(tokens, q rows, confidences, growth)`` and the positions drafted. A row with
+        ``trees[r]`` drafts its chain greedily, and its ``TreeGrowth`` holds every node drawn: the
+        model also runs from the tree's frontier beside the chain, on copies of the row's cache
+        (cache rows ``R`` on, ``_fork``). After it every row's cache holds what it held before.
         One sync per position: the stops need the values, the next call the tokens."""
-        drafts = [([], [], [], []) for _ in self.rows]
-        alive, path = [n > 0 for n in lengths], [1.0] * len(self.rows)
+        rows = len(self.rows)
+        drafts = [([], [], []) for _ in self.rows]
+        growths = [TreeGrowth(self.tree_width, self.calibration) if t else None for t in trees]
+        alive, path = [n > 0 for n in lengths], [1.0] * rows
         stops = [self._path_stop(s) if n else 0.0 for s, n in zip(self.rows, lengths)]
-        tree_rows = trees if any(trees) else None
         processed = any(source.processors and source.temp > 0 for source in self.rows)
-        fed = 0
-        for position in range(max(lengths)):
-            contexts = None
-            if processed:  # a row's processors read the tokens before each drafted position
-                contexts = [list(text) + d[0] for text, d in zip(texts, drafts)]
-            indices, confidence, probs, top = self._draw(last, tree_rows, contexts)
-            mx.eval(indices, confidence, top)
-            index_list, confidence_list = self._tokens(indices.tolist()), confidence.tolist()
-            if top is not None:
-                top_tokens = [self._tokens(ids) for ids in top[0].tolist()]
-                top = [list(zip(ids, q)) for ids, q in zip(top_tokens, top[1].tolist())]
-            for row, (tokens, rows, confidences, alternatives) in enumerate(drafts):
-                # The top probability, not the drawn token's: whether to draft position i must
-                # not depend on the token drawn there, or sampling would no longer be exact.
-                chance = self.calibration(confidence_list[row])
-                path[row] *= chance
-                low = confidence_list[row] < self.min_confidence or path[row] < stops[row]
-                if position >= lengths[row] or (position and low):
-                    alive[row] = False
-                if alive[row]:
-                    tokens.append(index_list[row])
-                    rows.append(probs[row])
-                    confidences.append(confidence_list[row])
-                    alternatives.append(top[row] if trees[row] else None)
-            if position + 1 == max(lengths) or not any(alive):
-                break
-            last = self._next(last, indices)
-            fed += 1
-        self.cache.rewind([fed] * len(self.rows))
-        return drafts, fed + 1
+        chain_nodes = [-1] * rows  # per tree row, its chain's last node (-1: none yet)
+        frontier, fed = [], 0  # (row, node, cache row): the tree nodes run from beside chains
+        try:
+            for position in range(max(lengths)):
+                owners = list(range(rows)) + [row for row, _, _ in frontier]
+                contexts = None
+                if processed:  # a row's processors read the tokens before each drafted position
+                    contexts = [list(texts[row]) + drafts[row][0] for row in owners]
+                indices, tokens, confidences, probs, tops = self._draw_for(
+                    last, owners, trees, contexts
+                )
+                for row, (drafted, rows_q, drafted_confidences) in enumerate(drafts):
+                    # The top probability, not the drawn token's: whether to draft position i must
+                    # not depend on the token drawn there, or sampling would no longer be exact.
+                    path[row] *= self.calibration(confidences[row])
+                    low = confidences[row] < self.min_confidence or path[row] < stops[row]
+                    if position >= lengths[row] or (position and low):
+                        alive[row] = False
+                    if alive[row]:
+                        drafted.append(tokens[row])
+                        rows_q.append(probs[row])
+                        drafted_confidences.append(confidences[row])
+                room = [position + 1 < n for n in lengths]
+                drawn = self._grow(growths, chain_nodes, alive, frontier, tops, confidences)
+                frontier = self._frontier(growths, drawn, chain_nodes, alive, stops, room)
+                if position + 1 == max(lengths) or not (any(alive) or frontier):
+                    break
+                last, indices = self._fork(last, indices[:rows], growths, frontier)
+                last = self._next(last, indices)
+                fed += 1
+        finally:  # the copies go, and every row drops what it was fed
+            self.cache.rewind([fed] * self.cache.rows)
+            if self.cache.rows > rows:
+                self.cache.filter(list(range(rows)))
+        return [(*draft, growth) for draft, growth in zip(drafts, growths)], fed + 1
+
+    def _draw_for(self, last: mx.array, owners: list, trees: list, contexts) -> tuple:
+        """``_draw`` for cache rows that draft for rows ``owners``: the indices drawn (to feed)
+        and, on the host, their tokens, the confidences, q rows and, where ``trees``, each cache
+        row's most likely ``(index, token, q)``."""
+        sources = [self.rows[row] for row in owners]
+        row_trees = [trees[row] for row in owners] if any(trees) else None
+        indices, confidence, probs, top = self._draw(last, sources, row_trees, contexts)
+        mx.eval(indices, confidence, top)
+        tokens, confidences = self._tokens(indices.tolist()), confidence.tolist()
+        if top is not None:
+            top_indices, top_q = top[0].tolist(), top[1].tolist()
+            top = [list(zip(i, self._tokens(i), q)) for i, q in zip(top_indices, top_q)]
+        return indices, tokens, confidences, probs, top
+
+    def _grow(self, growths, chain_nodes, alive, frontier, tops, confidences) -> list:
+        """Each tree row's nodes drawn at this position: the children of its chain's last node
+        where the chain goes on, and of its frontier's nodes (cache rows ``R`` on). Returns them
+        as ``(row, node, cache row)``, the cache row the model drew them from."""
+        drawn = []
+        for row, growth in enumerate(growths):
+            if growth is not None and alive[row]:
+                children = growth.add_children(chain_nodes[row], tops[row], confidences[row])
+                chain_nodes[row] = children[0]
+                drawn += [(row, child, row) for child in children]
+        for cache_row, (row, node, _) in enumerate(frontier, start=len(growths)):
+            children = growths[row].add_children(node, tops[cache_row], confidences[cache_row])
+            drawn += [(row, child, cache_row) for child in children]
+        return drawn
+
+    def _frontier(self, growths, drawn, chain_nodes, alive, stops, room) -> list:
+        """Of the nodes ``drawn``, those each tree row with ``room`` for a deeper one runs the
+        model from next beside its chain (``TreeGrowth.frontier``), as ``(row, node, cache
+        row)``."""
+        frontier = []
+        for row, growth in enumerate(growths):
+            if growth is None or not room[row]:
+                continue
+            cache_rows = {node: cache_row for owner, node, cache_row in drawn if owner == row}
+            chain = chain_nodes[row] if alive[row] else None
+            nodes = growth.frontier(list(cache_rows), chain, stops[row])
+            frontier += [(row, node, cache_rows[node]) for node in nodes]
+        return frontier
+
+    def _fork(self, last: mx.array, indices: mx.array, growths: list, frontier: list) -> tuple:
+        """``(last, indices)`` for the next call: each row's cache row feeds its drawn token, and
+        each ``frontier`` node runs on a copy of the cache row it was drawn from, fed its token."""
+        rows = len(growths)
+        take = list(range(rows)) + [cache_row for _, _, cache_row in frontier]
+        if take != list(range(self.cache.rows)):
+            self.cache.filter(take)  # a repeated row is a copy
+            last = last[mx.array(take)]
+        if frontier:
+            fed = [growths[row].nodes[node].index for row, node, _ in frontier]
+            indices = mx.concatenate([indices, mx.array(fed, indices.dtype)])
+        return last, indices

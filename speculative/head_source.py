@@ -24,7 +24,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from decoder.cache import Cache, ExtraRows, layers_of, make_cache
 from decoder.kinds import KVRows
 from speculative.adaptive import weight_bytes
-from speculative.drafter import SharedDrafter, SharedSource, draw_rows
+from speculative.drafter import ALTERNATIVES, SharedDrafter, SharedSource, draw_rows
 from speculative.head import FINAL, body_with_features, logits_from_hidden
 from speculative.head_loading import load_head
 
@@ -154,6 +154,10 @@ class HeadDrafter(SharedDrafter):
     """
 
     min_tokens = 2  # position p reads (h_p, x_{p+1})
+    # A tree grows as EAGLE-2's: the model runs from as many nodes per depth as it offers other
+    # children per node, so a depth weighs (ALTERNATIVES + 1) * ALTERNATIVES candidates. The
+    # copies of its cache rows and the wider call count in its measured time per position.
+    tree_width = ALTERNATIVES
 
     def __init__(
         self,
@@ -250,11 +254,15 @@ class HeadDrafter(SharedDrafter):
         return [read[1] - read[0] if read else 0 for read in reads], feed
 
     def _draw(
-        self, predicted: mx.array, trees: Optional[list] = None, contexts: Optional[list] = None
+        self,
+        predicted: mx.array,
+        sources: list,
+        trees: Optional[list] = None,
+        contexts: Optional[list] = None,
     ) -> tuple:
         # processors index the target's vocabulary: a head that scores a part of it goes without
         whole = len(self.vocab_list) == self.vocab_size
-        return draw_rows(self.head.logits(predicted), self.rows, trees, contexts if whole else None)
+        return draw_rows(self.head.logits(predicted), sources, trees, contexts if whole else None)
 
     def _next(self, predicted: mx.array, indices: mx.array) -> mx.array:
         embeddings = self.embed(self.vocab_ids[indices])[:, None]

@@ -306,8 +306,8 @@ def mtp_run(path, target, calibrated: bool, tree_nodes=0, **options) -> tuple:
     tap, drafter = MTPDrafter.create(target, path, **options)
     draw = drafter._draw
 
-    def unconfident(last, trees=None, contexts=None):
-        tokens, confidence, probs, top = draw(last, trees, contexts)
+    def unconfident(last, *args):
+        tokens, confidence, probs, top = draw(last, *args)
         return tokens, confidence * 0.2, probs, top
 
     drafter._draw = unconfident
