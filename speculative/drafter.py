@@ -262,7 +262,13 @@ class SharedDrafter:
         last = self._catch_up(counts, feed)
         lengths = [lengths.get(id(s), 0) if n else 0 for s, n in zip(self.rows, counts)]
         nodes = {id(request.source): request.max_nodes for request in requests}
-        trees = [nodes.get(id(source)) is not None for source in self.rows]
+        # Under ``auto`` a sampled row drafts a chain drawn from q: its tokens are accepted with
+        # 1 - TV(p, q), close to 1 for a good drafter, where a tree's point masses are accepted
+        # with p(x) each. A count asked for gives a tree at any temperature.
+        trees = [
+            nodes.get(id(source)) is not None and (source.temp == 0 or nodes[id(source)] > 0)
+            for source in self.rows
+        ]
         texts = [request_tokens.get(id(source), []) for source in self.rows]
         drafts, positions = self._chain(last, lengths, trees, texts)
         cost.record_draft(f"{self.source_class.name} position", cost.clock() - tic, positions)
