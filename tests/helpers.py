@@ -273,3 +273,13 @@ def running(command: list, **popen_args):
         yield process
     finally:
         stop(process)
+
+
+def drain(generator, uids) -> list:
+    """Run a ``BatchGenerator`` until it is done; each uid's tokens, every response error-free."""
+    tokens = {uid: [] for uid in uids}
+    while responses := generator.next():
+        for response in responses:
+            assert response.error is None
+            tokens[response.uid] += response.tokens
+    return [tokens[uid] for uid in uids]

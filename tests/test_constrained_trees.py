@@ -13,7 +13,7 @@ from constrained.grammar import GrammarConstraint, GrammarForcedSource
 from decoder import DecodingStats, generate_step
 from decoder.draft import Draft
 from decoder.tree import constrain_tree, path_to
-from tests.helpers import tiny_byte_tokenizer, tiny_llama
+from tests.helpers import drain, tiny_byte_tokenizer, tiny_llama
 from tests.test_draft_trees import RandomTrees
 
 TOKENIZER = tiny_byte_tokenizer()
@@ -133,9 +133,4 @@ def test_constrained_rows_in_a_batch_draft_trees_and_stay_lossless():
     uids = generator.insert(
         prompts, draft_sources=sources, constraint=constraints, max_tokens=40, eos_token_ids=EOS
     )
-    tokens = {uid: [] for uid in uids}
-    while responses := generator.next():
-        for response in responses:
-            assert response.error is None
-            tokens[response.uid] += response.tokens
-    assert [tokens[uid] for uid in uids] == wants
+    assert drain(generator, uids) == wants

@@ -19,7 +19,7 @@ from decoder.draft import Draft, DraftSource
 from decoder.tree import accept_tree, kept_slots, layout, path_to
 from prompt_lookup.trie import choose, judge
 from tests.architectures import build
-from tests.helpers import chi_square_p_value, tiny_byte_tokenizer, tiny_llama
+from tests.helpers import chi_square_p_value, drain, tiny_byte_tokenizer, tiny_llama
 
 
 @pytest.fixture(scope="module", params=["llama", "gemma3_text"])
@@ -106,12 +106,7 @@ def test_random_trees_in_a_batch_give_each_row_its_plain_tokens(model, seed):
         sources.append([RandomTrees(len(prompt), want, seed + row)])
     generator = BatchGenerator(model, tree_nodes=8)
     uids = generator.insert(prompts, draft_sources=sources, max_tokens=20, logprobs=1)
-    tokens = {uid: [] for uid in uids}
-    while responses := generator.next():
-        for response in responses:
-            assert response.error is None
-            tokens[response.uid] += response.tokens
-    assert [tokens[uid] for uid in uids] == wants
+    assert drain(generator, uids) == wants
 
 
 @settings(max_examples=8, deadline=None)

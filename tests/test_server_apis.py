@@ -714,7 +714,9 @@ def test_a_client_that_hangs_up_mid_stream_frees_its_row(tmp_path):
                         range(2),
                     )
                 )
-            assert [a.usage.output_tokens for a in answers] == [2, 2]
+            # both served (neither refused nor left waiting), whether or not one ends early
+            assert all(1 <= a.usage.output_tokens <= 2 for a in answers), answers
+            assert {a.stop_reason for a in answers} <= {"max_tokens", "end_turn"}
     finally:
         stop(process)
     assert "Traceback" not in log.read_text()

@@ -94,6 +94,31 @@ def test_sampling_with_a_draft_model_keeps_the_target_distribution(temp, top_p):
     assert_sampling_keeps_the_target_distribution(target, make_run, temp, top_p)
 
 
+def test_sampling_with_draft_model_trees_keeps_the_target_distribution():
+    """A draft model's trees (its q-drawn chain turned greedy, the model's next choices as leaves)
+    verified by the multi-candidate rule."""
+    target = tiny_llama(vocab_size=8, num_layers=2, seed=3, sharp=2.0)
+    draft = tiny_llama(vocab_size=8, num_layers=1, seed=9, sharp=2.0)
+    trees = []
+
+    def make_run():
+        source = DraftModel(draft, 8, num_draft=2, adaptive=False).source()
+        propose_tree = source.propose_tree
+
+        def counted(*args):
+            proposed = propose_tree(*args)
+            trees.append(proposed is not None and proposed.parents is not None)
+            return proposed
+
+        source.propose_tree = counted
+        return target, [source]
+
+    assert_sampling_keeps_the_target_distribution(
+        target, make_run, 1.0, 1.0, runs=1500, tree_nodes=4
+    )
+    assert any(trees)  # trees were verified, not only chains
+
+
 # --- T5 ------------------------------------------------------------------------------
 
 
