@@ -283,3 +283,17 @@ def drain(generator, uids) -> list:
             assert response.error is None
             tokens[response.uid] += response.tokens
     return [tokens[uid] for uid in uids]
+
+
+def count_trees(source, shapes: list):
+    """Make ``source`` note in ``shapes``, for each draft it proposes when asked for a tree,
+    whether it gave one (so a test of trees can check that trees were verified)."""
+    propose_tree = source.propose_tree
+
+    def counted(*args):
+        draft = propose_tree(*args)
+        shapes.append(draft is not None and draft.parents is not None)
+        return draft
+
+    source.propose_tree = counted
+    return source

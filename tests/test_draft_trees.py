@@ -19,7 +19,7 @@ from decoder.draft import Draft, DraftSource
 from decoder.tree import accept_tree, kept_slots, layout, path_to
 from prompt_lookup.trie import choose, judge
 from tests.architectures import build
-from tests.helpers import chi_square_p_value, drain, tiny_byte_tokenizer, tiny_llama
+from tests.helpers import chi_square_p_value, count_trees, drain, tiny_byte_tokenizer, tiny_llama
 
 
 @pytest.fixture(scope="module", params=["llama", "gemma3_text"])
@@ -365,16 +365,8 @@ def test_sampling_with_mtp_trees_keeps_the_target_distribution(tmp_path):
     write_checkpoint(tmp_path, "deepseek_v3", seed=4, vocab_size=8, tokenizer=tiny_byte_tokenizer())
     target, _, _ = load_mlx_lm(tmp_path)
     tap, drafter = MTPDrafter.create(target, tmp_path, num_draft=2, adaptive=False)
-    source = drafter.source()
     trees = []
-    propose_tree = source.propose_tree
-
-    def counted(*args):
-        draft = propose_tree(*args)
-        trees.append(draft is not None and draft.parents is not None)
-        return draft
-
-    source.propose_tree = counted
+    source = count_trees(drafter.source(), trees)
     assert_sampling_keeps_the_target_distribution(
         target, lambda: (tap, [source]), 1.0, 1.0, runs=1500, tree_nodes=4
     )

@@ -11,7 +11,7 @@ from decoder import DecodingStats, generate_step
 from decoder.cost import PassCost
 from speculative import DraftModel, VocabularyMismatch
 from t5 import T5Decoder, load_t5
-from tests.helpers import assert_sampling_keeps_the_target_distribution, tiny_llama
+from tests.helpers import assert_sampling_keeps_the_target_distribution, count_trees, tiny_llama
 from tests.t5_fixtures import make_tiny_t5_dir, train_tiny_spiece
 from tests.test_cli import assert_one_line_error, cli
 
@@ -103,15 +103,7 @@ def test_sampling_with_draft_model_trees_keeps_the_target_distribution():
 
     def make_run():
         source = DraftModel(draft, 8, num_draft=2, adaptive=False).source()
-        propose_tree = source.propose_tree
-
-        def counted(*args):
-            proposed = propose_tree(*args)
-            trees.append(proposed is not None and proposed.parents is not None)
-            return proposed
-
-        source.propose_tree = counted
-        return target, [source]
+        return target, [count_trees(source, trees)]
 
     assert_sampling_keeps_the_target_distribution(
         target, make_run, 1.0, 1.0, runs=1500, tree_nodes=4
