@@ -13,6 +13,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .cache import architecture, layers_of, make_cache
+from .draft import Draft
 
 
 def depths(parents: Sequence[int]) -> list:
@@ -152,6 +153,12 @@ def supports_trees(model, cache) -> bool:
     return known
 
 
+def leaves(parents: Sequence[int]) -> list:
+    """The nodes with no children, in index order."""
+    children = children_of(parents)
+    return [node for node in range(len(parents)) if node not in children]
+
+
 def children_of(parents: Sequence[int]) -> dict:
     """Node -> its children in index order (-1: the root's)."""
     children = {}
@@ -247,7 +254,7 @@ def select(draft, nodes: Sequence[int]):
     index = {node: i for i, node in enumerate(nodes)}
     parents = [index.get(draft.parents[node], -1) for node in nodes]
     chances = None if draft.chances is None else [draft.chances[node] for node in nodes]
-    return type(draft)(
+    return Draft(
         [draft.tokens[node] for node in nodes],
         expected_speedup=draft.expected_speedup,
         parents=parents,
@@ -259,8 +266,8 @@ def _walk_leaves(constraint, draft, with_masks: bool) -> tuple:
     """``(allowed, rows)``: the nodes the constraint allows after the accepted text (each walked
     along its own path, from its leaf) and, ``with_masks``, the mask of the tokens allowed after
     each position (0: the row's last token; 1 + i: node i)."""
-    children, allowed, rows = children_of(draft.parents), set(), {}
-    for leaf in (node for node in range(len(draft.tokens)) if node not in children):
+    allowed, rows = set(), {}
+    for leaf in leaves(draft.parents):
         path = path_to(draft.parents, leaf)
         states = constraint.walk(draft.path_tokens(path))
         allowed.update(path[: len(states) - 1])
@@ -280,8 +287,8 @@ def _extend_leaves(draft, forced_after, max_depth: int):
     below it, no deeper than ``max_depth``; forced nodes take their leaf's chance."""
     tokens, parents = list(draft.tokens), list(draft.parents)
     chances = None if draft.chances is None else list(draft.chances)
-    children, node_depths = children_of(draft.parents), depths(draft.parents)
-    for leaf in [node for node in range(len(draft.tokens)) if node not in children]:
+    node_depths = depths(draft.parents)
+    for leaf in leaves(draft.parents):
         forced = forced_after(draft.path_tokens(path_to(draft.parents, leaf)))
         parent = leaf
         for token in forced[: max_depth - node_depths[leaf]]:
@@ -290,7 +297,7 @@ def _extend_leaves(draft, forced_after, max_depth: int):
             if chances is not None:
                 chances.append(chances[leaf])
             parent = len(tokens) - 1
-    return type(draft)(tokens, None, draft.expected_speedup, parents, chances)
+    return Draft(tokens, None, draft.expected_speedup, parents, chances)
 
 
 def constrain_tree(constraint, draft, forced_after=None, max_depth: int = 0) -> tuple:
