@@ -25,7 +25,7 @@ def probe(model) -> tuple:
             for prompts in ([[1, 2, 3], [1]], [[1, 2, 3], [1], [1, 2]]):
                 batch = _scratch(model, prompts, mask_dims)
                 # rows apart: an array mask
-                model(mx.array([[1]] * len(prompts)), cache=batch.layers)
+                model(mx.array([[1]] * len(prompts), mx.int32), cache=batch.layers)
                 mx.eval(batch.arrays())
             break
         except CacheKindError:

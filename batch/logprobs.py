@@ -39,12 +39,13 @@ def token_logprobs(rows: list, drafts: list, results: list, logits: mx.array) ->
     length = max(len(tokens) for tokens in chosen)
     # each token's position in the pass: the row's last token, then its accepted nodes
     positions = mx.array(
-        [[0] + [1 + node for node in path] + [0] * (length - 1 - len(path)) for path in paths]
+        [[0] + [1 + node for node in path] + [0] * (length - 1 - len(path)) for path in paths],
+        mx.int32,
     )
-    scores = mx.take_along_axis(logits[mx.array(asking)], positions[..., None], axis=1)
+    scores = mx.take_along_axis(logits[mx.array(asking, mx.int32)], positions[..., None], axis=1)
     scores = scores.astype(mx.float32)
     logprobs = scores - mx.logsumexp(scores, axis=-1, keepdims=True)
-    ids = mx.array([tokens + [0] * (length - len(tokens)) for tokens in chosen])
+    ids = mx.array([tokens + [0] * (length - len(tokens)) for tokens in chosen], mx.int32)
     picked = mx.take_along_axis(logprobs, ids[..., None], -1)[..., 0]
     top = min(max(rows[i].logprobs for i in asking), logprobs.shape[-1])
     top_ids = mx.zeros((len(asking), length, 0), mx.int32)

@@ -46,7 +46,7 @@ def score(logits: mx.array, plans: list, width: int) -> Scores:
             ]
         )
         logits = mx.where(
-            mx.array(constrained)[:, None, None], mask_logits(logits, allowed), logits
+            mx.array(constrained, mx.bool_)[:, None, None], mask_logits(logits, allowed), logits
         )
     # The step's one host sync: the greedy rows' decisions (and whether the constraints allow
     # them), and every row's logits with them.
@@ -89,9 +89,9 @@ def _check_allowed(rows: list, results: list, scores: Scores):
                 sampled.append(index)
     if sampled:  # a sampled token other than the argmax: ask its mask
         found = scores.allowed[
-            mx.array(sampled),
-            mx.array([rows[i].scored_at for i in sampled]),
-            mx.array([results[i][1] for i in sampled]),
+            mx.array(sampled, mx.int32),
+            mx.array([rows[i].scored_at for i in sampled], mx.int32),
+            mx.array([results[i][1] for i in sampled], mx.int32),
         ].tolist()
         verdicts.update(zip(sampled, found))
     for index, fine in verdicts.items():

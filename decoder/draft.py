@@ -31,6 +31,11 @@ class Draft:
     # policy of a batch reads it).
     chances: Optional[list] = None
 
+    def __post_init__(self):
+        # An empty draft is a chain of length 0 everywhere: no tree path is entered without nodes.
+        if not self.tokens:
+            self.parents = self.chances = None
+
     def truncate(self, length: int) -> "Draft":
         """The first ``length`` tokens (of a tree: still a tree), with their distributions."""
         if len(self.tokens) <= length:
@@ -149,7 +154,7 @@ def accept_draft(
     q = None if draft.probs is None else draft.probs.astype(mx.float32)
     num_accepted = 0
     if num_draft:
-        positions, tokens = mx.arange(num_draft), mx.array(draft.tokens)
+        positions, tokens = mx.arange(num_draft), mx.array(draft.tokens, mx.int32)
         p_draft = p[positions, tokens]
         q_draft = mx.ones_like(p_draft) if q is None else q[positions, tokens]
         # min(1, p/q) without dividing: accept when u * q < p.

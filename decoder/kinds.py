@@ -42,7 +42,7 @@ class KVRows(_BaseCache):
         self.starts, self.ends, self.origins = starts, ends, origins
         # RoPE reads the offset: an int for one row (as mlx-lm's KVCache), else one per row.
         positions = [end - origin for end, origin in zip(ends, origins)]
-        self.offset = positions[0] if len(ends) == 1 else mx.array(positions)
+        self.offset = positions[0] if len(ends) == 1 else mx.array(positions, mx.int32)
 
     @property
     def rows(self) -> int:
@@ -86,7 +86,7 @@ class KVRows(_BaseCache):
             self.keys[..., end : end + num_new, :] = keys
             self.values[..., end : end + num_new, :] = values
         else:
-            slots = (mx.array(self.ends)[:, None] + mx.arange(num_new))[:, None, :, None]
+            slots = (mx.array(self.ends, mx.int32)[:, None] + mx.arange(num_new))[:, None, :, None]
             self.keys = mx.put_along_axis(
                 self.keys, mx.broadcast_to(slots, keys.shape), keys, axis=2
             )
@@ -116,8 +116,8 @@ class KVRows(_BaseCache):
                 return None  # one query sees every key it is given
         slots = mx.arange(first, max(self.ends) + N)
         # each query's own slot
-        own = mx.array(self.ends)[:, None, None] + mx.arange(N)[None, :, None]
-        seen = (slots >= mx.array(self.starts)[:, None, None]) & (slots <= own)
+        own = mx.array(self.ends, mx.int32)[:, None, None] + mx.arange(N)[None, :, None]
+        seen = (slots >= mx.array(self.starts, mx.int32)[:, None, None]) & (slots <= own)
         if window is not None:  # a row's slots are contiguous: slot distance is position distance
             seen = seen & (slots > own - window)
         # A padding query sees only itself: a query that sees nothing would turn into NaN, and the
@@ -130,7 +130,9 @@ class KVRows(_BaseCache):
         pass's slots ``visible`` ``(B, N, N)`` (``decoder.tree.layout``): the rope modules read
         one position per token from ``offset``."""
         self.tree = (depth, visible)
-        positions = mx.array([end - origin for end, origin in zip(self.ends, self.origins)])
+        positions = mx.array(
+            [end - origin for end, origin in zip(self.ends, self.origins)], mx.int32
+        )
         self.offset = positions[:, None] + depth
 
     def end_tree(self):
@@ -142,8 +144,8 @@ class KVRows(_BaseCache):
         position, and the pass slots ``visible`` says."""
         depth, visible = self.tree
         slots = mx.arange(first, max(self.ends) + N)
-        ends = mx.array(self.ends)[:, None, None]
-        past = (slots >= mx.array(self.starts)[:, None, None]) & (slots < ends)
+        ends = mx.array(self.ends, mx.int32)[:, None, None]
+        past = (slots >= mx.array(self.starts, mx.int32)[:, None, None]) & (slots < ends)
         index = slots - ends  # (B, 1, S): the slot's place in the pass
         in_pass = (index >= 0) & (index < N)
         index = mx.broadcast_to(mx.clip(index, 0, N - 1), (depth.shape[0], N, slots.shape[0]))
@@ -164,7 +166,7 @@ class KVRows(_BaseCache):
             if slots is None or list(slots) == list(range(len(slots))):
                 continue
             begin = self.ends[row] - width
-            taken = mx.array([begin + slot for slot in slots])
+            taken = mx.array([begin + slot for slot in slots], mx.int32)
             for name in ("keys", "values"):
                 array = getattr(self, name)
                 array[row : row + 1, :, begin : begin + len(slots)] = mx.take(
@@ -247,7 +249,7 @@ class KVRows(_BaseCache):
         top = max(self.ends)
         shifts = [top - end for end in self.ends]
         if self.keys is not None and any(shifts):
-            shift = mx.array(shifts)[:, None]
+            shift = mx.array(shifts, mx.int32)[:, None]
             self.keys = dynamic_roll(self.keys, shift, axis=2)
             self.values = dynamic_roll(self.values, shift, axis=2)
         self._set(
@@ -329,7 +331,7 @@ class StateRows(ArraysCache):
         self.saved = None
 
     def filter(self, keep: Sequence[int]):
-        super().filter(mx.array(list(keep)))
+        super().filter(mx.array(list(keep), mx.int32))
         self.rows = len(keep)
 
     def extend(self, other: "StateRows"):
@@ -345,7 +347,7 @@ class StateRows(ArraysCache):
         if len(rows) == self.rows:  # every row: the saved arrays themselves
             self.cache = list(self.saved)
             return
-        index = mx.array(list(rows))
+        index = mx.array(list(rows), mx.int32)
         for state, saved in zip(self.cache, self.saved):
             if state is not None:  # a state first made in the pass started from zeros
                 state[index] = 0 if saved is None else saved[index]

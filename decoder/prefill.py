@@ -45,7 +45,7 @@ class Prefill:
         if width:
             self.cache.prepare([len(chunk) for chunk in chunks], width)
             self.model(
-                mx.array([chunk + [0] * (width - len(chunk)) for chunk in chunks]),
+                mx.array([chunk + [0] * (width - len(chunk)) for chunk in chunks], mx.int32),
                 cache=self.cache.layers,
             )
             self.cache.finalize()

@@ -46,8 +46,8 @@ class _EachPosition(PositionProcessor):
 
 class LogitBias(PositionProcessor):
     def __init__(self, logit_bias: Dict[int, float]):
-        self.indices = mx.array(list(logit_bias.keys()))
-        self.values = mx.array(list(logit_bias.values()))
+        self.indices = mx.array(list(logit_bias.keys()), mx.int32)
+        self.values = mx.array(list(logit_bias.values()), mx.float32)
 
     def over_positions(self, context, first, logits):
         return logits.at[:, self.indices].add(self.values)  # mlx-lm's op, on every row at once
@@ -86,9 +86,9 @@ class _Penalty(PositionProcessor):
         ids[rows, column], found[rows, column] = tokens, counts
         padding = np.arange(ids.shape[1])[None] >= per_row[:, None]
         ids, found = np.where(padding, ids[:, :1], ids), np.where(padding, found[:, :1], found)
-        ids = mx.array(ids)
+        ids = mx.array(ids, mx.int32)
         values = mx.take_along_axis(logits, ids, axis=-1)
-        found_array = mx.array(found)
+        found_array = mx.array(found, mx.int32)
         penalized = self.penalize(values, found_array, int(found.max()))
         return mx.put_along_axis(logits, ids, mx.where(found_array > 0, penalized, values), -1)
 

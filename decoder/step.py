@@ -333,14 +333,15 @@ def verify_pass(
         ):
             layouts[slot] = layout(len(tokens), draft.parents, pass_width)
     cache.prepare(lengths, pass_width, layouts)
-    logits = model(mx.array(inputs), cache=cache.layers)
+    logits = model(mx.array(inputs, mx.int32), cache=cache.layers)
     cache.finalize()
     if cache.rows > len(rows):
-        logits = logits[mx.array(slots)]
+        logits = logits[mx.array(slots, mx.int32)]
     # each row's draft positions start after its pending tokens
     if any(len(tokens) > 1 for tokens in pending):
         positions = mx.minimum(
-            mx.array([len(p) - 1 for p in pending])[:, None] + mx.arange(width), pass_width - 1
+            mx.array([len(p) - 1 for p in pending], mx.int32)[:, None] + mx.arange(width),
+            pass_width - 1,
         )
         logits = mx.take_along_axis(logits, positions[..., None], axis=1)
     return logits, pass_width

@@ -111,7 +111,7 @@ def _probe(model) -> bool:
     # Each call is evaluated before the next, as the loops do: a pipeline's ranks exchange hidden
     # states, and two pending passes of one shape could swap their messages.
     def run(tokens: list, cache) -> mx.array:
-        logits = model(mx.array([tokens]), cache=cache.layers)[0]
+        logits = model(mx.array([tokens], mx.int32), cache=cache.layers)[0]
         mx.eval(logits)
         return logits
 
@@ -193,7 +193,9 @@ def accept_tree(
             path.append(node)
     p = sampling.probs(logits)
     # Every edge's p(child | parent) and a uniform draw for it, in the step's first sync.
-    edges = p[mx.array([parent + 1 for parent in parents]), mx.array(draft.tokens)]
+    edges = p[
+        mx.array([parent + 1 for parent in parents], mx.int32), mx.array(draft.tokens, mx.int32)
+    ]
     uniform_key, draw_key = (None, None) if key is None else mx.random.split(key)
     uniforms = mx.random.uniform(shape=edges.shape, key=uniform_key)
     edge_probs, uniforms = mx.stack([edges, uniforms]).tolist()
@@ -203,7 +205,7 @@ def accept_tree(
         if child is None:
             residual = p[node + 1]
             if rejected:
-                residual = residual.at[mx.array(rejected)].multiply(0.0)
+                residual = residual.at[mx.array(rejected, mx.int32)].multiply(0.0)
             # Float error can leave nothing where the rejected children held all the mass.
             residual = mx.where(residual.sum() > 0, residual, p[node + 1])
             return path, mx.random.categorical(mx.log(residual), key=draw_key).item()

@@ -143,7 +143,7 @@ class HistoryLookupSource(PromptLookupSource):
     def reset(self, cost=None, temp: float = 0.0, top_p: float = 1.0):
         super().reset(cost, temp, top_p)
         if self.history.size:
-            self._context = mx.concatenate([mx.array(self.history), self._context])
+            self._context = mx.concatenate([mx.array(self.history, mx.int32), self._context])
 
     def match_kind(self, ngram: int, start: int):
         """A copy from the store and one from this generation's own context are told apart: a

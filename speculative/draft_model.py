@@ -174,7 +174,7 @@ class DraftModel(SharedDrafter):
 
         def feed(start: int, counts: list, width: int) -> mx.array:
             chunk = [p[start : start + n] + [0] * (width - n) for p, n in zip(pending, counts)]
-            return self.model(mx.array(chunk), cache=self.cache.layers)
+            return self.model(mx.array(chunk, mx.int32), cache=self.cache.layers)
 
         return [len(p) for p in pending], feed
 

@@ -79,7 +79,7 @@ def draw_rows(
             for i in members
         ]
         group = sampling.probs(mx.concatenate(rows))
-        index = mx.array(members)
+        index = mx.array(members, mx.int32)
         tokens[index] = mx.random.categorical(mx.log(group)).astype(tokens.dtype)
         confidence[index] = group.max(axis=-1)
         for position, member in enumerate(members):
@@ -345,8 +345,8 @@ class SharedDrafter:
             width = max(chunk)
             out = feed(start, chunk, width)
             self.cache.rewind([width - n for n in chunk])
-            step = out[mx.arange(len(chunk)), mx.array([max(n - 1, 0) for n in chunk])]
-            has = mx.array([n > 0 for n in chunk])[:, None]
+            step = out[mx.arange(len(chunk)), mx.array([max(n - 1, 0) for n in chunk], mx.int32)]
+            has = mx.array([n > 0 for n in chunk], mx.bool_)[:, None]
             last = step if last is None else mx.where(has, step, last)
         return last
 
@@ -449,7 +449,7 @@ class SharedDrafter:
         take = list(range(rows)) + [cache_row for _, _, cache_row in frontier]
         if take != list(range(self.cache.rows)):
             self.cache.filter(take)  # a repeated row is a copy
-            last = last[mx.array(take)]
+            last = last[mx.array(take, mx.int32)]
         if frontier:
             fed = [growths[row].nodes[node].index for row, node, _ in frontier]
             indices = mx.concatenate([indices, mx.array(fed, indices.dtype)])

@@ -176,7 +176,7 @@ def fingerprint(target) -> dict:
     }
     weight = output_weight(target)
     rows = np.linspace(0, weight.shape[0] - 1, 8).astype(np.int64)
-    probe = weight[mx.array(rows), :4].astype(mx.float32).reshape(-1)
+    probe = weight[mx.array(rows, mx.int32), :4].astype(mx.float32).reshape(-1)
     norm = target.model.norm.weight[:16].astype(mx.float32)
     return {"shape": shape, "probe": mx.concatenate([probe, norm]).tolist()}
 

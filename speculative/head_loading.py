@@ -170,7 +170,7 @@ def _check_embeddings(weights: dict, target, weights_path):
             f"{weights_path}: embed_tokens has {table.shape[0]} rows, the target's vocabulary "
             f"{target.args.vocab_size}"
         )
-    rows = mx.array(np.linspace(0, table.shape[0] - 1, 16).astype(np.int64))
+    rows = mx.array(np.linspace(0, table.shape[0] - 1, 16).astype(np.int64), mx.int32)
     theirs, mine = (
         table[rows].astype(mx.float32),
         target.model.embed_tokens(rows).astype(mx.float32),

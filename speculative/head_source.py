@@ -249,7 +249,9 @@ class HeadDrafter(SharedDrafter):
                 tokens.append(text[start + offset + 1 : start + offset + n + 1] + [0] * (width - n))
             example = next(rows for rows in found if rows is not None)
             found = [mx.zeros_like(example) if rows is None else rows for rows in found]
-            return self.head(mx.stack(found), self.embed(mx.array(tokens)), cache=self.cache.layers)
+            return self.head(
+                mx.stack(found), self.embed(mx.array(tokens, mx.int32)), cache=self.cache.layers
+            )
 
         return [read[1] - read[0] if read else 0 for read in reads], feed
 

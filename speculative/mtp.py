@@ -83,7 +83,7 @@ def fuse(
 def zero_first_embedding(next_embeddings: mx.array, layer_cache) -> mx.array:
     """Nothing precedes position 0, so no embedding is read there (vLLM's DeepSeek and MiMo MTP).
     In a batch each row has its own offset."""
-    offset = mx.array(0 if layer_cache is None else layer_cache.offset).reshape(-1, 1)
+    offset = mx.array(0 if layer_cache is None else layer_cache.offset, mx.int32).reshape(-1, 1)
     first = (offset + mx.arange(next_embeddings.shape[1])) == 0
     return mx.where(first[..., None], 0, next_embeddings)
 

@@ -292,7 +292,7 @@ class T5Decoder:
     def __init__(self, model: Model, encoder_input_ids: List[int]):
         self.model = model
         self.args = model.args
-        encoder_output = model.encode(mx.array([encoder_input_ids]))
+        encoder_output = model.encode(mx.array([encoder_input_ids], mx.int32))
         self.memory = model.cross_attention_memory(encoder_output)
         # Run the encoder now, so the first decoder step's timing is the decoder's.
         mx.eval(self.memory)

@@ -17,6 +17,7 @@ from decoder import Sampling, generate_step
 from decoder.cache import make_cache
 from decoder.draft import Draft, DraftSource
 from decoder.tree import accept_tree, kept_slots, layout, path_to
+from prompt_lookup import PromptLookupSource
 from prompt_lookup.trie import choose, judge
 from tests.architectures import build
 from tests.helpers import chi_square_p_value, count_trees, drain, tiny_byte_tokenizer, tiny_llama
@@ -172,6 +173,34 @@ def fits(first, after_one) -> bool:
         chi_square_p_value(first, np.array(probs[0])) > 1e-3
         and chi_square_p_value(after_one, np.array(probs[2])) > 1e-3
     )
+
+
+def test_an_empty_draft_is_a_chain_everywhere():
+    tree_draft = Draft([5, 6, 7], parents=[-1, -1, 0], chances=[0.5, 0.2, 0.4])
+    for empty in (Draft([], parents=[]), tree_draft.truncate(0)):
+        assert empty.tokens == [] and empty.parents is None and empty.chances is None
+
+
+def test_sampled_rows_whose_trees_a_narrow_pass_cuts_to_nothing_are_served():
+    """#59: a sampled row whose tree the batch's width cut to no nodes (W = 1) gathered with
+    float32 indices and failed. Lookup branches here (four matches of "1 2 3"), and the rows'
+    filters differ, as in the issue's requests."""
+    prompt = [1, 2, 3, 4, 9, 1, 2, 3, 5, 9, 1, 2, 3, 6, 9, 1, 2, 3, 7, 8, 1, 2, 3]
+    model, widths = tiny_llama(), set()
+    for seed in range(6):
+        generator = BatchGenerator(model, tree_nodes="auto")
+        uids = generator.insert(
+            [prompt] * 3,
+            draft_sources=[[PromptLookupSource()] for _ in range(3)],
+            temp=1.0,
+            top_k=[3, 0, 0],
+            min_p=[0, 0.2, 0],
+            seed=[seed, seed + 100, seed + 200],
+            max_tokens=40,
+        )
+        drain(generator, uids)  # asserts that no row ends with an error
+        widths |= set(generator.stats.widths)
+    assert 1 in widths and max(widths) > 2  # narrow passes beside tree passes
 
 
 def test_sampling_a_tree_keeps_the_target_distribution():

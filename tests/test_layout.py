@@ -239,6 +239,31 @@ def test_the_core_has_comments_at_mlx_lms_density():
     assert prose_and_code_lines(sample) == (2, 4)
 
 
+def arrays_without_dtype(source: str) -> list:
+    """Lines of ``mx.array(...)`` calls that name no dtype. Built from a Python list, an array
+    takes its dtype from the values: ``mx.array([])`` is float32, and a gather with it raises
+    (an empty draft's indices did, #59). Weights converted from ``.numpy()`` keep theirs."""
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        if not (isinstance(node, ast.Call) and ast.unparse(node.func) == "mx.array"):
+            continue
+        named = len(node.args) > 1 or any(keyword.arg == "dtype" for keyword in node.keywords)
+        converted = node.args and ".numpy()" in ast.unparse(node.args[0])
+        if not named and not converted:
+            lines.append(node.lineno)
+    return lines
+
+
+def test_arrays_from_host_values_name_their_dtype():
+    found = {
+        f"{path.relative_to(ROOT)}:{line}"
+        for folder in ("decoder", "batch", "prompt_lookup", "speculative")
+        for path in sorted((ROOT / folder).rglob("*.py"))
+        for line in arrays_without_dtype(path.read_text())
+    }
+    assert not found, f"mx.array without a dtype: {sorted(found)}"
+
+
 def test_folder_readmes_are_front_pages():
     readmes = sorted(ROOT.glob("*/README.md"))
     assert {"constrained", "prompt_lookup", "speculative"} <= {path.parent.name for path in readmes}
@@ -272,3 +297,6 @@ def test_the_checks_can_fail(tmp_path):
     (tmp_path / "tests").mkdir()
     (tmp_path / "tests" / "test_big.py").write_text("\n" * (MAX_FILE_LINES + 1))
     assert oversized(tmp_path) == {"pkg/z.py", "pkg/z.py:C.long"}
+    # An index array from a list without a dtype; one with it, and a converted weight, pass.
+    source = "a = mx.array([1])\nb = mx.array([1], mx.int32)\nc = mx.array(w.float().numpy())\n"
+    assert arrays_without_dtype(source) == [1]
