@@ -35,11 +35,11 @@ from batch.row import BatchRow, RowResponse, check_row, per_row, shared_prompts
 from batch.verify import accept, score
 from decoder.cache import make_cache
 from decoder.cost import PassCost
+from decoder.draft import DraftRequest
 from decoder.prefill import Prefill
 from decoder.sampling import Sampling
 from decoder.step import verify_pass
 from decoder.tree import max_nodes_for
-from speculative.drafter import DraftRequest
 
 # Rows whose ends drift further apart than this are rolled back into line (one copy of the cache),
 # so that no row attends over many slots that hold nothing of its own.
@@ -99,10 +99,10 @@ class BatchGenerator:
         interleave_prefill: while rows are decoding, prefill joining prompts one chunk per
             ``next()`` (a long prompt does not stall the running rows); else all at once.
         keep_caches: give each finished row's KV entries in its last response (``cache``).
-        drafters: the models that draft for many rows at once (``speculative.SharedDrafter``:
+        drafters: the models that draft for many rows at once (``decoder.draft.Drafter``:
             ``DraftModel``, ``HeadDrafter``, ``MTPDrafter``), whose ``source()`` rows hold: each
-            drafts for all its rows in one call per step. A source of one not given here drafts
-            for its row alone.
+            drafts for all its rows in one call per step. A row's source's drafter not given here
+            is adopted when the row is inserted (``DraftSource.drafter``).
         tree_nodes: rows draft trees of at most this many nodes, ``"auto"`` as many as pay, 0
             chains (``decoder.tree``; a model that cannot verify trees drafts chains).
     """
@@ -218,6 +218,9 @@ class BatchGenerator:
                     )
                 owned.append(id(stateful))
             rows.append(self._new_row(prompt, sources, eos, row_options))
+        for source in [s for row in rows for s in row.sources if s.drafter is not None]:
+            if source.drafter not in self.drafters:  # it drafts for all its rows at once
+                self.drafters.append(source.drafter)
         self.waiting += rows
         return [row.uid for row in rows]
 
@@ -242,6 +245,12 @@ class BatchGenerator:
         if self.prefilling is not None:
             self.removed |= uids & {row.uid for row in self.prefilling[0]}
         self._drop([i for i, row in enumerate(self.rows) if row.uid in uids])
+
+    def close(self):
+        """Drop every row, running, waiting or prefilling: the drafters let go of their rows (a
+        server replacing a generator whose step failed)."""
+        self.waiting, self.prefilling, self.removed = [], None, set()
+        self._drop(list(range(len(self.rows))))
 
     def _drop(self, indices: Sequence[int]):
         """Rows leave at once, but their cache rows stay, unused, until half the cache is unused or

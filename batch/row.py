@@ -2,6 +2,7 @@
 step tells of it (``RowResponse``), and how ``insert``'s options become rows (``per_row``,
 ``check_row``, ``shared_prompts``)."""
 
+import traceback
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
@@ -22,6 +23,7 @@ class RowResponse:
     # row's first n tokens (prompt and output), for a later prompt that extends them.
     cache: Optional[CachedPrefix] = None
     logprobs: Optional[list] = None  # with insert(logprobs=k): a TokenLogprobs per token in tokens
+    trace: Optional[str] = None  # when finish_reason is "error": its traceback, for a log
 
 
 class BatchRow(Row):
@@ -50,10 +52,11 @@ class BatchRow(Row):
 
     def failed(self, error: Exception) -> RowResponse:
         """The row's last response when ``error`` ends it (the other rows go on): one line naming
-        it."""
+        it, and its traceback."""
         message = " ".join(str(error).split()) or type(error).__name__
+        trace = "".join(traceback.format_exception(type(error), error, error.__traceback__))
         return RowResponse(
-            self.uid, [], [], "error", f"{type(error).__name__}: {message}", self.stats
+            self.uid, [], [], "error", f"{type(error).__name__}: {message}", self.stats, trace=trace
         )
 
 

@@ -2,7 +2,7 @@
 math that decides how much of it the target accepts (docs/decoder.md)."""
 
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence, Union
+from typing import Callable, NamedTuple, Optional, Sequence, Union
 
 import mlx.core as mx
 from mlx_lm.utils import common_prefix_len
@@ -66,6 +66,9 @@ class DraftSource:
     they use."""
 
     name = "draft"
+    # The model that drafts for this source's row together with others (``Drafter``), or None.
+    # Both loops ask it before the rows choose their drafts (a batch needs no list of them).
+    drafter = None
     free = False  # proposing costs next to nothing (forced text): a batch asks it every step
     # The target's whole distribution, for a source that samples as the target does
     # (``follow_sampling``): its truncations and its logits processors.
@@ -103,6 +106,40 @@ class DraftSource:
 
     def update(self, tokens: list, num_proposed: int, num_accepted: int) -> None:
         """Follow the accepted ``tokens``; ``num_proposed`` is 0 when another source drafted."""
+
+
+class DraftRequest(NamedTuple):
+    """A row asking its source's ``Drafter`` for a draft: its source, its tokens, the most it may
+    draft, its row in the target's cache (``slot``) and, for a tree, its most nodes
+    (``Row.max_nodes``: 0 as many as pay; None: a chain)."""
+
+    source: DraftSource
+    tokens: list
+    max_draft: int
+    slot: int = 0
+    max_nodes: Optional[int] = None
+
+
+class Drafter:
+    """A model that drafts for many rows in one call per step (a draft model, a draft head, MTP
+    layers: ``speculative.SharedDrafter``). Each row holds one of its sources (``source.drafter``
+    is it); a loop asks it for every row's draft with ``draft_all``, then the sources propose what
+    it drafted for them."""
+
+    def owns(self, source: DraftSource) -> bool:
+        """Whether ``source`` is one of its own."""
+        return source.drafter is self
+
+    def draft_all(self, requests: Sequence[DraftRequest], cost: PassCost, batch_rows: int, cache):
+        """Draft for every row in ``requests``; ``batch_rows`` is the target's batch size and
+        ``cache`` its ``Cache`` (whose hidden states a head reads)."""
+        raise NotImplementedError
+
+    def use_cache(self, cache) -> None:
+        """The one-row loop's cache, which a source asked alone drafts against."""
+
+    def leave(self, source: DraftSource) -> None:
+        """``source``'s row left the batch: what the drafter keeps for it goes."""
 
 
 class Constraint:

@@ -176,6 +176,7 @@ def main():
     from decoder.cache import CacheKindError
     from loading.load import ModelError
     from server.app import build_app
+    from server.failures import configure_logging
     from server.harmony import chat_tool_syntax
     from server.ranks import ANSWER_GRACE_S
     from speculative import VocabularyMismatch
@@ -211,6 +212,7 @@ def main():
             "note: the chat template writes no tool calls this server knows, so tool_choice auto "
             "gets text answers (forced calls are JSON; see docs/server.md)\n"
         )
+    configure_logging()  # failed requests, one line each (server/failures.py)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
     # Connections wait in the socket's backlog until uvicorn accepts them; tests read this line for
     # --port 0.

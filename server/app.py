@@ -25,6 +25,7 @@ from starlette.routing import Route
 from server.anthropic import ANTHROPIC_STATUS, MessagesFormat, anthropic_error, parse_messages
 from server.choices import choice_events, choice_formats, choice_requests, full_answer
 from server.engine import Engine, Job
+from server.failures import FailureLog, trace_of
 from server.formats import ChatFormat, CompletionFormat
 from server.protocol import check_prompt, parse_chat, parse_completion
 from server.reasoning import EFFORT_BUDGETS
@@ -72,13 +73,14 @@ def build_app(
         *anthropic_routes(service),
         *responses_routes(service, ResponseStore(stored_responses)),
     ]
+    failures = engine.failures
     return Starlette(
         routes=routes,
         exception_handlers={
-            ApiError: api_error,
-            HTTPException: http_error,
+            ApiError: functools.partial(api_error, failures),
+            HTTPException: functools.partial(http_error, failures),
             ClientGone: client_gone,
-            Exception: server_error,
+            Exception: functools.partial(server_error, failures),
         },
     )
 
@@ -134,15 +136,16 @@ class Service:
         generation, prepared = await run_in_threadpool(parse_and_prepare)
         requests = choice_requests(generation)
         formats = choice_formats(make_format, self.model_id, requests)
-        jobs = engine.submit_together(requests, asyncio.get_running_loop(), prepared)
+        labels = [f"{fmt.id} to {request.url.path}" for fmt in formats]
+        jobs = engine.submit_together(requests, asyncio.get_running_loop(), prepared, labels)
         try:
             # "start" and the prompt tokens found cached, or an error
             cached = [(await next_event(request, job))[1] for job in jobs][0] or 0
             if generation.stream:
                 if len(jobs) == 1:
-                    return EventStream(jobs, events(jobs[0], formats[0], cached))
+                    return EventStream(jobs, events(jobs[0], formats[0], cached), engine.failures)
                 chunks = choice_events(jobs, formats, cached, generation.include_usage)
-                return EventStream(jobs, chunks)
+                return EventStream(jobs, chunks, engine.failures)
             outcomes = [(await next_event(request, job, skip_text=True))[1] for job in jobs]
             return JSONResponse(full_answer(formats, outcomes))
         except BaseException:  # an error event, a client that left, a cancelled task
@@ -268,15 +271,20 @@ class EventStream(StreamingResponse):
     response when the client disconnects (ASGI spec 2.3, as uvicorn reports), even before the
     first byte, when a ``finally`` in the generator would not run."""
 
-    def __init__(self, jobs: list, body):
+    def __init__(self, jobs: list, body, failures: FailureLog):
         super().__init__(
             body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
         )
         self.jobs = jobs  # the request's, one per choice
+        self.failures = failures
 
     async def __call__(self, scope, receive, send):
         try:
             await super().__call__(scope, receive, send)
+        except Exception as error:  # a fault while streaming: the status was sent, the log says it
+            message = f"internal error while streaming: {type(error).__name__}: {error}"
+            self.failures.record(self.jobs[0].label, ApiError(500, message, trace=trace_of(error)))
+            raise
         finally:
             for job in self.jobs:
                 job.cancelled.set()  # a no-op once the job is done
@@ -317,27 +325,27 @@ def error_response(request: Request, error: ApiError) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
 
 
-async def api_error(request: Request, error: ApiError):
+def answer_failure(failures: FailureLog, request: Request, error: ApiError) -> JSONResponse:
+    """The error, in the log unless the engine logged it with the request's id already."""
+    if not error.logged:
+        failures.record(f"a request to {request.url.path}", error)
     return error_response(request, error)
 
 
-async def http_error(request: Request, error: HTTPException):
+async def api_error(failures: FailureLog, request: Request, error: ApiError):
+    return answer_failure(failures, request, error)
+
+
+async def http_error(failures: FailureLog, request: Request, error: HTTPException):
     kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
-    return error_response(
-        request,
-        ApiError(
-            error.status_code,
-            f"{request.method} {request.url.path}: {error.detail}",
-            error_type=kind,
-        ),
-    )
+    message = f"{request.method} {request.url.path}: {error.detail}"
+    return answer_failure(failures, request, ApiError(error.status_code, message, error_type=kind))
 
 
 async def client_gone(request: Request, error: ClientGone):
     return JSONResponse({}, status_code=499)  # nobody reads it; the connection is closed
 
 
-async def server_error(request: Request, error: Exception):
-    return error_response(
-        request, ApiError(500, f"internal error: {type(error).__name__}: {error}")
-    )
+async def server_error(failures: FailureLog, request: Request, error: Exception):
+    message = f"internal error: {type(error).__name__}: {error}"
+    return answer_failure(failures, request, ApiError(500, message, trace=trace_of(error)))

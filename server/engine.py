@@ -29,10 +29,8 @@ token that completes a stop string is reported, the ones after it are not.
 import asyncio
 import math
 import queue
-import sys
 import threading
 import time
-import traceback
 from dataclasses import dataclass, field, replace
 from typing import Optional, Sequence
 
@@ -44,6 +42,7 @@ from decoder.draft import ConstraintError
 from decoder.step import DecodingStats
 from decoder.text import TextStream, eos_ids_of
 from server.constraints import RequestConstraints
+from server.failures import FailureLog, trace_of
 from server.prompt_cache import PromptCache
 from server.ranks import OneProcess, exit_after_answering
 from server.request import ApiError, GenerationRequest
@@ -88,8 +87,10 @@ class Job:
         constraint=None,
         forced=None,
         release=None,
+        label: Optional[str] = None,
     ):
         self.request = request
+        self.label = label  # its id and API, for the log (server/failures.py)
         self.loop = loop
         self.constraint, self.forced = constraint, forced  # the request's own, or None
         self.events = asyncio.Queue() if loop is not None else None
@@ -202,6 +203,7 @@ class Engine:
         # taken.
         self.places = threading.BoundedSemaphore(max_batch + max_queue)
         self.constraints = RequestConstraints(tokenizer, vocab_size, cache_dir)
+        self.failures = FailureLog()
         self.prompt_cache = PromptCache(prompt_cache_bytes, self.ranks.weigh)
         self.pass_cost = pass_cost if pass_cost is not None else PassCost()
         self.prefill_step_size = prefill_step_size
@@ -232,16 +234,21 @@ class Engine:
         )
 
     def submit(
-        self, request: GenerationRequest, loop: asyncio.AbstractEventLoop, prepared=None
+        self,
+        request: GenerationRequest,
+        loop: asyncio.AbstractEventLoop,
+        prepared=None,
+        label: Optional[str] = None,
     ) -> Job:
         """Queue ``request`` (HTTP 503 when the queue is full). ``prepared`` is
         ``constraint_for(request)``, built beforehand in a thread of the caller's; None builds it
-        here."""
-        return self.submit_together([request], loop, [prepared])[0]
+        here. ``label``: its id and API, as the log names it."""
+        return self.submit_together([request], loop, [prepared], [label])[0]
 
-    def submit_together(self, requests: list, loop, prepared: list) -> list:
+    def submit_together(self, requests: list, loop, prepared: list, labels=None) -> list:
         """Queue ``requests`` as one group (all or none: HTTP 503), which joins the batch in one
         step when rows are free: a request's ``n`` choices (server/choices.py)."""
+        labels = labels or [None] * len(requests)
         prepared = [
             ready or self.constraint_for(request) for request, ready in zip(requests, prepared)
         ]
@@ -258,8 +265,8 @@ class Engine:
                 headers={"Retry-After": "1"},
             )
         jobs = [
-            Job(request, loop, *ready, release=self.places.release)
-            for request, ready in zip(requests, prepared)
+            Job(request, loop, *ready, release=self.places.release, label=label)
+            for request, ready, label in zip(requests, prepared, labels)
         ]
         with self.queueing:  # _news takes a group whole
             for job in jobs:
@@ -281,9 +288,8 @@ class Engine:
             lost = self.ranks.lost_peer(error)
             if lost is not None:
                 self._lost(lost)
-            traceback.print_exc(file=sys.stderr)
             failed = f"the generation loop failed: {type(error).__name__}: {error}"
-            self._end(failed, failed)
+            self._end(failed, failed, trace_of(error))
 
     def _steps(self):
         while True:
@@ -351,17 +357,22 @@ class Engine:
         """A peer is gone: every open request gets an error, and this rank exits with one line."""
         self._end(message, f"the sharded model lost a rank: {message}")
 
-    def _end(self, message: str, answer: str):
+    def _end(self, message: str, answer: str, trace: Optional[str] = None):
         """Serving ends: every open request gets a 503 saying ``answer``, and this rank exits with
         ``message`` as its one line."""
-        error = ApiError(503, answer, code="server_stopped")
-        for job in [reply.job for reply in list(self.replies.values())] + self.joining:
-            job.send("error", error)
+        jobs = [reply.job for reply in list(self.replies.values())] + self.joining
         while not self.jobs.empty():
-            job = self.jobs.get_nowait()
-            if job is not None:
-                job.send("error", error)
+            jobs.append(self.jobs.get_nowait())
+        for job in filter(None, jobs):
+            self._fail(job, ApiError(503, answer, code="server_stopped", trace=trace))
         exit_after_answering(message)
+
+    def _fail(self, job: Job, error: ApiError):
+        """``job`` ends with ``error``, which the log records first (server/failures.py)."""
+        if job.loop is not None:  # another rank's request is logged by rank 0
+            self.failures.record(job.label, error)
+            error.logged = True
+        job.send("error", error)
 
     def _step(self):
         try:
@@ -369,12 +380,11 @@ class Engine:
         except Exception as error:  # a fault in the step: its rows fail, the worker goes on
             if self.ranks.lost_peer(error) is not None:
                 raise  # serving ends (_work)
-            traceback.print_exc(file=sys.stderr)
             self.step_failed = True
+            message, trace = f"generation failed: {type(error).__name__}: {error}", trace_of(error)
             for reply in self.replies.values():
-                reply.job.send(
-                    "error", ApiError(500, f"generation failed: {type(error).__name__}: {error}")
-                )
+                self._fail(reply.job, ApiError(500, message, trace=trace))
+            self.generator.close()  # its drafters' rows go with it
             self.replies, self.generator = {}, self._new_generator()
             return
         for response in responses:
@@ -384,12 +394,14 @@ class Engine:
         try:
             run()
         except ApiError as error:
-            job.send("error", error)
-        except ConstraintError as error:
-            job.send("error", ApiError(500, f"constrained decoding failed: {error}"))
+            self._fail(job, error)
         except Exception as error:  # a fault in one request must not stop the worker
-            traceback.print_exc(file=sys.stderr)
-            job.send("error", ApiError(500, f"generation failed: {type(error).__name__}: {error}"))
+            message = (
+                f"constrained decoding failed: {error}"
+                if isinstance(error, ConstraintError)
+                else f"generation failed: {type(error).__name__}: {error}"
+            )
+            self._fail(job, ApiError(500, message, trace=trace_of(error)))
 
     def _start(self, job: Job):
         request, forced = job.request, job.forced
@@ -435,7 +447,7 @@ class Engine:
                 if response.error.startswith("ConstraintError")
                 else "generation"
             )
-            job.send("error", ApiError(500, f"{kind} failed: {response.error}"))
+            self._fail(job, ApiError(500, f"{kind} failed: {response.error}", trace=response.trace))
             return
         if not stopped and response.finish_reason is None:
             return

@@ -53,11 +53,14 @@ class ApiError(Exception):
         code: Optional[str] = None,
         error_type: Optional[str] = None,
         headers: Optional[dict] = None,
+        trace: Optional[str] = None,
     ):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.type = error_type or ("invalid_request_error" if status < 500 else "server_error")
         self.headers = headers or {}
+        self.trace = trace  # the traceback of the fault behind a 5xx, for the server's log
+        self.logged = False  # whether the server's log has it (server/failures.py)
 
     def body(self) -> dict:
         return {

@@ -2,8 +2,9 @@
 here, or a published EAGLE-1/2 or EAGLE-3 head: ``load_head`` reads both) or a model's own MTP
 layers."""
 
+from decoder.draft import DraftRequest
 from speculative.draft_model import DraftModel, DraftModelSource, VocabularyMismatch
-from speculative.drafter import DraftRequest, SharedDrafter, SharedSource
+from speculative.drafter import SharedDrafter, SharedSource
 from speculative.head import HeadMismatch
 from speculative.head_loading import load_head
 from speculative.head_source import DraftHeadSource, HeadDrafter, HiddenStateTap

@@ -15,32 +15,18 @@ runs from ``tree_width`` nodes, its greedy chain's and the others of highest cha
 copy of the row's cache rows (``Cache.filter`` with a row repeated), which go once it is drawn.
 """
 
-from typing import NamedTuple, Optional
-from weakref import WeakSet
+from typing import Optional
 
 import mlx.core as mx
 from mlx_lm.utils import common_prefix_len
 
 from decoder.cost import PassCost
-from decoder.draft import Draft, DraftSource
+from decoder.draft import Draft, Drafter, DraftRequest, DraftSource
 from decoder.processors import process_logits
 from decoder.sampling import Sampling
 from decoder.tree import is_chain
 from speculative.adaptive import AdaptiveLength, Calibration
 from speculative.tree_growth import TreeGrowth
-
-
-class DraftRequest(NamedTuple):
-    """A row asking its drafter for a draft: its source, its tokens, the most it may draft, its
-    row in the target's cache (``slot``) and, for a tree, its most nodes (``Row.max_nodes``: 0 as
-    many as pay; None: a chain)."""
-
-    source: "SharedSource"
-    tokens: list
-    max_draft: int
-    slot: int = 0
-    max_nodes: Optional[int] = None
-
 
 # Children a tree considers per node beside its most likely one: the drafting model's next most
 # likely tokens (EAGLE-2's top-k per node).
@@ -158,7 +144,7 @@ class SharedSource(DraftSource):
         self.length.record(num_proposed, num_accepted)
 
 
-class SharedDrafter:
+class SharedDrafter(Drafter):
     """A model drafting for every row that holds one of its sources, in one call per step.
 
     What a batch asks of it (``batch.BatchGenerator``): ``owns(source)``, ``draft_all`` and
@@ -186,18 +172,16 @@ class SharedDrafter:
         self.batch_rows = 1  # rows in the target's batch at the last draft
         self.rows = []  # the sources of the rows its cache holds, in cache order
         self.cache = None
-        self.sources = WeakSet()  # every source it made
         self.calibration = Calibration()  # its top probability against the acceptance measured
+        self.loop_cache = None  # the one-row loop's cache (``use_cache``)
 
     def source(self) -> SharedSource:
         """A source for one row's ``draft_sources``."""
         source = self.source_class(self, **self.options)
-        self.sources.add(source)
         return source
 
-    def owns(self, source: DraftSource) -> bool:
-        """Whether ``source`` is one of its own (made by ``source()``)."""
-        return source in self.sources
+    def use_cache(self, cache):
+        self.loop_cache = cache
 
     def draft_cost(self, cost: PassCost) -> float:
         """One draft position (a pass over all its rows) as a fraction of the target's plain pass
@@ -232,11 +216,12 @@ class SharedDrafter:
         self.rows += sources
 
     def draft_alone(self, request: DraftRequest, cost: PassCost):
-        """Draft for one row, outside a batch: rows of other sources, from earlier generations, go
-        first (a batch drafts through ``draft_all``)."""
+        """Draft for one row, outside a batch, against the one-row loop's cache (``use_cache``;
+        None: the target's last call's). Rows of other sources, from earlier generations, go
+        first."""
         for source in [s for s in self.rows if s is not request.source]:
             self.leave(source)
-        self.draft_all([request], cost, 1)
+        self.draft_all([request], cost, 1, self.loop_cache)
 
     def draft_all(self, requests: list, cost: PassCost, batch_rows: int, cache=None):
         """Draft for every row in ``requests`` (``DraftRequest``s); ``batch_rows`` is the target's

@@ -12,13 +12,13 @@ from hypothesis import strategies as st
 
 from batch import BatchGenerator
 from constrained import RegexConstraint
-from decoder import sampling_probs
+from decoder import generate_step, make_cache, sampling_probs
 from loading.target import load_mlx_lm
 from prompt_lookup import PromptLookupSource
 from speculative.head import DraftHead, head_args, output_rows
 from speculative.head_source import HeadDrafter
 from speculative.mtp_source import MTPDrafter
-from tests.helpers import chi_square_p_value, tiny_byte_tokenizer, tiny_llama
+from tests.helpers import chi_square_p_value, drain, tiny_byte_tokenizer, tiny_llama
 from tests.mtp_fixtures import VOCAB, write_checkpoint
 from tests.test_batch import alone, assert_same_or_near_tie, run
 
@@ -198,3 +198,85 @@ def test_sampling_with_mtp_rows_keeps_each_rows_distribution(tmp_path):
             counts[out[uid][0] * vocab + out[uid][1]] += 1
     assert chi_square_p_value(counts, joint) > 1e-3
     assert 0 < accepted < proposed
+
+
+def random_head_drafter(target, seed=5):
+    mx.random.seed(seed)
+    vocab_ids = mx.arange(0, target.args.vocab_size)
+    head = DraftHead(head_args(target.args), output_rows(target, vocab_ids))
+    mx.eval(head.parameters())
+    return HeadDrafter.around(target, head, vocab_ids, num_draft=3, adaptive=False)
+
+
+def first_drafts(tap, source, prompt, prompt_cache=None, steps=3) -> list:
+    """The first ``steps`` drafts ``source`` proposes in the one-row loop."""
+    drafts, propose = [], source.propose_tree
+
+    def spy(tokens, max_draft, max_nodes):
+        draft = propose(tokens, max_draft, max_nodes)
+        drafts.append(None if draft is None else draft.tokens)
+        return draft
+
+    source.propose_tree = spy
+    for _ in generate_step(
+        prompt,
+        tap,
+        eos_token_ids=(),
+        draft_sources=[source],
+        max_tokens=12,
+        prompt_cache=prompt_cache,
+    ):
+        pass
+    return drafts[:steps]
+
+
+def test_a_heads_first_draft_after_a_prompt_cache_hit_reads_that_caches_features():
+    """#59: a prompt cache holding all but the last prompt token leaves nothing to prefill, and
+    the head read the hidden states of the target's last call, made on another cache."""
+    target = tiny_llama(vocab_size=64, num_layers=3, seed=0)
+    tap, drafter = random_head_drafter(target)
+    prompt, cache = [5, 9, 3, 17, 22, 8, 40, 2, 11], make_cache(tap)
+    first_drafts(tap, drafter.source(), prompt, cache)
+    first_drafts(tap, drafter.source(), list(range(1, 26)), make_cache(tap))  # another cache
+    # the cache holds the text but its last token: the next prompt's first cache.held() tokens
+    text = prompt + [t for t, _ in generate_step(prompt, target, eos_token_ids=(), max_tokens=12)]
+    follow = text[: cache.held()] + [7]
+    warm = first_drafts(tap, drafter.source(), follow, cache)
+    assert warm == first_drafts(tap, drafter.source(), follow)
+
+
+def test_a_rows_drafter_not_handed_to_the_batch_is_adopted():
+    """#59: a source whose drafter the batch was not given drafted for its row alone, evicting
+    the other rows' drafter caches at every step; the batch now adopts it."""
+    target = tiny_llama(vocab_size=64, num_layers=3, seed=0)
+    tap, drafter = random_head_drafter(target)
+    calls, draft_all = [], drafter.draft_all
+    drafter.draft_all = lambda requests, *args: (
+        calls.append(len(requests)) or draft_all(requests, *args)
+    )
+    generator = BatchGenerator(tap, eos_token_ids=())
+    prompts = [[3, 4, 5, 6], [7, 8, 9], [10, 11, 12, 13, 14]]
+    uids = generator.insert(
+        prompts, max_tokens=10, draft_sources=[[drafter.source()] for _ in prompts]
+    )
+    out = drain(generator, uids)
+    assert generator.drafters == [drafter] and max(calls) == 3
+    for prompt, tokens in zip(prompts, out):
+        assert_same_or_near_tie(target, prompt, tokens, alone(target, prompt, 10, eos=()))
+
+
+def test_closing_a_generator_releases_its_drafters_rows():
+    """#59: the server replaces a generator whose step failed; its drafters' rows must go."""
+    target = tiny_llama(vocab_size=64, num_layers=3, seed=0)
+    tap, drafter = random_head_drafter(target)
+    generator = BatchGenerator(tap, eos_token_ids=(), drafters=[drafter])
+    generator.insert(
+        [[3, 4, 5, 6], [7, 8, 9]],
+        max_tokens=10,
+        draft_sources=[[drafter.source()], [drafter.source()]],
+    )
+    generator.next()
+    generator.next()
+    assert len(drafter.rows) == 2
+    generator.close()
+    assert drafter.rows == [] and drafter.cache is None and len(generator) == 0

@@ -149,6 +149,7 @@ def main():
     from server.__main__ import listen
     from server.app import build_app
     from server.engine import Engine
+    from server.failures import configure_logging
 
     sources = (lambda: [PromptLookupSource()]) if args.prompt_lookup else list
     # Passes timed at zero seconds: rows draft whenever their sources do, however loaded the
@@ -185,6 +186,7 @@ def main():
         context_length=4096,
         effort_budgets=parse_effort_budgets(args.effort_budgets or ""),
     )
+    configure_logging()  # failed requests, one line each (server/failures.py)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
     print(f"serving tiny on http://127.0.0.1:{sock.getsockname()[1]}/v1", flush=True)
     asyncio.run(server.serve(sockets=[sock]))
