@@ -66,9 +66,7 @@ class DraftSource:
     they use."""
 
     name = "draft"
-    # The model that drafts for this source's row together with others (``Drafter``), or None.
-    # Both loops ask it before the rows choose their drafts (a batch needs no list of them).
-    drafter = None
+    drafter = None  # the ``Drafter`` drafting this row with others, or None
     free = False  # proposing costs next to nothing (forced text): a batch asks it every step
     # The target's whole distribution, for a source that samples as the target does
     # (``follow_sampling``): its truncations and its logits processors.
@@ -109,9 +107,8 @@ class DraftSource:
 
 
 class DraftRequest(NamedTuple):
-    """A row asking its source's ``Drafter`` for a draft: its source, its tokens, the most it may
-    draft, its row in the target's cache (``slot``) and, for a tree, its most nodes
-    (``Row.max_nodes``: 0 as many as pay; None: a chain)."""
+    """A row asking its source's ``Drafter`` for a draft; ``slot``: its row in the target's cache,
+    ``max_nodes``: a tree's (``Row.max_nodes``)."""
 
     source: DraftSource
     tokens: list
@@ -121,25 +118,21 @@ class DraftRequest(NamedTuple):
 
 
 class Drafter:
-    """A model that drafts for many rows in one call per step (a draft model, a draft head, MTP
-    layers: ``speculative.SharedDrafter``). Each row holds one of its sources (``source.drafter``
-    is it); a loop asks it for every row's draft with ``draft_all``, then the sources propose what
-    it drafted for them."""
+    """A model drafting for many rows in one call (``speculative.SharedDrafter``), each row holding
+    one of its sources; a loop calls ``draft_all``, then the sources propose what it drafted."""
 
     def owns(self, source: DraftSource) -> bool:
-        """Whether ``source`` is one of its own."""
         return source.drafter is self
 
     def draft_all(self, requests: Sequence[DraftRequest], cost: PassCost, batch_rows: int, cache):
-        """Draft for every row in ``requests``; ``batch_rows`` is the target's batch size and
-        ``cache`` its ``Cache`` (whose hidden states a head reads)."""
+        """Draft for every row in ``requests``, from the target's ``cache`` of ``batch_rows``."""
         raise NotImplementedError
 
     def use_cache(self, cache) -> None:
         """The one-row loop's cache, which a source asked alone drafts against."""
 
     def leave(self, source: DraftSource) -> None:
-        """``source``'s row left the batch: what the drafter keeps for it goes."""
+        """``source``'s row left: what the drafter keeps for it goes."""
 
 
 class Constraint:

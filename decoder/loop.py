@@ -117,10 +117,7 @@ def generate_step(
         seed=seed,
     )
     cost = pass_cost if pass_cost is not None else PassCost()
-    row.reset(cost)
-    for source in row.sources:  # a model that drafts reads this cache (a head: its hidden states)
-        if source.drafter is not None:
-            source.drafter.use_cache(cache)
+    row.reset(cost, cache)
 
     tic = time.perf_counter()
     # The last prompt token is the first input of the loop, like every accepted token after it.

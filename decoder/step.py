@@ -126,14 +126,17 @@ class Row:
         # on the other rows of a batch; None: MLX's global stream.
         self.key = None if seed is None else mx.random.key(seed)
 
-    def reset(self, cost: PassCost):
-        """Start the sources and the constraint over, before the first step."""
+    def reset(self, cost: PassCost, cache: Optional[Cache] = None):
+        """Start the sources and the constraint over, before the first step; ``cache``: the one-row
+        loop's, for its sources' drafters."""
         # With an mlx-lm sampler, q plays no part in acceptance: model sources draft greedily.
         # Otherwise they draw from the processed, truncated distribution, as the target does.
         sampled = self.sampler is None
         temp, top_p = self.sampling.temp, self.sampling.top_p
         for source in self.sources:
             source.reset(cost, temp if sampled else 0.0, top_p if sampled else 1.0)
+            if cache is not None and source.drafter is not None:
+                source.drafter.use_cache(cache)  # a head reads that cache's hidden states
             if sampled:
                 source.follow_sampling(self.sampling, self.logits_processors)
             else:

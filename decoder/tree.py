@@ -13,7 +13,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .cache import architecture, layers_of, make_cache
-from .draft import Draft
+from .draft import Draft, constrain_draft
 
 
 def depths(parents: Sequence[int]) -> list:
@@ -309,6 +309,9 @@ def constrain_tree(constraint, draft, forced_after=None, max_depth: int = 0) -> 
     from the accepted text. ``forced_after(path tokens)``: the text the constraint forces after a
     leaf, drafted as a chain below it, at most ``max_depth`` deep."""
     draft = select(draft, _walk_leaves(constraint, draft, with_masks=False)[0])
+    if not draft.tokens:  # every node forbidden: the text the constraint forces, as a chain
+        forced = [] if forced_after is None else forced_after([])[:max_depth]
+        return constrain_draft(constraint, Draft(forced))
     if forced_after is not None:
         draft = _extend_leaves(draft, forced_after, max_depth)
     nodes, rows = _walk_leaves(constraint, draft, with_masks=True)

@@ -17,6 +17,8 @@ one engine: structured outputs, tool calls, lossless speculation.
 - ``engine.py``: one worker thread decodes every request in one batch (``batch.BatchGenerator``)
   from a bounded queue, and keeps the KV cache across turns.
 - ``constraints.py``: each request's constraint, built on the HTTP side, each pattern once.
+- ``failures.py``: a line in the log for every failed request (its id, API, error; the traceback
+  once per kind); ``logprob_names.py``: logprobs in OpenAI's terms.
 - ``app.py``: the routes, JSON answers and server-sent events. docs/server.md says what each API
   takes.
 

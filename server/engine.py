@@ -24,10 +24,11 @@ it and its most likely alternatives, from the verify pass that scored the token
 (``batch.TokenLogprobs``: log-softmax at temperature 1 before top_p, as mlx_lm.server reports; under
 a constraint, of the masked distribution, so forbidden tokens never appear among the top ones). The
 token that completes a stop string is reported, the ones after it are not.
+
+Every failed request leaves a line in the log, with its id and API (server/failures.py).
 """
 
 import asyncio
-import math
 import queue
 import threading
 import time
@@ -43,6 +44,7 @@ from decoder.step import DecodingStats
 from decoder.text import TextStream, eos_ids_of
 from server.constraints import RequestConstraints
 from server.failures import FailureLog, trace_of
+from server.logprob_names import TokenLogprobNames
 from server.prompt_cache import PromptCache
 from server.ranks import OneProcess, exit_after_answering
 from server.request import ApiError, GenerationRequest
@@ -62,17 +64,6 @@ class Outcome:
     logprobs: Optional[list] = None  # with request.logprobs: an OpenAILogprob per generated token
     # the generated tokens (reasoning_tokens counts some of them)
     tokens: list = field(default_factory=list)
-
-
-@dataclass
-class OpenAILogprob:
-    """One generated token as OpenAI reports it: its text and bytes, its logprob and the top
-    ones."""
-
-    token: str
-    bytes: list
-    logprob: float
-    top: list  # (token, bytes, logprob) of the most likely tokens, most likely first
 
 
 class Job:
@@ -211,8 +202,7 @@ class Engine:
         self.replies = {}  # uid -> Reply, for every running job
         self.joining = []  # jobs taken from the queue for the step being prepared
         self.step_failed = False  # the last step raised (sharded: every rank's must agree)
-        # per token id, its bytes (for logprobs; read from the vocabulary once)
-        self.token_bytes = None
+        self.describe = TokenLogprobNames(tokenizer, vocab_size)  # logprobs in OpenAI's terms
         if self.ranks.rank == 0:
             self.ranks.watch(self._lost)
             self.worker = threading.Thread(target=self._work, name="generation", daemon=True)
@@ -396,12 +386,9 @@ class Engine:
         except ApiError as error:
             self._fail(job, error)
         except Exception as error:  # a fault in one request must not stop the worker
-            message = (
-                f"constrained decoding failed: {error}"
-                if isinstance(error, ConstraintError)
-                else f"generation failed: {type(error).__name__}: {error}"
-            )
-            self._fail(job, ApiError(500, message, trace=trace_of(error)))
+            kind = "constrained decoding" if isinstance(error, ConstraintError) else "generation"
+            cause = "" if isinstance(error, ConstraintError) else f"{type(error).__name__}: "
+            self._fail(job, ApiError(500, f"{kind} failed: {cause}{error}", trace=trace_of(error)))
 
     def _start(self, job: Job):
         request, forced = job.request, job.forced
@@ -434,7 +421,7 @@ class Engine:
             if token in self.eos:
                 break
             if row.pending is not None:
-                row.pending.append(self._token_logprob(token, response.logprobs[index]))
+                row.pending.append(self.describe(token, response.logprobs[index]))
             piece, stopped = row.stopper.add(row.text.add(token))
             if piece:
                 row.send(piece)
@@ -475,31 +462,6 @@ class Engine:
             row.generated,
         )
         job.send("done", outcome)
-
-    def _token_logprob(self, token: int, found) -> OpenAILogprob:
-        """A ``batch.TokenLogprobs`` in OpenAI's terms. A -inf logprob (a NaN-scored token) is
-        reported as -9999.0, as OpenAI floors it; forbidden (-inf) top tokens are left out."""
-        if self.token_bytes is None:
-            from constrained.token_index import token_byte_strings
-
-            try:
-                self.token_bytes = token_byte_strings(self.tokenizer, self.vocab_size)
-            except ValueError:  # a vocabulary written in neither byte-level nor SentencePiece style
-                self.token_bytes = [None] * self.vocab_size
-
-        def describe(token_id: int) -> tuple:
-            raw = self.token_bytes[token_id] if token_id < len(self.token_bytes) else None
-            # special tokens
-            raw = raw if raw is not None else self.tokenizer.decode([token_id]).encode()
-            return raw.decode("utf-8", errors="replace"), list(raw)
-
-        top = [
-            (*describe(i), value)
-            for i, value in zip(found.top_ids, found.top_logprobs)
-            if math.isfinite(value)
-        ]
-        logprob = found.logprob if math.isfinite(found.logprob) else -9999.0
-        return OpenAILogprob(*describe(token), logprob, top)
 
     def constraint_for(self, request: GenerationRequest) -> tuple:
         """A fresh (constraint, forced-text source) for the request, or (None, None)

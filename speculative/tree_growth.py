@@ -73,4 +73,4 @@ class TreeGrowth:
         draft = Draft(
             [node.token for node in nodes], parents=parents, chances=[node.chance for node in nodes]
         )
-        return draft, 1 + sum(draft.chances)
+        return draft, 1 + sum(node.chance for node in nodes)
