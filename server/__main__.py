@@ -13,6 +13,7 @@ POST /v1/messages, /v1/messages/count_tokens (Anthropic); see docs/server.md.
 
 import argparse
 import asyncio
+import os
 import socket
 import sys
 
@@ -224,6 +225,16 @@ def main():
         pass
     engine.close()  # sharded: the other ranks stop too
     engine.worker.join(timeout=5)
+    exit_now(0)
+
+
+def exit_now(status: int):
+    """End the process without finalizing the interpreter. MLX frees a thread's compile cache
+    when the thread exits, which calls into Python: a worker still exiting while the interpreter
+    finalizes aborts the process (std::terminate). Every answer is sent by now."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 if __name__ == "__main__":

@@ -419,7 +419,7 @@ def soak(
     line), what stayed open, and the RSS growth over the last round (the first ones warm the
     caches)."""
     engine, _ = build_engine(kind, tmp)
-    rng = random.Random(seed)
+    rng = random.Random(f"{kind}-{seed}")  # each server its own requests
     problems, outcomes, elapsed, alone_checked = [], [], 0.0, 0
     with serving(engine) as base, httpx.Client(timeout=120) as client:
         for round_index in range(rounds):

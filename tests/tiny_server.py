@@ -146,7 +146,7 @@ def main():
 
     from decoder.cost import PassCost
     from prompt_lookup.ngram import PromptLookupSource
-    from server.__main__ import listen
+    from server.__main__ import exit_now, listen
     from server.app import build_app
     from server.engine import Engine
     from server.failures import configure_logging
@@ -190,6 +190,9 @@ def main():
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
     print(f"serving tiny on http://127.0.0.1:{sock.getsockname()[1]}/v1", flush=True)
     asyncio.run(server.serve(sockets=[sock]))
+    engine.close()
+    engine.worker.join(timeout=5)
+    exit_now(0)  # as python -m server ends
 
 
 if __name__ == "__main__":
