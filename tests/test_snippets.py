@@ -246,3 +246,41 @@ def test_decoder_and_prompt_lookup_alone_decode_losslessly(embedded, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     tokens, passes = map(int, result.stdout.split())
     assert passes < tokens
+
+
+BATCH_LOOKUP_IS_LOSSLESS = """
+import sys
+from mlx_lm import load
+
+from batch import batch_generate
+from decoder import generate
+from prompt_lookup import PromptLookupSource
+
+model, tokenizer = load("mlx-community/SmolLM2-135M-Instruct")
+prompts = [
+    "Copy these lines: " + ", ".join(f"row {i} holds {i * 7 % 13} parcels" for i in range(10)),
+    "Repeat exactly: red, green, blue, cyan, magenta, yellow, black.",
+    "What is the capital of France? Answer in one sentence.",
+]
+sources = [[PromptLookupSource()] for _ in prompts]
+result = batch_generate(model, tokenizer, prompts, draft_sources=sources, max_tokens=40)
+for prompt, tokens in zip(prompts, result.tokens):
+    assert tokens == generate(model, tokenizer, prompt, max_tokens=40).tokens, prompt
+assert sum(stats.draft_accepted for stats in result.row_stats) > 0, "lookup drafted nothing"
+assert not [name for name in sys.modules if name.split(".")[0] in ("speculative", "t5")]
+print(result.stats.passes, sum(len(tokens) for tokens in result.tokens))
+"""
+
+
+@pytest.mark.slow
+def test_decoder_batch_and_prompt_lookup_alone_batch_losslessly(embedded, tmp_path):
+    # The smallest batched copy (#60): three folders in an empty project, no speculative/ or t5/.
+    _, _, model_path = embedded
+    for folder in ["decoder", "batch", "prompt_lookup"]:
+        shutil.copytree(
+            ROOT / folder, tmp_path / folder, ignore=shutil.ignore_patterns("__pycache__")
+        )
+    result = run_snippet(BATCH_LOOKUP_IS_LOSSLESS, tmp_path, model_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    passes, tokens = map(int, result.stdout.split())
+    assert passes < tokens
