@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from batch import BatchGenerator
+from decoder import enable_trees
 from decoder.tree import depths
 from speculative.drafter import ALTERNATIVES
 from speculative.head import DraftHead, head_args, output_rows
@@ -60,7 +61,7 @@ def test_a_tree_takes_the_nodes_of_highest_chance_each_after_its_parent(data, ma
         assert threshold is not None and max(left) <= threshold
     draft, expected = growth.tree(max_nodes, threshold)
     assert draft.tokens == [growth.nodes[node].token for node in taken]
-    assert depths(draft.parents) == [growth.nodes[node].depth for node in taken]
+    assert depths(draft.parents or []) == [growth.nodes[node].depth for node in taken]  # none: []
     assert expected == pytest.approx(1 + sum(chances))
 
 
@@ -111,6 +112,7 @@ def test_head_trees_grow_below_other_choices_and_give_plain_tokens(width, monkey
     """With a frontier of ``ALTERNATIVES`` nodes the trees branch below the head's other
     choices; with one (the control) they cannot."""
     target, tap, drafter = head_drafter(seed=3, num_draft=4, adaptive=False)
+    enable_trees(tap)
     drafter.tree_width = width
     trees = recording(type(drafter.source()), monkeypatch)
     prompt = [3, 9, 27, 17, 51, 25]
