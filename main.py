@@ -144,6 +144,7 @@ def build_run(args, session=None):
     from cli.sources import draft_sources
     from decoder.step import DecodingStats
     from decoder.text import encode, output_size
+    from decoder.tree_pass import enable_trees
     from loading.load import context_length, load_model
     from t5 import T5Decoder, is_encoder_decoder
 
@@ -181,6 +182,8 @@ def build_run(args, session=None):
         args, tokenizer, vocab_size, prompt, encoder_input is not None
     )
     model, drafts = draft_sources(args, model, tokenizer, encoder_input)
+    if args.tree_nodes:  # the rope modules take a tree's positions (decoder/tree_pass.py)
+        enable_trees(model)
     kwargs = dict(
         draft_sources=forced + drafts,
         constraint=constraint,

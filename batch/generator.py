@@ -2,9 +2,9 @@
 
 Each row has its own prompt, draft sources, constraint, sampling settings, ``max_tokens`` and stop
 tokens. A step asks every row's sources for a draft (``draft.choose_draft``) and cuts it to what
-the row's constraint allows (``draft.constrain_draft``), chooses one width ``W`` for the batch
+the row's constraint allows (``constrain.constrain_draft``), chooses one width ``W`` for the batch
 (``choose_width``), scores ``[B, W]`` tokens in one forward pass and accepts each row's prefix by
-``draft.accept_draft``'s rules (``batch.verify``). Each row then drops its own rejected tokens from
+``accept.accept_draft``'s rules (``batch.verify``). Each row then drops its own rejected tokens from
 the one batch cache (``cache.Cache``: every row keeps its own end, no copy).
 
     gen = BatchGenerator(model, eos_token_ids=eos_ids_of(tokenizer))
@@ -33,13 +33,12 @@ from batch.logprobs import token_logprobs
 from batch.policy import DraftGate, choose_width, prefill_group
 from batch.row import BatchRow, RowResponse, check_row, per_row, shared_prompts
 from batch.verify import accept, score
-from decoder.cache import make_cache
 from decoder.cost import PassCost
 from decoder.draft import DraftRequest
 from decoder.prefill import Prefill
 from decoder.sampling import Sampling
 from decoder.step import verify_pass
-from decoder.tree import max_nodes_for
+from decoder.tree_pass import enable_trees, max_nodes_for
 
 # Rows whose ends drift further apart than this are rolled back into line (one copy of the cache),
 # so that no row attends over many slots that hold nothing of its own.
@@ -123,7 +122,9 @@ class BatchGenerator:
         tree_nodes: Union[int, str] = 0,
     ):
         self.model, self.drafters = model, list(drafters)
-        self.max_nodes = max_nodes_for(model, make_cache(model), tree_nodes) if tree_nodes else None
+        if tree_nodes:  # the model's rope modules take a tree's positions (once, in place)
+            enable_trees(model)
+        self.max_nodes = max_nodes_for(model, tree_nodes)
         self.eos_token_ids = set(eos_token_ids)
         self.prefill_step_size, self.prefill_batch_size = prefill_step_size, prefill_batch_size
         self.max_batch = max_batch

@@ -9,7 +9,7 @@ from typing import NamedTuple, Optional
 
 import mlx.core as mx
 
-from decoder.draft import check_masks, mask_logits
+from decoder.constrain import check_masks, mask_logits
 
 
 class Scores(NamedTuple):

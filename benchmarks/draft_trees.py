@@ -22,7 +22,8 @@ from batch import BatchGenerator
 from benchmarks.harness import first_prompts, heldout_prompts, load_prompts, median_ms, time_loop
 from decoder.cache import make_cache
 from decoder.text import eos_ids_of
-from decoder.tree import layout, supports_trees
+from decoder.tree import layout
+from decoder.tree_pass import enable_trees
 from prompt_lookup import PromptLookupSource
 
 RESULTS = Path(__file__).parent / "results" / "draft_trees.md"
@@ -328,7 +329,7 @@ def main():
     from loading.load import load_model
 
     model, tokenizer, _ = load_model(None)
-    assert supports_trees(model, make_cache(model))
+    assert enable_trees(model)
     curve = pass_curve(model)
     rows = one_row(model, tokenizer, args)
     batch = batch_of_8(model, tokenizer, args)

@@ -47,7 +47,7 @@ class RegexConstraint(Constraint):
 
     def walk(self, draft: list) -> list:
         """The states before each allowed draft token and after the last one (the loop decides
-        what happens to a forbidden token: ``draft.constrain_draft``)."""
+        what happens to a forbidden token: ``decoder.constrain.constrain_draft``)."""
         states = [self.state]
         for token in draft:
             state = self.index.next_state(states[-1], token)

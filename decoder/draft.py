@@ -1,11 +1,10 @@
-"""A draft, the protocols of the sources that propose it and the constraints that mask it, and the
-math that decides how much of it the target accepts (docs/decoder.md)."""
+"""A draft, the protocols of the sources that propose it (``DraftSource``, ``Drafter``) and the
+constraints that mask it, and the choice among the sources' drafts (docs/decoder.md)."""
 
 from dataclasses import dataclass
-from typing import Callable, NamedTuple, Optional, Sequence, Union
+from typing import NamedTuple, Optional, Sequence
 
 import mlx.core as mx
-from mlx_lm.utils import common_prefix_len
 
 from .cost import PassCost
 from .sampling import Sampling
@@ -155,68 +154,6 @@ class Constraint:
         raise NotImplementedError
 
 
-def accept_draft(
-    logits: mx.array,
-    draft: Draft,
-    sampling: Union[Sampling, float],
-    top_p: float = 1.0,
-    key: Optional[mx.array] = None,
-) -> tuple:
-    """``(num_accepted, next_token)`` for a draft and the target's (len(draft) + 1, vocab) logits.
-    ``sampling``: a ``Sampling``, or its temperature (with ``top_p``); p is ``sampling.probs``.
-    ``key``: an ``mx.random`` key the step's draws come from (None: MLX's global stream).
-
-    Greedy: accept while the draft equals the argmax. Sampling (Leviathan et al., 2023): accept
-    x ~ q with probability min(1, p(x) / q(x)), else draw from (p - q)+ / |(p - q)+|; a point mass
-    has q(x) = 1. Either way the output follows p.
-    """
-    num_draft = len(draft.tokens)
-    if not isinstance(sampling, Sampling):
-        sampling = Sampling(sampling, top_p)
-    if sampling.temp == 0:
-        # One sync per step: the accept decision needs the values on the host.
-        target = mx.argmax(logits, axis=-1).tolist()
-        num_accepted = common_prefix_len(draft.tokens, target)
-        return num_accepted, target[num_accepted]
-
-    uniform_key, draw_key = (None, None) if key is None else mx.random.split(key)
-    p = sampling.probs(logits)
-    q = None if draft.probs is None else draft.probs.astype(mx.float32)
-    num_accepted = 0
-    if num_draft:
-        positions, tokens = mx.arange(num_draft), mx.array(draft.tokens, mx.int32)
-        p_draft = p[positions, tokens]
-        q_draft = mx.ones_like(p_draft) if q is None else q[positions, tokens]
-        # min(1, p/q) without dividing: accept when u * q < p.
-        accepted = (
-            mx.random.uniform(shape=(num_draft,), key=uniform_key) * q_draft < p_draft
-        ).tolist()
-        num_accepted = (accepted + [False]).index(False)
-    if num_accepted == num_draft:
-        next_probs = p[num_draft]
-    else:
-        rejected = draft.tokens[num_accepted]
-        if q is None:
-            residual = p[num_accepted].at[rejected].add(-1.0)
-        else:
-            residual = p[num_accepted] - q[num_accepted]
-        residual = mx.maximum(residual, 0.0)
-        # p == q exactly leaves nothing; then p itself is the right distribution.
-        next_probs = mx.where(residual.sum() > 0, residual, p[num_accepted])
-    next_token = mx.random.categorical(mx.log(next_probs), key=draw_key).item()
-    return num_accepted, next_token
-
-
-def accept_sampled(logits: mx.array, draft: Draft, sampler: Callable) -> tuple:
-    """``accept_draft`` for an mlx-lm sampler, as mlx-lm verifies: accept while the draft equals
-    the sampler's draws at each position, so each emitted token is one of its draws."""
-    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-    # One sync per step, as in the greedy branch of accept_draft.
-    target = sampler(logprobs).tolist()
-    num_accepted = common_prefix_len(draft.tokens, target)
-    return num_accepted, target[num_accepted]
-
-
 def choose_draft(
     draft_sources: Sequence[DraftSource],
     tokens: list,
@@ -253,34 +190,3 @@ def choose_draft(
             if draft.expected_speedup is None:
                 break
     return chosen, drafter
-
-
-def constrain_draft(constraint: Constraint, draft: Draft) -> tuple:
-    """``(draft, allowed)``: the draft cut to what ``constraint`` allows and the masks of the
-    positions the target scores. A q-draft keeps its first forbidden token, so the target rejects
-    it and samples (p - q)+, which keeps sampling exact (docs/decoder.md)."""
-    states = constraint.walk(draft.tokens)
-    num_allowed = len(states) - 1
-    allowed = constraint.masks(states)
-    if num_allowed < len(draft.tokens):
-        if draft.probs is None:
-            draft = draft.truncate(num_allowed)
-        else:
-            draft = draft.truncate(num_allowed + 1)
-            allowed = mx.concatenate([allowed, allowed[-1:]])
-    return draft, allowed
-
-
-def check_masks(allowed: mx.array, vocab_size: int):
-    """Refuse a constraint built for another vocabulary than the model scores."""
-    if allowed.shape[-1] != vocab_size:
-        raise ValueError(
-            f"the constraint masks {allowed.shape[-1]} tokens but the model scores "
-            f"{vocab_size}: build it with this model's tokenizer and vocab_size"
-        )
-
-
-def mask_logits(logits: mx.array, allowed: mx.array) -> mx.array:
-    """``logits`` with forbidden and NaN-scored tokens at -inf (a NaN must not win an argmax)."""
-    check_masks(allowed, logits.shape[-1])
-    return mx.where(allowed & ~mx.isnan(logits), logits, -mx.inf)

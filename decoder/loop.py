@@ -11,13 +11,14 @@ from typing import Callable, Iterator, Optional, Sequence, Union
 import mlx.core as mx
 
 from .cache import Cache, adopt, make_cache
+from .constrain import mask_logits
 from .cost import PassCost
-from .draft import Constraint, DraftSource, mask_logits
+from .draft import Constraint, DraftSource
 from .prefill import Prefill
 from .sampling import Sampling
 from .step import TARGET, DecodingStats, Row, verify_pass
 from .text import TextStream, encode, eos_ids_of
-from .tree import max_nodes_for
+from .tree_pass import max_nodes_for
 
 
 def prefill(model, cache: Cache, tokens: list, step_size: int = 512):
@@ -113,7 +114,7 @@ def generate_step(
         sampler=sampler,
         max_tokens=max_tokens,
         stats=stats,
-        max_nodes=max_nodes_for(model, cache, tree_nodes) if draft_sources else None,
+        max_nodes=max_nodes_for(model, tree_nodes) if draft_sources else None,
         seed=seed,
     )
     cost = pass_cost if pass_cost is not None else PassCost()

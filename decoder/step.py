@@ -7,21 +7,14 @@ from typing import Callable, NamedTuple, Optional, Sequence
 import mlx.core as mx
 from mlx_lm.utils import common_prefix_len
 
+from .accept import accept_draft, accept_sampled, accept_tree
 from .cache import Cache
+from .constrain import constrain_draft, constrain_tree
 from .cost import PassCost
-from .draft import (
-    Constraint,
-    ConstraintError,
-    Draft,
-    DraftSource,
-    accept_draft,
-    accept_sampled,
-    choose_draft,
-    constrain_draft,
-)
+from .draft import Constraint, ConstraintError, Draft, DraftSource, choose_draft
 from .processors import process_logits
 from .sampling import Sampling
-from .tree import accept_tree, constrain_tree, kept_slots, layout, path_to
+from .tree import kept_slots, layout, path_to
 
 TARGET = "target"  # the source name of tokens the target model chose itself
 

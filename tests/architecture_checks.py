@@ -106,8 +106,10 @@ def check_plain(model):
 
 def decoded(model, prompt: list, max_tokens: int, sources: list, **options) -> list:
     """Our loop's tokens for ``prompt`` with ``sources``, without stopping at an EOS."""
-    from decoder import generate_step
+    from decoder import enable_trees, generate_step
 
+    if options.get("tree_nodes"):
+        enable_trees(model)
     return [
         token
         for token, _ in generate_step(

@@ -105,7 +105,7 @@ def assert_sampling_keeps_the_target_distribution(
     ``stats`` collects the runs' decoding statistics; ``tree_nodes``: the loop's."""
     import numpy as np
 
-    from decoder import DecodingStats, generate_step, sampling_probs
+    from decoder import DecodingStats, enable_trees, generate_step, sampling_probs
 
     vocab, prompt = target.args.vocab_size, [1, 2, 3]
     p1 = np.array(sampling_probs(target(mx.array([prompt]))[0, -1:], temp, top_p)[0])
@@ -118,6 +118,8 @@ def assert_sampling_keeps_the_target_distribution(
     counts = np.zeros(vocab * vocab, dtype=np.int64)
     for _ in range(runs):
         model, sources = make_run()
+        if tree_nodes:
+            enable_trees(model)
         out = [
             t
             for t, _ in generate_step(

@@ -10,9 +10,10 @@ from hypothesis import strategies as st
 from batch import BatchGenerator
 from constrained import ForcedTextSource, RegexConstraint
 from constrained.grammar import GrammarConstraint, GrammarForcedSource
-from decoder import DecodingStats, generate_step
+from decoder import DecodingStats, enable_trees, generate_step
+from decoder.constrain import constrain_tree
 from decoder.draft import Draft
-from decoder.tree import constrain_tree, path_to
+from decoder.tree import path_to
 from tests.helpers import drain, tiny_byte_tokenizer, tiny_llama
 from tests.test_draft_trees import RandomTrees
 
@@ -20,6 +21,7 @@ TOKENIZER = tiny_byte_tokenizer()
 VOCAB = len(TOKENIZER)
 EOS = [TOKENIZER.eos_token_id]
 MODEL = tiny_llama(vocab_size=VOCAB, num_layers=2, hidden_size=32, seed=7, sharp=3.0)
+enable_trees(MODEL)
 PATTERN = r'\{"name": "[a-c]{1,8}", "age": \d{1,3}\}'
 SCHEMA = {
     "type": "object",

@@ -147,8 +147,8 @@ def expected_blas_threads(ranks: int):
     "ranks, mode, cases",
     [
         # 60 all-reduces per pass: the slow one on 2 cores. Plain one-token passes run in LOOKUP's
-        # steps without a match, and HEAD decodes GREEDY's prompt.
-        (3, "tensor", [LOOKUP, HEAD]),
+        # steps without a match. A head on a tensor-sharded body: test_draft_head.py.
+        (3, "tensor", [LOOKUP]),
         # Both sides draft trees where the sources do (--tree-nodes auto): a pipeline verifies them
         # as one process does.
         (2, "pipeline", [SAMPLED, REGEX, HEAD, SAMPLED_HEAD, DRAFT]),
@@ -201,10 +201,8 @@ def run_rank(rank, hostfile, *command):
     )
 
 
-@pytest.fixture
-def hostfile(tmp_path):
+def write_hostfile(path: Path) -> Path:
     base = free_port(2)
-    path = tmp_path / "hosts.json"
     path.write_text(json.dumps([[f"127.0.0.1:{base}"], [f"127.0.0.1:{base + 1}"]]))
     return path
 
@@ -218,40 +216,40 @@ PEER = (
 
 STUCK = "no progress for 10 s"
 LOST = "lost the connection to a peer"
+PEER_FAULTS = [
+    (None, [STUCK]),  # the peer never starts (joining alone takes ~4 s)
+    # It joins, then dies: an all-reduce notices at once, a failed send leaves the next one waiting.
+    (0, [LOST, STUCK]),
+    (600, [STUCK]),  # it joins, then stops answering
+]
 
 
-@pytest.mark.parametrize(
-    "peer_lifetime, fragments",
-    [
-        (None, [STUCK]),  # the peer never starts (joining alone takes ~4 s)
-        # It joins, then dies: an all-reduce notices at once, a failed send leaves the next one
-        # waiting.
-        (0, [LOST, STUCK]),
-        (600, [STUCK]),  # it joins, then stops answering
-    ],
-)
-def test_missing_dead_or_stuck_peer_ends_with_one_line(
-    embedded, hostfile, peer_lifetime, fragments
-):
-    started = []
+def test_a_missing_dead_or_stuck_peer_ends_with_one_line(embedded, tmp_path):
+    """The three faults at once, each with its own group: each spends its time waiting out its
+    timeout."""
+    started, rank0s = [], []
     try:
-        # started first so that joining takes rank 0 well under the timeout
-        if peer_lifetime is not None:
-            started.append(run_rank(1, hostfile, "-c", PEER, str(peer_lifetime)))
-            assert started[0].stdout.readline() == "ready\n"
+        hostfiles = [write_hostfile(tmp_path / f"hosts{i}.json") for i in range(len(PEER_FAULTS))]
+        # peers first, so that joining takes each rank 0 well under the timeout
+        for hostfile, (peer_lifetime, _) in zip(hostfiles, PEER_FAULTS):
+            if peer_lifetime is not None:
+                started.append(run_rank(1, hostfile, "-c", PEER, str(peer_lifetime)))
+                assert started[-1].stdout.readline() == "ready\n"
         tic = time.perf_counter()
-        rank0 = run_rank(0, hostfile, "main.py", *GREEDY, "--dist-timeout", "10")
-        started.append(rank0)
-        _, stderr = rank0.communicate(timeout=120)
+        for hostfile in hostfiles:
+            rank0s.append(run_rank(0, hostfile, "main.py", *GREEDY, "--dist-timeout", "10"))
+            started.append(rank0s[-1])
+        errors = [rank0.communicate(timeout=120)[1] for rank0 in rank0s]
     finally:
         for process in started:
             stop(process)
-    assert rank0.returncode != 0
-    assert (
-        stderr.count("\n") == 1
-        and stderr.startswith("error: rank 0: ")
-        and any(f in stderr for f in fragments)
-    ), stderr
+    for rank0, stderr, (_, fragments) in zip(rank0s, errors, PEER_FAULTS):
+        assert rank0.returncode != 0
+        assert (
+            stderr.count("\n") == 1
+            and stderr.startswith("error: rank 0: ")
+            and any(f in stderr for f in fragments)
+        ), stderr
     assert time.perf_counter() - tic < 100
 
 

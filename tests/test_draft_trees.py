@@ -11,12 +11,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import decoder.accept as accept
 import decoder.tree as tree
 from batch import BatchGenerator
-from decoder import Sampling, generate_step
+from decoder import Sampling, enable_trees, generate_step
+from decoder.accept import accept_tree
 from decoder.cache import make_cache
 from decoder.draft import Draft, DraftSource
-from decoder.tree import accept_tree, kept_slots, layout, path_to
+from decoder.tree import kept_slots, layout, path_to
 from prompt_lookup import PromptLookupSource
 from prompt_lookup.trie import choose, judge
 from tests.architectures import build
@@ -26,7 +28,9 @@ from tests.helpers import chi_square_p_value, count_trees, drain, tiny_byte_toke
 @pytest.fixture(scope="module", params=["llama", "gemma3_text"])
 def model(request):
     """Full attention, and sliding windows of 8 beside it."""
-    return build(request.param)[0]
+    model = build(request.param)[0]
+    enable_trees(model)
+    return model
 
 
 def plain(model, prompt: list, max_tokens: int) -> list:
@@ -208,7 +212,7 @@ def test_sampling_a_tree_keeps_the_target_distribution():
 
 
 def test_the_check_rejects_a_rule_that_does_not_renormalize(monkeypatch):
-    monkeypatch.setattr(tree, "_walk", naive_walk)
+    monkeypatch.setattr(accept, "_walk", naive_walk)
     assert not fits(*emitted_pairs(6000))
 
 
@@ -233,6 +237,7 @@ def test_sampling_with_lookup_trees_keeps_the_distribution_of_two_tokens():
     """The whole loop: the first two tokens sampled with lookup trees (which branch) follow the
     target's joint distribution, computed from the model."""
     model = tiny_llama(vocab_size=16, sharp=2.0)
+    enable_trees(model)
     from prompt_lookup import PromptLookupSource
 
     prompt = [1, 2, 3, 1, 2, 4, 1, 2, 5, 1, 2]
@@ -339,6 +344,7 @@ def mtp_run(path, target, calibrated: bool, tree_nodes=0, **options) -> tuple:
         drafter.calibration = lambda confidence: confidence
         drafter.calibration.record = lambda *args: None
     model, stats = Clocked(tap, per_token=0.05), DecodingStats()
+    enable_trees(model)
     tokens = [
         t
         for t, _ in generate_step(

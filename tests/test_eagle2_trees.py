@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from batch import BatchGenerator
+from decoder import enable_trees
 from decoder.tree import depths
 from speculative.drafter import ALTERNATIVES
 from speculative.head import DraftHead, head_args, output_rows
@@ -111,6 +112,7 @@ def test_head_trees_grow_below_other_choices_and_give_plain_tokens(width, monkey
     """With a frontier of ``ALTERNATIVES`` nodes the trees branch below the head's other
     choices; with one (the control) they cannot."""
     target, tap, drafter = head_drafter(seed=3, num_draft=4, adaptive=False)
+    enable_trees(tap)
     drafter.tree_width = width
     trees = recording(type(drafter.source()), monkeypatch)
     prompt = [3, 9, 27, 17, 51, 25]

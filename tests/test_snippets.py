@@ -32,7 +32,9 @@ def python_blocks(readme: Path) -> list:
 
 
 def readmes_with_snippets() -> list:
-    return [ROOT / "README.md"] + [ROOT / folder / "README.md" for folder in FOLDERS]
+    return [ROOT / "README.md", ROOT / "decoder" / "README.md"] + [
+        ROOT / folder / "README.md" for folder in FOLDERS
+    ]
 
 
 @pytest.mark.parametrize("readme", readmes_with_snippets(), ids=lambda p: str(p.relative_to(ROOT)))
@@ -284,3 +286,14 @@ def test_decoder_batch_and_prompt_lookup_alone_batch_losslessly(embedded, tmp_pa
     assert result.returncode == 0, result.stderr[-3000:]
     passes, tokens = map(int, result.stdout.split())
     assert passes < tokens
+
+
+@pytest.mark.slow
+def test_the_decoder_readme_runs_with_decoder_alone_and_prints_what_it_says(embedded, tmp_path):
+    _, _, model_path = embedded
+    copy_core(tmp_path)
+    readme = (ROOT / "decoder" / "README.md").read_text()
+    (code,) = python_blocks(ROOT / "decoder" / "README.md")
+    result = run_snippet(code, tmp_path, model_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"```\n{result.stdout}```" in readme, result.stdout
