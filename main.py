@@ -182,7 +182,7 @@ def build_run(args, session=None):
         args, tokenizer, vocab_size, prompt, encoder_input is not None
     )
     model, drafts = draft_sources(args, model, tokenizer, encoder_input)
-    if args.tree_nodes:  # the rope modules take a tree's positions (decoder/tree_pass.py)
+    if args.tree_nodes and (forced or drafts):  # the rope modules take a tree's positions
         enable_trees(model)
     kwargs = dict(
         draft_sources=forced + drafts,

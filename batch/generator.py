@@ -103,7 +103,8 @@ class BatchGenerator:
             drafts for all its rows in one call per step. A row's source's drafter not given here
             is adopted when the row is inserted (``DraftSource.drafter``).
         tree_nodes: rows draft trees of at most this many nodes, ``"auto"`` as many as pay, 0
-            chains (``decoder.tree``; a model that cannot verify trees drafts chains).
+            chains; the generator calls ``decoder.enable_trees(model)`` (a model it refuses
+            drafts chains).
     """
 
     def __init__(

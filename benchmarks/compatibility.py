@@ -14,7 +14,7 @@ per architecture, grouped by the kinds of cache its ``make_cache()`` gives. A ce
 - refused: the engine declined with an error of its own (its one line);
 - ``-`` (MTP only): the architecture's checkpoints ship no MTP layers that speculative/mtp.py reads;
 - trees: pass (trees) where lookup's draft trees are verified, pass (chains) where the model drafts
-  chains under ``tree_nodes`` (decoder/tree.py says why, in one log line).
+  chains under ``tree_nodes`` (decoder/tree_pass.py says why, in one log line).
 
 A second table lists each model's caches, layer by layer, and the masks its forward pass asks them
 for. main.py's start for each model takes the longest (benchmarks/results/figures.md); ``--no-main``

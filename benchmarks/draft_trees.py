@@ -94,6 +94,7 @@ def head_chat(model, tokenizer, args) -> list:
 
     eos, seed = eos_ids_of(tokenizer), load_history(SHIPPED_HEAD / "history.npz")
     tap, drafter = HeadDrafter.create(model)
+    enable_trees(tap)
     head = drafter.source()
     runs = {
         "draft head": lambda: [head],
@@ -144,6 +145,7 @@ def mtp_tiny(args) -> list:
         for prompt in ([5, 6, 7, 8], [1, 2], list(range(2, 30, 3))):
             for shape, tree_nodes in (("chains", 0), ("trees, auto", "auto"), ("trees of 8", 8)):
                 tap, drafter = MTPDrafter.create(target, path)
+                enable_trees(tap)
                 run = time_loop(
                     tap, prompt, 120, (), draft_sources=[drafter.source()], tree_nodes=tree_nodes
                 )

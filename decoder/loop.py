@@ -91,9 +91,9 @@ def generate_step(
         prompt_cache: a ``make_cache(model)`` (or mlx-lm's list, adopted in place) holding the first
             tokens of ``prompt``; only the rest is prefilled.
         pass_cost: the ``PassCost`` the loop times its passes into; pass one to keep it.
-        tree_nodes: draft trees of at most this many nodes (``decoder.tree``), ``"auto"`` for as
-            many as the sources expect to pay, 0 for chains. A model whose positions or masks
-            do not come through its rope modules and cache layer drafts chains.
+        tree_nodes: draft trees of at most this many nodes, ``"auto"`` for as many as the
+            sources expect to pay, 0 for chains; call ``enable_trees(model)`` first (a model it
+            refuses drafts chains).
         seed: the target's draws come from ``mx.random.key(seed)``, split each step, and not from
             MLX's global stream (None); an mlx-lm ``sampler`` and sampling draft models still
             draw from the global stream.
