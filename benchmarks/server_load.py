@@ -316,6 +316,11 @@ def server_specs(model_dir: str, most: int, apis: bool) -> list:
         ("ours, one at a time", ours + ["--max-batch", "1"]),
         ("ours", ours + ["--max-batch", str(most)]),
         ("ours --prompt-lookup", ours + ["--max-batch", str(most), "--prompt-lookup"]),
+        # trees are the default (--tree-nodes auto); chains alone, to see what trees cost or win
+        (
+            "ours --prompt-lookup --tree-nodes 0",
+            ours + ["--max-batch", str(most), "--prompt-lookup", "--tree-nodes", "0"],
+        ),
     ]
     return [spec for spec in specs if spec[0] == "ours"] if apis else specs
 
