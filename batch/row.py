@@ -54,10 +54,20 @@ class BatchRow(Row):
         """The row's last response when ``error`` ends it (the other rows go on): one line naming
         it, and its traceback."""
         message = " ".join(str(error).split()) or type(error).__name__
-        trace = "".join(traceback.format_exception(type(error), error, error.__traceback__))
         return RowResponse(
-            self.uid, [], [], "error", f"{type(error).__name__}: {message}", self.stats, trace=trace
+            self.uid,
+            [],
+            [],
+            "error",
+            f"{type(error).__name__}: {message}",
+            self.stats,
+            trace=trace_of(error),
         )
+
+
+def trace_of(error: BaseException) -> str:
+    """``error``'s traceback as Python prints it (for a log: ``RowResponse.trace``)."""
+    return "".join(traceback.format_exception(type(error), error, error.__traceback__))
 
 
 def per_row(name: str, value, count: int) -> list:

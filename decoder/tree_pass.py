@@ -98,11 +98,13 @@ def enable_trees(model) -> bool:
     chains score as before), checked by a tree pass. False: it drafts chains (logged once)."""
     known = model.__dict__.get("_verifies_trees")
     if known is None:
-        cache = make_cache(model)
-        try:
-            known = cache.takes_trees() and _wrap_ropes(model, {}) is None and _probe(model)
-        except Exception:  # a model that builds positions its own way refuses a (B, T) offset
-            known = False
+        cache, known = make_cache(model), False
+        if cache.takes_trees():
+            try:
+                _wrap_ropes(model, {})
+                known = _probe(model)
+            except Exception:  # a model that builds positions its own way refuses a (B, T) offset
+                known = False
         model.__dict__["_verifies_trees"] = known
         if not known:
             why = _why_not(cache)

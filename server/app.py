@@ -22,10 +22,11 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
+from batch.row import trace_of
 from server.anthropic import ANTHROPIC_STATUS, MessagesFormat, anthropic_error, parse_messages
 from server.choices import choice_events, choice_formats, choice_requests, full_answer
 from server.engine import Engine, Job
-from server.failures import FailureLog, trace_of
+from server.failures import FailureLog
 from server.formats import ChatFormat, CompletionFormat
 from server.protocol import check_prompt, parse_chat, parse_completion
 from server.reasoning import EFFORT_BUDGETS

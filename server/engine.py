@@ -38,12 +38,13 @@ from typing import Optional, Sequence
 import mlx.core as mx
 
 from batch import BatchGenerator, RowResponse
+from batch.row import trace_of
 from decoder.cost import PassCost
 from decoder.draft import ConstraintError
 from decoder.step import DecodingStats
 from decoder.text import TextStream, eos_ids_of
 from server.constraints import RequestConstraints
-from server.failures import FailureLog, trace_of
+from server.failures import FailureLog, log
 from server.logprob_names import TokenLogprobNames
 from server.prompt_cache import PromptCache
 from server.ranks import OneProcess, exit_after_answering
@@ -278,8 +279,9 @@ class Engine:
             lost = self.ranks.lost_peer(error)
             if lost is not None:
                 self._lost(lost)
+            log.error("the generation loop failed\n%s", trace_of(error).rstrip())
             failed = f"the generation loop failed: {type(error).__name__}: {error}"
-            self._end(failed, failed, trace_of(error))
+            self._end(failed, failed)
 
     def _steps(self):
         while True:
@@ -347,14 +349,14 @@ class Engine:
         """A peer is gone: every open request gets an error, and this rank exits with one line."""
         self._end(message, f"the sharded model lost a rank: {message}")
 
-    def _end(self, message: str, answer: str, trace: Optional[str] = None):
+    def _end(self, message: str, answer: str):
         """Serving ends: every open request gets a 503 saying ``answer``, and this rank exits with
         ``message`` as its one line."""
         jobs = [reply.job for reply in list(self.replies.values())] + self.joining
         while not self.jobs.empty():
             jobs.append(self.jobs.get_nowait())
         for job in filter(None, jobs):
-            self._fail(job, ApiError(503, answer, code="server_stopped", trace=trace))
+            self._fail(job, ApiError(503, answer, code="server_stopped"))
         exit_after_answering(message)
 
     def _fail(self, job: Job, error: ApiError):
@@ -374,7 +376,10 @@ class Engine:
             message, trace = f"generation failed: {type(error).__name__}: {error}", trace_of(error)
             for reply in self.replies.values():
                 self._fail(reply.job, ApiError(500, message, trace=trace))
-            self.generator.close()  # its drafters' rows go with it
+            try:
+                self.generator.close()  # its drafters' rows go with it
+            except Exception:  # what the failed step left cannot be released; serving goes on
+                log.exception("the failed step's rows could not be released")
             self.replies, self.generator = {}, self._new_generator()
             return
         for response in responses:
@@ -385,10 +390,12 @@ class Engine:
             run()
         except ApiError as error:
             self._fail(job, error)
+        except ConstraintError as error:
+            message = f"constrained decoding failed: {error}"
+            self._fail(job, ApiError(500, message, trace=trace_of(error)))
         except Exception as error:  # a fault in one request must not stop the worker
-            kind = "constrained decoding" if isinstance(error, ConstraintError) else "generation"
-            cause = "" if isinstance(error, ConstraintError) else f"{type(error).__name__}: "
-            self._fail(job, ApiError(500, f"{kind} failed: {cause}{error}", trace=trace_of(error)))
+            message = f"generation failed: {type(error).__name__}: {error}"
+            self._fail(job, ApiError(500, message, trace=trace_of(error)))
 
     def _start(self, job: Job):
         request, forced = job.request, job.forced

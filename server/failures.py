@@ -8,7 +8,6 @@ does not show cannot be fixed by the people who run the server.
 
 import logging
 import re
-import traceback
 from typing import Optional
 
 from server.request import ApiError
@@ -19,11 +18,6 @@ log = logging.getLogger("server")
 def configure_logging():
     """The server's log on stderr: one line per record, its level first."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")
-
-
-def trace_of(error: BaseException) -> str:
-    """``error``'s traceback as Python prints it."""
-    return "".join(traceback.format_exception(type(error), error, error.__traceback__))
 
 
 def kind_of(trace: str) -> str:

@@ -15,6 +15,7 @@ runs from ``tree_width`` nodes, its greedy chain's and the others of highest cha
 copy of the row's cache rows (``Cache.filter`` with a row repeated), which go once it is drawn.
 """
 
+import weakref
 from typing import Optional
 
 import mlx.core as mx
@@ -173,7 +174,7 @@ class SharedDrafter(Drafter):
         self.rows = []  # the sources of the rows its cache holds, in cache order
         self.cache = None
         self.calibration = Calibration()  # its top probability against the acceptance measured
-        self.loop_cache = None  # the one-row loop's cache (``use_cache``)
+        self.loop_cache = None  # a weak reference to the one-row loop's cache (``use_cache``)
 
     def source(self) -> SharedSource:
         """A source for one row's ``draft_sources``."""
@@ -181,7 +182,7 @@ class SharedDrafter(Drafter):
         return source
 
     def use_cache(self, cache):
-        self.loop_cache = cache
+        self.loop_cache = weakref.ref(cache)  # the loop holds it while it runs
 
     def draft_cost(self, cost: PassCost) -> float:
         """One draft position (a pass over all its rows) as a fraction of the target's plain pass
@@ -221,7 +222,8 @@ class SharedDrafter(Drafter):
         first."""
         for source in [s for s in self.rows if s is not request.source]:
             self.leave(source)
-        self.draft_all([request], cost, 1, self.loop_cache)
+        cache = self.loop_cache() if self.loop_cache is not None else None
+        self.draft_all([request], cost, 1, cache)
 
     def draft_all(self, requests: list, cost: PassCost, batch_rows: int, cache=None):
         """Draft for every row in ``requests`` (``DraftRequest``s); ``batch_rows`` is the target's
