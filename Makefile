@@ -47,7 +47,7 @@ bench: setup-dev
 
 # Retrain the shipped draft head (head_training/README.md): about an hour on a busy 2-core CPU.
 draft-head: setup
-	$(PY) -m head_training.train --out speculative/heads/smollm2-135m
+	$(PY) -m head_training.train --out draft_head/heads/smollm2-135m
 
 clean:
 	rm -rf $(VENV)

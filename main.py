@@ -306,10 +306,10 @@ def main():
     from decoder.cache import CacheKindError
     from decoder.draft import ConstraintError
     from distributed import DistributedError
+    from draft_model import VocabularyMismatch
     from loading.conversion import ConversionError
     from loading.load import ModelError
-    from speculative import VocabularyMismatch
-    from speculative.mtp import NoMTPWeights
+    from mtp.model import NoMTPWeights
 
     errors = (
         CliError,

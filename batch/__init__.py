@@ -11,8 +11,9 @@ constraint and sampling, verified together in one ``[B, W]`` pass per step.
 - ``policy.py``: how many draft tokens the pass verifies (``choose_width``), from measured pass
   costs, and which waiting prompts prefill together (``prefill_group``).
 
-A model that drafts (``speculative.SharedDrafter``: a draft model, a head, MTP layers) drafts for
-all its rows in one call when the generator is handed it (``BatchGenerator(drafters=[...])``).
+A model that drafts (``decoder.model_drafter.SharedDrafter``: a draft model, a head, MTP layers)
+drafts for all its rows in one call when the generator is handed it
+(``BatchGenerator(drafters=[...])``).
 """
 
 from batch.generate import BatchResult, batch_generate

@@ -12,7 +12,7 @@ per architecture, grouped by the kinds of cache its ``make_cache()`` gives. A ce
 - pass: the tokens equal mlx-lm's own greedy tokens (and drafts were accepted and rejected);
 - FAIL: other tokens (the first difference), or a crash (the exception, and the file it came from);
 - refused: the engine declined with an error of its own (its one line);
-- ``-`` (MTP only): the architecture's checkpoints ship no MTP layers that speculative/mtp.py reads;
+- ``-`` (MTP only): the architecture's checkpoints ship no MTP layers that mtp/model.py reads;
 - trees: pass (trees) where lookup's draft trees are verified, pass (chains) where the model drafts
   chains under ``tree_nodes`` (decoder/tree_pass.py says why, in one log line).
 
@@ -30,7 +30,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx_lm
 
-from speculative.mtp import MTP_ARCHITECTURES
+from mtp.model import MTP_ARCHITECTURES
 from tests import architecture_checks as checks
 from tests.architectures import ARCHITECTURES, build, cache_family, describe_caches, save, tokenizer
 

@@ -73,9 +73,9 @@ def suite_methods(model, tokenizer, args, self_draft, temp: float, by_position: 
     """The methods compared at ``temp``: plain, mlx-lm's and our draft model, the head three ways,
     prompt lookup alone and with the head; the head's methods record into ``by_position``."""
     from benchmarks.harness import mlx_lm_speculative_runner
+    from draft_head.source import HeadDrafter
+    from draft_model import DraftModel
     from prompt_lookup import PromptLookupSource
-    from speculative import DraftModel
-    from speculative.head_source import HeadDrafter
 
     greedy, eos, num_layers = temp == 0, eos_ids_of(tokenizer), args.draft_layers[0]
 
@@ -147,8 +147,8 @@ def draft_head_cost_suite(model, tokenizer, args, repeats: int = 40):
     interleaved."""
     from mlx_lm.models.cache import make_prompt_cache
 
-    from speculative.head import body_with_features, output_weight
-    from speculative.head_loading import load_head
+    from decoder.hidden_states import body_with_features, output_weight
+    from draft_head.loading import load_head
 
     head, vocab_ids = load_head(args.head, model)
     prompt = heldout_prompts(tokenizer)[0][1]
@@ -201,9 +201,9 @@ def draft_head_misses_suite(model, tokenizer, args):
     """Where the head's misses go, teacher-forced on the target's own greedy answers to the
     held-out chat prompts: accuracy at draft depth 1 and 2 by how frequent the right token is."""
     from decoder import generate_step
+    from decoder.hidden_states import body_with_features, output_weight
+    from draft_head.loading import load_head
     from head_training.train import unrolled_predictions
-    from speculative.head import body_with_features, output_weight
-    from speculative.head_loading import load_head
 
     head, vocab_ids = load_head(args.head, model)
     rank = {token: i for i, token in enumerate(vocab_ids.tolist())}

@@ -88,9 +88,9 @@ def one_row(model, tokenizer, args) -> list:
 def head_chat(model, tokenizer, args) -> list:
     """Rows of (method, tokens, passes per token, tok/s, peak GB) on held-out chat: the shipped
     draft head alone and after history lookup (its seed store), as chains and as trees."""
+    from draft_head.head import SHIPPED_HEAD
+    from draft_head.source import HeadDrafter
     from prompt_lookup.history import HistoryLookupSource, load_history
-    from speculative.head import SHIPPED_HEAD
-    from speculative.head_source import HeadDrafter
 
     eos, seed = eos_ids_of(tokenizer), load_history(SHIPPED_HEAD / "history.npz")
     tap, drafter = HeadDrafter.create(model)
@@ -131,7 +131,7 @@ def mtp_tiny(args) -> list:
     import tempfile
 
     from loading.target import load_mlx_lm
-    from speculative.mtp_source import MTPDrafter
+    from mtp.source import MTPDrafter
     from tests.helpers import tiny_byte_tokenizer
     from tests.mtp_fixtures import write_checkpoint
 

@@ -261,7 +261,7 @@ def speed(model, tokenizer, args) -> str:
         return make
 
     def with_head(prompt, max_tokens):
-        from speculative.head_source import HeadDrafter
+        from draft_head.source import HeadDrafter
 
         tap, drafter = HeadDrafter.create(model, None)
         head = drafter.source()

@@ -4,7 +4,7 @@
 
 - Held-out chat (benchmarks/heldout/chat.txt), greedy and at temperature 1. Each prompt gets a
   fresh store holding only the seed that ships with the head
-  (speculative/heads/smollm2-135m/history.npz), as ``main.py --draft-head --lookup-history
+  (draft_head/heads/smollm2-135m/history.npz), as ``main.py --draft-head --lookup-history
   FRESH_PATH`` would: what history adds comes from the seed and the answer itself.
 - Repeated requests (benchmarks/history_tasks.py: 20 order-confirmation replies, 20 field
   extractions), greedy, in order; the store holds the answers to the requests before, as
@@ -31,11 +31,11 @@ from benchmarks.harness import (
 )
 from benchmarks.history_tasks import requests
 from decoder.text import eos_ids_of
+from draft_head.head import SHIPPED_HEAD
+from draft_head.source import HeadDrafter
 from loading import fast_blas
 from prompt_lookup import PromptLookupSource
 from prompt_lookup.history import HistoryLookupSource, load_history
-from speculative.head import SHIPPED_HEAD
-from speculative.head_source import HeadDrafter
 
 RESULTS = Path(__file__).parent / "results" / "head_history.md"
 

@@ -1,7 +1,7 @@
 """Logged outputs of the embedded model for the history-lookup study (benchmarks/history_replay.py).
 
 - The store: answers to the draft head's self-written instructions
-  (speculative/heads/smollm2-135m/instructions.json), generated 16 at a time with mlx-lm's
+  (draft_head/heads/smollm2-135m/instructions.json), generated 16 at a time with mlx-lm's
   ``batch_generate`` (greedy). The store only has to be text the model writes; batched and
   single-sequence greedy outputs may differ slightly, which does not matter for it.
 - The queries: held-out chat (benchmarks/heldout/chat.txt) and the repeated workloads
@@ -9,7 +9,7 @@
   so that replaying them gives exactly the passes that greedy decoding with a drafter takes.
 
     python -m benchmarks.history_data --store-prompts 208   # generate what is missing
-    python -m benchmarks.history_data --write-seed speculative/heads/smollm2-135m/history.npz
+    python -m benchmarks.history_data --write-seed draft_head/heads/smollm2-135m/history.npz
 
 The second writes the store answers as the history store that ships with the head (the
 seed ``main.py --draft-head --lookup-history`` starts from).
@@ -29,7 +29,7 @@ from decoder.text import eos_ids_of
 from loading.store import cache_dir
 
 ROOT = Path(__file__).parent.parent
-INSTRUCTIONS = ROOT / "speculative" / "heads" / "smollm2-135m" / "instructions.json"
+INSTRUCTIONS = ROOT / "draft_head" / "heads" / "smollm2-135m" / "instructions.json"
 BATCH = 16
 
 

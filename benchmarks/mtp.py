@@ -33,10 +33,10 @@ from batch import BatchGenerator
 from decoder import generate_step
 from decoder.cache import make_cache
 from decoder.cost import PassCost
+from decoder.hidden_states import HiddenStateTap
 from decoder.step import DecodingStats
 from loading.load import describe_backend
-from speculative.head_source import HeadDrafter, HiddenStateTap
-from speculative.mtp_source import MTPDrafter, MTPSource
+from mtp.source import MTPDrafter
 from tests.mtp_fixtures import build
 
 RESULTS = Path(__file__).parent / "results" / "mtp.md"
@@ -146,9 +146,7 @@ def batch_lines(model_type: str, kind: str, target, mtp, prompts: list, args) ->
     runs = {"plain": [], "mtp adaptive": []}
     for _ in range(args.repeat):
         plain = decode_batch(target, prompts, args.max_tokens)
-        tap, drafter = HeadDrafter.around(
-            target, mtp, mx.arange(args.vocab), MTPSource, max_draft=8
-        )
+        tap, drafter = MTPDrafter.around(target, mtp, mx.arange(args.vocab), max_draft=8)
         drafted = decode_batch(tap, prompts, args.max_tokens, drafter)
         assert drafted[0] == plain[0], "MTP drafts changed a row's greedy output"
         runs["plain"].append(plain)
@@ -192,7 +190,6 @@ def single_lines(model_type: str, kind: str, target, mtp, prompt: list, args) ->
                 tap,
                 mtp,
                 mx.arange(args.vocab),
-                MTPSource,
                 num_draft=args.num_draft,
                 adaptive=adaptive,
                 max_draft=8,

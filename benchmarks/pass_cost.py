@@ -25,8 +25,8 @@ from benchmarks.harness import (
 )
 from decoder.cost import PassCost
 from decoder.text import eos_ids_of
+from draft_head.source import HeadDrafter
 from prompt_lookup import PromptLookupSource
-from speculative.head_source import HeadDrafter
 
 RESULTS = Path(__file__).parent / "results" / "pass_cost.md"
 

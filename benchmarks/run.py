@@ -239,8 +239,8 @@ def speculative_suite(model, tokenizer, args):
     sampled."""
     from mlx_lm import load
 
+    from draft_model import DraftModel
     from prompt_lookup import PromptLookupSource
-    from speculative import DraftModel
 
     prompts = first_prompts(
         load_prompts(tokenizer, ["open_ended", "extractive_qa"]), args.prompts_per_class

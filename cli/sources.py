@@ -17,12 +17,14 @@ import numpy as np
 
 from cli import CliError
 from cli.flags import default_history_path, history_path
+from decoder.hidden_states import HeadMismatch
+from draft_head import HeadDrafter
+from draft_head.head import SHIPPED_HEAD
+from draft_model import DraftModel
 from loading.load import load_model, resolve_model_path
+from mtp.model import MTPError, NoMTPWeights
+from mtp.source import MTPDrafter
 from prompt_lookup import PromptLookupSource
-from speculative import DraftModel, HeadDrafter
-from speculative.head import SHIPPED_HEAD, HeadMismatch
-from speculative.mtp import MTPError, NoMTPWeights
-from speculative.mtp_source import MTPDrafter
 from t5 import T5Decoder, is_encoder_decoder
 
 

@@ -117,8 +117,9 @@ class DraftRequest(NamedTuple):
 
 
 class Drafter:
-    """A model drafting for many rows in one call (``speculative.SharedDrafter``), each row holding
-    one of its sources; a loop calls ``draft_all``, then the sources propose what it drafted."""
+    """A model drafting for many rows in one call (``model_drafter.SharedDrafter``), each row
+    holding one of its sources; a loop calls ``draft_all``, then the sources propose what it
+    drafted."""
 
     def owns(self, source: DraftSource) -> bool:
         return source.drafter is self

@@ -1,4 +1,4 @@
-"""Training the draft head (speculative/head.py) by self-distillation: ``python -m
+"""Training the draft head (draft_head/head.py) by self-distillation: ``python -m
 head_training.train``.
 
 An application, not a copied folder: it uses the model loader and the command-line helpers. This

@@ -16,8 +16,8 @@ import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 from tqdm import tqdm
 
+from decoder.hidden_states import logits_from_hidden
 from decoder.text import encode
-from speculative.head import logits_from_hidden
 
 
 def answer_with_features(model, prompts: list, max_tokens: int, eos_ids) -> list:

@@ -1,7 +1,7 @@
 """Train a draft head for a target by self-distillation, on a CPU
 (benchmarks/results/draft_head.md).
 
-    python -m head_training.train --out speculative/heads/smollm2-135m
+    python -m head_training.train --out draft_head/heads/smollm2-135m
 
 Stages (instructions and batches of answers are cached in --work-dir, so a rerun resumes;
 stages 1-2 are in data.py):
@@ -16,7 +16,7 @@ stages 1-2 are in data.py):
 
 Heads that fused several target layers (EAGLE-3's low/middle/top) or stacked two decoder layers
 trained worse here (docs/speculative.md) and were dropped; published EAGLE-3 heads still load
-(speculative/head_loading.py).
+(draft_head/loading.py).
 """
 
 import json
@@ -37,17 +37,10 @@ import numpy as np
 from tqdm import tqdm
 
 from cli import CliError, Parser, check_finite
+from decoder.hidden_states import HeadMismatch, output_rows, output_weight
+from draft_head.head import SHIPPED_HEAD, DraftHead, head_args, save_head
+from draft_head.loading import load_head
 from head_training.data import sub_vocabulary, training_data
-from speculative.head import (
-    SHIPPED_HEAD,
-    DraftHead,
-    HeadMismatch,
-    head_args,
-    output_rows,
-    output_weight,
-    save_head,
-)
-from speculative.head_loading import load_head
 
 
 def make_batches(sequences: list, batch_tokens: int, rng) -> list:
@@ -305,8 +298,8 @@ def add_data_arguments(parser):
     parser.add_argument(
         "--out",
         default=None,
-        help="Head directory to write (default: speculative/heads/smollm2-135m for the embedded "
-        "model, else speculative/heads/<the model's name>).",
+        help="Head directory to write (default: draft_head/heads/smollm2-135m for the embedded "
+        "model, else draft_head/heads/<the model's name>).",
     )
     parser.add_argument(
         "--work-dir",

@@ -325,8 +325,8 @@ def _keep_first_layers(model, config: dict, num_layers: int):
 
 def convert_mtp(model, config: dict, source: Path, dtype):
     """The MTP module of a Hugging Face checkpoint in mlx-lm's layout and ``dtype``, kept beside the
-    target (speculative/mtp.py); None for a model without MTP weights."""
-    from speculative.mtp import MTPError, NoMTPWeights, build_mtp, cast, hf_to_module, read_hf_mtp
+    target (mtp/model.py); None for a model without MTP weights."""
+    from mtp.model import MTPError, NoMTPWeights, build_mtp, cast, hf_to_module, read_hf_mtp
 
     try:
         weights = read_hf_mtp(source, config)
@@ -349,7 +349,7 @@ def save_mtp(mtp, output: Path):
     ``model*.safetensors``."""
     from mlx.utils import tree_flatten
 
-    from speculative.mtp import MTP_FILE
+    from mtp.model import MTP_FILE
 
     mx.save_safetensors(str(output / MTP_FILE), dict(tree_flatten(mtp.parameters())))
 

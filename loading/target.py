@@ -1,4 +1,4 @@
-"""mlx-lm's loader for a target whose checkpoint also holds MTP layers (speculative/mtp.py reads
+"""mlx-lm's loader for a target whose checkpoint also holds MTP layers (mtp/model.py reads
 those)."""
 
 from pathlib import Path
@@ -7,11 +7,11 @@ from pathlib import Path
 def load_mlx_lm(path: Path, lazy: bool = False) -> tuple:
     """mlx-lm's ``load`` of a local directory, returning ``(model, tokenizer, config)``, with the
     checkpoint's MTP weights left out of the target: mlx-lm's ``sanitize`` drops them only where it
-    knows their place (DeepSeek-V3's at layer 61 alone). speculative/mtp.py reads them itself."""
+    knows their place (DeepSeek-V3's at layer 61 alone). mtp/model.py reads them itself."""
     from mlx_lm.utils import _get_classes, load_tokenizer
     from mlx_lm.utils import load_model as load_mlx_model
 
-    from speculative.mtp import NoMTPWeights, mtp_prefix
+    from mtp.model import NoMTPWeights, mtp_prefix
 
     def classes(config: dict):
         model_class, args_class = _get_classes(config)

@@ -175,13 +175,13 @@ def main():
 
     import distributed
     from decoder.cache import CacheKindError
+    from draft_model import VocabularyMismatch
     from loading.load import ModelError
+    from mtp.model import NoMTPWeights
     from server.app import build_app
     from server.failures import configure_logging
     from server.harmony import chat_tool_syntax
     from server.ranks import ANSWER_GRACE_S
-    from speculative import VocabularyMismatch
-    from speculative.mtp import NoMTPWeights
 
     try:
         validate(args)

@@ -275,7 +275,7 @@ def check_mtp(model_type: str):
     would draft at random over SmolLM2's vocabulary, accepting nothing."""
     from decoder import DecodingStats, generate_step
     from loading.target import load_mlx_lm
-    from speculative.mtp_source import MTPDrafter
+    from mtp.source import MTPDrafter
     from tests.helpers import tiny_byte_tokenizer
     from tests.mtp_fixtures import write_checkpoint
 

@@ -1,4 +1,4 @@
-"""The published EAGLE draft heads in PyTorch, as oracles for speculative/eagle.py.
+"""The published EAGLE draft heads in PyTorch, as oracles for draft_head/eagle.py.
 
 A port of SafeAILab/EAGLE's ``eagle/model/cnets.py`` (EAGLE-3) and ``cnets1.py`` (EAGLE-1/2)
 forward passes, built from transformers' Llama pieces (RMSNorm, rotary embedding, MLP). The

@@ -26,14 +26,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models import deepseek_v3, glm4_moe, mimo, qwen3_5, qwen3_5_moe, qwen3_next
 
-from speculative.mtp import (
-    DEEPSEEK_LAYOUT,
-    MIMO_LAYOUT,
-    QWEN_LAYOUT,
-    build_mtp,
-    mtp_prefix,
-    text_model,
-)
+from mtp.model import DEEPSEEK_LAYOUT, MIMO_LAYOUT, QWEN_LAYOUT, build_mtp, mtp_prefix, text_model
 
 VOCAB = 32
 

@@ -69,11 +69,14 @@ SERVERS = {
 def build_engine(kind: str, tmp: Path):
     """The engine of a ``SERVERS`` server: a tiny target and what drafts for it."""
     from decoder.cost import PassCost
+    from decoder.hidden_states import output_rows
+    from draft_head import HeadDrafter
+    from draft_head.head import DraftHead, head_args
+    from draft_model import DraftModel
     from loading.target import load_mlx_lm
+    from mtp import MTPDrafter
     from prompt_lookup import PromptLookupSource
     from server.engine import Engine
-    from speculative import DraftModel, HeadDrafter, MTPDrafter
-    from speculative.head import DraftHead, head_args, output_rows
     from tests.helpers import tiny_llama
     from tests.mtp_fixtures import write_checkpoint
 

@@ -122,7 +122,7 @@ def test_main_runs_a_saved_model_directory(name, tmp_path, smollm2_tokenizer):
 def test_a_draft_model_with_recurrent_layers_is_refused_naming_its_architecture():
     """Draft models roll back by trimming, which a recurrent state cannot: refused (one class for
     one row and a batch) in one line that names the draft's architecture."""
-    from speculative import DraftModel
+    from draft_model import DraftModel
 
     draft, _ = build("qwen3_next")
     refusal = "^qwen3_next: a draft model with recurrent layers cannot "

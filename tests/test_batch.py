@@ -17,9 +17,9 @@ from batch.policy import DraftGate, choose_width, prefill_group
 from constrained import ForcedTextSource, RegexConstraint
 from decoder import TARGET, generate_step, sampling_probs
 from decoder.cost import Backoff, PassCost
+from draft_model import DraftModel
 from prompt_lookup.history import HistoryLookupSource
 from prompt_lookup.ngram import PromptLookupSource
-from speculative import DraftModel
 from tests.helpers import ScriptedSource, chi_square_p_value, tiny_byte_tokenizer, tiny_llama
 
 VOCAB = 64

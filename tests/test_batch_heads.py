@@ -13,11 +13,12 @@ from hypothesis import strategies as st
 from batch import BatchGenerator
 from constrained import RegexConstraint
 from decoder import generate_step, make_cache, sampling_probs
+from decoder.hidden_states import output_rows
+from draft_head.head import DraftHead, head_args
+from draft_head.source import HeadDrafter
 from loading.target import load_mlx_lm
+from mtp.source import MTPDrafter
 from prompt_lookup import PromptLookupSource
-from speculative.head import DraftHead, head_args, output_rows
-from speculative.head_source import HeadDrafter
-from speculative.mtp_source import MTPDrafter
 from tests.helpers import chi_square_p_value, drain, tiny_byte_tokenizer, tiny_llama
 from tests.mtp_fixtures import VOCAB, write_checkpoint
 from tests.test_batch import alone, assert_same_or_near_tie, run

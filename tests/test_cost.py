@@ -6,8 +6,8 @@ import pytest
 
 from decoder import DecodingStats, generate_step
 from decoder.cost import PassCost
+from draft_model import DraftModel
 from prompt_lookup import PromptLookupSource
-from speculative import DraftModel
 from tests.helpers import tiny_llama
 
 TARGET = tiny_llama(vocab_size=32, seed=4)

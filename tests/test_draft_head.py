@@ -10,20 +10,18 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from decoder import DecodingStats, generate_step
+from decoder.hidden_states import (
+    FINAL,
+    HeadMismatch,
+    HiddenStateTap,
+    body_with_features,
+    output_rows,
+)
+from draft_head.head import SHIPPED_HEAD, DraftHead, head_args, save_head
+from draft_head.loading import load_head
+from draft_head.source import HeadDrafter
 from head_training.data import answer_with_features, sub_vocabulary
 from head_training.train import train, unrolled_predictions
-from speculative.head import (
-    FINAL,
-    SHIPPED_HEAD,
-    DraftHead,
-    HeadMismatch,
-    body_with_features,
-    head_args,
-    output_rows,
-    save_head,
-)
-from speculative.head_loading import load_head
-from speculative.head_source import HeadDrafter, HiddenStateTap
 from tests.helpers import assert_sampling_keeps_the_target_distribution, tiny_llama
 from tests.test_cli import assert_one_line_error, cli
 

@@ -295,7 +295,7 @@ def test_main_with_trees_gives_the_chain_output(embedded, tmp_path):
 
 
 def test_calibration_follows_the_acceptance_measured():
-    from speculative.adaptive import Calibration
+    from decoder.adaptive import Calibration
 
     calibration = Calibration()
     assert calibration(0.35) == pytest.approx(0.35)  # a calibrated model needs no correction
@@ -330,7 +330,7 @@ def mtp_run(path, target, calibrated: bool, tree_nodes=0, **options) -> tuple:
     it is sure of only a fifth of its top token."""
     from decoder import DecodingStats
     from decoder.cost import PassCost
-    from speculative.mtp_source import MTPDrafter
+    from mtp.source import MTPDrafter
 
     tap, drafter = MTPDrafter.create(target, path, **options)
     draw = drafter._draw
@@ -393,7 +393,7 @@ def test_mtp_trees_give_plain_tokens(exact_mtp, tree_nodes):
 
 def test_sampling_with_mtp_trees_keeps_the_target_distribution(tmp_path):
     from loading.target import load_mlx_lm
-    from speculative.mtp_source import MTPDrafter
+    from mtp.source import MTPDrafter
     from tests.helpers import assert_sampling_keeps_the_target_distribution
     from tests.mtp_fixtures import write_checkpoint
 

@@ -1,4 +1,4 @@
-"""Published EAGLE heads (speculative/eagle.py): draft logits equal the PyTorch reference
+"""Published EAGLE heads (draft_head/eagle.py): draft logits equal the PyTorch reference
 (tests/eagle_reference.py) on random weights; heads written in the published file layout run
 through the library and main.py, lossless and accepted; heads that do not fit are refused."""
 
@@ -12,10 +12,10 @@ torch = pytest.importorskip("torch")
 torch.set_num_threads(1)
 
 from decoder import DecodingStats, generate_step  # noqa: E402
-from speculative.eagle import Eagle1Head, Eagle3Head, eagle3_feature_layers  # noqa: E402
-from speculative.head import HeadMismatch, body_with_features  # noqa: E402
-from speculative.head_loading import load_head  # noqa: E402
-from speculative.head_source import HeadDrafter  # noqa: E402
+from decoder.hidden_states import HeadMismatch, body_with_features  # noqa: E402
+from draft_head.eagle import Eagle1Head, Eagle3Head, eagle3_feature_layers  # noqa: E402
+from draft_head.loading import load_head  # noqa: E402
+from draft_head.source import HeadDrafter  # noqa: E402
 from tests.eagle_reference import Eagle1Reference, Eagle3Reference, eagle3_layer_inputs  # noqa: E402
 from tests.helpers import tiny_llama  # noqa: E402
 
@@ -418,7 +418,7 @@ def test_an_eagle3_head_is_refused_on_a_sharded_target(tmp_path):
 
 @pytest.mark.slow
 def test_sampling_with_an_eagle3_head_keeps_the_target_distribution(tmp_path):
-    from speculative.head_source import HiddenStateTap
+    from decoder.hidden_states import HiddenStateTap
     from tests.helpers import assert_sampling_keeps_the_target_distribution
 
     target = tiny_llama(vocab_size=8, num_layers=LAYERS, hidden_size=WIDTH, seed=3, sharp=2.0)

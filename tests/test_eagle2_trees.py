@@ -1,4 +1,4 @@
-"""EAGLE-2 trees from a draft head and MTP layers (speculative/tree_growth.py): the nodes taken are
+"""EAGLE-2 trees from a draft head and MTP layers (decoder/tree_growth.py): the nodes taken are
 the best by path chance and hold their parents; trees grow below the model's other choices (and
 do not with a frontier of one, the control); greedy decoding with them equals plain decoding,
 alone and in a batch where rows join and leave; the head's cache after each tree holds what it
@@ -11,12 +11,13 @@ from hypothesis import strategies as st
 
 from batch import BatchGenerator
 from decoder import enable_trees
+from decoder.hidden_states import output_rows
+from decoder.model_drafter import ALTERNATIVES
 from decoder.tree import depths
-from speculative.drafter import ALTERNATIVES
-from speculative.head import DraftHead, head_args, output_rows
-from speculative.head_source import HeadDrafter
-from speculative.mtp_source import MTPSource
-from speculative.tree_growth import TreeGrowth, best_nodes
+from decoder.tree_growth import TreeGrowth, best_nodes
+from draft_head.head import DraftHead, head_args
+from draft_head.source import HeadDrafter
+from mtp.source import MTPSource
 from tests.helpers import tiny_byte_tokenizer, tiny_llama
 from tests.mtp_fixtures import write_checkpoint
 from tests.test_batch import alone, assert_same_or_near_tie, run

@@ -25,8 +25,8 @@ from constrained.grammar import (
     compile_grammar,
 )
 from decoder import DecodingStats, generate  # noqa: E402
+from draft_model import DraftModel  # noqa: E402
 from prompt_lookup import PromptLookupSource  # noqa: E402
-from speculative import DraftModel  # noqa: E402
 from tests.helpers import (
     ScriptedSource,
     assert_constrained_sampling_is_exact,

@@ -314,7 +314,7 @@ def test_the_head_ships_a_seed_that_is_read_but_never_written(tmp_path):
 
     import main
 
-    seed = ROOT / "speculative" / "heads" / "smollm2-135m" / "history.npz"
+    seed = ROOT / "draft_head" / "heads" / "smollm2-135m" / "history.npz"
     seed_tokens = load_history(seed)
     assert seed_tokens.size > 10_000 and seed_tokens[-1] == SEPARATOR
     before = hashlib.sha256(seed.read_bytes()).hexdigest()

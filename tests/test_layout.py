@@ -16,7 +16,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 # What a user copies into their project (README: "Use it from Python").
-LIBRARY = ["decoder", "prompt_lookup", "constrained", "speculative", "t5"]
+LIBRARY = ["decoder", "prompt_lookup", "constrained", "draft_model", "draft_head", "mtp", "t5"]
 # main.py's side: entry points, loaders, the batched engine, the server, the benchmarks, the
 # trainer.
 APPLICATION = {
@@ -171,7 +171,9 @@ def test_no_import_cycle():
 def test_the_library_never_imports_the_application():
     graph = import_graph(ROOT)
     library = [name for name in graph if in_library(name)]
-    assert {"decoder", "speculative.head", "t5.t5"} <= set(library)  # the walk found the files
+    assert {"decoder", "draft_head.head", "mtp.model", "t5.t5"} <= set(
+        library
+    )  # the walk found the files
     offending = {
         name: sorted(other for other in graph[name] if other.split(".")[0] in APPLICATION)
         for name in library
@@ -257,7 +259,7 @@ def arrays_without_dtype(source: str) -> list:
 def test_arrays_from_host_values_name_their_dtype():
     found = {
         f"{path.relative_to(ROOT)}:{line}"
-        for folder in ("decoder", "batch", "prompt_lookup", "speculative")
+        for folder in ("decoder", "batch", "prompt_lookup", "draft_model", "draft_head", "mtp")
         for path in sorted((ROOT / folder).rglob("*.py"))
         for line in arrays_without_dtype(path.read_text())
     }
@@ -266,7 +268,9 @@ def test_arrays_from_host_values_name_their_dtype():
 
 def test_folder_readmes_are_front_pages():
     readmes = sorted(ROOT.glob("*/README.md"))
-    assert {"constrained", "prompt_lookup", "speculative"} <= {path.parent.name for path in readmes}
+    assert {"constrained", "prompt_lookup", "draft_model", "draft_head", "mtp"} <= {
+        path.parent.name for path in readmes
+    }
     over = {
         path.parent.name: path.stat().st_size
         for path in readmes

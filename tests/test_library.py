@@ -28,14 +28,15 @@ def lookup():
 
 
 def draft_model():
-    from speculative import DraftModel
+    from draft_model import DraftModel
 
     return TARGET, [DraftModel(DRAFT, VOCAB, num_draft=3).source()], None
 
 
 def draft_head():
-    from speculative import HeadDrafter, HiddenStateTap
-    from speculative.head import DraftHead, head_args, output_rows
+    from decoder.hidden_states import HiddenStateTap, output_rows
+    from draft_head import HeadDrafter
+    from draft_head.head import DraftHead, head_args
 
     mx.random.seed(3)
     head = DraftHead(head_args(TARGET.args), output_rows(TARGET, mx.arange(VOCAB)))

@@ -14,7 +14,7 @@ from mlx.utils import tree_flatten
 
 from decoder import DecodingStats, generate_step
 from loading.target import load_mlx_lm
-from speculative.mtp import (
+from mtp.model import (
     MIMO_LAYOUT,
     MTP_CLASSES,
     MTP_FILE,
@@ -25,7 +25,7 @@ from speculative.mtp import (
     mtp_prefix,
     text_model,
 )
-from speculative.mtp_source import MTPDrafter
+from mtp.source import MTPDrafter
 from tests.helpers import assert_sampling_keeps_the_target_distribution, tiny_byte_tokenizer
 from tests.mtp_fixtures import VOCAB, hf_weights, text_config, write_checkpoint
 

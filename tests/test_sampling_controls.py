@@ -13,8 +13,8 @@ from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
 from batch import BatchGenerator
 from decoder import DecodingStats, Draft, generate_step, sampling_probs
+from draft_model import DraftModel
 from prompt_lookup import PromptLookupSource
-from speculative import DraftModel
 from tests.helpers import ScriptedSource, chi_square_p_value, tiny_llama
 from tests.test_decoder import ResidueConstraint
 
@@ -488,7 +488,7 @@ def test_a_draft_model_draws_from_the_processed_distribution():
     """A draft model that is the target, sampling as the target does (its truncations and its
     processors, ``follow_sampling``), drafts from q = p: every drafted token is accepted, and the
     two tokens still follow the processed distribution."""
-    from speculative import DraftModel
+    from draft_model import DraftModel
 
     processors = make_logits_processors(logit_bias={4: 3.0, 0: -2.0}, repetition_penalty=2.0)
     drafter = DraftModel(SMALL, SMALL_VOCAB, num_draft=2, adaptive=False)

@@ -185,8 +185,8 @@ def test_draft_source_flags_mean_the_same_in_main_py_and_the_server(embedded, mo
 
     import loading.load as loading
     import main
+    from draft_head.head import SHIPPED_HEAD
     from server import __main__ as server_main
-    from speculative.head import SHIPPED_HEAD
 
     downloads = []
 

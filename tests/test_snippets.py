@@ -16,13 +16,14 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-FOLDERS = ["prompt_lookup", "constrained", "speculative", "distributed"]
+FOLDERS = ["prompt_lookup", "constrained", "draft_model", "draft_head", "mtp", "distributed"]
 CORE = ["decoder/"]  # what every copied folder needs beside it
-# T5 drafts (t5/README.md); its README has no mlx-lm snippet to run here
-NEEDS = {"speculative": ["t5"]}
+NEEDS = {}  # folders a copied folder needs beyond the core
 # packages a folder's README lists beyond mlx, mlx-lm and numpy
 EXTRAS = {"constrained": ["llguidance"]}
 MODEL_ID = "mlx-community/SmolLM2-135M-Instruct"
+# mtp/'s snippet loads a checkpoint with MTP layers: a tiny random one stands in for it here
+MTP_MODEL_ID = "MiMo-7B-RL"
 # Modules of the application (main.py's side) that no copied folder may need.
 APPLICATION_MODULES = {"loading", "cli", "main", "convert", "head_training", "batch"}
 
@@ -41,7 +42,8 @@ def readmes_with_snippets() -> list:
 def test_every_readme_opens_with_a_complete_snippet_from_mlx_lm_load(readme):
     blocks = python_blocks(readme)
     assert blocks, f"{readme} has no python snippet"
-    assert "from mlx_lm import load" in blocks[0] and f'load("{MODEL_ID}"' in blocks[0]
+    model_id = MTP_MODEL_ID if readme.parent.name == "mtp" else MODEL_ID
+    assert "from mlx_lm import load" in blocks[0] and f'"{model_id}"' in blocks[0]
     for block in blocks:
         ast.parse(block)
 
@@ -107,7 +109,9 @@ def restricted_site(folder: Path, extras=()) -> Path:
     return folder
 
 
-def run_snippet(code: str, cwd: Path, model_path: Path, extras=()) -> subprocess.CompletedProcess:
+def run_snippet(
+    code: str, cwd: Path, model_path: Path, extras=(), model_id=MODEL_ID
+) -> subprocess.CompletedProcess:
     """Run ``code`` in ``cwd`` with only mlx, mlx-lm, numpy and what they require importable. The
     runner loads a fast BLAS first, as a user's entry point would, from the repository's
     loading/fast_blas.py under another module name, so an import of ``loading`` in the copied code
@@ -115,7 +119,7 @@ def run_snippet(code: str, cwd: Path, model_path: Path, extras=()) -> subprocess
     folder's README lists) and the standard library. The snippet is unchanged apart from the model
     id."""
     script = cwd / "snippet.py"
-    script.write_text(code.replace(MODEL_ID, str(model_path)))
+    script.write_text(code.replace(model_id, str(model_path)))
     site = cwd.parent / f"{cwd.name}-site"
     if not site.exists():
         restricted_site(site, extras)
@@ -186,17 +190,45 @@ def copy_core(target: Path):
             shutil.copy(ROOT / core, target)
 
 
+def mtp_checkpoint(path: Path) -> Path:
+    """A tiny MiMo checkpoint whose MTP layer predicts its target exactly, with a tokenizer (its
+    vocabulary of 267 tokens fits in the exact wiring's 272 one-hot rows)."""
+    from tests.helpers import tiny_byte_tokenizer
+    from tests.mtp_fixtures import write_checkpoint
+
+    tokenizer = tiny_byte_tokenizer()
+    write_checkpoint(
+        path, "mimo", seed=0, exact=True, tokenizer=tokenizer, vocab_size=272, hidden_size=544
+    )
+    return path
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("folder", FOLDERS)
 def test_a_copied_folder_runs_its_readme_snippets(folder, embedded, tmp_path):
     _, _, model_path = embedded
-    copy_core(tmp_path)
+    model_id = MODEL_ID
+    if folder == "mtp":
+        model_path, model_id = mtp_checkpoint(tmp_path / "checkpoint"), MTP_MODEL_ID
+    copy = tmp_path / "project"
+    copy_core(copy)
     for name in [folder] + NEEDS.get(folder, []):
-        shutil.copytree(ROOT / name, tmp_path / name, ignore=shutil.ignore_patterns("__pycache__"))
+        shutil.copytree(ROOT / name, copy / name, ignore=shutil.ignore_patterns("__pycache__"))
     for code in python_blocks(ROOT / folder / "README.md"):
-        result = run_snippet(code, tmp_path, model_path, EXTRAS.get(folder, ()))
+        result = run_snippet(code, copy, model_path, EXTRAS.get(folder, ()), model_id)
         assert result.returncode == 0, result.stderr[-3000:]
         assert result.stdout.strip(), "the snippet printed nothing"
+        if folder == "mtp":  # greedy output unchanged, in fewer passes than tokens
+            same, _, passes, _ = result.stdout.split()
+            assert same == "True" and int(passes) < 32, result.stdout
+        quoted = re.search(
+            r"This should give the output:\n\n```\n(.*?)```",
+            ROOT.joinpath(folder, "README.md").read_text(),
+            flags=re.S,
+        )
+        if quoted:  # what the README quotes, up to the counts that follow the measured costs
+            said = quoted.group(1).split(" - ")[0]
+            assert result.stdout.split(" - ")[0] == said, result.stdout
 
 
 @pytest.mark.slow
@@ -269,14 +301,14 @@ result = batch_generate(model, tokenizer, prompts, draft_sources=sources, max_to
 for prompt, tokens in zip(prompts, result.tokens):
     assert tokens == generate(model, tokenizer, prompt, max_tokens=40).tokens, prompt
 assert sum(stats.draft_accepted for stats in result.row_stats) > 0, "lookup drafted nothing"
-assert not [name for name in sys.modules if name.split(".")[0] in ("speculative", "t5")]
+assert not [name for name in sys.modules if name.split(".")[0] in ("draft_model", "t5")]
 print(result.stats.passes, sum(len(tokens) for tokens in result.tokens))
 """
 
 
 @pytest.mark.slow
 def test_decoder_batch_and_prompt_lookup_alone_batch_losslessly(embedded, tmp_path):
-    # The smallest batched copy (#60): three folders in an empty project, no speculative/ or t5/.
+    # The smallest batched copy (#60): three folders in an empty project, no technique folder.
     _, _, model_path = embedded
     for folder in ["decoder", "batch", "prompt_lookup"]:
         shutil.copytree(

@@ -12,9 +12,11 @@ from hypothesis import strategies as st
 from batch import BatchGenerator
 from constrained import ForcedTextSource, RegexConstraint
 from decoder import DraftSource, generate_step, make_logits_processors
+from decoder.hidden_states import output_rows
+from draft_head import HeadDrafter
+from draft_head.head import DraftHead, head_args
+from draft_model import DraftModel
 from prompt_lookup import PromptLookupSource
-from speculative import DraftModel, HeadDrafter
-from speculative.head import DraftHead, head_args, output_rows
 from tests import soak
 from tests.helpers import tiny_byte_tokenizer, tiny_llama
 from tests.test_batch import assert_same_or_near_tie, run

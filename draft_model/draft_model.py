@@ -1,7 +1,8 @@
 """A draft source backed by a small model that shares the target's vocabulary, for one row or many.
 
-One ``DraftModel`` (a ``drafter.SharedDrafter``) holds the draft model's cache for every row that
-drafts with it, and each row holds a ``DraftModelSource`` of it in its list of sources.
+One ``DraftModel`` (a ``decoder.model_drafter.SharedDrafter``) holds the draft model's cache for
+every row that drafts with it, and each row holds a ``DraftModelSource`` of it in its list of
+sources.
 
     drafter = DraftModel.create(small, small_tokenizer, target, tokenizer)
     source = drafter.source()                                   # one row: draft_sources=[source]
@@ -17,17 +18,24 @@ A tree row drafts its greedy chain with the model's other choices as leaves besi
 rows per frontier node at each depth, which has not been measured to pay.
 """
 
+import sys
 from typing import Optional
 
 import mlx.core as mx
 from mlx_lm.utils import common_prefix_len
 
+from decoder.adaptive import weight_bytes
 from decoder.cache import CacheKindError, architecture, make_cache
+from decoder.model_drafter import SharedDrafter, SharedSource, draw_rows
 from decoder.prefill import prefill_rows
 from decoder.text import output_size
-from speculative.adaptive import weight_bytes
-from speculative.drafter import SharedDrafter, SharedSource, draw_rows
-from t5 import T5Decoder, is_encoder_decoder
+
+
+def is_t5(model) -> bool:
+    """Whether ``model`` is a T5 from t5/. Such a model was loaded by t5/, so t5 is imported already
+    if it is one: a Llama-family pair never imports T5 (or sentencepiece)."""
+    t5 = sys.modules.get("t5")
+    return t5 is not None and t5.is_encoder_decoder(model)
 
 
 class VocabularyMismatch(ValueError):
@@ -112,9 +120,11 @@ class DraftModel(SharedDrafter):
     ) -> "DraftModel":
         """Check the pair shares a vocabulary (``VocabularyMismatch`` otherwise) and build it; a T5
         draft is wrapped in ``T5Decoder`` for a T5 target's ``encoder_input``."""
-        if is_encoder_decoder(draft_model):
+        if is_t5(draft_model):
             if encoder_input is None:
                 raise VocabularyMismatch("a T5 draft model needs a T5 target model")
+            from t5 import T5Decoder
+
             draft_model = T5Decoder(draft_model, encoder_input)
         target_size = output_size(target_model, target_tokenizer)
         check_same_vocabulary(

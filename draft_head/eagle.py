@@ -24,7 +24,7 @@ from mlx_lm.models import llama
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 
-from speculative.head import FINAL
+from decoder.hidden_states import FINAL
 
 
 def eagle3_feature_layers(num_layers: int) -> list:

@@ -21,13 +21,13 @@ from typing import Optional
 import mlx.core as mx
 from mlx_lm.utils import common_prefix_len
 
+from decoder.adaptive import AdaptiveLength, Calibration
 from decoder.cost import PassCost
 from decoder.draft import Draft, Drafter, DraftRequest, DraftSource
 from decoder.processors import process_logits
 from decoder.sampling import Sampling
 from decoder.tree import is_chain
-from speculative.adaptive import AdaptiveLength, Calibration
-from speculative.tree_growth import TreeGrowth
+from decoder.tree_growth import TreeGrowth
 
 # Children a tree considers per node beside its most likely one: the drafting model's next most
 # likely tokens (EAGLE-2's top-k per node).

@@ -14,19 +14,17 @@ import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.models import llama
 
-from speculative.eagle import Eagle1Head, Eagle3Head, eagle3_feature_layers
-from speculative.head import (
+from decoder.hidden_states import (
     FINAL,
-    SHIPPED_HEAD,
-    DraftHead,
     HeadMismatch,
     check_layers_exposed,
-    fingerprint,
-    head_args,
     logits_from_hidden,
     output_layer,
     output_rows,
+    read_safetensors,
 )
+from draft_head.eagle import Eagle1Head, Eagle3Head, eagle3_feature_layers
+from draft_head.head import SHIPPED_HEAD, DraftHead, fingerprint, head_args
 
 FINGERPRINT_TOLERANCE = 1e-2  # float16/bfloat16 conversion moves weights by < 0.4% (relative)
 EMBEDDING_MIN_COSINE = 0.9  # same table (any quantization) ~1.0; another model's ~0
@@ -211,15 +209,6 @@ def read_weights(head_dir: Path) -> tuple:
     except Exception as error:  # anything the unpickler refuses, or not a dict of tensors
         reason = str(error).splitlines()[0] if str(error) else type(error).__name__
         raise HeadMismatch(f"{pickle} cannot be read ({reason})") from None
-
-
-def read_safetensors(path: Path, error=HeadMismatch) -> dict:
-    """The arrays of one safetensors file; ``error`` (one line naming it) for a truncated or foreign
-    file."""
-    try:
-        return mx.load(str(path))
-    except (RuntimeError, ValueError, OSError) as reason:
-        raise error(f"{path} cannot be read ({str(reason).splitlines()[0]})") from None
 
 
 def load_eagle_head(head_dir: Path, config: dict, target, dtype):

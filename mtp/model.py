@@ -40,8 +40,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 
-from speculative.head import FINAL, logits_from_hidden, output_layer
-from speculative.head_loading import read_safetensors
+from decoder.hidden_states import FINAL, logits_from_hidden, output_layer, read_safetensors
 
 MTP_FILE = "mtp.safetensors"  # where convert.py keeps the MTP weights of an mlx-lm directory
 DEEPSEEK_LAYOUT = ("deepseek_v3", "glm4_moe")

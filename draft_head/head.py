@@ -25,12 +25,9 @@ from mlx_lm.models import llama
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 
+from decoder.hidden_states import FINAL, output_weight
+
 SHIPPED_HEAD = Path(__file__).parent / "heads" / "smollm2-135m"
-FINAL = -1  # in ``feature_layers``: the target's last hidden state, after its final norm
-
-
-class HeadMismatch(ValueError):
-    """A head that does not fit the target (the message is shown to the user)."""
 
 
 def head_args(target_args) -> llama.ModelArgs:
@@ -76,88 +73,6 @@ class DraftHead(nn.Module):
 
     def make_cache(self) -> list:
         return [KVCache()]
-
-
-class _LayerRecorder:
-    """A decoder layer that keeps its output (everything else is the layer's)."""
-
-    def __init__(self, layer, outputs: list):
-        self.layer, self.outputs = layer, outputs
-
-    def __getattr__(self, name):
-        return getattr(self.layer, name)
-
-    def __call__(self, *args, **kwargs):
-        self.outputs.append(self.layer(*args, **kwargs))
-        return self.outputs[-1]
-
-
-def check_layers_exposed(target, feature_layers) -> None:
-    """Refuse a head that fuses inner layers of a target that does not expose them. A sharded body
-    (distributed/sharding.py) makes only its last hidden states equal on every rank, and says so
-    with ``exposes_layer_outputs = False``."""
-    body, inner = target.model, [i for i in feature_layers if i != FINAL]
-    layers = getattr(body, "layers", None)
-    if inner and (
-        not isinstance(layers, list)
-        or not getattr(body, "exposes_layer_outputs", True)
-        or max(inner) >= len(layers)
-    ):
-        raise HeadMismatch(
-            f"this draft head reads layers {inner} of the target, whose body does not "
-            "expose them (a sharded target gives only its last hidden states)"
-        )
-
-
-def body_with_features(target, inputs: mx.array, feature_layers, cache=None) -> tuple:
-    """Run the target's body (``target.model``) once; returns its last hidden states (B, L, d)
-    and the features a head reads, (B, L, k * d) for ``feature_layers`` (ascending, FINAL last)."""
-    body, inner, outputs = target.model, [i for i in feature_layers if i != FINAL], []
-    if inner:
-        check_layers_exposed(target, feature_layers)
-        originals = list(body.layers)
-        try:
-            for i in inner:
-                body.layers[i] = _LayerRecorder(body.layers[i], outputs)
-            hidden = body(inputs, cache=cache)
-        finally:
-            body.layers[:] = originals  # the target is the caller's: put its layers back
-    else:
-        hidden = body(inputs, cache=cache)
-    parts = outputs + ([hidden] if FINAL in feature_layers else [])
-    return hidden, (parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1))
-
-
-def output_layer(target) -> nn.Module:
-    """The target's output layer: its lm_head, or the tied embedding."""
-    return getattr(target, "lm_head", None) or target.model.embed_tokens
-
-
-def output_weight(target) -> mx.array:
-    """The target's (vocab, d) output matrix (dequantized if need be)."""
-    layer = output_layer(target)
-    if hasattr(layer, "scales"):  # a quantized table: dequantize once
-        return mx.dequantize(
-            layer.weight, layer.scales, getattr(layer, "biases", None), layer.group_size, layer.bits
-        )
-    return layer.weight
-
-
-def output_rows(target, vocab_ids: mx.array) -> mx.array:
-    """The target's output rows for ``vocab_ids``, (len(vocab_ids), d), computed now: MLX runs a
-    lazy array on the stream of the thread that made it, and a server drafts on a worker thread."""
-    rows = mx.take(output_weight(target), vocab_ids, axis=0)
-    mx.eval(rows)
-    return rows
-
-
-def logits_from_hidden(target, hidden: mx.array) -> mx.array:
-    """The target's logits from its final hidden states (what its ``__call__`` returns)."""
-    return (
-        target.lm_head(hidden)
-        if hasattr(target, "lm_head")
-        else target.model.embed_tokens.as_linear(hidden)
-    )
 
 
 def fingerprint(target) -> dict:
