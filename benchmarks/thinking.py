@@ -19,12 +19,8 @@ import mlx.core as mx
 
 from constrained.build import regex_constraint
 from constrained.json_schema import schema_to_regex
-from constrained.thinking import (
-    ThinkingConstraint,
-    ThinkingForcedSource,
-    split_reasoning,
-    think_markers,
-)
+from constrained.think_markers import think_markers
+from constrained.thinking import ThinkingConstraint, ThinkingForcedSource, split_reasoning
 from decoder import generate
 from tests.helpers import qwen3_small_tokenizer, tiny_llama
 

@@ -14,7 +14,7 @@ as in Anthropic's API.
 from dataclasses import dataclass, field
 from typing import Optional
 
-from constrained.thinking import think_markers
+from constrained.think_markers import think_markers
 
 # Effort -> the most tokens inside the think block (None: unbounded). "none" turns thinking off.
 EFFORT_BUDGETS = {

@@ -160,7 +160,8 @@ def test_every_kind_of_request_reaches_the_other_ranks_whole():
     """A sharded server pickles each joining request for the other ranks (server/ranks.py)."""
     import pickle
 
-    from constrained.thinking import START, Thinking, ThinkMarkers
+    from constrained.think_markers import START, ThinkMarkers
+    from constrained.thinking import Thinking
     from server.engine import Engine, Job
 
     requests = [

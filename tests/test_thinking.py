@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from constrained.build import regex_constraint
+from constrained.think_markers import think_markers
 from constrained.thinking import (
     ANSWER,
     START,
@@ -16,7 +17,6 @@ from constrained.thinking import (
     ThinkingConstraint,
     ThinkingForcedSource,
     reasoning_token_count,
-    think_markers,
 )
 from decoder import DecodingStats, generate_step
 from tests import tiny_server
@@ -285,7 +285,8 @@ harmony_tokenizer = tiny_server.harmony_tokenizer
 
 
 def test_harmony_analysis_is_reasoning_and_final_is_the_answer():
-    from constrained.thinking import HARMONY, split_reasoning
+    from constrained.think_markers import HARMONY
+    from constrained.thinking import split_reasoning
 
     tokenizer = harmony_tokenizer()
     markers = think_markers(tokenizer)

@@ -8,6 +8,7 @@ import mlx.core as mx
 import pytest
 
 from constrained.build import regex_constraint
+from constrained.think_markers import think_markers
 from constrained.thinking import (
     ANSWER,
     START,
@@ -15,7 +16,6 @@ from constrained.thinking import (
     ThinkingConstraint,
     ThinkingForcedSource,
     split_reasoning,
-    think_markers,
 )
 from decoder import generate
 from server.protocol import parse_chat
