@@ -6,29 +6,18 @@ from decoder.cost import AcceptanceEstimate, Backoff
 
 
 def weight_bytes(model) -> int:
-    """Bytes of weights one call of ``model`` reads (a sharded target counts as a whole).
-    Decoding is memory-bound, so the ratio of two models' bytes is a first guess at the
-    ratio of their step times, until the loop has timed both (``cost.PassCost``)."""
+    """Bytes of weights one call of ``model`` reads (a sharded target counts whole): decoding is
+    memory-bound, so two models' ratio is a first guess at their step times' until timed."""
     leaves = [value for _, value in tree_flatten(model.parameters())]
     nbytes = sum(value.nbytes for value in leaves)
-    # set by distributed/sharding.py: the whole model's count
-    whole = getattr(model, "num_parameters", None)
+    whole = getattr(model, "num_parameters", None)  # set by distributed/sharding.py
     return nbytes * whole // max(sum(value.size for value in leaves), 1) if whole else nbytes
 
 
 class AdaptiveLength:
-    """How many tokens to draft next, learned from how the last drafts fared.
-
-    +2 after a fully accepted draft, -1 otherwise, within [1, max_draft]. Drafting pauses while the
-    recent drafts (``AcceptanceEstimate``) gave fewer tokens than they cost (``token_cost`` per
-    drafted token, as a fraction of a target step, from the loop's measurements), probing with one
-    token now and then (``Backoff``).
-
-    Args:
-        num_draft, max_draft: the length to start with (the fixed one when not ``enabled``), the
-            longest.
-        enabled: False keeps ``num_draft`` fixed and never pauses.
-    """
+    """How many tokens to draft next: +2 after a fully accepted draft, -1 otherwise, within
+    [1, max_draft]. Drafting pauses while recent drafts gave fewer tokens than they cost, probing
+    with one token now and then; ``enabled=False`` keeps ``num_draft`` fixed."""
 
     def __init__(self, num_draft: int, max_draft: int, enabled: bool = True):
         self.max_draft = max(max_draft, num_draft)
@@ -42,8 +31,7 @@ class AdaptiveLength:
         self.estimate, self.backoff = AcceptanceEstimate(), Backoff()
 
     def next_length(self, token_cost: float) -> int:
-        """How many tokens to draft this step, when a drafted token costs ``token_cost`` of a
-        step: ``num_draft``, or 0 (pause) or 1 (probe) while drafts do not pay."""
+        """``num_draft``, or 0 (pause) or 1 (probe) while drafts do not pay."""
         if not self.enabled or self.expected_speedup(token_cost) > 1:
             self.backoff.reset()
             return self.num_draft
@@ -59,22 +47,16 @@ class AdaptiveLength:
         )
 
     def expected_speedup(self, token_cost: float) -> float:
-        """What the next draft is expected to give, from the recent ones: tokens emitted per
-        plain step's time, (1 + accepted per draft) / (1 + token_cost * tokens drafted per
-        draft)."""
+        """Tokens per plain step's time the next draft should give:
+        (1 + accepted per draft) / (1 + token_cost * drafted per draft)."""
         recent = self.estimate
         return (recent.drafts + recent.accepted) / (recent.drafts + token_cost * recent.proposed)
 
 
 class Calibration:
-    """How often a drafting model's top token is accepted, by how confident it was: its top
-    probability maps to the acceptance measured for drafts of about that confidence.
-
-    A head or MTP layer can be right far more (or less) often than its probabilities say; the
-    stops and trees that read its confidence read this instead. Each bin starts at its own
-    confidence (a calibrated model needs no correction) and forgets as ``AcceptanceEstimate``
-    does, so a drafter whose accuracy drifts with the text is followed.
-    """
+    """A drafting model's top probability -> the acceptance measured at about that confidence, for
+    the stops and trees: a head can be right far more (or less) often than its probabilities say.
+    Each bin starts at its own confidence and forgets, to follow an accuracy that drifts."""
 
     BINS = 10
     PRIOR_WEIGHT = 2.0  # the starting guess counts as this many drafted tokens
@@ -94,9 +76,8 @@ class Calibration:
         return self.accepted[index] / self.drafted[index]
 
     def record(self, confidences: list, num_accepted: int):
-        """A verified draft whose tokens had ``confidences``: the first ``num_accepted`` were
-        accepted, and the one after them (if any) was the first rejected; the rest were not
-        judged."""
+        """A verified draft: the first ``num_accepted`` tokens were accepted, the next rejected,
+        and the rest not judged."""
         for position, confidence in enumerate(confidences[: num_accepted + 1]):
             index = self._bin(confidence)
             self.accepted[index] = self.FORGET * self.accepted[index] + (position < num_accepted)

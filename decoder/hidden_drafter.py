@@ -1,10 +1,5 @@
-"""Drafting from the target's hidden states, for one row or many: the template a draft head
-(draft_head/) and MTP layers (mtp/) fill in.
-
-One ``HiddenStateDrafter`` (a ``SharedDrafter``) holds its small model's cache for every row that
-drafts with it, and each row holds a ``HiddenStateSource`` of it. It reads the features the
-``HiddenStateTap`` keeps in the target's cache: of the cache a batch tells it (``draft_all``), or
-alone those of the tap's last call.
+"""Drafting from the target's hidden states (a ``HiddenStateTap``'s), for one row or many: the
+template a draft head (draft_head/) and MTP layers (mtp/) fill in.
 
     tap, drafter = HeadDrafter.create(target)              # run the loops on tap
     generate(tap, tokenizer, prompt, draft_sources=[drafter.source()])     # one row
@@ -29,7 +24,7 @@ class HiddenStateSource(SharedSource):
 
     @property
     def cache(self) -> Cache:
-        """The head's cache, of this row alone (for tests of one row)."""
+        """The head's cache (for tests of one row)."""
         return self.drafter.cache
 
     @property
@@ -40,27 +35,19 @@ class HiddenStateSource(SharedSource):
 
 
 class HiddenStateDrafter(SharedDrafter):
-    """A small model that drafts from the target's hidden states (a draft head, MTP layers), for
-    one row or many at once; a subclass names its ``source_class`` and how it is loaded.
+    """A small model that drafts from the target's hidden states; a subclass names its
+    ``source_class`` and how it is loaded.
 
     Args:
-        tap: the ``HiddenStateTap`` the loop runs as its model (its target embeds the tokens).
-        head, vocab_ids: from ``load_head``; the head scores with ``head.logits``, over the tokens
-            ``vocab_ids`` names.
-        num_draft, adaptive, max_draft: each row's ``AdaptiveLength``.
-        min_confidence: a row stops drafting once the head's top probability falls below this.
-        draft_cost_prior: one draft position as a fraction of a target pass, until timed.
-        min_path_confidence: a row stops drafting once the product of the head's top probabilities
-            at the positions drafted so far (the chance that all are accepted, if the head is
-            calibrated) falls below this. Default: what a drafted token costs (``token_cost``) when
-            adaptive (a further token is then worth less than it costs), else 0 (off).
+        head, vocab_ids: from ``load_head``; the head scores the tokens ``vocab_ids`` names.
+        min_path_confidence: a row stops once its calibrated chance that all its drafted tokens are
+            accepted falls below this. Default: a drafted token's cost when adaptive (a further
+            token is then worth less than it costs), else 0 (off).
     """
 
     source_class = HiddenStateSource
     min_tokens = 2  # position p reads (h_p, x_{p+1})
-    # A tree grows as EAGLE-2's: the model runs from as many nodes per depth as it offers other
-    # children per node, so a depth weighs (ALTERNATIVES + 1) * ALTERNATIVES candidates. The
-    # copies of its cache rows and the wider call count in its measured time per position.
+    # As EAGLE-2: as many nodes per depth as other children per node; the wider call is timed.
     tree_width = ALTERNATIVES
 
     def __init__(
@@ -86,9 +73,8 @@ class HiddenStateDrafter(SharedDrafter):
 
     @classmethod
     def around(cls, target, head, vocab_ids: mx.array, **kwargs):
-        """``(tap, drafter)`` for a loaded ``head``. A draft step reads the head and the target's
-        output rows it scores with (``output_bytes``), in bytes: a 4-bit target reads less than
-        its parameters say."""
+        """``(tap, drafter)`` for a loaded ``head``; the cost prior is in bytes read (the head and
+        the output rows it scores with), as a 4-bit target reads less than its parameters say."""
         tap = HiddenStateTap(target, head.feature_layers)
         kwargs.setdefault(
             "draft_cost_prior", (weight_bytes(head) + head.output_bytes) / weight_bytes(target)
@@ -104,8 +90,7 @@ class HiddenStateDrafter(SharedDrafter):
         return source.token_cost() if source.length.enabled else 0.0
 
     def _prepare(self, requests: list, cache) -> tuple:
-        """Rows drafting for the first time join (empty); a source reset for a new generation
-        starts over. Each row reads the features of positions ``[start, stop)``: position p reads
+        """Each row reads the features of positions ``[start, stop)``: position p reads
         (h_p, x_{p+1}), and the target has run up to len(tokens) - 2."""
         features = self.tap.features_of(cache)
         if features is None:
@@ -122,8 +107,7 @@ class HiddenStateDrafter(SharedDrafter):
             row, stop = self.rows.index(source), len(tokens) - 1
             committed = 0 if source.fresh else self.committed[row]
             source.fresh = False
-            # Nothing new since the last draft: read the last position again. Positions the
-            # target's cache has no features for (a prompt cache made without them) are skipped.
+            # Nothing new: read the last position again; skip positions without features.
             start = max(min(committed, stop - 1), features.available(slot)[0])
             if start < stop:
                 reads[row] = (start, stop, slot, tokens)

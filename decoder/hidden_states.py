@@ -1,10 +1,7 @@
-"""The target's hidden states, for what drafts from them (a draft head, EAGLE heads, MTP layers).
+"""The target's hidden states, for what drafts from them (a draft head, MTP layers).
 
-``HiddenStateTap`` wraps the target so the loops run it like any mlx-lm model; on every call it
-writes the features a drafter reads (the final hidden states, or the outputs of chosen layers) into
-one more layer of the cache (``FeatureRows``, an ``ExtraRows`` the cache carries without knowing
-what it holds), so they roll back, join and leave with the rows. ``body_with_features`` runs the
-target's body once and collects them; ``logits_from_hidden`` finishes the pass.
+``HiddenStateTap`` wraps the target like any mlx-lm model and writes the features a drafter reads
+into one more cache layer (``FeatureRows``), so they roll back, join and leave with the rows.
 """
 
 from pathlib import Path
@@ -39,9 +36,8 @@ class _LayerRecorder:
 
 
 def check_layers_exposed(target, feature_layers) -> None:
-    """Refuse a head that fuses inner layers of a target that does not expose them. A sharded body
-    (distributed/sharding.py) makes only its last hidden states equal on every rank, and says so
-    with ``exposes_layer_outputs = False``."""
+    """Refuse a head that reads inner layers of a target that does not expose them: a sharded body
+    has only its last hidden states equal on every rank (``exposes_layer_outputs = False``)."""
     body, inner = target.model, [i for i in feature_layers if i != FINAL]
     layers = getattr(body, "layers", None)
     if inner and (
@@ -90,8 +86,8 @@ def output_weight(target) -> mx.array:
 
 
 def output_rows(target, vocab_ids: mx.array) -> mx.array:
-    """The target's output rows for ``vocab_ids``, (len(vocab_ids), d), computed now: MLX runs a
-    lazy array on the stream of the thread that made it, and a server drafts on a worker thread."""
+    """The target's output rows for ``vocab_ids``, evaluated now: MLX runs a lazy array on its
+    maker thread's stream, and a server drafts on a worker thread."""
     rows = mx.take(output_weight(target), vocab_ids, axis=0)
     mx.eval(rows)
     return rows
@@ -107,11 +103,9 @@ def logits_from_hidden(target, hidden: mx.array) -> mx.array:
 
 
 class FeatureRows(KVRows, ExtraRows):
-    """The target's hidden states per row and position, for a draft head or MTP layers: the tap
-    writes each call's features where the model writes its keys, so they filter, extend, realign
-    and extract with the rows. A rewind leaves them be, since the next write lands at the model's
-    position and drops what lay past it: the accepted tokens of a pass a recurrent row went back
-    on keep their features until fed again."""
+    """The target's hidden states per row and position, stored as keys so they move with the rows.
+    A rewind leaves them be: the next write lands at the model's position and drops what lay past
+    it, so a recurrent row that went back keeps its accepted tokens' features until fed again."""
 
     def for_rows(self, rows: int) -> "FeatureRows":
         return FeatureRows(rows)
@@ -123,14 +117,12 @@ class FeatureRows(KVRows, ExtraRows):
         return [] if self.keys is None else [self.keys, self.values]
 
     def write(self, features: mx.array, positions: Optional[Sequence[int]] = None):
-        """``features`` (B, L, d) at each row's position ``positions[b]`` (the model's; None: at its
-        own end)."""
+        """``features`` (B, L, d) at each row's model position (None: at its own end)."""
         for row, position in enumerate(positions or []):
             first, held = self.available(row)
             if first <= position < held:
                 self.trim_rows([held - position if b == row else 0 for b in range(self.rows)])
-            # the row holds none of the positions before: it starts again there
-            elif position != held:
+            elif position != held:  # it holds none of the positions before: start again there
                 starts, origins = list(self.starts), list(self.origins)
                 starts[row], origins[row] = self.ends[row], self.ends[row] - position
                 self._set(starts, self.ends, origins)
@@ -142,17 +134,14 @@ class FeatureRows(KVRows, ExtraRows):
         return self.starts[row] - self.origins[row], self.ends[row] - self.origins[row]
 
     def read(self, row: int, start: int, stop: int) -> mx.array:
-        """Row ``row``'s features at positions ``[start, stop)``, (stop - start, d); ``available``
-        says which."""
+        """Row ``row``'s features at positions ``[start, stop)`` (``available`` says which)."""
         origin = self.origins[row]
         return self.keys[row, 0, origin + start : origin + stop]
 
 
 class HiddenStateTap:
-    """The target, writing the features a head reads into the cache's ``FeatureRows`` layer on every
-    call: its final hidden states, or the outputs of the layers in ``feature_layers``. Looks like
-    the wrapped mlx-lm model (``layers``, ``args`` are the target's); ``make_cache`` adds the
-    feature layer."""
+    """The target as an mlx-lm model that writes the features of ``feature_layers`` into its cache's
+    ``FeatureRows`` layer on every call (``make_cache`` adds that layer)."""
 
     def __init__(self, target, feature_layers=(FINAL,)):
         self.target, self.feature_layers = target, feature_layers
@@ -175,8 +164,7 @@ class HiddenStateTap:
         return logits_from_hidden(self.target, hidden)
 
     def features_of(self, cache: Optional[Cache]) -> Optional["FeatureRows"]:
-        """The features ``cache`` keeps (a cache the tap made), or, for None, those of its last
-        call (one row alone, which the target just ran)."""
+        """The features ``cache`` keeps, or for None those of the tap's last call (one row)."""
         if cache is None:
             return self.features
         last = cache.layers[-1] if cache.layers else None
@@ -184,8 +172,8 @@ class HiddenStateTap:
 
 
 def model_positions(cache: list, rows: int) -> Optional[list]:
-    """Each row's position in the model's cache before a call (where its first input goes); None for
-    a model of recurrent layers only, whose layers do not count."""
+    """Each row's position in the model's cache before a call; None for recurrent layers only,
+    which do not count positions."""
     layer = next((layer for layer in layers_of(cache) if layer.is_trimmable()), None)
     if layer is None:
         return None
@@ -195,8 +183,7 @@ def model_positions(cache: list, rows: int) -> Optional[list]:
 
 
 def read_safetensors(path: Path, error=HeadMismatch) -> dict:
-    """The arrays of one safetensors file; ``error`` (one line naming it) for a truncated or foreign
-    file."""
+    """The arrays of one safetensors file; ``error`` for a truncated or foreign file."""
     try:
         return mx.load(str(path))
     except (RuntimeError, ValueError, OSError) as reason:

@@ -1,18 +1,9 @@
 """What a model that drafts (a draft model, a draft head, MTP layers) shares, for one row or many.
 
 One ``SharedDrafter`` holds the drafting model's cache for every row that drafts with it and drafts
-for all of them in one call per step (``draft_all``); each row holds a ``SharedSource`` of it, made
-by ``drafter.source()``, in its list of draft sources. Alone, a source's ``propose`` asks its
-drafter for its row only; ``batch.BatchGenerator(..., drafters=[drafter])`` asks it for all rows.
-
-The catch-up (the positions each row accepted since its last draft, right-padded to the longest
-and fed in chunks, each row then dropping its padding), the per-position drafting loop and a row's
-leaving are written here once; a drafter supplies its cache, how it reads the positions a row has
-not fed (``_prepare``), one call for one draft position (``_next``) and how it scores (``_draw``).
-
-A row that asks for a tree grows it as EAGLE-2 does (``tree_growth.py``): at each depth the model
-runs from ``tree_width`` nodes, its greedy chain's and the others of highest chance, each on a
-copy of the row's cache rows (``Cache.filter`` with a row repeated), which go once it is drawn.
+for all of them in one call per step; each row holds a ``SharedSource`` of it. The catch-up, the
+drafting loop and tree growth are written here once; a drafter supplies ``_prepare``, ``_next`` and
+``_draw``.
 """
 
 import weakref
@@ -29,9 +20,7 @@ from decoder.sampling import Sampling
 from decoder.tree import is_chain
 from decoder.tree_growth import TreeGrowth
 
-# Children a tree considers per node beside its most likely one: the drafting model's next most
-# likely tokens (EAGLE-2's top-k per node).
-ALTERNATIVES = 4
+ALTERNATIVES = 4  # children a tree considers per node beside the most likely (EAGLE-2's top-k)
 # The most nodes an ``auto`` tree takes, within what a sliding layer can roll back.
 MAX_TREE_NODES = 24
 
@@ -39,15 +28,10 @@ MAX_TREE_NODES = 24
 def draw_rows(
     logits: mx.array, sources: list, trees: Optional[list] = None, contexts: Optional[list] = None
 ) -> tuple:
-    """Per row of ``logits`` (R, V): the token drawn as row r's ``sources[r]`` samples (argmax when
-    greedy, or where ``trees[r]``: a tree's nodes are point masses), the top probability (its
-    confidence), q (None for greedy rows) and, with ``trees``, the ``ALTERNATIVES + 1`` most
-    likely tokens and their probabilities (R, k) each.
-
-    A sampled row draws from its ``sampling`` (the target's truncations) after its
-    ``processors``, given ``contexts[r]`` (the tokens before the position; None where ``logits``
-    do not score the target's vocabulary, as a head's sub-vocabulary). Rows that sample alike
-    are drawn together."""
+    """Per row of ``logits`` (R, V): the token drawn as ``sources[r]`` samples (argmax when greedy
+    or a tree's: its nodes are point masses), the top probability, q (None when greedy) and, with
+    ``trees``, the ``ALTERNATIVES + 1`` most likely tokens and their probabilities. A sampled row
+    applies its processors given ``contexts[r]`` (None: not the target's vocabulary)."""
     greedy = mx.softmax(logits.astype(mx.float32), axis=-1)
     tokens, confidence = mx.argmax(greedy, axis=-1), mx.max(greedy, axis=-1)
     top = None
@@ -75,8 +59,7 @@ def draw_rows(
 
 
 def _sampling_of(source) -> Sampling:
-    """What a row samples its drafts from: the target's ``Sampling`` (``follow_sampling``), or,
-    for a source only reset, its temperature and top-p."""
+    """The target's ``Sampling``, or for a source only reset its temperature and top-p."""
     if source.temp > 0 and source.sampling.temp == 0:
         return Sampling(source.temp, source.top_p)
     return source.sampling if source.temp > 0 else _GREEDY.sampling
@@ -90,8 +73,7 @@ _GREEDY = _Greedy()
 
 
 class SharedSource(DraftSource):
-    """One row's source on a ``SharedDrafter``: the row's adaptive length, and ``propose``
-    returning what the drafter drafted for it (alone: it asks the drafter for this row only)."""
+    """One row's source on a ``SharedDrafter``: its adaptive length and what was drafted for it."""
 
     def __init__(self, drafter, num_draft: int = 4, max_draft: int = 12, adaptive: bool = True):
         self.drafter = drafter
@@ -103,8 +85,7 @@ class SharedSource(DraftSource):
         return self.length.num_draft
 
     def reset(self, cost: Optional[PassCost] = None, temp: float = 0.0, top_p: float = 1.0):
-        """A new generation: the drafter keeps the row's cache and reuses what the new text
-        shares with it."""
+        """A new generation; the drafter reuses what the new text shares with the row's cache."""
         super().reset(cost, temp, top_p)
         self.length.reset()
         self.draft, self.drafted = None, False  # from the last draft_all, until proposed
@@ -123,8 +104,7 @@ class SharedSource(DraftSource):
         return self.propose_tree(tokens, max_draft, None)
 
     def propose_tree(self, tokens: list, max_draft: int, max_nodes) -> Optional[Draft]:
-        """What the drafter drafted for this row: a chain, or with ``max_nodes`` (0: as many as
-        pay) a tree around its greedy chain (``TreeGrowth.tree``)."""
+        """A chain, or with ``max_nodes`` (0: as many as pay) a tree around the greedy chain."""
         if not self.drafted:  # alone: no batch drafted for this row before it was asked
             request = DraftRequest(self, tokens, max_draft, max_nodes=max_nodes)
             self.drafter.draft_alone(request, self.cost)
@@ -146,26 +126,14 @@ class SharedSource(DraftSource):
 
 
 class SharedDrafter(Drafter):
-    """A model drafting for every row that holds one of its sources, in one call per step.
-
-    What a batch asks of it (``batch.BatchGenerator``): ``owns(source)``, ``draft_all`` and
-    ``leave``. The time of one draft position over all its rows is kept in the loop's ``PassCost``
-    (``record_draft`` as "NAME position", NAME its sources' name, so that ranks decoding in
-    lockstep agree on it), as a fraction of the target's plain pass (``draft_cost``); a position
-    where trees grow runs the model over their frontiers too, and its time counts them.
-
-    Args:
-        source_class: the ``SharedSource`` subclass ``source`` makes.
-        options: its sources' ``num_draft``, ``max_draft`` and ``adaptive``.
-        draft_cost_prior: one draft position as a fraction of a target pass, until timed.
-        chunk_size: positions per call when a row catches up (a prompt), as the target's prefill.
-    """
+    """A model drafting for every row that holds one of its sources, in one call per step. One
+    position's time is recorded by its sources' name, so ranks decoding in lockstep agree on it;
+    ``draft_cost_prior`` stands for it, as a fraction of a target pass, until timed. ``options``
+    are its sources' keyword arguments; ``chunk_size``, positions per call when a row catches up."""
 
     min_confidence = 0.0  # a row stops drafting once its top probability falls below this
     min_tokens = 1  # the shortest text a row drafts after
-    # The nodes per depth a tree row runs the model from, its greedy chain's among them: 1 keeps
-    # the model's other choices as leaves beside the chain.
-    tree_width = 1
+    tree_width = 1  # nodes per depth a tree runs from; 1: the chain, other choices as leaves
 
     def __init__(self, source_class, options: dict, draft_cost_prior: float, chunk_size: int):
         self.source_class, self.options = source_class, options
@@ -177,7 +145,7 @@ class SharedDrafter(Drafter):
         self.loop_cache = None  # a weak reference to the one-row loop's cache (``use_cache``)
 
     def source(self) -> SharedSource:
-        """A source for one row's ``draft_sources``."""
+        """A source for one row."""
         source = self.source_class(self, **self.options)
         return source
 
@@ -185,8 +153,7 @@ class SharedDrafter(Drafter):
         self.loop_cache = weakref.ref(cache)  # the loop holds it while it runs
 
     def draft_cost(self, cost: PassCost) -> float:
-        """One draft position (a pass over all its rows) as a fraction of the target's plain pass
-        over the batch: both measured, or the prior until they are."""
+        """One draft position as a fraction of the target's plain pass (the prior until timed)."""
         target = cost.seconds(1, self.batch_rows)
         drafted = cost.draft_seconds(f"{self.source_class.name} position")
         if drafted is None or not target:
@@ -217,17 +184,14 @@ class SharedDrafter(Drafter):
         self.rows += sources
 
     def draft_alone(self, request: DraftRequest, cost: PassCost):
-        """Draft for one row, outside a batch, against the one-row loop's cache (``use_cache``;
-        None: the target's last call's). Rows of other sources, from earlier generations, go
-        first."""
+        """Draft for one row outside a batch; rows of other sources (earlier generations) go."""
         for source in [s for s in self.rows if s is not request.source]:
             self.leave(source)
         cache = self.loop_cache() if self.loop_cache is not None else None
         self.draft_all([request], cost, 1, cache)
 
     def draft_all(self, requests: list, cost: PassCost, batch_rows: int, cache=None):
-        """Draft for every row in ``requests`` (``DraftRequest``s); ``batch_rows`` is the target's
-        batch size and ``cache`` its cache (None: one row alone, which the target just ran)."""
+        """Draft for every row in ``requests``; ``cache`` is the target's (None: one row alone)."""
         self.batch_rows = batch_rows
         for source in self.rows:  # last step's untaken drafts are stale
             source.draft = None
@@ -249,9 +213,8 @@ class SharedDrafter(Drafter):
         last = self._catch_up(counts, feed)
         lengths = [lengths.get(id(s), 0) if n else 0 for s, n in zip(self.rows, counts)]
         nodes = {id(request.source): request.max_nodes for request in requests}
-        # Under ``auto`` a sampled row drafts a chain drawn from q: its tokens are accepted with
-        # 1 - TV(p, q), close to 1 for a good drafter, where a tree's point masses are accepted
-        # with p(x) each. A count asked for gives a tree at any temperature.
+        # Under ``auto`` a sampled row drafts a chain from q, accepted with 1 - TV(p, q), where a
+        # tree's point masses get only p(x) each. A count asked for gives a tree at any temperature.
         trees = [
             nodes.get(id(source)) is not None and (source.temp == 0 or nodes[id(source)] > 0)
             for source in self.rows
@@ -270,9 +233,8 @@ class SharedDrafter(Drafter):
                 source.draft = Draft(tokens, None if source.temp == 0 else self._q(rows))
 
     def _tree(self, source, chain: list, growth: TreeGrowth, nodes: dict):
-        """A row's tree: the nodes of highest chance its ``growth`` drew, the ones whose chance
-        pays for verifying them when adaptive. A node costs its share of the pass, and its draft
-        was paid for while drafting."""
+        """A row's tree of the best nodes drawn; when adaptive, only those whose chance pays for
+        their share of the pass (their drafting is already paid for)."""
         max_nodes = nodes[id(source)] or min(2 * source.length.max_draft, MAX_TREE_NODES)
         threshold = source.cost.token_cost(self.batch_rows) if source.length.enabled else None
         draft, expected = growth.tree(max_nodes, threshold)
@@ -289,10 +251,9 @@ class SharedDrafter(Drafter):
         """Before drafting (untimed): rows asking for the first time may join here."""
 
     def _prepare(self, requests: list, cache) -> tuple:
-        """Rows drafting for the first time join, and each drafting row's cache goes back to what
-        it shares with its text. Returns, per row, how many positions it feeds now (0: none), and
-        ``feed(start, counts, width)``, the drafting model's output (R, width, ...) for positions
-        ``[start, start + counts[r])`` of each row's, right-padded to ``width``."""
+        """New rows join and each row's cache goes back to what it shares with its text. Returns
+        the positions each row feeds now, and ``feed(start, counts, width)``: the model's output
+        (R, width, ...) for each row's positions ``[start, start + counts[r])``, right-padded."""
         raise NotImplementedError
 
     def _draw(
@@ -302,9 +263,7 @@ class SharedDrafter(Drafter):
         trees: Optional[list] = None,
         contexts: Optional[list] = None,
     ) -> tuple:
-        """``draw_rows`` from each cache row's last output (R, ...), which drafts for
-        ``sources[r]``: token indices, confidence, q and, for ``trees``, the top tokens;
-        ``contexts``: each row's tokens, for its processors."""
+        """``draw_rows`` from each cache row's last output (R, ...)."""
         raise NotImplementedError
 
     def _next(self, last: mx.array, indices: mx.array) -> mx.array:
@@ -324,8 +283,7 @@ class SharedDrafter(Drafter):
         return 0.0
 
     def _catch_up(self, counts: list, feed) -> mx.array:
-        """Feed each row its ``counts[r]`` positions, chunked like a prefill; returns each row's
-        last output (R, ...)."""
+        """Feed each row its ``counts[r]`` positions in chunks; returns each row's last output."""
         last = None
         for start in range(0, max(counts), self.chunk_size):
             chunk = [min(max(n - start, 0), self.chunk_size) for n in counts]
@@ -339,11 +297,8 @@ class SharedDrafter(Drafter):
 
     def _chain(self, last: mx.array, lengths: list, trees: list, texts: list) -> tuple:
         """Draft up to ``lengths[r]`` tokens per row, one call per position for all rows; returns
-        per row ``(tokens, q rows, confidences, growth)`` and the positions drafted. A row with
-        ``trees[r]`` drafts its chain greedily, and its ``TreeGrowth`` holds every node drawn: the
-        model also runs from the tree's frontier beside the chain, on copies of the row's cache
-        (cache rows ``R`` on, ``_fork``). After it every row's cache holds what it held before.
-        One sync per position: the stops need the values, the next call the tokens."""
+        per row ``(tokens, q rows, confidences, growth)`` and the positions drafted. A tree row's
+        frontier runs on copies of its cache rows (rows ``R`` on); every cache is rolled back."""
         rows = len(self.rows)
         drafts = [([], [], []) for _ in self.rows]
         growths = [TreeGrowth(self.tree_width, self.calibration) if t else None for t in trees]
@@ -356,7 +311,7 @@ class SharedDrafter(Drafter):
             for position in range(max(lengths)):
                 owners = list(range(rows)) + [row for row, _, _ in frontier]
                 contexts = None
-                if processed:  # a row's processors read the tokens before each drafted position
+                if processed:
                     contexts = [list(texts[row]) + drafts[row][0] for row in owners]
                 indices, tokens, confidences, probs, tops = self._draw_for(
                     last, owners, trees, contexts
@@ -387,13 +342,12 @@ class SharedDrafter(Drafter):
         return [(*draft, growth) for draft, growth in zip(drafts, growths)], fed + 1
 
     def _draw_for(self, last: mx.array, owners: list, trees: list, contexts) -> tuple:
-        """``_draw`` for cache rows that draft for rows ``owners``: the indices drawn (to feed)
-        and, on the host, their tokens, the confidences, q rows and, where ``trees``, each cache
-        row's most likely ``(index, token, q)``."""
+        """``_draw`` for cache rows drafting for rows ``owners``, with the values on the host
+        (tops as ``(index, token, q)``)."""
         sources = [self.rows[row] for row in owners]
         row_trees = [trees[row] for row in owners] if any(trees) else None
         indices, confidence, probs, top = self._draw(last, sources, row_trees, contexts)
-        mx.eval(indices, confidence, top)
+        mx.eval(indices, confidence, top)  # one sync per position: the stops need the values
         tokens, confidences = self._tokens(indices.tolist()), confidence.tolist()
         if top is not None:
             top_indices, top_q = top[0].tolist(), top[1].tolist()
@@ -401,9 +355,8 @@ class SharedDrafter(Drafter):
         return indices, tokens, confidences, probs, top
 
     def _grow(self, growths, chain_nodes, alive, frontier, tops, confidences) -> list:
-        """Each tree row's nodes drawn at this position: the children of its chain's last node
-        where the chain goes on, and of its frontier's nodes (cache rows ``R`` on). Returns them
-        as ``(row, node, cache row)``, the cache row the model drew them from."""
+        """Each tree row's nodes drawn now, as ``(row, node, cache row)``: the children of its
+        chain's last node and of its frontier's nodes."""
         drawn = []
         for row, growth in enumerate(growths):
             if growth is not None and alive[row]:
@@ -416,9 +369,7 @@ class SharedDrafter(Drafter):
         return drawn
 
     def _frontier(self, growths, drawn, chain_nodes, alive, stops, room) -> list:
-        """Of the nodes ``drawn``, those each tree row with ``room`` for a deeper one runs the
-        model from next beside its chain (``TreeGrowth.frontier``), as ``(row, node, cache
-        row)``."""
+        """The nodes ``drawn`` that each tree row with ``room`` runs from next beside its chain."""
         frontier = []
         for row, growth in enumerate(growths):
             if growth is None or not room[row]:
@@ -430,8 +381,8 @@ class SharedDrafter(Drafter):
         return frontier
 
     def _fork(self, last: mx.array, indices: mx.array, growths: list, frontier: list) -> tuple:
-        """``(last, indices)`` for the next call: each row's cache row feeds its drawn token, and
-        each ``frontier`` node runs on a copy of the cache row it was drawn from, fed its token."""
+        """``(last, indices)`` for the next call, each ``frontier`` node on a copy of the cache row
+        it was drawn from."""
         rows = len(growths)
         take = list(range(rows)) + [cache_row for _, _, cache_row in frontier]
         if take != list(range(self.cache.rows)):

@@ -1,11 +1,8 @@
-"""A drafting model's tree for one row, grown as EAGLE-2 grows it (arXiv 2406.16858): at each depth
-the model runs one more position from the few nodes most likely accepted (the frontier), and the
-tree takes the nodes of highest chance among all it drew.
+"""A drafting model's tree for one row, grown as EAGLE-2 (arXiv 2406.16858): each depth runs the
+model from the nodes most likely accepted, and the tree takes the best of all nodes drawn.
 
-A node's chance is the product along its path of each edge's, as the drafter estimates them: its
-parent's most likely child is accepted with the calibrated top probability c, another child x with
-``(1 - c) * q(x) / (1 - q(top))``, the model's own distribution over the rest. A frontier of one
-node, the greedy chain's, gives a chain with the model's next choices as leaves beside it.
+A node's chance is the product of its path's edges: the most likely child is accepted with the
+calibrated top probability c, another child x with ``(1 - c) * q(x) / (1 - q(top))``.
 """
 
 from typing import Callable, NamedTuple, Optional
@@ -22,29 +19,23 @@ class Node(NamedTuple):
 
 
 def best_nodes(nodes: list, max_nodes: int, threshold: Optional[float]) -> list:
-    """Indices of the ``max_nodes`` nodes of highest chance, each over ``threshold`` (None: any),
-    best first. A node's chance never exceeds its parent's, and on a tie the parent, drawn
-    earlier, goes first: every prefix of the list holds its nodes' parents."""
+    """Indices of the ``max_nodes`` nodes of highest chance over ``threshold``, best first. A
+    parent's chance is at least its child's, and ties go to the earlier: every prefix is a tree."""
     order = sorted(range(len(nodes)), key=lambda i: (-nodes[i].chance, i))[:max_nodes]
     return [i for i in order if threshold is None or nodes[i].chance > threshold]
 
 
 class TreeGrowth:
-    """One row's tree while its drafter draws it: every node drawn so far (``nodes``).
-
-    Args:
-        width: the nodes per depth the model runs from, the greedy chain's among them.
-        calibration: the drafter's map from a top probability to the acceptance measured.
-    """
+    """One row's tree while its drafter draws it; ``width``: the nodes per depth the model runs
+    from, the greedy chain's among them."""
 
     def __init__(self, width: int, calibration: Callable[[float], float]):
         self.width, self.calibration = width, calibration
         self.nodes = []
 
     def add_children(self, parent: int, top: list, confidence: float) -> list:
-        """The children of node ``parent`` (-1: the row's last token) from the model's ``top``
-        ``(index, token, q)`` there, the most likely first, whose top probability is
-        ``confidence``; returns their indices, the most likely first."""
+        """Add the children of ``parent`` (-1: the row's last token) from the model's ``top``
+        ``(index, token, q)`` there, most likely first; returns their indices."""
         reach = 1.0 if parent < 0 else self.nodes[parent].chance
         depth = 1 if parent < 0 else self.nodes[parent].depth + 1
         chance = self.calibration(confidence)
@@ -56,16 +47,15 @@ class TreeGrowth:
         return list(range(first, len(self.nodes)))
 
     def frontier(self, drawn: list, chain_node: Optional[int], stop: float) -> list:
-        """Of the nodes just ``drawn`` (one depth), the ``width - 1`` of highest chance the model
-        runs from beside the chain's (``chain_node``), each at least ``stop``: below it, no
-        descendant pays for its draft."""
+        """The ``width - 1`` best nodes just ``drawn`` to run from beside the chain's, each at least
+        ``stop``: below it, no descendant pays for its draft."""
         others = [node for node in drawn if node != chain_node and self.nodes[node].chance >= stop]
         others.sort(key=lambda node: -self.nodes[node].chance)
         return others[: self.width - 1]
 
     def tree(self, max_nodes: int, threshold: Optional[float]) -> tuple:
-        """``(draft, expected)``: the tree of the ``best_nodes``, best first (a narrower pass cuts
-        the last), and the tokens it is expected to give, the target's own included."""
+        """``(draft, expected)``: the ``best_nodes``' tree, best first (a narrower pass cuts the
+        last), and the tokens it should give, the target's own included."""
         taken = best_nodes(self.nodes, max_nodes, threshold)
         place = {node: position for position, node in enumerate(taken)}
         nodes = [self.nodes[node] for node in taken]
