@@ -7,7 +7,8 @@ one engine: structured outputs, tool calls, lossless speculation.
 - ``request.py``: ``GenerationRequest``, what the engine takes; the OpenAI-shaped ``ApiError``; the
   checks of single fields.
 - ``protocol.py``: OpenAI's request bodies -> a checked ``GenerationRequest`` (``prepare_chat``:
-  messages and tools -> prompt and constraint, for every API).
+  messages and tools -> prompt and constraint, for every API); ``chat_messages.py``: a chat
+  message checked, and messages as a chat template takes them.
 - ``anthropic.py``: Anthropic's Messages, a parser and a format; ``responses_input.py`` and
   ``responses.py``: OpenAI's Responses, its parser and its format; ``formats.py``: chat
   completions' and completions' formats.
