@@ -23,7 +23,8 @@ from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 from batch.row import trace_of
-from server.anthropic import ANTHROPIC_STATUS, MessagesFormat, anthropic_error, parse_messages
+from server.anthropic import ANTHROPIC_STATUS, MessagesFormat, anthropic_error
+from server.anthropic_input import parse_messages
 from server.choices import choice_events, choice_formats, choice_requests, full_answer
 from server.engine import Engine, Job
 from server.failures import FailureLog

@@ -1,6 +1,6 @@
 """OpenAI chat messages: each checked as a request gives it (``chat_message``), and all shown as a
 chat template takes them (``for_template``). Anthropic Messages and OpenAI Responses turn their
-input into these messages first (anthropic.py, responses_input.py).
+input into these messages first (anthropic_input.py, responses_input.py).
 """
 
 import json

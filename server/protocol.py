@@ -2,8 +2,8 @@
 
 OpenAI's chat and completions bodies are read here, with ``prepare_chat``, which turns chat
 messages and tools into a prompt and a constraint the same way for chat completions, Anthropic
-Messages (anthropic.py) and OpenAI Responses (responses.py). The request, its error and the checks
-of single fields are in request.py.
+Messages (anthropic_input.py) and OpenAI Responses (responses_input.py). The request, its error and
+the checks of single fields are in request.py; a chat message's, in chat_messages.py.
 
 Validation is written out by hand: the rules are few, and each error message names the field, as
 OpenAI's do. Unknown top-level fields are refused (OpenAI refuses them too), so a typo is an error

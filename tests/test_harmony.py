@@ -10,7 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from server.anthropic import MessagesFormat, parse_messages
+from server.anthropic import MessagesFormat
+from server.anthropic_input import parse_messages
 from server.engine import Outcome
 from server.formats import ChatFormat, Reasoning
 from server.harmony import chat_tool_syntax

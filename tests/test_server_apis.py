@@ -55,7 +55,7 @@ HERMES = tiny_server.tokenizer(hermes=True)
 
 
 def test_a_messages_body_becomes_the_chat_a_template_renders():
-    from server.anthropic import parse_messages
+    from server.anthropic_input import parse_messages
 
     body = {
         "model": "tiny",
@@ -146,7 +146,8 @@ def test_a_messages_body_becomes_the_chat_a_template_renders():
     ],
 )
 def test_bad_messages_bodies_are_400_in_one_line(change, fragment):
-    from server.anthropic import anthropic_error, parse_messages
+    from server.anthropic import anthropic_error
+    from server.anthropic_input import parse_messages
 
     body = {
         "model": "tiny",
@@ -233,7 +234,7 @@ def test_responses_input_items_become_chat_messages():
 
 def parsers() -> dict:
     """Each API's parser and a minimal body of it."""
-    from server.anthropic import parse_messages
+    from server.anthropic_input import parse_messages
     from server.protocol import parse_chat, parse_completion
     from server.responses_input import ResponseStore, parse_responses
 

@@ -10,7 +10,7 @@ import pytest
 from mlx_lm.generate import generate_step as mlx_generate_step
 from mlx_lm.sample_utils import make_logits_processors
 
-from server.anthropic import parse_messages
+from server.anthropic_input import parse_messages
 from server.protocol import check_prompt, parse_chat, parse_completion
 from server.request import ApiError
 from tests.test_server import outcome_of

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from constrained.thinking import ANSWER, START, THINKING, Thinking
-from server.anthropic import parse_messages
+from server.anthropic_input import parse_messages
 from server.protocol import parse_chat
 from server.reasoning import EFFORT_BUDGETS, parse_effort_budgets
 from server.request import ApiError

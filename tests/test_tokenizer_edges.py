@@ -3,7 +3,7 @@ that starts with a space on a SentencePiece tokenizer, and ``\\r\\n``."""
 
 from constrained.build import regex_constraint
 from decoder import TextStream, encode, generate, plain_chat
-from server.anthropic import parse_messages
+from server.anthropic_input import parse_messages
 from server.protocol import parse_chat
 from tests import tiny_server
 from tests.helpers import tiny_byte_tokenizer
