@@ -16,7 +16,8 @@ one engine: structured outputs, tool calls, lossless speculation.
   that takes them out of the text.
 - ``harmony.py``: GPT-OSS's harmony messages read as answer text and tool calls.
 - ``engine.py``: one worker thread decodes every request in one batch (``batch.BatchGenerator``)
-  from a bounded queue, and keeps the KV cache across turns.
+  from a bounded queue, and keeps the KV cache across turns; ``job.py``: a request on it, the
+  events its handler awaits and the ``Outcome`` it ends with.
 - ``constraints.py``: each request's constraint, built on the HTTP side, each pattern once.
 - ``failures.py``: a line in the log for every failed request (its id, API, error; the traceback
   once per kind); ``logprob_names.py``: logprobs in OpenAI's terms.

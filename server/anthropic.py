@@ -28,8 +28,8 @@ import hashlib
 import json
 import uuid
 
-from server.engine import Outcome
 from server.formats import Format, Reasoning, sse
+from server.job import Outcome
 from server.request import ApiError, GenerationRequest
 from server.tools import Call
 

@@ -26,9 +26,10 @@ from batch.row import trace_of
 from server.anthropic import ANTHROPIC_STATUS, MessagesFormat, anthropic_error
 from server.anthropic_input import parse_messages
 from server.choices import choice_events, choice_formats, choice_requests, full_answer
-from server.engine import Engine, Job
+from server.engine import Engine
 from server.failures import FailureLog
 from server.formats import ChatFormat, CompletionFormat
+from server.job import Job
 from server.protocol import check_prompt, parse_chat, parse_completion
 from server.reasoning import EFFORT_BUDGETS
 from server.request import ApiError, invalid, parse_body

@@ -14,7 +14,7 @@ import uuid
 from dataclasses import dataclass
 
 from constrained.thinking import ReasoningSplitter
-from server.engine import Outcome
+from server.job import Outcome
 from server.request import ApiError, GenerationRequest
 from server.tools import Call, reader_for, split
 

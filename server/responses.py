@@ -24,8 +24,8 @@ A stream ends with ``response.completed`` also when ``max_output_tokens`` cut th
 import time
 import uuid
 
-from server.engine import Outcome
 from server.formats import Format, Reasoning, sse
+from server.job import Outcome
 from server.request import ApiError, GenerationRequest
 from server.responses_input import ResponseStore, opaque
 from server.tools import Call

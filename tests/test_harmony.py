@@ -12,9 +12,9 @@ from hypothesis import strategies as st
 
 from server.anthropic import MessagesFormat
 from server.anthropic_input import parse_messages
-from server.engine import Outcome
 from server.formats import ChatFormat, Reasoning
 from server.harmony import chat_tool_syntax
+from server.job import Outcome
 from server.protocol import parse_chat
 from server.responses import ResponsesFormat
 from server.responses_input import ResponseStore, parse_responses

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from constrained import schema_to_regex
-from server.engine import StopText
+from server.job import StopText
 from server.protocol import parse_chat, parse_completion
 from server.request import ApiError, parse_body
 from tests.helpers import start_process, stop
@@ -162,7 +162,8 @@ def test_every_kind_of_request_reaches_the_other_ranks_whole():
 
     from constrained.think_markers import START, ThinkMarkers
     from constrained.thinking import Thinking
-    from server.engine import Engine, Job
+    from server.engine import Engine
+    from server.job import Job
 
     requests = [
         chat(tools=[WEATHER_TOOL], tool_choice="required", stop=["\n"], seed=3, logprobs=True),

@@ -324,7 +324,7 @@ def test_a_quiet_stream_pings_and_then_goes_on():
     prefill)."""
     from server.anthropic import MessagesFormat
     from server.app import events
-    from server.engine import Outcome
+    from server.job import Outcome
     from server.request import GenerationRequest
 
     async def run():
