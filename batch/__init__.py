@@ -2,7 +2,8 @@
 constraint and sampling, verified together in one ``[B, W]`` pass per step.
 
 - ``generator.py``: ``BatchGenerator`` (rows join and leave; ``insert``/``next``/``remove``).
-- ``row.py``: ``BatchRow``, one sequence in the batch, and ``RowResponse``, what a step tells of it.
+- ``row.py``: ``BatchRow``, one sequence in the batch, made from ``insert``'s options
+  (``new_rows``), and ``RowResponse``, what a step tells of it.
 - ``verify.py``: what one ``[B, W]`` pass decides per row: constraint masks, the step's one host
   sync, acceptance.
 - ``logprobs.py``: ``TokenLogprobs``, the target's logprobs of each emitted token.

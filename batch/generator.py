@@ -21,6 +21,7 @@ Nothing here holds a thread or a lock: a server calls ``insert``, ``next`` and `
 one thread that owns the model.
 """
 
+import itertools
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -31,28 +32,17 @@ import mlx.core as mx
 from batch.cache import probe
 from batch.logprobs import token_logprobs
 from batch.policy import DraftGate, choose_width, prefill_group
-from batch.row import BatchRow, RowResponse, check_row, per_row, shared_prompts
+from batch.row import BatchRow, RowResponse, new_rows, shared_prompts
 from batch.verify import accept, score
 from decoder.cost import PassCost
 from decoder.draft import DraftRequest
 from decoder.prefill import Prefill
-from decoder.sampling import Sampling
 from decoder.step import verify_pass
 from decoder.tree_pass import enable_trees, max_nodes_for
 
 # Rows whose ends drift further apart than this are rolled back into line (one copy of the cache),
 # so that no row attends over many slots that hold nothing of its own.
 MAX_RAGGEDNESS = 64
-# insert's per-row sampling settings, in decoder.Sampling's order
-SAMPLING = (
-    "temp",
-    "top_p",
-    "min_p",
-    "min_tokens_to_keep",
-    "top_k",
-    "xtc_probability",
-    "xtc_threshold",
-)
 
 
 @dataclass
@@ -143,7 +133,7 @@ class BatchGenerator:
         self.cache = None  # a cache.Cache while rows run
         # what the model needs of the cache (batch.cache.probe), asked at the first join
         self.mask_dims = None
-        self._next_uid = 0
+        self.uids = itertools.count()  # a row's uid, taken when the row is made
 
     def insert(
         self,
@@ -179,66 +169,24 @@ class BatchGenerator:
         list of mlx-lm's processors per prompt, applied at each of the row's positions. ``seed``:
         None (MLX's global stream) or an integer: the row's draws come from its own
         ``mx.random.key(seed)``, so a row samples what it samples alone (``step.Row``)."""
-        count = len(prompts)
-        processors = [[] for _ in prompts] if logits_processors is None else logits_processors
-        if len(processors) != count or not all(isinstance(p, (list, tuple)) for p in processors):
-            raise ValueError(
-                f"logits_processors needs one list of processors per prompt ({count} lists)"
-            )
-        draft_sources = [[] for _ in prompts] if draft_sources is None else list(draft_sources)
-        if len(draft_sources) != count or not all(
-            isinstance(s, (list, tuple)) for s in draft_sources
-        ):
-            raise ValueError(f"draft_sources needs one list of sources per prompt ({count} lists)")
-        names = ("constraint", "sampler", "max_tokens", "logprobs", "seed")
-        values = (constraint, sampler, max_tokens, logprobs, seed)
-        options = [per_row(name, value, count) for name, value in zip(names, values)]
-        settings = (temp, top_p, min_p, min_tokens_to_keep, top_k, xtc_probability, xtc_threshold)
-        row_settings = [per_row(name, value, count) for name, value in zip(SAMPLING, settings)]
-        names += ("sampling", "logits_processors")
-        options.append([Sampling(*row, tuple(xtc_special_tokens)) for row in zip(*row_settings)])
-        options.append([list(p) for p in processors])
-        options.append(
-            [None] * count if prompt_cache is None else per_row("prompt_cache", prompt_cache, count)
+        rows = new_rows(
+            prompts,
+            self.rows + self.waiting,
+            self.uids,
+            self.eos_token_ids if eos_token_ids is None else set(eos_token_ids),
+            self.max_nodes,
+            draft_sources,
+            logits_processors,
+            prompt_cache,
+            (constraint, sampler, max_tokens, logprobs, seed),
+            (temp, top_p, min_p, min_tokens_to_keep, top_k, xtc_probability, xtc_threshold),
+            xtc_special_tokens,
         )
-        eos = self.eos_token_ids if eos_token_ids is None else set(eos_token_ids)
-        owned = [
-            id(o)
-            for row in self.rows + self.waiting
-            for o in row.sources + [row.constraint]
-            if o is not None
-        ]
-        rows = []
-        for prompt, sources, *row_options in zip(prompts, draft_sources, *options):
-            row_options = dict(zip(names + ("prompt_cache",), row_options))
-            check_row(prompt, row_options)
-            for stateful in list(sources) + [row_options["constraint"]]:
-                if stateful is not None and id(stateful) in owned:
-                    raise ValueError(
-                        f"{type(stateful).__name__} object is given to two rows: each row needs "
-                        "its own"
-                    )
-                owned.append(id(stateful))
-            rows.append(self._new_row(prompt, sources, eos, row_options))
         for source in [s for row in rows for s in row.sources if s.drafter is not None]:
             if source.drafter not in self.drafters:  # it drafts for all its rows at once
                 self.drafters.append(source.drafter)
         self.waiting += rows
         return [row.uid for row in rows]
-
-    def _new_row(self, prompt: list, sources: list, eos: set, options: dict) -> BatchRow:
-        row = BatchRow(
-            self._next_uid,
-            prompt,
-            options.pop("prompt_cache"),
-            options.pop("logprobs"),
-            eos_token_ids=eos,
-            draft_sources=sources,
-            max_nodes=self.max_nodes if sources else None,
-            **options,
-        )
-        self._next_uid += 1
-        return row
 
     def remove(self, uids: Sequence[int]):
         """Drop rows (running or waiting); the others go on untouched."""

@@ -1,14 +1,28 @@
 """A row of the batch (``BatchRow``, a ``step.Row`` with what the batch keeps of it), what a
-step tells of it (``RowResponse``), and how ``insert``'s options become rows (``per_row``,
-``check_row``, ``shared_prompts``)."""
+step tells of it (``RowResponse``), and how ``insert``'s options become rows (``new_rows``,
+``per_row``, ``check_row``) and which of them share a prompt (``shared_prompts``)."""
 
 import traceback
 from dataclasses import dataclass
-from typing import Optional, Sequence, Union
+from typing import Iterator, Optional, Sequence, Union
 
 from batch.policy import Acceptance
 from decoder.cache import CachedPrefix
+from decoder.sampling import Sampling
 from decoder.step import DecodingStats, Row
+
+# insert's per-row options, each one value for every prompt or one per prompt: the row's own, and
+# its sampling settings in decoder.Sampling's order
+OPTIONS = ("constraint", "sampler", "max_tokens", "logprobs", "seed")
+SAMPLING = (
+    "temp",
+    "top_p",
+    "min_p",
+    "min_tokens_to_keep",
+    "top_k",
+    "xtc_probability",
+    "xtc_threshold",
+)
 
 
 @dataclass
@@ -68,6 +82,65 @@ class BatchRow(Row):
 def trace_of(error: BaseException) -> str:
     """``error``'s traceback as Python prints it (for a log: ``RowResponse.trace``)."""
     return "".join(traceback.format_exception(type(error), error, error.__traceback__))
+
+
+def new_rows(
+    prompts: Sequence[Sequence[int]],
+    others: Sequence[BatchRow],
+    uids: Iterator[int],
+    eos: set,
+    max_nodes: Optional[int],
+    draft_sources,
+    logits_processors,
+    prompt_cache,
+    options: tuple,
+    settings: tuple,
+    xtc_special_tokens,
+) -> list:
+    """``BatchGenerator.insert``'s prompts as rows, each taking its uid from ``uids`` and its value
+    of each option (``per_row``), checked (``check_row``). ``others``: the rows already in the
+    batch, whose sources and constraints no new row may share; ``options`` and ``settings``: the
+    values of ``OPTIONS`` and ``SAMPLING``."""
+    count = len(prompts)
+    processors = [[] for _ in prompts] if logits_processors is None else logits_processors
+    if len(processors) != count or not all(isinstance(p, (list, tuple)) for p in processors):
+        raise ValueError(
+            f"logits_processors needs one list of processors per prompt ({count} lists)"
+        )
+    draft_sources = [[] for _ in prompts] if draft_sources is None else list(draft_sources)
+    if len(draft_sources) != count or not all(isinstance(s, (list, tuple)) for s in draft_sources):
+        raise ValueError(f"draft_sources needs one list of sources per prompt ({count} lists)")
+    values = [per_row(name, value, count) for name, value in zip(OPTIONS, options)]
+    row_settings = [per_row(name, value, count) for name, value in zip(SAMPLING, settings)]
+    names = OPTIONS + ("sampling", "logits_processors", "prompt_cache")
+    values.append([Sampling(*row, tuple(xtc_special_tokens)) for row in zip(*row_settings)])
+    values.append([list(p) for p in processors])
+    values.append(
+        [None] * count if prompt_cache is None else per_row("prompt_cache", prompt_cache, count)
+    )
+    owned = [id(o) for row in others for o in row.sources + [row.constraint] if o is not None]
+    rows = []
+    for prompt, sources, *row_values in zip(prompts, draft_sources, *values):
+        row_options = dict(zip(names, row_values))
+        check_row(prompt, row_options)
+        for stateful in list(sources) + [row_options["constraint"]]:
+            if stateful is not None and id(stateful) in owned:
+                raise ValueError(
+                    f"{type(stateful).__name__} object is given to two rows: each row needs its own"
+                )
+            owned.append(id(stateful))
+        row = BatchRow(
+            next(uids),
+            prompt,
+            row_options.pop("prompt_cache"),
+            row_options.pop("logprobs"),
+            eos_token_ids=eos,
+            draft_sources=sources,
+            max_nodes=max_nodes if sources else None,
+            **row_options,
+        )
+        rows.append(row)
+    return rows
 
 
 def per_row(name: str, value, count: int) -> list:
