@@ -8,7 +8,8 @@ constraint and sampling, verified together in one ``[B, W]`` pass per step.
   sync, acceptance.
 - ``logprobs.py``: ``TokenLogprobs``, the target's logprobs of each emitted token.
 - ``generate.py``: ``batch_generate`` and ``BatchResult``: prompts in, texts out.
-- ``cache.py``: ``probe``, what a batch must know of a model.
+- ``cache.py``: ``probe``, what a batch must know of a model; ``stats.py``: ``BatchStats``, what
+  the generator counts.
 - ``policy.py``: how many draft tokens the pass verifies (``choose_width``), from measured pass
   costs, and which waiting prompts prefill together (``prefill_group``).
 
@@ -18,9 +19,10 @@ drafts for all its rows in one call when the generator is handed it
 """
 
 from batch.generate import BatchResult, batch_generate
-from batch.generator import BatchGenerator, BatchStats
+from batch.generator import BatchGenerator
 from batch.logprobs import TokenLogprobs
 from batch.row import RowResponse
+from batch.stats import BatchStats
 
 __all__ = [
     "BatchGenerator",

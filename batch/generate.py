@@ -9,7 +9,8 @@ from typing import Optional, Sequence
 
 import mlx.core as mx
 
-from batch.generator import BatchGenerator, BatchStats
+from batch.generator import BatchGenerator
+from batch.stats import BatchStats
 from decoder.cost import PassCost
 from decoder.text import encode, eos_ids_of
 

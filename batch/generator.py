@@ -23,8 +23,6 @@ one thread that owns the model.
 
 import itertools
 import time
-from collections import Counter
-from dataclasses import dataclass, field
 from typing import List, Optional, Sequence, Union
 
 import mlx.core as mx
@@ -33,6 +31,7 @@ from batch.cache import probe
 from batch.logprobs import token_logprobs
 from batch.policy import DraftGate, choose_width, prefill_group
 from batch.row import BatchRow, RowResponse, new_rows, shared_prompts
+from batch.stats import BatchStats
 from batch.verify import accept, score
 from decoder.cost import PassCost
 from decoder.draft import DraftRequest
@@ -43,34 +42,6 @@ from decoder.tree_pass import enable_trees, max_nodes_for
 # Rows whose ends drift further apart than this are rolled back into line (one copy of the cache),
 # so that no row attends over many slots that hold nothing of its own.
 MAX_RAGGEDNESS = 64
-
-
-@dataclass
-class BatchStats:
-    passes: int = 0  # [B, W] verification passes
-    # W -> passes of that width (what the policy chose)
-    widths: Counter = field(default_factory=Counter)
-    row_passes: int = 0  # sum over passes of the rows in them
-    prompt_tokens: int = 0
-    # the tokens the model ran to prefill them: a prompt that rows share counts once, a cached
-    # prefix not at all
-    prefilled_tokens: int = 0
-    prompt_time: float = 0.0
-    generation_tokens: int = 0
-    decode_time: float = 0.0
-
-    def summary(self, cost: Optional[PassCost] = None) -> dict:
-        return {
-            "passes": self.passes,
-            "width_histogram": dict(sorted(self.widths.items())),
-            "passes_per_token": self.row_passes / max(self.generation_tokens, 1),
-            "prompt_tokens": self.prompt_tokens,
-            "prefilled_tokens": self.prefilled_tokens,
-            "generation_tokens": self.generation_tokens,
-            "prompt_tps": self.prompt_tokens / max(self.prompt_time, 1e-9),
-            "generation_tps": self.generation_tokens / max(self.decode_time, 1e-9),
-            "verification_cost": cost.summary() if cost is not None else None,
-        }
 
 
 class BatchGenerator:
