@@ -2,6 +2,7 @@
 training that learns, the target fingerprint, the shipped head on the real model, the CLI."""
 
 import json
+import re
 
 import mlx.core as mx
 import numpy as np
@@ -432,12 +433,11 @@ def test_the_shipped_head_is_lossless_and_accepted_on_the_embedded_model(embedde
 def test_draft_head_from_the_command_line(embedded, tmp_path):
     args = ["--prompt", "Name three colours.", "--max-tokens", "20", "--json"]
     plain = json.loads(cli(*args).stdout)
-    fast = cli(*args, "--draft-head", "--prompt-lookup")
+    fast = cli(*args[:-1], "--draft-head", "--prompt-lookup", "--color", "always", "--verbose")
     assert fast.returncode == 0, fast.stderr
-    fast = json.loads(fast.stdout)
-    assert fast["tokens"] == plain["tokens"] and "draft_head" in fast["draft_sources"]
-    coloured = cli(*args[:-1], "--draft-head", "--color", "always")
-    assert "draft_head" in coloured.stdout  # the legend
+    shown = re.sub(r"\x1b\[[0-9;]*m", "", fast.stdout)  # the text, the legend, the statistics
+    assert shown.startswith(plain["text"]) and re.search("legend: .*draft_head", shown), shown
+    assert re.search(r"draft_head: proposed [1-9]", shown), shown
     assert_one_line_error(cli(*args, "--draft-head", str(tmp_path)), "not a draft head directory")
 
 

@@ -57,17 +57,20 @@ def test_num_layers_makes_an_early_exit_draft(tmp_path):
 
 
 def test_hf_path_conversion_with_quantization(embedded, tmp_path):
-    """convert.py --hf-path on an mlx-lm/Hugging Face directory, cast and quantized."""
+    """convert.py --hf-path on an mlx-lm/Hugging Face directory, cast and quantized: a tiny Llama
+    with the embedded model's tokenizer (the path is the same for any size; the embedded model's
+    would spend most of the test in MLX's slow quantized CPU kernels)."""
     import mlx.core as mx
     from mlx_lm import load
 
     from loading.conversion import convert
+    from tests.architectures import build, save
 
-    model, tokenizer, path = embedded
+    model, config = build("llama")
+    path = save(tmp_path / "tiny", model, config)
     out = convert(str(tmp_path / "q8"), hf_path=str(path), dtype="float16", quantize=True, q_bits=8)
-    quantized, _ = load(str(out))
+    quantized, tokenizer = load(str(out))
     assert quantized.layers[0].self_attn.q_proj.bits == 8
-    # A few tokens only: MLX's quantized CPU kernels are slow (see the README's dtype table).
     inputs = mx.array([tokenizer.encode("The capital of France is")])
     assert mx.argmax(quantized(inputs)[0, -1]).item() == mx.argmax(model(inputs)[0, -1]).item()
 

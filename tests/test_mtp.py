@@ -378,7 +378,7 @@ def test_conversion_keeps_the_mtp_weights_and_quantizes_them(tmp_path, model_typ
     assert stats.draft_accepted >= 0.8 * stats.draft_proposed  # a 4-bit MTP layer still drafts
 
 
-@pytest.mark.parametrize("model_type", ["deepseek_v3", "qwen3_next"])
+@pytest.mark.parametrize("model_type", ["qwen3_next"])  # a hybrid: the hardest of the layouts
 def test_the_cli_drafts_with_mtp_and_refuses_bad_input(tmp_path, model_type):
     from tests.test_cli import assert_one_line_error, cli
 

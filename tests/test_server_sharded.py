@@ -174,8 +174,12 @@ def serving(process) -> tuple:
     """``(process, url)`` once ``process`` prints its "serving MODEL on URL" line."""
     line = process.stdout.readline()
     if not line.startswith("serving"):
-        stop(process)
-        pytest.fail(f"the server did not start: {line}{process.stderr.read()[-2000:]}")
+        process.terminate()
+        try:
+            errors = process.communicate(timeout=30)[1]
+        finally:
+            stop(process)
+        pytest.fail(f"the server did not start: {line}{errors[-2000:]}")
     return process, line.split()[-1]
 
 
@@ -260,20 +264,46 @@ def test_a_killed_rank_fails_open_requests_and_ends_the_launch_in_one_line(pipel
     assert len(errors) == 1 and re.search(r"rank \d", errors[0]), stderr[-2000:]
 
 
+@pytest.fixture(scope="module")
+def tiny_for_3_ranks(tmp_path_factory):
+    """A tiny random Llama with SmolLM2's tokenizer, whose heads (6 and 3) and widths divide by 3,
+    saved where ``--model`` reads it: tensor sharding over 3 ranks is about the split and the
+    collectives, whatever the size, and the embedded model's 9 query heads need 3
+    ranks that share these 2 cores at every all-reduce (test_distributed.py runs it)."""
+    from tests.architectures import build, save
+
+    widths = dict(hidden_size=96, intermediate_size=96)  # transformers wants heads * head_dim
+    model, config = build("llama", num_attention_heads=6, num_key_value_heads=3, **widths)
+    return save(tmp_path_factory.mktemp("tiny") / "tiny-llama", model, config)
+
+
+def on_model(request: tuple, name: str) -> tuple:
+    path, body = request
+    return path, {**body, "model": name}
+
+
 def test_tensor_sharding_over_3_ranks_answers_as_one_process_a_seed_repeats_and_a_stall_ends_it(
-    embedded, expected
+    tiny_for_3_ranks,
 ):
     """Plain decoding (forced text aside): a draft source that sizes its drafts by measured
     timings consumes the random stream differently from run to run, so only a plain server's
     sampling repeats exactly (docs/distributed.md). Then a rank stops answering."""
-    process, url = serve(3, "--shard", "tensor")
+    name = str(tiny_for_3_ranks)  # the server's model id: the --model it was given
+    flags = ["--model", name]
+    requests = [on_model(REQUESTS[i], name) for i in (0, 7)]  # a chat, completions with logprobs
+    process, url = one_process(*flags)
     try:
-        picked = [7]  # completions with logprobs (chat and constraints: on the pipeline)
-        with ThreadPoolExecutor(len(picked)) as pool:
-            got = list(pool.map(lambda i: answer(post(url, *REQUESTS[i])), picked))
-        runs = [post(url, *SAMPLED)[1]["choices"][0]["message"]["content"] for _ in range(2)]
+        expected = [answer(post(url, *request)) for request in requests]
+    finally:
+        stop(process)
+    process, url = serve(3, "--shard", "tensor", *flags)
+    try:
+        with ThreadPoolExecutor(len(requests)) as pool:
+            got = list(pool.map(lambda request: answer(post(url, *request)), requests))
+        sampled = on_model(SAMPLED, name)
+        runs = [post(url, *sampled) for _ in range(2)]
         with ThreadPoolExecutor(1) as pool:
-            waiting = pool.submit(post, url, *chat("Write a long story.", 4000))
+            waiting = pool.submit(post, url, *on_model(chat("Write a long story.", 4000), name))
             time.sleep(3)
             start = time.perf_counter()
             os.kill(rank_pid(process.pid, 2), signal.SIGSTOP)
@@ -281,8 +311,9 @@ def test_tensor_sharding_over_3_ranks_answers_as_one_process_a_seed_repeats_and_
         process.communicate(timeout=DIST_TIMEOUT + 10)
     finally:
         stop(process)
-    assert got == [expected[i] for i in picked]
-    assert runs[0] == runs[1]
+    assert [status for status, _ in expected] == [200, 200] and got == expected
+    texts = [body["choices"][0]["message"]["content"] for _, body in runs]
+    assert [status for status, _ in runs] == [200, 200] and texts[0] == texts[1], runs
     assert status == 503 and "lost a rank" in body["error"]["message"]
     assert process.returncode != 0 and time.perf_counter() - start < DIST_TIMEOUT + 10
 
