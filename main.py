@@ -142,7 +142,7 @@ def build_run(args, session=None):
     """
     from cli import constraints
     from cli.sources import draft_sources
-    from decoder.step import DecodingStats
+    from decoder.row import DecodingStats
     from decoder.text import encode, output_size
     from decoder.tree_pass import enable_trees
     from loading.load import context_length, load_model

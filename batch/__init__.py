@@ -1,5 +1,5 @@
-"""Continuous batching on step.py's per-row step: many sequences, each with its own draft sources,
-constraint and sampling, verified together in one ``[B, W]`` pass per step.
+"""Continuous batching on decoder/row.py's per-row step: many sequences, each with its own draft
+sources, constraint and sampling, verified together in one ``[B, W]`` pass per step.
 
 - ``generator.py``: ``BatchGenerator`` (rows join and leave; ``insert``/``next``/``remove``).
 - ``row.py``: ``BatchRow``, one sequence in the batch, made from ``insert``'s options

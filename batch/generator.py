@@ -1,4 +1,4 @@
-"""Many sequences at once: step.py's per-row step for a batch, rows joining and leaving.
+"""Many sequences at once: decoder/row.py's per-row step for a batch, rows joining and leaving.
 
 Each row has its own prompt, draft sources, constraint, sampling settings, ``max_tokens`` and stop
 tokens. A step asks every row's sources for a draft (``draft.choose_draft``) and cuts it to what
@@ -36,7 +36,7 @@ from batch.verify import accept, score
 from decoder.cost import PassCost
 from decoder.draft import DraftRequest
 from decoder.prefill import Prefill
-from decoder.step import verify_pass
+from decoder.row import verify_pass
 from decoder.tree_pass import enable_trees, max_nodes_for
 
 # Rows whose ends drift further apart than this are rolled back into line (one copy of the cache),
@@ -139,7 +139,7 @@ class BatchGenerator:
         ``xtc_special_tokens`` one list for all prompts); ``logits_processors`` is None or one
         list of mlx-lm's processors per prompt, applied at each of the row's positions. ``seed``:
         None (MLX's global stream) or an integer: the row's draws come from its own
-        ``mx.random.key(seed)``, so a row samples what it samples alone (``step.Row``)."""
+        ``mx.random.key(seed)``, so a row samples what it samples alone (``decoder.row.Row``)."""
         rows = new_rows(
             prompts,
             self.rows + self.waiting,
@@ -334,8 +334,8 @@ class BatchGenerator:
         return responses
 
     def _verify(self, width: int, plans: list, responses: list) -> int:
-        """One pass (``step.verify_pass``): row b feeds its pending tokens and its draft cut to
-        ``width - 1``; each accepts by its own rules (``batch.verify``) and keeps what it accepts
+        """One pass (``decoder.row.verify_pass``): row b feeds its pending tokens and its draft cut
+        to ``width - 1``; each accepts by its own rules (``batch.verify``) and keeps what it accepts
         (``Row.commit``). Returns how many tokens the rows emitted."""
         drafts = [plan.draft.truncate(width - 1) for plan in plans]
         started = self.cost.clock()

@@ -1,4 +1,4 @@
-"""A row of the batch (``BatchRow``, a ``step.Row`` with what the batch keeps of it), what a
+"""A row of the batch (``BatchRow``, a ``decoder.row.Row`` with what the batch keeps of it), what a
 step tells of it (``RowResponse``), and how ``insert``'s options become rows (``new_rows``,
 ``per_row``, ``check_row``) and which of them share a prompt (``shared_prompts``)."""
 
@@ -8,8 +8,8 @@ from typing import Iterator, Optional, Sequence, Union
 
 from batch.policy import Acceptance
 from decoder.cache import CachedPrefix
+from decoder.row import DecodingStats, Row
 from decoder.sampling import Sampling
-from decoder.step import DecodingStats, Row
 
 # insert's per-row options, each one value for every prompt or one per prompt: the row's own, and
 # its sampling settings in decoder.Sampling's order
@@ -41,7 +41,7 @@ class RowResponse:
 
 
 class BatchRow(Row):
-    """A ``step.Row`` in the batch: its uid, what it asked for, and its drafts' acceptance."""
+    """A ``decoder.row.Row`` in the batch: its uid, what it asked for, its drafts' acceptance."""
 
     def __init__(
         self,

@@ -1,5 +1,5 @@
-"""What one ``[B, W]`` pass (``step.verify_pass``) decides for each row: its constraint's masks on
-its logits, the step's one host sync, and how far it accepts its draft (``step.Row.accept``).
+"""What one ``[B, W]`` pass (``decoder.row.verify_pass``) decides for each row: its constraint's
+masks on its logits, the step's one host sync, and how far it accepts its draft (``Row.accept``).
 
 A row's result is ``(num_accepted, next_token)`` or the exception that ends that row: one row's bad
 masks, failed sampler or forbidden token never fail the others.

@@ -20,7 +20,7 @@ from benchmarks.harness import (
     side_by_side,
     time_loop,
 )
-from decoder.step import SourceStats
+from decoder.row import SourceStats
 from decoder.text import eos_ids_of
 
 

@@ -288,7 +288,7 @@ def gbnf_corpus(model, tokenizer, max_tokens) -> str:
     from llguidance.gbnf_to_lark import gbnf_to_lark
 
     from decoder import generate
-    from decoder.step import DecodingStats
+    from decoder.row import DecodingStats
     from tests.lark_oracle import lark_parser, parses
 
     prompts = {

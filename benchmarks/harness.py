@@ -15,7 +15,7 @@ from typing import Callable, Optional
 import mlx.core as mx
 
 from decoder import generate_step
-from decoder.step import DecodingStats
+from decoder.row import DecodingStats
 from decoder.text import encode, eos_ids_of
 
 PROMPTS = Path(__file__).parent / "prompts"

@@ -38,7 +38,7 @@ from constrained import (
 )
 from constrained.token_index import TokenIndex, TokenTable, token_byte_strings
 from decoder import generate_step
-from decoder.step import DecodingStats
+from decoder.row import DecodingStats
 from decoder.text import eos_ids_of
 from loading.load import default_dtype, describe_backend, load_model
 

@@ -34,7 +34,7 @@ from decoder import generate_step
 from decoder.cache import make_cache
 from decoder.cost import PassCost
 from decoder.hidden_states import HiddenStateTap
-from decoder.step import DecodingStats
+from decoder.row import DecodingStats
 from loading.load import describe_backend
 from mtp.source import MTPDrafter
 from tests.mtp_fixtures import build

@@ -34,7 +34,7 @@ from mlx_lm.models import qwen3_next  # noqa: E402
 from decoder import generate_step  # noqa: E402
 from decoder.cache import Cache, make_cache  # noqa: E402
 from decoder.prefill import prefill_rows  # noqa: E402
-from decoder.step import DecodingStats  # noqa: E402
+from decoder.row import DecodingStats  # noqa: E402
 from prompt_lookup import PromptLookupSource  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "recurrent.md"

@@ -12,7 +12,7 @@ from .cost import PassCost
 from .draft import Constraint, ConstraintError, Draft, Drafter, DraftRequest, DraftSource
 from .loop import GenerationResult, Response, generate, generate_step, stream_generate
 from .processors import make_logits_processors, process_logits
+from .row import TARGET, DecodingStats, SourceStats
 from .sampling import Sampling, sampling_probs
-from .step import TARGET, DecodingStats, SourceStats
 from .text import TextStream, encode, eos_ids_of, plain_chat
 from .tree_pass import enable_trees

@@ -15,8 +15,8 @@ from .constrain import mask_logits
 from .cost import PassCost
 from .draft import Constraint, DraftSource
 from .prefill import Prefill
+from .row import TARGET, DecodingStats, Row, verify_pass
 from .sampling import Sampling
-from .step import TARGET, DecodingStats, Row, verify_pass
 from .text import TextStream, encode, eos_ids_of
 from .tree_pass import max_nodes_for
 

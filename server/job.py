@@ -8,7 +8,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Optional
 
-from decoder.step import DecodingStats
+from decoder.row import DecodingStats
 from decoder.text import TextStream
 from server.request import GenerationRequest
 

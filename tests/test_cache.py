@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from mlx_lm.models.cache import ChunkedKVCache, KVCache, RotatingKVCache, _BaseCache
 
-from decoder import DecodingStats, generate_step, step
+from decoder import DecodingStats, generate_step
 from decoder.cache import CacheKindError, KVRows, adopt, make_cache
 from tests.architectures import build
 from tests.helpers import ScriptedSource, tiny_llama
@@ -170,7 +170,7 @@ def test_rejections_on_a_recurrent_model_feed_again_but_never_more_than_max_pend
         return forward(self, inputs, cache=cache)
 
     monkeypatch.setattr(type(model), "__call__", recorded)
-    monkeypatch.setattr(step, "MAX_PENDING", 6)
+    monkeypatch.setattr("decoder.row.MAX_PENDING", 6)
 
     def right_then_wrong(tokens, max_draft):
         position = len(tokens) - len(prompt)
