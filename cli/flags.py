@@ -129,7 +129,7 @@ def check(args):
             raise CliError(f"--lookup-history {path}: {parent} is not a directory")
 
 
-# A tree pass's nodes must fit the rollback a sliding-window layer keeps (``decoder.kinds``).
+# A tree pass's nodes must fit the rollback a sliding-window layer keeps (``decoder.layer_caches``).
 MAX_TREE_NODES = 32
 
 

@@ -1,7 +1,7 @@
 """A model's cache for 1 to B rows that each roll back alone, for every kind of layer mlx-lm builds:
-one class per kind (``kinds.py``: ``KVRows``, ``StateRows``, ``ChunkedRows``; ``ExtraRows`` for a
-model wrapper's own layer), a table from mlx-lm's classes to them (``_kind``), and ``Cache``, the
-operations on rows applied to every layer. How each kind rolls back: docs/decoder.md.
+one class per kind (``layer_caches.py``: ``KVRows``, ``StateRows``, ``ChunkedRows``; ``ExtraRows``
+for a model wrapper's own layer), a table from mlx-lm's classes to them (``_kind``), and ``Cache``,
+the operations on rows applied to every layer. How each kind rolls back: docs/decoder.md.
 
     cache = make_cache(model)              # Cache: its layers are what the model is called with
     cache.checkpoint()                     # before a pass with a draft
@@ -25,7 +25,7 @@ from mlx_lm.models.cache import (
     make_prompt_cache,
 )
 
-from .kinds import ChunkedRows, KVRows, StateRows
+from .layer_caches import ChunkedRows, KVRows, StateRows
 
 
 class ExtraRows:

@@ -12,7 +12,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
 from decoder.cache import Cache, ExtraRows, layers_of
-from decoder.kinds import KVRows
+from decoder.layer_caches import KVRows
 
 FINAL = -1  # in ``feature_layers``: the target's last hidden state, after its final norm
 

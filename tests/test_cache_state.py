@@ -9,7 +9,7 @@ from mlx_lm.models.cache import CacheList, load_prompt_cache, save_prompt_cache
 
 from decoder import generate_step, load_cache, make_cache
 from decoder.cache import layers_of
-from decoder.kinds import KVRows, StateRows
+from decoder.layer_caches import KVRows, StateRows
 from decoder.prefill import Prefill
 from tests.architectures import WINDOW, build
 

@@ -1,4 +1,4 @@
-"""The kinds of layer cache, one class each, for 1 to B rows (see the package's docstring)."""
+"""The kinds of layer cache, one class each, for 1 to B rows (how they fit together: cache.py)."""
 
 from typing import List, Optional, Sequence
 
