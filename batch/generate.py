@@ -11,7 +11,7 @@ import mlx.core as mx
 
 from batch.generator import BatchGenerator
 from batch.stats import BatchStats
-from decoder.cost import PassCost
+from decoder.pass_cost import PassCost
 from decoder.text import encode, eos_ids_of
 
 

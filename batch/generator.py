@@ -33,8 +33,8 @@ from batch.policy import DraftGate, choose_width, prefill_group
 from batch.row import BatchRow, RowResponse, new_rows, shared_prompts
 from batch.stats import BatchStats
 from batch.verify import accept, score
-from decoder.cost import PassCost
 from decoder.draft import DraftRequest
+from decoder.pass_cost import PassCost
 from decoder.prefill import Prefill
 from decoder.row import verify_pass
 from decoder.tree_pass import enable_trees, max_nodes_for

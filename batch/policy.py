@@ -11,7 +11,8 @@ with each row's expected acceptance from ``Acceptance``.
 from collections import defaultdict
 from typing import Optional, Sequence
 
-from decoder.cost import AcceptanceEstimate, Backoff, PassCost
+from decoder.acceptance import AcceptanceEstimate, Backoff
+from decoder.pass_cost import PassCost
 
 # Waiting prompts are prefilled together while the padding stays within this share of their tokens.
 MAX_PREFILL_PADDING = 0.15

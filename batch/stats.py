@@ -7,7 +7,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Optional
 
-from decoder.cost import PassCost
+from decoder.pass_cost import PassCost
 
 
 @dataclass

@@ -42,7 +42,7 @@ import mlx.core as mx
 from batch import BatchGenerator
 from benchmarks.batch_workloads import load_workloads, methods_for
 from constrained.token_index import token_byte_strings
-from decoder.cost import PassCost
+from decoder.pass_cost import PassCost
 from decoder.text import eos_ids_of
 from loading.load import describe_backend, load_model
 

@@ -32,8 +32,8 @@ import mlx.core as mx
 from batch import BatchGenerator
 from decoder import generate_step
 from decoder.cache import make_cache
-from decoder.cost import PassCost
 from decoder.hidden_states import HiddenStateTap
+from decoder.pass_cost import PassCost
 from decoder.row import DecodingStats
 from loading.load import describe_backend
 from mtp.source import MTPDrafter

@@ -2,7 +2,7 @@
 
     flock /tmp/bench.lock python -m benchmarks.pass_cost
 
-Each adaptive method runs twice per prompt, interleaved: once with ``cost.PassCost`` on a clock
+Each adaptive method runs twice per prompt, interleaved: once with ``decoder.PassCost`` on a clock
 that stands still, so every choice reads the prior (a verified token costs 0.09 of a step, and
 a model's drafting its weight-byte ratio: what the constants said before), and once measuring
 its own passes as ``main.py`` does. Prompts: the grounded classes of benchmarks/prompts (prompt
@@ -23,7 +23,7 @@ from benchmarks.harness import (
     side_by_side,
     time_loop,
 )
-from decoder.cost import PassCost
+from decoder.pass_cost import PassCost
 from decoder.text import eos_ids_of
 from draft_head.source import HeadDrafter
 from prompt_lookup import PromptLookupSource
@@ -124,8 +124,8 @@ def report(args, results, lookup_costs, head_costs, head) -> str:
         f"{args.max_tokens}`: embedded SmolLM2-135M-Instruct, float32, this 2-core x86 CPU, "
         "greedy, methods interleaved per "
         'prompt in one process. "prior" runs never time anything, so they decide as the old '
-        'constants did; "measured" runs time their own passes (cost.PassCost), as main.py and the '
-        "server do.",
+        'constants did; "measured" runs time their own passes (decoder.PassCost), as main.py and '
+        "the server do.",
         "",
         markdown_table(results, "plain"),
         "",

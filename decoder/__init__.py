@@ -8,9 +8,9 @@ plugs into. What each module holds: README.md.
 from .accept import accept_draft, accept_sampled, accept_tree
 from .cache import Cache, CacheKindError, adopt, load_cache, make_cache
 from .constrain import mask_logits
-from .cost import PassCost
 from .draft import Constraint, ConstraintError, Draft, Drafter, DraftRequest, DraftSource
 from .loop import GenerationResult, Response, generate, generate_step, stream_generate
+from .pass_cost import PassCost
 from .processors import make_logits_processors, process_logits
 from .row import TARGET, DecodingStats, SourceStats
 from .sampling import Sampling, sampling_probs

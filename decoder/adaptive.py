@@ -2,7 +2,7 @@
 
 from mlx.utils import tree_flatten
 
-from decoder.cost import AcceptanceEstimate, Backoff
+from decoder.acceptance import AcceptanceEstimate, Backoff
 
 
 def weight_bytes(model) -> int:

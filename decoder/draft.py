@@ -6,7 +6,7 @@ from typing import NamedTuple, Optional, Sequence
 
 import mlx.core as mx
 
-from .cost import PassCost
+from .pass_cost import PassCost
 from .sampling import Sampling
 
 

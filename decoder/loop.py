@@ -12,8 +12,8 @@ import mlx.core as mx
 
 from .cache import Cache, adopt, make_cache
 from .constrain import mask_logits
-from .cost import PassCost
 from .draft import Constraint, DraftSource
+from .pass_cost import PassCost
 from .prefill import Prefill
 from .row import TARGET, DecodingStats, Row, verify_pass
 from .sampling import Sampling

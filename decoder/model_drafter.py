@@ -13,8 +13,8 @@ import mlx.core as mx
 from mlx_lm.utils import common_prefix_len
 
 from decoder.adaptive import AdaptiveLength, Calibration
-from decoder.cost import PassCost
 from decoder.draft import Draft, Drafter, DraftRequest, DraftSource
+from decoder.pass_cost import PassCost
 from decoder.processors import process_logits
 from decoder.sampling import Sampling
 from decoder.tree import is_chain

@@ -10,8 +10,8 @@ from mlx_lm.utils import common_prefix_len
 from .accept import accept_draft, accept_sampled, accept_tree
 from .cache import Cache
 from .constrain import constrain_draft, constrain_tree
-from .cost import PassCost
 from .draft import Constraint, ConstraintError, Draft, DraftSource, choose_draft
+from .pass_cost import PassCost
 from .processors import process_logits
 from .sampling import Sampling
 from .tree import kept_slots, layout, path_to

@@ -20,7 +20,7 @@ from typing import Optional
 
 import mlx.core as mx
 
-from decoder.cost import PassCost
+from decoder.pass_cost import PassCost
 
 from .sharding import shard_model
 from .watchdog import Watchdog

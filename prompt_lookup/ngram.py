@@ -11,8 +11,9 @@ from typing import Optional, Sequence
 
 import mlx.core as mx
 
-from decoder.cost import AcceptanceEstimate, Backoff, PassCost
+from decoder.acceptance import AcceptanceEstimate, Backoff
 from decoder.draft import Draft, DraftSource
+from decoder.pass_cost import PassCost
 from decoder.tree import is_chain
 
 from .trie import choose, judge
@@ -133,7 +134,7 @@ class PromptLookupSource(DraftSource):
 
     Adaptive drafting (``adaptive=True``) follows from what verification costs. Scoring one more
     draft token adds ``c`` of a decoding step, the token cost the loop measures
-    (``cost.PassCost.token_cost``: a good share of a step on a CPU, far less on a GPU), while each
+    (``PassCost.token_cost``: a good share of a step on a CPU, far less on a GPU), while each
     accepted token saves a whole step. If a copied token is accepted with probability ``a`` once the
     token before it was, the i-th draft token pays off while ``a**i > c``, so the best draft length
     is ``log(c) / log(a)``, capped at ``2 * num_draft``.

@@ -39,8 +39,8 @@ import mlx.core as mx
 
 from batch import BatchGenerator, RowResponse
 from batch.row import trace_of
-from decoder.cost import PassCost
 from decoder.draft import ConstraintError
+from decoder.pass_cost import PassCost
 from decoder.text import eos_ids_of
 from server.constraints import RequestConstraints
 from server.failures import FailureLog, log
@@ -61,7 +61,7 @@ class Engine:
             (``PromptCache``).
         max_batch: requests decoded together; max_queue: requests waiting beyond them before HTTP
             503.
-        pass_cost: the timings the width policy reads (``cost.PassCost``); tests pass a fixed clock.
+        pass_cost: the timings the width policy reads (``PassCost``); tests pass a fixed clock.
         drafters: the models whose sources ``make_sources`` gives (``BatchGenerator``'s).
         tree_nodes: the rows' draft trees (``BatchGenerator``'s; 0: chains).
         ranks: ``server.ranks.Lockstep`` when the model is sharded over several ranks: rank 0's

@@ -22,7 +22,7 @@ import mlx.core as mx  # noqa: E402
 import distributed  # noqa: E402
 import main  # noqa: E402
 from decoder import generate  # noqa: E402
-from decoder.cost import PassCost  # noqa: E402
+from decoder.pass_cost import PassCost  # noqa: E402
 
 
 def run_cases(cases, session=None):

@@ -68,8 +68,8 @@ SERVERS = {
 
 def build_engine(kind: str, tmp: Path):
     """The engine of a ``SERVERS`` server: a tiny target and what drafts for it."""
-    from decoder.cost import PassCost
     from decoder.hidden_states import output_rows
+    from decoder.pass_cost import PassCost
     from draft_head import HeadDrafter
     from draft_head.head import DraftHead, head_args
     from draft_model import DraftModel

@@ -16,7 +16,8 @@ from batch import BatchGenerator, batch_generate
 from batch.policy import DraftGate, choose_width, prefill_group
 from constrained import ForcedTextSource, RegexConstraint
 from decoder import TARGET, generate_step, sampling_probs
-from decoder.cost import Backoff, PassCost
+from decoder.acceptance import Backoff
+from decoder.pass_cost import PassCost
 from draft_model import DraftModel
 from prompt_lookup.history import HistoryLookupSource
 from prompt_lookup.ngram import PromptLookupSource

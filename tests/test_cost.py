@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from decoder import DecodingStats, generate_step
-from decoder.cost import PassCost
+from decoder.pass_cost import PassCost
 from draft_model import DraftModel
 from prompt_lookup import PromptLookupSource
 from tests.helpers import tiny_llama

@@ -329,7 +329,7 @@ def mtp_run(path, target, calibrated: bool, tree_nodes=0, **options) -> tuple:
     """``(tokens, passes per token)`` of an MTP layer that predicts the target exactly but says
     it is sure of only a fifth of its top token."""
     from decoder import DecodingStats
-    from decoder.cost import PassCost
+    from decoder.pass_cost import PassCost
     from mtp.source import MTPDrafter
 
     tap, drafter = MTPDrafter.create(target, path, **options)

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from decoder import DecodingStats, generate_step
-from decoder.cost import PassCost
+from decoder.pass_cost import PassCost
 from prompt_lookup import PromptLookupSource
 from prompt_lookup.history import (
     HistoryError,

@@ -6,7 +6,7 @@ import pytest
 from mlx_lm.sample_utils import make_sampler
 
 from decoder import DecodingStats, Draft, accept_sampled, generate, generate_step
-from decoder.cost import PassCost
+from decoder.pass_cost import PassCost
 from tests.helpers import ScriptedSource, chi_square_p_value, tiny_byte_tokenizer, tiny_llama
 
 VOCAB = 64

@@ -6,7 +6,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from decoder import DecodingStats, generate_step
-from decoder.cost import Backoff, PassCost
+from decoder.acceptance import Backoff
+from decoder.pass_cost import PassCost
 from prompt_lookup import PromptLookupSource, find_draft
 from prompt_lookup.ngram import LONGEST_LOOKBACK
 from tests.helpers import end_with_a_match, target_accepts, tiny_llama

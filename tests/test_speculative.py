@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from decoder import DecodingStats, generate_step
-from decoder.cost import PassCost
+from decoder.pass_cost import PassCost
 from draft_model import DraftModel, VocabularyMismatch
 from t5 import T5Decoder, load_t5
 from tests.helpers import assert_sampling_keeps_the_target_distribution, count_trees, tiny_llama

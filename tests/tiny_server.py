@@ -144,7 +144,7 @@ def main():
     fast_blas.load()
     import uvicorn
 
-    from decoder.cost import PassCost
+    from decoder.pass_cost import PassCost
     from prompt_lookup.ngram import PromptLookupSource
     from server.__main__ import exit_now, listen
     from server.app import build_app
