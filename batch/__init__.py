@@ -8,8 +8,8 @@ sources, constraint and sampling, verified together in one ``[B, W]`` pass per s
   sync, acceptance.
 - ``logprobs.py``: ``TokenLogprobs``, the target's logprobs of each emitted token.
 - ``generate.py``: ``batch_generate`` and ``BatchResult``: prompts in, texts out.
-- ``cache.py``: ``probe``, what a batch must know of a model; ``stats.py``: ``BatchStats``, what
-  the generator counts.
+- ``model_probe.py``: ``probe``, what a batch must know of a model; ``stats.py``: ``BatchStats``,
+  what the generator counts.
 - ``policy.py``: how many draft tokens the pass verifies (``choose_width``), from measured pass
   costs, and which waiting prompts prefill together (``prefill_group``).
 

@@ -27,8 +27,8 @@ from typing import List, Optional, Sequence, Union
 
 import mlx.core as mx
 
-from batch.cache import probe
 from batch.logprobs import token_logprobs
+from batch.model_probe import probe
 from batch.policy import DraftGate, choose_width, prefill_group
 from batch.row import BatchRow, RowResponse, new_rows, shared_prompts
 from batch.stats import BatchStats
@@ -102,7 +102,7 @@ class BatchGenerator:
         self.slots: List[int] = []
         self.waiting: List[BatchRow] = []
         self.cache = None  # a cache.Cache while rows run
-        # what the model needs of the cache (batch.cache.probe), asked at the first join
+        # what the model needs of the cache (batch.model_probe.probe), asked at the first join
         self.mask_dims = None
         self.uids = itertools.count()  # a row's uid, taken when the row is made
 

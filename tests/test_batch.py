@@ -283,7 +283,7 @@ def test_grammar_rows_with_forced_text():
 class PoisonedModel:
     """Wraps a model: NaN scores for the tokens in ``columns`` on every call, and for a whole row
     (index ``row`` of the batch) on call number ``at`` of the calls with more than three rows (the
-    batch's probe of the model, batch.cache.probe, runs up to three)."""
+    batch's probe of the model, batch.model_probe.probe, runs up to three)."""
 
     def __init__(self, model, columns, row=None, at=None):
         self.model, self.layers, self.args = model, model.layers, model.args

@@ -1,8 +1,8 @@
 """What a batch must know of a model (``probe``), asked once with scratch rows.
 
-Prompts go into a batch's cache through ``cache.Prefill``; rows then drift apart as they accept
-different numbers of tokens, so every row attends over the longest one's slots, and ``realign``
-(a roll, run rarely) packs them right again.
+Prompts go into a batch's cache through ``decoder.prefill.Prefill``; rows then drift apart as they
+accept different numbers of tokens, so every row attends over the longest one's slots, and
+``realign`` (a roll, run rarely) packs them right again.
 """
 
 import mlx.core as mx
