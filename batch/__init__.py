@@ -7,7 +7,7 @@ sources, constraint and sampling, verified together in one ``[B, W]`` pass per s
 - ``verify.py``: what one ``[B, W]`` pass decides per row: constraint masks, the step's one host
   sync, acceptance.
 - ``logprobs.py``: ``TokenLogprobs``, the target's logprobs of each emitted token.
-- ``generate.py``: ``batch_generate`` and ``BatchResult``: prompts in, texts out.
+- ``batch_generate.py``: ``batch_generate`` and ``BatchResult``: prompts in, texts out.
 - ``model_probe.py``: ``probe``, what a batch must know of a model; ``stats.py``: ``BatchStats``,
   what the generator counts.
 - ``policy.py``: how many draft tokens the pass verifies (``choose_width``), from measured pass
@@ -18,7 +18,7 @@ drafts for all its rows in one call when the generator is handed it
 (``BatchGenerator(drafters=[...])``).
 """
 
-from batch.generate import BatchResult, batch_generate
+from batch.batch_generate import BatchResult, batch_generate
 from batch.generator import BatchGenerator
 from batch.logprobs import TokenLogprobs
 from batch.row import RowResponse
