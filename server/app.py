@@ -4,7 +4,7 @@ answering from the engine's events.
 Handlers parse and tokenize, queue a job and wait for its first event, so that a bad schema or a
 full queue is still an HTTP error status rather than an error in the middle of a stream. Then they
 either collect the text (a JSON answer) or forward it as server-sent events, each in its API's
-terms (formats.py, anthropic.py, responses.py). Every API's requests share the one engine, so
+terms (formats.py, anthropic.py, responses_output.py). Every API's requests share the one engine, so
 chat completions, Messages and Responses sent at once decode in one batch.
 """
 
@@ -33,8 +33,8 @@ from server.job import Job
 from server.protocol import check_prompt, parse_chat, parse_completion
 from server.reasoning import EFFORT_BUDGETS
 from server.request import ApiError, invalid, parse_body
-from server.responses import ResponsesFormat
 from server.responses_input import ResponseStore, parse_responses
+from server.responses_output import ResponsesFormat
 
 DISCONNECT_POLL_S = 0.25  # how often a waiting handler checks that its client is still there
 # a context of 8k tokens is ~50 KB of text; this leaves room for tools and schemas

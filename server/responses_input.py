@@ -1,6 +1,6 @@
-"""The request side of OpenAI's Responses API (responses.py): a /v1/responses body -> a checked
-``GenerationRequest``, its ``input`` items read as chat messages, and ``ResponseStore``, the
-conversations a later ``previous_response_id`` continues.
+"""The request side of OpenAI's Responses API (its output side: responses_output.py): a
+/v1/responses body -> a checked ``GenerationRequest``, its ``input`` items read as chat messages,
+and ``ResponseStore``, the conversations a later ``previous_response_id`` continues.
 """
 
 import base64

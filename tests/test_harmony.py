@@ -16,8 +16,8 @@ from server.formats import ChatFormat, Reasoning
 from server.harmony import chat_tool_syntax
 from server.job import Outcome
 from server.protocol import parse_chat
-from server.responses import ResponsesFormat
 from server.responses_input import ResponseStore, parse_responses
+from server.responses_output import ResponsesFormat
 from server.tools import Call, Function, ToolUse, split
 from tests.helpers import stop
 from tests.test_server_tiny import start

@@ -19,6 +19,9 @@ assistant turn's ``reasoning_content``, which the template keeps or drops.
 
 A stream ends with ``response.completed`` also when ``max_output_tokens`` cut the answer short
 (status "incomplete", ``incomplete_details.reason`` "max_output_tokens").
+
+The request side (a body -> a ``GenerationRequest``) is responses_input.py; the output items and
+their stream are here (``ResponsesFormat``).
 """
 
 import time
