@@ -9,8 +9,9 @@ one engine: structured outputs, tool calls, lossless speculation.
 - ``protocol.py``: OpenAI's request bodies -> a checked ``GenerationRequest`` (``prepare_chat``:
   messages and tools -> prompt and constraint, for every API); ``chat_messages.py``: a chat
   message checked, and messages as a chat template takes them.
-- ``anthropic_input.py`` and ``anthropic.py``: Anthropic's Messages, its parser and its format;
-  ``responses_input.py`` and ``responses_output.py``: OpenAI's Responses, its parser and its format;
+- ``anthropic_input.py`` and ``anthropic_output.py``: Anthropic's Messages, its parser and its
+  format; ``responses_input.py`` and ``responses_output.py``: OpenAI's Responses, its parser and
+  its format;
   ``formats.py``: chat completions' and completions' formats.
 - ``tools.py``: tool calls in the model's own syntax: the grammar that constrains them, the reader
   that takes them out of the text.

@@ -1,6 +1,7 @@
-"""The request side of Anthropic's Messages API (anthropic.py): a /v1/messages or
-/v1/messages/count_tokens body -> a checked ``GenerationRequest``, its content blocks read as chat
-messages and its ``thinking`` and ``output_config.effort`` as a ``ThinkingRequest``.
+"""The request side of Anthropic's Messages API (its output side: anthropic_output.py): a
+/v1/messages or /v1/messages/count_tokens body -> a checked ``GenerationRequest``, its content
+blocks read as chat messages and its ``thinking`` and ``output_config.effort`` as a
+``ThinkingRequest``.
 """
 
 from server.protocol import (

@@ -4,8 +4,8 @@ answering from the engine's events.
 Handlers parse and tokenize, queue a job and wait for its first event, so that a bad schema or a
 full queue is still an HTTP error status rather than an error in the middle of a stream. Then they
 either collect the text (a JSON answer) or forward it as server-sent events, each in its API's
-terms (formats.py, anthropic.py, responses_output.py). Every API's requests share the one engine, so
-chat completions, Messages and Responses sent at once decode in one batch.
+terms (formats.py, anthropic_output.py, responses_output.py). Every API's requests share the one
+engine, so chat completions, Messages and Responses sent at once decode in one batch.
 """
 
 import asyncio
@@ -23,8 +23,8 @@ from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 from batch.row import trace_of
-from server.anthropic import ANTHROPIC_STATUS, MessagesFormat, anthropic_error
 from server.anthropic_input import parse_messages
+from server.anthropic_output import ANTHROPIC_STATUS, MessagesFormat, anthropic_error
 from server.choices import choice_events, choice_formats, choice_requests, full_answer
 from server.engine import Engine
 from server.failures import FailureLog

@@ -5,7 +5,7 @@ A format is made per request. ``full(outcome)`` is the JSON answer; a stream is 
 ``text(piece, logprobs)`` per text event, then ``done(outcome)`` or ``failed(error)``, each a list
 of server-sent events. Tool calls are read out of the text by the request's reader (tools.py), so
 every API shows the same text and the same calls. Anthropic's Messages and OpenAI's Responses
-formats (anthropic.py, responses_output.py) follow the same shape.
+formats (anthropic_output.py, responses_output.py) follow the same shape.
 """
 
 import json

@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from server.anthropic import MessagesFormat
 from server.anthropic_input import parse_messages
+from server.anthropic_output import MessagesFormat
 from server.formats import ChatFormat, Reasoning
 from server.harmony import chat_tool_syntax
 from server.job import Outcome

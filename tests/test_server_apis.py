@@ -146,8 +146,8 @@ def test_a_messages_body_becomes_the_chat_a_template_renders():
     ],
 )
 def test_bad_messages_bodies_are_400_in_one_line(change, fragment):
-    from server.anthropic import anthropic_error
     from server.anthropic_input import parse_messages
+    from server.anthropic_output import anthropic_error
 
     body = {
         "model": "tiny",
@@ -322,7 +322,7 @@ def test_a_field_that_would_change_the_output_and_is_not_honoured_is_a_400_namin
 def test_a_quiet_stream_pings_and_then_goes_on():
     """Anthropic's stream sends a ping after MessagesFormat.ping_s without events (a long
     prefill)."""
-    from server.anthropic import MessagesFormat
+    from server.anthropic_output import MessagesFormat
     from server.app import events
     from server.job import Outcome
     from server.request import GenerationRequest
