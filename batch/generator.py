@@ -385,9 +385,9 @@ class BatchGenerator:
             try:
                 if isinstance(result, Exception):
                     raise result
-                if plan.drafter is not None:  # the width policy learns from every offered draft
+                if plan.source is not None:  # the width policy learns from every offered draft
                     row.acceptance.record(
-                        plan.drafter.name,
+                        plan.source.name,
                         plan.draft.first_branch(),
                         draft.path_tokens(row.path[: result[0]]) + [result[1]],
                     )

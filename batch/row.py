@@ -59,10 +59,10 @@ class BatchRow(Row):
 
     def expects(self, plan) -> Union[float, list]:
         """What the width policy expects of the row's draft (``choose_width``): a tree's chances
-        of each node, else the rate its drafter's tokens are accepted at."""
+        of each node, else the rate its source's tokens are accepted at."""
         if plan.draft.chances is not None:
             return plan.draft.chances
-        return self.acceptance.rate(plan.drafter.name) if plan.drafter else 0.0
+        return self.acceptance.rate(plan.source.name) if plan.source else 0.0
 
     def failed(self, error: Exception) -> RowResponse:
         """The row's last response when ``error`` ends it (the other rows go on): one line naming

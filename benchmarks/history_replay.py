@@ -2,10 +2,10 @@
 
     flock /tmp/bench.lock python -m benchmarks.history_replay --store-prompts 208
 
-Under greedy decoding a model-free drafter's acceptance follows from logged outputs, with
-no model run: walk each logged answer as the loop would, let the drafter propose from what
+Under greedy decoding a model-free source's acceptance follows from logged outputs, with
+no model run: walk each logged answer as the loop would, let the source propose from what
 it has seen, accept the longest common prefix with the true continuation, and count one
-target pass per step (covering the accepted tokens plus the target's own). The drafters are
+target pass per step (covering the accepted tokens plus the target's own). The sources are
 the real ``PromptLookupSource`` objects, so this is the pass count greedy decoding with them
 gives, adaptive draft lengths included (capped at 16 tokens).
 
@@ -163,7 +163,7 @@ def main():
     variants = {"+ history": {}, "+ history, n-grams up to 8": {"ngram_max": 8}}
 
     header = [
-        "| workload | drafter | store tokens | tokens | target passes | passes saved vs plain | "
+        "| workload | source | store tokens | tokens | target passes | passes saved vs plain | "
         "vs prompt lookup | modelled speed-up | search ms (median) |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]

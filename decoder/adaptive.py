@@ -1,4 +1,4 @@
-"""Adaptive draft length and pausing, for the sources that run a model (drafter.py's)."""
+"""Adaptive draft length and pausing, for the sources that run a model (model_drafter.py's)."""
 
 from mlx.utils import tree_flatten
 

@@ -162,15 +162,15 @@ def choose_draft(
     cost: Optional[PassCost] = None,
     max_nodes: Optional[int] = None,
 ) -> tuple:
-    """``(draft, drafter)``: the first non-empty draft of the sources (in priority order), unless
+    """``(draft, source)``: the first non-empty draft of the sources (in priority order), unless
     a later source forecasts a larger ``expected_speedup`` before drafting. The choice never
     depends on tokens drawn this step, so each draft still follows its ``probs``. ``max_nodes``:
     ask for trees of that many nodes (``DraftSource.propose_tree``); None: chains."""
-    chosen, drafter = Draft([]), None
+    chosen, chosen_source = Draft([]), None
     if max_draft <= 0:
-        return chosen, drafter
+        return chosen, chosen_source
     for source in draft_sources:
-        if drafter is not None:
+        if chosen_source is not None:
             forecast = source.forecast_speedup()
             if (
                 chosen.expected_speedup is None
@@ -187,7 +187,7 @@ def choose_draft(
             if cost is not None:
                 cost.record_draft(source.name, cost.clock() - tic, len(draft.tokens))
             chosen = draft if draft.parents is not None else draft.truncate(max_draft)
-            drafter = source
+            chosen_source = source
             if draft.expected_speedup is None:
                 break
-    return chosen, drafter
+    return chosen, chosen_source

@@ -76,7 +76,7 @@ class Plan(NamedTuple):
     masks."""
 
     draft: Draft  # cut to what the constraint allows
-    drafter: Optional[DraftSource]
+    source: Optional[DraftSource]
     masks: Optional[mx.array]  # (len(draft) + 1, vocab), or None without a constraint
 
 
@@ -159,7 +159,7 @@ class Row:
         sources = self.sources if sources is None else sources
         if len(self.tokens) - self.cached > MAX_PENDING:
             sources = []  # a plain pass keeps all it feeds, where a rejected draft would add more
-        draft, drafter = choose_draft(sources, self.tokens, self.max_draft, cost, self.max_nodes)
+        draft, source = choose_draft(sources, self.tokens, self.max_draft, cost, self.max_nodes)
         masks = None
         if self.constraint is not None:
             if draft.parents is None:
@@ -169,8 +169,8 @@ class Row:
                     self.constraint, draft, self.forced_after, self.max_draft
                 )
             if not draft.tokens:
-                drafter = None
-        return Plan(draft, drafter, masks)
+                source = None
+        return Plan(draft, source, masks)
 
     def forced_after(self, path: list) -> list:
         """The tokens the row's constraint forces after draft tokens ``path``, as its sources know
@@ -266,7 +266,7 @@ class Row:
     def emit(self, plan: Plan, draft: Draft, num_accepted: int, next_token: int) -> tuple:
         """Commit a verified step; returns ``(tokens, sources)`` emitted. ``draft`` is what was
         verified (``plan.draft``, or less where the batch's width cut it)."""
-        drafter = plan.drafter if draft.tokens else None
+        drafted_by = plan.source if draft.tokens else None
         self.stats.target_forward_passes += 1
         emitted = draft.path_tokens(self.path[:num_accepted]) + [next_token]
         # Up to EOS or max_tokens: accepted tokens past that are neither emitted nor counted.
@@ -275,9 +275,9 @@ class Row:
         )
         emitted = emitted[: min(stop, self.max_tokens - self.num_generated)]
         num_accepted, num_proposed = min(num_accepted, len(emitted)), len(draft.tokens)
-        if drafter is not None:
-            self.stats.source(drafter.name).record(num_proposed, num_accepted)
-        sources = [drafter.name if i < num_accepted else TARGET for i in range(len(emitted))]
+        if drafted_by is not None:
+            self.stats.source(drafted_by.name).record(num_proposed, num_accepted)
+        sources = [drafted_by.name if i < num_accepted else TARGET for i in range(len(emitted))]
         self.tokens += emitted
         self.num_generated += len(emitted)
         if emitted[-1] in self.eos_token_ids:
@@ -288,7 +288,7 @@ class Row:
             if self.constraint is not None:
                 self.constraint.advance(emitted)
             for source in self.sources:
-                proposed = num_proposed if source is drafter else 0
+                proposed = num_proposed if source is drafted_by else 0
                 source.update(self.tokens, proposed, num_accepted if proposed else 0)
         self.stats.finish_reason = self.finish_reason
         return emitted, sources

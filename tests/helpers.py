@@ -140,7 +140,7 @@ def assert_sampling_keeps_the_target_distribution(
 
 
 def assert_constrained_sampling_is_exact(model, constraint, temp=1.0, runs=1500):
-    """Two tokens sampled under ``constraint`` with a drafter that ignores it (its own q puts mass
+    """Two tokens sampled under ``constraint`` with a source that ignores it (its own q puts mass
     on forbidden tokens, as a draft model's does), chi-squared against the target's masked joint
     distribution computed by brute force. A forbidden draft token must be rejected into the
     residual (p - q)+; cutting the draft there and sampling from p would skew the output."""
@@ -165,7 +165,7 @@ def assert_constrained_sampling_is_exact(model, constraint, temp=1.0, runs=1500)
     q[[ord(c) for c in "abcx"]] += 0.2  # mostly allowed letters, some forbidden tokens
     q = q / q.sum()
     rng = np.random.default_rng(0)
-    drafter = ScriptedSource(
+    source = ScriptedSource(
         lambda tokens, k: rng.choice(vocab, size=min(k, 2), p=q).tolist(),
         name="random",
         probs_fn=lambda tokens, draft: mx.array(np.tile(q, (len(draft), 1)), mx.float32),
@@ -178,7 +178,7 @@ def assert_constrained_sampling_is_exact(model, constraint, temp=1.0, runs=1500)
             for token, _ in generate_step(
                 prompt,
                 model,
-                draft_sources=[drafter],
+                draft_sources=[source],
                 constraint=constraint,
                 temp=temp,
                 max_tokens=2,

@@ -178,7 +178,7 @@ def test_embedded_model_output_matches_and_drafts_are_lossless(
     assert with_forced.stats.target_forward_passes <= plain.stats.target_forward_passes
 
 
-def test_sampling_with_a_drafter_that_ignores_the_regex_keeps_the_masked_distribution():
+def test_sampling_with_a_source_that_ignores_the_regex_keeps_the_masked_distribution():
     from tests.helpers import assert_constrained_sampling_is_exact
 
     assert_constrained_sampling_is_exact(

@@ -129,7 +129,7 @@ class Modeller(ScriptedSource):
 
 
 @pytest.mark.parametrize(
-    "copy_expects,model_forecasts,drafter",
+    "copy_expects,model_forecasts,chosen",
     [
         (1.2, 1.5, "modeller"),  # the model expects more: it drafts
         (1.5, 1.2, "copier"),  # the copy expects more: the model is not even run
@@ -139,7 +139,7 @@ class Modeller(ScriptedSource):
     ],
 )
 def test_the_loop_lets_a_model_draft_only_when_it_expects_more(
-    copy_expects, model_forecasts, drafter
+    copy_expects, model_forecasts, chosen
 ):
     prompt = [3, 1, 4, 1, 5, 9, 2, 6]
     reference = plain_greedy(prompt, 20)
@@ -152,8 +152,8 @@ def test_the_loop_lets_a_model_draft_only_when_it_expects_more(
     stats = DecodingStats()
     tokens, _ = run(prompt, [copier, modeller], 20, stats=stats)
     assert tokens == reference
-    assert list(stats.sources) == [drafter]
-    if drafter == "copier":
+    assert list(stats.sources) == [chosen]
+    if chosen == "copier":
         assert modeller.asked == 0 and all(proposed == 0 for _, proposed, _ in modeller.updates)
     else:  # the copy's draft was made but not used: it is told it did not draft
         assert all(proposed == 0 for _, proposed, _ in copier.updates)

@@ -224,7 +224,7 @@ def test_walk_keeps_the_first_forbidden_or_out_of_vocabulary_token_to_be_rejecte
 
 
 def test_sampling_keeps_the_masked_target_distribution():
-    """Two sampled tokens under a grammar, with a random drafter that has its own distribution,
+    """Two sampled tokens under a grammar, with a random source that has its own distribution,
     against the target's masked joint distribution computed by brute force."""
     assert_constrained_sampling_is_exact(MODEL, grammar_constraint("start: /[a-e]{2}/"))
 

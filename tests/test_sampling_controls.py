@@ -236,7 +236,7 @@ def processed_joint(processors, temp, **truncations):
     return np.stack([first[t] * probs(PROMPT + [t]) for t in range(SMALL_VOCAB)]).reshape(-1)
 
 
-def random_drafter(rng):
+def random_source(rng):
     """Two tokens from a fixed q unlike the target's, as a draft model's are."""
     q = rng.dirichlet(np.ones(SMALL_VOCAB))
     return ScriptedSource(
@@ -248,7 +248,7 @@ def random_drafter(rng):
 
 def sampled_counts(runs=2000, temp=1.0, processors=(), **truncations):
     rng, stats = np.random.default_rng(0), DecodingStats()
-    drafter = random_drafter(rng)
+    source = random_source(rng)
     mx.random.seed(7)
     counts = np.zeros(SMALL_VOCAB * SMALL_VOCAB, dtype=np.int64)
     for _ in range(runs):
@@ -257,7 +257,7 @@ def sampled_counts(runs=2000, temp=1.0, processors=(), **truncations):
             for token, _ in generate_step(
                 PROMPT,
                 SMALL,
-                draft_sources=[drafter],
+                draft_sources=[source],
                 temp=temp,
                 logits_processors=list(processors),
                 max_tokens=2,
@@ -342,7 +342,7 @@ BATCH_CONTROLS = [
 
 def batch_counts(runs=1200, temp=0.8, batch=300) -> list:
     """Per kind of BATCH_CONTROLS: the counts of its rows' (first, second) tokens, the kinds
-    alternating in batches of ``batch`` rows, each row with a drafter and a seed of its own."""
+    alternating in batches of ``batch`` rows, each row with a source and a seed of its own."""
     rng, kinds = np.random.default_rng(1), len(BATCH_CONTROLS)
     counts = [np.zeros(SMALL_VOCAB * SMALL_VOCAB, dtype=np.int64) for _ in BATCH_CONTROLS]
     proposed = accepted = 0
@@ -351,7 +351,7 @@ def batch_counts(runs=1200, temp=0.8, batch=300) -> list:
         generator = BatchGenerator(SMALL, eos_token_ids=(), max_width=2)
         uids = generator.insert(
             [PROMPT] * batch,
-            draft_sources=[[random_drafter(rng)] for _ in range(batch)],
+            draft_sources=[[random_source(rng)] for _ in range(batch)],
             temp=temp,
             top_k=[c.get("top_k", 0) for c in controls],
             min_p=[c.get("min_p", 0.0) for c in controls],
