@@ -1,7 +1,7 @@
 """Published EAGLE draft heads (SafeAILab/EAGLE layouts) as MLX modules for mlx-lm targets.
 
 Both published layouts plug into ``DraftHeadSource`` like our own head (head.py); ``load_head``
-(head_loading.py) reads their directories: ``config.json``, a Llama config of the head, and the
+(loading.py) reads their directories: ``config.json``, a Llama config of the head, and the
 weights.
 
 - **EAGLE-1/2** (arXiv 2401.15077, 2406.16858): ``fc`` maps [embedding; h_t] (2d -> d, with bias)

@@ -9,7 +9,7 @@ are scored with the target's own output matrix restricted to a frequency-ranked 
 
 A head directory holds ``model.safetensors`` (float16 head weights and the sub-vocabulary
 ids) and ``config.json`` (the target's args and fingerprint), written by ``save_head``;
-``load_head`` (head_loading.py) reads it, and heads in the published EAGLE layouts (eagle.py).
+``load_head`` (loading.py) reads it, and heads in the published EAGLE layouts (eagle.py).
 EAGLE-3 reads the outputs of three target layers, which ``body_with_features`` collects.
 """
 

@@ -23,10 +23,11 @@ Qwen hybrids' stacks, with experts where the target has them):
   zeroed, as vLLM's ``mimo_mtp.py`` does.
 
 Each module has the draft head's interface (``__call__(features, next_embeddings, cache)``,
-``logits``, ``make_cache``), so ``DraftHeadSource`` drafts with it (mtp_source.py). ``load_mtp``
-reads the weights from the checkpoint the target came from: a Hugging Face directory (its
-safetensors shards), or an mlx-lm directory written by convert.py, which keeps them in
-``mtp.safetensors`` (mlx-lm reads only ``model*.safetensors``, so the target loads as before).
+``logits``, ``make_cache``), so ``MTPSource`` (source.py) drafts with it as ``DraftHeadSource``
+does with a head. ``load_mtp`` reads the weights from the checkpoint the target came from: a
+Hugging Face directory (its safetensors shards), or an mlx-lm directory written by convert.py,
+which keeps them in ``mtp.safetensors`` (mlx-lm reads only ``model*.safetensors``, so the target
+loads as before).
 """
 
 import json

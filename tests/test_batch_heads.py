@@ -1,6 +1,6 @@
 """Draft heads and MTP layers per row in a batch: each row reads its own hidden states from the
-target's cache (``head_source.FeatureRows``) while rows of different lengths join and leave, under a
-regex, with a prompt cache, and sampling keeps each row's distribution."""
+target's cache (``hidden_states.FeatureRows``) while rows of different lengths join and leave,
+under a regex, with a prompt cache, and sampling keeps each row's distribution."""
 
 import random
 
