@@ -18,6 +18,7 @@ from .prefill import Prefill
 from .sampling import Sampling
 from .step import TARGET, DecodingStats, Row, verify_pass
 from .text import TextStream, encode, eos_ids_of
+from .tree_choice import TreeChoice
 from .tree_pass import max_nodes_for
 
 
@@ -126,9 +127,12 @@ def generate_step(
     row.cached = len(row.tokens) - 1
     row.stats.prompt_time = time.perf_counter() - tic
 
+    # "auto": trees while they emit more per second than chains here (``TreeChoice``)
+    choice = TreeChoice() if row.max_nodes == 0 and draft_sources else None
     while row.finish_reason is None:
+        step_started, trees = cost.clock(), choice is None or choice.use_trees()
         # The first step's drafting includes the sources' own prefill, so it is not timed.
-        plan = row.plan(cost if row.num_generated else None)
+        plan = row.plan(cost if row.num_generated else None, trees=trees)
         draft = plan.draft
         tic = cost.clock()
         logits, pass_width = verify_pass(model, cache, [row], [draft], len(draft.tokens) + 1)
@@ -144,6 +148,8 @@ def generate_step(
         trim, restore = row.commit(cache, pass_width, len(draft.tokens), num_accepted)
         cache.rewind([trim], [0] if restore else [])
         emitted, sources = row.emit(plan, draft, num_accepted, next_token)
+        if choice is not None and row.num_generated > len(emitted):  # the first step: untimed
+            choice.record(trees, len(emitted), cost.clock() - step_started)
         yield from zip(emitted, sources)
 
 
