@@ -37,6 +37,7 @@ from decoder.draft import DraftRequest
 from decoder.pass_cost import PassCost
 from decoder.prefill import Prefill
 from decoder.row import verify_pass
+from decoder.tree_choice import TreeChoice
 from decoder.tree_pass import enable_trees, max_nodes_for
 
 # Rows whose ends drift further apart than this are rolled back into line (one copy of the cache),
@@ -87,6 +88,8 @@ class BatchGenerator:
         if tree_nodes:  # the model's rope modules take a tree's positions (once, in place)
             enable_trees(model)
         self.max_nodes = max_nodes_for(model, tree_nodes)
+        # "auto": trees while they emit more per second than chains here
+        self.trees = TreeChoice() if self.max_nodes == 0 else None
         self.eos_token_ids = set(eos_token_ids)
         self.prefill_step_size, self.prefill_batch_size = prefill_step_size, prefill_batch_size
         self.max_batch = max_batch
@@ -270,12 +273,14 @@ class BatchGenerator:
         self.rows += joining
         self.gate.reset()  # new rows' sources are asked at once
 
-    def _draft_with_models(self, responses: list):
+    def _draft_with_models(self, responses: list, trees: bool):
         """Each shared drafter (``drafters``) drafts for all its rows at once, before the rows
-        choose, told each row's slot in the cache."""
+        choose, told each row's slot in the cache; ``trees`` False: chains this step."""
         for drafter in self.drafters:
             requests = [
-                DraftRequest(source, row.tokens, row.max_draft, slot, row.max_nodes)
+                DraftRequest(
+                    source, row.tokens, row.max_draft, slot, row.max_nodes if trees else None
+                )
                 for row, slot in zip(self.rows, self.slots)
                 for source in filter(drafter.owns, row.sources)
             ]
@@ -303,16 +308,16 @@ class BatchGenerator:
             return responses
         tic = time.perf_counter()
         asked = self.gate.ask() and any(row.sources for row in self.rows)
+        trees = self.trees is None or self.trees.use_trees()
         if asked:
-            self._draft_with_models(responses)
+            self._draft_with_models(responses, trees)
         plans, failed = [], []
         for index, row in enumerate(self.rows):
             try:
                 # Drafting is not timed here: a shared drafter drafted for all its rows already
                 # (``_draft_with_models``), and a lookup's propose is not a model call.
-                plans.append(
-                    row.plan(sources=row.sources if asked else [s for s in row.sources if s.free])
-                )
+                sources = row.sources if asked else [s for s in row.sources if s.free]
+                plans.append(row.plan(sources=sources, trees=trees))
             except Exception as error:  # noqa: BLE001
                 responses.append(row.failed(error))
                 failed.append(index)
@@ -330,6 +335,8 @@ class BatchGenerator:
             self.gate.record(width)
         emitted = self._verify(width, plans, responses)
         self.stats.decode_time += time.perf_counter() - tic
+        if self.trees is not None and asked and any(row.max_nodes == 0 for row in self.rows):
+            self.trees.record(trees, emitted, time.perf_counter() - tic)
         self.stats.generation_tokens += emitted
         return responses
 

@@ -75,7 +75,8 @@ def add_arguments(parser, history: bool = True):
         metavar="N|auto",
         help="Draft trees of at most N candidate tokens per step, verified in one pass (prompt "
         f"and history lookup; 1 to {MAX_TREE_NODES}); 0: one chain per step, as before; auto "
-        "(default): as many nodes as the measured pass cost and acceptance say pay.",
+        "(default): as many nodes as the measured pass cost and acceptance say pay, and chains "
+        "instead while steps with trees emit fewer tokens per second here than steps with chains.",
     )
     add_distributed_arguments(parser)
 

@@ -18,6 +18,7 @@ from .prefill import Prefill
 from .row import TARGET, DecodingStats, Row, verify_pass
 from .sampling import Sampling
 from .text import TextStream, encode, eos_ids_of
+from .tree_choice import TreeChoice
 from .tree_pass import max_nodes_for
 
 
@@ -86,17 +87,15 @@ def generate_step(
         logits_processors: mlx-lm's ``processor(tokens, logits) -> logits``, applied at every
             position with the tokens before it, draft tokens included.
         sampler: an mlx-lm sampler instead of the settings above (``accept_sampled``).
-        max_tokens: stop after this many generated tokens.
-        stats: filled in as decoding proceeds.
+        max_tokens, stats: stop after this many tokens; statistics filled in as it goes.
         prompt_cache: a ``make_cache(model)`` (or mlx-lm's list, adopted in place) holding the first
             tokens of ``prompt``; only the rest is prefilled.
         pass_cost: the ``PassCost`` the loop times its passes into; pass one to keep it.
         tree_nodes: draft trees of at most this many nodes, ``"auto"`` for as many as the
             sources expect to pay, 0 for chains; call ``enable_trees(model)`` first (a model it
             refuses drafts chains).
-        seed: the target's draws come from ``mx.random.key(seed)``, split each step, and not from
-            MLX's global stream (None); an mlx-lm ``sampler`` and sampling draft models still
-            draw from the global stream.
+        seed: the target draws from ``mx.random.key(seed)``, split each step, not MLX's global
+            stream (None), which an mlx-lm ``sampler`` and sampling draft models still use.
 
     Yields:
         ``(token, source_name)`` for each accepted token; ``source_name`` is
@@ -126,9 +125,11 @@ def generate_step(
     row.cached = len(row.tokens) - 1
     row.stats.prompt_time = time.perf_counter() - tic
 
+    choice = TreeChoice() if row.max_nodes == 0 else None  # "auto": trees while they pay here
     while row.finish_reason is None:
+        step_started, trees = cost.clock(), choice is None or choice.use_trees()
         # The first step's drafting includes the sources' own prefill, so it is not timed.
-        plan = row.plan(cost if row.num_generated else None)
+        plan = row.plan(cost if row.num_generated else None, trees=trees)
         draft = plan.draft
         tic = cost.clock()
         logits, pass_width = verify_pass(model, cache, [row], [draft], len(draft.tokens) + 1)
@@ -144,6 +145,8 @@ def generate_step(
         trim, restore = row.commit(cache, pass_width, len(draft.tokens), num_accepted)
         cache.rewind([trim], [0] if restore else [])
         emitted, sources = row.emit(plan, draft, num_accepted, next_token)
+        if choice and row.num_generated > len(emitted):  # the first step: untimed
+            choice.record(trees, len(emitted), cost.clock() - step_started)
         yield from zip(emitted, sources)
 
 

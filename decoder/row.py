@@ -151,15 +151,19 @@ class Row:
         return self.max_tokens - self.num_generated - 1
 
     def plan(
-        self, cost: Optional[PassCost] = None, sources: Optional[Sequence[DraftSource]] = None
+        self,
+        cost: Optional[PassCost] = None,
+        sources: Optional[Sequence[DraftSource]] = None,
+        trees: bool = True,
     ) -> Plan:
         """This step's draft, cut to what the constraint allows, and the constraint's masks.
         ``sources``: the ones to ask (default: all the row's); ``cost`` times each ``propose``
-        (None: not timed)."""
+        (None: not timed); ``trees`` False: a chain this step (``TreeChoice``)."""
         sources = self.sources if sources is None else sources
         if len(self.tokens) - self.cached > MAX_PENDING:
             sources = []  # a plain pass keeps all it feeds, where a rejected draft would add more
-        draft, source = choose_draft(sources, self.tokens, self.max_draft, cost, self.max_nodes)
+        max_nodes = self.max_nodes if trees else None
+        draft, source = choose_draft(sources, self.tokens, self.max_draft, cost, max_nodes)
         masks = None
         if self.constraint is not None:
             if draft.parents is None:

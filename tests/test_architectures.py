@@ -107,9 +107,9 @@ def test_draft_trees_equal_mlx_lm_or_fall_back_to_chains(tiny):
         assert trees > 0, "no tree was drafted"
 
 
-@pytest.mark.parametrize("bits", [4, 8])
-def test_quantized_is_lossless(tiny, bits):
-    checks.check_quantized(*tiny, bits=bits)
+def test_quantized_is_lossless(tiny):
+    # 4 bits: the coarser grid, where a near-tie is likelier to flip (8 bits: conversion tests)
+    checks.check_quantized(*tiny, bits=4)
 
 
 @pytest.mark.slow

@@ -14,6 +14,7 @@ from batch import BatchGenerator
 from constrained import RegexConstraint
 from decoder import generate_step, make_cache, sampling_probs
 from decoder.hidden_states import output_rows
+from decoder.pass_cost import PassCost
 from draft_head.head import DraftHead, head_args
 from draft_head.source import HeadDrafter
 from loading.target import load_mlx_lm
@@ -22,6 +23,7 @@ from prompt_lookup import PromptLookupSource
 from tests.helpers import chi_square_p_value, drain, tiny_byte_tokenizer, tiny_llama
 from tests.mtp_fixtures import VOCAB, write_checkpoint
 from tests.test_batch import alone, assert_same_or_near_tie, run
+from tests.test_draft_trees import Clocked
 
 
 @pytest.fixture(scope="module", params=["deepseek_v3", "qwen3_next"])
@@ -129,7 +131,16 @@ def test_mtp_rows_under_a_regex_give_the_constrained_output(tmp_path, model_type
 def test_a_finished_mtp_rows_cache_keeps_its_hidden_states_for_the_next_turn(mtp_model):
     path, target = mtp_model
     tap, drafter = MTPDrafter.create(target, path, num_draft=3, adaptive=False)
-    generator = BatchGenerator(tap, eos_token_ids=(), keep_caches=True, drafters=[drafter])
+    # on a simulated clock: whether the width policy verifies drafts does not depend on this
+    # machine's timings (under load it once verified none)
+    model = Clocked(tap, per_token=0.05)
+    generator = BatchGenerator(
+        model,
+        eos_token_ids=(),
+        keep_caches=True,
+        drafters=[drafter],
+        pass_cost=PassCost(clock=model.clock),
+    )
     first = [5, 6, 7, 8, 9]
     generator.insert([first], max_tokens=10, draft_sources=[[drafter.source()]])
     tokens, prefix = [], None

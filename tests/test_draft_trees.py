@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import decoder.accept as accept
+import decoder.loop as loop
 import decoder.tree as tree
 from batch import BatchGenerator
 from decoder import Sampling, enable_trees, generate_step
@@ -19,6 +20,7 @@ from decoder.accept import accept_tree
 from decoder.cache import make_cache
 from decoder.draft import Draft, DraftSource
 from decoder.tree import kept_slots, layout, path_to
+from decoder.tree_choice import TreeChoice
 from prompt_lookup import PromptLookupSource
 from prompt_lookup.trie import choose, judge
 from tests.architectures import build
@@ -443,3 +445,73 @@ def test_rows_joining_and_a_kept_cache_stay_lossless_with_trees(model):
     while responses := generator.next():
         got += [t for r in responses if r.uid == uid for t in r.tokens]
     assert got == want
+
+
+def steps_of(choice, count: int, tokens_per_second: dict) -> list:
+    """``count`` steps of a loop that asks ``choice`` and records what the kind it chose emits."""
+    kinds = []
+    for _ in range(count):
+        kinds.append(choice.use_trees())
+        choice.record(kinds[-1], tokens_per_second[kinds[-1]], 1.0)
+    return kinds
+
+
+def test_auto_measures_both_kinds_then_drafts_the_faster_and_follows_a_change():
+    """#60: under "auto" the loops draft chains where trees do not pay on the machine."""
+    choice = TreeChoice()
+    warmup = steps_of(choice, 2 * TreeChoice.WARMUP, {True: 2.0, False: 3.0})
+    assert warmup == [True, False] * TreeChoice.WARMUP  # both measured, in turn
+    chains_pay = steps_of(choice, 100, {True: 2.0, False: 3.0})
+    assert 0 < chains_pay.count(True) <= 8  # trees probed now and then, gaps up to 16 steps
+    trees_pay = steps_of(choice, 200, {True: 4.0, False: 3.0})
+    assert trees_pay[-100:].count(False) <= 8  # the change is followed
+
+
+class Always:
+    """A ``TreeChoice`` that always says ``trees``."""
+
+    def __init__(self, trees: bool):
+        self.trees = trees
+
+    def use_trees(self) -> bool:
+        return self.trees
+
+    def record(self, *args):
+        pass
+
+
+class TwoGuesses(DraftSource):
+    """The next plain token (``truth``), with a wrong one beside it when asked for a tree."""
+
+    name = "two_guesses"
+
+    def __init__(self, prompt_length: int, truth: list):
+        self.prompt_length, self.truth = prompt_length, truth
+
+    def propose(self, tokens, max_draft):
+        done = len(tokens) - self.prompt_length
+        return Draft(self.truth[done : done + 1]) if done < len(self.truth) else None
+
+    def propose_tree(self, tokens, max_draft, max_nodes):
+        chain = self.propose(tokens, max_draft)
+        return chain and Draft(chain.tokens + [(chain.tokens[0] + 1) % 64], parents=[-1, -1])
+
+
+@pytest.mark.parametrize("trees", [True, False])
+def test_auto_drafts_what_the_choice_says_in_both_loops(model, trees, monkeypatch):
+    """Trees when the choice says so, chains otherwise, and the plain tokens either way, one row
+    and a batch."""
+    prompt = [1, 2, 3, 4, 5]
+    want, shapes = plain(model, prompt, 12), []
+    monkeypatch.setattr(loop, "TreeChoice", lambda: Always(trees))
+    source = count_trees(TwoGuesses(len(prompt), want), shapes)
+    steps = generate_step(
+        prompt, model, eos_token_ids=(), max_tokens=12, draft_sources=[source], tree_nodes="auto"
+    )
+    assert [t for t, _ in steps] == want
+    generator = BatchGenerator(model, tree_nodes="auto")
+    generator.trees = Always(trees)
+    sources = [[count_trees(TwoGuesses(len(prompt), want), shapes)] for _ in range(2)]
+    uids = generator.insert([prompt, prompt], draft_sources=sources, max_tokens=12)
+    assert drain(generator, uids) == [want, want]
+    assert all(shapes) and len(shapes) > 3 if trees else shapes == []

@@ -1,0 +1,47 @@
+"""Whether draft trees pay on this machine, measured: under ``tree_nodes="auto"`` the loops draft
+trees only while the steps that drafted them emit more tokens per second than the steps that
+drafted chains.
+
+A tree verifies more draft tokens per pass than a chain, for more accepted tokens per pass; what
+that costs (a wider pass, its mask, moving the accepted path into place, a drafter's wider calls)
+depends on the machine, the model and the batch, and the width policy prices only the pass. So
+``TreeChoice`` compares whole steps: both kinds in turn first, then the faster, with the other
+probed now and then (``Backoff``) so that a change is followed. The choice depends on past steps
+only, so sampling stays exact.
+"""
+
+from decoder.acceptance import Backoff
+
+
+class TreeChoice:
+    """Trees or chains for the next step, by each kind's tokens per second over its recent
+    steps."""
+
+    WARMUP = 4  # steps of each kind, taken in turn, before the faster is chosen
+    FORGET = 0.8  # per step recorded: about a kind's last 5 steps count
+
+    def __init__(self):
+        self.tokens = {True: 0.0, False: 0.0}
+        self.seconds = {True: 0.0, False: 0.0}
+        self.steps = {True: 0, False: 0}
+        self.backoff, self.faster = Backoff(), True
+
+    def rate(self, trees: bool) -> float:
+        """Tokens per second of the recent steps that drafted trees (``trees``) or chains."""
+        return self.tokens[trees] / self.seconds[trees] if self.seconds[trees] else 0.0
+
+    def use_trees(self) -> bool:
+        if min(self.steps.values()) < self.WARMUP:
+            return self.steps[True] <= self.steps[False]
+        faster = self.rate(True) >= self.rate(False)
+        if faster != self.faster:  # the other kind pays now: probe the slower one soon
+            self.faster = faster
+            self.backoff.reset()
+        return not faster if self.backoff.probe() else faster
+
+    def record(self, trees: bool, tokens: int, seconds: float):
+        """A step that drafted ``trees`` (or chains) emitted ``tokens`` in ``seconds``, drafting
+        included."""
+        self.tokens[trees] = self.FORGET * self.tokens[trees] + tokens
+        self.seconds[trees] = self.FORGET * self.seconds[trees] + seconds
+        self.steps[trees] += 1
