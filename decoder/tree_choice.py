@@ -18,7 +18,8 @@ class TreeChoice:
     steps."""
 
     WARMUP = 4  # steps of each kind, taken in turn, before the faster is chosen
-    FORGET = 0.8  # per step recorded: about a kind's last 5 steps count
+    FORGET = 0.9  # per step recorded: about a kind's last 10 steps count
+    MARGIN = 0.05  # the other kind takes over once this much faster: one noisy step does not
 
     def __init__(self):
         self.tokens = {True: 0.0, False: 0.0}
@@ -33,11 +34,9 @@ class TreeChoice:
     def use_trees(self) -> bool:
         if min(self.steps.values()) < self.WARMUP:
             return self.steps[True] <= self.steps[False]
-        faster = self.rate(True) >= self.rate(False)
-        if faster != self.faster:  # the other kind pays now: probe the slower one soon
-            self.faster = faster
-            self.backoff.reset()
-        return not faster if self.backoff.probe() else faster
+        if self.rate(not self.faster) > (1 + self.MARGIN) * self.rate(self.faster):
+            self.faster = not self.faster
+        return not self.faster if self.backoff.probe() else self.faster
 
     def record(self, trees: bool, tokens: int, seconds: float):
         """A step that drafted ``trees`` (or chains) emitted ``tokens`` in ``seconds``, drafting

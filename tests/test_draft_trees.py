@@ -463,8 +463,8 @@ def test_auto_measures_both_kinds_then_drafts_the_faster_and_follows_a_change():
     assert warmup == [True, False] * TreeChoice.WARMUP  # both measured, in turn
     chains_pay = steps_of(choice, 100, {True: 2.0, False: 3.0})
     assert 0 < chains_pay.count(True) <= 8  # trees probed now and then, gaps up to 16 steps
-    trees_pay = steps_of(choice, 200, {True: 4.0, False: 3.0})
-    assert trees_pay[-100:].count(False) <= 8  # the change is followed
+    trees_pay = steps_of(choice, 300, {True: 4.0, False: 3.0})
+    assert trees_pay[-100:].count(False) <= 8  # the change is followed, probe by probe
 
 
 class Always:
