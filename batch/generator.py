@@ -278,9 +278,7 @@ class BatchGenerator:
         choose, told each row's slot in the cache; ``trees`` False: chains this step."""
         for drafter in self.drafters:
             requests = [
-                DraftRequest(
-                    source, row.tokens, row.max_draft, slot, row.max_nodes if trees else None
-                )
+                DraftRequest(source, row.tokens, row.max_draft, slot, row.nodes_this_step(trees))
                 for row, slot in zip(self.rows, self.slots)
                 for source in filter(drafter.owns, row.sources)
             ]
@@ -306,7 +304,7 @@ class BatchGenerator:
         self._join(responses)
         if not self.rows:
             return responses
-        tic = time.perf_counter()
+        tic, started = time.perf_counter(), self.cost.clock()
         asked = self.gate.ask() and any(row.sources for row in self.rows)
         trees = self.trees is None or self.trees.use_trees()
         if asked:
@@ -333,10 +331,12 @@ class BatchGenerator:
         )
         if asked:
             self.gate.record(width)
+        # the choice is timed on the pass cost's clock, over steps with a row it decides for
+        timed = self.trees is not None and asked and any(row.max_nodes == 0 for row in self.rows)
         emitted = self._verify(width, plans, responses)
         self.stats.decode_time += time.perf_counter() - tic
-        if self.trees is not None and asked and any(row.max_nodes == 0 for row in self.rows):
-            self.trees.record(trees, emitted, time.perf_counter() - tic)
+        if timed:
+            self.trees.record(trees, emitted, self.cost.clock() - started)
         self.stats.generation_tokens += emitted
         return responses
 

@@ -95,8 +95,8 @@ class HiddenStateDrafter(SharedDrafter):
         features = self.tap.features_of(cache)
         if features is None:
             raise ValueError(
-                "the draft head has no hidden states: run the loop on the HiddenStateTap from "
-                "HeadDrafter.create (not the bare model), with a cache it made"
+                f"the {self.source_class.name} drafter has no hidden states: run the loop on the "
+                "HiddenStateTap its create returned (not the bare model), with a cache it made"
             )
         joining = [source for source, *_ in requests if source not in self.rows]
         if joining:

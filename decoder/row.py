@@ -150,6 +150,11 @@ class Row:
         max_tokens."""
         return self.max_tokens - self.num_generated - 1
 
+    def nodes_this_step(self, trees: bool) -> Optional[int]:
+        """The ``max_nodes`` a draft asks for this step: the row's, or a chain (None) on a step
+        that ``TreeChoice`` gave to chains."""
+        return self.max_nodes if trees else None
+
     def plan(
         self,
         cost: Optional[PassCost] = None,
@@ -162,7 +167,7 @@ class Row:
         sources = self.sources if sources is None else sources
         if len(self.tokens) - self.cached > MAX_PENDING:
             sources = []  # a plain pass keeps all it feeds, where a rejected draft would add more
-        max_nodes = self.max_nodes if trees else None
+        max_nodes = self.nodes_this_step(trees)
         draft, source = choose_draft(sources, self.tokens, self.max_draft, cost, max_nodes)
         masks = None
         if self.constraint is not None:
