@@ -336,7 +336,7 @@ class BatchGenerator:
         emitted = self._verify(width, plans, responses)
         self.stats.decode_time += time.perf_counter() - tic
         if timed:
-            self.trees.record(trees, emitted, self.cost.clock() - started)
+            self.trees.record(trees, emitted, self.cost.agreed(self.cost.clock() - started))
         self.stats.generation_tokens += emitted
         return responses
 

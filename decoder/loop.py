@@ -146,7 +146,7 @@ def generate_step(
         cache.rewind([trim], [0] if restore else [])
         emitted, sources = row.emit(plan, draft, num_accepted, next_token)
         if choice and row.num_generated > len(emitted):  # the first step: untimed
-            choice.record(trees, len(emitted), cost.clock() - step_started)
+            choice.record(trees, len(emitted), cost.agreed(cost.clock() - step_started))
         yield from zip(emitted, sources)
 
 

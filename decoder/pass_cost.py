@@ -39,6 +39,11 @@ class PassCost:
         self.drafting = {}  # source name -> [weight, mean seconds per drafted token]
         self._fits = {}  # rows -> (base, slope), cleared by each record
 
+    def agreed(self, seconds: float) -> float:
+        """A timing as every process decoding in lockstep reads it (sharded: the group's mean);
+        any choice made from a timing reads it so."""
+        return seconds
+
     def record(self, seconds: float, width: int, rows: int = 1):
         """One pass of ``rows`` x ``width`` tokens took ``seconds``."""
         entry = self.passes.setdefault(rows, {}).setdefault(width, [0.0, 0.0])

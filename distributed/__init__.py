@@ -109,16 +109,16 @@ class SharedPassCost(PassCost):
         super().__init__(**options)
         self.group = group
 
-    def _shared(self, seconds: float) -> float:
+    def agreed(self, seconds: float) -> float:
         return (
             mx.distributed.all_sum(mx.array(seconds), group=self.group).item() / self.group.size()
         )
 
     def record(self, seconds: float, width: int, rows: int = 1):
-        super().record(self._shared(seconds), width, rows)
+        super().record(self.agreed(seconds), width, rows)
 
     def record_draft(self, name: str, seconds: float, num_drafted: int):
-        super().record_draft(name, self._shared(seconds), num_drafted)
+        super().record_draft(name, self.agreed(seconds), num_drafted)
 
 
 class Session:
