@@ -16,6 +16,7 @@ streaming clients hang up early. A few requests are invalid on purpose and must 
 tests/test_soak.py runs it bounded for the suite; ``python -m benchmarks.soak`` runs it longer.
 """
 
+import gc
 import json
 import math
 import random
@@ -400,6 +401,10 @@ def filter_problems(body: dict, entries: list) -> list:
 
 
 def rss_bytes() -> int:
+    """This process's resident memory, less what MLX keeps of freed buffers for reuse (how much
+    that is depends on how the round's rows happened to batch, not on a leak)."""
+    gc.collect()
+    mx.clear_cache()
     return int(re.search(r"VmRSS:\s+(\d+)", Path("/proc/self/status").read_text()).group(1)) * 1024
 
 
