@@ -314,7 +314,7 @@ class BatchGenerator:
             try:
                 # Drafting is not timed here: a shared drafter drafted for all its rows already
                 # (``_draft_with_models``), and a lookup's propose is not a model call.
-                sources = row.sources if asked else [s for s in row.sources if s.free]
+                sources = self.gate.sources(row.sources, asked)
                 plans.append(row.plan(sources=sources, trees=trees))
             except Exception as error:  # noqa: BLE001
                 responses.append(row.failed(error))

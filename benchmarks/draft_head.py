@@ -37,8 +37,8 @@ class Recorded:
     def reset(self, *args, **kwargs):
         self.source.reset(*args, **kwargs)
 
-    def propose(self, tokens, max_draft):
-        return self.source.propose(tokens, max_draft)
+    def propose(self, tokens, max_draft, max_nodes=None):
+        return self.source.propose(tokens, max_draft, max_nodes)
 
     def update(self, tokens, num_proposed, num_accepted):
         if num_proposed:

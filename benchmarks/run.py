@@ -170,7 +170,7 @@ def regex_suite(model, tokenizer, args):
             constraint = RegexConstraint.from_regex(patterns[tuple(prompt)], tokenizer, vocab_size)
             return {
                 "constraint": constraint,
-                "draft_sources": [ForcedTextSource(constraint, tokenizer)] if forced else [],
+                "draft_sources": [ForcedTextSource(constraint)] if forced else [],
             }
 
         return make

@@ -45,11 +45,11 @@ class ScriptedSource(DraftSource):
         self.updates = []
         self.resets = 0
 
-    def reset(self, cost=None, temp=0.0, top_p=1.0):
-        super().reset(cost, temp, top_p)
+    def reset(self, *args):
+        super().reset(*args)
         self.resets += 1
 
-    def propose(self, tokens, max_draft):
+    def propose(self, tokens, max_draft, max_nodes=None):
         draft = self.propose_fn(tokens, max_draft)
         if not draft:
             return None
@@ -290,12 +290,13 @@ def drain(generator, uids) -> list:
 def count_trees(source, shapes: list):
     """Make ``source`` note in ``shapes``, for each draft it proposes when asked for a tree,
     whether it gave one (so a test of trees can check that trees were verified)."""
-    propose_tree = source.propose_tree
+    propose = source.propose
 
-    def counted(*args):
-        draft = propose_tree(*args)
-        shapes.append(draft is not None and draft.parents is not None)
+    def counted(tokens, max_draft, max_nodes=None):
+        draft = propose(tokens, max_draft, max_nodes)
+        if max_nodes is not None:
+            shapes.append(draft is not None and draft.parents is not None)
         return draft
 
-    source.propose_tree = counted
+    source.propose = counted
     return source

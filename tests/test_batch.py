@@ -205,7 +205,7 @@ def regex_row(pattern, with_forced=True, noise_seed=None):
         constraint = RegexConstraint.from_json_schema(SCHEMA, TOKENIZER, BYTE_VOCAB)
     else:
         constraint = RegexConstraint.from_regex(pattern, TOKENIZER, BYTE_VOCAB)
-    sources = [ForcedTextSource(constraint, TOKENIZER)] if with_forced else []
+    sources = [ForcedTextSource(constraint)] if with_forced else []
     if noise_seed is not None:
         rng = random.Random(noise_seed)
         sources.append(
@@ -259,7 +259,7 @@ def test_grammar_rows_with_forced_text():
 
     def grammar_row():
         constraint = GrammarConstraint.from_json_schema(SCHEMA, TOKENIZER, BYTE_VOCAB)
-        return constraint, [GrammarForcedSource(constraint, TOKENIZER)]
+        return constraint, [GrammarForcedSource(constraint)]
 
     prompts = [[1, 2, 3], [40, 41], [7] * 9]
     wants = [alone(BYTE_MODEL, p, 40, *grammar_row()[::-1], eos=(BYTE_EOS,)) for p in prompts]
@@ -602,7 +602,7 @@ def test_free_sources_draft_on_the_steps_the_gate_skips():
         [[10, 20]],
         constraint=[constraint],
         max_tokens=30,
-        draft_sources=[[costly, ForcedTextSource(constraint, TOKENIZER)]],
+        draft_sources=[[costly, ForcedTextSource(constraint)]],
     )
     generator.next()  # admits the row and asks both sources
     assert len(calls) == 1
@@ -610,6 +610,15 @@ def test_free_sources_draft_on_the_steps_the_gate_skips():
     (response,) = generator.next()
     assert len(calls) == 1
     assert response.sources[0] == "regex" and len(response.tokens) > 1
+
+
+def test_the_gate_knows_every_forced_text_source_as_free():
+    """The batch tells the forced text's sources by name: each of constrained/'s is in the set."""
+    from constrained.grammar import GrammarForcedSource
+    from constrained.thinking import ThinkingForcedSource
+
+    for source in (ForcedTextSource, GrammarForcedSource, ThinkingForcedSource):
+        assert source.name in DraftGate().free
 
 
 class ClockedModel:

@@ -226,14 +226,14 @@ def random_head_drafter(target, seed=5):
 
 def first_drafts(tap, source, prompt, prompt_cache=None, steps=3) -> list:
     """The first ``steps`` drafts ``source`` proposes in the one-row loop."""
-    drafts, propose = [], source.propose_tree
+    drafts, propose = [], source.propose
 
-    def spy(tokens, max_draft, max_nodes):
+    def spy(tokens, max_draft, max_nodes=None):
         draft = propose(tokens, max_draft, max_nodes)
         drafts.append(None if draft is None else draft.tokens)
         return draft
 
-    source.propose_tree = spy
+    source.propose = spy
     for _ in generate_step(
         prompt,
         tap,

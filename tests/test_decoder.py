@@ -105,7 +105,7 @@ class Copier(ScriptedSource):
         super().__init__(fn, name=name)
         self.expected = expected
 
-    def propose(self, tokens, max_draft):
+    def propose(self, tokens, max_draft, max_nodes=None):
         draft = super().propose(tokens, max_draft)
         if draft is not None:
             draft.expected_speedup = self.expected
@@ -123,7 +123,7 @@ class Modeller(ScriptedSource):
     def forecast_speedup(self):
         return self.forecast
 
-    def propose(self, tokens, max_draft):
+    def propose(self, tokens, max_draft, max_nodes=None):
         self.asked += 1
         return super().propose(tokens, max_draft)
 

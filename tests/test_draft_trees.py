@@ -48,10 +48,9 @@ class RandomTrees(DraftSource):
     def __init__(self, prompt_length: int, truth: list, seed: int):
         self.prompt_length, self.truth, self.random = prompt_length, truth, random.Random(seed)
 
-    def propose(self, tokens, max_draft):
-        return None
-
-    def propose_tree(self, tokens, max_draft, max_nodes):
+    def propose(self, tokens, max_draft, max_nodes=None):
+        if max_nodes is None:
+            return None
         done = len(tokens) - self.prompt_length  # tokens of the truth emitted so far
         tokens_out, parents, right = [], [], []
         for node in range(self.random.randint(1, max_nodes)):
@@ -488,12 +487,11 @@ class TwoGuesses(DraftSource):
     def __init__(self, prompt_length: int, truth: list):
         self.prompt_length, self.truth = prompt_length, truth
 
-    def propose(self, tokens, max_draft):
+    def propose(self, tokens, max_draft, max_nodes=None):
         done = len(tokens) - self.prompt_length
-        return Draft(self.truth[done : done + 1]) if done < len(self.truth) else None
-
-    def propose_tree(self, tokens, max_draft, max_nodes):
-        chain = self.propose(tokens, max_draft)
+        chain = Draft(self.truth[done : done + 1]) if done < len(self.truth) else None
+        if max_nodes is None:
+            return chain
         return chain and Draft(chain.tokens + [(chain.tokens[0] + 1) % 64], parents=[-1, -1])
 
 

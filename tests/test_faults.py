@@ -567,9 +567,7 @@ def test_constrained_loop_emits_only_allowed_tokens_or_fails_cleanly(data, tmp_p
     scripted = ScriptedSource(
         lambda tokens, max_draft: drafts[len(tokens) % len(drafts)][:max_draft]
     )
-    sources = data.draw(
-        st.sampled_from([[], [scripted], [ForcedTextSource(constraint, _tokenizer), scripted]])
-    )
+    sources = data.draw(st.sampled_from([[], [scripted], [ForcedTextSource(constraint), scripted]]))
     temp, top_p = data.draw(st.sampled_from([(0.0, 1.0), (1.0, 1.0), (0.7, 0.9)]))
     mx.random.seed(data.draw(st.integers(0, 2**32 - 1)))
 

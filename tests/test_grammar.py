@@ -89,7 +89,7 @@ def run(grammar, prompt, sources=(), model=MODEL, max_tokens=40, **kwargs):
 
 
 def forced(constraint):
-    return GrammarForcedSource(constraint, TOKENIZER)
+    return GrammarForcedSource(constraint)
 
 
 # --- losslessness --------------------------------------------------------------------------------

@@ -54,7 +54,7 @@ def run(schema, prompt, model, tokenizer, forced, max_tokens, **kwargs):
     constraint = RegexConstraint.from_json_schema(
         schema, tokenizer, vocab_size=model.args.vocab_size
     )
-    sources = [ForcedTextSource(constraint, tokenizer)] if forced else []
+    sources = [ForcedTextSource(constraint)] if forced else []
     return generate(
         model,
         tokenizer,

@@ -59,7 +59,7 @@ def regex():
     constraint = RegexConstraint.from_regex(
         r'\{"name": "[a-z]{1,8}", "n": \d{1,3}\}', BYTE_TOKENIZER, vocab_size=len(BYTE_TOKENIZER)
     )
-    return BYTE_MODEL, [ForcedTextSource(constraint, BYTE_TOKENIZER)], constraint
+    return BYTE_MODEL, [ForcedTextSource(constraint)], constraint
 
 
 @pytest.mark.parametrize("make", [lookup, draft_model, draft_head, regex])

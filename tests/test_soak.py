@@ -45,7 +45,7 @@ def test_a_failed_request_is_logged_with_its_id_api_and_traceback_once(tmp_path,
     engine, _ = soak.build_engine("lookup", tmp_path)
 
     class Faulty(DraftSource):
-        def propose(self, tokens, max_draft):
+        def propose(self, tokens, max_draft, max_nodes=None):
             raise RuntimeError("planted fault")
 
     engine.make_sources = lambda: [Faulty()]
@@ -99,7 +99,7 @@ def drafting():
 
 def row_sources(kind: str, drafting, constraint) -> list:
     _, _, tokenizer, head, draft_model = drafting
-    forced = [ForcedTextSource(constraint, tokenizer)] if constraint is not None else []
+    forced = [ForcedTextSource(constraint)] if constraint is not None else []
     return (
         forced
         + {
