@@ -79,9 +79,8 @@ def _extend_leaves(constraint: Constraint, draft: Draft, max_depth: int) -> Draf
 def constrain_tree(constraint: Constraint, draft: Draft, max_depth: int) -> tuple:
     """``(draft, allowed)`` for a tree: the nodes ``constraint`` allows (a forbidden node goes with
     its subtree) and the ``(1 + nodes, vocab)`` masks of the positions the target scores. Each
-    node's state is its own path's: the protocol's ``walk`` and ``masks`` follow each leaf's path
-    from the accepted text. The text the constraint forces after a leaf
-    (``Constraint.forced_after``) is drafted as a chain below it, at most ``max_depth`` deep."""
+    node's state is its own path's: ``walk`` and ``masks`` follow each leaf's path from the
+    accepted text. What it forces after a leaf is drafted below it, at most ``max_depth`` deep."""
     draft = select(draft, _walk_leaves(constraint, draft, with_masks=False)[0])
     if not draft.tokens:  # every node forbidden: the text the constraint forces, as a chain
         return constrain_draft(constraint, Draft(constraint.forced_after([])[:max_depth]))

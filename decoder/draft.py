@@ -61,8 +61,7 @@ class Draft:
 
 
 class DraftSource:
-    """Proposes tokens for one row. A subclass implements ``propose`` and overrides what else it
-    uses."""
+    """Proposes tokens for one row: a subclass implements ``propose`` and overrides what it uses."""
 
     name = "draft"
     drafter = None  # the ``Drafter`` drafting for this row with others, or None: it drafts alone
@@ -74,18 +73,16 @@ class DraftSource:
         cost: Optional[PassCost] = None,
     ) -> None:
         """Before each generation: the target's ``sampling`` and logits ``processors`` (a source
-        that samples draws from the distribution the target verifies against, so that q is close
-        to p) and the loop's measured ``cost`` of a pass."""
+        that samples draws as the target does, so that q is close to p) and the loop's ``cost``."""
         self.sampling, self.processors = sampling, tuple(processors)
         self.cost = cost if cost is not None else PassCost()
 
     def propose(
         self, tokens: list, max_draft: int, max_nodes: Optional[int] = None
     ) -> Optional[Draft]:
-        """Up to ``max_draft`` tokens to follow ``tokens``. ``max_nodes`` None asks for a chain; a
-        count allows a tree (``Draft.parents``) of that many nodes no deeper than ``max_draft``
-        (0: as many as pay, the source's own policy). A source of chains may ignore it: the loop
-        cuts a chain to fit (``choose_draft``)."""
+        """Up to ``max_draft`` tokens to follow ``tokens``: a chain, or where ``max_nodes`` is a
+        count (0: as many as pay) a tree (``Draft.parents``) of that many nodes. A source of chains
+        may ignore it: the loop cuts a chain to fit (``choose_draft``)."""
         raise NotImplementedError
 
     def forecast_speedup(self) -> Optional[float]:
@@ -146,8 +143,8 @@ class Constraint:
         raise NotImplementedError
 
     def forced_after(self, path: list) -> list:
-        """The tokens that must follow draft tokens ``path`` whatever the model writes, as it
-        writes them ([] where the constraint knows none): a tree drafts them below a leaf."""
+        """The tokens that must follow draft tokens ``path``, as the model writes them ([] where
+        none are known): a tree drafts them below a leaf."""
         return []
 
 
@@ -165,8 +162,7 @@ def choose_draft(
     chosen, chosen_source = Draft([]), None
     if max_draft <= 0:
         return chosen, chosen_source
-    # A chain fits a tree's budget as well as the row's.
-    longest_chain = min(max_draft, max_nodes) if max_nodes else max_draft
+    longest_chain = min(max_draft, max_nodes) if max_nodes else max_draft  # within a tree's budget
     for source in draft_sources:
         if chosen_source is not None:
             forecast = source.forecast_speedup()

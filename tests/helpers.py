@@ -105,12 +105,12 @@ def assert_sampling_keeps_the_target_distribution(
     ``stats`` collects the runs' decoding statistics; ``tree_nodes``: the loop's."""
     import numpy as np
 
-    from decoder import DecodingStats, enable_trees, generate_step, sampling_probs
+    from decoder import DecodingStats, Sampling, enable_trees, generate_step
 
-    vocab, prompt = target.args.vocab_size, [1, 2, 3]
-    p1 = np.array(sampling_probs(target(mx.array([prompt]))[0, -1:], temp, top_p)[0])
+    vocab, prompt, sampling = target.args.vocab_size, [1, 2, 3], Sampling(temp, top_p)
+    p1 = np.array(sampling.probs(target(mx.array([prompt]))[0, -1:])[0])
     nexts = mx.array([prompt + [t] for t in range(vocab)])
-    p2 = np.array(sampling_probs(target(nexts)[:, -1], temp, top_p))
+    p2 = np.array(sampling.probs(target(nexts)[:, -1]))
     joint = (p1[:, None] * p2).reshape(-1)
 
     mx.random.seed(11)
@@ -126,8 +126,7 @@ def assert_sampling_keeps_the_target_distribution(
                 prompt,
                 model,
                 draft_sources=sources,
-                temp=temp,
-                top_p=top_p,
+                sampling=sampling,
                 eos_token_ids=(),
                 max_tokens=2,
                 stats=stats,
@@ -146,13 +145,13 @@ def assert_constrained_sampling_is_exact(model, constraint, temp=1.0, runs=1500)
     residual (p - q)+; cutting the draft there and sampling from p would skew the output."""
     import numpy as np
 
-    from decoder import DecodingStats, generate_step, sampling_probs
+    from decoder import DecodingStats, Sampling, generate_step
 
-    vocab, prompt = model.args.vocab_size, [1, 2, 3]
+    vocab, prompt, sampling = model.args.vocab_size, [1, 2, 3], Sampling(temp)
 
     def masked(context, mask):
         logits = model(mx.array([context]))[0, -1]
-        return np.array(sampling_probs(mx.where(mx.array(mask), logits, -mx.inf)[None], temp))[0]
+        return np.array(sampling.probs(mx.where(mx.array(mask), logits, -mx.inf)[None]))[0]
 
     first_mask = np.array(constraint.masks(constraint.walk([])))[0]
     p1 = masked(prompt, first_mask)
@@ -180,7 +179,7 @@ def assert_constrained_sampling_is_exact(model, constraint, temp=1.0, runs=1500)
                 model,
                 draft_sources=[source],
                 constraint=constraint,
-                temp=temp,
+                sampling=sampling,
                 max_tokens=2,
                 stats=stats,
                 eos_token_ids=(),

@@ -15,7 +15,7 @@ import batch.generator as batch
 from batch import BatchGenerator, batch_generate
 from batch.policy import DraftGate, choose_width, prefill_group
 from constrained import ForcedTextSource, RegexConstraint
-from decoder import TARGET, generate_step, sampling_probs
+from decoder import TARGET, Sampling, generate_step
 from decoder.acceptance import Backoff
 from decoder.pass_cost import PassCost
 from draft_model import DraftModel
@@ -462,15 +462,15 @@ def test_bad_rows_are_refused_in_one_line():
     with pytest.raises(ValueError, match="max_tokens must be at least 1"):
         generator.insert([[1]], max_tokens=0)
     with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\]"):
-        generator.insert([[1]], top_p=0.0)
+        generator.insert([[1]], sampling=Sampling(top_p=0.0))
     with pytest.raises(ValueError, match="top_k must be an integer >= 0"):
-        generator.insert([[1]], top_k=-1)
+        generator.insert([[1]], sampling=Sampling(top_k=-1))
     with pytest.raises(ValueError, match=r"xtc_threshold must be in \[0, 0.5\]"):
-        generator.insert([[1]], xtc_threshold=0.7)
+        generator.insert([[1]], sampling=Sampling(xtc_threshold=0.7))
     with pytest.raises(ValueError, match="one list of processors per prompt"):
         generator.insert([[1]], logits_processors=[lambda tokens, logits: logits])
     with pytest.raises(ValueError, match="one value or one per prompt"):
-        generator.insert([[1], [2]], temp=[0.0])
+        generator.insert([[1], [2]], sampling=[Sampling()])
     with pytest.raises(ValueError, match="prompt is empty"):
         generator.insert([[]])
     with pytest.raises(ValueError, match="one list of sources per prompt"):
@@ -504,11 +504,9 @@ SMALL_DRAFT = tiny_llama(vocab_size=8, num_layers=1, seed=9, sharp=2.0)
 def test_sampling_keeps_each_rows_distribution(drafting):
     """Two tokens sampled by 1500 rows, 100 at a time, with greedy rows among them, chi-squared
     against the target's own joint distribution; the greedy rows give their greedy output."""
-    temp, top_p, vocab, prompt = 1.0, 0.9, 8, [1, 2, 3]
-    p1 = np.array(sampling_probs(SMALL(mx.array([prompt]))[0, -1:], temp, top_p)[0])
-    p2 = np.array(
-        sampling_probs(SMALL(mx.array([prompt + [t] for t in range(vocab)]))[:, -1], temp, top_p)
-    )
+    sampling, vocab, prompt = Sampling(temp=1.0, top_p=0.9), 8, [1, 2, 3]
+    p1 = np.array(sampling.probs(SMALL(mx.array([prompt]))[0, -1:])[0])
+    p2 = np.array(sampling.probs(SMALL(mx.array([prompt + [t] for t in range(vocab)]))[:, -1]))
     joint = (p1[:, None] * p2).reshape(-1)
     greedy = alone(SMALL, [4, 5], 6, eos=())
     q = np.full(vocab, 1 / vocab, np.float32)
@@ -533,8 +531,7 @@ def test_sampling_keeps_each_rows_distribution(drafting):
         generator = BatchGenerator(SMALL, max_width=3, prefill_batch_size=128, drafters=[drafter])
         uids = generator.insert(
             [prompt] * 100,
-            temp=temp,
-            top_p=top_p,
+            sampling=sampling,
             max_tokens=2,
             draft_sources=[sources() for _ in range(100)],
         )

@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from constrained import ForcedTextSource, RegexConstraint, TokenSplits
-from decoder import DecodingStats, generate
+from decoder import DecodingStats, Sampling, generate
 from tests.helpers import ScriptedSource, tiny_byte_tokenizer, tiny_llama
 
 TOKENIZER = tiny_byte_tokenizer()
@@ -144,7 +144,7 @@ def test_sampled_output_matches_too():
 
     for seed in range(5):
         mx.random.seed(seed)
-        result = constrained(r"\d{4}-\d{2}-\d{2}", [9, 9], [forced], temp=1.0)
+        result = constrained(r"\d{4}-\d{2}-\d{2}", [9, 9], [forced], sampling=Sampling(1.0))
         assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", result.text)
 
 

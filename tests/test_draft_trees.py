@@ -197,9 +197,7 @@ def test_sampled_rows_whose_trees_a_narrow_pass_cuts_to_nothing_are_served():
         uids = generator.insert(
             [prompt] * 3,
             draft_sources=[[PromptLookupSource()] for _ in range(3)],
-            temp=1.0,
-            top_k=[3, 0, 0],
-            min_p=[0, 0.2, 0],
+            sampling=[Sampling(1.0, top_k=3), Sampling(1.0, min_p=0.2), Sampling(1.0)],
             seed=[seed, seed + 100, seed + 200],
             max_tokens=40,
         )
@@ -256,7 +254,7 @@ def test_sampling_with_lookup_trees_keeps_the_distribution_of_two_tokens():
                 model,
                 eos_token_ids=(),
                 max_tokens=2,
-                temp=1.0,
+                sampling=Sampling(temp=1.0),
                 draft_sources=[source],
                 tree_nodes=6,
             )

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from batch import BatchGenerator
 from constrained import ForcedTextSource, RegexConstraint
-from decoder import DraftSource, generate_step, make_logits_processors
+from decoder import DraftSource, Sampling, generate_step, make_logits_processors
 from decoder.hidden_states import output_rows
 from draft_head import HeadDrafter
 from draft_head.head import DraftHead, head_args
@@ -155,14 +155,13 @@ def test_random_rows_never_fail_and_greedy_rows_decode_as_alone(
                 return None
             return RegexConstraint.from_regex(row["regex"], tokenizer, vocab_size=len(tokenizer))
 
-        options = dict(
-            max_tokens=row["max_tokens"],
+        sampling = Sampling(
             temp=row["temp"],
             top_k=row["top_k"],
             min_p=row["min_p"],
             xtc_probability=0.5 if row["xtc"] else 0.0,
-            seed=row["seed"],
         )
+        options = dict(max_tokens=row["max_tokens"], sampling=sampling, seed=row["seed"])
         made = constraint()
         specs.append(
             dict(
