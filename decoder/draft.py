@@ -80,9 +80,9 @@ class DraftSource:
     def propose(
         self, tokens: list, max_draft: int, max_nodes: Optional[int] = None
     ) -> Optional[Draft]:
-        """Up to ``max_draft`` tokens to follow ``tokens``: a chain, or where ``max_nodes`` is a
-        count (0: as many as pay) a tree (``Draft.parents``) of that many nodes. A source of chains
-        may ignore it: the loop cuts a chain to fit (``choose_draft``)."""
+        """Tokens to follow ``tokens``: a chain of up to ``max_draft``, or where ``max_nodes`` is a
+        count (0: as many as pay) a tree (``Draft.parents``) of that many, ``max_draft`` deep. A
+        source of chains may ignore it: the loop cuts a chain to fit (``choose_draft``)."""
         raise NotImplementedError
 
     def forecast_speedup(self) -> Optional[float]:
