@@ -69,12 +69,6 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-tokens", type=int, default=256, help="Most tokens to generate (default: 256)."
     )
     parser.add_argument(
-        "--temp", type=float, default=0.0, help="Sampling temperature; 0 is greedy (default: 0)."
-    )
-    parser.add_argument(
-        "--top-p", type=float, default=1.0, help="Nucleus sampling mass in (0, 1] (default: 1)."
-    )
-    parser.add_argument(
         "--seed", type=int, default=0, help="Random seed for sampling (default: 0)."
     )
     parser.add_argument(
@@ -89,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--json", action="store_true", help="Print one JSON object instead of streaming text."
     )
-    add_sampling_arguments(parser)  # --top-k, --min-p, --repetition-penalty, --logit-bias, ...
+    add_sampling_arguments(parser)  # --temp, --top-p, --top-k, ..., --logit-bias
     # --prompt-lookup, --draft-model, --draft-head, ..., --shard (shared with the server)
     add_source_arguments(parser)
     # --regex, --json-schema, --grammar, --thinking-budget, ...
@@ -105,12 +99,7 @@ def validate(args):
         raise CliError("--seed must be in [0, 2**64)")
     if args.max_tokens < 0:
         raise CliError("--max-tokens must be >= 0")
-    if args.temp != 0 and not 1e-6 <= args.temp <= 1e6:
-        # Outside this range float32 logits / temp overflow to inf or NaN.
-        raise CliError("--temp must be 0 (greedy) or between 1e-6 and 1e6")
-    if not 0 < args.top_p <= 1:
-        raise CliError("--top-p must be in (0, 1]")
-    check_sampling(args)
+    check_sampling(args)  # args.sampling: the flags' decoder.Sampling
     check_source_arguments(args)
     if args.prompt is not None and args.prompt_file is not None:
         raise CliError("give --prompt or --prompt-file, not both")
@@ -137,8 +126,8 @@ def read_prompt(args) -> str:
 def build_run(args, session=None):
     """Load models and draft sources; returns (target, tokenizer, prompt_tokens, loop kwargs).
 
-    ``args``: ``validate``d (it compiles the constraint's pattern). ``session`` (from
-    ``distributed.start``) shards the target over the launched ranks.
+    ``args``: ``validate``d (it builds the ``Sampling`` and compiles the constraint's pattern).
+    ``session`` (from ``distributed.start``) shards the target over the launched ranks.
     """
     from cli import constraints
     from cli.sources import draft_sources
@@ -187,8 +176,6 @@ def build_run(args, session=None):
     kwargs = dict(
         draft_sources=forced + drafts,
         constraint=constraint,
-        temp=args.temp,
-        top_p=args.top_p,
         **sampling_kwargs(args, tokenizer, vocab_size),
         max_tokens=max_tokens,
         stats=DecodingStats(),
@@ -200,22 +187,25 @@ def build_run(args, session=None):
 
 
 def sampling_kwargs(args, tokenizer, vocab_size: int) -> dict:
-    """The loop's truncations and logits processors from the sampling flags; XTC never removes a
-    newline or EOS, as in mlx_lm.server."""
-    from cli.flags import sampling_options
+    """The loop's ``sampling`` (the flags', ``validate`` built it) and logits processors; XTC
+    never removes a newline or EOS, as in mlx_lm.server."""
+    from dataclasses import replace
+
+    from cli.flags import processor_options
     from decoder.processors import make_logits_processors
     from decoder.text import eos_ids_of
 
-    truncations, processor_settings = sampling_options(args)
     outside = [token for token in args.logit_bias or {} if token >= vocab_size]
     if outside:
         raise CliError(
             f"--logit-bias: token id {outside[0]} is outside the vocabulary ({vocab_size})"
         )
-    if args.xtc_probability > 0:
+    sampling = args.sampling
+    if sampling.xtc_probability > 0:  # what only the tokenizer knows
         special = tokenizer.encode("\n", add_special_tokens=False) + sorted(eos_ids_of(tokenizer))
-        truncations["xtc_special_tokens"] = special
-    return dict(**truncations, logits_processors=make_logits_processors(**processor_settings))
+        sampling = replace(sampling, xtc_special_tokens=special)
+    processors = make_logits_processors(**processor_options(args))
+    return dict(sampling=sampling, logits_processors=processors)
 
 
 def print_stats(result, verbose: bool, use_color: bool):

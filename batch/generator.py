@@ -37,6 +37,7 @@ from decoder.draft import DraftRequest
 from decoder.pass_cost import PassCost
 from decoder.prefill import Prefill
 from decoder.row import verify_pass
+from decoder.sampling import Sampling
 from decoder.tree_choice import TreeChoice
 from decoder.tree_pass import enable_trees, max_nodes_for
 
@@ -115,14 +116,7 @@ class BatchGenerator:
         *,
         draft_sources=None,
         constraint=None,
-        temp=0.0,
-        top_p=1.0,
-        min_p=0.0,
-        min_tokens_to_keep=1,
-        top_k=0,
-        xtc_probability=0.0,
-        xtc_threshold=0.1,
-        xtc_special_tokens=(),
+        sampling=Sampling(),
         logits_processors=None,
         sampler=None,
         max_tokens=256,
@@ -138,9 +132,9 @@ class BatchGenerator:
         tokens (a finished row's ``RowResponse.cache``, cut to n), so only the rest is prefilled.
         ``logprobs`` is None (the default: nothing extra is computed) or k >= 0: each response then
         has a ``TokenLogprobs`` per token, with the k most likely tokens at its position.
-        ``temp`` to ``xtc_special_tokens`` are mlx-lm's ``make_sampler``'s (``decoder.Sampling``;
-        ``xtc_special_tokens`` one list for all prompts); ``logits_processors`` is None or one
-        list of mlx-lm's processors per prompt, applied at each of the row's positions. ``seed``:
+        ``sampling`` holds mlx-lm's ``make_sampler``'s settings (``decoder.Sampling``);
+        ``logits_processors`` is None or one list of mlx-lm's processors per prompt, applied at
+        each of the row's positions. ``seed``:
         None (MLX's global stream) or an integer: the row's draws come from its own
         ``mx.random.key(seed)``, so a row samples what it samples alone (``decoder.row.Row``)."""
         rows = new_rows(
@@ -152,9 +146,7 @@ class BatchGenerator:
             draft_sources,
             logits_processors,
             prompt_cache,
-            (constraint, sampler, max_tokens, logprobs, seed),
-            (temp, top_p, min_p, min_tokens_to_keep, top_k, xtc_probability, xtc_threshold),
-            xtc_special_tokens,
+            (constraint, sampling, sampler, max_tokens, logprobs, seed),
         )
         for source in [s for row in rows for s in row.sources if s.drafter is not None]:
             if source.drafter not in self.drafters:  # it drafts for all its rows at once
@@ -314,7 +306,7 @@ class BatchGenerator:
             try:
                 # Drafting is not timed here: a shared drafter drafted for all its rows already
                 # (``_draft_with_models``), and a lookup's propose is not a model call.
-                sources = row.sources if asked else [s for s in row.sources if s.free]
+                sources = self.gate.sources(row.sources, asked)
                 plans.append(row.plan(sources=sources, trees=trees))
             except Exception as error:  # noqa: BLE001
                 responses.append(row.failed(error))

@@ -33,26 +33,37 @@ class Acceptance:
         self.by_source[name].score(offered, emitted)
 
 
+# The sources that draft the text a row's constraint forces (constrained/'s, by name): asking
+# one costs a table lookup, so the gate asks them on every step.
+FORCED_TEXT_SOURCES = frozenset({"regex", "grammar", "thinking"})
+
+
 class DraftGate:
-    """Whether to ask the rows' sources for drafts this step at all.
+    """Which of the rows' sources to ask for drafts this step.
 
     Asking costs every row a search (a measurable share of a step on a CPU, where the policy then
     often verifies no draft anyway), and it pays only when it changes the pass.
     So the gate asks while the last step it asked for drafted (``choose_width`` chose W > 1); after
     a step that drafted nothing it asks only to probe (``Backoff``), so a row whose text turns
     repetitive is drafted for again. New rows reset it.
-    Sources that are free to ask (``DraftSource.free``: text a constraint forces) are asked on every
+    Sources that are free to ask (named in ``free``: text a constraint forces) are asked on every
     step all the same. Like the width, this depends on past steps only, so sampling stays exact.
     """
 
-    def __init__(self):
+    def __init__(self, free: frozenset = FORCED_TEXT_SOURCES):
+        self.free = free
         self.reset()
 
     def reset(self):
         self.backoff, self.drafted = Backoff(), True
 
     def ask(self) -> bool:
+        """Whether to ask every source this step (else only the free ones: ``sources``)."""
         return self.drafted or self.backoff.probe()
+
+    def sources(self, sources: list, asked: bool) -> list:
+        """The ones of a row's ``sources`` to ask this step."""
+        return sources if asked else [source for source in sources if source.name in self.free]
 
     def record(self, width: int):
         """The width chosen on a step the gate asked for."""

@@ -9,20 +9,9 @@ from typing import Iterator, Optional, Sequence, Union
 from batch.policy import Acceptance
 from decoder.cache import CachedPrefix
 from decoder.row import DecodingStats, Row
-from decoder.sampling import Sampling
 
-# insert's per-row options, each one value for every prompt or one per prompt: the row's own, and
-# its sampling settings in decoder.Sampling's order
-OPTIONS = ("constraint", "sampler", "max_tokens", "logprobs", "seed")
-SAMPLING = (
-    "temp",
-    "top_p",
-    "min_p",
-    "min_tokens_to_keep",
-    "top_k",
-    "xtc_probability",
-    "xtc_threshold",
-)
+# insert's per-row options, each one value for every prompt or one per prompt
+OPTIONS = ("constraint", "sampling", "sampler", "max_tokens", "logprobs", "seed")
 
 
 @dataclass
@@ -94,13 +83,11 @@ def new_rows(
     logits_processors,
     prompt_cache,
     options: tuple,
-    settings: tuple,
-    xtc_special_tokens,
 ) -> list:
     """``BatchGenerator.insert``'s prompts as rows, each taking its uid from ``uids`` and its value
     of each option (``per_row``), checked (``check_row``). ``others``: the rows already in the
-    batch, whose sources and constraints no new row may share; ``options`` and ``settings``: the
-    values of ``OPTIONS`` and ``SAMPLING``."""
+    batch, whose sources and constraints no new row may share; ``options``: the values of
+    ``OPTIONS``."""
     count = len(prompts)
     processors = [[] for _ in prompts] if logits_processors is None else logits_processors
     if len(processors) != count or not all(isinstance(p, (list, tuple)) for p in processors):
@@ -111,9 +98,7 @@ def new_rows(
     if len(draft_sources) != count or not all(isinstance(s, (list, tuple)) for s in draft_sources):
         raise ValueError(f"draft_sources needs one list of sources per prompt ({count} lists)")
     values = [per_row(name, value, count) for name, value in zip(OPTIONS, options)]
-    row_settings = [per_row(name, value, count) for name, value in zip(SAMPLING, settings)]
-    names = OPTIONS + ("sampling", "logits_processors", "prompt_cache")
-    values.append([Sampling(*row, tuple(xtc_special_tokens)) for row in zip(*row_settings)])
+    names = OPTIONS + ("logits_processors", "prompt_cache")
     values.append([list(p) for p in processors])
     values.append(
         [None] * count if prompt_cache is None else per_row("prompt_cache", prompt_cache, count)
@@ -176,7 +161,6 @@ def check_row(prompt: list, options: dict):
         raise ValueError("a prompt is empty: give at least one token")
     if options["max_tokens"] < 1:
         raise ValueError(f"max_tokens must be at least 1, got {options['max_tokens']}")
-    options["sampling"].check()
     logprobs = options["logprobs"]
     if logprobs is not None and logprobs < 0:
         raise ValueError(f"logprobs must be None or >= 0 (top tokens per position), got {logprobs}")

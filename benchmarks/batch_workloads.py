@@ -69,14 +69,13 @@ class ForcedTextOracle(DraftSource):
     """Drafts the text the regex forces in the very tokens the target will write (``truth``, the
     row's output from a run without drafts): every draft is accepted. A bound for the benchmark."""
 
-    name = "regex"
-    free = True
+    name = "regex"  # free to ask, as the forced text's source (batch.policy.DraftGate)
 
     def __init__(self, constraint, token_bytes, prompt_length: int, truth: list):
         self.constraint, self.token_bytes = constraint, token_bytes
         self.prompt_length, self.truth = prompt_length, truth
 
-    def propose(self, tokens: list, max_draft: int):
+    def propose(self, tokens: list, max_draft: int, max_nodes=None):
         forced = self.constraint.index.dfa.forced_bytes(self.constraint.state)
         draft, written = [], b""
         for token in self.truth[len(tokens) - self.prompt_length :][:max_draft]:
@@ -95,9 +94,9 @@ def methods_for(workload, indexes, tokenizer, oracle=None):
     # the model's way with forced text, learned across batches as a server would
     splits = TokenSplits(tokenizer)
     if workload == "mix":
-        return mixed_methods(indexes, tokenizer, splits)
+        return mixed_methods(indexes, splits)
     if workload in ("json", "extract"):
-        return schema_methods(indexes, tokenizer, splits, oracle)
+        return schema_methods(indexes, splits, oracle)
 
     def lookup(rows):
         return lambda: {"draft_sources": [[PromptLookupSource()] for _ in range(rows)]}
@@ -109,18 +108,19 @@ def methods_for(workload, indexes, tokenizer, oracle=None):
     ]
 
 
-def mixed_methods(indexes, tokenizer, splits) -> list:
+def mixed_methods(indexes, splits) -> list:
     """The mix workload: row i is chat, grounded or extract as i % 3; extract rows constrained."""
 
     def mixed(rows, drafts):
         def make():
             constraints = [
-                RegexConstraint(indexes[(i % (3 * len(indexes))) // 3]) if i % 3 == 2 else None
+                RegexConstraint(indexes[(i % (3 * len(indexes))) // 3], splits)
+                if i % 3 == 2
+                else None
                 for i in range(rows)
             ]
             sources = [
-                ([ForcedTextSource(c, tokenizer, splits)] if c is not None else [])
-                + [PromptLookupSource()]
+                ([ForcedTextSource(c)] if c is not None else []) + [PromptLookupSource()]
                 if drafts
                 else []
                 for c in constraints
@@ -135,16 +135,15 @@ def mixed_methods(indexes, tokenizer, splits) -> list:
     ]
 
 
-def schema_methods(indexes, tokenizer, splits, oracle) -> list:
+def schema_methods(indexes, splits, oracle) -> list:
     """The json and extract workloads: constrained, then with forced text and lookup, then (with
     ``oracle``) the bound."""
 
     def constrained(rows, drafts):
         def make():
-            constraints = [RegexConstraint(indexes[i % len(indexes)]) for i in range(rows)]
+            constraints = [RegexConstraint(indexes[i % len(indexes)], splits) for i in range(rows)]
             sources = [
-                [ForcedTextSource(c, tokenizer, splits), PromptLookupSource()] if drafts else []
-                for c in constraints
+                [ForcedTextSource(c), PromptLookupSource()] if drafts else [] for c in constraints
             ]
             return {"constraint": constraints, "draft_sources": sources}
 

@@ -139,9 +139,9 @@ def worker(mode: str, max_tokens: int):
     for warm_up, (name, argv) in [(True, run) for run in runs[: len(METHODS)]] + [
         (False, run) for run in runs
     ]:
-        model, tokenizer, prompt, kwargs = main.build_run(
-            main.build_parser().parse_args(argv), session
-        )
+        args = main.build_parser().parse_args(argv)
+        main.validate(args)
+        model, tokenizer, prompt, kwargs = main.build_run(args, session)
         result = generate(
             model, tokenizer, prompt, **dict(kwargs, max_tokens=4 if warm_up else max_tokens)
         )
@@ -157,7 +157,9 @@ def worker(mode: str, max_tokens: int):
             / max(passes - 1, 1),
         }
     if session:
-        model = main.build_run(main.build_parser().parse_args(runs[0][1]), session)[0]
+        args = main.build_parser().parse_args(runs[0][1])
+        main.validate(args)
+        model = main.build_run(args, session)[0]
         record["num_layers"] = len(model.layers) if mode == "tensor" else None
         record["collectives"] = collective_costs(model, session.group)
     mx.eval(mx.zeros(1))

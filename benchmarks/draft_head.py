@@ -21,6 +21,7 @@ from benchmarks.harness import (
     time_loop,
 )
 from decoder.row import SourceStats
+from decoder.sampling import Sampling
 from decoder.text import eos_ids_of
 
 
@@ -37,8 +38,8 @@ class Recorded:
     def reset(self, *args, **kwargs):
         self.source.reset(*args, **kwargs)
 
-    def propose(self, tokens, max_draft):
-        return self.source.propose(tokens, max_draft)
+    def propose(self, tokens, max_draft, max_nodes=None):
+        return self.source.propose(tokens, max_draft, max_nodes)
 
     def update(self, tokens, num_proposed, num_accepted):
         if num_proposed:
@@ -78,6 +79,7 @@ def suite_methods(model, tokenizer, args, self_draft, temp: float, by_position: 
     from prompt_lookup import PromptLookupSource
 
     greedy, eos, num_layers = temp == 0, eos_ids_of(tokenizer), args.draft_layers[0]
+    sampling = Sampling(temp)
 
     def head_method(name, lookup=False, **options):
         stats = by_position.setdefault(f"{name}, temp {temp}", SourceStats())
@@ -91,12 +93,12 @@ def suite_methods(model, tokenizer, args, self_draft, temp: float, by_position: 
                 if lookup
                 else [Recorded(source, stats)]
             )
-            return time_loop(tap, prompt, max_tokens, eos, temp=temp, draft_sources=sources)
+            return time_loop(tap, prompt, max_tokens, eos, sampling=sampling, draft_sources=sources)
 
         return Method(name, run=run, greedy=greedy)
 
     return [
-        Method("plain", lambda prompt: {"temp": temp}, greedy=greedy),
+        Method("plain", lambda prompt: {"sampling": sampling}, greedy=greedy),
         Method(
             f"mlx-lm speculative, self-draft {num_layers} layers, k=4",
             run=mlx_lm_speculative_runner(model, tokenizer, self_draft, 4, temp),
@@ -105,7 +107,7 @@ def suite_methods(model, tokenizer, args, self_draft, temp: float, by_position: 
         Method(
             f"draft model ({num_layers} layers), adaptive",
             lambda prompt: {
-                "temp": temp,
+                "sampling": sampling,
                 "draft_sources": [
                     DraftModel.create(self_draft, tokenizer, model, tokenizer).source()
                 ],
@@ -117,7 +119,7 @@ def suite_methods(model, tokenizer, args, self_draft, temp: float, by_position: 
         head_method("head, adaptive"),
         Method(
             "prompt lookup",
-            lambda prompt: {"temp": temp, "draft_sources": [PromptLookupSource()]},
+            lambda prompt: {"sampling": sampling, "draft_sources": [PromptLookupSource()]},
             greedy=greedy,
         ),
         head_method("prompt lookup + head", lookup=True),

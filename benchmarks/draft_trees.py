@@ -186,7 +186,7 @@ def constrained(model, tokenizer, args) -> list:
                 ("forced + lookup trees, auto", "auto"),
             ):
                 constraint = RegexConstraint.from_json_schema(schema, tokenizer, vocab)
-                sources = [ForcedTextSource(constraint, tokenizer), PromptLookupSource()]
+                sources = [ForcedTextSource(constraint), PromptLookupSource()]
                 run = time_loop(
                     model,
                     prompt,

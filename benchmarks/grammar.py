@@ -254,7 +254,7 @@ def speed(model, tokenizer, args) -> str:
             constraint = GrammarConstraint.from_llguidance(
                 grammars[by_prompt[tuple(prompt)]], tokenizer, vocab_size
             )
-            sources = [GrammarForcedSource(constraint, tokenizer)] if forced else []
+            sources = [GrammarForcedSource(constraint)] if forced else []
             sources += [PromptLookupSource()] if lookup else []
             return dict(constraint=constraint, draft_sources=sources)
 
@@ -313,7 +313,7 @@ def gbnf_corpus(model, tokenizer, max_tokens) -> str:
             tokenizer,
             chat_tokens(tokenizer, prompts.get(path.stem, "Write something.")),
             constraint=constraint,
-            draft_sources=[GrammarForcedSource(constraint, tokenizer)],
+            draft_sources=[GrammarForcedSource(constraint)],
             max_tokens=max_tokens,
             stats=DecodingStats(),
         )

@@ -30,6 +30,7 @@ from benchmarks.harness import (
     time_loop,
 )
 from benchmarks.history_tasks import requests
+from decoder.sampling import Sampling
 from decoder.text import eos_ids_of
 from draft_head.head import SHIPPED_HEAD
 from draft_head.source import HeadDrafter
@@ -45,7 +46,9 @@ def method(name, model, make_sources, eos, temp=0.0, remember=None) -> Method:
     prompt; ``remember`` is a store source that outlives the prompts and keeps each answer."""
 
     def run(prompt, max_tokens):
-        result = time_loop(model, prompt, max_tokens, eos, draft_sources=make_sources(), temp=temp)
+        result = time_loop(
+            model, prompt, max_tokens, eos, draft_sources=make_sources(), sampling=Sampling(temp)
+        )
         if remember is not None:
             remember.remember(result.tokens)
         return result

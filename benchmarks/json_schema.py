@@ -33,6 +33,7 @@ from constrained import (
     ForcedTextSource,
     RegexConstraint,
     RegexError,
+    TokenSplits,
     compile_regex,
     schema_to_regex,
 )
@@ -150,14 +151,14 @@ def first_token_and_memory(model, tokenizer, dfa, table, eos, prompt, max_tokens
     stats = DecodingStats()
     tic = time.perf_counter()
     index = TokenIndex.build(dfa, table, eos)
-    constraint = RegexConstraint(index)
+    constraint = RegexConstraint(index, TokenSplits(tokenizer))
     steps = generate_step(
         prompt,
         model,
         constraint=constraint,
         max_tokens=max_tokens,
         eos_token_ids=eos,
-        draft_sources=[ForcedTextSource(constraint, tokenizer)],
+        draft_sources=[ForcedTextSource(constraint)],
         stats=stats,
     )
     next(steps)
@@ -201,7 +202,7 @@ def suite(model, tokenizer, args):
             constraint = RegexConstraint.from_json_schema(schema, tokenizer, vocab_size)
             return {
                 "constraint": constraint,
-                "draft_sources": [ForcedTextSource(constraint, tokenizer)] if forced else [],
+                "draft_sources": [ForcedTextSource(constraint)] if forced else [],
             }
 
         return make

@@ -170,7 +170,7 @@ def regex_suite(model, tokenizer, args):
             constraint = RegexConstraint.from_regex(patterns[tuple(prompt)], tokenizer, vocab_size)
             return {
                 "constraint": constraint,
-                "draft_sources": [ForcedTextSource(constraint, tokenizer)] if forced else [],
+                "draft_sources": [ForcedTextSource(constraint)] if forced else [],
             }
 
         return make
@@ -196,8 +196,7 @@ def acceptance_suite(model, tokenizer, args):
     """
     from mlx_lm import load
 
-    from decoder import generate_step
-    from decoder.sampling import sampling_probs
+    from decoder import Sampling, generate_step
     from decoder.text import eos_ids_of
 
     prompts = load_prompts(tokenizer, ["open_ended", "extractive_qa"])
@@ -222,8 +221,8 @@ def acceptance_suite(model, tokenizer, args):
             ours = compare = positions = 0
             for text in texts:
                 inputs = mx.array(text)[None]
-                p = sampling_probs(model(inputs)[0], temp)
-                q = sampling_probs(draft(inputs)[0], temp)
+                p = Sampling(temp).probs(model(inputs)[0])
+                q = Sampling(temp).probs(draft(inputs)[0])
                 ours += mx.minimum(p, q).sum().item()
                 compare += (p * q).sum().item()
                 positions += p.shape[0]
@@ -239,6 +238,7 @@ def speculative_suite(model, tokenizer, args):
     sampled."""
     from mlx_lm import load
 
+    from decoder import Sampling
     from draft_model import DraftModel
     from prompt_lookup import PromptLookupSource
 
@@ -247,7 +247,8 @@ def speculative_suite(model, tokenizer, args):
     )
     results = {}
     for temp in args.temps:
-        methods = [Method("plain", lambda prompt, t=temp: {"temp": t}, greedy=temp == 0)]
+        sampling = Sampling(temp)
+        methods = [Method("plain", lambda prompt, s=sampling: {"sampling": s}, greedy=temp == 0)]
         for num_layers in args.draft_layers:
             draft, _ = load(self_draft_path(num_layers))
 
@@ -256,10 +257,10 @@ def speculative_suite(model, tokenizer, args):
                     draft, tokenizer, model, tokenizer, num_draft=4, **options
                 ).source()
 
-            def method(name, make_sources, temp=temp):
+            def method(name, make_sources, sampling=sampling):
                 return Method(
                     name,
-                    lambda prompt: {"temp": temp, "draft_sources": make_sources()},
+                    lambda prompt: {"sampling": sampling, "draft_sources": make_sources()},
                     greedy=temp == 0,
                 )
 

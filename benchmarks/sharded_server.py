@@ -199,12 +199,15 @@ def message_worker(repeats: int = 200):
 
     fast_blas.load()
     import distributed
+    from decoder import Sampling
     from server.ranks import Lockstep
     from server.request import GenerationRequest
 
     session = distributed.start(60.0)
     lockstep = Lockstep(session)
-    request = GenerationRequest(prompt=list(range(1000)), max_tokens=256, temp=0.7, stop=["\n\n"])
+    request = GenerationRequest(
+        prompt=list(range(1000)), max_tokens=256, sampling=Sampling(0.7), stop=["\n\n"]
+    )
     news = {"none": None, "a 1000-token request joins": ([request], [], False)}
     costs = {}
     for name, message in news.items():

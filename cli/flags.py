@@ -1,6 +1,7 @@
 """The draft-source and distributed flags main.py and the server share, and their checks: a flag
 read here means the same in ``python main.py`` and ``python -m server``. Nothing here imports MLX
-(building the sources from the flags is ``cli/sources.py``'s job).
+(building the sources from the flags is ``cli/sources.py``'s job; ``check_sampling`` builds the
+flags' ``decoder.Sampling``, importing it then).
 
     flags.add_arguments(parser)   # --prompt-lookup, --draft-model, ..., --shard, --dist-timeout
     flags.check(args)             # before the model loads
@@ -160,38 +161,27 @@ def default_history_path() -> Path:
 
 
 def add_sampling_arguments(parser):
-    """mlx-lm's truncations (``make_sampler``) and logits processors (``make_logits_processors``),
-    with their names and defaults; docs/sampling.md says what each does."""
+    """mlx-lm's sampling settings (``make_sampler``: one flag per field of ``decoder.Sampling``,
+    its name in kebab case, unset by default: ``Sampling``'s default) and logits processors
+    (``make_logits_processors``), with mlx-lm's names and defaults; docs/sampling.md says what
+    each does."""
     group = parser.add_argument_group(
         "sampling controls (mlx-lm's; drafts are verified against the result, see docs/sampling.md)"
     )
-    group.add_argument(
-        "--top-k", type=int, default=0, help="Keep the k most likely tokens (0: off)."
-    )
-    group.add_argument(
-        "--min-p",
-        type=float,
-        default=0.0,
-        help="Drop tokens below min-p times the top token's probability (0: off).",
-    )
-    group.add_argument(
-        "--min-tokens-to-keep",
-        type=int,
-        default=1,
-        help="Tokens --min-p always keeps (default: 1).",
-    )
-    group.add_argument(
-        "--xtc-probability",
-        type=float,
-        default=0.0,
-        help="How often XTC removes the likeliest tokens above --xtc-threshold (0: off).",
-    )
-    group.add_argument(
-        "--xtc-threshold",
-        type=float,
-        default=0.1,
-        help="XTC's threshold in [0, 0.5] (default: 0.1).",
-    )
+    for flag, kind, meaning in (
+        ("--temp", float, "Sampling temperature; 0 is greedy (default: 0)."),
+        ("--top-p", float, "Nucleus sampling mass in (0, 1] (default: 1, off)."),
+        ("--top-k", int, "Keep the k most likely tokens (default: 0, off)."),
+        ("--min-p", float, "Drop tokens below min-p times the top token's probability (0: off)."),
+        ("--min-tokens-to-keep", int, "Tokens --min-p always keeps (default: 1)."),
+        (
+            "--xtc-probability",
+            float,
+            "How often XTC removes the likeliest tokens above --xtc-threshold (0: off).",
+        ),
+        ("--xtc-threshold", float, "XTC's threshold in [0, 0.5] (default: 0.1)."),
+    ):
+        group.add_argument(flag, type=kind, default=None, help=meaning)
     for name, meaning in (
         ("repetition", "Divide (or multiply, if negative) the logits of recent tokens by this"),
         ("presence", "Subtract this from the logits of tokens seen recently"),
@@ -213,16 +203,21 @@ def add_sampling_arguments(parser):
 
 
 def check_sampling(args):
-    """Refuse bad sampling controls in one line; ``args.logit_bias`` becomes a dict of int to
-    float."""
-    bounds = [
-        ("top-k", args.top_k >= 0, ">= 0 (0: off)"),
-        ("min-p", 0 <= args.min_p <= 1, "in [0, 1]"),
-        ("min-tokens-to-keep", args.min_tokens_to_keep >= 1, ">= 1"),
-        ("xtc-probability", 0 <= args.xtc_probability <= 1, "in [0, 1]"),
-        ("xtc-threshold", 0 <= args.xtc_threshold <= 0.5, "in [0, 0.5]"),
-        ("repetition-penalty", (args.repetition_penalty or 0) >= 0, ">= 0"),
-    ] + [
+    """Refuse bad sampling controls in one line: ``args.sampling`` becomes the flags'
+    ``decoder.Sampling`` (checked as it is built) and ``args.logit_bias`` a dict of int to float."""
+    from dataclasses import fields
+
+    from decoder.sampling import Sampling, SamplingError
+
+    names = {field.name for field in fields(Sampling)}
+    given = {
+        name: value for name, value in vars(args).items() if name in names and value is not None
+    }
+    try:
+        args.sampling = Sampling(**given)  # an unset flag: Sampling's default
+    except SamplingError as error:  # each setting's flag is its name in kebab case
+        raise CliError(f"--{error.setting.replace('_', '-')} must be {error.bound}") from None
+    bounds = [("repetition-penalty", (args.repetition_penalty or 0) >= 0, ">= 0")] + [
         (f"{name}-context-size", getattr(args, f"{name}_context_size") >= 0, ">= 0")
         for name in ("repetition", "presence", "frequency")
     ]
@@ -257,18 +252,10 @@ def parse_logit_bias(text: str) -> dict:
     return bias
 
 
-def sampling_options(args) -> dict:
-    """``generate_step``'s truncations and ``make_logits_processors``' arguments from the flags:
-    ``(truncations, processor_settings)``."""
-    truncations = dict(
-        min_p=args.min_p,
-        min_tokens_to_keep=args.min_tokens_to_keep,
-        top_k=args.top_k,
-        xtc_probability=args.xtc_probability,
-        xtc_threshold=args.xtc_threshold,
-    )
+def processor_options(args) -> dict:
+    """``make_logits_processors``' arguments from the flags."""
     processors = dict(logit_bias=args.logit_bias)
     for name in ("repetition", "presence", "frequency"):
         processors[f"{name}_penalty"] = getattr(args, f"{name}_penalty")
         processors[f"{name}_context_size"] = getattr(args, f"{name}_context_size")
-    return truncations, processors
+    return processors

@@ -70,13 +70,13 @@ class ConstraintBuilder:
         model does not think). ``(None, None)`` where nothing constrains the output."""
         constraint = forced = None
         if built is not None and built[0] == "regex":
-            constraint = RegexConstraint(built[1])
-            forced = ForcedTextSource(constraint, self.tokenizer, self.splits)
+            constraint = RegexConstraint(built[1], self.splits)
+            forced = ForcedTextSource(constraint)
         elif built is not None:
             constraint = GrammarConstraint.from_llguidance(
-                built[1], self.tokenizer, self.vocab_size
+                built[1], self.tokenizer, self.vocab_size, self.splits
             )
-            forced = GrammarForcedSource(constraint, self.tokenizer, self.splits)
+            forced = GrammarForcedSource(constraint)
         if thinking is None:
             return constraint, forced
         return thinking.around(constraint, forced, self.vocab_size)

@@ -1,8 +1,8 @@
 """Regex-constrained decoding for the shared loop: a logits mask and a free draft source.
 
 ``RegexConstraint`` masks every position the target scores, including each position of a draft,
-and follows the accepted tokens through the token index (one table lookup per token).
-``ForcedTextSource`` drafts the text the regex forces next (``", "age": `` in a JSON shape) for
+follows the accepted tokens through the token index (one table lookup per token) and knows the
+text the regex forces next (``", "age": `` in a JSON shape), which ``ForcedTextSource`` drafts for
 free.
 """
 
@@ -17,10 +17,13 @@ from decoder.text import eos_ids_of
 
 
 class RegexConstraint(Constraint):
-    """The DFA state of the accepted text, and the masks for the next positions."""
+    """The DFA state of the accepted text, the masks for the next positions and the text forced
+    after them. ``splits``: how the model writes forced text (``TokenSplits``, shared across rows);
+    None: no forced text."""
 
-    def __init__(self, index: TokenIndex):
-        self.index = index
+    def __init__(self, index: TokenIndex, splits: Optional["TokenSplits"] = None):
+        self.index, self.splits = index, splits
+        self._forced = {}  # DFA state -> tokenized forced text (states repeat in loops)
         self.reset()
 
     def reset(self):
@@ -28,13 +31,12 @@ class RegexConstraint(Constraint):
 
     @classmethod
     def from_regex(
-        cls, pattern: str, tokenizer, vocab_size: int, cache_dir=None
+        cls, pattern: str, tokenizer, vocab_size: int, cache_dir=None, splits=None
     ) -> "RegexConstraint":
-        return cls(
-            load_or_build_index(
-                pattern, tokenizer, vocab_size, eos_ids_of(tokenizer), cache_dir=cache_dir
-            )
+        index = load_or_build_index(
+            pattern, tokenizer, vocab_size, eos_ids_of(tokenizer), cache_dir=cache_dir
         )
+        return cls(index, splits if splits is not None else TokenSplits(tokenizer))
 
     @classmethod
     def from_json_schema(
@@ -62,6 +64,18 @@ class RegexConstraint(Constraint):
     def advance(self, tokens: list):
         for token in tokens:
             self.state = self.index.next_state(self.state, token)
+
+    def forced_after(self, path: list, previous: Optional[int] = None) -> list:
+        """The text the regex forces after draft tokens ``path`` ([] where it refuses them), as
+        the model writes it after ``path``'s last token (of an empty path: ``previous``)."""
+        states = self.walk(path)
+        if self.splits is None or len(states) <= len(path):
+            return []
+        state = states[-1]
+        if state not in self._forced:
+            forced = self.index.dfa.forced_bytes(state)
+            self._forced[state] = tokenize_forced(self.splits.tokenizer, forced)
+        return self.splits.apply(self._forced[state], path[-1] if path else previous)
 
 
 def tokenize_forced(tokenizer, forced: bytes) -> list:
@@ -117,63 +131,29 @@ class TokenSplits:
 
 
 class ForcedSource(DraftSource):
-    """Drafts forced text (a subclass's ``forced_tokens``) the way the target writes it
-    (``TokenSplits``). The target verifies it like any draft, so the output is unchanged either
-    way."""
+    """Drafts the text its constraint forces (``forced_after``), the way the target writes it;
+    where the target writes a drafted token in pieces, the constraint's ``TokenSplits`` learns
+    the split. The target verifies it like any draft, so the output is unchanged either way."""
 
-    free = True  # read off the constraint's state
-
-    def __init__(self, constraint, tokenizer, splits: Optional[TokenSplits] = None):
-        self.constraint, self.tokenizer = constraint, tokenizer
-        self.splits = splits if splits is not None else TokenSplits(tokenizer)
+    def __init__(self, constraint):
+        self.constraint = constraint
         self._proposed = []
 
-    def forced_tokens(self) -> list:
-        raise NotImplementedError
-
-    def forced_tokens_after(self, path: list) -> list:
-        """``forced_tokens`` after draft tokens ``path`` ([] where the constraint refuses them)."""
-        raise NotImplementedError
-
-    def forced_after(self, path: list) -> list:
-        return self.splits.apply(self.forced_tokens_after(path), path[-1] if path else None)
-
-    def propose(self, tokens: list, max_draft: int) -> Optional[Draft]:
-        self._proposed = self.splits.apply(self.forced_tokens(), tokens[-1] if tokens else None)[
-            :max_draft
-        ]
+    def propose(self, tokens: list, max_draft: int, max_nodes=None) -> Optional[Draft]:
+        forced = self.constraint.forced_after([], tokens[-1] if tokens else None)
+        self._proposed = forced[:max_draft]
         return Draft(self._proposed) if self._proposed else None
 
     def update(self, tokens: list, num_proposed: int, num_accepted: int) -> None:
         # tokens[-1] is the target's token in place of the rejected one
         if num_accepted < num_proposed:
-            self.splits.learn(
+            self.constraint.splits.learn(
                 self._proposed[num_accepted], tokens[-1], tokens[-2] if len(tokens) > 1 else None
             )
 
 
 class ForcedTextSource(ForcedSource):
-    """Drafts the bytes the regex forces from the current state, tokenized by the model's tokenizer
-    (a token that is the only one allowed is always accepted)."""
+    """Drafts the bytes a ``RegexConstraint`` forces from its current state, tokenized by the
+    model's tokenizer (a token that is the only one allowed is always accepted)."""
 
     name = "regex"
-
-    def __init__(
-        self, constraint: RegexConstraint, tokenizer, splits: Optional[TokenSplits] = None
-    ):
-        super().__init__(constraint, tokenizer, splits)
-        self._drafts = {}  # DFA state -> tokenized forced text (states repeat in loops)
-
-    def forced_tokens(self) -> list:
-        return self._forced_at(self.constraint.state)
-
-    def forced_tokens_after(self, path: list) -> list:
-        states = self.constraint.walk(path)
-        return self._forced_at(states[-1]) if len(states) > len(path) else []
-
-    def _forced_at(self, state: int) -> list:
-        if state not in self._drafts:
-            self._drafts[state] = tokenize_forced(
-                self.tokenizer, self.constraint.index.dfa.forced_bytes(state)
-            )
-        return self._drafts[state]

@@ -3,21 +3,22 @@
 The regex path (regex_dfa.py -> token_index.py -> constraint.py) is written by hand because it is
 the point of the example; a grammar engine is not, so here the best-kept one does the work:
 llguidance (``pip install llguidance``, MIT; imported where it is used), an Earley parser over a
-lazy regex lexer. This file adapts it to the loop's ``Constraint`` protocol and adds a draft source
-for the text it forces.
+lazy regex lexer. This file adapts it to the loop's ``Constraint`` protocol, with the text it
+forces, and names the draft source of that text.
 
     constraint = GrammarConstraint.from_grammar('start: "yes" | "no"', tokenizer, vocab_size)
     result = generate(model, tokenizer, prompt, constraint=constraint,
-                      draft_sources=[GrammarForcedSource(constraint, tokenizer)])
+                      draft_sources=[GrammarForcedSource(constraint)])
 """
 
 import re
 from copy import copy
+from typing import Optional
 
 import mlx.core as mx
 import numpy as np
 
-from constrained.constraint import ForcedSource, tokenize_forced
+from constrained.constraint import ForcedSource, TokenSplits, tokenize_forced
 from decoder.draft import Constraint, ConstraintError
 from decoder.text import eos_ids_of
 
@@ -120,16 +121,19 @@ class GrammarConstraint(Constraint):
     state change); ``masks`` consumes them one at a time, writes the bitmask before each, and rolls
     them back, so the matcher is exactly where it was. States are the draft prefixes themselves
     (tuples), so ``masks(walk(draft))`` needs nothing else. EOS is allowed exactly when the matcher
-    accepts; after an EOS in a draft only EOS is."""
+    accepts; after an EOS in a draft only EOS is. ``splits``: how the model writes forced text
+    (``TokenSplits``, shared across rows); None: no forced text."""
 
-    def __init__(self, matcher, ll_tokenizer, vocab_size: int):
+    def __init__(
+        self, matcher, ll_tokenizer, vocab_size: int, splits: Optional[TokenSplits] = None
+    ):
         # The lexer is built lazily under resource limits ("too many expressions constructed"): if
         # even the first mask is past them, say so now rather than at the first step.
         if not matcher.is_error():
             matcher.compute_bitmask()
         if matcher.is_error():
             raise GrammarError(f"llguidance refused the grammar: {_one_line(matcher.get_error())}")
-        self.matcher = matcher
+        self.matcher, self.splits = matcher, splits
         # the logits' width; may exceed the tokenizer's (padded with False)
         self.vocab_size = vocab_size
         self.num_tokens = ll_tokenizer.vocab_size
@@ -138,10 +142,14 @@ class GrammarConstraint(Constraint):
         self._words = (self.num_tokens + 31) // 32
 
     @classmethod
-    def from_llguidance(cls, grammar: str, tokenizer, vocab_size: int) -> "GrammarConstraint":
+    def from_llguidance(
+        cls, grammar: str, tokenizer, vocab_size: int, splits: Optional[TokenSplits] = None
+    ) -> "GrammarConstraint":
         """From a compiled grammar string (``compile_grammar`` / ``compile_json_schema``)."""
         ll_tokenizer = ll_tokenizer_of(tokenizer)
-        return cls(_llguidance().LLMatcher(ll_tokenizer, grammar), ll_tokenizer, vocab_size)
+        matcher = _llguidance().LLMatcher(ll_tokenizer, grammar)
+        splits = splits if splits is not None else TokenSplits(tokenizer)
+        return cls(matcher, ll_tokenizer, vocab_size, splits)
 
     @classmethod
     def from_grammar(cls, text: str, tokenizer, vocab_size: int, grammar_format: str = "auto"):
@@ -207,28 +215,31 @@ class GrammarConstraint(Constraint):
                 f"{_one_line(self.matcher.get_error())}"
             )
 
+    def forced_after(self, path: list, previous: Optional[int] = None) -> list:
+        """The text the grammar forces after draft tokens ``path`` ([] where it refuses them or
+        they hold EOS), as the model writes it after ``path``'s last token (of an empty path:
+        ``previous``). llguidance's ``compute_ff_bytes`` gives the forced bytes; the matcher takes
+        ``path`` and goes back. (``compute_ff_tokens`` stops before any token a longer one could
+        still replace, e.g. before ``":"`` when ``":""`` exists, so it drafts less.)"""
+        if self.splits is None or len(self.walk(path)) <= len(path):
+            return []
+        if self.eos_token_ids & set(path):
+            return []
+        if not path:
+            forced = self.matcher.compute_ff_bytes()
+        else:
+            self.matcher.consume_tokens(list(path))
+            try:
+                forced = self.matcher.compute_ff_bytes()
+            finally:
+                self.matcher.rollback(len(path))
+        return self.splits.apply(
+            tokenize_forced(self.splits.tokenizer, forced), path[-1] if path else previous
+        )
+
 
 class GrammarForcedSource(ForcedSource):
-    """Drafts the text the grammar forces next (``{"name":"`` in a JSON shape) at no model cost.
-    llguidance's ``compute_ff_bytes`` gives the forced bytes; they are tokenized by the model's
-    tokenizer, as ``ForcedTextSource`` does for regexes. (``compute_ff_tokens`` stops before any
-    token a longer one could still replace, e.g. before ``":"`` when ``":""`` exists, so it drafts
-    less.)"""
+    """Drafts the text a ``GrammarConstraint`` forces next (``{"name":"`` in a JSON shape) at no
+    model cost."""
 
     name = "grammar"
-
-    def forced_tokens(self) -> list:
-        return tokenize_forced(self.tokenizer, self.constraint.matcher.compute_ff_bytes())
-
-    def forced_tokens_after(self, path: list) -> list:
-        """The matcher takes ``path`` (allowed, without EOS), gives its forced bytes and goes
-        back."""
-        constraint = self.constraint
-        if len(constraint.walk(path)) <= len(path) or constraint.eos_token_ids & set(path):
-            return []
-        constraint.matcher.consume_tokens(list(path))
-        try:
-            forced = constraint.matcher.compute_ff_bytes()
-        finally:
-            constraint.matcher.rollback(len(path))
-        return tokenize_forced(self.tokenizer, forced)

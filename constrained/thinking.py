@@ -37,6 +37,7 @@ from constrained.think_markers import (
     think_markers,
 )
 from decoder.draft import Constraint, Draft, DraftSource
+from decoder.sampling import Sampling
 
 
 class ThinkState(NamedTuple):
@@ -185,6 +186,13 @@ class ThinkingConstraint(Constraint):
                 return
             self.state = self._step(self.state, token)
 
+    def forced_after(self, path: list) -> list:
+        """In the answer, what its constraint forces after draft tokens ``path`` (inside the
+        thinking block: nothing)."""
+        if self.inner is None or self.state.phase != ANSWER:
+            return []
+        return self.inner.forced_after(path)
+
     def forced_tokens(self) -> list:
         """The marker tokens forced from here (the rest of the opening or of the closing text)."""
         if self.state.phase == OPENING:
@@ -200,19 +208,18 @@ class ThinkingForcedSource(DraftSource):
     source), all for free. In the answer it is ``inner``."""
 
     name = "thinking"
-    free = True
 
     def __init__(self, constraint: ThinkingConstraint, inner: Optional[DraftSource] = None):
         self.constraint, self.inner = constraint, inner
         # whether the inner source drafted this step, with nothing forced before it
         self.delegated = False
 
-    def reset(self, cost=None, temp: float = 0.0, top_p: float = 1.0):
-        super().reset(cost, temp, top_p)
+    def reset(self, sampling=Sampling(), processors=(), cost=None):
+        super().reset(sampling, processors, cost)
         if self.inner is not None:
-            self.inner.reset(cost, temp, top_p)
+            self.inner.reset(sampling, processors, cost)
 
-    def propose(self, tokens: list, max_draft: int) -> Optional[Draft]:
+    def propose(self, tokens: list, max_draft: int, max_nodes=None) -> Optional[Draft]:
         phase = self.constraint.state.phase
         forced = self.constraint.forced_tokens()[:max_draft]
         self.delegated = False
@@ -221,12 +228,6 @@ class ThinkingForcedSource(DraftSource):
             self.delegated = not forced  # its update reads what it proposed at the draft's start
             forced += follow.tokens if follow is not None else []
         return Draft(forced) if forced else None
-
-    def forced_after(self, path: list) -> list:
-        """In the answer, what its constraint forces (inside the thinking block: nothing)."""
-        if self.inner is None or self.constraint.state.phase != ANSWER:
-            return []
-        return self.inner.forced_after(path)
 
     def update(self, tokens: list, num_proposed: int, num_accepted: int) -> None:
         if self.inner is not None and self.delegated:

@@ -13,6 +13,6 @@ from .loop import GenerationResult, Response, generate, generate_step, stream_ge
 from .pass_cost import PassCost
 from .processors import make_logits_processors, process_logits
 from .row import TARGET, DecodingStats, SourceStats
-from .sampling import Sampling, sampling_probs
+from .sampling import Sampling, SamplingError
 from .text import TextStream, encode, eos_ids_of, plain_chat
 from .tree_pass import enable_trees

@@ -1,7 +1,7 @@
 """How much of a draft the target accepts: greedy, the exact residual (Leviathan et al., 2023), an
 mlx-lm sampler's draws, SpecInfer's rule for a tree; each emitted token follows p."""
 
-from typing import Callable, Optional, Union
+from typing import Callable, Optional
 
 import mlx.core as mx
 from mlx_lm.utils import common_prefix_len
@@ -12,23 +12,17 @@ from .tree import children_of
 
 
 def accept_draft(
-    logits: mx.array,
-    draft: Draft,
-    sampling: Union[Sampling, float],
-    top_p: float = 1.0,
-    key: Optional[mx.array] = None,
+    logits: mx.array, draft: Draft, sampling: Sampling, key: Optional[mx.array] = None
 ) -> tuple:
-    """``(num_accepted, next_token)`` for a draft and the target's (len(draft) + 1, vocab) logits.
-    ``sampling``: a ``Sampling``, or its temperature (with ``top_p``); p is ``sampling.probs``.
-    ``key``: an ``mx.random`` key the step's draws come from (None: MLX's global stream).
+    """``(num_accepted, next_token)`` for a draft and the target's (len(draft) + 1, vocab) logits;
+    p is ``sampling.probs``. ``key``: an ``mx.random`` key the step's draws come from (None: MLX's
+    global stream).
 
     Greedy: accept while the draft equals the argmax. Sampling (Leviathan et al., 2023): accept
     x ~ q with probability min(1, p(x) / q(x)), else draw from (p - q)+ / |(p - q)+|; a point mass
     has q(x) = 1. Either way the output follows p.
     """
     num_draft = len(draft.tokens)
-    if not isinstance(sampling, Sampling):
-        sampling = Sampling(sampling, top_p)
     if sampling.temp == 0:
         # One sync per step: the accept decision needs the values on the host.
         target = mx.argmax(logits, axis=-1).tolist()

@@ -58,14 +58,14 @@ def _walk_leaves(constraint, draft, with_masks: bool) -> tuple:
     return sorted(allowed), rows
 
 
-def _extend_leaves(draft, forced_after, max_depth: int):
-    """``draft`` with the text forced after each leaf (``forced_after(path tokens)``) as a chain
+def _extend_leaves(constraint: Constraint, draft: Draft, max_depth: int) -> Draft:
+    """``draft`` with the text ``constraint`` forces after each leaf (``forced_after``) as a chain
     below it, no deeper than ``max_depth``; forced nodes take their leaf's chance."""
     tokens, parents = list(draft.tokens), list(draft.parents)
     chances = None if draft.chances is None else list(draft.chances)
     node_depths = depths(draft.parents)
     for leaf in leaves(draft.parents):
-        forced = forced_after(draft.path_tokens(path_to(draft.parents, leaf)))
+        forced = constraint.forced_after(draft.path_tokens(path_to(draft.parents, leaf)))
         parent = leaf
         for token in forced[: max_depth - node_depths[leaf]]:
             tokens.append(token)
@@ -76,18 +76,15 @@ def _extend_leaves(draft, forced_after, max_depth: int):
     return Draft(tokens, None, draft.expected_speedup, parents, chances)
 
 
-def constrain_tree(constraint, draft, forced_after=None, max_depth: int = 0) -> tuple:
+def constrain_tree(constraint: Constraint, draft: Draft, max_depth: int) -> tuple:
     """``(draft, allowed)`` for a tree: the nodes ``constraint`` allows (a forbidden node goes with
     its subtree) and the ``(1 + nodes, vocab)`` masks of the positions the target scores. Each
-    node's state is its own path's: the protocol's ``walk`` and ``masks`` follow each leaf's path
-    from the accepted text. ``forced_after(path tokens)``: the text the constraint forces after a
-    leaf, drafted as a chain below it, at most ``max_depth`` deep."""
+    node's state is its own path's: ``walk`` and ``masks`` follow each leaf's path from the
+    accepted text. What it forces after a leaf is drafted below it, at most ``max_depth`` deep."""
     draft = select(draft, _walk_leaves(constraint, draft, with_masks=False)[0])
     if not draft.tokens:  # every node forbidden: the text the constraint forces, as a chain
-        forced = [] if forced_after is None else forced_after([])[:max_depth]
-        return constrain_draft(constraint, Draft(forced))
-    if forced_after is not None:
-        draft = _extend_leaves(draft, forced_after, max_depth)
+        return constrain_draft(constraint, Draft(constraint.forced_after([])[:max_depth]))
+    draft = _extend_leaves(constraint, draft, max_depth)
     nodes, rows = _walk_leaves(constraint, draft, with_masks=True)
     draft = select(draft, nodes)  # a forced token a split made the constraint refuse
     # renumbered rows: position 0, then the kept nodes'

@@ -61,41 +61,29 @@ class Draft:
 
 
 class DraftSource:
-    """Proposes tokens for one row. Subclasses implement ``propose`` and override what else
-    they use."""
+    """Proposes tokens for one row: a subclass implements ``propose`` and overrides what it uses."""
 
     name = "draft"
-    drafter = None  # the ``Drafter`` drafting this row with others, or None
-    free = False  # proposing costs next to nothing (forced text): a batch asks it every step
-    # The target's whole distribution, for a source that samples as the target does
-    # (``follow_sampling``): its truncations and its logits processors.
-    sampling = Sampling()
-    processors = ()
+    drafter = None  # the ``Drafter`` drafting for this row with others, or None: it drafts alone
 
-    def reset(self, cost: Optional[PassCost] = None, temp: float = 0.0, top_p: float = 1.0) -> None:
-        """Before each generation: the loop's measured ``cost`` and the target's sampling (a source
-        that samples draws as the target does, so that q is close to p)."""
-        self.cost = cost if cost is not None else PassCost()
-        self.temp, self.top_p = temp, top_p
-
-    def propose(self, tokens: list, max_draft: int) -> Optional[Draft]:
-        """Propose up to ``max_draft`` tokens to follow ``tokens``."""
-        raise NotImplementedError
-
-    def follow_sampling(self, sampling: Sampling, processors: Sequence = ()) -> None:
-        """After ``reset``: the target's ``Sampling`` and logits processors, so that a source that
-        samples draws from the distribution the target verifies against (q close to p)."""
+    def reset(
+        self,
+        sampling: Sampling = Sampling(),
+        processors: Sequence = (),
+        cost: Optional[PassCost] = None,
+    ) -> None:
+        """Before each generation: the target's ``sampling`` and logits ``processors`` (a source
+        that samples draws as the target does, so that q is close to p) and the loop's ``cost``."""
         self.sampling, self.processors = sampling, tuple(processors)
+        self.cost = cost if cost is not None else PassCost()
 
-    def propose_tree(self, tokens: list, max_draft: int, max_nodes: int) -> Optional[Draft]:
-        """Up to ``max_nodes`` tokens in a tree (``Draft.parents``) no deeper than ``max_draft``;
-        ``max_nodes`` 0: as many as pay (the source's own policy). A chain is a tree too."""
-        return self.propose(tokens, max_draft if max_nodes == 0 else min(max_draft, max_nodes))
-
-    def forced_after(self, path: list) -> list:
-        """The tokens that must follow draft tokens ``path`` whatever the model writes (a
-        constraint's forced text; [] where it knows none): a tree drafts them below a leaf."""
-        return []
+    def propose(
+        self, tokens: list, max_draft: int, max_nodes: Optional[int] = None
+    ) -> Optional[Draft]:
+        """Tokens to follow ``tokens``: a chain of up to ``max_draft``, or where ``max_nodes`` is a
+        count (0: as many as pay) a tree (``Draft.parents``) of that many, ``max_draft`` deep. A
+        source of chains may ignore it: the loop cuts a chain to fit (``choose_draft``)."""
+        raise NotImplementedError
 
     def forecast_speedup(self) -> Optional[float]:
         """The ``expected_speedup`` of the draft it would propose now (``choose_draft``)."""
@@ -154,6 +142,11 @@ class Constraint:
         """Commit accepted tokens."""
         raise NotImplementedError
 
+    def forced_after(self, path: list) -> list:
+        """The tokens that must follow draft tokens ``path``, as the model writes them ([] where
+        none are known): a tree drafts them below a leaf."""
+        return []
+
 
 def choose_draft(
     draft_sources: Sequence[DraftSource],
@@ -165,10 +158,11 @@ def choose_draft(
     """``(draft, source)``: the first non-empty draft of the sources (in priority order), unless
     a later source forecasts a larger ``expected_speedup`` before drafting. The choice never
     depends on tokens drawn this step, so each draft still follows its ``probs``. ``max_nodes``:
-    ask for trees of that many nodes (``DraftSource.propose_tree``); None: chains."""
+    allow trees of that many nodes (``DraftSource.propose``); None: chains."""
     chosen, chosen_source = Draft([]), None
     if max_draft <= 0:
         return chosen, chosen_source
+    longest_chain = min(max_draft, max_nodes) if max_nodes else max_draft  # within a tree's budget
     for source in draft_sources:
         if chosen_source is not None:
             forecast = source.forecast_speedup()
@@ -179,15 +173,12 @@ def choose_draft(
             ):
                 break
         tic = cost.clock() if cost is not None else 0.0
-        if max_nodes is None:
-            draft = source.propose(tokens, max_draft)
-        else:
-            draft = source.propose_tree(tokens, max_draft, max_nodes)
+        draft = source.propose(tokens, max_draft, max_nodes)
         if draft is not None and draft.tokens:
-            if cost is not None:
-                cost.record_draft(source.name, cost.clock() - tic, len(draft.tokens))
-            chosen = draft if draft.parents is not None else draft.truncate(max_draft)
+            chosen = draft if draft.parents is not None else draft.truncate(longest_chain)
             chosen_source = source
+            if cost is not None:
+                cost.record_draft(source.name, cost.clock() - tic, len(chosen.tokens))
             if draft.expected_speedup is None:
                 break
     return chosen, chosen_source

@@ -55,14 +55,7 @@ def generate_step(
     eos_token_ids: Sequence[int],
     draft_sources: Sequence[DraftSource] = (),
     constraint: Optional[Constraint] = None,
-    temp: float = 0.0,
-    top_p: float = 1.0,
-    min_p: float = 0.0,
-    min_tokens_to_keep: int = 1,
-    top_k: int = 0,
-    xtc_probability: float = 0.0,
-    xtc_threshold: float = 0.1,
-    xtc_special_tokens: Sequence[int] = (),
+    sampling: Sampling = Sampling(),
     logits_processors: Optional[Sequence[Callable]] = None,
     sampler: Optional[Callable] = None,
     max_tokens: int = 256,
@@ -81,12 +74,11 @@ def generate_step(
         eos_token_ids: stop after emitting one of these (``()`` for none).
         draft_sources: in priority order (``choose_draft``).
         constraint: a logits mask that advances along accepted tokens.
-        temp, top_p, min_p, min_tokens_to_keep, top_k, xtc_probability, xtc_threshold,
-            xtc_special_tokens: mlx-lm's ``make_sampler``'s (``Sampling``); temp 0 is greedy;
-            drafts are accepted with ``min(1, p/q)`` against that distribution.
+        sampling: mlx-lm's ``make_sampler``'s settings (``Sampling``); temp 0 is greedy; drafts
+            are accepted with ``min(1, p/q)`` against that distribution.
         logits_processors: mlx-lm's ``processor(tokens, logits) -> logits``, applied at every
             position with the tokens before it, draft tokens included.
-        sampler: an mlx-lm sampler instead of the settings above (``accept_sampled``).
+        sampler: an mlx-lm sampler instead of ``sampling`` (``accept_sampled``).
         max_tokens, stats: stop after this many tokens; statistics filled in as it goes.
         prompt_cache: a ``make_cache(model)`` (or mlx-lm's list, adopted in place) holding the first
             tokens of ``prompt``; only the rest is prefilled.
@@ -102,13 +94,12 @@ def generate_step(
         ``TARGET`` for tokens the target chose itself.
     """
     cache, cached = _open_cache(model, prompt, prompt_cache)
-    settings = (temp, top_p, min_p, min_tokens_to_keep, top_k, xtc_probability, xtc_threshold)
     row = Row(
         prompt,
         eos_token_ids=eos_token_ids,
         draft_sources=draft_sources,
         constraint=constraint,
-        sampling=Sampling(*settings, tuple(xtc_special_tokens)),
+        sampling=sampling,
         logits_processors=logits_processors,
         sampler=sampler,
         max_tokens=max_tokens,
@@ -251,7 +242,7 @@ def generate(
         prompt: a str (chat template applied when the tokenizer has one) or token ids.
         verbose: print the text as it comes, then mlx-lm-style statistics.
         on_token: called with each ``Response``.
-        kwargs: ``generate_step``'s (draft_sources, constraint, temp, sampler, max_tokens, ...).
+        kwargs: ``generate_step``'s (draft_sources, constraint, sampling, max_tokens, ...).
     """
     # token ids from here on, which stream_generate passes through
     prompt = encode(tokenizer, prompt)

@@ -35,14 +35,15 @@ def draw_rows(
     greedy = mx.softmax(logits.astype(mx.float32), axis=-1)
     tokens, confidence = mx.argmax(greedy, axis=-1), mx.max(greedy, axis=-1)
     top = None
+    sampled = [source.sampling.temp > 0 for source in sources]
     if trees is not None:
         top_ids = mx.argsort(-greedy, axis=-1)[:, : ALTERNATIVES + 1]
         top = (top_ids, mx.take_along_axis(greedy, top_ids, axis=-1))
-        sources = [_GREEDY if tree else source for source, tree in zip(sources, trees)]
+        sampled = [drawn and not tree for drawn, tree in zip(sampled, trees)]
     probs = [None] * len(sources)
-    samplings = [_sampling_of(s) for s in sources]
-    for sampling in {s for s in samplings if s.temp > 0}:
-        members = [i for i, s in enumerate(samplings) if s == sampling]
+    samplings = [source.sampling for source in sources]
+    for sampling in {s for s, drawn in zip(samplings, sampled) if drawn}:
+        members = [i for i, s in enumerate(samplings) if sampled[i] and s == sampling]
         rows = [
             logits[i : i + 1]
             if contexts is None or not sources[i].processors
@@ -58,20 +59,6 @@ def draw_rows(
     return tokens, confidence, probs, top
 
 
-def _sampling_of(source) -> Sampling:
-    """The target's ``Sampling``, or for a source only reset its temperature and top-p."""
-    if source.temp > 0 and source.sampling.temp == 0:
-        return Sampling(source.temp, source.top_p)
-    return source.sampling if source.temp > 0 else _GREEDY.sampling
-
-
-class _Greedy:
-    temp, top_p, sampling, processors = 0.0, 1.0, Sampling(), ()
-
-
-_GREEDY = _Greedy()
-
-
 class SharedSource(DraftSource):
     """One row's source on a ``SharedDrafter``: its adaptive length and what was drafted for it."""
 
@@ -84,9 +71,11 @@ class SharedSource(DraftSource):
     def num_draft(self) -> int:
         return self.length.num_draft
 
-    def reset(self, cost: Optional[PassCost] = None, temp: float = 0.0, top_p: float = 1.0):
+    def reset(
+        self, sampling: Sampling = Sampling(), processors=(), cost: Optional[PassCost] = None
+    ):
         """A new generation; the drafter reuses what the new text shares with the row's cache."""
-        super().reset(cost, temp, top_p)
+        super().reset(sampling, processors, cost)
         self.length.reset()
         self.draft, self.drafted = None, False  # from the last draft_all, until proposed
         self.offered = None  # (len(tokens), chain, confidences) of the last draft
@@ -100,11 +89,9 @@ class SharedSource(DraftSource):
     def forecast_speedup(self) -> Optional[float]:
         return self.length.expected_speedup(self.token_cost()) if self.length.enabled else None
 
-    def propose(self, tokens: list, max_draft: int) -> Optional[Draft]:
-        return self.propose_tree(tokens, max_draft, None)
-
-    def propose_tree(self, tokens: list, max_draft: int, max_nodes) -> Optional[Draft]:
-        """A chain, or with ``max_nodes`` (0: as many as pay) a tree around the greedy chain."""
+    def propose(self, tokens: list, max_draft: int, max_nodes=None) -> Optional[Draft]:
+        """A chain, or with ``max_nodes`` (0: as many as pay) a tree around the greedy chain: what
+        the drafter drafted for the row, or drafts now for it alone."""
         if not self.drafted:  # alone: no batch drafted for this row before it was asked
             request = DraftRequest(self, tokens, max_draft, max_nodes=max_nodes)
             self.drafter.draft_alone(request, self.cost)
@@ -216,7 +203,8 @@ class SharedDrafter(Drafter):
         # Under ``auto`` a sampled row drafts a chain from q, accepted with 1 - TV(p, q), where a
         # tree's point masses get only p(x) each. A count asked for gives a tree at any temperature.
         trees = [
-            nodes.get(id(source)) is not None and (source.temp == 0 or nodes[id(source)] > 0)
+            nodes.get(id(source)) is not None
+            and (source.sampling.temp == 0 or nodes[id(source)] > 0)
             for source in self.rows
         ]
         texts = [request_tokens.get(id(source), []) for source in self.rows]
@@ -230,7 +218,7 @@ class SharedDrafter(Drafter):
             if growth is not None:
                 source.draft = self._tree(source, tokens, growth, nodes)
             else:
-                source.draft = Draft(tokens, None if source.temp == 0 else self._q(rows))
+                source.draft = Draft(tokens, None if source.sampling.temp == 0 else self._q(rows))
 
     def _tree(self, source, chain: list, growth: TreeGrowth, nodes: dict):
         """A row's tree of the best nodes drawn; when adaptive, only those whose chance pays for
@@ -304,7 +292,7 @@ class SharedDrafter(Drafter):
         growths = [TreeGrowth(self.tree_width, self.calibration) if t else None for t in trees]
         alive, path = [n > 0 for n in lengths], [1.0] * rows
         stops = [self._path_stop(s) if n else 0.0 for s, n in zip(self.rows, lengths)]
-        processed = any(source.processors and source.temp > 0 for source in self.rows)
+        processed = any(source.processors and source.sampling.temp > 0 for source in self.rows)
         chain_nodes = [-1] * rows  # per tree row, its chain's last node (-1: none yet)
         frontier, fed = [], 0  # (row, node, cache row): the tree nodes run from beside chains
         try:

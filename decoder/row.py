@@ -124,16 +124,13 @@ class Row:
         loop's, for its sources' drafters."""
         # With an mlx-lm sampler, q plays no part in acceptance: model sources draft greedily.
         # Otherwise they draw from the processed, truncated distribution, as the target does.
-        sampled = self.sampler is None
-        temp, top_p = self.sampling.temp, self.sampling.top_p
+        sampling, processors = self.sampling, self.logits_processors
+        if self.sampler is not None:
+            sampling, processors = Sampling(), ()
         for source in self.sources:
-            source.reset(cost, temp if sampled else 0.0, top_p if sampled else 1.0)
+            source.reset(sampling, processors, cost)
             if cache is not None and source.drafter is not None:
                 source.drafter.use_cache(cache)  # a head reads that cache's hidden states
-            if sampled:
-                source.follow_sampling(self.sampling, self.logits_processors)
-            else:
-                source.follow_sampling(Sampling())
         if self.constraint is not None:
             self.constraint.reset()
         self.stats.pass_cost = cost
@@ -174,21 +171,10 @@ class Row:
             if draft.parents is None:
                 draft, masks = constrain_draft(self.constraint, draft)
             else:  # each node masked after its own path; forced text drafted below each leaf
-                draft, masks = constrain_tree(
-                    self.constraint, draft, self.forced_after, self.max_draft
-                )
+                draft, masks = constrain_tree(self.constraint, draft, self.max_draft)
             if not draft.tokens:
                 source = None
         return Plan(draft, source, masks)
-
-    def forced_after(self, path: list) -> list:
-        """The tokens the row's constraint forces after draft tokens ``path``, as its sources know
-        them (``DraftSource.forced_after``)."""
-        for source in self.sources:
-            forced = source.forced_after(path)
-            if forced:
-                return forced
-        return []
 
     def process(self, logits: mx.array, draft: Draft) -> mx.array:
         """The pass's (width, vocab) logits of this row, its draft's positions through its logits

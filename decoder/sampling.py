@@ -9,10 +9,31 @@ import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k
 
 
+class SamplingError(ValueError):
+    """A setting out of its range: ``setting`` names it, ``bound`` says what it must be."""
+
+    def __init__(self, setting: str, bound: str, value):
+        super().__init__(f"{setting} must be {bound}, got {value!r}")
+        self.setting, self.bound = setting, bound
+
+
+# Each setting's range and how a refusal says it; outside [1e-6, 1e6] logits / temp overflow.
+RANGES = {
+    "temp": (lambda v: v == 0 or 1e-6 <= v <= 1e6, "0 (greedy) or between 1e-6 and 1e6"),
+    "top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
+    "min_p": (lambda v: 0 <= v <= 1, "in [0, 1]"),
+    "min_tokens_to_keep": (lambda v: isinstance(v, int) and v >= 1, "an integer >= 1"),
+    "top_k": (lambda v: isinstance(v, int) and v >= 0, "an integer >= 0 (0: off)"),
+    "xtc_probability": (lambda v: 0 <= v <= 1, "in [0, 1]"),
+    "xtc_threshold": (lambda v: 0 <= v <= 0.5, "in [0, 0.5]"),
+}
+
+
 @dataclass(frozen=True)
 class Sampling:
     """The target's sampling settings, with ``make_sampler``'s names and defaults (``top_p`` 1.0
-    is off, as 0.0 is there). ``temp`` 0 is greedy and ignores the rest, as mlx-lm does."""
+    is off, as 0.0 is there); ``temp`` 0 is greedy and ignores the rest, as mlx-lm does. Checked
+    when built (``SamplingError``): build it once from flags or a request and pass it along."""
 
     temp: float = 0.0
     top_p: float = 1.0
@@ -21,32 +42,15 @@ class Sampling:
     top_k: int = 0
     xtc_probability: float = 0.0
     xtc_threshold: float = 0.1
-    xtc_special_tokens: tuple = ()
+    xtc_special_tokens: tuple = ()  # token ids XTC never removes
 
-    def check(self):
-        """Refuse settings out of mlx-lm's ranges in one sentence naming the setting."""
-        ranges = {
-            "temp": self.temp >= 0,
-            "top_p": 0 < self.top_p <= 1,
-            "min_p": 0 <= self.min_p <= 1,
-            "min_tokens_to_keep": isinstance(self.min_tokens_to_keep, int)
-            and self.min_tokens_to_keep >= 1,
-            "top_k": isinstance(self.top_k, int) and self.top_k >= 0,
-            "xtc_probability": 0 <= self.xtc_probability <= 1,
-            "xtc_threshold": 0 <= self.xtc_threshold <= 0.5,
-        }
-        bounds = {
-            "temp": ">= 0",
-            "top_p": "in (0, 1]",
-            "min_p": "in [0, 1]",
-            "min_tokens_to_keep": "an integer >= 1",
-            "top_k": "an integer >= 0 (0: off)",
-            "xtc_probability": "in [0, 1]",
-            "xtc_threshold": "in [0, 0.5]",
-        }
-        for name, fine in ranges.items():
-            if not fine:
-                raise ValueError(f"{name} must be {bounds[name]}, got {getattr(self, name)!r}")
+    def __post_init__(self):
+        # hashable: rows that sample alike are grouped by it
+        object.__setattr__(self, "xtc_special_tokens", tuple(self.xtc_special_tokens))
+        for name, (fine, bound) in RANGES.items():
+            value = getattr(self, name)
+            if isinstance(value, bool) or not fine(value):  # a bool is no number here
+                raise SamplingError(name, bound, value)
 
     def probs(self, logits: mx.array) -> mx.array:
         """Rows of ``logits`` -> the distribution a token is drawn from.
@@ -91,9 +95,3 @@ def _top_p_keeps(logits: mx.array, top_p: float) -> mx.array:
     sorted_probs = mx.take_along_axis(probs, order, axis=-1)
     keep_sorted = (mx.cumsum(sorted_probs, axis=-1) - sorted_probs) < top_p
     return mx.put_along_axis(mx.zeros(probs.shape, mx.bool_), order, keep_sorted, axis=-1)
-
-
-def sampling_probs(logits: mx.array, temp: float, top_p: float = 1.0, **truncations) -> mx.array:
-    """Rows of ``logits`` -> the distribution we sample from (``Sampling.probs``);
-    ``truncations``: ``Sampling``'s other fields."""
-    return Sampling(temp, top_p, **truncations).probs(logits)

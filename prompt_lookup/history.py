@@ -140,8 +140,8 @@ class HistoryLookupSource(PromptLookupSource):
             np.concatenate([self.history, join_outputs([tokens])]), self.max_history_tokens
         )
 
-    def reset(self, cost=None, temp: float = 0.0, top_p: float = 1.0):
-        super().reset(cost, temp, top_p)
+    def reset(self, *args, **kwargs):
+        super().reset(*args, **kwargs)
         if self.history.size:
             self._context = mx.concatenate([mx.array(self.history, mx.int32), self._context])
 

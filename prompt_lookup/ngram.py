@@ -14,6 +14,7 @@ import mlx.core as mx
 from decoder.acceptance import AcceptanceEstimate, Backoff
 from decoder.draft import Draft, DraftSource
 from decoder.pass_cost import PassCost
+from decoder.sampling import Sampling
 from decoder.tree import is_chain
 
 from .trie import choose, judge
@@ -169,10 +170,12 @@ class PromptLookupSource(DraftSource):
         self.max_draft_length = 2 * num_draft
         self.reset()
 
-    def reset(self, cost: Optional[PassCost] = None, temp: float = 0.0, top_p: float = 1.0):
+    def reset(
+        self, sampling: Sampling = Sampling(), processors=(), cost: Optional[PassCost] = None
+    ):
         """Forget the followed sequence and the drafting history (the loop calls this per
         generation)."""
-        super().reset(cost, temp, top_p)
+        super().reset(sampling, processors, cost)
         self._tokens = None  # the list being followed
         self._context = mx.array(
             self.extra_context + [SEPARATOR] if self.extra_context else [], mx.int32
@@ -212,7 +215,7 @@ class PromptLookupSource(DraftSource):
     def _follow(self, tokens: list):
         # generate_step passes the same growing list every step; another list is a new generation.
         if tokens is not self._tokens:
-            self.reset(self.cost, self.temp, self.top_p)
+            self.reset(self.sampling, self.processors, self.cost)
             self._tokens = tokens
         if len(tokens) > self._num_seen:
             # Lazy: computed by the search's one sync, so the graph never grows.
@@ -221,7 +224,13 @@ class PromptLookupSource(DraftSource):
             )
             self._num_seen = len(tokens)
 
-    def propose(self, tokens: list, max_draft: int) -> Optional[Draft]:
+    def propose(
+        self, tokens: list, max_draft: int, max_nodes: Optional[int] = None
+    ) -> Optional[Draft]:
+        """A copy of what followed the longest match; with ``max_nodes``, a tree of the best
+        matches' copies (``_propose_tree``)."""
+        if max_nodes is not None:
+            return self._propose_tree(tokens, max_draft, max_nodes)
         self._follow(tokens)
         longest = self.max_draft_length if self.adaptive else self.num_draft
         draft, ngram, start = search(
@@ -243,9 +252,9 @@ class PromptLookupSource(DraftSource):
         # (draft.choose_draft).
         return Draft(draft, expected_speedup=self.expected_speedup(kind, len(draft)))
 
-    def propose_tree(self, tokens: list, max_draft: int, max_nodes: int) -> Optional[Draft]:
+    def _propose_tree(self, tokens: list, max_draft: int, max_nodes: int) -> Optional[Draft]:
         """The continuations of the best matches merged into a trie (``trie.choose``): the best
-        match's copy is drafted as ``propose`` would, and other continuations where their chance
+        match's copy is drafted as a chain would be, and other continuations where their chance
         of acceptance pays for them. ``max_nodes`` 0: up to ``2 * num_draft`` nodes."""
         self._follow(tokens)
         cap = max_nodes or self.max_draft_length
@@ -256,7 +265,7 @@ class PromptLookupSource(DraftSource):
         if not continuations:
             return None
         kind = self._kind = self.match_kind(ngram, start)
-        if self.adaptive and self.draft_length(kind) == 0:  # as ``propose``: skip, or probe
+        if self.adaptive and self.draft_length(kind) == 0:  # as a chain: skip, or probe
             if not self._backoffs[kind].probe():
                 return None
             continuations, cap = continuations[:1], 1

@@ -13,7 +13,7 @@ from server.protocol import (
     response_schema,
 )
 from server.reasoning import EFFORT_BUDGETS, ThinkingRequest
-from server.request import ApiError, GenerationRequest, invalid, number, typed
+from server.request import ApiError, GenerationRequest, invalid, number, read_sampling, typed
 
 # The Messages fields read here; the ones that change nothing in the output are accepted, and a
 # field that would change it and is not honoured is a 400 that names it (``_check_fields``).
@@ -72,14 +72,20 @@ def parse_messages(
     stop = typed(body, "stop_sequences", (list,), [], "a list of strings")
     if not all(isinstance(s, str) and s for s in stop):
         raise invalid("stop_sequences: each must be a non-empty string", param="stop_sequences")
+    sampling = read_sampling(
+        body,
+        tokenizer,
+        controls=(),  # Anthropic's own top_k, read above
+        temp=0.0 if top_k == 1 or temp < 1e-6 else temp,
+        top_p=max(float(number(body, "top_p", 1.0, 0.0, 1.0)), 1e-9),
+        top_k=top_k or 0,
+    )
     request = GenerationRequest(
         prompt=[],
         max_tokens=max_tokens,
-        temp=0.0 if top_k == 1 or temp < 1e-6 else temp,
+        sampling=sampling,
         stop=stop,
-        top_p=max(float(number(body, "top_p", 1.0, 0.0, 1.0)), 1e-9),
         stream=typed(body, "stream", (bool,), False, "a boolean"),
-        top_k=top_k or 0,
     )
     messages = typed(body, "messages", (list,), None, "a list of messages")
     if not messages:

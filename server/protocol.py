@@ -25,7 +25,8 @@ from server.request import (
     check_fields_and_model,
     invalid,
     number,
-    read_sampling_controls,
+    read_processors,
+    read_sampling,
     typed,
 )
 from server.tools import Function, ToolUse
@@ -73,6 +74,7 @@ def _common(
     model_id: str,
     max_tokens_field: Optional[int],
     default_max_tokens: int,
+    tokenizer,
 ):
     check_fields_and_model(body, allowed, model_id)
     num_choices = typed(body, "n", (int,), 1, "an integer")
@@ -90,12 +92,13 @@ def _common(
         raise invalid(f"'stop' must be up to {MAX_STOP_STRINGS} non-empty strings", param="stop")
     stream = typed(body, "stream", (bool,), False, "a boolean")
     options = typed(body, "stream_options", (dict,), {}, "an object")
+    # top_p 0 keeps the top token, as in OpenAI's API
+    top_p = max(float(number(body, "top_p", 1.0, 0.0, 1.0)), 1e-9)
     request = GenerationRequest(
         prompt=[],
         max_tokens=max_tokens,
-        temp=temp,
-        # 0 keeps the top token, as in OpenAI's API
-        top_p=max(float(number(body, "top_p", 1.0, 0.0, 1.0)), 1e-9),
+        sampling=read_sampling(body, tokenizer, temp=temp, top_p=top_p),
+        processors=read_processors(body),
         seed=typed(body, "seed", (int,), None, "an integer"),
         stop=stop,
         stream=stream,
@@ -122,8 +125,7 @@ def parse_chat(
     think-block budget of each ``reasoning_effort`` (server/reasoning.py)."""
     limit = body.get("max_completion_tokens", body.get("max_tokens"))
     max_tokens = typed({"max_tokens": limit}, "max_tokens", (int,), None, "an integer")
-    request = _common(body, CHAT_FIELDS, model_id, max_tokens, default_max_tokens)
-    read_sampling_controls(body, request, tokenizer)
+    request = _common(body, CHAT_FIELDS, model_id, max_tokens, default_max_tokens, tokenizer)
     top = _top_logprobs(body, "top_logprobs")
     if typed(body, "logprobs", (bool,), False, "a boolean"):
         request.logprobs = top or 0
@@ -332,8 +334,7 @@ def parse_completion(
 ) -> GenerationRequest:
     """A /v1/completions body: the prompt is raw text (no chat template) or token ids."""
     max_tokens = typed(body, "max_tokens", (int,), None, "an integer")
-    request = _common(body, COMPLETION_FIELDS, model_id, max_tokens, default_max_tokens)
-    read_sampling_controls(body, request, tokenizer)
+    request = _common(body, COMPLETION_FIELDS, model_id, max_tokens, default_max_tokens, tokenizer)
     request.logprobs = _top_logprobs(body, "logprobs")  # the legacy form: the number of top tokens
     for name, default in (("echo", False), ("suffix", None), ("best_of", 1)):
         if body.get(name, default) not in (default, None):

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from constrained.thinking import Thinking
+from decoder.sampling import Sampling, SamplingError
 from decoder.text import eos_ids_of
 from server.tools import ToolUse
 
@@ -22,14 +23,11 @@ IGNORED = {
     "prompt_cache_retention",
     "safety_identifier",
 }
-# mlx_lm.server's sampling extras beside OpenAI's penalties and logit_bias, with its names and
-# defaults: field -> (default, low, high, whether an integer); docs/sampling.md.
-SAMPLING_CONTROLS = {
-    "top_k": (0, 0, 2**31 - 1, True),
-    "min_p": (0.0, 0.0, 1.0, False),
-    "xtc_probability": (0.0, 0.0, 1.0, False),
-    "xtc_threshold": (0.1, 0.0, 0.5, False),
-}
+# mlx_lm.server's sampling extras beside OpenAI's temperature and top_p: fields of ``Sampling`` of
+# the same names, defaults and ranges (docs/sampling.md).
+SAMPLING_CONTROLS = ("top_k", "min_p", "xtc_probability", "xtc_threshold")
+# OpenAI's penalties and mlx_lm.server's context sizes beside logit_bias, for
+# make_logits_processors: field -> (default, low, high, whether an integer).
 PROCESSOR_CONTROLS = {
     "presence_penalty": (0.0, -2.0, 2.0, False),  # OpenAI's ranges
     "frequency_penalty": (0.0, -2.0, 2.0, False),
@@ -83,8 +81,7 @@ class GenerationRequest:
 
     prompt: list
     max_tokens: int
-    temp: float = 0.0
-    top_p: float = 1.0
+    sampling: Sampling = Sampling()  # checked when built (``read_sampling``)
     seed: Optional[int] = None
     stop: list = field(default_factory=list)
     regex: Optional[str] = None  # the output must fully match it (guided_regex)
@@ -103,30 +100,16 @@ class GenerationRequest:
     logprobs: Optional[int] = None
     # on a thinking model: its markers, where the prompt left it, the budget
     thinking: Optional[Thinking] = None
-    top_k: int = 0  # mlx-lm's truncations (SAMPLING_CONTROLS)
-    min_p: float = 0.0
-    xtc_probability: float = 0.0
-    xtc_threshold: float = 0.1
-    xtc_special_tokens: tuple = ()
     # make_logits_processors' arguments: logit_bias and PROCESSOR_CONTROLS
     processors: dict = field(default_factory=dict)
     # Responses' include of reasoning.encrypted_content (server/responses_input.py)
     opaque_reasoning: bool = False
 
-    def sampling(self) -> dict:
-        """``BatchGenerator.insert``'s sampling options for this request's one row."""
+    def logits_processors(self) -> list:
+        """mlx-lm's logits processors for this request's one row."""
         from decoder.processors import make_logits_processors
 
-        return dict(
-            temp=self.temp,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            min_p=self.min_p,
-            xtc_probability=self.xtc_probability,
-            xtc_threshold=self.xtc_threshold,
-            xtc_special_tokens=self.xtc_special_tokens,
-            logits_processors=[make_logits_processors(**self.processors)],
-        )
+        return make_logits_processors(**self.processors)
 
 
 def parse_body(raw: bytes) -> dict:
@@ -159,7 +142,7 @@ def number(body: dict, name: str, default: float, low: float, high: float) -> fl
 
 
 def integer_or_number(body: dict, name: str, bounds: tuple):
-    """A field of ``SAMPLING_CONTROLS`` or ``PROCESSOR_CONTROLS``, checked against its range."""
+    """A field of ``PROCESSOR_CONTROLS``, checked against its range."""
     default, low, high, integral = bounds
     if integral:
         value = typed(body, name, (int,), default, "an integer")
@@ -169,22 +152,36 @@ def integer_or_number(body: dict, name: str, bounds: tuple):
     return float(number(body, name, default, low, high))
 
 
-def read_sampling_controls(body: dict, request: GenerationRequest, tokenizer):
-    """mlx_lm.server's sampling extras and OpenAI's penalties and ``logit_bias`` into
-    ``request``; XTC never removes a newline or EOS, as in mlx_lm.server."""
-    for name, bounds in SAMPLING_CONTROLS.items():
-        setattr(request, name, integer_or_number(body, name, bounds))
-    if request.xtc_probability > 0:
+def read_sampling(body: dict, tokenizer, controls=SAMPLING_CONTROLS, **settings) -> Sampling:
+    """The request's ``Sampling``, built and checked once: ``settings`` as the API's own fields
+    gave them (its temperature and top_p, in its ranges), and the ``controls`` of ``body``
+    (mlx_lm.server's extras, ``Sampling``'s fields of the same names, defaults and ranges). XTC
+    never removes a newline or EOS, as in mlx_lm.server."""
+    for name in controls:
+        default = getattr(Sampling, name)  # as a JSON type: an integer or a number
+        if isinstance(default, int):
+            settings[name] = typed(body, name, (int,), default, "an integer")
+        else:
+            settings[name] = typed(body, name, (int, float), default, "a number")
+    if settings.get("xtc_probability", 0) > 0:
         newline = tokenizer.encode("\n", add_special_tokens=False)
-        request.xtc_special_tokens = tuple(newline) + tuple(sorted(eos_ids_of(tokenizer)))
-    request.processors = {
+        settings["xtc_special_tokens"] = tuple(newline) + tuple(sorted(eos_ids_of(tokenizer)))
+    try:
+        return Sampling(**settings)
+    except SamplingError as error:
+        raise invalid(f"'{error.setting}' must be {error.bound}", param=error.setting) from None
+
+
+def read_processors(body: dict) -> dict:
+    """``make_logits_processors``' arguments: OpenAI's penalties, mlx_lm.server's context sizes
+    and ``logit_bias``."""
+    processors = {
         name: integer_or_number(body, name, bounds) for name, bounds in PROCESSOR_CONTROLS.items()
     }
     bias = typed(body, "logit_bias", (dict,), None, "an object of token ids to numbers")
     if bias:
-        request.processors["logit_bias"] = dict(
-            _logit_bias(key, value) for key, value in bias.items()
-        )
+        processors["logit_bias"] = dict(_logit_bias(key, value) for key, value in bias.items())
+    return processors
 
 
 def _logit_bias(key: str, value) -> tuple:

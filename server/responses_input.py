@@ -16,6 +16,7 @@ from server.request import (
     check_fields_and_model,
     invalid,
     number,
+    read_sampling,
     typed,
 )
 
@@ -148,11 +149,14 @@ def parse_responses(
     if max_tokens < 1:
         raise invalid("'max_output_tokens' must be at least 1", param="max_output_tokens")
     temp = float(number(body, "temperature", 1.0, 0.0, 2.0))
+    top_p = max(float(number(body, "top_p", 1.0, 0.0, 1.0)), 1e-9)
+    sampling = read_sampling(  # no mlx_lm.server extras in this API
+        body, tokenizer, controls=(), temp=0.0 if temp < 1e-6 else temp, top_p=top_p
+    )
     request = GenerationRequest(
         prompt=[],
         max_tokens=max_tokens,
-        temp=0.0 if temp < 1e-6 else temp,
-        top_p=max(float(number(body, "top_p", 1.0, 0.0, 1.0)), 1e-9),
+        sampling=sampling,
         stream=typed(body, "stream", (bool,), False, "a boolean"),
         opaque_reasoning=ENCRYPTED_REASONING in body.get("include", []),
     )

@@ -63,8 +63,8 @@ class ResponsesFormat(Format):
             "instructions": None,
             "metadata": {},
             "parallel_tool_calls": self.request.tools is None or self.request.tools.parallel,
-            "temperature": self.request.temp,
-            "top_p": self.request.top_p,
+            "temperature": self.request.sampling.temp,
+            "top_p": self.request.sampling.top_p,
             "tool_choice": "auto",
             "tools": [
                 {

@@ -169,7 +169,7 @@ def check_regex(model, tokenizer):
     assert want[-1] in eos and re.fullmatch(pattern, text), (
         f"the constrained text {text!r} does not match"
     )
-    got = run([ForcedTextSource(constraint, tokenizer), lookup_source(prompt, want)], stats)
+    got = run([ForcedTextSource(constraint), lookup_source(prompt, want)], stats)
     if got != want:
         at = first_difference(got, want)
         raise AssertionError(
@@ -221,8 +221,8 @@ def tree_lookup_source(prompt: list, output: list):
     class CountingTrees(PromptLookupSource):
         trees = 0
 
-        def propose_tree(self, tokens: list, max_draft: int, max_nodes: int):
-            draft = super().propose_tree(tokens, max_draft, max_nodes)
+        def propose(self, tokens: list, max_draft: int, max_nodes=None):
+            draft = super().propose(tokens, max_draft, max_nodes)
             self.trees += draft is not None and draft.parents is not None
             return draft
 

@@ -45,11 +45,11 @@ class ScriptedSource(DraftSource):
         self.updates = []
         self.resets = 0
 
-    def reset(self, cost=None, temp=0.0, top_p=1.0):
-        super().reset(cost, temp, top_p)
+    def reset(self, *args):
+        super().reset(*args)
         self.resets += 1
 
-    def propose(self, tokens, max_draft):
+    def propose(self, tokens, max_draft, max_nodes=None):
         draft = self.propose_fn(tokens, max_draft)
         if not draft:
             return None
@@ -105,12 +105,12 @@ def assert_sampling_keeps_the_target_distribution(
     ``stats`` collects the runs' decoding statistics; ``tree_nodes``: the loop's."""
     import numpy as np
 
-    from decoder import DecodingStats, enable_trees, generate_step, sampling_probs
+    from decoder import DecodingStats, Sampling, enable_trees, generate_step
 
-    vocab, prompt = target.args.vocab_size, [1, 2, 3]
-    p1 = np.array(sampling_probs(target(mx.array([prompt]))[0, -1:], temp, top_p)[0])
+    vocab, prompt, sampling = target.args.vocab_size, [1, 2, 3], Sampling(temp, top_p)
+    p1 = np.array(sampling.probs(target(mx.array([prompt]))[0, -1:])[0])
     nexts = mx.array([prompt + [t] for t in range(vocab)])
-    p2 = np.array(sampling_probs(target(nexts)[:, -1], temp, top_p))
+    p2 = np.array(sampling.probs(target(nexts)[:, -1]))
     joint = (p1[:, None] * p2).reshape(-1)
 
     mx.random.seed(11)
@@ -126,8 +126,7 @@ def assert_sampling_keeps_the_target_distribution(
                 prompt,
                 model,
                 draft_sources=sources,
-                temp=temp,
-                top_p=top_p,
+                sampling=sampling,
                 eos_token_ids=(),
                 max_tokens=2,
                 stats=stats,
@@ -146,13 +145,13 @@ def assert_constrained_sampling_is_exact(model, constraint, temp=1.0, runs=1500)
     residual (p - q)+; cutting the draft there and sampling from p would skew the output."""
     import numpy as np
 
-    from decoder import DecodingStats, generate_step, sampling_probs
+    from decoder import DecodingStats, Sampling, generate_step
 
-    vocab, prompt = model.args.vocab_size, [1, 2, 3]
+    vocab, prompt, sampling = model.args.vocab_size, [1, 2, 3], Sampling(temp)
 
     def masked(context, mask):
         logits = model(mx.array([context]))[0, -1]
-        return np.array(sampling_probs(mx.where(mx.array(mask), logits, -mx.inf)[None], temp))[0]
+        return np.array(sampling.probs(mx.where(mx.array(mask), logits, -mx.inf)[None]))[0]
 
     first_mask = np.array(constraint.masks(constraint.walk([])))[0]
     p1 = masked(prompt, first_mask)
@@ -180,7 +179,7 @@ def assert_constrained_sampling_is_exact(model, constraint, temp=1.0, runs=1500)
                 model,
                 draft_sources=[source],
                 constraint=constraint,
-                temp=temp,
+                sampling=sampling,
                 max_tokens=2,
                 stats=stats,
                 eos_token_ids=(),
@@ -290,12 +289,13 @@ def drain(generator, uids) -> list:
 def count_trees(source, shapes: list):
     """Make ``source`` note in ``shapes``, for each draft it proposes when asked for a tree,
     whether it gave one (so a test of trees can check that trees were verified)."""
-    propose_tree = source.propose_tree
+    propose = source.propose
 
-    def counted(*args):
-        draft = propose_tree(*args)
-        shapes.append(draft is not None and draft.parents is not None)
+    def counted(tokens, max_draft, max_nodes=None):
+        draft = propose(tokens, max_draft, max_nodes)
+        if max_nodes is not None:
+            shapes.append(draft is not None and draft.parents is not None)
         return draft
 
-    source.propose_tree = counted
+    source.propose = counted
     return source

@@ -15,7 +15,7 @@ import batch.generator as batch
 from batch import BatchGenerator, batch_generate
 from batch.policy import DraftGate, choose_width, prefill_group
 from constrained import ForcedTextSource, RegexConstraint
-from decoder import TARGET, generate_step, sampling_probs
+from decoder import TARGET, Sampling, generate_step
 from decoder.acceptance import Backoff
 from decoder.pass_cost import PassCost
 from draft_model import DraftModel
@@ -205,7 +205,7 @@ def regex_row(pattern, with_forced=True, noise_seed=None):
         constraint = RegexConstraint.from_json_schema(SCHEMA, TOKENIZER, BYTE_VOCAB)
     else:
         constraint = RegexConstraint.from_regex(pattern, TOKENIZER, BYTE_VOCAB)
-    sources = [ForcedTextSource(constraint, TOKENIZER)] if with_forced else []
+    sources = [ForcedTextSource(constraint)] if with_forced else []
     if noise_seed is not None:
         rng = random.Random(noise_seed)
         sources.append(
@@ -259,7 +259,7 @@ def test_grammar_rows_with_forced_text():
 
     def grammar_row():
         constraint = GrammarConstraint.from_json_schema(SCHEMA, TOKENIZER, BYTE_VOCAB)
-        return constraint, [GrammarForcedSource(constraint, TOKENIZER)]
+        return constraint, [GrammarForcedSource(constraint)]
 
     prompts = [[1, 2, 3], [40, 41], [7] * 9]
     wants = [alone(BYTE_MODEL, p, 40, *grammar_row()[::-1], eos=(BYTE_EOS,)) for p in prompts]
@@ -462,15 +462,15 @@ def test_bad_rows_are_refused_in_one_line():
     with pytest.raises(ValueError, match="max_tokens must be at least 1"):
         generator.insert([[1]], max_tokens=0)
     with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\]"):
-        generator.insert([[1]], top_p=0.0)
+        generator.insert([[1]], sampling=Sampling(top_p=0.0))
     with pytest.raises(ValueError, match="top_k must be an integer >= 0"):
-        generator.insert([[1]], top_k=-1)
+        generator.insert([[1]], sampling=Sampling(top_k=-1))
     with pytest.raises(ValueError, match=r"xtc_threshold must be in \[0, 0.5\]"):
-        generator.insert([[1]], xtc_threshold=0.7)
+        generator.insert([[1]], sampling=Sampling(xtc_threshold=0.7))
     with pytest.raises(ValueError, match="one list of processors per prompt"):
         generator.insert([[1]], logits_processors=[lambda tokens, logits: logits])
     with pytest.raises(ValueError, match="one value or one per prompt"):
-        generator.insert([[1], [2]], temp=[0.0])
+        generator.insert([[1], [2]], sampling=[Sampling()])
     with pytest.raises(ValueError, match="prompt is empty"):
         generator.insert([[]])
     with pytest.raises(ValueError, match="one list of sources per prompt"):
@@ -504,11 +504,9 @@ SMALL_DRAFT = tiny_llama(vocab_size=8, num_layers=1, seed=9, sharp=2.0)
 def test_sampling_keeps_each_rows_distribution(drafting):
     """Two tokens sampled by 1500 rows, 100 at a time, with greedy rows among them, chi-squared
     against the target's own joint distribution; the greedy rows give their greedy output."""
-    temp, top_p, vocab, prompt = 1.0, 0.9, 8, [1, 2, 3]
-    p1 = np.array(sampling_probs(SMALL(mx.array([prompt]))[0, -1:], temp, top_p)[0])
-    p2 = np.array(
-        sampling_probs(SMALL(mx.array([prompt + [t] for t in range(vocab)]))[:, -1], temp, top_p)
-    )
+    sampling, vocab, prompt = Sampling(temp=1.0, top_p=0.9), 8, [1, 2, 3]
+    p1 = np.array(sampling.probs(SMALL(mx.array([prompt]))[0, -1:])[0])
+    p2 = np.array(sampling.probs(SMALL(mx.array([prompt + [t] for t in range(vocab)]))[:, -1]))
     joint = (p1[:, None] * p2).reshape(-1)
     greedy = alone(SMALL, [4, 5], 6, eos=())
     q = np.full(vocab, 1 / vocab, np.float32)
@@ -533,8 +531,7 @@ def test_sampling_keeps_each_rows_distribution(drafting):
         generator = BatchGenerator(SMALL, max_width=3, prefill_batch_size=128, drafters=[drafter])
         uids = generator.insert(
             [prompt] * 100,
-            temp=temp,
-            top_p=top_p,
+            sampling=sampling,
             max_tokens=2,
             draft_sources=[sources() for _ in range(100)],
         )
@@ -602,7 +599,7 @@ def test_free_sources_draft_on_the_steps_the_gate_skips():
         [[10, 20]],
         constraint=[constraint],
         max_tokens=30,
-        draft_sources=[[costly, ForcedTextSource(constraint, TOKENIZER)]],
+        draft_sources=[[costly, ForcedTextSource(constraint)]],
     )
     generator.next()  # admits the row and asks both sources
     assert len(calls) == 1
@@ -610,6 +607,15 @@ def test_free_sources_draft_on_the_steps_the_gate_skips():
     (response,) = generator.next()
     assert len(calls) == 1
     assert response.sources[0] == "regex" and len(response.tokens) > 1
+
+
+def test_the_gate_knows_every_forced_text_source_as_free():
+    """The batch tells the forced text's sources by name: each of constrained/'s is in the set."""
+    from constrained.grammar import GrammarForcedSource
+    from constrained.thinking import ThinkingForcedSource
+
+    for source in (ForcedTextSource, GrammarForcedSource, ThinkingForcedSource):
+        assert source.name in DraftGate().free
 
 
 class ClockedModel:

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from batch import BatchGenerator
 from constrained import RegexConstraint
-from decoder import generate_step, make_cache, sampling_probs
+from decoder import Sampling, generate_step, make_cache
 from decoder.hidden_states import output_rows
 from decoder.pass_cost import PassCost
 from draft_head.head import DraftHead, head_args
@@ -185,11 +185,9 @@ def test_sampling_with_mtp_rows_keeps_each_rows_distribution(tmp_path):
     distribution."""
     write_checkpoint(tmp_path, "deepseek_v3", seed=4, vocab_size=8, tokenizer=tiny_byte_tokenizer())
     target, _, _ = load_mlx_lm(tmp_path)
-    temp, top_p, vocab, prompt = 1.0, 0.9, 8, [1, 2, 3]
-    p1 = np.array(sampling_probs(target(mx.array([prompt]))[0, -1:], temp, top_p)[0])
-    p2 = np.array(
-        sampling_probs(target(mx.array([prompt + [t] for t in range(vocab)]))[:, -1], temp, top_p)
-    )
+    sampling, vocab, prompt = Sampling(temp=1.0, top_p=0.9), 8, [1, 2, 3]
+    p1 = np.array(sampling.probs(target(mx.array([prompt]))[0, -1:])[0])
+    p2 = np.array(sampling.probs(target(mx.array([prompt + [t] for t in range(vocab)]))[:, -1]))
     joint = (p1[:, None] * p2).reshape(-1)
     mx.random.seed(3)
     counts, proposed, accepted = np.zeros(vocab * vocab, np.int64), 0, 0
@@ -198,8 +196,7 @@ def test_sampling_with_mtp_rows_keeps_each_rows_distribution(tmp_path):
         generator = BatchGenerator(tap, max_width=3, prefill_batch_size=128, drafters=[drafter])
         uids = generator.insert(
             [prompt] * 100,
-            temp=temp,
-            top_p=top_p,
+            sampling=sampling,
             max_tokens=2,
             draft_sources=[[drafter.source()] for _ in range(100)],
         )
@@ -226,14 +223,14 @@ def random_head_drafter(target, seed=5):
 
 def first_drafts(tap, source, prompt, prompt_cache=None, steps=3) -> list:
     """The first ``steps`` drafts ``source`` proposes in the one-row loop."""
-    drafts, propose = [], source.propose_tree
+    drafts, propose = [], source.propose
 
-    def spy(tokens, max_draft, max_nodes):
+    def spy(tokens, max_draft, max_nodes=None):
         draft = propose(tokens, max_draft, max_nodes)
         drafts.append(None if draft is None else draft.tokens)
         return draft
 
-    source.propose_tree = spy
+    source.propose = spy
     for _ in generate_step(
         prompt,
         tap,

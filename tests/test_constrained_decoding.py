@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from constrained import ForcedTextSource, RegexConstraint, TokenSplits
-from decoder import DecodingStats, generate
+from decoder import DecodingStats, Sampling, generate
 from tests.helpers import ScriptedSource, tiny_byte_tokenizer, tiny_llama
 
 TOKENIZER = tiny_byte_tokenizer()
@@ -25,9 +25,18 @@ REGEXES = [
 
 
 def constrained(
-    pattern, prompt, sources=(), model=MODEL, tokenizer=TOKENIZER, max_tokens=48, **kwargs
+    pattern,
+    prompt,
+    sources=(),
+    model=MODEL,
+    tokenizer=TOKENIZER,
+    max_tokens=48,
+    splits=None,
+    **kwargs,
 ):
-    constraint = RegexConstraint.from_regex(pattern, tokenizer, vocab_size=model.args.vocab_size)
+    constraint = RegexConstraint.from_regex(
+        pattern, tokenizer, vocab_size=model.args.vocab_size, splits=splits
+    )
     sources = [s(constraint) if callable(s) and not hasattr(s, "propose") else s for s in sources]
     return generate(
         model,
@@ -41,15 +50,11 @@ def constrained(
     )
 
 
-def forced(constraint, tokenizer=TOKENIZER):
-    return ForcedTextSource(constraint, tokenizer)
+def forced(constraint):
+    return ForcedTextSource(constraint)
 
 
 SHARED_SPLITS = TokenSplits(TOKENIZER)  # learned across the examples, as a server's across requests
-
-
-def forced_shared(constraint):
-    return ForcedTextSource(constraint, TOKENIZER, SHARED_SPLITS)
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -66,8 +71,10 @@ def test_forced_drafts_and_random_drafts_give_plain_constrained_output(pattern, 
         assert re.fullmatch(pattern, reference.text, re.ASCII), reference.text
     rng = random.Random(seed)
     noise = ScriptedSource(lambda tokens, k: [rng.randrange(VOCAB) for _ in range(k)], name="noise")
-    for sources in ([forced], [forced, noise], [noise], [forced_shared]):
+    for sources in ([forced], [forced, noise], [noise]):
         assert constrained(pattern, prompt, sources).tokens == reference.tokens
+    shared = constrained(pattern, prompt, [forced], splits=SHARED_SPLITS)
+    assert shared.tokens == reference.tokens
 
 
 def test_forced_text_costs_fewer_passes_than_tokens():
@@ -114,17 +121,13 @@ def test_token_splits_follow_the_token_before():
 def test_forced_text_is_drafted_the_way_the_target_wrote_it_before():
     pattern = '"name": "ab"'
     splits, prompt = TokenSplits(TOKENIZER), [5, 6]
-    first = ForcedTextSource(
-        RegexConstraint.from_regex(pattern, TOKENIZER, VOCAB), TOKENIZER, splits
-    )
+    first = ForcedTextSource(RegexConstraint.from_regex(pattern, TOKENIZER, VOCAB, splits=splits))
     draft = first.propose(prompt, 32).tokens
     assert TOKENIZER.decode(draft) == pattern
     at = draft.index(TOKENIZER.encode('":')[0])
     # the target wrote '"' there
     first.update(prompt + draft[:at] + TOKENIZER.encode('"'), len(draft), at)
-    second = ForcedTextSource(
-        RegexConstraint.from_regex(pattern, TOKENIZER, VOCAB), TOKENIZER, splits
-    )
+    second = ForcedTextSource(RegexConstraint.from_regex(pattern, TOKENIZER, VOCAB, splits=splits))
     again = second.propose(prompt, 32).tokens
     assert TOKENIZER.decode(again) == pattern
     assert again[: at + 2] == draft[:at] + TOKENIZER.encode('"') + TOKENIZER.encode(":")
@@ -141,7 +144,7 @@ def test_sampled_output_matches_too():
 
     for seed in range(5):
         mx.random.seed(seed)
-        result = constrained(r"\d{4}-\d{2}-\d{2}", [9, 9], [forced], temp=1.0)
+        result = constrained(r"\d{4}-\d{2}-\d{2}", [9, 9], [forced], sampling=Sampling(1.0))
         assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", result.text)
 
 
@@ -172,8 +175,8 @@ def test_embedded_model_output_matches_and_drafts_are_lossless(
 
     plain = run([])
     assert plain.finish_reason == "stop" and re.fullmatch(pattern, plain.text, re.ASCII), plain.text
-    with_forced = run([lambda c: ForcedTextSource(c, tokenizer)])
-    combined = run([lambda c: ForcedTextSource(c, tokenizer), PromptLookupSource()])
+    with_forced = run([forced])
+    combined = run([forced, PromptLookupSource()])
     assert with_forced.tokens == plain.tokens == combined.tokens
     assert with_forced.stats.target_forward_passes <= plain.stats.target_forward_passes
 

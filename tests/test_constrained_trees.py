@@ -37,12 +37,12 @@ def encode(text: str) -> list:
 
 def regex():
     constraint = RegexConstraint.from_regex(PATTERN, TOKENIZER, VOCAB)
-    return constraint, ForcedTextSource(constraint, TOKENIZER)
+    return constraint, ForcedTextSource(constraint)
 
 
 def grammar():
     constraint = GrammarConstraint.from_json_schema(SCHEMA, TOKENIZER, VOCAB)
-    return constraint, GrammarForcedSource(constraint, TOKENIZER)
+    return constraint, GrammarForcedSource(constraint)
 
 
 def check_masks(constraint, draft, masks):
@@ -63,13 +63,13 @@ def check_masks(constraint, draft, masks):
 def test_forbidden_nodes_go_each_node_is_masked_after_its_path_and_leaves_get_forced_text(
     make, opening, closed, forced
 ):
-    constraint, source = make()
+    constraint, _ = make()
     constraint.advance(encode(opening))
     a, b, c, quote, seven = (encode(text)[0] for text in ("a", "b", "c", closed, "7"))
     # a -> {b -> ", c, 7}, and a " that would close an empty name first (the regex forbids it;
     # the schema allows it). Under the regex, 7 is forbidden in a name.
     draft = Draft([a, quote, b, quote, c, seven], parents=[-1, -1, 0, 2, 0, 0])
-    got, masks = constrain_tree(constraint, draft, source.forced_after, max_depth=16)
+    got, masks = constrain_tree(constraint, draft, max_depth=16)
     texts = {
         TOKENIZER.decode(got.path_tokens(path_to(got.parents, node)))
         for node in range(len(got.tokens))
@@ -96,17 +96,6 @@ def decode(constraint, source=None, prompt=(1, 2), tree_nodes=0, seed=0) -> tupl
     return [token for token, _ in steps], stats
 
 
-class ForcedThenTrees(RandomTrees):
-    """Random trees in which the plain text hides, and the forced text's source beside them."""
-
-    def __init__(self, forced, prompt_length: int, truth: list, seed: int):
-        super().__init__(prompt_length, truth, seed)
-        self.forced = forced
-
-    def forced_after(self, path):
-        return self.forced.forced_after(path)
-
-
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     make=st.sampled_from([regex, grammar]),
@@ -115,8 +104,8 @@ class ForcedThenTrees(RandomTrees):
 )
 def test_constrained_rows_with_random_trees_give_plain_constrained_tokens(make, prompt, seed):
     want, _ = decode(make()[0], prompt=prompt)
-    constraint, forced = make()
-    trees = ForcedThenTrees(forced, len(prompt), want, seed)
+    constraint, _ = make()
+    trees = RandomTrees(len(prompt), want, seed)  # the constraint drafts its forced text below
     got, stats = decode(constraint, trees, prompt, tree_nodes=8)
     assert got == want
     assert stats.sources["random_trees"].accepted > 0  # trees were verified, not only chains
@@ -131,7 +120,7 @@ def test_constrained_rows_in_a_batch_draft_trees_and_stay_lossless():
     for row, (make, prompt, want) in enumerate(zip(makes, prompts, wants)):
         constraint, forced = make()
         constraints.append(constraint)
-        sources.append([forced, ForcedThenTrees(forced, len(prompt), want, row)])
+        sources.append([forced, RandomTrees(len(prompt), want, row)])
     uids = generator.insert(
         prompts, draft_sources=sources, constraint=constraints, max_tokens=40, eos_token_ids=EOS
     )

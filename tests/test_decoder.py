@@ -7,15 +7,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from mlx_lm.models.cache import make_prompt_cache
 
-from decoder import (
-    TARGET,
-    Constraint,
-    DecodingStats,
-    Draft,
-    accept_draft,
-    generate_step,
-    sampling_probs,
-)
+from decoder import TARGET, Constraint, DecodingStats, Draft, Sampling, accept_draft, generate_step
 from tests.helpers import (
     ScriptedSource,
     assert_constrained_sampling_is_exact,
@@ -105,7 +97,7 @@ class Copier(ScriptedSource):
         super().__init__(fn, name=name)
         self.expected = expected
 
-    def propose(self, tokens, max_draft):
+    def propose(self, tokens, max_draft, max_nodes=None):
         draft = super().propose(tokens, max_draft)
         if draft is not None:
             draft.expected_speedup = self.expected
@@ -123,7 +115,7 @@ class Modeller(ScriptedSource):
     def forecast_speedup(self):
         return self.forecast
 
-    def propose(self, tokens, max_draft):
+    def propose(self, tokens, max_draft, max_nodes=None):
         self.asked += 1
         return super().propose(tokens, max_draft)
 
@@ -257,12 +249,12 @@ def test_sampling_stays_exact_under_a_constraint_that_follows_the_protocol():
 # --- exact sampling ------------------------------------------------------------------
 
 
-def _first_token_counts(logits, make_draft, trials, temp=1.0, top_p=1.0):
+def _first_token_counts(logits, make_draft, trials, sampling):
     counts = np.zeros(logits.shape[-1], dtype=np.int64)
     for _ in range(trials):
         draft = make_draft()
         rows = mx.broadcast_to(logits, (len(draft.tokens) + 1, logits.shape[-1]))
-        num_accepted, next_token = accept_draft(rows, draft, temp, top_p)
+        num_accepted, next_token = accept_draft(rows, draft, sampling)
         counts[draft.tokens[0] if num_accepted else next_token] += 1
     return counts
 
@@ -272,7 +264,8 @@ def test_rejection_sampling_keeps_the_target_distribution(temp, top_p):
     mx.random.seed(1)
     vocab = 6
     logits = mx.random.normal((vocab,)) * 1.5
-    target = np.array(sampling_probs(logits[None], temp, top_p)[0])
+    sampling = Sampling(temp, top_p)
+    target = np.array(sampling.probs(logits[None])[0])
     assert (target > 0).sum() >= 3  # top-p must leave a real choice for the test to mean anything
     q = mx.softmax(mx.random.normal((vocab,)) * 1.5)
 
@@ -285,7 +278,7 @@ def test_rejection_sampling_keeps_the_target_distribution(temp, top_p):
 
     np.random.seed(0)
     for make_draft in (model_draft, point_mass):
-        counts = _first_token_counts(logits, make_draft, 6000, temp, top_p)
+        counts = _first_token_counts(logits, make_draft, 6000, sampling)
         assert chi_square_p_value(counts, target) > 1e-3, make_draft.__name__
 
 
@@ -329,7 +322,7 @@ def test_loop_sampling_with_a_random_draft_model_keeps_the_joint_distribution():
                 prompt,
                 model,
                 draft_sources=[source],
-                temp=1.0,
+                sampling=Sampling(temp=1.0),
                 max_tokens=2,
                 eos_token_ids=(),
                 stats=stats,

@@ -48,10 +48,9 @@ class RandomTrees(DraftSource):
     def __init__(self, prompt_length: int, truth: list, seed: int):
         self.prompt_length, self.truth, self.random = prompt_length, truth, random.Random(seed)
 
-    def propose(self, tokens, max_draft):
-        return None
-
-    def propose_tree(self, tokens, max_draft, max_nodes):
+    def propose(self, tokens, max_draft, max_nodes=None):
+        if max_nodes is None:
+            return None
         done = len(tokens) - self.prompt_length  # tokens of the truth emitted so far
         tokens_out, parents, right = [], [], []
         for node in range(self.random.randint(1, max_nodes)):
@@ -198,9 +197,7 @@ def test_sampled_rows_whose_trees_a_narrow_pass_cuts_to_nothing_are_served():
         uids = generator.insert(
             [prompt] * 3,
             draft_sources=[[PromptLookupSource()] for _ in range(3)],
-            temp=1.0,
-            top_k=[3, 0, 0],
-            min_p=[0, 0.2, 0],
+            sampling=[Sampling(1.0, top_k=3), Sampling(1.0, min_p=0.2), Sampling(1.0)],
             seed=[seed, seed + 100, seed + 200],
             max_tokens=40,
         )
@@ -257,7 +254,7 @@ def test_sampling_with_lookup_trees_keeps_the_distribution_of_two_tokens():
                 model,
                 eos_token_ids=(),
                 max_tokens=2,
-                temp=1.0,
+                sampling=Sampling(temp=1.0),
                 draft_sources=[source],
                 tree_nodes=6,
             )
@@ -488,12 +485,11 @@ class TwoGuesses(DraftSource):
     def __init__(self, prompt_length: int, truth: list):
         self.prompt_length, self.truth = prompt_length, truth
 
-    def propose(self, tokens, max_draft):
+    def propose(self, tokens, max_draft, max_nodes=None):
         done = len(tokens) - self.prompt_length
-        return Draft(self.truth[done : done + 1]) if done < len(self.truth) else None
-
-    def propose_tree(self, tokens, max_draft, max_nodes):
-        chain = self.propose(tokens, max_draft)
+        chain = Draft(self.truth[done : done + 1]) if done < len(self.truth) else None
+        if max_nodes is None:
+            return chain
         return chain and Draft(chain.tokens + [(chain.tokens[0] + 1) % 64], parents=[-1, -1])
 
 

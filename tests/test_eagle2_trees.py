@@ -86,15 +86,15 @@ def branches_below_other_choices(parents: list) -> bool:
 
 def recording(source_class, monkeypatch) -> list:
     """The parents of every tree sources of ``source_class`` propose, as they propose them."""
-    trees, propose_tree = [], source_class.propose_tree
+    trees, propose = [], source_class.propose
 
     def recorded(self, *args):
-        draft = propose_tree(self, *args)
+        draft = propose(self, *args)
         if draft is not None and draft.parents is not None:
             trees.append(draft.parents)
         return draft
 
-    monkeypatch.setattr(source_class, "propose_tree", recorded)
+    monkeypatch.setattr(source_class, "propose", recorded)
     return trees
 
 

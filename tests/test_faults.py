@@ -555,7 +555,7 @@ def score_rows(draw, vocab_size):
 @given(data=st.data())
 def test_constrained_loop_emits_only_allowed_tokens_or_fails_cleanly(data, tmp_path):
     from constrained import ForcedTextSource
-    from decoder import ConstraintError, generate_step
+    from decoder import ConstraintError, Sampling, generate_step
 
     pattern = data.draw(st.sampled_from(PATTERNS))
     constraint = constraint_for(pattern, tmp_path)
@@ -567,9 +567,7 @@ def test_constrained_loop_emits_only_allowed_tokens_or_fails_cleanly(data, tmp_p
     scripted = ScriptedSource(
         lambda tokens, max_draft: drafts[len(tokens) % len(drafts)][:max_draft]
     )
-    sources = data.draw(
-        st.sampled_from([[], [scripted], [ForcedTextSource(constraint, _tokenizer), scripted]])
-    )
+    sources = data.draw(st.sampled_from([[], [scripted], [ForcedTextSource(constraint), scripted]]))
     temp, top_p = data.draw(st.sampled_from([(0.0, 1.0), (1.0, 1.0), (0.7, 0.9)]))
     mx.random.seed(data.draw(st.integers(0, 2**32 - 1)))
 
@@ -580,8 +578,7 @@ def test_constrained_loop_emits_only_allowed_tokens_or_fails_cleanly(data, tmp_p
             ScoresModel(rows),
             draft_sources=sources,
             constraint=constraint,
-            temp=temp,
-            top_p=top_p,
+            sampling=Sampling(temp, top_p),
             max_tokens=12,
             eos_token_ids=[_tokenizer.eos_token_id],
         ):
@@ -596,7 +593,7 @@ def test_constrained_loop_emits_only_allowed_tokens_or_fails_cleanly(data, tmp_p
 
 
 def test_nan_scores_do_not_hide_a_finite_allowed_token(tmp_path):
-    from decoder import generate_step
+    from decoder import Sampling, generate_step
 
     constraint = constraint_for(r"[ab]", tmp_path)
     vocab_size = len(_tokenizer)
@@ -611,7 +608,7 @@ def test_nan_scores_do_not_hide_a_finite_allowed_token(tmp_path):
                 [0],
                 ScoresModel(row[None]),
                 constraint=constraint,
-                temp=temp,
+                sampling=Sampling(temp),
                 max_tokens=1,
                 eos_token_ids=(),
             )

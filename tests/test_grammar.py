@@ -24,7 +24,7 @@ from constrained.grammar import (
     GrammarForcedSource,  # noqa: E402
     compile_grammar,
 )
-from decoder import DecodingStats, generate  # noqa: E402
+from decoder import DecodingStats, Sampling, generate  # noqa: E402
 from draft_model import DraftModel  # noqa: E402
 from prompt_lookup import PromptLookupSource  # noqa: E402
 from tests.helpers import (
@@ -89,7 +89,7 @@ def run(grammar, prompt, sources=(), model=MODEL, max_tokens=40, **kwargs):
 
 
 def forced(constraint):
-    return GrammarForcedSource(constraint, TOKENIZER)
+    return GrammarForcedSource(constraint)
 
 
 # --- losslessness --------------------------------------------------------------------------------
@@ -268,7 +268,7 @@ def finished_samples(grammar, wanted=2, max_seeds=8, max_tokens=60):
             [forced],
             model=EndsSoon(MODEL, len(prompt)),
             max_tokens=max_tokens,
-            temp=1.0,
+            sampling=Sampling(1.0),
         )
         if result.finish_reason == "stop":
             texts.append(result.text)

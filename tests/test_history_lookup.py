@@ -331,6 +331,7 @@ def test_the_head_ships_a_seed_that_is_read_but_never_written(tmp_path):
             "Name three colours.",
         ]
     )
+    main.validate(args)
     _, _, _, kwargs = main.build_run(args)
     source = kwargs["draft_sources"][0]
     assert (

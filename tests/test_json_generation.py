@@ -7,7 +7,7 @@ import mlx.core as mx
 import pytest
 
 from constrained import ForcedTextSource, RegexConstraint
-from decoder import DecodingStats, generate
+from decoder import DecodingStats, Sampling, generate
 from tests.helpers import tiny_byte_tokenizer, tiny_llama
 from tests.test_cli import assert_one_line_error, cli
 
@@ -54,7 +54,7 @@ def run(schema, prompt, model, tokenizer, forced, max_tokens, **kwargs):
     constraint = RegexConstraint.from_json_schema(
         schema, tokenizer, vocab_size=model.args.vocab_size
     )
-    sources = [ForcedTextSource(constraint, tokenizer)] if forced else []
+    sources = [ForcedTextSource(constraint)] if forced else []
     return generate(
         model,
         tokenizer,
@@ -80,7 +80,7 @@ def test_tiny_model_outputs_validate_and_forced_drafts_are_lossless(schema):
 def test_tiny_model_sampled_outputs_validate():
     for seed in range(3):
         mx.random.seed(seed)
-        result = run(TINY_SCHEMAS[0], [5, 6], MODEL, TOKENIZER, True, 200, temp=1.0)
+        result = run(TINY_SCHEMAS[0], [5, 6], MODEL, TOKENIZER, True, 200, sampling=Sampling(1.0))
         assert result.finish_reason == "stop"
         validate(TINY_SCHEMAS[0], result.text)
 

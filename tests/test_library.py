@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from mlx_lm.sample_utils import make_sampler
 
-from decoder import DecodingStats, Draft, accept_sampled, generate, generate_step
+from decoder import DecodingStats, Draft, Sampling, accept_sampled, generate, generate_step
 from decoder.pass_cost import PassCost
 from tests.helpers import ScriptedSource, chi_square_p_value, tiny_byte_tokenizer, tiny_llama
 
@@ -59,7 +59,7 @@ def regex():
     constraint = RegexConstraint.from_regex(
         r'\{"name": "[a-z]{1,8}", "n": \d{1,3}\}', BYTE_TOKENIZER, vocab_size=len(BYTE_TOKENIZER)
     )
-    return BYTE_MODEL, [ForcedTextSource(constraint, BYTE_TOKENIZER)], constraint
+    return BYTE_MODEL, [ForcedTextSource(constraint)], constraint
 
 
 @pytest.mark.parametrize("make", [lookup, draft_model, draft_head, regex])
@@ -76,7 +76,7 @@ def test_a_reused_source_gives_what_a_fresh_one_gives(make, temp):
                 model,
                 draft_sources=sources,
                 constraint=constraint,
-                temp=temp,
+                sampling=Sampling(temp),
                 max_tokens=24,
                 eos_token_ids=(),
                 stats=stats,
@@ -160,12 +160,10 @@ def test_an_mlx_lm_sampler_keeps_its_distribution_under_drafts():
     """Two tokens sampled through the loop with a scripted draft against the target's joint
     distribution under mlx-lm's temperature sampler (its top-p is taken before the temperature,
     ours after, so only the temperature is compared)."""
-    from decoder import sampling_probs
-
     vocab, prompt, temp, top_p = VOCAB, [1, 2, 3], 0.8, 1.0
-    p1 = np.array(sampling_probs(TARGET(mx.array([prompt]))[0, -1:], temp, top_p)[0])
+    p1 = np.array(Sampling(temp, top_p).probs(TARGET(mx.array([prompt]))[0, -1:])[0])
     nexts = mx.array([prompt + [t] for t in range(vocab)])
-    p2 = np.array(sampling_probs(TARGET(nexts)[:, -1], temp, top_p))
+    p2 = np.array(Sampling(temp, top_p).probs(TARGET(nexts)[:, -1]))
     joint = (p1[:, None] * p2).reshape(-1)
     top = int(np.argmax(p1))
     source = ScriptedSource(lambda tokens, k: [top, int(np.argmax(p2[top]))][:k])

@@ -12,7 +12,7 @@ from mlx_lm.generate import generate_step as mlx_generate_step
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
 from batch import BatchGenerator
-from decoder import DecodingStats, Draft, generate_step, sampling_probs
+from decoder import DecodingStats, Draft, Sampling, generate_step
 from draft_model import DraftModel
 from prompt_lookup import PromptLookupSource
 from tests.helpers import ScriptedSource, chi_square_p_value, tiny_llama
@@ -142,8 +142,7 @@ def test_a_batch_gives_each_row_its_own_processors():
         draft_sources=[[PromptLookupSource()], [], [DraftModel(DRAFT, VOCAB).source()], []],
         logits_processors=processors,
         # a truncation does not change a greedy row
-        top_k=[0, 5, 0, 2],
-        min_p=[0.0, 0.0, 0.3, 0.0],
+        sampling=[Sampling(), Sampling(top_k=5), Sampling(min_p=0.3), Sampling(top_k=2)],
         max_tokens=MAX_TOKENS,
     )
     outputs = {uid: [] for uid in uids}
@@ -258,12 +257,11 @@ def sampled_counts(runs=2000, temp=1.0, processors=(), **truncations):
                 PROMPT,
                 SMALL,
                 draft_sources=[source],
-                temp=temp,
+                sampling=Sampling(temp, **truncations),
                 logits_processors=list(processors),
                 max_tokens=2,
                 eos_token_ids=(),
                 stats=stats,
-                **truncations,
             )
         )
         counts[first * SMALL_VOCAB + second] += 1
@@ -307,10 +305,10 @@ def test_the_check_rejects_verifying_against_the_unprocessed_distribution():
 
 @pytest.mark.parametrize("control", ["top_k", "min_p", "xtc"])
 def test_the_oracle_is_mlx_lms_sampler(control):
-    """``sampling_probs`` and the numpy oracle agree, and mlx-lm's sampler draws from them."""
+    """``Sampling.probs`` and the numpy oracle agree, and mlx-lm's sampler draws from them."""
     options = CONTROLS[control]
     logits = SMALL(mx.array([PROMPT]))[0, -1]
-    probs = np.array(sampling_probs(logits[None], 0.8, **options)[0])
+    probs = np.array(Sampling(0.8, **options).probs(logits[None])[0])
     np.testing.assert_allclose(probs, oracle_probs(np.array(logits), 0.8, **options), atol=1e-5)
     sampler = make_sampler(temp=0.8, **options)
     logprobs = (logits - mx.logsumexp(logits))[None]
@@ -325,7 +323,7 @@ def test_a_point_mass_draft_is_verified_against_the_truncated_distribution():
     """A copied token top-k removes is always rejected: p gives it nothing."""
     logits = SMALL(mx.array([PROMPT]))[0, -1]
     least = int(mx.argmin(logits).item())
-    from decoder import Sampling, accept_draft
+    from decoder import accept_draft
 
     rows = mx.broadcast_to(logits, (2, SMALL_VOCAB))
     for _ in range(50):
@@ -352,9 +350,9 @@ def batch_counts(runs=1200, temp=0.8, batch=300) -> list:
         uids = generator.insert(
             [PROMPT] * batch,
             draft_sources=[[random_source(rng)] for _ in range(batch)],
-            temp=temp,
-            top_k=[c.get("top_k", 0) for c in controls],
-            min_p=[c.get("min_p", 0.0) for c in controls],
+            sampling=[
+                Sampling(temp, top_k=c.get("top_k", 0), min_p=c.get("min_p", 0.0)) for c in controls
+            ],
             logits_processors=[c["processors"] for c in controls],
             max_tokens=2,
             seed=list(range(start, start + batch)),
@@ -389,7 +387,7 @@ def test_rows_of_one_batch_each_keep_their_processed_distribution():
 def test_a_seeded_row_samples_in_a_batch_what_it_samples_alone():
     """A row's draws come from its own seed, whatever the other rows of the batch draw."""
     prompts = [[3, 9, 4, 1] * 3, [5, 6, 7], [8, 2, 8, 2]]
-    options = dict(temp=1.0, min_p=0.02, max_tokens=MAX_TOKENS)
+    options = dict(sampling=Sampling(temp=1.0, min_p=0.02), max_tokens=MAX_TOKENS)
     processors = make_logits_processors(repetition_penalty=1.3)
     alone = [
         [
@@ -419,9 +417,9 @@ def test_a_seeded_row_samples_in_a_batch_what_it_samples_alone():
 @pytest.mark.parametrize(
     "args,fragment",
     [
-        (["--top-k", "-1"], "--top-k must be >= 0"),
+        (["--top-k", "-1"], "--top-k must be an integer >= 0"),
         (["--min-p", "1.5"], "--min-p must be in [0, 1]"),
-        (["--min-tokens-to-keep", "0"], "--min-tokens-to-keep must be >= 1"),
+        (["--min-tokens-to-keep", "0"], "--min-tokens-to-keep must be an integer >= 1"),
         (["--xtc-probability", "2"], "--xtc-probability must be in [0, 1]"),
         (["--xtc-threshold", "0.6"], "--xtc-threshold must be in [0, 0.5]"),
         (["--repetition-penalty", "-1"], "--repetition-penalty must be >= 0"),
@@ -486,8 +484,8 @@ def test_a_thinking_flag_on_a_model_without_think_markers_says_so(flag, capsys):
 
 def test_a_draft_model_draws_from_the_processed_distribution():
     """A draft model that is the target, sampling as the target does (its truncations and its
-    processors, ``follow_sampling``), drafts from q = p: every drafted token is accepted, and the
-    two tokens still follow the processed distribution."""
+    processors, handed to ``DraftSource.reset``), drafts from q = p: every drafted token is
+    accepted, and the two tokens still follow the processed distribution."""
     from draft_model import DraftModel
 
     processors = make_logits_processors(logit_bias={4: 3.0, 0: -2.0}, repetition_penalty=2.0)
@@ -501,8 +499,7 @@ def test_a_draft_model_draws_from_the_processed_distribution():
                 PROMPT,
                 SMALL,
                 draft_sources=[drafter.source()],
-                temp=0.8,
-                top_k=4,
+                sampling=Sampling(0.8, top_k=4),
                 logits_processors=list(processors),
                 max_tokens=2,
                 eos_token_ids=(),

@@ -142,7 +142,8 @@ def test_requests_become_generation_options():
             "json_schema": {"name": "u", "schema": USER_SCHEMA},
         },
     )
-    assert (request.temp, request.max_tokens, request.stop, request.seed) == (0.0, 7, ["\n"], 3)
+    assert request.sampling.temp == 0.0
+    assert (request.max_tokens, request.stop, request.seed) == (7, ["\n"], 3)
     # compiled by the engine
     assert json.loads(request.schema) == USER_SCHEMA and request.regex is None
     forced = chat(tools=[WEATHER_TOOL], tool_choice="required")
@@ -231,12 +232,16 @@ def test_main_py_and_the_server_template_a_system_message_alike(embedded, monkey
     # the oracle, written out
     expected = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     monkeypatch.setattr(loading, "load_model", lambda *args, **kwargs: embedded)
-    _, _, prompt, _ = main.build_run(
-        main.build_parser().parse_args(["--system", messages[0]["content"], "--prompt", QUESTION])
+    args = main.build_parser().parse_args(
+        ["--system", messages[0]["content"], "--prompt", QUESTION]
     )
+    main.validate(args)
+    _, _, prompt, _ = main.build_run(args)
     request = parse_chat({"messages": messages}, tokenizer, MODEL, 64)
     assert prompt == request.prompt == expected
-    _, _, plain, _ = main.build_run(main.build_parser().parse_args(["--prompt", QUESTION]))
+    args = main.build_parser().parse_args(["--prompt", QUESTION])
+    main.validate(args)
+    _, _, plain, _ = main.build_run(args)
     assert plain != expected  # the system message made a difference
 
 

@@ -123,7 +123,7 @@ def test_a_messages_body_becomes_the_chat_a_template_renders():
     )
     assert rendered.startswith("tools: get_weather\n") and request.tools.choice == "auto"
     # Anthropic's default temperature
-    assert request.tool_grammar is not None and request.temp == 1.0
+    assert request.tool_grammar is not None and request.sampling.temp == 1.0
     counted = parse_messages(
         {k: v for k, v in body.items() if k != "max_tokens"}, HERMES, "tiny", 64, counting=True
     )

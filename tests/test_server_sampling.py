@@ -133,18 +133,18 @@ def test_the_controls_reach_the_row(engine):
         presence_penalty=0.5,
         logit_bias={"7": -100},
     )
-    options = request.sampling()
-    assert (options["top_k"], options["min_p"], options["xtc_threshold"]) == (5, 0.05, 0.2)
+    sampling = request.sampling
+    assert (sampling.top_k, sampling.min_p, sampling.xtc_threshold) == (5, 0.05, 0.2)
     newline = engine.tokenizer.encode("\n", add_special_tokens=False)
-    assert set(newline) <= set(options["xtc_special_tokens"])
-    assert len(options["logits_processors"][0]) == 2  # logit_bias and the presence penalty
+    assert set(newline) <= set(sampling.xtc_special_tokens)
+    assert len(request.logits_processors()) == 2  # logit_bias and the presence penalty
     messages = parse_messages(
         {"max_tokens": 4, "top_k": 3, "messages": [{"role": "user", "content": "ab"}]},
         engine.tokenizer,
         MODEL,
         64,
     )
-    assert messages.top_k == 3 and messages.sampling()["top_k"] == 3
+    assert messages.sampling.top_k == 3
 
 
 def test_a_sampled_request_with_controls_and_a_seed_repeats(engine):

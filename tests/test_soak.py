@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from batch import BatchGenerator
 from constrained import ForcedTextSource, RegexConstraint
-from decoder import DraftSource, generate_step, make_logits_processors
+from decoder import DraftSource, Sampling, generate_step, make_logits_processors
 from decoder.hidden_states import output_rows
 from draft_head import HeadDrafter
 from draft_head.head import DraftHead, head_args
@@ -45,7 +45,7 @@ def test_a_failed_request_is_logged_with_its_id_api_and_traceback_once(tmp_path,
     engine, _ = soak.build_engine("lookup", tmp_path)
 
     class Faulty(DraftSource):
-        def propose(self, tokens, max_draft):
+        def propose(self, tokens, max_draft, max_nodes=None):
             raise RuntimeError("planted fault")
 
     engine.make_sources = lambda: [Faulty()]
@@ -99,7 +99,7 @@ def drafting():
 
 def row_sources(kind: str, drafting, constraint) -> list:
     _, _, tokenizer, head, draft_model = drafting
-    forced = [ForcedTextSource(constraint, tokenizer)] if constraint is not None else []
+    forced = [ForcedTextSource(constraint)] if constraint is not None else []
     return (
         forced
         + {
@@ -155,14 +155,13 @@ def test_random_rows_never_fail_and_greedy_rows_decode_as_alone(
                 return None
             return RegexConstraint.from_regex(row["regex"], tokenizer, vocab_size=len(tokenizer))
 
-        options = dict(
-            max_tokens=row["max_tokens"],
+        sampling = Sampling(
             temp=row["temp"],
             top_k=row["top_k"],
             min_p=row["min_p"],
             xtc_probability=0.5 if row["xtc"] else 0.0,
-            seed=row["seed"],
         )
+        options = dict(max_tokens=row["max_tokens"], sampling=sampling, seed=row["seed"])
         made = constraint()
         specs.append(
             dict(

@@ -221,9 +221,11 @@ def test_what_t5_does_not_support_is_refused_in_one_line(t5_dir):
     args = main.build_parser().parse_args(
         ["--model", str(t5_dir), "--prompt", "hi", "--draft-head"]
     )
+    main.validate(args)
     with pytest.raises(CliError, match="--draft-head needs a decoder-only model"):
         main.build_run(args)
     args = main.build_parser().parse_args(["--model", str(t5_dir), "--prompt", "hi"])
+    main.validate(args)
     with pytest.raises(CliError, match="a T5 target cannot be sharded"):
         main.build_run(args, session=object())  # as under mlx.launch; refused before sharding
     with pytest.raises(CliError, match="the server serves decoder-only models"):

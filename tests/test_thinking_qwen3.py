@@ -17,7 +17,7 @@ from constrained.thinking import (
     ThinkingForcedSource,
     split_reasoning,
 )
-from decoder import generate
+from decoder import Sampling, generate
 from server.protocol import parse_chat
 from tests.helpers import qwen3_small_tokenizer, tiny_llama
 
@@ -70,7 +70,7 @@ def test_a_regex_answer_after_a_bounded_block(opens):
             tokenizer,
             tokens,
             constraint=constraint,
-            temp=1.0,
+            sampling=Sampling(1.0),
             max_tokens=40,
             draft_sources=[ThinkingForcedSource(constraint, forced)],
         )

@@ -2,7 +2,7 @@
 that starts with a space on a SentencePiece tokenizer, and ``\\r\\n``."""
 
 from constrained.build import regex_constraint
-from decoder import TextStream, encode, generate, plain_chat
+from decoder import Sampling, TextStream, encode, generate, plain_chat
 from server.anthropic_input import parse_messages
 from server.protocol import parse_chat
 from tests import tiny_server
@@ -111,7 +111,7 @@ def test_a_regex_with_a_leading_space_holds_on_sentencepiece():
                 [1, 5],
                 constraint=constraint,
                 draft_sources=[forced],
-                temp=1.0,
+                sampling=Sampling(1.0),
                 max_tokens=20,
             )
             text = tokenizer.decode([t for t in result.tokens if t != tokenizer.eos_token_id])
