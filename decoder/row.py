@@ -84,8 +84,8 @@ MAX_PENDING = 16  # accepted tokens to feed again past which a row drafts nothin
 
 
 class Row:
-    """One sequence being decoded, and its step: ``plan`` -> (the loop's pass) -> ``accept`` ->
-    ``commit`` -> ``emit``. ``generate_step`` drives one row, ``batch.BatchGenerator`` many."""
+    """One sequence being decoded: ``plan`` -> ``decoder.step.verify_step`` (``process``,
+    ``accept``, ``commit``) -> ``emit``, in ``generate_step`` and in ``batch.BatchGenerator``."""
 
     def __init__(
         self,
