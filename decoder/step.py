@@ -41,8 +41,8 @@ def verify_step(
     started = cost.clock()
     logits, pass_width = verify_pass(model, cache, rows, drafts, width, slots)
     logits, failures = _process(rows, drafts, logits)
-    # A lone sampled row reads no argmax: its own draws are the sync, as they were before a
-    # batch shared this step, and the pass is timed after them.
+    # A lone sampled row reads no argmax: its own draws sync the pass, one sync fewer, and time it.
+    # A batch's rows draw one by one, after the pass is timed.
     reads_argmax = len(rows) > 1 or rows[0].greedy
     scores = _score(logits, [plan.masks for plan in plans], width, failures, reads_argmax)
     if reads_argmax:
@@ -135,15 +135,14 @@ def _score(
 ) -> _Scores:
     """Apply each row's constraint masks to its logits and, ``reads_argmax``, read every row's
     argmax to the host (and whether the masks allow it): the step's one host sync."""
-    failures, masks = list(failures), list(masks)
+    failures = list(failures)
     for index, row_masks in enumerate(masks):
         if row_masks is not None and failures[index] is None:
             try:
                 check_masks(row_masks, logits.shape[-1])
             except ValueError as error:
                 failures[index] = error
-        if failures[index] is not None:
-            masks[index] = None
+    masks = [m if failure is None else None for m, failure in zip(masks, failures)]
     constrained = [row_masks is not None for row_masks in masks]
     allowed = argmax_allowed = None
     if any(constrained):
@@ -193,7 +192,7 @@ def _check_allowed(rows: Sequence, results: list, scores: _Scores):
                 verdicts[index] = scores.argmax_allowed[index][position]
             else:
                 unread.append(index)
-    if unread:  # a sampled token other than the argmax: ask its mask
+    if unread:  # a sampled token other than the argmax (or no argmax read): ask its mask
         found = scores.allowed[
             mx.array(unread, mx.int32),
             mx.array([rows[i].scored_at for i in unread], mx.int32),
