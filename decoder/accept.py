@@ -74,10 +74,9 @@ def accept_path(
     argmax: Optional[list] = None,
     key: Optional[mx.array] = None,
 ) -> tuple:
-    """``(path, next_token)``: the draft nodes accepted (of a chain, its first ``len(path)``
-    tokens) and the target's own token after them, by the rule that fits: a tree's
-    (``accept_tree``), an mlx-lm ``sampler``'s (``accept_sampled``), else ``accept_draft``'s for
-    ``sampling``. ``argmax`` and ``key`` as ``accept_draft`` takes them."""
+    """``(path, next_token)``: the draft nodes accepted (of a chain, its first tokens) and the
+    target's token after them, by the rule that fits: ``accept_tree``, ``accept_sampled`` for an
+    mlx-lm ``sampler``, else ``accept_draft`` (``argmax`` and ``key`` as it takes them)."""
     if draft.parents is not None:
         return accept_tree(logits, draft, sampling, argmax, key)
     if sampler is not None:

@@ -212,10 +212,9 @@ def _keep_accepted(
     pass_width: int,
     slots: Optional[Sequence[int]],
 ):
-    """Each row keeps the tokens it accepted (``Row.commit``): its attention layers drop the rest
-    (a tree's accepted path moved into place first), and where a recurrent layer cannot (a draft
-    token was rejected) the row goes back to its checkpoint and feeds the accepted tokens again
-    next pass. A failed row, and a cache row no row uses, keep one token."""
+    """Each row keeps the tokens it accepted (``Row.commit``): a tree's path moved into place and
+    the rest trimmed, or, where a recurrent layer cannot drop a rejected token, its checkpoint
+    restored. A failed row, and a cache row no row uses, keep one token."""
     trims, kept, restored = [pass_width - 1] * cache.rows, [None] * cache.rows, []
     for row, draft, slot, result in zip(
         rows, drafts, range(len(rows)) if slots is None else slots, results
