@@ -1,11 +1,9 @@
-"""Continuous batching on decoder/row.py's per-row step: many sequences, each with its own draft
-sources, constraint and sampling, verified together in one ``[B, W]`` pass per step.
+"""Continuous batching on decoder/step.py's step: many sequences, each with its own draft sources,
+constraint and sampling, verified together in one ``[B, W]`` pass per step.
 
 - ``generator.py``: ``BatchGenerator`` (rows join and leave; ``insert``/``next``/``remove``).
 - ``row.py``: ``BatchRow``, one sequence in the batch, made from ``insert``'s options
   (``new_rows``), and ``RowResponse``, what a step tells of it.
-- ``verify.py``: what one ``[B, W]`` pass decides per row: constraint masks, the step's one host
-  sync, acceptance.
 - ``logprobs.py``: ``TokenLogprobs``, the target's logprobs of each emitted token.
 - ``batch_generate.py``: ``batch_generate`` and ``BatchResult``: prompts in, texts out.
 - ``model_probe.py``: ``probe``, what a batch must know of a model; ``stats.py``: ``BatchStats``,

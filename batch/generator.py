@@ -1,11 +1,11 @@
-"""Many sequences at once: decoder/row.py's per-row step for a batch, rows joining and leaving.
+"""Many sequences at once: decoder/step.py's step for many rows, rows joining and leaving.
 
 Each row has its own prompt, draft sources, constraint, sampling settings, ``max_tokens`` and stop
 tokens. A step asks every row's sources for a draft (``draft.choose_draft``) and cuts it to what
 the row's constraint allows (``constrain.constrain_draft``), chooses one width ``W`` for the batch
 (``choose_width``), scores ``[B, W]`` tokens in one forward pass and accepts each row's prefix by
-``accept.accept_draft``'s rules (``batch.verify``). Each row then drops its own rejected tokens from
-the one batch cache (``cache.Cache``: every row keeps its own end, no copy).
+its own rule (``decoder.step.verify_step``, ``decoder.accept``). Each row then drops its own
+rejected tokens from the one batch cache (``cache.Cache``: every row keeps its own end, no copy).
 
     gen = BatchGenerator(model, eos_token_ids=eos_ids_of(tokenizer))
     uids = gen.insert(prompts, draft_sources=[[PromptLookupSource()] for _ in prompts])
@@ -32,12 +32,11 @@ from batch.model_probe import probe
 from batch.policy import DraftGate, choose_width, prefill_group
 from batch.row import BatchRow, RowResponse, new_rows, shared_prompts
 from batch.stats import BatchStats
-from batch.verify import accept, score
 from decoder.draft import DraftRequest
 from decoder.pass_cost import PassCost
 from decoder.prefill import Prefill
-from decoder.row import verify_pass
 from decoder.sampling import Sampling
+from decoder.step import verify_step
 from decoder.tree_choice import TreeChoice
 from decoder.tree_pass import enable_trees, max_nodes_for
 
@@ -333,46 +332,15 @@ class BatchGenerator:
         return responses
 
     def _verify(self, width: int, plans: list, responses: list) -> int:
-        """One pass (``decoder.row.verify_pass``): row b feeds its pending tokens and its draft cut
-        to ``width - 1``; each accepts by its own rules (``batch.verify``) and keeps what it accepts
-        (``Row.commit``). Returns how many tokens the rows emitted."""
-        drafts = [plan.draft.truncate(width - 1) for plan in plans]
-        started = self.cost.clock()
-        logits, pass_width = verify_pass(
-            self.model, self.cache, self.rows, drafts, width, self.slots
-        )
-        if any(row.logits_processors for row in self.rows):
-            logits = mx.stack(
-                [
-                    row.process(logits[b], draft)
-                    for b, (row, draft) in enumerate(zip(self.rows, drafts))
-                ]
-            )
-        scores = score(logits, plans, width)  # the step's one host sync
-        self.cost.record(self.cost.clock() - started, width=pass_width, rows=self.cache.rows)
+        """One step for every row (``decoder.step.verify_step``): row b feeds its pending tokens
+        and its draft cut to ``width - 1``, accepts by its own rules and keeps what it accepts.
+        Returns how many tokens the rows emitted."""
+        step = verify_step(self.model, self.cache, self.rows, plans, width, self.cost, self.slots)
         self.stats.passes += 1
-        self.stats.widths[pass_width] += 1
+        self.stats.widths[step.pass_width] += 1
         self.stats.row_passes += len(self.rows)
-        results = accept(self.rows, drafts, scores)
-        self._rewind(drafts, results, pass_width)
-        logprobs = token_logprobs(self.rows, drafts, results, scores.logits)
-        return self._emit(plans, drafts, results, logprobs, responses)
-
-    def _rewind(self, drafts: list, results: list, pass_width: int):
-        """Each row keeps the tokens it accepted (``Row.commit``): its attention layers drop the
-        rest, and where a recurrent layer cannot (a draft token was rejected) the row goes back to
-        its checkpoint and feeds the accepted tokens again next pass."""
-        cache = self.cache
-        # a failed or unused row keeps one token, as if it accepted nothing
-        trims = [pass_width - 1] * cache.rows
-        restored, kept = [], [None] * cache.rows
-        for row, draft, slot, result in zip(self.rows, drafts, self.slots, results):
-            if not isinstance(result, Exception):
-                kept[slot] = row.kept(draft)  # a tree's path, moved into place before the trim
-                trims[slot], restore = row.commit(cache, pass_width, len(draft.tokens), result[0])
-                restored += [slot] if restore else []
-        cache.compact(pass_width, kept)
-        cache.rewind(trims, restored)
+        logprobs = token_logprobs(self.rows, step.drafts, step.results, step.logits)
+        return self._emit(plans, step.drafts, step.results, logprobs, responses)
 
     def _emit(
         self, plans: list, drafts: list, results: list, logprobs: list, responses: list

@@ -1,5 +1,6 @@
 """How much of a draft the target accepts: greedy, the exact residual (Leviathan et al., 2023), an
-mlx-lm sampler's draws, SpecInfer's rule for a tree; each emitted token follows p."""
+mlx-lm sampler's draws, SpecInfer's rule for a tree; each emitted token follows p. ``accept_path``
+picks the rule a row's settings and draft call for (``decoder.step`` runs it for every row)."""
 
 from typing import Callable, Optional
 
@@ -12,11 +13,16 @@ from .tree import children_of
 
 
 def accept_draft(
-    logits: mx.array, draft: Draft, sampling: Sampling, key: Optional[mx.array] = None
+    logits: mx.array,
+    draft: Draft,
+    sampling: Sampling,
+    key: Optional[mx.array] = None,
+    argmax: Optional[list] = None,
 ) -> tuple:
     """``(num_accepted, next_token)`` for a draft and the target's (len(draft) + 1, vocab) logits;
     p is ``sampling.probs``. ``key``: an ``mx.random`` key the step's draws come from (None: MLX's
-    global stream).
+    global stream). ``argmax``: the logits' argmax per position, where the caller has it on the
+    host already.
 
     Greedy: accept while the draft equals the argmax. Sampling (Leviathan et al., 2023): accept
     x ~ q with probability min(1, p(x) / q(x)), else draw from (p - q)+ / |(p - q)+|; a point mass
@@ -24,10 +30,10 @@ def accept_draft(
     """
     num_draft = len(draft.tokens)
     if sampling.temp == 0:
-        # One sync per step: the accept decision needs the values on the host.
-        target = mx.argmax(logits, axis=-1).tolist()
-        num_accepted = common_prefix_len(draft.tokens, target)
-        return num_accepted, target[num_accepted]
+        if argmax is None:  # one sync per step: the accept decision needs the values on the host
+            argmax = mx.argmax(logits, axis=-1).tolist()
+        num_accepted = common_prefix_len(draft.tokens, argmax)
+        return num_accepted, argmax[num_accepted]
 
     uniform_key, draw_key = (None, None) if key is None else mx.random.split(key)
     p = sampling.probs(logits)
@@ -55,6 +61,26 @@ def accept_draft(
         next_probs = mx.where(residual.sum() > 0, residual, p[num_accepted])
     next_token = mx.random.categorical(mx.log(next_probs), key=draw_key).item()
     return num_accepted, next_token
+
+
+def accept_path(
+    logits: mx.array,
+    draft: Draft,
+    sampling: Sampling,
+    sampler: Optional[Callable] = None,
+    argmax: Optional[list] = None,
+    key: Optional[mx.array] = None,
+) -> tuple:
+    """``(path, next_token)``: the draft nodes accepted (of a chain, its first tokens) and the
+    target's token after them, by the rule that fits: ``accept_tree``, ``accept_sampled`` for an
+    mlx-lm ``sampler``, else ``accept_draft`` (``argmax`` and ``key`` as it takes them)."""
+    if draft.parents is not None:
+        return accept_tree(logits, draft, sampling, argmax, key)
+    if sampler is not None:
+        num_accepted, next_token = accept_sampled(logits, draft, sampler)
+    else:
+        num_accepted, next_token = accept_draft(logits, draft, sampling, key=key, argmax=argmax)
+    return list(range(num_accepted)), next_token
 
 
 def accept_sampled(logits: mx.array, draft: Draft, sampler: Callable) -> tuple:

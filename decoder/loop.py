@@ -11,12 +11,12 @@ from typing import Callable, Iterator, Optional, Sequence, Union
 import mlx.core as mx
 
 from .cache import Cache, adopt, make_cache
-from .constrain import mask_logits
 from .draft import Constraint, DraftSource
 from .pass_cost import PassCost
 from .prefill import Prefill
-from .row import TARGET, DecodingStats, Row, verify_pass
+from .row import TARGET, DecodingStats, Row
 from .sampling import Sampling
+from .step import verify_step
 from .text import TextStream, encode, eos_ids_of
 from .tree_choice import TreeChoice
 from .tree_pass import max_nodes_for
@@ -121,21 +121,11 @@ def generate_step(
         step_started, trees = cost.clock(), choice is None or choice.use_trees()
         # The first step's drafting includes the sources' own prefill, so it is not timed.
         plan = row.plan(cost if row.num_generated else None, trees=trees)
-        draft = plan.draft
-        tic = cost.clock()
-        logits, pass_width = verify_pass(model, cache, [row], [draft], len(draft.tokens) + 1)
-        logits = row.process(logits[0], draft)
-        logits = logits if plan.masks is None else mask_logits(logits, plan.masks)
-        num_accepted, next_token = row.accept(logits, draft)
-        # The accept decision synced the pass: its time is the pass's cost at this width.
-        cost.record(cost.clock() - tic, width=pass_width)
-        # evaluated with the logits
-        if plan.masks is not None and not plan.masks[row.scored_at, next_token].item():
-            raise row.forbidden(num_accepted)
-        cache.compact(pass_width, [row.kept(draft)])
-        trim, restore = row.commit(cache, pass_width, len(draft.tokens), num_accepted)
-        cache.rewind([trim], [0] if restore else [])
-        emitted, sources = row.emit(plan, draft, num_accepted, next_token)
+        step = verify_step(model, cache, [row], [plan], len(plan.draft.tokens) + 1, cost)
+        [result] = step.results
+        if isinstance(result, Exception):
+            raise result
+        emitted, sources = row.emit(plan, step.drafts[0], *result)
         if choice and row.num_generated > len(emitted):  # the first step: untimed
             choice.record(trees, len(emitted), cost.agreed(cost.clock() - step_started))
         yield from zip(emitted, sources)

@@ -1,20 +1,20 @@
-"""One sequence's step, shared by every loop (``Row``), the target's one pass over many rows'
-drafts (``verify_pass``), and the statistics of how the drafts fared."""
+"""One sequence being decoded, shared by every loop (``Row``: its draft, its accept rule, what its
+cache keeps, what it emits), and the statistics of how the drafts fared. The step that runs many
+rows through one pass is ``decoder.step``."""
 
 from dataclasses import dataclass, field
 from typing import Callable, NamedTuple, Optional, Sequence
 
 import mlx.core as mx
-from mlx_lm.utils import common_prefix_len
 
-from .accept import accept_draft, accept_sampled, accept_tree
+from .accept import accept_path
 from .cache import Cache
 from .constrain import constrain_draft, constrain_tree
 from .draft import Constraint, ConstraintError, Draft, DraftSource, choose_draft
 from .pass_cost import PassCost
 from .processors import process_logits
 from .sampling import Sampling
-from .tree import kept_slots, layout, path_to
+from .tree import kept_slots, path_to
 
 TARGET = "target"  # the source name of tokens the target model chose itself
 
@@ -84,8 +84,8 @@ MAX_PENDING = 16  # accepted tokens to feed again past which a row drafts nothin
 
 
 class Row:
-    """One sequence being decoded, and its step: ``plan`` -> (the loop's pass) -> ``accept`` ->
-    ``commit`` -> ``emit``. ``generate_step`` drives one row, ``batch.BatchGenerator`` many."""
+    """One sequence being decoded: ``plan`` -> ``decoder.step.verify_step`` (``process``,
+    ``accept``, ``commit``) -> ``emit``, in ``generate_step`` and in ``batch.BatchGenerator``."""
 
     def __init__(
         self,
@@ -203,24 +203,18 @@ class Row:
             mx.concatenate([processed, logits[scored:]]) if logits.shape[0] > scored else processed
         )
 
+    @property
+    def greedy(self) -> bool:
+        """Whether the row accepts by the argmax alone (temperature 0, no mlx-lm sampler)."""
+        return self.sampler is None and self.sampling.temp == 0
+
     def accept(self, logits: mx.array, draft: Draft, argmax: Optional[list] = None) -> tuple:
         """``(num_accepted, next_token)`` from the (len(draft) + 1, vocab) logits of the draft's
-        positions (masked); ``argmax``: their argmax, where the loop has it on the host already."""
-        if draft.parents is not None:
-            key = None if self.sampling.temp == 0 else self._step_key()
-            self.path, next_token = accept_tree(logits, draft, self.sampling, argmax, key)
-            return len(self.path), next_token
-        if self.sampler is not None:
-            num_accepted, next_token = accept_sampled(logits, draft, self.sampler)
-        elif self.sampling.temp == 0 and argmax is not None:  # accept_draft's greedy rule
-            num_accepted = common_prefix_len(draft.tokens, argmax)
-            next_token = argmax[num_accepted]
-        else:
-            num_accepted, next_token = accept_draft(
-                logits, draft, self.sampling, key=self._step_key()
-            )
-        self.path = list(range(num_accepted))
-        return num_accepted, next_token
+        positions (masked), by the row's rule (``accept_path``); ``argmax``: their argmax, where
+        the step has it on the host already."""
+        key = self._step_key() if self.sampler is None and not self.greedy else None
+        self.path, next_token = accept_path(logits, draft, self.sampling, self.sampler, argmax, key)
+        return len(self.path), next_token
 
     @property
     def scored_at(self) -> int:
@@ -287,52 +281,3 @@ class Row:
                 source.update(self.tokens, proposed, num_accepted if proposed else 0)
         self.stats.finish_reason = self.finish_reason
         return emitted, sources
-
-
-def verify_pass(
-    model,
-    cache: Cache,
-    rows: Sequence["Row"],
-    drafts: Sequence[Draft],
-    width: int,
-    slots: Optional[Sequence[int]] = None,
-) -> tuple:
-    """One pass of the target over each row's ``pending + draft``, right-padded to the longest.
-
-    Args:
-        cache: holds row b in cache row ``slots[b]``; the rows no row uses are fed padding.
-        width: how many positions of each row to score: its last pending token and its draft.
-
-    Returns:
-        ``(logits, pass_width)``: lazy logits ``(len(rows), width, vocab)``.
-    """
-    pending = [row.pending for row in rows]
-    fed = [len(tokens) + len(draft.tokens) for tokens, draft in zip(pending, drafts)]
-    pass_width = max(fed)
-    inputs, lengths = [[0] * pass_width for _ in range(cache.rows)], [1] * cache.rows
-    for slot, tokens, draft, count in zip(
-        range(len(rows)) if slots is None else slots, pending, drafts, fed
-    ):
-        inputs[slot], lengths[slot] = tokens + draft.tokens + [0] * (pass_width - count), count
-    if any(draft.tokens for draft in drafts):
-        cache.checkpoint()
-    layouts = None
-    if any(draft.parents is not None for draft in drafts):
-        layouts = [layout(1, None, pass_width)] * cache.rows  # a chain's (causal) for the rest
-        for slot, tokens, draft in zip(
-            range(len(rows)) if slots is None else slots, pending, drafts
-        ):
-            layouts[slot] = layout(len(tokens), draft.parents, pass_width)
-    cache.prepare(lengths, pass_width, layouts)
-    logits = model(mx.array(inputs, mx.int32), cache=cache.layers)
-    cache.finalize()
-    if cache.rows > len(rows):
-        logits = logits[mx.array(slots, mx.int32)]
-    # each row's draft positions start after its pending tokens
-    if any(len(tokens) > 1 for tokens in pending):
-        positions = mx.minimum(
-            mx.array([len(p) - 1 for p in pending], mx.int32)[:, None] + mx.arange(width),
-            pass_width - 1,
-        )
-        logits = mx.take_along_axis(logits, positions[..., None], axis=1)
-    return logits, pass_width

@@ -334,19 +334,27 @@ def test_one_rows_error_or_removal_never_touches_another():
             raise RuntimeError("source broke")
         return [1, 2]
 
-    prompts = [[4, 5, 6, 7], [8, 9, 10, 11, 12, 13, 14, 15, 4, 5], [6, 6, 6], [7, 8]]
+    def failing_processor(tokens, logits):
+        if len(tokens) > 6:
+            raise RuntimeError("processor broke")
+        return logits
+
+    prompts = [[4, 5, 6, 7], [8, 9, 10, 11, 12, 13, 14, 15, 4, 5], [6, 6, 6], [7, 8], [9, 3]]
     drafter = DraftModel(DRAFT, VOCAB)
     specs = [
         dict(prompt=prompts[0], max_tokens=25, draft_sources=[PromptLookupSource()]),
         dict(prompt=prompts[1], max_tokens=25, draft_sources=[ScriptedSource(failing, "failing")]),
         dict(prompt=prompts[2], max_tokens=25, draft_sources=[drafter.source()]),
         dict(prompt=prompts[3], max_tokens=25),
+        dict(prompt=prompts[4], max_tokens=25, logits_processors=[[failing_processor]]),
     ]
     generator = BatchGenerator(MODEL, eos_token_ids=[], drafters=[drafter])
     got, finish, errors, _ = run(generator, specs, remove_at={3: 4})
     for i in (0, 2):
         assert got[i] == alone(MODEL, prompts[i], 25, eos=())
     assert finish[1] == "error" and errors[1] == "RuntimeError: source broke"
+    assert finish[4] == "error" and errors[4] == "RuntimeError: processor broke"
+    assert got[4] == alone(MODEL, prompts[4], 25, eos=())[: len(got[4])]
     assert finish[3] == "removed" and 0 < len(got[3]) < 25
     assert got[3] == alone(MODEL, prompts[3], 25, eos=())[: len(got[3])]
 
