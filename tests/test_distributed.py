@@ -54,15 +54,6 @@ LOOKUP = [
     "--max-tokens",
     "16",
 ]
-REGEX = [
-    "--prompt",
-    "When did the Berlin wall fall?",
-    "--regex",
-    r"[0-9]{4}-[0-9]{2}-[0-9]{2}",
-    "--max-tokens",
-    "12",
-]
-
 SAMPLED_HEAD = [*SAMPLED, "--draft-head"]
 SELF_DRAFT = "<self-draft>"  # replaced by the path of the embedded model's first 24 layers
 DRAFT = [
@@ -150,8 +141,9 @@ def expected_blas_threads(ranks: int):
         # steps without a match. A head on a tensor-sharded body: test_draft_head.py.
         (3, "tensor", [LOOKUP]),
         # Both sides draft trees where the sources do (--tree-nodes auto): a pipeline verifies them
-        # as one process does. Greedy with the head: test_cli_under_mlx_launch.
-        (2, "pipeline", [REGEX, SAMPLED_HEAD, DRAFT]),
+        # as one process does. Greedy with the head: test_cli_under_mlx_launch; regexes, schemas and
+        # grammars on a pipeline: test_server_sharded.py.
+        (2, "pipeline", [SAMPLED_HEAD, DRAFT]),
     ],
 )
 def test_sharded_tokens_equal_one_process(embedded, self_draft, ranks, mode, cases):

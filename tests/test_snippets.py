@@ -239,47 +239,16 @@ def test_the_top_readme_snippets_run(embedded, tmp_path):
             ROOT / folder, tmp_path / folder, ignore=shutil.ignore_patterns("__pycache__")
         )
     copy_core(tmp_path)
-    for code in [
+    # each block once: docs/library.md opens with the README's
+    blocks = [
         block
         for page in ("README.md", "docs/library.md", "docs/batching.md")
         for block in python_blocks(ROOT / page)
-    ]:
+    ]
+    for code in dict.fromkeys(blocks):
         result = run_snippet(code, tmp_path, model_path)
         assert result.returncode == 0, result.stderr[-3000:]
         assert result.stdout.strip()
-
-
-LOOKUP_IS_LOSSLESS = """
-import sys
-from mlx_lm import load
-
-from decoder import generate
-from prompt_lookup import PromptLookupSource
-
-model, tokenizer = load("mlx-community/SmolLM2-135M-Instruct")
-text = "Copy these lines: " + ", ".join(f"row {i} holds {i * 7 % 13} parcels" for i in range(12))
-plain = generate(model, tokenizer, text, max_tokens=60)
-lookup = generate(model, tokenizer, text, max_tokens=60, draft_sources=[PromptLookupSource()])
-assert lookup.tokens == plain.tokens, (plain.text, lookup.text)
-assert lookup.stats.draft_accepted > 0, "lookup drafted nothing"
-assert "prompt_lookup.history" not in sys.modules, "history lookup imported, though unused"
-print(plain.generation_tokens, lookup.stats.target_forward_passes)
-"""
-
-
-@pytest.mark.slow
-def test_decoder_and_prompt_lookup_alone_decode_losslessly(embedded, tmp_path):
-    # The smallest copy the README promises: two folders in an empty project.
-    _, _, model_path = embedded
-    for folder in ["decoder", "prompt_lookup"]:
-        shutil.copytree(
-            ROOT / folder, tmp_path / folder, ignore=shutil.ignore_patterns("__pycache__")
-        )
-    assert sorted(path.name for path in tmp_path.iterdir()) == ["decoder", "prompt_lookup"]
-    result = run_snippet(LOOKUP_IS_LOSSLESS, tmp_path, model_path)
-    assert result.returncode == 0, result.stderr[-3000:]
-    tokens, passes = map(int, result.stdout.split())
-    assert passes < tokens
 
 
 BATCH_LOOKUP_IS_LOSSLESS = """
@@ -302,6 +271,7 @@ for prompt, tokens in zip(prompts, result.tokens):
     assert tokens == generate(model, tokenizer, prompt, max_tokens=40).tokens, prompt
 assert sum(stats.draft_accepted for stats in result.row_stats) > 0, "lookup drafted nothing"
 assert not [name for name in sys.modules if name.split(".")[0] in ("draft_model", "t5")]
+assert "prompt_lookup.history" not in sys.modules, "history lookup imported, though unused"
 print(result.stats.passes, sum(len(tokens) for tokens in result.tokens))
 """
 
@@ -309,6 +279,8 @@ print(result.stats.passes, sum(len(tokens) for tokens in result.tokens))
 @pytest.mark.slow
 def test_decoder_batch_and_prompt_lookup_alone_batch_losslessly(embedded, tmp_path):
     # The smallest batched copy (#60): three folders in an empty project, no technique folder.
+    # (The smallest copy of all, decoder/ and prompt_lookup/, runs prompt_lookup/README.md in
+    # test_a_copied_folder_runs_its_readme_snippets.)
     _, _, model_path = embedded
     for folder in ["decoder", "batch", "prompt_lookup"]:
         shutil.copytree(
