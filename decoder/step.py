@@ -38,6 +38,7 @@ def verify_step(
     (row b in cache row ``slots[b]``, default b) and keep what each row accepts; ``cost`` times
     the pass once the step's host sync has waited for it."""
     drafts = [plan.draft.truncate(width - 1) for plan in plans]
+    slots = range(len(rows)) if slots is None else slots
     started = cost.clock()
     logits, pass_width = verify_pass(model, cache, rows, drafts, width, slots)
     logits, failures = _process(rows, drafts, logits)
@@ -55,12 +56,7 @@ def verify_step(
 
 
 def verify_pass(
-    model,
-    cache: Cache,
-    rows: Sequence,
-    drafts: Sequence[Draft],
-    width: int,
-    slots: Optional[Sequence[int]] = None,
+    model, cache: Cache, rows: Sequence, drafts: Sequence[Draft], width: int, slots: Sequence[int]
 ) -> tuple:
     """One pass of the target over each row's ``pending + draft``, right-padded to the longest.
 
@@ -75,24 +71,20 @@ def verify_pass(
     fed = [len(tokens) + len(draft.tokens) for tokens, draft in zip(pending, drafts)]
     pass_width = max(fed)
     inputs, lengths = [[0] * pass_width for _ in range(cache.rows)], [1] * cache.rows
-    for slot, tokens, draft, count in zip(
-        range(len(rows)) if slots is None else slots, pending, drafts, fed
-    ):
+    for slot, tokens, draft, count in zip(slots, pending, drafts, fed):
         inputs[slot], lengths[slot] = tokens + draft.tokens + [0] * (pass_width - count), count
     if any(draft.tokens for draft in drafts):
         cache.checkpoint()
     layouts = None
     if any(draft.parents is not None for draft in drafts):
         layouts = [layout(1, None, pass_width)] * cache.rows  # a chain's (causal) for the rest
-        for slot, tokens, draft in zip(
-            range(len(rows)) if slots is None else slots, pending, drafts
-        ):
+        for slot, tokens, draft in zip(slots, pending, drafts):
             layouts[slot] = layout(len(tokens), draft.parents, pass_width)
     cache.prepare(lengths, pass_width, layouts)
     logits = model(mx.array(inputs, mx.int32), cache=cache.layers)
     cache.finalize()
     if cache.rows > len(rows):
-        logits = logits[mx.array(slots, mx.int32)]
+        logits = logits[mx.array(list(slots), mx.int32)]
     # each row's draft positions start after its pending tokens
     if any(len(tokens) > 1 for tokens in pending):
         positions = mx.minimum(
@@ -210,15 +202,13 @@ def _keep_accepted(
     drafts: Sequence[Draft],
     results: list,
     pass_width: int,
-    slots: Optional[Sequence[int]],
+    slots: Sequence[int],
 ):
     """Each row keeps the tokens it accepted (``Row.commit``): a tree's path moved into place and
     the rest trimmed, or, where a recurrent layer cannot drop a rejected token, its checkpoint
     restored. A failed row, and a cache row no row uses, keep one token."""
     trims, kept, restored = [pass_width - 1] * cache.rows, [None] * cache.rows, []
-    for row, draft, slot, result in zip(
-        rows, drafts, range(len(rows)) if slots is None else slots, results
-    ):
+    for row, draft, slot, result in zip(rows, drafts, slots, results):
         if not isinstance(result, Exception):
             kept[slot] = row.kept(draft)  # before commit, which moves the row's cached count
             trims[slot], restore = row.commit(cache, pass_width, len(draft.tokens), result[0])
