@@ -23,6 +23,7 @@ one thread that owns the model.
 
 import itertools
 import time
+from collections import defaultdict
 from typing import List, Optional, Sequence, Union
 
 import mlx.core as mx
@@ -88,8 +89,10 @@ class BatchGenerator:
         if tree_nodes:  # the model's rope modules take a tree's positions (once, in place)
             enable_trees(model)
         self.max_nodes = max_nodes_for(model, tree_nodes)
-        # "auto": trees while they emit more per second than chains here
-        self.trees = TreeChoice() if self.max_nodes == 0 else None
+        # "auto": trees while they emit more per second than chains here, chosen apart for each
+        # batch size class (1, 2-3, 4-7, 8-15 ... rows): where a draft token costs about as much as
+        # a row (a CPU), trees can pay for a few rows and not for many
+        self.trees = defaultdict(TreeChoice) if self.max_nodes == 0 else None
         self.eos_token_ids = set(eos_token_ids)
         self.prefill_step_size, self.prefill_batch_size = prefill_step_size, prefill_batch_size
         self.max_batch = max_batch
@@ -297,7 +300,8 @@ class BatchGenerator:
             return responses
         tic, started = time.perf_counter(), self.cost.clock()
         asked = self.gate.ask() and any(row.sources for row in self.rows)
-        trees = self.trees is None or self.trees.use_trees()
+        choice = None if self.trees is None else self.trees[len(self.rows).bit_length()]
+        trees = choice is None or choice.use_trees()
         if asked:
             self._draft_with_models(responses, trees)
         plans, failed = [], []
@@ -323,11 +327,13 @@ class BatchGenerator:
         if asked:
             self.gate.record(width)
         # the choice is timed on the pass cost's clock, over steps with a row it decides for
-        timed = self.trees is not None and asked and any(row.max_nodes == 0 for row in self.rows)
+        timed = choice is not None and asked and any(row.max_nodes == 0 for row in self.rows)
+        rows, cache_rows = len(self.rows), self.cache.rows
         emitted = self._verify(width, plans, responses)
         self.stats.decode_time += time.perf_counter() - tic
-        if timed:
-            self.trees.record(trees, emitted, self.cost.agreed(self.cost.clock() - started))
+        if timed:  # compared as speedups: the batch size changes as rows join and leave
+            plain = self.cost.seconds(1, cache_rows) / rows
+            choice.record(trees, emitted, self.cost.agreed(self.cost.clock() - started), plain)
         self.stats.generation_tokens += emitted
         return responses
 

@@ -191,6 +191,8 @@ def load_table(servers, work, clients, repeats, max_tokens) -> list:
                     if workload != "chat" and server["name"] == "ours, one at a time":
                         continue  # the old server's baseline, on chat only (it is slow to run)
                     result = round_of(server, requests, f"{workload}.{count}.{repeat}", max_tokens)
+                    name, tps = server["name"], result["tps"]
+                    print(f"  round {repeat + 1}: {name} {tps:.1f} tok/s", flush=True)
                     if server["name"] not in best or result["tps"] > best[server["name"]]["tps"]:
                         best[server["name"]] = result
             theirs = best.get("mlx_lm.server", {}).get("tps")

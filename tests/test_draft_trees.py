@@ -4,6 +4,7 @@ batch), and SpecInfer's rule keeps the target's distribution (with a control the
 Every attention architecture: tests/test_architectures.py."""
 
 import random
+from collections import defaultdict
 
 import mlx.core as mx
 import numpy as np
@@ -464,6 +465,20 @@ def test_auto_measures_both_kinds_then_drafts_the_faster_and_follows_a_change():
     assert trees_pay[-100:].count(False) <= 8  # the change is followed, probe by probe
 
 
+def test_auto_compares_steps_of_different_batch_sizes_as_speedups():
+    """A batch's steps emit more per second at 8 rows than at 1 whatever they draft: told the
+    plain speed at each step's size, the choice compares speedups over plain decoding."""
+    for told in (True, False):
+        choice = TreeChoice()
+        for _ in range(2 * TreeChoice.WARMUP):
+            if choice.use_trees():  # trees at 8 rows (plain: 8 tokens per 0.125 s), 1.2x plain
+                choice.record(True, 77, 1.0, plain=0.125 / 8 if told else 1.0)
+            else:  # chains at 1 row (plain: a token per 0.1 s), 1.5x plain
+                choice.record(False, 15, 1.0, plain=0.1 if told else 1.0)
+        # the first choice after the warmup is no probe (``Backoff``)
+        assert choice.use_trees() is not told  # raw rates, 77 against 15 a second: trees
+
+
 class Always:
     """A ``TreeChoice`` that always says ``trees``."""
 
@@ -506,7 +521,7 @@ def test_auto_drafts_what_the_choice_says_in_both_loops(model, trees, monkeypatc
     )
     assert [t for t, _ in steps] == want
     generator = BatchGenerator(model, tree_nodes="auto")
-    generator.trees = Always(trees)
+    generator.trees = defaultdict(lambda: Always(trees))
     sources = [[count_trees(TwoGuesses(len(prompt), want), shapes)] for _ in range(2)]
     uids = generator.insert([prompt, prompt], draft_sources=sources, max_tokens=12)
     assert drain(generator, uids) == [want, want]
