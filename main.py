@@ -29,7 +29,7 @@ from cli import (
 from cli.constraints import add_arguments as add_constraint_arguments
 from cli.constraints import check as check_constraint_arguments
 from cli.flags import add_arguments as add_source_arguments
-from cli.flags import add_sampling_arguments, check_sampling
+from cli.flags import add_prompt_store_arguments, add_sampling_arguments, check_sampling
 from cli.flags import check as check_source_arguments
 from loading import fast_blas
 
@@ -88,6 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_source_arguments(parser)
     # --regex, --json-schema, --grammar, --thinking-budget, ...
     add_constraint_arguments(parser)
+    add_prompt_store_arguments(parser)  # --prompt-cache-dir, --prompt-cache-disk-bytes
     return parser
 
 
@@ -130,6 +131,7 @@ def build_run(args, session=None):
     ``session`` (from ``distributed.start``) shards the target over the launched ranks.
     """
     from cli import constraints
+    from cli.flags import open_prompt_store
     from cli.sources import draft_sources
     from decoder.row import DecodingStats
     from decoder.text import encode, output_size
@@ -183,6 +185,10 @@ def build_run(args, session=None):
     )
     if session is not None:  # every rank must fit the same cost, or their drafts differ
         kwargs["pass_cost"] = session.pass_cost()
+    if args.prompt_cache_dir is not None:
+        if encoder_input is not None:
+            raise CliError("--prompt-cache-dir: a T5 target's prompt is its encoder's input")
+        kwargs["prompt_store"] = open_prompt_store(args, model, session)
     return model, tokenizer, prompt, kwargs
 
 
@@ -264,6 +270,8 @@ def run(args):
             result = generate(
                 model, tokenizer, prompt, on_token=None if args.json else show, **kwargs
             )
+        if kwargs.get("prompt_store") is not None:
+            kwargs["prompt_store"].close()  # the prompt's new blocks on disk before exiting
         if args.json:
             reasoning, answer = (
                 (None, result.text) if thinking is None else thinking.split(result.text)

@@ -35,7 +35,7 @@ from batch.row import BatchRow, RowResponse, new_rows, shared_prompts
 from batch.stats import BatchStats
 from decoder.draft import DraftRequest
 from decoder.pass_cost import PassCost
-from decoder.prefill import Prefill
+from decoder.prefill import Prefill, PrefixStore
 from decoder.sampling import Sampling
 from decoder.step import verify_step
 from decoder.tree_choice import TreeChoice
@@ -68,6 +68,9 @@ class BatchGenerator:
         tree_nodes: rows draft trees of at most this many nodes, ``"auto"`` as many as pay, 0
             chains; the generator calls ``decoder.enable_trees(model)`` (a model it refuses
             drafts chains).
+        prompt_store: a ``decoder.prefill.PrefixStore`` (``prompt_store.PromptStore``, on disk):
+            a row starts from the longest prefix it or ``insert``'s ``prompt_cache`` holds, and
+            the blocks its prefill completes are stored.
     """
 
     def __init__(
@@ -84,6 +87,7 @@ class BatchGenerator:
         keep_caches: bool = False,
         drafters: Sequence = (),
         tree_nodes: Union[int, str] = 0,
+        prompt_store: Optional[PrefixStore] = None,
     ):
         self.model, self.drafters = model, list(drafters)
         if tree_nodes:  # the model's rope modules take a tree's positions (once, in place)
@@ -98,6 +102,7 @@ class BatchGenerator:
         self.max_batch = max_batch
         self.max_width = max_width
         self.interleave_prefill, self.keep_caches = interleave_prefill, keep_caches
+        self.prompt_store = prompt_store
         self.prefilling = None  # (rows, Prefill) while joining prompts are prefilled chunk by chunk
         self.removed = set()  # uids removed while prefilling
         self.cost = pass_cost if pass_cost is not None else PassCost()
@@ -225,6 +230,8 @@ class BatchGenerator:
                     responses.append(row.failed(error))
             if not joining:
                 return
+            if self.prompt_store is not None:
+                self._restore(joining)
             firsts, copies = shared_prompts(joining)
             prefill = Prefill(
                 self.model,
@@ -232,9 +239,12 @@ class BatchGenerator:
                 self.prefill_step_size,
                 [joining[i].prompt_cache for i in firsts],
                 self.mask_dims,
+                store=self.prompt_store,
             )
             self.stats.prefilled_tokens += sum(len(tokens) for tokens in prefill.pending)
             for row in joining:
+                if row.prompt_cache is not None:
+                    row.stats.prompt_cache_tokens = row.prompt_cache.length
                 row.prompt_cache, row.cached = None, len(row.tokens) - 1
             self.prefilling = (joining, prefill, copies)
         joining, prefill, copies = self.prefilling
@@ -266,6 +276,15 @@ class BatchGenerator:
         self.slots += range(len(self.rows), len(self.rows) + len(joining))
         self.rows += joining
         self.gate.reset()  # new rows' sources are asked at once
+
+    def _restore(self, rows: list):
+        """Each row starts from the store's prefix of its prompt where that is longer than the
+        ``prompt_cache`` it was given."""
+        for row in rows:
+            held = 0 if row.prompt_cache is None else row.prompt_cache.length
+            restored = self.prompt_store.lookup(row.tokens, held)
+            if restored is not None:
+                row.prompt_cache = restored
 
     def _draft_with_models(self, responses: list, trees: bool):
         """Each shared drafter (``drafters``) drafts for all its rows at once, before the rows

@@ -103,10 +103,56 @@ def add_distributed_arguments(parser):
     )
 
 
+def add_prompt_store_arguments(parser):
+    """--prompt-cache-dir and --prompt-cache-disk-bytes (main.py and the server)."""
+    group = parser.add_argument_group(
+        "prompt cache on disk (docs/prompt_store.md)",
+        "Without --prompt-cache-dir nothing is written to disk.",
+    )
+    group.add_argument(
+        "--prompt-cache-dir",
+        default=None,
+        help="Keep prompts' caches in blocks in this folder, shared by models and processes; a "
+        "later prompt that starts the same restores them instead of prefilling.",
+    )
+    group.add_argument(
+        "--prompt-cache-disk-bytes",
+        type=int,
+        default=10 * 2**30,
+        help="The folder's size cap, least recently used blocks out, over every model in it "
+        "(default: 10 GiB; 0: read only).",
+    )
+
+
+def open_prompt_store(args, model, session=None):
+    """The flags' ``PromptStore`` for ``model`` (sharded: this rank's shard, whose restores agree
+    with the other ranks'), or None without --prompt-cache-dir."""
+    if args.prompt_cache_dir is None:
+        return None
+    from prompt_store import PromptStore
+
+    try:
+        if session is None:
+            return PromptStore(args.prompt_cache_dir, model, args.prompt_cache_disk_bytes)
+        shard = f"rank {session.rank} of {session.size}, {session.mode}"
+        return PromptStore(
+            args.prompt_cache_dir,
+            model,
+            args.prompt_cache_disk_bytes,
+            shard=shard,
+            agree=session.fewest,
+        )
+    except ValueError as error:
+        raise CliError(f"--prompt-cache-dir: {error}") from None
+
+
 def check(args):
-    """Refuse bad draft-source and distributed flags in one line, before the model loads."""
+    """Refuse bad draft-source, distributed and prompt store flags in one line, before the model
+    loads."""
     if args.dist_timeout <= 0:
         raise CliError("--dist-timeout must be > 0")
+    if args.prompt_cache_disk_bytes < 0:
+        raise CliError("--prompt-cache-disk-bytes must be >= 0 (0: read only)")
     if args.num_draft is not None and not 1 <= args.num_draft <= 256:
         raise CliError("--num-draft must be between 1 and 256")
     args.tree_nodes = tree_nodes(args.tree_nodes)

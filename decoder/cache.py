@@ -41,7 +41,7 @@ class ExtraRows:
     def realign(self):
         pass
 
-    def extract(self, row: int) -> Optional[tuple]:
+    def extract(self, row: int, since: int = 0) -> Optional[tuple]:
         return None
 
     def fill(self, row: int, keys, values, first: int):
@@ -267,19 +267,20 @@ class Cache:
         for layer in self.attention + self.extra:
             layer.realign()
 
-    def extract(self, row: int, length: int) -> CachedPrefix:
-        """Row ``row``'s cache, which holds the first ``length`` tokens of its text (a copy)."""
-        attention = [layer.extract(row) for layer in self.attention]
+    def extract(self, row: int, length: int, since: int = 0) -> CachedPrefix:
+        """Row ``row``'s cache, which holds the first ``length`` tokens of its text (a copy; of
+        the attention layers' positions from ``since`` on)."""
+        attention = [layer.extract(row, since) for layer in self.attention]
         shortest = max(
             [
                 first + layer.window - 1
                 for layer, (_, _, first) in zip(self.attention, attention)
-                if first > 0
+                if first > since
             ]
             + [0]
         )
         states = [layer.extract(row) for layer in self.recurrent]
-        extra = tuple(layer.extract(row) for layer in self.extra)
+        extra = tuple(layer.extract(row, since) for layer in self.extra)
         return CachedPrefix(length, attention, states, shortest, extra)
 
     def fill(self, prefixes: Sequence[Optional[CachedPrefix]]):

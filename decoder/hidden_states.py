@@ -110,8 +110,8 @@ class FeatureRows(KVRows, ExtraRows):
     def for_rows(self, rows: int) -> "FeatureRows":
         return FeatureRows(rows)
 
-    def extract(self, row: int) -> Optional[tuple]:
-        return None if self.keys is None else super().extract(row)
+    def extract(self, row: int, since: int = 0) -> Optional[tuple]:
+        return None if self.keys is None else super().extract(row, since)
 
     def arrays(self) -> list:
         return [] if self.keys is None else [self.keys, self.values]

@@ -259,10 +259,10 @@ class KVRows(_BaseCache):
             )
         )
 
-    def extract(self, row: int) -> tuple:
-        """Row ``row``'s ``(keys, values, first position held)``, ``[1, heads, n, dim]`` each (a
-        copy)."""
-        start, end = self.starts[row], self.ends[row]
+    def extract(self, row: int, since: int = 0) -> tuple:
+        """Row ``row``'s ``(keys, values, first position held)`` from position ``since`` on,
+        ``[1, heads, n, dim]`` each (a copy)."""
+        start, end = max(self.starts[row], since + self.origins[row]), self.ends[row]
         return (
             mx.contiguous(self.keys[row : row + 1, :, start:end]),
             mx.contiguous(self.values[row : row + 1, :, start:end]),

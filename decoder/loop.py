@@ -13,7 +13,7 @@ import mlx.core as mx
 from .cache import Cache, adopt, make_cache
 from .draft import Constraint, DraftSource
 from .pass_cost import PassCost
-from .prefill import Prefill
+from .prefill import Prefill, PrefixStore
 from .row import TARGET, DecodingStats, Row
 from .sampling import Sampling
 from .step import verify_step
@@ -22,9 +22,9 @@ from .tree_choice import TreeChoice
 from .tree_pass import max_nodes_for
 
 
-def prefill(model, cache: Cache, tokens: list, step_size: int = 512):
-    """Run ``tokens`` into ``cache`` (one row, holding what comes before them) in chunks."""
-    Prefill(model, [tokens], step_size, cache=cache).run()
+def prefill(model, cache: Cache, tokens: list, step_size: int = 512, store=None):
+    """Run ``tokens`` into ``cache`` (one row, holding their first ones) in chunks."""
+    Prefill(model, [tokens], step_size, cache=cache, store=store).run()
 
 
 def _open_cache(model, prompt: Sequence[int], prompt_cache: Optional[list]) -> tuple:
@@ -65,6 +65,7 @@ def generate_step(
     pass_cost: Optional[PassCost] = None,
     tree_nodes: Union[int, str] = 0,
     seed: Optional[int] = None,
+    prompt_store: Optional[PrefixStore] = None,
 ) -> Iterator[tuple]:
     """Generate tokens with draft-and-verify steps.
 
@@ -88,12 +89,18 @@ def generate_step(
             refuses drafts chains).
         seed: the target draws from ``mx.random.key(seed)``, split each step, not MLX's global
             stream (None), which an mlx-lm ``sampler`` and sampling draft models still use.
+        prompt_store: a ``PrefixStore`` (``prompt_store.PromptStore``, on disk): the prompt's
+            longest stored prefix is restored, and its new blocks stored.
 
     Yields:
         ``(token, source_name)`` for each accepted token; ``source_name`` is
         ``TARGET`` for tokens the target chose itself.
     """
     cache, cached = _open_cache(model, prompt, prompt_cache)
+    restored = None if prompt_store is None or cached else prompt_store.lookup(prompt)
+    if restored is not None:
+        cache.fill([restored])
+        cached = restored.length
     row = Row(
         prompt,
         eos_token_ids=eos_token_ids,
@@ -112,8 +119,8 @@ def generate_step(
 
     tic = time.perf_counter()
     # The last prompt token is the first input of the loop, like every accepted token after it.
-    prefill(model, cache, row.tokens[cached:-1], prefill_step_size)
-    row.cached = len(row.tokens) - 1
+    prefill(model, cache, row.tokens[:-1], prefill_step_size, prompt_store)
+    row.cached, row.stats.prompt_cache_tokens = len(row.tokens) - 1, cached
     row.stats.prompt_time = time.perf_counter() - tic
 
     choice = TreeChoice() if row.max_nodes == 0 else None  # "auto": trees while they pay here
@@ -183,7 +190,8 @@ class GenerationResult:
         per_token = passes / max(self.generation_tokens, 1)
         lines = [
             "=" * 10,
-            f"Prompt: {self.prompt_tokens} tokens, {self.prompt_tps:.3f} tokens-per-sec",
+            f"Prompt: {self.prompt_tokens} tokens, {self.prompt_tps:.3f} tokens-per-sec"
+            + (f" ({cached} restored)" if (cached := self.stats.prompt_cache_tokens) else ""),
             f"Generation: {self.generation_tokens} tokens, "
             f"{self.generation_tps:.3f} tokens-per-sec",
             f"Peak memory: {self.peak_memory_gb:.3f} GB",
@@ -215,6 +223,7 @@ class GenerationResult:
             "peak_memory_gb": self.peak_memory_gb,
             "finish_reason": self.finish_reason,
             "verification_cost": self.stats.pass_cost.summary() if self.stats.pass_cost else None,
+            "prompt_cache_tokens": self.stats.prompt_cache_tokens,
         }
 
 

@@ -6,7 +6,21 @@ from typing import Optional, Sequence
 
 import mlx.core as mx
 
-from .cache import Cache, make_cache
+from .cache import Cache, CachedPrefix, make_cache
+
+
+class PrefixStore:
+    """Prompts' caches in blocks of ``block_tokens`` (``prompt_store.PromptStore``); a prefill
+    stops at block boundaries (each one where ``each_block``) for ``capture`` to store them."""
+
+    block_tokens: int
+    each_block: bool
+
+    def lookup(self, prompt: Sequence[int], held: int = 0) -> Optional[CachedPrefix]:
+        raise NotImplementedError  # the longest stored prefix of prompt[:-1], if over ``held``
+
+    def capture(self, tokens: Sequence[int], cache: Cache, row: int):
+        raise NotImplementedError
 
 
 class Prefill:
@@ -15,7 +29,9 @@ class Prefill:
     Args:
         cached: per prompt, None or a ``CachedPrefix`` of its first tokens; only the rest is run.
         mask_dims, max_rollback: the new cache's (``make_cache``).
-        cache: the cache to run them into, its rows holding what comes before (default: a new one).
+        cache: the cache to run them into, its rows holding their first tokens (default: a new
+            one).
+        store: a ``PrefixStore`` that captures each block boundary the prompts cross.
     """
 
     def __init__(
@@ -27,20 +43,37 @@ class Prefill:
         mask_dims: int = 4,
         max_rollback: Optional[int] = None,
         cache: Optional[Cache] = None,
+        store: Optional[PrefixStore] = None,
     ):
         cached = [None] * len(prompts) if cached is None else list(cached)
-        self.model, self.step_size = model, step_size
+        self.model, self.store = model, store
+        if store is not None and store.each_block:
+            step_size = min(step_size, store.block_tokens)
+        self.step_size = step_size
         self.cache = (
             make_cache(model, len(prompts), max_rollback, mask_dims) if cache is None else cache
         )
-        self.pending = [
-            list(prompt[0 if c is None else c.length :]) for prompt, c in zip(prompts, cached)
-        ]
+        self.prompts = [list(prompt) for prompt in prompts]
         self.cache.fill(cached)
+        self.held = [
+            (self.cache.held(row) or 0) if c is None else c.length for row, c in enumerate(cached)
+        ]
+
+    @property
+    def pending(self) -> list:
+        return [prompt[held:] for prompt, held in zip(self.prompts, self.held)]
+
+    def _chunk_end(self, held: int, length: int) -> int:
+        end = min(held + self.step_size, length)
+        if self.store is not None and end < length:  # end on a block boundary, to capture it
+            boundary = end - end % self.store.block_tokens
+            end = boundary if boundary > held else end
+        return end
 
     def step(self) -> bool:
         """Run the next chunk; True once every prompt is in the cache."""
-        chunks = [tokens[: self.step_size] for tokens in self.pending]
+        ends = [self._chunk_end(h, len(p)) for h, p in zip(self.held, self.prompts)]
+        chunks = [p[h:end] for p, h, end in zip(self.prompts, self.held, ends)]
         width = max(len(chunk) for chunk in chunks)
         if width:
             self.cache.prepare([len(chunk) for chunk in chunks], width)
@@ -50,7 +83,11 @@ class Prefill:
             )
             self.cache.finalize()
             self.cache.rewind([width - len(chunk) for chunk in chunks])
-        self.pending = [tokens[self.step_size :] for tokens in self.pending]
+        if self.store is not None:
+            for row, (held, end) in enumerate(zip(self.held, ends)):
+                if end > held and end // self.store.block_tokens > held // self.store.block_tokens:
+                    self.store.capture(self.prompts[row][:end], self.cache, row)
+        self.held = ends
         done = not any(self.pending)
         if done and self.cache.rows > 1:
             self.cache.realign()

@@ -55,6 +55,7 @@ class SourceStats:
 class DecodingStats:
     target_forward_passes: int = 0
     prompt_time: float = 0.0
+    prompt_cache_tokens: int = 0  # of the prompt, restored from a cache instead of prefilled
     sources: dict = field(default_factory=dict)
     pass_cost: Optional[PassCost] = None  # the loop's timings of its passes (set by generate_step)
     finish_reason: Optional[str] = None  # "stop" (EOS) or "length" (max_tokens) once finished

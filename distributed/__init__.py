@@ -143,6 +143,12 @@ class Session:
         """The cost model the loop must use on every rank (``generate_step(pass_cost=...)``)."""
         return SharedPassCost(self.group)
 
+    def fewest(self, count: int) -> int:
+        """The smallest of every rank's ``count`` (a prompt store's blocks, which one rank may
+        lack: every rank restores as many)."""
+        counts = mx.distributed.all_gather(mx.array([count], mx.int32), group=self.group)
+        return min(counts.tolist())
+
     def shard(self, model, mode: str = "auto"):
         """Shard a lazily loaded mlx-lm model in place; the watchdog restarts at its first forward
         pass."""

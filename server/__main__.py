@@ -81,6 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     # main.py's flags, built by the same code; requests set the sampling, and no history is kept.
     flags.add_arguments(parser, history=False)
+    flags.add_prompt_store_arguments(parser)
     return parser
 
 
@@ -139,6 +140,9 @@ def build_engine(args, session=None):
         )
         max_batch, keep_caches = 1, False
     model, make, drafters = sources.build_sources(args, model, tokenizer)
+    store = flags.open_prompt_store(args, model, session) if keep_caches else None
+    if args.prompt_cache_dir is not None and store is None:
+        sys.stderr.write("note: so the prompt cache on disk is off too\n")
     engine = Engine(
         model,
         tokenizer,
@@ -154,6 +158,7 @@ def build_engine(args, session=None):
         # every rank must fit the same cost, or their drafts differ
         pass_cost=None if session is None else session.pass_cost(),
         ranks=None if session is None else Lockstep(session),
+        prompt_store=store,
     )
     model_id = "SmolLM2-135M-Instruct" if args.model is None else args.model.rstrip("/")
     return engine, model_id, context_length(path)
@@ -225,6 +230,8 @@ def main():
         pass
     engine.close()  # sharded: the other ranks stop too
     engine.worker.join(timeout=5)
+    if engine.prompt_store is not None:
+        engine.prompt_store.close()  # the queued blocks on disk before exiting
     exit_now(0)
 
 

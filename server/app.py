@@ -55,7 +55,8 @@ def build_app(
     effort_budgets: dict = EFFORT_BUDGETS,
 ) -> Starlette:
     """Routes: GET /v1/models, POST /v1/chat/completions, /v1/completions, /v1/messages (Anthropic),
-    /v1/messages/count_tokens, /v1/responses (OpenAI), GET /health. ``stored_responses``: how many
+    /v1/messages/count_tokens, /v1/responses (OpenAI), GET /health, GET /v1/cache (the prompt
+    cache's tiers). ``stored_responses``: how many
     Responses answers are kept for ``previous_response_id`` (the oldest go first);
     ``effort_budgets``: the think-block budget of each effort level (server/reasoning.py)."""
     service = Service(
@@ -70,9 +71,14 @@ def build_app(
     async def health(request: Request):
         return JSONResponse({"status": "ok"})
 
+    async def cache(request: Request):
+        service.authorize(request)
+        return JSONResponse(engine.cache_stats())
+
     routes = [
         *openai_routes(service),
         Route("/health", health),
+        Route("/v1/cache", cache),
         *anthropic_routes(service),
         *responses_routes(service, ResponseStore(stored_responses)),
     ]

@@ -64,6 +64,9 @@ class Engine:
         pass_cost: the timings the width policy reads (``PassCost``); tests pass a fixed clock.
         drafters: the models whose sources ``make_sources`` gives (``BatchGenerator``'s).
         tree_nodes: the rows' draft trees (``BatchGenerator``'s; 0: chains).
+        prompt_store: the prompt cache's disk tier under ``PromptCache`` (``PromptStore``): a
+            request starts from the longer prefix of the two, and finished rows are stored in
+            both.
         ranks: ``server.ranks.Lockstep`` when the model is sharded over several ranks: rank 0's
             engine serves and the others ``follow`` it; by default one process serves alone.
     """
@@ -84,6 +87,7 @@ class Engine:
         drafters: Sequence = (),
         ranks=None,
         tree_nodes=0,
+        prompt_store=None,
     ):
         self.model, self.tokenizer, self.vocab_size = model, tokenizer, vocab_size
         self.drafters, self.tree_nodes = list(drafters), tree_nodes
@@ -99,6 +103,7 @@ class Engine:
         self.constraints = RequestConstraints(tokenizer, vocab_size, cache_dir)
         self.failures = FailureLog()
         self.prompt_cache = PromptCache(prompt_cache_bytes, self.ranks.weigh)
+        self.prompt_store = prompt_store
         self.pass_cost = pass_cost if pass_cost is not None else PassCost()
         self.prefill_step_size = prefill_step_size
         self.generator = self._new_generator()
@@ -110,6 +115,11 @@ class Engine:
             self.ranks.watch(self._lost)
             self.worker = threading.Thread(target=self._work, name="generation", daemon=True)
             self.worker.start()
+
+    def cache_stats(self) -> dict:
+        """The prompt cache's tiers: entries, bytes, hits and misses (GET /v1/cache)."""
+        disk = None if self.prompt_store is None else self.prompt_store.stats()
+        return {"memory": self.prompt_cache.stats(), "disk": disk}
 
     def _new_generator(self) -> BatchGenerator:
         return BatchGenerator(
@@ -124,6 +134,7 @@ class Engine:
             pass_cost=self.pass_cost,
             drafters=self.drafters,
             tree_nodes=self.tree_nodes,
+            prompt_store=self.prompt_store,
         )
 
     def submit(
@@ -173,6 +184,8 @@ class Engine:
     def follow(self):
         """Run a rank other than 0: the same steps as rank 0's engine, until it stops."""
         self._work()
+        if self.prompt_store is not None:
+            self.prompt_store.close()  # its queued blocks on disk
 
     def _work(self):
         try:
@@ -304,6 +317,10 @@ class Engine:
         if request.seed is not None:  # the row draws from its own seed; a draft model that
             mx.random.seed(request.seed)  # samples, from the global stream
         layers, cached = self.prompt_cache.lookup(request.prompt)
+        if self.prompt_store is not None:  # the disk tier, where it holds more
+            restored = self.prompt_store.lookup(request.prompt, cached)
+            if restored is not None:
+                layers, cached = restored, restored.length
         (uid,) = self.generator.insert(
             [request.prompt],
             draft_sources=[([forced] if forced else []) + self.make_sources()],
@@ -365,6 +382,8 @@ class Engine:
             row.send("")
         if response.cache is not None:
             self.prompt_cache.add(job.request.prompt + row.generated, response.cache)
+            if self.prompt_store is not None:
+                self.prompt_store.add(job.request.prompt + row.generated, response.cache)
         del self.replies[response.uid]
         outcome.text, outcome.completion_tokens, outcome.tokens = (
             "".join(row.pieces),

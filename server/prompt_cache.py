@@ -20,6 +20,7 @@ class PromptCache:
         # an entry's bytes -> the bytes it counts for (sharded: the largest rank's, server/ranks.py)
         self.weigh = weigh if weigh is not None else (lambda nbytes: nbytes)
         self.nbytes = 0  # of all entries
+        self.hits, self.misses, self.restored_tokens = 0, 0, 0
 
     def add(self, tokens: list, prefix: CachedPrefix):
         tokens = tuple(tokens[: prefix.length])
@@ -49,6 +50,17 @@ class PromptCache:
             if usable > length:
                 best, length = key, usable
         if best is None:
+            self.misses += 1
             return None, 0
+        self.hits, self.restored_tokens = self.hits + 1, self.restored_tokens + length
         self.entries.move_to_end(best)
         return self.entries[best][0].cut(length), length
+
+    def stats(self) -> dict:
+        return {
+            "entries": len(self.entries),
+            "bytes": self.nbytes,
+            "hits": self.hits,
+            "misses": self.misses,
+            "restored_tokens": self.restored_tokens,
+        }

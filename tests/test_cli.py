@@ -23,6 +23,7 @@ JSON_FIELDS = {
     "prompt_tps",
     "peak_memory_gb",
     "finish_reason",
+    "prompt_cache_tokens",
 }
 
 
@@ -80,10 +81,24 @@ def test_prompt_from_stdin_and_length_finish(embedded):
         (["--regex", "a{3,1}"], "position"),
         (["--regex", "(?=a)b"], "position"),
         (["--regex", "[^\\s\\S]"], "matches no string"),
+        (["--prompt-cache-dir", "x", "--prompt-cache-disk-bytes", "-1"], "--prompt-cache-disk"),
+        (["--prompt-cache-dir", "README.md/store"], "cannot be created"),
     ],
 )
 def test_bad_input_is_one_line(args, fragment):
     assert_one_line_error(cli(*args), fragment)
+
+
+def test_a_second_run_restores_the_prompt_from_disk(embedded, tmp_path):
+    """#57: the prompt's whole blocks are stored by the first run and restored by the next, which
+    prefills only the rest and writes the same tokens; ``prompt_cache_tokens`` says how many."""
+    document = " ".join(f"item {index} costs {index * 7 % 100} dollars." for index in range(90))
+    args = ["--prompt", f"{document}\nWhat does item 42 cost?", "--max-tokens", "8", "--json"]
+    store = ["--prompt-cache-dir", str(tmp_path / "store")]
+    cold, first, second = (json.loads(cli(*args, *extra).stdout) for extra in ([], store, store))
+    assert first["prompt_cache_tokens"] == cold["prompt_cache_tokens"] == 0
+    assert second["prompt_cache_tokens"] == (second["prompt_tokens"] - 1) // 256 * 256 > 0
+    assert cold["tokens"] == first["tokens"] == second["tokens"]
 
 
 def test_json_schema_true_falls_back_to_the_built_in_compiler_and_gives_json(embedded):

@@ -1,7 +1,7 @@
 """The server on a tiny random model, for tests that need many requests fast (no model to load).
 
     python -m tests.tiny_server [--prompt-lookup] [--tree-nodes N] [--max-batch N] [--max-queue N]
-    [--prompt-cache-bytes N] [--hermes]
+    [--prompt-cache-bytes N] [--prompt-cache-dir DIR] [--block-tokens N] [--hermes]
         [--thinking optional|opens] [--harmony]
 
 Prints "serving tiny on http://127.0.0.1:PORT/v1" once it listens, as ``python -m server`` does.
@@ -125,6 +125,8 @@ def main():
     parser.add_argument("--max-batch", type=int, default=8)
     parser.add_argument("--max-queue", type=int, default=8)
     parser.add_argument("--prompt-cache-bytes", type=int, default=2**20)
+    parser.add_argument("--prompt-cache-dir", default=None, help="As python -m server's.")
+    parser.add_argument("--block-tokens", type=int, default=16, help="The prompt store's.")
     parser.add_argument(
         "--hermes", action="store_true", help="A chat template that writes Hermes tool calls."
     )
@@ -166,6 +168,11 @@ def main():
         tokenizer_ = harmony_tokenizer()
         vocab = len(tokenizer_)
         model_ = tiny_llama(vocab_size=vocab, num_layers=2, hidden_size=32, seed=3, sharp=3.0)
+    store = None
+    if args.prompt_cache_dir is not None:
+        from prompt_store import PromptStore
+
+        store = PromptStore(args.prompt_cache_dir, model_, block_tokens=args.block_tokens)
     engine = Engine(
         model_,
         tokenizer_,
@@ -176,6 +183,7 @@ def main():
         prompt_cache_bytes=args.prompt_cache_bytes,
         pass_cost=PassCost(clock=lambda: 0.0),
         tree_nodes=args.tree_nodes if args.tree_nodes == "auto" else int(args.tree_nodes),
+        prompt_store=store,
     )
     sock = listen("127.0.0.1", 0)
     from server.reasoning import parse_effort_budgets
@@ -192,6 +200,8 @@ def main():
     asyncio.run(server.serve(sockets=[sock]))
     engine.close()
     engine.worker.join(timeout=5)
+    if store is not None:
+        store.close()
     exit_now(0)  # as python -m server ends
 
 
