@@ -10,11 +10,12 @@ from .cache import Cache, CachedPrefix, make_cache
 
 
 class PrefixStore:
-    """Prompts' caches in blocks of ``block_tokens`` (``prompt_store.PromptStore``); a prefill
-    stops at block boundaries (each one where ``each_block``) for ``capture`` to store them."""
+    """Prompts' caches in blocks of ``block_tokens`` (``prompt_store.PromptStore``); a prefill's
+    chunks end on block boundaries (each one where ``each_block``) for ``capture`` to store what
+    the cache holds there."""
 
     block_tokens: int
-    each_block: bool
+    each_block: bool  # what a boundary keeps exists only there: windows, recurrent states
 
     def lookup(self, prompt: Sequence[int], held: int = 0) -> Optional[CachedPrefix]:
         raise NotImplementedError  # the longest stored prefix of prompt[:-1], if over ``held``
@@ -46,10 +47,9 @@ class Prefill:
         store: Optional[PrefixStore] = None,
     ):
         cached = [None] * len(prompts) if cached is None else list(cached)
-        self.model, self.store = model, store
         if store is not None and store.each_block:
             step_size = min(step_size, store.block_tokens)
-        self.step_size = step_size
+        self.model, self.store, self.step_size = model, store, step_size
         self.cache = (
             make_cache(model, len(prompts), max_rollback, mask_dims) if cache is None else cache
         )
@@ -65,7 +65,7 @@ class Prefill:
 
     def _chunk_end(self, held: int, length: int) -> int:
         end = min(held + self.step_size, length)
-        if self.store is not None and end < length:  # end on a block boundary, to capture it
+        if self.store is not None:  # end on the last block boundary it crosses, to capture it
             boundary = end - end % self.store.block_tokens
             end = boundary if boundary > held else end
         return end

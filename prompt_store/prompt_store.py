@@ -7,13 +7,14 @@ run of stored blocks and prefills only the rest.
     generate(model, tokenizer, prompt, prompt_store=store)  # restores, prefills, stores blocks
     store.close()                                            # waits for the writes
 
-What a block holds, for the positions ``[start, end)`` of its tokens: each full attention layer's
-keys and values there; each sliding layer's from ``end - window + 1`` on (what a query at ``end``
-can see); a head's features (``ExtraRows``) like a full layer; recurrent states as they are at
-``end``. A prefill stops at every block boundary of a model with windows or recurrent layers to
-capture them (``decoder.prefill.Prefill``); a full-attention model's blocks are cut from whatever
-cache holds them, a finished row's included. A block is written only when it holds all of that,
-so any run of stored blocks from the first one restores exactly.
+Two kinds of entry, so that each is written once, complete:
+- a **block** holds its tokens and, for its positions, each full attention layer's keys and
+  values and a head's features (``ExtraRows``): any cache that holds the block has them all;
+- a **boundary** holds what exists only at a block's end: each sliding layer's window there (the
+  keys a query at the end can see) and the recurrent states. A prefill stops at each block
+  boundary to capture them (``decoder.prefill.Prefill``), a finished row where it holds them.
+A prompt restores the longest run of blocks from the first that ends at a stored boundary (any
+run, for a model of full attention only).
 """
 
 import hashlib
@@ -32,7 +33,7 @@ from .identity import model_identity
 FORMAT = "1"  # of a block's arrays and metadata; a new format starts a new chain of keys
 # Tokens per block: a prompt that diverges inside a block prefills it again, and each block is a
 # file written, read and hashed apart (benchmarks/results/prompt_store.md measures the choice).
-BLOCK_TOKENS = 256
+BLOCK_TOKENS = 128
 
 
 class PromptStore(PrefixStore):
@@ -66,7 +67,10 @@ class PromptStore(PrefixStore):
         self.num_states = len(cache.recurrent)
         self.num_extra = len(cache.extra)
         self.block_tokens = block_tokens
-        self.each_block = bool(self.num_states) or any(w is not None for w in self.windows)
+        # windows or states: a run of blocks restores only up to a stored boundary, and a
+        # prefill stops at each one to store it
+        self.at_boundary = bool(self.num_states) or any(w is not None for w in self.windows)
+        self.each_block = self.at_boundary
         layout = f"{self.windows} states {self.num_states} extra {self.num_extra}"
         self.identity = hashlib.sha256(
             f"format {FORMAT}; model {model_identity(model)}; cache {layout}; "
@@ -77,119 +81,143 @@ class PromptStore(PrefixStore):
         self.restored_tokens = 0  # over every lookup, for reports
 
     def lookup(self, prompt: Sequence[int], held: int = 0) -> Optional[CachedPrefix]:
-        """The cache of the longest run of stored blocks that ``prompt[:-1]`` starts with (its
+        """The cache of the longest restorable run of blocks that ``prompt[:-1]`` starts with (its
         last token is the loop's first input), if longer than ``held`` tokens; else None."""
         keys = chain_keys(self.identity, list(prompt[:-1]), self.block_tokens)
         count = 0
         while count < len(keys) and self.blocks.has(keys[count]):
             count += 1
+        if self.at_boundary:  # the run must end where its windows and states were kept
+            while count and not self.blocks.has(_boundary(keys[count - 1])):
+                count -= 1
         loaded = []
         for key in keys[: count if count * self.block_tokens > held else 0]:
             block = self.blocks.get(key)
             if block is None:  # a bad block, or one another process evicted just now
                 break
             loaded.append(block)
-        loaded = loaded[: self.agree(len(loaded))]
+        boundary = self.blocks.get(_boundary(keys[len(loaded) - 1])) if loaded else None
+        if self.at_boundary and boundary is None:
+            loaded = []
+        loaded = loaded[: self.agree(len(loaded))]  # sharded: the ranks that hold fewest
         if len(loaded) * self.block_tokens <= held:
             return None
-        prefix = self._joined(loaded)
+        prefix = self._joined(loaded, boundary)
         self.restored_tokens += prefix.length
         return prefix
 
-    def _joined(self, blocks: list) -> CachedPrefix:
-        """The ``CachedPrefix`` of a run of blocks from the first."""
+    def _joined(self, blocks: list, boundary: Optional[tuple]) -> CachedPrefix:
+        """The ``CachedPrefix`` of a run of blocks from the first, ending at ``boundary``."""
         end = len(blocks) * self.block_tokens
         attention = [
-            _entries(blocks, f"a{i}", end - window + 1 if window else 0)
-            for i, window in enumerate(self.windows)
+            _entry(boundary if window else blocks, f"a{i}") for i, window in enumerate(self.windows)
         ]
         extra = tuple(
-            _entries(blocks, f"x{i}", 0) if all(f"x{i}.k" in b[0] for b in blocks) else None
+            _entry(blocks, f"x{i}") if all(f"x{i}.k" in b[0] for b in blocks) else None
             for i in range(self.num_extra)
         )
-        arrays, metadata = blocks[-1]
-        states = [
-            [arrays[f"s{i}.{j}"] for j in range(int(metadata[f"s{i}"]))]
-            for i in range(self.num_states)
-        ]
+        states = []
+        if self.num_states:
+            arrays, metadata = boundary
+            states = [
+                [arrays[f"s{i}.{j}"] for j in range(int(metadata[f"s{i}"]))]
+                for i in range(self.num_states)
+            ]
         shortest = max(
-            [first + w - 1 for (_, _, first), w in zip(attention, self.windows) if w and first > 0]
+            [first + w - 1 for (_, _, first), w in zip(attention, self.windows) if w and first]
             + [0]
         )
         return CachedPrefix(end, attention, states, shortest, extra)
 
     def capture(self, tokens: Sequence[int], cache: Cache, row: int):
-        """Store the blocks of ``tokens`` that row ``row`` of ``cache`` (holding them) completes."""
-        todo = self._unstored(tokens)
-        if todo:
-            self.add(tokens, cache.extract(row, len(tokens), since=todo[0][0] * self.block_tokens))
+        """Store what row ``row`` of ``cache``, holding ``tokens``, adds: the blocks it completes,
+        and the boundary at its end."""
+        keys = chain_keys(self.identity, list(tokens), self.block_tokens)
+        todo = [index for index, key in enumerate(keys) if not self.blocks.has(key)]
+        since = todo[0] * self.block_tokens if todo else len(keys) * self.block_tokens
+        widest = max((window for window in self.windows if window), default=1)
+        since = max(min(since, len(tokens) - widest + 1), 0)  # a window reaches back from the end
+        self.add(tokens, cache.extract(row, len(tokens), since))
 
     def add(self, tokens: Sequence[int], prefix: CachedPrefix):
-        """Store the blocks of ``tokens`` not stored yet whose every layer ``prefix`` (the cache of
-        ``tokens[:prefix.length]``, or of its positions from some block on) holds in full."""
+        """Store the blocks of ``tokens`` not stored yet that ``prefix`` (the cache of
+        ``tokens[:prefix.length]``, or of its positions from some block on) holds, and the
+        boundary at its end if it ends on one."""
         tokens = list(tokens[: prefix.length])
-        for index, key in self._unstored(tokens):
-            block = self._block(index, prefix)
-            if block is not None:
-                self.blocks.put(key, *block)
-
-    def _unstored(self, tokens: list) -> list:
-        """``(index, key)`` of each whole block of ``tokens`` the store lacks."""
         keys = chain_keys(self.identity, tokens, self.block_tokens)
-        if self.num_states:  # states are known only at the end: only a block ending there
-            keys = keys[-1:] if len(tokens) % self.block_tokens == 0 else []
-            first = len(tokens) // self.block_tokens - len(keys)
-        else:
-            first = 0
-        return [(first + i, key) for i, key in enumerate(keys) if not self.blocks.has(key)]
+        for index, key in enumerate(keys):
+            if not self.blocks.has(key):
+                block = self._block(index, tokens, prefix)
+                if block is not None:
+                    self.blocks.put(key, *block)
+        if self.at_boundary and keys and len(tokens) % self.block_tokens == 0:
+            boundary = _boundary(keys[-1])
+            if not self.blocks.has(boundary):
+                entry = self._boundary(prefix)
+                if entry is not None:
+                    self.blocks.put(boundary, *entry)
 
-    def _block(self, index: int, prefix: CachedPrefix) -> Optional[tuple]:
+    def _block(self, index: int, tokens: list, prefix: CachedPrefix) -> Optional[tuple]:
         """Block ``index``'s ``(arrays, metadata)`` cut from ``prefix``, or None where it lacks
-        some of them."""
+        some of its full attention layers' positions."""
         start, end = index * self.block_tokens, (index + 1) * self.block_tokens
-        arrays, metadata = {}, {"block": str(index)}
-        entries = [
-            (f"a{i}", entry, w) for i, (entry, w) in enumerate(zip(prefix.attention, self.windows))
+        arrays = {"tokens": mx.array(tokens[start:end], mx.int32)}
+        full = [
+            (f"a{i}", e) for i, (e, w) in enumerate(zip(prefix.attention, self.windows)) if not w
         ]
-        entries += [
-            (f"x{i}", entry, None) for i, entry in enumerate(prefix.extra) if entry is not None
-        ]
-        for name, (keys, values, first), window in entries:
-            need = max(start, end - window + 1) if window else start
-            if first > need or first + keys.shape[2] < end:
-                if name.startswith("x"):  # a head's features are optional: its drafts wait
-                    continue
+        for name, entry in full:
+            if not _cut(entry, start, end, name, arrays):
                 return None
-            arrays[f"{name}.k"] = keys[:, :, need - first : end - first]
-            arrays[f"{name}.v"] = values[:, :, need - first : end - first]
-            metadata[f"{name}.first"] = str(need)
-        if self.num_states:
-            if prefix.length != end:
+        for i, entry in enumerate(prefix.extra):  # a head's features: its drafts wait without
+            if entry is not None:
+                _cut(entry, start, end, f"x{i}", arrays)
+        return arrays, {"block": str(index)}
+
+    def _boundary(self, prefix: CachedPrefix) -> Optional[tuple]:
+        """The windows and states at the end of ``prefix``, or None where it lacks a window."""
+        end, arrays, metadata = prefix.length, {}, {"end": str(prefix.length)}
+        for i, (entry, window) in enumerate(zip(prefix.attention, self.windows)):
+            if window and not _cut(entry, max(end - window + 1, 0), end, f"a{i}", arrays):
                 return None
-            for i, states in enumerate(prefix.states):
-                metadata[f"s{i}"] = str(len(states))
-                arrays.update({f"s{i}.{j}": state for j, state in enumerate(states)})
+        for i, states in enumerate(prefix.states):
+            metadata[f"s{i}"] = str(len(states))
+            arrays.update({f"s{i}.{j}": state for j, state in enumerate(states)})
         return arrays, metadata
 
     def stats(self) -> dict:
         return {**self.blocks.stats(), "restored_tokens": self.restored_tokens}
 
     def close(self):
+        """Wait for the queued writes (a process that exits first loses them)."""
         self.blocks.close()
 
+    def __enter__(self):
+        return self
 
-def _entries(blocks: list, name: str, since: int) -> tuple:
-    """``(keys, values, first)`` of layer ``name`` over a run of blocks, from position ``since``
-    (or the first block's start) on."""
-    keys, values, first = [], [], None
-    for arrays, metadata in blocks:
-        block_first = int(metadata[f"{name}.first"])
-        k, v = arrays[f"{name}.k"], arrays[f"{name}.v"]
-        end = block_first + k.shape[2]
-        if end <= since:
-            continue
-        skip = max(since - block_first, 0)
-        keys.append(k[:, :, skip:])
-        values.append(v[:, :, skip:])
-        first = block_first + skip if first is None else first
-    return mx.concatenate(keys, axis=2), mx.concatenate(values, axis=2), first
+    def __exit__(self, *exc_info):
+        self.close()
+
+
+def _boundary(key: str) -> str:
+    """The key of the boundary entry at the end of block ``key``."""
+    return hashlib.sha256(f"{key} boundary".encode()).hexdigest()
+
+
+def _cut(entry: tuple, start: int, end: int, name: str, arrays: dict) -> bool:
+    """Put positions ``[start, end)`` of an attention ``entry`` (keys, values, first position) in
+    ``arrays`` as ``name``; False where the entry lacks some of them."""
+    keys, values, first = entry
+    if first > start or first + keys.shape[2] < end:
+        return False
+    arrays[f"{name}.k"] = keys[:, :, start - first : end - first]
+    arrays[f"{name}.v"] = values[:, :, start - first : end - first]
+    arrays[f"{name}.first"] = mx.array(start, mx.int32)
+    return True
+
+
+def _entry(entries, name: str) -> tuple:
+    """``(keys, values, first)`` of layer ``name``: a boundary's, or a run of blocks' joined."""
+    runs = [entries] if isinstance(entries, tuple) else entries
+    keys = mx.concatenate([arrays[f"{name}.k"] for arrays, _ in runs], axis=2)
+    values = mx.concatenate([arrays[f"{name}.v"] for arrays, _ in runs], axis=2)
+    return keys, values, runs[0][0][f"{name}.first"].item()

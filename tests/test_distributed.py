@@ -167,18 +167,26 @@ def test_pipeline_logits_are_bit_identical_on_a_tiny_model():
     assert len(records) == 3 and all(r["equal"] for r in records), records
 
 
-def test_cli_under_mlx_launch(embedded):
+def test_cli_under_mlx_launch(embedded, tmp_path):
     """main.py itself: one JSON object on stdout (rank 0 only), forced pipeline over 2 ranks (3
     stages: test_pipeline_logits_are_bit_identical_on_a_tiny_model), prompt lookup and the draft
     head together. It times its passes (the ranks share the timings,
     or their drafts would differ and the group deadlock), so its drafts may differ from the
-    prior-priced single process; its tokens may not."""
-    case = [*LOOKUP, "--draft-head"]
+    prior-priced single process; its tokens may not. Run again with the prompt cache on disk
+    (#57), each rank restores its own shard's blocks, as many as the other, and the tokens stay."""
+    lines = " ".join(
+        f"line {index}: the quick brown fox jumps over the lazy dog." for index in range(12)
+    )
+    case = ["--prompt", f"Repeat these lines: {lines}", "--prompt-lookup", "--max-tokens", "16"]
+    case += ["--draft-head"]
     expected = single_process([case])[0]
-    result = launch(2, "main.py", *case, "--json", "--shard", "pipeline")
-    assert result.returncode == 0, result.stderr
-    data = json.loads(result.stdout)
-    assert data["tokens"] == expected["tokens"] and data["draft_accepted"] > 0
+    store = ["--prompt-cache-dir", str(tmp_path / "store")]
+    for run in range(2):
+        result = launch(2, "main.py", *case, *store, "--json", "--shard", "pipeline")
+        assert result.returncode == 0, result.stderr
+        data = json.loads(result.stdout)
+        assert data["tokens"] == expected["tokens"] and data["draft_accepted"] > 0
+        assert data["prompt_cache_tokens"] == run * (data["prompt_tokens"] - 1) // 128 * 128
 
 
 def run_rank(rank, hostfile, *command):

@@ -16,7 +16,15 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-FOLDERS = ["prompt_lookup", "constrained", "draft_model", "draft_head", "mtp", "distributed"]
+FOLDERS = [
+    "prompt_lookup",
+    "constrained",
+    "draft_model",
+    "draft_head",
+    "mtp",
+    "distributed",
+    "prompt_store",
+]
 CORE = ["decoder/"]  # what every copied folder needs beside it
 NEEDS = {}  # folders a copied folder needs beyond the core
 # packages a folder's README lists beyond mlx, mlx-lm and numpy
