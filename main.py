@@ -172,7 +172,7 @@ def build_run(args, session=None):
     constraint, forced = constraints.build(
         args, tokenizer, vocab_size, prompt, encoder_input is not None
     )
-    model, drafts = draft_sources(args, model, tokenizer, encoder_input)
+    model, drafts = draft_sources(args, model, tokenizer, encoder_input, session)
     if args.tree_nodes and (forced or drafts):  # the rope modules take a tree's positions
         enable_trees(model)
     kwargs = dict(
@@ -270,8 +270,11 @@ def run(args):
             result = generate(
                 model, tokenizer, prompt, on_token=None if args.json else show, **kwargs
             )
-        if kwargs.get("prompt_store") is not None:
-            kwargs["prompt_store"].close()  # the prompt's new blocks on disk before exiting
+        # the prompt's new blocks on disk before exiting (the target's and a draft model's)
+        drafters = [source.drafter for source in kwargs["draft_sources"] if source.drafter]
+        for store in [kwargs.get("prompt_store")] + [d.prompt_store for d in drafters]:
+            if store is not None:
+                store.close()
         if args.json:
             reasoning, answer = (
                 (None, result.text) if thinking is None else thinking.split(result.text)

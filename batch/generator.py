@@ -350,9 +350,10 @@ class BatchGenerator:
         rows, cache_rows = len(self.rows), self.cache.rows
         emitted = self._verify(width, plans, responses)
         self.stats.decode_time += time.perf_counter() - tic
-        if timed:  # compared as speedups: the batch size changes as rows join and leave
-            plain = self.cost.seconds(1, cache_rows) / rows
-            choice.record(trees, emitted, self.cost.agreed(self.cost.clock() - started), plain)
+        plain = self.cost.seconds(1, cache_rows)  # None while no pass was timed
+        if timed and plain:  # compared as speedups: the batch size changes as rows join and leave
+            seconds = self.cost.agreed(self.cost.clock() - started)
+            choice.record(trees, emitted, seconds, plain / rows)
         self.stats.generation_tokens += emitted
         return responses
 

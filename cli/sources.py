@@ -16,7 +16,7 @@ import huggingface_hub
 import numpy as np
 
 from cli import CliError
-from cli.flags import default_history_path, history_path
+from cli.flags import default_history_path, history_path, open_prompt_store
 from decoder.hidden_states import HeadMismatch
 from draft_head import HeadDrafter
 from draft_head.head import SHIPPED_HEAD
@@ -28,7 +28,7 @@ from prompt_lookup import PromptLookupSource
 from t5 import T5Decoder, is_encoder_decoder
 
 
-def build_sources(args, model, tokenizer, encoder_input=None) -> tuple:
+def build_sources(args, model, tokenizer, encoder_input=None, session=None) -> tuple:
     """``(model, make, drafters)`` for the flags in ``args``: run the loop on the returned model (a
     ``HiddenStateTap`` when a head or MTP layers draft), and ``make()`` gives one row its own fresh
     sources: prompt (or history) lookup, a draft model, a draft head or the model's MTP layers, in
@@ -37,6 +37,8 @@ def build_sources(args, model, tokenizer, encoder_input=None) -> tuple:
 
     Args:
         encoder_input: a T5 target's prompt tokens (its decoder starts empty); lookup searches them.
+        session: ``distributed.start``'s, sharded (a draft model's prompt store agrees with the
+            other ranks').
 
     Model drafts sample as the target does: the loop hands each generation's ``temp``/``top_p``
     to the sources' ``reset``.
@@ -63,8 +65,12 @@ def build_sources(args, model, tokenizer, encoder_input=None) -> tuple:
                     "which batching does not serve"
                 )
             draft_model = T5Decoder(draft_model, encoder_input)
+        # its own cache in the prompt store too (not T5's, which starts from the encoder's input)
+        store = None if encoder_input is not None else open_prompt_store(args, draft_model, session)
         drafters.append(
-            DraftModel.create(draft_model, draft_tokenizer, model, tokenizer, **options)
+            DraftModel.create(
+                draft_model, draft_tokenizer, model, tokenizer, prompt_store=store, **options
+            )
         )
     if head_dir is not None:
         try:
@@ -86,9 +92,9 @@ def build_sources(args, model, tokenizer, encoder_input=None) -> tuple:
     return model, make, drafters
 
 
-def draft_sources(args, model, tokenizer, encoder_input=None) -> tuple:
+def draft_sources(args, model, tokenizer, encoder_input=None, session=None) -> tuple:
     """``(model, sources)``: ``build_sources`` for one sequence (main.py)."""
-    model, make, _ = build_sources(args, model, tokenizer, encoder_input)
+    model, make, _ = build_sources(args, model, tokenizer, encoder_input, session)
     return model, make()
 
 

@@ -109,6 +109,8 @@ class Drafter:
     holding one of its sources; a loop calls ``draft_all``, then the sources propose what it
     drafted."""
 
+    prompt_store = None  # a PrefixStore of the cache of its own model (a draft model's)
+
     def owns(self, source: DraftSource) -> bool:
         return source.drafter is self
 

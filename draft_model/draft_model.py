@@ -27,7 +27,7 @@ from mlx_lm.utils import common_prefix_len
 from decoder.adaptive import weight_bytes
 from decoder.cache import CacheKindError, architecture, make_cache
 from decoder.model_drafter import SharedDrafter, SharedSource, draw_rows
-from decoder.prefill import prefill_rows
+from decoder.prefill import Prefill, PrefixStore
 from decoder.text import output_size
 
 
@@ -83,6 +83,8 @@ class DraftModel(SharedDrafter):
         min_confidence: a row stops drafting once its top probability falls below this.
         draft_cost_prior: one draft position as a fraction of a target pass, until timed
             (``create`` sets it from the weight bytes).
+        prompt_store: a ``PrefixStore`` for the draft model's own cache (``prompt_store``'s
+            ``PromptStore`` of this model): a row restores its prompt's stored prefix.
     """
 
     def __init__(
@@ -95,6 +97,7 @@ class DraftModel(SharedDrafter):
         min_confidence: float = 0.5,
         draft_cost_prior: float = 0.1,
         prefill_step_size: int = 512,
+        prompt_store: Optional[PrefixStore] = None,
     ):
         # its rows roll back by trimming, which a recurrent state cannot
         if make_cache(model).recurrent:
@@ -105,7 +108,7 @@ class DraftModel(SharedDrafter):
         options = dict(num_draft=num_draft, max_draft=max(max_draft, num_draft), adaptive=adaptive)
         super().__init__(DraftModelSource, options, draft_cost_prior, prefill_step_size)
         self.model, self.vocab_size = model, vocab_size
-        self.min_confidence = min_confidence
+        self.min_confidence, self.prompt_store = min_confidence, prompt_store
         self.texts, self.counts = [], []  # per row: its cache holds texts[row][: counts[row]]
 
     @classmethod
@@ -147,10 +150,13 @@ class DraftModel(SharedDrafter):
         if not joining:
             return
         prompts = [tokens[:-1] for _, tokens in joining]
+        store = self.prompt_store
+        cached = [None if store is None else store.lookup(tokens) for _, tokens in joining]
         # Drafts are one-token calls rolled back together: a sliding layer keeps that many more.
-        cache = prefill_rows(
-            self.model, prompts, self.chunk_size, max_rollback=self.options["max_draft"] + 1
-        )
+        rollback = self.options["max_draft"] + 1
+        cache = Prefill(
+            self.model, prompts, self.chunk_size, cached, max_rollback=rollback, store=store
+        ).run()
         self._add_rows([source for source, _ in joining], cache)
         self.texts += [tokens for _, tokens in joining]
         self.counts += [len(prompt) for prompt in prompts]

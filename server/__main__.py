@@ -139,7 +139,7 @@ def build_engine(args, session=None):
             f"note: {error}, so requests are decoded one at a time, without a prompt cache\n"
         )
         max_batch, keep_caches = 1, False
-    model, make, drafters = sources.build_sources(args, model, tokenizer)
+    model, make, drafters = sources.build_sources(args, model, tokenizer, session=session)
     store = flags.open_prompt_store(args, model, session) if keep_caches else None
     if args.prompt_cache_dir is not None and store is None:
         sys.stderr.write("note: so the prompt cache on disk is off too\n")
@@ -230,8 +230,7 @@ def main():
         pass
     engine.close()  # sharded: the other ranks stop too
     engine.worker.join(timeout=5)
-    if engine.prompt_store is not None:
-        engine.prompt_store.close()  # the queued blocks on disk before exiting
+    engine.close_stores()  # the queued blocks on disk before exiting
     exit_now(0)
 
 

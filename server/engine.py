@@ -184,8 +184,13 @@ class Engine:
     def follow(self):
         """Run a rank other than 0: the same steps as rank 0's engine, until it stops."""
         self._work()
-        if self.prompt_store is not None:
-            self.prompt_store.close()  # its queued blocks on disk
+        self.close_stores()
+
+    def close_stores(self):
+        """Write the prompt stores' queued blocks (the target's and a draft model's)."""
+        for store in [self.prompt_store] + [drafter.prompt_store for drafter in self.drafters]:
+            if store is not None:
+                store.close()
 
     def _work(self):
         try:

@@ -232,3 +232,29 @@ def test_the_server_restores_from_disk_after_a_restart(tmp_path):
     )
     assert tiers["memory"]["hits"] == 0 and tiers["disk"]["restored_tokens"] == cached
     assert tiers["disk"]["blocks"] >= cached // 16
+
+
+def test_a_draft_model_restores_its_own_cache(tmp_path):
+    """--draft-model: the draft model's cache is stored under its own identity beside the
+    target's, and both restore after a restart; the tokens are the target's alone."""
+    from draft_model import DraftModel
+
+    target, draft = tiny_llama(vocab_size=64, seed=1), tiny_llama(vocab_size=64, seed=2)
+    prompt = text(5, 50)
+    prompt = [token % 64 for token in prompt]
+    want = [t for t, _ in generate_step(prompt, target, eos_token_ids=(), max_tokens=10)]
+    for run in range(2):  # a new pair of stores each run: a restart
+        stores = [PromptStore(tmp_path, model, block_tokens=8) for model in (target, draft)]
+        drafter = DraftModel(draft, 64, num_draft=3, adaptive=False, prompt_store=stores[1])
+        steps = generate_step(
+            prompt,
+            target,
+            eos_token_ids=(),
+            max_tokens=10,
+            draft_sources=[drafter.source()],
+            prompt_store=stores[0],
+        )
+        assert [t for t, _ in steps] == want
+        assert [store.stats()["restored_tokens"] for store in stores] == [run * 48] * 2
+        for store in stores:
+            store.close()
