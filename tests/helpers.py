@@ -98,7 +98,7 @@ def chi_square_p_value(counts, probs):
 
 
 def assert_sampling_keeps_the_target_distribution(
-    target, make_run, temp, top_p, runs=2000, stats=None, tree_nodes=0
+    target, make_run, temp, top_p, runs=1500, stats=None, tree_nodes=0
 ):
     """Sample two tokens ``runs`` times through the loop and chi-square them against the target's
     own joint distribution. ``make_run() -> (model, draft_sources)`` builds fresh sources per run;

@@ -85,15 +85,42 @@ def test_prompt_from_stdin_and_length_finish(embedded):
         (["--prompt-cache-dir", "README.md/store"], "cannot be created"),
     ],
 )
-def test_bad_input_is_one_line(args, fragment):
+def test_bad_input_is_one_line(args, fragment, monkeypatch, capsys):
+    assert_one_line_error(main_in_process(args, monkeypatch, capsys), fragment)
+
+
+@pytest.mark.parametrize(
+    "args,fragment",
+    [(["--max-tokens", "-1"], "--max-tokens"), (["--model", "/no/such/model"], "model not found")],
+)
+def test_bad_input_is_one_line_from_a_new_process(args, fragment):
+    """The cases above run in this process, to save starting one each; two run as a user runs
+    main.py, where the interpreter's own handling of an uncaught error would show."""
     assert_one_line_error(cli(*args), fragment)
+
+
+def main_in_process(args, monkeypatch, capsys) -> subprocess.CompletedProcess:
+    """main.py's ``main()`` in this process (its stdin: a prompt flag where none is given), as
+    ``cli`` reports it."""
+    import signal
+
+    import main
+
+    if "--prompt" not in args and "--prompt-file" not in args:
+        args = [*args, "--prompt", "Hi."]
+    monkeypatch.setattr(sys, "argv", ["main.py", *args])
+    monkeypatch.setattr(signal, "signal", lambda *_: None)  # pytest's SIGTERM stays
+    with pytest.raises(SystemExit) as exited:
+        main.main()
+    output = capsys.readouterr()
+    return subprocess.CompletedProcess(args, exited.value.code, output.out, output.err)
 
 
 def test_a_second_run_restores_the_prompt_from_disk(embedded, tmp_path):
     """#57: the prompt's whole blocks are stored by the first run (a cold prefill: the folder is
     new) and restored by the next, which prefills only the rest and writes the same tokens;
     ``prompt_cache_tokens`` says how many."""
-    document = " ".join(f"item {index} costs {index * 7 % 100} dollars." for index in range(90))
+    document = " ".join(f"item {index} costs {index * 7 % 100} dollars." for index in range(30))
     args = ["--prompt", f"{document}\nWhat does item 42 cost?", "--max-tokens", "8", "--json"]
     store = ["--prompt-cache-dir", str(tmp_path / "store")]
     first, second = (json.loads(cli(*args, *store).stdout) for _ in range(2))
@@ -137,14 +164,15 @@ def test_json_schema_true_falls_back_to_the_built_in_compiler_and_gives_json(emb
         ),
     ],
 )
-def test_refused_json_schemas_are_one_line(args, fragment):
-    assert_one_line_error(cli(*args), fragment)
+def test_refused_json_schemas_are_one_line(args, fragment, monkeypatch, capsys):
+    assert_one_line_error(main_in_process(args, monkeypatch, capsys), fragment)
 
 
-def test_prompt_longer_than_the_context(embedded, tmp_path):
+def test_prompt_longer_than_the_context(embedded, tmp_path, monkeypatch, capsys):
     long_prompt = tmp_path / "long.txt"
     long_prompt.write_text("word " * 9000)
-    assert_one_line_error(cli("--prompt-file", str(long_prompt)), "context is 8192 tokens")
+    result = main_in_process(["--prompt-file", str(long_prompt)], monkeypatch, capsys)
+    assert_one_line_error(result, "context is 8192 tokens")
 
 
 def test_convert_refuses_non_llama_gguf_and_existing_output(tmp_path):
