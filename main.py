@@ -182,6 +182,8 @@ def build_run(args, session=None):
         max_tokens=max_tokens,
         stats=DecodingStats(),
         tree_nodes=args.tree_nodes,
+        kv_bits=args.kv_bits,
+        kv_group_size=args.kv_group_size,
     )
     if session is not None:  # every rank must fit the same cost, or their drafts differ
         kwargs["pass_cost"] = session.pass_cost()

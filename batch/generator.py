@@ -33,6 +33,7 @@ from batch.model_probe import probe
 from batch.policy import DraftGate, choose_width, prefill_group
 from batch.row import BatchRow, RowResponse, new_rows, shared_prompts
 from batch.stats import BatchStats
+from decoder.cache import make_cache
 from decoder.draft import DraftRequest
 from decoder.pass_cost import PassCost
 from decoder.prefill import Prefill, PrefixStore
@@ -71,6 +72,7 @@ class BatchGenerator:
         prompt_store: a ``decoder.prefill.PrefixStore`` (``prompt_store.PromptStore``, on disk):
             a row starts from the longest prefix it or ``insert``'s ``prompt_cache`` holds, and
             the blocks its prefill completes are stored.
+        kv_bits, kv_group_size: keep the rows' keys and values quantized (``make_cache``).
     """
 
     def __init__(
@@ -88,6 +90,8 @@ class BatchGenerator:
         drafters: Sequence = (),
         tree_nodes: Union[int, str] = 0,
         prompt_store: Optional[PrefixStore] = None,
+        kv_bits: Optional[int] = None,
+        kv_group_size: int = 64,
     ):
         self.model, self.drafters = model, list(drafters)
         if tree_nodes:  # the model's rope modules take a tree's positions (once, in place)
@@ -103,6 +107,9 @@ class BatchGenerator:
         self.max_width = max_width
         self.interleave_prefill, self.keep_caches = interleave_prefill, keep_caches
         self.prompt_store = prompt_store
+        self.quantized = dict(kv_bits=kv_bits, kv_group_size=kv_group_size)
+        if kv_bits is not None:  # refused in one line before any prompt comes
+            make_cache(model, **self.quantized)
         self.prefilling = None  # (rows, Prefill) while joining prompts are prefilled chunk by chunk
         self.removed = set()  # uids removed while prefilling
         self.cost = pass_cost if pass_cost is not None else PassCost()
@@ -240,6 +247,7 @@ class BatchGenerator:
                 [joining[i].prompt_cache for i in firsts],
                 self.mask_dims,
                 store=self.prompt_store,
+                **self.quantized,
             )
             self.stats.prefilled_tokens += sum(len(tokens) for tokens in prefill.pending)
             for row in joining:

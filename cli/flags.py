@@ -58,8 +58,7 @@ def add_arguments(parser, history: bool = True):
         default=None,
         metavar="DIR",
         help="Draft with a trained head (a directory or a Hugging Face repo id); bare: the one "
-        "shipped for the embedded model. The server then turns its prompt cache off (the "
-        "head reads the whole prompt's hidden states).",
+        "shipped for the embedded model.",
     )
     parser.add_argument(
         "--num-draft",
@@ -79,7 +78,32 @@ def add_arguments(parser, history: bool = True):
         "(default): as many nodes as the measured pass cost and acceptance say pay, and chains "
         "instead while steps with trees emit fewer tokens per second here than steps with chains.",
     )
+    add_quantization_arguments(parser)
     add_distributed_arguments(parser)
+
+
+def add_quantization_arguments(parser):
+    """--kv-bits and --kv-group-size."""
+    quantization = parser.add_argument_group(
+        "KV cache quantization",
+        "Attention layers keep their keys and values quantized; recurrent states stay as they "
+        "are. Drafts are verified against the quantized cache: the output is plain decoding's "
+        "with the same --kv-bits.",
+    )
+    quantization.add_argument(
+        "--kv-bits",
+        type=int,
+        choices=[4, 8],
+        default=None,
+        help="Bits per key and value (default: not quantized).",
+    )
+    quantization.add_argument(
+        "--kv-group-size",
+        type=int,
+        choices=[32, 64, 128],
+        default=64,
+        help="Values per scale and bias (default: 64).",
+    )
 
 
 def add_distributed_arguments(parser):
@@ -124,16 +148,20 @@ def add_prompt_store_arguments(parser):
     )
 
 
-def open_prompt_store(args, model, session=None):
+def open_prompt_store(args, model, session=None, target: bool = True):
     """The flags' ``PromptStore`` for ``model`` (sharded: this rank's shard, whose restores agree
-    with the other ranks'), or None without --prompt-cache-dir."""
+    with the other ranks'), or None without --prompt-cache-dir; ``target``: the model the flags'
+    --kv-bits quantize (a draft model's cache is not)."""
     if args.prompt_cache_dir is None:
         return None
     from prompt_store import PromptStore
 
     try:
+        quantized = dict(kv_bits=args.kv_bits if target else None, kv_group_size=args.kv_group_size)
         if session is None:
-            return PromptStore(args.prompt_cache_dir, model, args.prompt_cache_disk_bytes)
+            return PromptStore(
+                args.prompt_cache_dir, model, args.prompt_cache_disk_bytes, **quantized
+            )
         shard = f"rank {session.rank} of {session.size}, {session.mode}"
         return PromptStore(
             args.prompt_cache_dir,
@@ -141,6 +169,7 @@ def open_prompt_store(args, model, session=None):
             args.prompt_cache_disk_bytes,
             shard=shard,
             agree=session.fewest,
+            **quantized,
         )
     except ValueError as error:
         raise CliError(f"--prompt-cache-dir: {error}") from None

@@ -66,7 +66,11 @@ def build_sources(args, model, tokenizer, encoder_input=None, session=None) -> t
                 )
             draft_model = T5Decoder(draft_model, encoder_input)
         # its own cache in the prompt store too (not T5's, which starts from the encoder's input)
-        store = None if encoder_input is not None else open_prompt_store(args, draft_model, session)
+        store = (
+            None
+            if encoder_input is not None
+            else open_prompt_store(args, draft_model, session, target=False)
+        )
         drafters.append(
             DraftModel.create(
                 draft_model, draft_tokenizer, model, tokenizer, prompt_store=store, **options

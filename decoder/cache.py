@@ -11,6 +11,7 @@ the operations on rows applied to every layer. How each kind rolls back: docs/de
 """
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Optional, Sequence
 
 import mlx.core as mx
@@ -25,7 +26,7 @@ from mlx_lm.models.cache import (
     make_prompt_cache,
 )
 
-from .layer_caches import ChunkedRows, KVRows, StateRows
+from .layer_caches import ChunkedRows, KVRows, QuantizedKVRows, StateRows, each_part, parts_of
 
 
 class ExtraRows:
@@ -64,10 +65,16 @@ def architecture(model) -> str:
     return getattr(getattr(model, "args", None), "model_type", None) or type(model).__name__
 
 
-def _kind(layer, rows: int, max_rollback: Optional[int], mask_dims: int):
-    """One ``make_prompt_cache`` layer in its kind here: a renaming table."""
+def _kind(layer, rows: int, max_rollback: Optional[int], mask_dims: int, quantized=None):
+    """One ``make_prompt_cache`` layer in its kind here: a renaming table. ``quantized``: ``(bits,
+    group_size)`` for attention layers kept quantized."""
     if isinstance(layer, CacheList):
-        return CacheList(*(_kind(child, rows, max_rollback, mask_dims) for child in layer.caches))
+        return CacheList(
+            *(_kind(child, rows, max_rollback, mask_dims, quantized) for child in layer.caches)
+        )
+    attention = KVRows if quantized is None else partial(QuantizedKVRows, bits=quantized[0])
+    if quantized is not None:
+        attention = partial(attention, group_size=quantized[1])
     if isinstance(layer, ExtraRows):
         return layer.for_rows(rows)
     if isinstance(layer, RotatingKVCache):
@@ -76,9 +83,11 @@ def _kind(layer, rows: int, max_rollback: Optional[int], mask_dims: int):
                 f"a sliding-window cache that always keeps its first {layer.keep} tokens "
                 "cannot be rolled back yet"
             )
-        return KVRows(rows, layer.max_size, max_rollback, mask_dims)
+        return attention(
+            rows, window=layer.max_size, max_rollback=max_rollback, mask_dims=mask_dims
+        )
     if type(layer) is KVCache:
-        return KVRows(rows, mask_dims=mask_dims)
+        return attention(rows, mask_dims=mask_dims)
     if type(layer) is ArraysCache:
         return StateRows(len(layer.cache), rows)
     if type(layer) is ChunkedKVCache and rows == 1:
@@ -120,8 +129,8 @@ class CachedPrefix:
 
         def head(keys, values, first):  # the entry's positions before ``length``
             return (
-                keys[:, :, : max(length - first, 0)],
-                values[:, :, : max(length - first, 0)],
+                each_part(lambda part: part[:, :, : max(length - first, 0)], keys),
+                each_part(lambda part: part[:, :, : max(length - first, 0)], values),
                 first,
             )
 
@@ -132,9 +141,10 @@ class CachedPrefix:
 
     def arrays(self) -> list:
         attention = self.attention + [entry for entry in self.extra if entry is not None]
-        return [array for keys, values, _ in attention for array in (keys, values)] + [
-            array for layer in self.states for array in layer
+        stored = [
+            part for keys, values, _ in attention for part in parts_of(keys) + parts_of(values)
         ]
+        return stored + [array for layer in self.states for array in layer]
 
 
 class Cache:
@@ -153,13 +163,21 @@ class Cache:
 
     @classmethod
     def of(
-        cls, model, rows: int = 1, max_rollback: Optional[int] = None, mask_dims: int = 4
+        cls,
+        model,
+        rows: int = 1,
+        max_rollback: Optional[int] = None,
+        mask_dims: int = 4,
+        quantized: Optional[tuple] = None,
     ) -> "Cache":
-        """``max_rollback``, ``mask_dims``: see ``KVRows``."""
+        """``max_rollback``, ``mask_dims``: see ``KVRows``; ``quantized``: ``(bits, group_size)``
+        of attention layers kept quantized (``QuantizedKVRows``)."""
+        if quantized is not None:
+            check_quantizable(model)
+        layers = make_prompt_cache(model)
         try:
             return cls(
-                [_kind(layer, rows, max_rollback, mask_dims) for layer in make_prompt_cache(model)],
-                rows,
+                [_kind(layer, rows, max_rollback, mask_dims, quantized) for layer in layers], rows
             )
         except CacheKindError as error:
             raise CacheKindError(f"{architecture(model)}: {error}") from None
@@ -191,7 +209,7 @@ class Cache:
                 array
                 for layer in self.attention
                 if layer.keys is not None
-                for array in (layer.keys, layer.values)
+                for array in parts_of(layer.keys) + parts_of(layer.values)
             ]
             + states
             + extra
@@ -330,10 +348,36 @@ def adopt(cache) -> Cache:
 
 
 def make_cache(
-    model, rows: int = 1, max_rollback: Optional[int] = None, mask_dims: int = 4
+    model,
+    rows: int = 1,
+    max_rollback: Optional[int] = None,
+    mask_dims: int = 4,
+    kv_bits: Optional[int] = None,
+    kv_group_size: int = 64,
 ) -> Cache:
-    """The model's cache for ``rows`` rows that roll back alone (else ``CacheKindError``)."""
-    return Cache.of(model, rows, max_rollback, mask_dims)
+    """The model's cache for ``rows`` rows that roll back alone (else ``CacheKindError``);
+    ``kv_bits`` (4 or 8): attention layers keep their keys and values quantized, ``kv_group_size``
+    values per scale (recurrent states stay as they are)."""
+    quantized = None if kv_bits is None else (kv_bits, kv_group_size)
+    return Cache.of(model, rows, max_rollback, mask_dims, quantized)
+
+
+# Architectures whose attention mlx-lm's quantized kernel cannot run, and why.
+UNQUANTIZABLE = {
+    "gpt_oss": "its attention sinks",
+    "deepseek_v41": "its attention sinks",
+    "mimo_v2_flash": "its attention sinks",
+}
+
+
+def check_quantizable(model):
+    """Refuse in one line a model whose attention the quantized kernel cannot run."""
+    why = UNQUANTIZABLE.get(architecture(model))
+    if why is not None:
+        raise CacheKindError(
+            f"{architecture(model)}: its cache cannot be quantized ({why}: mlx-lm's quantized "
+            "attention has none)"
+        )
 
 
 def _kinds() -> dict:

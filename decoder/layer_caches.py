@@ -6,6 +6,21 @@ import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, ChunkedKVCache, _BaseCache, dynamic_roll
 
 
+def parts_of(stored) -> tuple:
+    """Keys or values as arrays: one, or a quantized layer's (weights, scales, biases)."""
+    return stored if isinstance(stored, tuple) else (stored,)
+
+
+def _like(parts: list, stored):
+    """``parts`` in the form of ``stored``: a tuple where it is one, else the one array."""
+    return tuple(parts) if isinstance(stored, tuple) else parts[0]
+
+
+def each_part(function, stored):
+    """``function`` over each part of ``stored`` (``parts_of``), in its form."""
+    return _like([function(part) for part in parts_of(stored)], stored)
+
+
 class KVRows(_BaseCache):
     """Keys and values of one attention layer for ``B`` rows, each with its own length.
 
@@ -64,12 +79,14 @@ class KVRows(_BaseCache):
             drop = min(max(start, end - reach) for start, end in zip(self.starts, self.ends))
         step = self.step if self.window is None else self.window_step
         size = (top - drop + num_new + step - 1) // step * step
-        new_keys = mx.zeros((self.rows, keys.shape[1], size, keys.shape[3]), keys.dtype)
-        new_values = mx.zeros((self.rows, values.shape[1], size, values.shape[3]), values.dtype)
-        if self.keys is not None and top > drop:
-            new_keys[..., : top - drop, :] = self.keys[..., drop:top, :]
-            new_values[..., : top - drop, :] = self.values[..., drop:top, :]
-        self.keys, self.values = new_keys, new_values
+        for name, like in (("keys", keys), ("values", values)):
+            new = each_part(
+                lambda p: mx.zeros((self.rows, p.shape[1], size, p.shape[3]), p.dtype), like
+            )
+            if getattr(self, name) is not None and top > drop:
+                for part, old in zip(parts_of(new), parts_of(getattr(self, name))):
+                    part[..., : top - drop, :] = old[..., drop:top, :]
+            setattr(self, name, new)
         self._set(
             [max(s - drop, 0) for s in self.starts],
             [e - drop for e in self.ends],
@@ -77,25 +94,32 @@ class KVRows(_BaseCache):
         )
         return drop
 
+    def _stored(self, array: mx.array):
+        """New keys or values as the layer keeps them (``QuantizedKVRows``: quantized)."""
+        return array
+
     def update_and_fetch(self, keys: mx.array, values: mx.array):
-        first, num_new = self._first_seen(), keys.shape[2]
-        if self.keys is None or max(self.ends) + num_new > self.keys.shape[2]:
+        keys, values = self._stored(keys), self._stored(values)
+        first, num_new = self._first_seen(), parts_of(keys)[0].shape[2]
+        if self.keys is None or max(self.ends) + num_new > parts_of(self.keys)[0].shape[2]:
             first -= self._make_room(num_new, keys, values)
-        if len(set(self.ends)) == 1:  # every row writes the same slots: an in-place slice update
-            end = self.ends[0]
-            self.keys[..., end : end + num_new, :] = keys
-            self.values[..., end : end + num_new, :] = values
-        else:
-            slots = (mx.array(self.ends, mx.int32)[:, None] + mx.arange(num_new))[:, None, :, None]
-            self.keys = mx.put_along_axis(
-                self.keys, mx.broadcast_to(slots, keys.shape), keys, axis=2
-            )
-            self.values = mx.put_along_axis(
-                self.values, mx.broadcast_to(slots, values.shape), values, axis=2
-            )
+        same = len(set(self.ends)) == 1  # every row writes the same slots: a slice update
+        slots = (mx.array(self.ends, mx.int32)[:, None] + mx.arange(num_new))[:, None, :, None]
+        for name, new in (("keys", keys), ("values", values)):
+            parts = list(parts_of(getattr(self, name)))
+            for index, (part, written) in enumerate(zip(parts, parts_of(new))):
+                if same:
+                    part[..., self.ends[0] : self.ends[0] + num_new, :] = written
+                else:
+                    shape = mx.broadcast_to(slots, written.shape)
+                    parts[index] = mx.put_along_axis(part, shape, written, axis=2)
+            setattr(self, name, _like(parts, new))
         self._set(self.starts, [end + num_new for end in self.ends], self.origins)
         top = max(self.ends)
-        return self.keys[..., first:top, :], self.values[..., first:top, :]
+        return (
+            each_part(lambda p: p[..., first:top, :], self.keys),
+            each_part(lambda p: p[..., first:top, :], self.values),
+        )
 
     def make_mask(
         self, N: int, return_array: bool = False, window_size: Optional[int] = None, **kwargs
@@ -168,10 +192,10 @@ class KVRows(_BaseCache):
             begin = self.ends[row] - width
             taken = mx.array([begin + slot for slot in slots], mx.int32)
             for name in ("keys", "values"):
-                array = getattr(self, name)
-                array[row : row + 1, :, begin : begin + len(slots)] = mx.take(
-                    array[row : row + 1], taken, axis=2
-                )
+                for array in parts_of(getattr(self, name)):
+                    array[row : row + 1, :, begin : begin + len(slots)] = mx.take(
+                        array[row : row + 1], taken, axis=2
+                    )
 
     def can_trim(self, row: int) -> int:
         """How many of row ``row``'s last tokens it can drop and still hold every key its next query
@@ -209,7 +233,8 @@ class KVRows(_BaseCache):
         shift = min(starts, default=0)
         if self.keys is not None:
             rows = mx.array(list(keep), mx.int32)
-            self.keys, self.values = self.keys[rows, :, shift:], self.values[rows, :, shift:]
+            self.keys = each_part(lambda p: p[rows, :, shift:], self.keys)
+            self.values = each_part(lambda p: p[rows, :, shift:], self.values)
         self._set(
             [s - shift for s in starts], [e - shift for e in ends], [o - shift for o in origins]
         )
@@ -226,22 +251,25 @@ class KVRows(_BaseCache):
         filled = [cache for cache in (self, other) if cache.keys is not None]
         if filled:
             size = max(
-                c.keys.shape[2] + shift
+                parts_of(c.keys)[0].shape[2] + shift
                 for c, shift in zip((self, other), shifts)
                 if c.keys is not None
             )
-            _, heads, _, key_dim = filled[0].keys.shape
-            value_dim, dtype = filled[0].values.shape[3], filled[0].keys.dtype
-            keys, values = [], []
-            for cache, shift in zip((self, other), shifts):
-                if cache.keys is None:  # rows with nothing cached yet
-                    keys.append(mx.zeros((cache.rows, heads, size, key_dim), dtype))
-                    values.append(mx.zeros((cache.rows, heads, size, value_dim), dtype))
-                else:
-                    pad = [(0, 0), (0, 0), (shift, size - shift - cache.keys.shape[2]), (0, 0)]
-                    keys.append(mx.pad(cache.keys, pad))
-                    values.append(mx.pad(cache.values, pad))
-            self.keys, self.values = mx.concatenate(keys), mx.concatenate(values)
+            for name in ("keys", "values"):
+                like = getattr(filled[0], name)
+                joined = []
+                for index, part in enumerate(parts_of(like)):
+                    pieces = []
+                    for cache, shift in zip((self, other), shifts):
+                        if cache.keys is None:  # rows with nothing cached yet
+                            shape = (cache.rows, part.shape[1], size, part.shape[3])
+                            pieces.append(mx.zeros(shape, part.dtype))
+                        else:
+                            mine = parts_of(getattr(cache, name))[index]
+                            pad = [(0, 0), (0, 0), (shift, size - shift - mine.shape[2]), (0, 0)]
+                            pieces.append(mx.pad(mine, pad))
+                    joined.append(mx.concatenate(pieces))
+                setattr(self, name, _like(joined, like))
         self._set(*(mine + theirs for mine, theirs in zip(*moved)))
 
     def realign(self):
@@ -250,8 +278,8 @@ class KVRows(_BaseCache):
         shifts = [top - end for end in self.ends]
         if self.keys is not None and any(shifts):
             shift = mx.array(shifts, mx.int32)[:, None]
-            self.keys = dynamic_roll(self.keys, shift, axis=2)
-            self.values = dynamic_roll(self.values, shift, axis=2)
+            self.keys = each_part(lambda p: dynamic_roll(p, shift, axis=2), self.keys)
+            self.values = each_part(lambda p: dynamic_roll(p, shift, axis=2), self.values)
         self._set(
             *(
                 [v + d for v, d in zip(values, shifts)]
@@ -264,19 +292,21 @@ class KVRows(_BaseCache):
         ``[1, heads, n, dim]`` each (a copy)."""
         start, end = max(self.starts[row], since + self.origins[row]), self.ends[row]
         return (
-            mx.contiguous(self.keys[row : row + 1, :, start:end]),
-            mx.contiguous(self.values[row : row + 1, :, start:end]),
+            each_part(lambda p: mx.contiguous(p[row : row + 1, :, start:end]), self.keys),
+            each_part(lambda p: mx.contiguous(p[row : row + 1, :, start:end]), self.values),
             start - self.origins[row],
         )
 
     def fill(self, row: int, keys: mx.array, values: mx.array, first: int):
         """Row ``row`` of an empty cache holds ``keys``/``values`` of positions ``[first, first +
         n)``."""
-        n = keys.shape[2]
-        if self.keys is None or n > self.keys.shape[2]:
+        n = parts_of(keys)[0].shape[2]
+        if self.keys is None or n > parts_of(self.keys)[0].shape[2]:
             self._make_room(n, keys, values)
-        self.keys[row : row + 1, :, :n] = keys
-        self.values[row : row + 1, :, :n] = values
+        for mine, given in zip(
+            parts_of(self.keys) + parts_of(self.values), parts_of(keys) + parts_of(values)
+        ):
+            mine[row : row + 1, :, :n] = given
         starts, ends, origins = list(self.starts), list(self.ends), list(self.origins)
         starts[row], ends[row], origins[row] = 0, n, -first
         self._set(starts, ends, origins)
@@ -288,7 +318,7 @@ class KVRows(_BaseCache):
         keys, values = self.keys, self.values
         if keys is not None:  # the slots past every row's end hold nothing yet
             top = max(self.ends)
-            keys, values = keys[..., :top, :], values[..., :top, :]
+            keys, values = (each_part(lambda p: p[..., :top, :], kept) for kept in (keys, values))
         rows = mx.array([self.starts, self.ends, self.origins], mx.int32)
         return keys, values, rows, self.window, self.max_rollback, self.mask_dims
 
@@ -305,7 +335,21 @@ class KVRows(_BaseCache):
 
     @property
     def nbytes(self) -> int:
-        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+        if self.keys is None:
+            return 0
+        return sum(part.nbytes for part in parts_of(self.keys) + parts_of(self.values))
+
+
+class QuantizedKVRows(KVRows):
+    """``KVRows`` keeping keys and values as ``mx.quantize`` gives them, each written once; mlx-lm's
+    attention runs its quantized kernel on a cache with ``bits``."""
+
+    def __init__(self, rows: int, bits: int, group_size: int = 64, **options):
+        super().__init__(rows, **options)
+        self.bits, self.group_size = bits, group_size
+
+    def _stored(self, array: mx.array) -> tuple:
+        return tuple(mx.quantize(array, group_size=self.group_size, bits=self.bits))
 
 
 class StateRows(ArraysCache):

@@ -33,6 +33,7 @@ class Prefill:
         cache: the cache to run them into, its rows holding their first tokens (default: a new
             one).
         store: a ``PrefixStore`` that captures each block boundary the prompts cross.
+        kv_bits, kv_group_size: the new cache's quantization (``make_cache``).
     """
 
     def __init__(
@@ -45,14 +46,16 @@ class Prefill:
         max_rollback: Optional[int] = None,
         cache: Optional[Cache] = None,
         store: Optional[PrefixStore] = None,
+        kv_bits: Optional[int] = None,
+        kv_group_size: int = 64,
     ):
         cached = [None] * len(prompts) if cached is None else list(cached)
         if store is not None and store.each_block:
             step_size = min(step_size, store.block_tokens)
         self.model, self.store, self.step_size = model, store, step_size
-        self.cache = (
-            make_cache(model, len(prompts), max_rollback, mask_dims) if cache is None else cache
-        )
+        if cache is None:
+            cache = make_cache(model, len(prompts), max_rollback, mask_dims, kv_bits, kv_group_size)
+        self.cache = cache
         self.prompts = [list(prompt) for prompt in prompts]
         self.cache.fill(cached)
         self.held = [

@@ -24,7 +24,7 @@ from typing import Callable, Optional, Sequence
 import mlx.core as mx
 
 from decoder.cache import Cache, CachedPrefix, architecture, make_cache
-from decoder.layer_caches import KVRows
+from decoder.layer_caches import KVRows, parts_of
 from decoder.prefill import PrefixStore
 
 from .block_store import BlockStore, chain_keys
@@ -45,6 +45,8 @@ class PromptStore(PrefixStore):
             and kind), so ranks and shardings never read each other's blocks.
         agree: sharded, the fewest blocks any rank restores (``distributed.Session.fewest``):
             ranks in lockstep must all prefill the same tokens.
+        kv_bits, kv_group_size: the cache's quantization (``make_cache``); its blocks are kept
+            quantized, apart from any other width's.
     """
 
     def __init__(
@@ -55,10 +57,12 @@ class PromptStore(PrefixStore):
         block_tokens: int = BLOCK_TOKENS,
         shard: str = "",
         agree: Callable[[int], int] = lambda count: count,
+        kv_bits: Optional[int] = None,
+        kv_group_size: int = 64,
     ):
         if block_tokens < 1:
             raise ValueError(f"block_tokens must be at least 1, got {block_tokens}")
-        cache = make_cache(model)
+        cache = make_cache(model, kv_bits=kv_bits, kv_group_size=kv_group_size)
         if not all(isinstance(layer, KVRows) for layer in cache.attention):
             raise ValueError(
                 f"{architecture(model)}: its attention in chunks cannot be stored in blocks yet"
@@ -71,7 +75,8 @@ class PromptStore(PrefixStore):
         # prefill stops at each one to store it
         self.at_boundary = bool(self.num_states) or any(w is not None for w in self.windows)
         self.each_block = self.at_boundary
-        layout = f"{self.windows} states {self.num_states} extra {self.num_extra}"
+        layout = f"{self.windows} states {self.num_states} extra {self.num_extra} bits {kv_bits}"
+        layout += f" group {kv_group_size}" if kv_bits else ""
         self.identity = hashlib.sha256(
             f"format {FORMAT}; model {model_identity(model)}; cache {layout}; "
             f"block {block_tokens}; shard {shard}".encode()
@@ -113,7 +118,7 @@ class PromptStore(PrefixStore):
             _entry(boundary if window else blocks, f"a{i}") for i, window in enumerate(self.windows)
         ]
         extra = tuple(
-            _entry(blocks, f"x{i}") if all(f"x{i}.k" in b[0] for b in blocks) else None
+            _entry(blocks, f"x{i}") if all(f"x{i}.k0" in b[0] for b in blocks) else None
             for i in range(self.num_extra)
         )
         states = []
@@ -207,10 +212,11 @@ def _cut(entry: tuple, start: int, end: int, name: str, arrays: dict) -> bool:
     """Put positions ``[start, end)`` of an attention ``entry`` (keys, values, first position) in
     ``arrays`` as ``name``; False where the entry lacks some of them."""
     keys, values, first = entry
-    if first > start or first + keys.shape[2] < end:
+    if first > start or first + parts_of(keys)[0].shape[2] < end:
         return False
-    arrays[f"{name}.k"] = keys[:, :, start - first : end - first]
-    arrays[f"{name}.v"] = values[:, :, start - first : end - first]
+    for kind, stored in (("k", keys), ("v", values)):  # a quantized layer's parts one by one
+        for index, part in enumerate(parts_of(stored)):
+            arrays[f"{name}.{kind}{index}"] = part[:, :, start - first : end - first]
     arrays[f"{name}.first"] = mx.array(start, mx.int32)
     return True
 
@@ -218,6 +224,13 @@ def _cut(entry: tuple, start: int, end: int, name: str, arrays: dict) -> bool:
 def _entry(entries, name: str) -> tuple:
     """``(keys, values, first)`` of layer ``name``: a boundary's, or a run of blocks' joined."""
     runs = [entries] if isinstance(entries, tuple) else entries
-    keys = mx.concatenate([arrays[f"{name}.k"] for arrays, _ in runs], axis=2)
-    values = mx.concatenate([arrays[f"{name}.v"] for arrays, _ in runs], axis=2)
-    return keys, values, runs[0][0][f"{name}.first"].item()
+
+    def joined(kind: str):
+        count = sum(key.startswith(f"{name}.{kind}") for key in runs[0][0])
+        parts = [
+            mx.concatenate([arrays[f"{name}.{kind}{index}"] for arrays, _ in runs], axis=2)
+            for index in range(count)
+        ]
+        return parts[0] if count == 1 else tuple(parts)
+
+    return joined("k"), joined("v"), runs[0][0][f"{name}.first"].item()

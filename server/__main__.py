@@ -159,6 +159,8 @@ def build_engine(args, session=None):
         pass_cost=None if session is None else session.pass_cost(),
         ranks=None if session is None else Lockstep(session),
         prompt_store=store,
+        kv_bits=args.kv_bits,
+        kv_group_size=args.kv_group_size,
     )
     model_id = "SmolLM2-135M-Instruct" if args.model is None else args.model.rstrip("/")
     return engine, model_id, context_length(path)

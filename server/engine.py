@@ -67,6 +67,7 @@ class Engine:
         prompt_store: the prompt cache's disk tier under ``PromptCache`` (``PromptStore``): a
             request starts from the longer prefix of the two, and finished rows are stored in
             both.
+        kv_bits, kv_group_size: the rows' keys and values kept quantized (``make_cache``).
         ranks: ``server.ranks.Lockstep`` when the model is sharded over several ranks: rank 0's
             engine serves and the others ``follow`` it; by default one process serves alone.
     """
@@ -88,6 +89,8 @@ class Engine:
         ranks=None,
         tree_nodes=0,
         prompt_store=None,
+        kv_bits=None,
+        kv_group_size=64,
     ):
         self.model, self.tokenizer, self.vocab_size = model, tokenizer, vocab_size
         self.drafters, self.tree_nodes = list(drafters), tree_nodes
@@ -104,6 +107,7 @@ class Engine:
         self.failures = FailureLog()
         self.prompt_cache = PromptCache(prompt_cache_bytes, self.ranks.weigh)
         self.prompt_store = prompt_store
+        self.quantized = dict(kv_bits=kv_bits, kv_group_size=kv_group_size)
         self.pass_cost = pass_cost if pass_cost is not None else PassCost()
         self.prefill_step_size = prefill_step_size
         self.generator = self._new_generator()
@@ -135,6 +139,7 @@ class Engine:
             drafters=self.drafters,
             tree_nodes=self.tree_nodes,
             prompt_store=self.prompt_store,
+            **self.quantized,
         )
 
     def submit(

@@ -83,6 +83,8 @@ def test_prompt_from_stdin_and_length_finish(embedded):
         (["--regex", "[^\\s\\S]"], "matches no string"),
         (["--prompt-cache-dir", "x", "--prompt-cache-disk-bytes", "-1"], "--prompt-cache-disk"),
         (["--prompt-cache-dir", "README.md/store"], "cannot be created"),
+        (["--kv-bits", "3"], "--kv-bits"),
+        (["--kv-group-size", "7"], "--kv-group-size"),
     ],
 )
 def test_bad_input_is_one_line(args, fragment, monkeypatch, capsys):

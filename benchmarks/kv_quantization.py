@@ -1,0 +1,158 @@
+"""KV cache quantization (--kv-bits): what it costs in quality, what it saves in memory, and its
+decoding speed, on the embedded model.
+
+    flock /tmp/bench.lock python -m benchmarks.kv_quantization [--quality-tokens 4096]
+        [--rows 4] [--context 1024] [--decode-tokens 32]
+
+- **Quality**: the repo's docs (README.md and docs/*.md, raw tokens, none of it seen in training)
+  run through the model in chunks of 512 with each cache; perplexity of every next token, and how
+  often the argmax agrees with float32's.
+- **Memory**: ``--rows`` prompts of ``--context`` tokens prefilled into one batch cache: the bytes
+  the cache holds and MLX's peak memory, against float32 and against mlx-lm's one-stream cache
+  (``QuantizedKVCache``) at the same length.
+- **Speed**: one row decoding ``--decode-tokens`` tokens after a ``--context`` prompt, plain, each
+  width in turn, twice (A B C A B C); the better run counts.
+"""
+
+import argparse
+import math
+import platform
+import time
+from pathlib import Path
+
+from loading import fast_blas
+
+fast_blas.load()
+
+import mlx.core as mx  # noqa: E402
+from mlx_lm.models.cache import KVCache  # noqa: E402
+
+from decoder import generate_step  # noqa: E402
+from decoder.cache import make_cache  # noqa: E402
+from decoder.prefill import Prefill  # noqa: E402
+from loading.load import describe_backend, load_model  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results" / "kv_quantization.md"
+WIDTHS = [None, 8, 4]
+
+
+def name(bits) -> str:
+    return "float32" if bits is None else f"{bits}-bit"
+
+
+def quality(model, tokens: list, bits) -> tuple:
+    """(perplexity, argmaxes) over ``tokens``, fed in chunks of 512 through a cache of ``bits``."""
+    cache, nll, argmaxes = make_cache(model, kv_bits=bits), 0.0, []
+    for start in range(0, len(tokens) - 1, 512):
+        chunk = tokens[start : min(start + 512, len(tokens) - 1)]
+        logits = model(mx.array([chunk]), cache=cache.layers)[0].astype(mx.float32)
+        targets = mx.array(tokens[start + 1 : start + 1 + len(chunk)])
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        nll -= mx.take_along_axis(logprobs, targets[:, None], axis=-1).sum().item()
+        argmaxes += mx.argmax(logits, axis=-1).tolist()
+    return math.exp(nll / (len(tokens) - 1)), argmaxes
+
+
+def memory(model, prompts: list, bits) -> tuple:
+    """(cache bytes, peak GB) of the prompts prefilled into one cache of ``bits``."""
+    mx.clear_cache()
+    mx.reset_peak_memory()
+    cache = Prefill(model, prompts, kv_bits=bits).run()
+    held = sum(array.nbytes for array in cache.arrays())
+    return held, mx.get_peak_memory() / 1e9
+
+
+def mlx_lm_bytes(model, prompt: list, bits) -> int:
+    """mlx-lm's one-stream cache of ``prompt``: ``KVCache``, or quantized as ``--kv-bits`` does."""
+    cache = [KVCache() for _ in model.layers]
+    model(mx.array([prompt]), cache=cache)
+    if bits is not None:
+        cache = [layer.to_quantized(group_size=64, bits=bits) for layer in cache]
+    mx.eval([layer.state for layer in cache])
+    return sum(layer.nbytes for layer in cache)
+
+
+def speed(model, prompt: list, bits, count: int) -> float:
+    steps = generate_step(prompt, model, eos_token_ids=(), max_tokens=count, kv_bits=bits)
+    next(steps)  # the prompt, prefilled
+    tic = time.perf_counter()
+    for _ in steps:
+        pass
+    return (count - 1) / (time.perf_counter() - tic)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quality-tokens", type=int, default=4096)
+    parser.add_argument("--rows", type=int, default=4)
+    parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--decode-tokens", type=int, default=32)
+    parser.add_argument("--out", default=str(RESULTS))
+    args = parser.parse_args()
+    model, tokenizer, _ = load_model(None)
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    words = tokenizer.encode("\n".join(page.read_text() for page in pages))
+    text = words[: args.quality_tokens]
+    prompts = [words[row * 97 : row * 97 + args.context] for row in range(args.rows)]
+    lines = [
+        "# KV cache quantization (#58)",
+        "",
+        f"`flock /tmp/bench.lock python -m benchmarks.kv_quantization --quality-tokens "
+        f"{args.quality_tokens} --rows {args.rows} --context {args.context} --decode-tokens "
+        f"{args.decode_tokens}`",
+        "",
+        f"{describe_backend()}, {platform.machine()}; embedded SmolLM2-135M-Instruct (float32 "
+        "weights, 3 key/value heads of 64 dims in 30 layers); groups of 64 values per scale.",
+        "",
+        f"## Quality: {len(text)} tokens of the repo's docs",
+        "",
+        "| cache | perplexity | argmax agrees with float32 |",
+        "|---|---:|---:|",
+    ]
+    reference = None
+    for bits in WIDTHS:
+        perplexity, argmaxes = quality(model, text, bits)
+        reference = reference or argmaxes
+        agree = sum(a == b for a, b in zip(argmaxes, reference)) / len(reference)
+        lines.append(f"| {name(bits)} | {perplexity:.3f} | {agree:.2%} |")
+        print(lines[-1], flush=True)
+    lines += [
+        "",
+        f"## Memory: {args.rows} rows of {args.context} tokens in one batch",
+        "",
+        "| cache | bytes held | vs float32 | peak GB | mlx-lm one stream, bytes | vs float32 |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    base = theirs_base = None
+    for bits in WIDTHS:
+        held, peak = memory(model, prompts, bits)
+        theirs = mlx_lm_bytes(model, prompts[0], bits)
+        base, theirs_base = base or held, theirs_base or theirs
+        lines.append(
+            f"| {name(bits)} | {held / 1e6:.1f} MB | {held / base:.3f}x | {peak:.3f} | "
+            f"{theirs / 1e6:.1f} MB | {theirs / theirs_base:.3f}x |"
+        )
+        print(lines[-1], flush=True)
+    rates = {bits: 0.0 for bits in WIDTHS}
+    for _ in range(2):
+        for bits in WIDTHS:
+            rates[bits] = max(rates[bits], speed(model, prompts[0], bits, args.decode_tokens))
+    lines += [
+        "",
+        f"## Speed: one row, {args.decode_tokens} tokens after {args.context}, best of 2",
+        "",
+        "| cache | tok/s | vs float32 |",
+        "|---|---:|---:|",
+    ]
+    lines += [
+        f"| {name(bits)} | {rates[bits]:.1f} | {rates[bits] / rates[None]:.2f}x |"
+        for bits in WIDTHS
+    ]
+    print("\n".join(lines[-3:]), flush=True)
+    Path(args.out).write_text("\n".join(lines) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
