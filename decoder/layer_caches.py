@@ -104,7 +104,8 @@ class KVRows(_BaseCache):
         if self.keys is None or max(self.ends) + num_new > parts_of(self.keys)[0].shape[2]:
             first -= self._make_room(num_new, keys, values)
         same = len(set(self.ends)) == 1  # every row writes the same slots: a slice update
-        slots = (mx.array(self.ends, mx.int32)[:, None] + mx.arange(num_new))[:, None, :, None]
+        if not same:
+            slots = (mx.array(self.ends, mx.int32)[:, None] + mx.arange(num_new))[:, None, :, None]
         for name, new in (("keys", keys), ("values", values)):
             parts = list(parts_of(getattr(self, name)))
             for index, (part, written) in enumerate(zip(parts, parts_of(new))):
@@ -255,13 +256,14 @@ class KVRows(_BaseCache):
                 for c, shift in zip((self, other), shifts)
                 if c.keys is not None
             )
+            empty = [cache.keys is None for cache in (self, other)]  # rows with nothing cached
             for name in ("keys", "values"):
                 like = getattr(filled[0], name)
                 joined = []
                 for index, part in enumerate(parts_of(like)):
                     pieces = []
-                    for cache, shift in zip((self, other), shifts):
-                        if cache.keys is None:  # rows with nothing cached yet
+                    for cache, shift, nothing in zip((self, other), shifts, empty):
+                        if nothing:
                             shape = (cache.rows, part.shape[1], size, part.shape[3])
                             pieces.append(mx.zeros(shape, part.dtype))
                         else:

@@ -101,10 +101,11 @@ class PromptStore(PrefixStore):
             if block is None:  # a bad block, or one another process evicted just now
                 break
             loaded.append(block)
-        boundary = self.blocks.get(_boundary(keys[len(loaded) - 1])) if loaded else None
-        if self.at_boundary and boundary is None:
-            loaded = []
-        loaded = loaded[: self.agree(len(loaded))]  # sharded: the ranks that hold fewest
+        count = self.agree(len(loaded))  # sharded: every rank restores as many as the fewest
+        loaded, boundary = loaded[:count], None
+        if self.at_boundary:  # agreed on, again: a boundary may be missing where the run ends
+            boundary = self.blocks.get(_boundary(keys[count - 1])) if count else None
+            loaded = loaded[: self.agree(count if boundary is not None else 0)]
         if len(loaded) * self.block_tokens <= held:
             return None
         prefix = self._joined(loaded, boundary)
