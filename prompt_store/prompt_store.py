@@ -73,8 +73,7 @@ class PromptStore(PrefixStore):
         self.block_tokens = block_tokens
         # windows or states: a run of blocks restores only up to a stored boundary, and a
         # prefill stops at each one to store it
-        self.at_boundary = bool(self.num_states) or any(w is not None for w in self.windows)
-        self.each_block = self.at_boundary
+        self.each_block = bool(self.num_states) or any(w is not None for w in self.windows)
         layout = f"{self.windows} states {self.num_states} extra {self.num_extra} bits {kv_bits}"
         layout += f" group {kv_group_size}" if kv_bits else ""
         self.identity = hashlib.sha256(
@@ -92,7 +91,7 @@ class PromptStore(PrefixStore):
         count = 0
         while count < len(keys) and self.blocks.has(keys[count]):
             count += 1
-        if self.at_boundary:  # the run must end where its windows and states were kept
+        if self.each_block:  # the run must end where its windows and states were kept
             while count and not self.blocks.has(_boundary(keys[count - 1])):
                 count -= 1
         loaded = []
@@ -103,7 +102,7 @@ class PromptStore(PrefixStore):
             loaded.append(block)
         count = self.agree(len(loaded))  # sharded: every rank restores as many as the fewest
         loaded, boundary = loaded[:count], None
-        if self.at_boundary:  # agreed on, again: a boundary may be missing where the run ends
+        if self.each_block:  # agreed on, again: a boundary may be missing where the run ends
             boundary = self.blocks.get(_boundary(keys[count - 1])) if count else None
             loaded = loaded[: self.agree(count if boundary is not None else 0)]
         if len(loaded) * self.block_tokens <= held:
@@ -156,7 +155,7 @@ class PromptStore(PrefixStore):
                 block = self._block(index, tokens, prefix)
                 if block is not None:
                     self.blocks.put(key, *block)
-        if self.at_boundary and keys and len(tokens) % self.block_tokens == 0:
+        if self.each_block and keys and len(tokens) % self.block_tokens == 0:
             boundary = _boundary(keys[-1])
             if not self.blocks.has(boundary):
                 entry = self._boundary(prefix)

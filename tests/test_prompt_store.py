@@ -5,8 +5,6 @@ another model or dtype never reads the blocks; the server's tiers report through
 survive a restart."""
 
 import json
-import subprocess
-import sys
 import urllib.request
 from pathlib import Path
 
@@ -24,9 +22,9 @@ from prompt_lookup import PromptLookupSource
 from prompt_store import PromptStore
 from tests import tiny_server
 from tests.architectures import build
-from tests.helpers import drain, start_process, stop, tiny_byte_tokenizer, tiny_llama
+from tests.helpers import drain, stop, tiny_byte_tokenizer, tiny_llama
+from tests.test_server_tiny import start
 
-ROOT = Path(__file__).resolve().parent.parent
 # full attention, sliding windows, recurrent layers beside attention, a CacheList of both per
 # layer, and MLA's compressed keys
 KINDS = ["llama", "gemma3_text", "qwen3_next", "falcon_h1", "deepseek_v3"]
@@ -176,21 +174,11 @@ def post(url: str, body: dict) -> dict:
         return json.loads(answer.read())
 
 
-def start_server(folder: Path, log: Path):
+def start_server(folder: Path, log_dir: Path):
+    """The tiny server with a prompt store in ``folder`` (``test_server_tiny.start``)."""
+    log_dir.mkdir()
     flags = ["--prompt-cache-dir", str(folder), "--block-tokens", "16", "--prompt-lookup"]
-    with open(log, "w") as stderr:
-        process = start_process(
-            [sys.executable, "-m", "tests.tiny_server", *flags],
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            stderr=stderr,
-            text=True,
-        )
-    line = process.stdout.readline()
-    if not line.startswith("serving"):
-        stop(process)
-        pytest.fail(f"the tiny server did not start: {line}{log.read_text()[-2000:]}")
-    return process, line.split()[-1]
+    return start(log_dir, *flags)[:2]
 
 
 def test_the_server_restores_from_disk_after_a_restart(tmp_path):
@@ -200,7 +188,7 @@ def test_the_server_restores_from_disk_after_a_restart(tmp_path):
     tokenizer, model = tiny_server.tokenizer(), tiny_server.model()
     turn = [{"role": "user", "content": "name: ab 12 20 ab name: ab 12 " * 3}]
     body = {"model": "tiny", "max_tokens": 8, "temperature": 0}
-    process, url = start_server(tmp_path / "store", tmp_path / "first.txt")
+    process, url = start_server(tmp_path / "store", tmp_path / "first")
     try:
         answer = post(f"{url}/chat/completions", {**body, "messages": turn})
         assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
@@ -217,7 +205,7 @@ def test_the_server_restores_from_disk_after_a_restart(tmp_path):
             prompt, model, eos_token_ids=(tokenizer.eos_token_id,), max_tokens=8
         )
     ]
-    process, url = start_server(tmp_path / "store", tmp_path / "second.txt")
+    process, url = start_server(tmp_path / "store", tmp_path / "second")
     try:
         answer = post(f"{url}/chat/completions", {**body, "messages": turn})
         cached = answer["usage"]["prompt_tokens_details"]["cached_tokens"]
