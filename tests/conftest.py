@@ -1,10 +1,19 @@
 import os
+import sys
 from pathlib import Path
 
 import pytest
 
 from loading import fast_blas
 
+# pytest-xdist's workers (make test) share the cores: one BLAS thread each, or their spinning
+# threads thrash (a count the user set is kept). They start with tests/without_torch on their
+# path, as the tests' other processes do; a worker is the test process, where torch is an oracle.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    if not any(map(os.environ.get, fast_blas.THREAD_VARIABLES)):
+        os.environ["OPENBLAS_NUM_THREADS"] = "1"
+    if "torch" in sys.modules and sys.modules["torch"] is None:
+        del sys.modules["torch"]
 fast_blas.load()  # before any test module imports mlx.core
 
 # The processes the tests start (main.py, the server, ranks) run without torch, as a user's do.

@@ -66,6 +66,8 @@ DRAFT = [
     "--no-adaptive",
     "--num-draft",
     "3",
+    "--tree-nodes",  # fixed: auto's choice of trees or chains follows each process's own clock
+    "4",
 ]  # accepts some drafts and rejects others
 
 
@@ -140,9 +142,9 @@ def expected_blas_threads(ranks: int):
         # Tensor sharding (60 all-reduces per pass: the slow one on 2 cores) serves through the
         # server in test_server_sharded.py; main.py's lockstep loop runs here on a pipeline. A head
         # on a tensor-sharded body: test_draft_head.py. Both sides draft trees where the sources
-        # do (--tree-nodes auto): a pipeline verifies them as one process does. Greedy with the
-        # head: test_cli_under_mlx_launch; regexes, schemas and grammars on a pipeline:
-        # test_server_sharded.py.
+        # do (the head: auto; the draft model: 4 nodes): a pipeline verifies them as one process
+        # does. Greedy with the head: test_cli_under_mlx_launch; regexes, schemas and grammars on
+        # a pipeline: test_server_sharded.py.
         (2, "pipeline", [SAMPLED_HEAD, DRAFT])
     ],
 )

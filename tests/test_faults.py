@@ -362,6 +362,15 @@ def run_main(monkeypatch, capsys, args, stdin_bytes=None):
     return exit_info.value.code, capsys.readouterr().err
 
 
+def refuse_loading(monkeypatch):
+    """Fail the test if main.py loads a model."""
+    import cli.sources
+    import loading.load as loading
+
+    for module in (loading, cli.sources):  # cli.sources binds the name when it is first imported
+        monkeypatch.setattr(module, "load_model", lambda *a, **k: pytest.fail("loaded the model"))
+
+
 @pytest.mark.parametrize(
     "args,stdin,fragment",
     [
@@ -391,14 +400,12 @@ def run_main(monkeypatch, capsys, args, stdin_bytes=None):
     ],
 )
 def test_bad_input_is_one_line_before_loading(args, stdin, fragment, tmp_path, monkeypatch, capsys):
-    import loading.load as loading
-
     (tmp_path / "latin1.txt").write_bytes("café\n".encode("latin-1"))
     args = [
         arg.replace("{latin1}", str(tmp_path / "latin1.txt")).replace("{tmp}", str(tmp_path))
         for arg in args
     ]
-    monkeypatch.setattr(loading, "load_model", lambda *a: pytest.fail("loaded the model"))
+    refuse_loading(monkeypatch)
     code, stderr = run_main(monkeypatch, capsys, args, stdin)
     assert code == 1 and stderr.count("\n") == 1 and fragment in stderr, stderr
 
@@ -408,12 +415,10 @@ def test_bad_input_is_one_line_before_loading(args, stdin, fragment, tmp_path, m
 
 
 def test_a_folder_for_lookup_history_is_one_line_and_left_alone(tmp_path, monkeypatch, capsys):
-    import loading.load as loading
-
     folder = tmp_path / "some" / "folder"
     folder.mkdir(parents=True)
     (folder / "notes.txt").write_text("mine")
-    monkeypatch.setattr(loading, "load_model", lambda *a, **k: pytest.fail("loaded the model"))
+    refuse_loading(monkeypatch)
     code, stderr = run_main(monkeypatch, capsys, ["--lookup-history", str(folder)])
     assert code == 1 and stderr.count("\n") == 1, stderr
     assert (
