@@ -34,6 +34,7 @@ from cli.flags import check as check_source_arguments
 from loading import fast_blas
 
 DEFAULT_PROMPT = "What is the capital of France? Answer in one sentence."
+DEFAULT_QUANTIZED_KV_START = 5000  # mlx_lm.generate's: short prompts keep a float cache
 
 # One colour per draft source; tokens the target chose itself stay uncoloured. Reasoning is dimmed.
 COLORS = {
@@ -101,6 +102,8 @@ def validate(args):
     if args.max_tokens < 0:
         raise CliError("--max-tokens must be >= 0")
     check_sampling(args)  # args.sampling: the flags' decoder.Sampling
+    if args.quantized_kv_start is None:
+        args.quantized_kv_start = DEFAULT_QUANTIZED_KV_START
     check_source_arguments(args)
     if args.prompt is not None and args.prompt_file is not None:
         raise CliError("give --prompt or --prompt-file, not both")
@@ -133,6 +136,7 @@ def build_run(args, session=None):
     from cli import constraints
     from cli.flags import open_prompt_store
     from cli.sources import draft_sources
+    from decoder.cache import check_quantizable
     from decoder.row import DecodingStats
     from decoder.text import encode, output_size
     from decoder.tree_pass import enable_trees
@@ -173,6 +177,8 @@ def build_run(args, session=None):
         args, tokenizer, vocab_size, prompt, encoder_input is not None
     )
     model, drafts = draft_sources(args, model, tokenizer, encoder_input, session)
+    if args.kv_bits is not None and encoder_input is None:  # CacheKindError, in one line
+        check_quantizable(model, args.kv_group_size)
     if args.tree_nodes and (forced or drafts):  # the rope modules take a tree's positions
         enable_trees(model)
     kwargs = dict(
@@ -184,6 +190,7 @@ def build_run(args, session=None):
         tree_nodes=args.tree_nodes,
         kv_bits=args.kv_bits,
         kv_group_size=args.kv_group_size,
+        quantized_kv_start=args.quantized_kv_start,
     )
     if session is not None:  # every rank must fit the same cost, or their drafts differ
         kwargs["pass_cost"] = session.pass_cost()

@@ -33,7 +33,7 @@ from batch.model_probe import probe
 from batch.policy import DraftGate, choose_width, prefill_group
 from batch.row import BatchRow, RowResponse, new_rows, shared_prompts
 from batch.stats import BatchStats
-from decoder.cache import make_cache
+from decoder.cache import check_quantizable
 from decoder.draft import DraftRequest
 from decoder.pass_cost import PassCost
 from decoder.prefill import Prefill, PrefixStore
@@ -109,7 +109,7 @@ class BatchGenerator:
         self.prompt_store = prompt_store
         self.quantized = dict(kv_bits=kv_bits, kv_group_size=kv_group_size)
         if kv_bits is not None:  # refused in one line before any prompt comes
-            make_cache(model, **self.quantized)
+            check_quantizable(model, kv_group_size)
         self.prefilling = None  # (rows, Prefill) while joining prompts are prefilled chunk by chunk
         self.removed = set()  # uids removed while prefilling
         self.cost = pass_cost if pass_cost is not None else PassCost()

@@ -93,17 +93,33 @@ def add_quantization_arguments(parser):
     quantization.add_argument(
         "--kv-bits",
         type=int,
-        choices=[4, 8],
         default=None,
-        help="Bits per key and value (default: not quantized).",
+        help="Bits per key and value: 4 or 8 (default: not quantized).",
     )
     quantization.add_argument(
         "--kv-group-size",
         type=int,
-        choices=[32, 64, 128],
         default=64,
-        help="Values per scale and bias (default: 64).",
+        help="Values per scale and bias: 32, 64 or 128 (default: 64).",
     )
+    quantization.add_argument(
+        "--quantized-kv-start",
+        type=int,
+        default=None,
+        help="Tokens held before the cache is quantized (main.py's default: 5000, mlx-lm's). The "
+        "server quantizes from the first token (0): a batch's rows would reach any other start at "
+        "different steps, and decode unlike they do alone.",
+    )
+
+
+def check_quantization(args):
+    """The widths and group sizes mlx's quantized attention takes (``mx.quantize``'s)."""
+    if args.kv_bits is not None and args.kv_bits not in (4, 8):
+        raise CliError(f"--kv-bits must be 4 or 8, not {args.kv_bits}")
+    if args.kv_group_size not in (32, 64, 128):
+        raise CliError(f"--kv-group-size must be 32, 64 or 128, not {args.kv_group_size}")
+    if args.quantized_kv_start is not None and args.quantized_kv_start < 0:
+        raise CliError("--quantized-kv-start must be >= 0")
 
 
 def add_distributed_arguments(parser):
@@ -157,7 +173,11 @@ def open_prompt_store(args, model, session=None, target: bool = True):
     from prompt_store import PromptStore
 
     try:
-        quantized = dict(kv_bits=args.kv_bits if target else None, kv_group_size=args.kv_group_size)
+        quantized = dict(
+            kv_bits=args.kv_bits if target else None,
+            kv_group_size=args.kv_group_size,
+            quantized_kv_start=args.quantized_kv_start or 0,
+        )
         if session is None:
             return PromptStore(
                 args.prompt_cache_dir, model, args.prompt_cache_disk_bytes, **quantized
@@ -182,6 +202,7 @@ def check(args):
         raise CliError("--dist-timeout must be > 0")
     if args.prompt_cache_disk_bytes < 0:
         raise CliError("--prompt-cache-disk-bytes must be >= 0 (0: read only)")
+    check_quantization(args)
     if args.num_draft is not None and not 1 <= args.num_draft <= 256:
         raise CliError("--num-draft must be between 1 and 256")
     args.tree_nodes = tree_nodes(args.tree_nodes)

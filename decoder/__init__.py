@@ -6,7 +6,8 @@ plugs into. What each module holds: README.md.
 """
 
 from .accept import accept_draft, accept_sampled, accept_tree
-from .cache import Cache, CacheKindError, adopt, load_cache, make_cache
+from .cache import Cache, CacheKindError, adopt, make_cache
+from .cache_file import load_cache
 from .constrain import mask_logits
 from .draft import Constraint, ConstraintError, Draft, Drafter, DraftRequest, DraftSource
 from .loop import GenerationResult, Response, generate, generate_step, stream_generate

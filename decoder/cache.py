@@ -7,7 +7,7 @@ the operations on rows applied to every layer. How each kind rolls back: docs/de
     cache.checkpoint()                     # before a pass with a draft
     logits = model(inputs, cache=cache.layers)
     cache.rewind(trims=[3], restored=[])   # row 0 drops the pass's last 3 tokens (checked)
-    save_prompt_cache(path, cache.layers)  # mlx-lm's file; load_cache(path) reads it back
+    save_prompt_cache(path, cache.layers)  # mlx-lm's file; cache_file.load_cache reads it back
 """
 
 from dataclasses import dataclass
@@ -15,8 +15,6 @@ from functools import partial
 from typing import Optional, Sequence
 
 import mlx.core as mx
-import mlx_lm.models.cache as mlx_lm_cache
-from mlx.utils import tree_unflatten
 from mlx_lm.models.cache import (
     ArraysCache,
     CacheList,
@@ -151,6 +149,10 @@ class Cache:
     """A model's cache for ``rows`` rows: ``layers`` (what the model is called with) and the
     operations on rows, applied to every layer at once."""
 
+    # (start, bits, group_size): the attention layers turn quantized once the row holds ``start``
+    # tokens (``make_cache``'s ``quantized_kv_start``)
+    quantize_at = None
+
     def __init__(self, layers: list, rows: int):
         self.layers, self.rows = layers, rows
         leaves = layers_of(layers)
@@ -170,17 +172,24 @@ class Cache:
         mask_dims: int = 4,
         quantized: Optional[tuple] = None,
     ) -> "Cache":
-        """``max_rollback``, ``mask_dims``: see ``KVRows``; ``quantized``: ``(bits, group_size)``
-        of attention layers kept quantized (``QuantizedKVRows``)."""
+        """``max_rollback``, ``mask_dims``: see ``KVRows``; ``quantized``: ``(bits, group_size,
+        start)`` of attention layers kept quantized (``QuantizedKVRows``) from ``start`` tokens."""
+        start = quantized[2] if quantized is not None else 0
         if quantized is not None:
             check_quantizable(model)
+            if start and rows > 1:  # one pass would need some rows quantized and others not
+                raise ValueError("quantized_kv_start applies to one row; a batch quantizes from 0")
         layers = make_prompt_cache(model)
+        kept = quantized[:2] if quantized is not None and not start else None
         try:
-            return cls(
-                [_kind(layer, rows, max_rollback, mask_dims, quantized) for layer in layers], rows
+            cache = cls(
+                [_kind(layer, rows, max_rollback, mask_dims, kept) for layer in layers], rows
             )
         except CacheKindError as error:
             raise CacheKindError(f"{architecture(model)}: {error}") from None
+        if start:
+            cache.quantize_at = (start, *quantized[:2])
+        return cache
 
     def held(self, row: int = 0) -> Optional[int]:
         """How many tokens row ``row`` holds (None with recurrent layers only)."""
@@ -215,9 +224,34 @@ class Cache:
             + extra
         )
 
+    def until_quantized(self) -> Optional[int]:
+        """How many tokens the next pass may feed before the cache turns quantized (None: any),
+        quantizing it first once it holds ``quantized_kv_start`` tokens. No pass spans that
+        point, so each token past it sees a quantized cache however the passes were cut: drafts
+        and a restored prompt give plain decoding's output."""
+        if self.quantize_at is not None and self.held() >= self.quantize_at[0]:
+            self._quantize()
+        return None if self.quantize_at is None else self.quantize_at[0] - self.held()
+
+    def _quantize(self):
+        """Every attention layer as ``QuantizedKVRows`` from now on (``quantize_at``)."""
+        _, bits, group_size = self.quantize_at
+        self.quantize_at = None
+        kept = [layer for layer in self.attention if isinstance(layer, KVRows)]  # not chunked
+        new = {id(layer): layer.quantized(bits, group_size) for layer in kept}
+
+        def swapped(layer):
+            if isinstance(layer, CacheList):
+                return CacheList(*(swapped(child) for child in layer.caches))
+            return new.get(id(layer), layer)
+
+        self.layers[:] = [swapped(layer) for layer in self.layers]  # the list the model is given
+        self.attention = [new.get(id(layer), layer) for layer in self.attention]
+
     def prepare(self, lengths: Sequence[int], width: int, layouts: Optional[Sequence] = None):
         """Before a ``width``-wide pass in which row b feeds ``lengths[b]`` real tokens;
         ``layouts``: each row's ``decoder.tree.layout`` in a pass with a draft tree."""
+        self.until_quantized()
         if self.recurrent and min(lengths) < width:
             for layer in self.recurrent:
                 layer.prepare(lengths=list(lengths))
@@ -304,6 +338,11 @@ class Cache:
     def fill(self, prefixes: Sequence[Optional[CachedPrefix]]):
         """An empty cache whose row b holds ``prefixes[b]`` (None: nothing)."""
         for row, prefix in enumerate(prefixes):
+            quantized = prefix is not None and any(
+                isinstance(k, tuple) for k, *_ in prefix.attention
+            )
+            if quantized and self.quantize_at is not None:  # stored past quantized_kv_start
+                self._quantize()
             if prefix is not None:
                 for layer, entry in zip(self.attention, prefix.attention):
                     layer.fill(row, *entry)
@@ -354,62 +393,55 @@ def make_cache(
     mask_dims: int = 4,
     kv_bits: Optional[int] = None,
     kv_group_size: int = 64,
+    quantized_kv_start: int = 0,
 ) -> Cache:
     """The model's cache for ``rows`` rows that roll back alone (else ``CacheKindError``);
     ``kv_bits`` (4 or 8): attention layers keep their keys and values quantized, ``kv_group_size``
-    values per scale (recurrent states stay as they are)."""
-    quantized = None if kv_bits is None else (kv_bits, kv_group_size)
+    values per scale (recurrent states stay as they are), once one row holds
+    ``quantized_kv_start`` tokens (``Cache.until_quantized``; a batch quantizes from 0)."""
+    quantized = None if kv_bits is None else (kv_bits, kv_group_size, quantized_kv_start)
     return Cache.of(model, rows, max_rollback, mask_dims, quantized)
 
 
-# Architectures whose attention mlx-lm's quantized kernel cannot run, and why.
+# Architectures whose attention cannot run on a quantized cache, and why (found by
+# ``check_quantizable``'s probe on tiny models of each).
+_SINKS = "its attention sinks: mlx-lm's quantized attention has none"
+_OWN = "its attention reads the cached keys itself, not through mlx-lm's quantized kernel"
 UNQUANTIZABLE = {
-    "gpt_oss": "its attention sinks",
-    "deepseek_v41": "its attention sinks",
-    "mimo_v2_flash": "its attention sinks",
+    "gpt_oss": _SINKS,
+    "deepseek_v41": _SINKS,
+    "mimo_v2_flash": _SINKS,
+    "deepseek_v3": _OWN,  # latent attention (MLA)
+    "kimi_linear": _OWN,
+    "bailing_moe_v3": _OWN,
+    "gemma2": _OWN,  # soft-capped scores
+    "gemma4_text": _OWN,
 }
 
 
-def check_quantizable(model):
-    """Refuse in one line a model whose attention the quantized kernel cannot run."""
-    why = UNQUANTIZABLE.get(architecture(model))
+def check_quantizable(model, group_size: Optional[int] = None):
+    """Refuse in one line a model whose attention the quantized kernel cannot run; with
+    ``group_size``, one whose keys or values (in a one-token pass) are not a multiple of it wide."""
+    name, why = architecture(model), UNQUANTIZABLE.get(architecture(model))
     if why is not None:
+        raise CacheKindError(f"{name}: its cache cannot be quantized ({why})")
+    if group_size is None:
+        return
+    token, probe = mx.array([[0]], mx.int32), Cache.of(model)
+    model(token, cache=probe.layers)
+    layers = [layer for layer in probe.attention if isinstance(layer, KVRows)]
+    widths = {part.shape[-1] for layer in layers for part in (layer.keys, layer.values)}
+    if any(width % group_size for width in widths):
+        fits = [size for size in (32, 64, 128) if all(width % size == 0 for width in widths)]
         raise CacheKindError(
-            f"{architecture(model)}: its cache cannot be quantized ({why}: mlx-lm's quantized "
-            "attention has none)"
+            f"{name}: its keys and values are {sorted(widths)} wide, which groups of "
+            f"{group_size} do not divide ("
+            + (f"--kv-group-size {fits[-1]} does)" if fits else "no group size does)")
         )
-
-
-def _kinds() -> dict:
-    """The kinds here and their subclasses (such as a wrapper's ``ExtraRows``), by class name."""
-    found, kinds = [KVRows, StateRows, ChunkedRows], {}
-    while found:
-        kind = found.pop()
-        kinds[kind.__name__] = kind
-        found += kind.__subclasses__()
-    return kinds
-
-
-def _from_state(class_name: str, state, kinds: dict):
-    """A layer of class ``class_name`` (one of ``kinds``, else mlx-lm's) from its ``state``."""
-    if class_name == "CacheList":  # its children are named the same way
-        return CacheList(*(_from_state(child, s, kinds) for s, child in state))
-    return (kinds.get(class_name) or getattr(mlx_lm_cache, class_name)).from_state(state)
-
-
-def load_cache(file_name: str) -> Cache:
-    """The cache ``save_prompt_cache(file_name, cache.layers)`` saved (mlx-lm's loader cannot find
-    the kinds here), to pass as ``prompt_cache=``."""
-    arrays, metadata = mx.load(file_name, return_metadata=True)
-    _, class_names, scalars = tree_unflatten(list(metadata.items()))
-    decode = {
-        "scalar": lambda array: array.item(),
-        "string": lambda array: "".join(chr(code) for code in array.tolist()),
-        "none": lambda array: None,
-    }
-    for key, kind in scalars[1:]:  # the first is a placeholder (see save_prompt_cache)
-        arrays[key] = decode[kind](arrays[key])
-    states = tree_unflatten(list(arrays.items()))
-    kinds = _kinds()
-    layers = [_from_state(name, state, kinds) for name, state in zip(class_names, states)]
-    return Cache(layers, layers_of(layers)[0].rows)
+    try:  # a model whose attention code reads the cache itself fails here, not mid-request
+        model(token, cache=Cache.of(model, quantized=(8, group_size, 0)).layers)
+    except Exception as error:
+        raise CacheKindError(
+            f"{name}: its attention does not run on a quantized cache "
+            f"({type(error).__name__}: {str(error).splitlines()[0]})"
+        ) from None

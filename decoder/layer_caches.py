@@ -341,6 +341,22 @@ class KVRows(_BaseCache):
             return 0
         return sum(part.nbytes for part in parts_of(self.keys) + parts_of(self.values))
 
+    def quantized(self, bits: int, group_size: int) -> "QuantizedKVRows":
+        """This layer with what it holds quantized: the arrays ``QuantizedKVRows`` would have
+        written (``mx.quantize`` works per token, so quantizing later changes nothing)."""
+        layer = QuantizedKVRows(
+            self.rows,
+            bits,
+            group_size,
+            window=self.window,
+            max_rollback=self.max_rollback,
+            mask_dims=self.mask_dims,
+        )
+        if self.keys is not None:
+            layer.keys, layer.values = layer._stored(self.keys), layer._stored(self.values)
+        layer._set(self.starts, self.ends, self.origins)
+        return layer
+
 
 class QuantizedKVRows(KVRows):
     """``KVRows`` keeping keys and values as ``mx.quantize`` gives them, each written once; mlx-lm's
@@ -352,6 +368,11 @@ class QuantizedKVRows(KVRows):
 
     def _stored(self, array: mx.array) -> tuple:
         return tuple(mx.quantize(array, group_size=self.group_size, bits=self.bits))
+
+    def fill(self, row: int, keys, values, first: int):
+        if not isinstance(keys, tuple):  # kept before the cache turned quantized
+            keys, values = self._stored(keys), self._stored(values)
+        super().fill(row, keys, values, first)
 
 
 class StateRows(ArraysCache):

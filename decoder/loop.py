@@ -27,12 +27,14 @@ def prefill(model, cache: Cache, tokens: list, step_size: int = 512, store=None)
     Prefill(model, [tokens], step_size, cache=cache, store=store).run()
 
 
-def _open_cache(model, prompt: Sequence[int], prompt_cache: Optional[list], **quantized) -> tuple:
+def _open_cache(model, prompt: Sequence[int], prompt_cache: Optional[list], quantized) -> tuple:
     """``(cache, cached)``: the loop's cache of one row and how many of ``prompt``'s first tokens it
-    holds already (``prompt_cache`` adopted, or a new cache holding none, ``quantized`` as
-    ``make_cache`` says)."""
+    holds already (``prompt_cache`` adopted, or a new cache holding none, ``quantized``: ``(bits,
+    group_size, start)`` as ``make_cache`` takes them)."""
     # CacheKindError for a layer drafts cannot be rolled back in
-    cache = make_cache(model, **quantized) if prompt_cache is None else adopt(prompt_cache)
+    cache = (
+        make_cache(model, 1, None, 4, *quantized) if prompt_cache is None else adopt(prompt_cache)
+    )
     if not prompt:
         raise ValueError("the prompt is empty: give at least one token")
     cached = cache.held() if prompt_cache is not None else 0  # tokens of the prompt the cache holds
@@ -69,6 +71,7 @@ def generate_step(
     prompt_store: Optional[PrefixStore] = None,
     kv_bits: Optional[int] = None,
     kv_group_size: int = 64,
+    quantized_kv_start: int = 0,
 ) -> Iterator[tuple]:
     """Generate tokens with draft-and-verify steps.
 
@@ -94,16 +97,15 @@ def generate_step(
             stream (None), which an mlx-lm ``sampler`` and sampling draft models still use.
         prompt_store: a ``PrefixStore`` (``prompt_store.PromptStore``, on disk): the prompt's
             longest stored prefix is restored, and its new blocks stored.
-        kv_bits, kv_group_size: keep the target's keys and values quantized (``make_cache``);
-            drafts are verified against that cache, so the output is plain decoding's with it.
+        kv_bits, kv_group_size, quantized_kv_start: ``make_cache``'s (mlx-lm's start: 5000);
+            drafts are verified against that cache: the output is plain decoding's with it.
 
     Yields:
         ``(token, source_name)`` for each accepted token; ``source_name`` is
         ``TARGET`` for tokens the target chose itself.
     """
-    cache, cached = _open_cache(
-        model, prompt, prompt_cache, kv_bits=kv_bits, kv_group_size=kv_group_size
-    )
+    quantized = (kv_bits, kv_group_size, quantized_kv_start)  # (make_cache's)
+    cache, cached = _open_cache(model, prompt, prompt_cache, quantized)
     restored = None if prompt_store is None or cached else prompt_store.lookup(prompt)
     if restored is not None:
         cache.fill([restored])
@@ -134,7 +136,8 @@ def generate_step(
     while row.finish_reason is None:
         step_started, trees = cost.clock(), choice is None or choice.use_trees()
         # The first step's drafting includes the sources' own prefill, so it is not timed.
-        plan = row.plan(cost if row.num_generated else None, trees=trees)
+        room = cache.until_quantized()  # no pass spans quantized_kv_start
+        plan = row.plan(cost if row.num_generated else None, trees=trees, room=room)
         step = verify_step(model, cache, [row], [plan], len(plan.draft.tokens) + 1, cost)
         [result] = step.results
         if isinstance(result, Exception):

@@ -67,7 +67,8 @@ class Prefill:
         return [prompt[held:] for prompt, held in zip(self.prompts, self.held)]
 
     def _chunk_end(self, held: int, length: int) -> int:
-        end = min(held + self.step_size, length)
+        room = self.cache.until_quantized()
+        end = min(held + self.step_size, length, held + (room or length))
         if self.store is not None:  # end on the last block boundary it crosses, to capture it
             boundary = end - end % self.store.block_tokens
             end = boundary if boundary > held else end

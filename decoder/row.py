@@ -158,21 +158,26 @@ class Row:
         cost: Optional[PassCost] = None,
         sources: Optional[Sequence[DraftSource]] = None,
         trees: bool = True,
+        room: Optional[int] = None,
     ) -> Plan:
         """This step's draft, cut to what the constraint allows, and the constraint's masks.
         ``sources``: the ones to ask (default: all the row's); ``cost`` times each ``propose``
-        (None: not timed); ``trees`` False: a chain this step (``TreeChoice``)."""
+        (None: not timed); ``trees`` False: a chain this step (``TreeChoice``); ``room``: the most
+        tokens the pass may feed (``Cache.until_quantized``), a chain then."""
         sources = self.sources if sources is None else sources
         if len(self.tokens) - self.cached > MAX_PENDING:
             sources = []  # a plain pass keeps all it feeds, where a rejected draft would add more
-        max_nodes = self.nodes_this_step(trees)
-        draft, source = choose_draft(sources, self.tokens, self.max_draft, cost, max_nodes)
+        max_nodes, max_draft = self.nodes_this_step(trees), self.max_draft
+        if room is not None:  # the pass feeds the pending token and the draft
+            max_nodes, max_draft = None, min(max_draft, room - 1)
+            sources = sources if max_draft > 0 else []
+        draft, source = choose_draft(sources, self.tokens, max_draft, cost, max_nodes)
         masks = None
         if self.constraint is not None:
             if draft.parents is None:
                 draft, masks = constrain_draft(self.constraint, draft)
             else:  # each node masked after its own path; forced text drafted below each leaf
-                draft, masks = constrain_tree(self.constraint, draft, self.max_draft)
+                draft, masks = constrain_tree(self.constraint, draft, max_draft)
             if not draft.tokens:
                 source = None
         return Plan(draft, source, masks)

@@ -18,6 +18,7 @@ run, for a model of full attention only).
 """
 
 import hashlib
+from functools import partial
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
@@ -45,8 +46,8 @@ class PromptStore(PrefixStore):
             and kind), so ranks and shardings never read each other's blocks.
         agree: sharded, the fewest blocks any rank restores (``distributed.Session.fewest``):
             ranks in lockstep must all prefill the same tokens.
-        kv_bits, kv_group_size: the cache's quantization (``make_cache``); its blocks are kept
-            quantized, apart from any other width's.
+        kv_bits, kv_group_size, quantized_kv_start: the cache's quantization (``make_cache``);
+            its blocks are kept as the cache held them, apart from any other width's.
     """
 
     def __init__(
@@ -59,6 +60,7 @@ class PromptStore(PrefixStore):
         agree: Callable[[int], int] = lambda count: count,
         kv_bits: Optional[int] = None,
         kv_group_size: int = 64,
+        quantized_kv_start: int = 0,
     ):
         if block_tokens < 1:
             raise ValueError(f"block_tokens must be at least 1, got {block_tokens}")
@@ -75,12 +77,13 @@ class PromptStore(PrefixStore):
         # prefill stops at each one to store it
         self.each_block = bool(self.num_states) or any(w is not None for w in self.windows)
         layout = f"{self.windows} states {self.num_states} extra {self.num_extra} bits {kv_bits}"
-        layout += f" group {kv_group_size}" if kv_bits else ""
+        layout += f" group {kv_group_size} from {quantized_kv_start}" if kv_bits else ""
         self.identity = hashlib.sha256(
             f"format {FORMAT}; model {model_identity(model)}; cache {layout}; "
             f"block {block_tokens}; shard {shard}".encode()
         ).hexdigest()
         self.blocks = BlockStore(Path(directory).expanduser(), max_bytes)
+        self._quantize = partial(mx.quantize, group_size=kv_group_size, bits=kv_bits)
         self.agree = agree
         self.restored_tokens = 0  # over every lookup, for reports
 
@@ -115,7 +118,8 @@ class PromptStore(PrefixStore):
         """The ``CachedPrefix`` of a run of blocks from the first, ending at ``boundary``."""
         end = len(blocks) * self.block_tokens
         attention = [
-            _entry(boundary if window else blocks, f"a{i}") for i, window in enumerate(self.windows)
+            _entry(boundary if window else blocks, f"a{i}", self._quantize)
+            for i, window in enumerate(self.windows)
         ]
         extra = tuple(
             _entry(blocks, f"x{i}") if all(f"x{i}.k0" in b[0] for b in blocks) else None
@@ -221,16 +225,19 @@ def _cut(entry: tuple, start: int, end: int, name: str, arrays: dict) -> bool:
     return True
 
 
-def _entry(entries, name: str) -> tuple:
-    """``(keys, values, first)`` of layer ``name``: a boundary's, or a run of blocks' joined."""
+def _entry(entries, name: str, quantize: Optional[Callable] = None) -> tuple:
+    """``(keys, values, first)`` of layer ``name``: a boundary's, or a run of blocks' joined
+    (blocks stored before ``quantized_kv_start`` are ``quantize``d where later ones are)."""
     runs = [entries] if isinstance(entries, tuple) else entries
 
     def joined(kind: str):
-        count = sum(key.startswith(f"{name}.{kind}") for key in runs[0][0])
-        parts = [
-            mx.concatenate([arrays[f"{name}.{kind}{index}"] for arrays, _ in runs], axis=2)
-            for index in range(count)
-        ]
-        return parts[0] if count == 1 else tuple(parts)
+        each = []
+        for arrays, _ in runs:
+            count = sum(key.startswith(f"{name}.{kind}") for key in arrays)
+            each.append([arrays[f"{name}.{kind}{index}"] for index in range(count)])
+        if len({len(parts) for parts in each}) > 1:
+            each = [parts if len(parts) > 1 else quantize(parts[0]) for parts in each]
+        parts = [mx.concatenate(list(column), axis=2) for column in zip(*each)]
+        return parts[0] if len(parts) == 1 else tuple(parts)
 
     return joined("k"), joined("v"), runs[0][0][f"{name}.first"].item()

@@ -102,6 +102,11 @@ def validate(args):
     if args.api_key is not None and not args.api_key.strip():
         raise CliError("--api-key must not be empty")
     flags.check(args)
+    if args.quantized_kv_start:
+        raise CliError(
+            "--quantized-kv-start: the server quantizes from the first token (0); a batch's rows "
+            "would reach any other start at different steps, and decode unlike they do alone"
+        )
     from server.reasoning import parse_effort_budgets
 
     try:

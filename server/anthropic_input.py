@@ -13,7 +13,15 @@ from server.protocol import (
     response_schema,
 )
 from server.reasoning import EFFORT_BUDGETS, ThinkingRequest
-from server.request import ApiError, GenerationRequest, invalid, number, read_sampling, typed
+from server.request import (
+    SERVER_SETTINGS,
+    ApiError,
+    GenerationRequest,
+    invalid,
+    number,
+    read_sampling,
+    typed,
+)
 
 # The Messages fields read here; the ones that change nothing in the output are accepted, and a
 # field that would change it and is not honoured is a 400 that names it (``_check_fields``).
@@ -39,7 +47,7 @@ MESSAGES_UNSUPPORTED = {"container", "mcp_servers", "context_management"}
 
 def _check_fields(body: dict):
     """Refuse a field this server does not honour, as Anthropic refuses unknown ones."""
-    for name in sorted(set(body) - MESSAGES_FIELDS - MESSAGES_IGNORED):
+    for name in sorted(set(body) - MESSAGES_FIELDS - MESSAGES_IGNORED - SERVER_SETTINGS):
         if name in MESSAGES_UNSUPPORTED:
             if body[name] in (None, [], {}):
                 continue

@@ -32,7 +32,7 @@ from server.formats import ChatFormat, CompletionFormat
 from server.job import Job
 from server.protocol import check_prompt, parse_chat, parse_completion
 from server.reasoning import EFFORT_BUDGETS
-from server.request import ApiError, invalid, parse_body
+from server.request import ApiError, check_server_settings, invalid, parse_body
 from server.responses_input import ResponseStore, parse_responses
 from server.responses_output import ResponsesFormat
 
@@ -133,6 +133,7 @@ class Service:
         def parse_and_prepare():
             generation = parse(body, engine.tokenizer, self.model_id, self.default_max_tokens)
             check_prompt(generation, self.context_length, engine.vocab_size)
+            check_server_settings(body, engine.quantized["kv_bits"])
             if generation.num_choices > engine.max_batch:
                 raise invalid(
                     f"'n' must be at most {engine.max_batch} (this server's --max-batch)", param="n"

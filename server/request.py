@@ -37,6 +37,9 @@ PROCESSOR_CONTROLS = {
     "frequency_context_size": (20, 0, 2**31 - 1, True),
 }
 MAX_LOGIT_BIAS = 100  # OpenAI's range: [-100, 100]
+# Fields that name how the server was started, not what to generate: a request may state them
+# (to be sure of what answers it), and gets a 400 where the server differs.
+SERVER_SETTINGS = {"kv_bits"}
 
 
 class ApiError(Exception):
@@ -202,7 +205,7 @@ def _logit_bias(key: str, value) -> tuple:
 def check_fields_and_model(body: dict, allowed: set, model_id: str, ignored: set = IGNORED):
     """Refuse a field the API does not know (OpenAI refuses them too; ``ignored`` ones are accepted)
     and a model this server does not serve."""
-    unknown = sorted(set(body) - allowed - ignored)
+    unknown = sorted(set(body) - allowed - ignored - SERVER_SETTINGS)
     if unknown:
         raise invalid(f"unrecognized request argument: {unknown[0]}", param=unknown[0])
     model = typed(body, "model", (str,), model_id, "a string")
@@ -213,3 +216,23 @@ def check_fields_and_model(body: dict, allowed: set, model_id: str, ignored: set
             param="model",
             code="model_not_found",
         )
+
+
+def check_server_settings(body: dict, kv_bits: Optional[int]):
+    """Refuse a request whose ``kv_bits`` (4, 8, or null for an unquantized cache) is not the
+    server's ``--kv-bits``: a cache's width is fixed when the server starts."""
+    if "kv_bits" not in body:
+        return
+    asked = body["kv_bits"]
+    if asked is not None and (isinstance(asked, bool) or asked not in (4, 8)):
+        raise invalid("'kv_bits' must be 4, 8 or null (an unquantized cache)", param="kv_bits")
+    if asked != kv_bits:
+        raise invalid(
+            f"'kv_bits': this server keeps its KV cache {_width(kv_bits)} (its --kv-bits), and a "
+            f"request cannot change that; this one asked for {_width(asked)}",
+            param="kv_bits",
+        )
+
+
+def _width(bits: Optional[int]) -> str:
+    return "unquantized" if bits is None else f"at {bits} bits"

@@ -83,12 +83,24 @@ def test_prompt_from_stdin_and_length_finish(embedded):
         (["--regex", "[^\\s\\S]"], "matches no string"),
         (["--prompt-cache-dir", "x", "--prompt-cache-disk-bytes", "-1"], "--prompt-cache-disk"),
         (["--prompt-cache-dir", "README.md/store"], "cannot be created"),
-        (["--kv-bits", "3"], "--kv-bits"),
-        (["--kv-group-size", "7"], "--kv-group-size"),
     ],
 )
 def test_bad_input_is_one_line(args, fragment, monkeypatch, capsys):
     assert_one_line_error(main_in_process(args, monkeypatch, capsys), fragment)
+
+
+@pytest.mark.parametrize(
+    "args,fragment",
+    [
+        (["--kv-bits", "3"], "--kv-bits must be 4 or 8, not 3"),
+        (["--kv-group-size", "7"], "--kv-group-size must be 32, 64 or 128, not 7"),
+        (["--kv-bits", "8", "--quantized-kv-start", "-1"], "--quantized-kv-start must be >= 0"),
+    ],
+)
+def test_a_kv_width_the_kernels_do_not_take_exits_with_1(args, fragment, monkeypatch, capsys):
+    result = main_in_process(args, monkeypatch, capsys)
+    assert result.returncode == 1
+    assert_one_line_error(result, fragment)
 
 
 @pytest.mark.parametrize(

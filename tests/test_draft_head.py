@@ -249,6 +249,24 @@ def test_the_trained_head_is_accepted_and_its_cache_follows_the_text(trained):
     assert source.cache.held() == source.committed <= len(prompt) + len(out) - 1
 
 
+def test_the_head_on_a_quantized_target_gives_plain_decoding_with_the_same_bits():
+    """#58: the head reads the target's features from a pass over an 8-bit cache (a target with
+    heads 32 wide, as groups of 32 need; a random head)."""
+    target, stats, prompt = (
+        tiny_llama(vocab_size=VOCAB, hidden_size=128, seed=1),
+        DecodingStats(),
+        [5, 6, 7, 8],
+    )
+    quantized = dict(max_tokens=40, kv_bits=8, kv_group_size=32)
+    head = random_head(target, 7, SUB_VOCAB)
+    tap = HiddenStateTap(target, head.feature_layers)
+    source = HeadDrafter(tap, head, SUB_VOCAB, num_draft=3, adaptive=False).source()
+    assert tokens_of(prompt, tap, [source], stats=stats, **quantized) == tokens_of(
+        prompt, target, **quantized
+    )
+    assert stats.draft_proposed > 0
+
+
 def test_greedy_with_the_head_under_a_regex_equals_constrained_plain():
     from constrained import RegexConstraint
     from tests.helpers import tiny_byte_tokenizer

@@ -266,6 +266,26 @@ def test_greedy_with_mtp_drafts_equals_plain_decoding(noisy, num_draft, adaptive
         assert 0 < stats.draft_accepted < stats.draft_proposed  # both paths of the rollback ran
 
 
+def test_mtp_drafts_on_a_quantized_target_give_plain_decoding_with_the_same_bits(tmp_path):
+    """#58: MTP drafts verified against an 8-bit cache (mimo with heads 32 wide: groups of 32 fit
+    them), nearly all rejected, as this wiring's are."""
+    write_checkpoint(
+        tmp_path,
+        "mimo",
+        seed=1,
+        exact=True,
+        noise=0.08,
+        tokenizer=tiny_byte_tokenizer(),
+        hidden_size=128,
+    )
+    target, stats, prompt = load(tmp_path), DecodingStats(), list(range(2, 30, 3))
+    quantized = dict(kv_bits=8, kv_group_size=32)
+    tap, drafter = MTPDrafter.create(target, tmp_path, num_draft=3, adaptive=False)
+    drafted = tokens_of(prompt, tap, [drafter.source()], stats=stats, **quantized)
+    assert drafted == tokens_of(prompt, target, **quantized)
+    assert 0 < stats.draft_accepted < stats.draft_proposed
+
+
 @settings(max_examples=12, deadline=None)
 @given(
     prompt=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=12),

@@ -964,6 +964,7 @@ def test_a_taken_port_or_bad_flag_is_one_line_before_the_model_loads():
         for argv, message in (
             (["--port", port], "cannot listen on 127.0.0.1:"),
             (["--max-queue", "-1"], "--max-queue"),
+            (["--kv-bits", "8", "--quantized-kv-start", "64"], "quantizes from the first token"),
         ):
             result = subprocess.run(
                 [sys.executable, "-m", "server", *argv],

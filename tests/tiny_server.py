@@ -1,7 +1,7 @@
 """The server on a tiny random model, for tests that need many requests fast (no model to load).
 
     python -m tests.tiny_server [--prompt-lookup] [--tree-nodes N] [--max-batch N] [--max-queue N]
-    [--prompt-cache-bytes N] [--prompt-cache-dir DIR] [--block-tokens N] [--hermes]
+    [--prompt-cache-bytes N] [--prompt-cache-dir DIR] [--block-tokens N] [--kv-bits N] [--hermes]
         [--thinking optional|opens] [--harmony]
 
 Prints "serving tiny on http://127.0.0.1:PORT/v1" once it listens, as ``python -m server`` does.
@@ -110,11 +110,12 @@ def vocab_size(thinking: bool = False) -> int:
     return len(tiny_byte_tokenizer(thinking=thinking))
 
 
-def model(thinking: bool = False):
+def model(thinking: bool = False, hidden_size: int = 32):
+    """``hidden_size`` 128: heads 32 wide, which a quantized cache's groups of 32 divide."""
     from tests.helpers import tiny_llama
 
     return tiny_llama(
-        vocab_size=vocab_size(thinking), num_layers=2, hidden_size=32, seed=3, sharp=3.0
+        vocab_size=vocab_size(thinking), num_layers=2, hidden_size=hidden_size, seed=3, sharp=3.0
     )
 
 
@@ -127,6 +128,7 @@ def main():
     parser.add_argument("--prompt-cache-bytes", type=int, default=2**20)
     parser.add_argument("--prompt-cache-dir", default=None, help="As python -m server's.")
     parser.add_argument("--block-tokens", type=int, default=16, help="The prompt store's.")
+    parser.add_argument("--kv-bits", type=int, default=None, help="As python -m server's.")
     parser.add_argument(
         "--hermes", action="store_true", help="A chat template that writes Hermes tool calls."
     )
@@ -158,7 +160,7 @@ def main():
     # machine.
     thinking = args.thinking is not None
     model_, tokenizer_, vocab = (
-        model(thinking),
+        model(thinking, 32 if args.kv_bits is None else 128),
         tokenizer(args.hermes, args.thinking),
         vocab_size(thinking),
     )
@@ -184,6 +186,8 @@ def main():
         pass_cost=PassCost(clock=lambda: 0.0),
         tree_nodes=args.tree_nodes if args.tree_nodes == "auto" else int(args.tree_nodes),
         prompt_store=store,
+        kv_bits=args.kv_bits,
+        kv_group_size=32,  # the tiny model's heads are 32 wide
     )
     sock = listen("127.0.0.1", 0)
     from server.reasoning import parse_effort_budgets
