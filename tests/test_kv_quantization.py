@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from batch import BatchGenerator
-from decoder import Sampling, generate_step
+from decoder import DecodingStats, Sampling, generate_step
 from decoder.cache import CacheKindError, make_cache
 from decoder.draft import Draft, DraftSource
 from decoder.layer_caches import QuantizedKVRows
@@ -141,6 +141,43 @@ def test_quantized_kv_start_turns_the_layers_quantized_at_that_length():
     assert cache.attention == cache.layers and cache.held() == 30
     with pytest.raises(ValueError, match="one row"):
         make_cache(model, rows=2, kv_bits=8, quantized_kv_start=20)
+
+
+def test_a_draft_model_and_forced_text_on_a_quantized_target_give_its_plain_decoding():
+    """A draft model (its own cache float, the target's 4-bit: some drafts rejected) and the text a
+    regex forces, chains and trees."""
+    from constrained import ForcedTextSource, RegexConstraint
+    from draft_model import DraftModel
+    from tests.helpers import tiny_byte_tokenizer
+
+    tokenizer = tiny_byte_tokenizer()
+    target = tiny_llama(vocab_size=len(tokenizer), hidden_size=128, seed=7, sharp=3.0)
+    enable_trees(target)
+    prompt, pattern = tokenizer.encode("name: ada"), r'\{"name": "[a-z]{1,8}", "age": \d{1,3}\}'
+
+    stats = DecodingStats()
+
+    def run(drafts: bool, tree_nodes: int = 0) -> list:
+        constraint = RegexConstraint.from_regex(pattern, tokenizer, vocab_size=len(tokenizer))
+        drafter = DraftModel(target, len(tokenizer), num_draft=3)
+        sources = [ForcedTextSource(constraint), drafter.source()] if drafts else []
+        steps = generate_step(
+            prompt,
+            target,
+            eos_token_ids=[tokenizer.eos_token_id],
+            constraint=constraint,
+            draft_sources=sources,
+            max_tokens=40,
+            tree_nodes=tree_nodes,
+            kv_bits=4,
+            kv_group_size=GROUP,
+            stats=stats if drafts else None,
+        )
+        return [token for token, _ in steps]
+
+    want = run(False)
+    assert run(True) == want and run(True, 6) == want
+    assert 0 < stats.draft_accepted < stats.draft_proposed
 
 
 def test_rows_joining_and_leaving_a_quantized_batch_decode_as_alone():
