@@ -268,6 +268,7 @@ class BlockStore:
                 mx.save_safetensors(file, arrays, metadata)
                 file.flush()
                 os.fsync(file.fileno())
+                size = os.fstat(file.fileno()).st_size  # the block may be evicted once renamed
             _touch(temporary)
             os.replace(temporary, path)
         except BaseException:
@@ -277,7 +278,7 @@ class BlockStore:
         _fsync_folder(path.parent)
         with self._lock:
             self._counts["written"] += 1
-            self._blocks, self._bytes = self._blocks + 1, self._bytes + path.stat().st_size
+            self._blocks, self._bytes = self._blocks + 1, self._bytes + size
         self._enforce_cap()
 
     @contextlib.contextmanager
