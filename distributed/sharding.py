@@ -26,6 +26,8 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.models.base import create_attention_mask
 
+from decoder.layer_caches import each_part
+
 MODES = ("auto", "tensor", "pipeline")
 
 
@@ -190,8 +192,8 @@ class Pipeline(ShardedBody):
             h = mx.distributed.send(h, self.rank + 1, group=group)
             # Prefill evaluates only the caches: make them wait for the send, or the next rank
             # hangs.
-            if cache[-1] is not None:
-                cache[-1].keys = mx.depends(cache[-1].keys, h)
+            if cache[-1] is not None:  # a quantized layer's keys are a tuple of arrays
+                cache[-1].keys = each_part(lambda part: mx.depends(part, h), cache[-1].keys)
         return broadcast(h, self.size - 1, group)  # other ranks contribute zeros of the same shape
 
 

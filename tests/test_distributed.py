@@ -55,6 +55,8 @@ LOOKUP = [
     "16",
 ]
 SAMPLED_HEAD = [*SAMPLED, "--draft-head"]
+# each rank's layers quantized from the first token: as one process's (#58)
+QUANTIZED = [*LOOKUP, "--kv-bits", "8", "--quantized-kv-start", "0"]
 SELF_DRAFT = "<self-draft>"  # replaced by the path of the embedded model's first 24 layers
 DRAFT = [
     "--prompt",
@@ -145,7 +147,7 @@ def expected_blas_threads(ranks: int):
         # do (the head: auto; the draft model: 4 nodes): a pipeline verifies them as one process
         # does. Greedy with the head: test_cli_under_mlx_launch; regexes, schemas and grammars on
         # a pipeline: test_server_sharded.py.
-        (2, "pipeline", [SAMPLED_HEAD, DRAFT])
+        (2, "pipeline", [SAMPLED_HEAD, DRAFT, QUANTIZED])
     ],
 )
 def test_sharded_tokens_equal_one_process(embedded, self_draft, ranks, mode, cases):
