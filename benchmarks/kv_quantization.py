@@ -3,6 +3,8 @@ decoding speed, on the embedded model.
 
     flock /tmp/bench.lock python -m benchmarks.kv_quantization [--quality-tokens 4096]
         [--rows 4] [--context 1024] [--decode-tokens 32]
+    flock /tmp/bench.lock python -m benchmarks.kv_quantization --long-only [--long-rows 4]
+        [--long-context 8192] [--single-context 16384]
 
 - **Quality**: the repo's docs (README.md and docs/*.md, raw tokens, none of it seen in training)
   run through the model in chunks of 512 with each cache; perplexity of every next token, and how
@@ -10,6 +12,9 @@ decoding speed, on the embedded model.
 - **Memory**: ``--rows`` prompts of ``--context`` tokens prefilled into one batch cache: the bytes
   the cache holds and MLX's peak memory, against float32 and against mlx-lm's one-stream cache
   (``QuantizedKVCache``) at the same length.
+- **Memory at length** (``--long-only``): ``--long-rows`` rows of ``--long-context`` tokens in
+  one batch cache and one row of ``--single-context``, ours and mlx-lm's one-stream cache, with
+  random keys and values written in (no prefill: an hour's work on this CPU at these lengths).
 - **Speed**: one row decoding ``--decode-tokens`` tokens after a ``--context`` prompt, plain, each
   width in turn, twice (A B C A B C); the better run counts.
 """
@@ -25,6 +30,7 @@ from loading import fast_blas
 fast_blas.load()
 
 import mlx.core as mx  # noqa: E402
+from mlx.utils import tree_flatten  # noqa: E402
 from mlx_lm.models.cache import KVCache  # noqa: E402
 
 from decoder import generate_step  # noqa: E402
@@ -34,6 +40,7 @@ from loading.load import describe_backend, load_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "kv_quantization.md"
+LONG = ROOT / "benchmarks" / "results" / "kv_quantization_long.md"
 WIDTHS = [None, 8, 4]
 
 
@@ -73,6 +80,63 @@ def mlx_lm_bytes(model, prompt: list, bits) -> int:
     return sum(layer.nbytes for layer in cache)
 
 
+def written(model, rows: int, length: int, bits, mlx_lm: bool = False) -> tuple:
+    """(cache bytes, peak GB) of ``rows`` rows of ``length`` tokens written into a cache of
+    ``bits`` 512 at a time: random keys and values of the model's shapes, not a prefill (what the
+    cache holds at lengths this CPU would take an hour to prefill). ``mlx_lm``: into mlx-lm's
+    one-stream ``KVCache``, quantized after the first chunk as its ``--kv-bits`` does (its
+    ``maybe_quantize_kv_cache`` after a pass, start 0)."""
+    probe = make_cache(model)
+    model(mx.array([[0]]), cache=probe.layers)
+    heads, dim = probe.attention[0].keys.shape[1], probe.attention[0].keys.shape[3]
+    del probe
+    mx.clear_cache()
+    mx.reset_peak_memory()
+    if mlx_lm:
+        layers = [KVCache() for _ in model.layers]
+    else:
+        layers = make_cache(model, rows, kv_bits=bits).attention
+    for start in range(0, length, 512):
+        shape = (rows, heads, min(512, length - start), dim)
+        for layer in layers:
+            layer.update_and_fetch(mx.random.normal(shape), mx.random.normal(shape))
+        if mlx_lm and bits is not None and start == 0:
+            layers = [layer.to_quantized(group_size=64, bits=bits) for layer in layers]
+        mx.eval(arrays_of(layers))
+    return sum(layer.nbytes for layer in layers), mx.get_peak_memory() / 1e9
+
+
+def arrays_of(layers: list) -> list:
+    return [a for layer in layers for _, a in tree_flatten(layer.state) if isinstance(a, mx.array)]
+
+
+def long_memory(model, rows: int, context: int, single: int) -> list:
+    """The results file's lines for ``written``: ``rows`` rows of ``context`` tokens in one batch
+    cache, and one row of ``single`` tokens, ours and mlx-lm's."""
+    lines = [
+        "",
+        f"## Memory at length: {rows} rows of {context} tokens, and one row of {single}",
+        "",
+        "Keys and values of the model's shapes written without a prefill (`written`).",
+        "",
+        "| cache | batch bytes | vs float32 | peak GB | one row: bytes | peak GB | mlx-lm one "
+        "row: bytes | peak GB |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    base = None
+    for bits in WIDTHS:
+        held, peak = written(model, rows, context, bits)
+        one, one_peak = written(model, 1, single, bits)
+        theirs, theirs_peak = written(model, 1, single, bits, mlx_lm=True)
+        base = base or held
+        lines.append(
+            f"| {name(bits)} | {held / 1e9:.3f} GB | {held / base:.3f}x | {peak:.3f} | "
+            f"{one / 1e9:.3f} GB | {one_peak:.3f} | {theirs / 1e9:.3f} GB | {theirs_peak:.3f} |"
+        )
+        print(lines[-1], flush=True)
+    return lines
+
+
 def speed(model, prompt: list, bits, count: int, start: int = 0) -> float:
     steps = generate_step(
         prompt, model, eos_token_ids=(), max_tokens=count, kv_bits=bits, quantized_kv_start=start
@@ -90,9 +154,25 @@ def main():
     parser.add_argument("--rows", type=int, default=4)
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--decode-tokens", type=int, default=32)
-    parser.add_argument("--out", default=str(RESULTS))
+    parser.add_argument("--long-rows", type=int, default=4)
+    parser.add_argument("--long-context", type=int, default=8192)
+    parser.add_argument("--single-context", type=int, default=16384)
+    parser.add_argument(
+        "--long-only", action="store_true", help=f"Only the memory at length, into {LONG.name}."
+    )
+    parser.add_argument("--out", default=None)
     args = parser.parse_args()
     model, tokenizer, _ = load_model(None)
+    if args.long_only:
+        lines = long_memory(model, args.long_rows, args.long_context, args.single_context)
+        command = (
+            "`flock /tmp/bench.lock python -m benchmarks.kv_quantization --long-only --long-rows "
+            f"{args.long_rows} --long-context {args.long_context} --single-context "
+            f"{args.single_context}`"
+        )
+        header = ["# KV cache quantization at length (#58)", "", command, "", describe_backend()]
+        Path(args.out or LONG).write_text("\n".join(header + lines) + "\n")
+        return
     pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
     words = tokenizer.encode("\n".join(page.read_text() for page in pages))
     text = words[: args.quality_tokens]
@@ -156,8 +236,8 @@ def main():
         for bits, start in kinds
     ]
     print("\n".join(lines[-4:]), flush=True)
-    Path(args.out).write_text("\n".join(lines) + "\n")
-    print(f"wrote {args.out}")
+    Path(args.out or RESULTS).write_text("\n".join(lines) + "\n")
+    print(f"wrote {args.out or RESULTS}")
 
 
 if __name__ == "__main__":
