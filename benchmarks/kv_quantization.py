@@ -137,6 +137,18 @@ def long_memory(model, rows: int, context: int, single: int) -> list:
     return lines
 
 
+def write_long(model, args):
+    """``--long-only``: ``long_memory``'s table in its own results file."""
+    lines = long_memory(model, args.long_rows, args.long_context, args.single_context)
+    command = (
+        "`flock /tmp/bench.lock python -m benchmarks.kv_quantization --long-only --long-rows "
+        f"{args.long_rows} --long-context {args.long_context} --single-context "
+        f"{args.single_context}`"
+    )
+    header = ["# KV cache quantization at length (#58)", "", command, "", describe_backend()]
+    Path(args.out or LONG).write_text("\n".join(header + lines) + "\n")
+
+
 def speed(model, prompt: list, bits, count: int, start: int = 0) -> float:
     steps = generate_step(
         prompt, model, eos_token_ids=(), max_tokens=count, kv_bits=bits, quantized_kv_start=start
@@ -164,14 +176,7 @@ def main():
     args = parser.parse_args()
     model, tokenizer, _ = load_model(None)
     if args.long_only:
-        lines = long_memory(model, args.long_rows, args.long_context, args.single_context)
-        command = (
-            "`flock /tmp/bench.lock python -m benchmarks.kv_quantization --long-only --long-rows "
-            f"{args.long_rows} --long-context {args.long_context} --single-context "
-            f"{args.single_context}`"
-        )
-        header = ["# KV cache quantization at length (#58)", "", command, "", describe_backend()]
-        Path(args.out or LONG).write_text("\n".join(header + lines) + "\n")
+        write_long(model, args)
         return
     pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
     words = tokenizer.encode("\n".join(page.read_text() for page in pages))
