@@ -60,8 +60,16 @@ def main(arguments=None) -> int:
         signal.signal(signum, stop_group)
     failures = []  # (rank, how), in the order mlx.launch saw them end
     said = False  # a rank wrote its own one-line error
+    # A traceback of mlx.launch's own thread: stopping a rank that had just ended raises there.
+    # Held back, and dropped when a rank failed (the line below says what happened).
+    traceback, launcher = [], []
     for raw in process.stderr:
         line = raw.decode(errors="replace")
+        if traceback or line.startswith("Exception in thread"):
+            traceback.append(line)
+            if not line.startswith((" ", "Traceback", "Exception in thread")):  # its last line
+                launcher, traceback = launcher + traceback, []
+            continue
         ended = RANK_ENDED.search(ANSI_COLOUR.sub("", line))
         if ended is None:
             said = said or line.startswith("error: ")
@@ -73,6 +81,8 @@ def main(arguments=None) -> int:
                 (ended.group(1), "was stopped" if code is None else f"exited with status {code}")
             )
     status = process.wait()
+    if not failures:
+        sys.stderr.writelines(launcher + traceback)
     if failures and said:
         return 1
     if failures:

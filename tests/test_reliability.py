@@ -447,4 +447,6 @@ def test_distributed_launch_exits_non_zero_when_a_rank_fails(rank1, status, line
         timeout=60,
     )
     assert result.returncode == status
-    assert result.stderr == (line or "")
+    # mlx.launch may find the other rank already ended when it stops it (a race), and not count it
+    stopped = "; mlx.launch then stopped 1 other rank(s)"
+    assert result.stderr in ((line or ""), (line or "").replace(stopped, ""))
